@@ -1,0 +1,36 @@
+# Every target builds or refreshes .venv by itself.
+# CPU by default: torch is pinned to the CPU build before anything else pulls a CUDA one.
+# With a GPU, install your own torch into .venv first (or run `make TORCH_SPEC=torch ...`):
+# an already-importable torch is kept as it is.
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.gpuopt-installed
+PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# The GPU machine has its own CUDA torch and no package index: use its python3 with the
+# repo on PYTHONPATH (carry wheels for what its image lacks, e.g. torchinfo).
+BENCH_PY   ?= python3
+
+.PHONY: demo test bench bench-gpu clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(BENCH_PY) benchmarks/overhead.py --accelerator gpu
+
+clean:
+	rm -rf $(VENV) lightning_logs benchmarks/_runs .pytest_cache

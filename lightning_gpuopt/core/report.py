@@ -1,0 +1,154 @@
+"""Report plumbing shared by every callback: dataclasses to JSON and back, and to a terminal table.
+
+Results are plain dataclasses (``DataWaitReport``, ...). This module turns them into
+
+* JSON, written atomically (a temporary file renamed into place, so a crash never leaves a
+  half-written report), and read back into the same dataclass (:func:`from_dict`);
+* text tables rendered with ``rich`` into a string, which the callbacks hand to
+  ``rank_zero_info`` (library code never prints).
+
+Example::
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Point:
+    ...     x: float
+    ...     y: float = 0.0
+    >>> from_dict(Point, to_dict(Point(1.5)))
+    Point(x=1.5, y=0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Sequence, TypeVar, Union
+
+from rich.console import Console
+from rich.table import Table
+
+T = TypeVar("T")
+
+#: file name of the combined report written into the trainer's log dir
+REPORT_FILENAME = "gpuopt_report.json"
+
+
+def to_dict(result: Any) -> dict[str, Any]:
+    """A dataclass (nested dataclasses and lists included) as a JSON-ready dict."""
+    return dataclasses.asdict(result)
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Rebuild dataclass ``cls`` from :func:`to_dict`'s output, nested dataclasses included.
+
+    Unknown keys are ignored so that a report written by a newer version still loads.
+    """
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in data and field.init:
+            kwargs[field.name] = _convert(hints[field.name], data[field.name])
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        for arg in args:
+            if arg is not type(None):
+                return _convert(arg, value)
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return from_dict(hint, value)
+    if origin in (list, Sequence) and args:
+        return [_convert(args[0], item) for item in value]
+    if origin is tuple and args:
+        return tuple(_convert(arg, item) for arg, item in zip(args, value))
+    if origin is dict and len(args) == 2:
+        return {key: _convert(args[1], item) for key, item in value.items()}
+    return value
+
+
+def write_json(data: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``data`` as indented JSON to ``path`` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False, default=str)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def update_json_section(path: str | os.PathLike, section: str, data: dict[str, Any]) -> Path:
+    """Set ``section`` of the JSON object in ``path`` to ``data``, keeping other sections.
+
+    Several callbacks share one ``gpuopt_report.json``; each owns one top-level key.
+    """
+    path = Path(path)
+    content: dict[str, Any] = {}
+    if path.exists():
+        try:
+            content = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            content = {}
+    content[section] = data
+    return write_json(content, path)
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON report written by :func:`write_json`."""
+    return json.loads(Path(path).read_text())
+
+
+def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[str] = (), width: int = 100) -> str:
+    """Render ``(name, value)`` rows and trailing notes as a rich table, returned as plain text."""
+    table = Table(title=title, show_header=False, title_justify="left", expand=False)
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=False, highlight=False)
+    return console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``0.0123`` -> ``'12.3 ms'``; ``None`` -> ``'n/a'``."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_fraction(fraction: float | None) -> str:
+    """``0.623`` -> ``'62.3%'``; ``None`` -> ``'n/a'``."""
+    return "n/a" if fraction is None else f"{fraction * 100:.1f}%"
+
+
+def format_bytes(num_bytes: float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``."""
+    if num_bytes is None:
+        return "n/a"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
