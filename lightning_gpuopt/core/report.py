@@ -25,13 +25,17 @@ import io
 import json
 import os
 import tempfile
+import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar, Union
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from lightning_gpuopt.core.diagnosis import DataWaitReport
 
 T = TypeVar("T")
 
@@ -123,9 +127,9 @@ def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[st
         table.add_row(name, value)
     console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
     console.print(table)
-    for note in notes:
-        console.print(note, soft_wrap=False, highlight=False)
-    return console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+    text = console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+    wrapped = [textwrap.fill(note, width, subsequent_indent="    ") for note in notes]
+    return "\n".join([text, *wrapped])
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -152,3 +156,59 @@ def format_bytes(num_bytes: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def data_wait_table(report: "DataWaitReport") -> str:
+    """The ``DataWaitMonitor`` report as a text table with its recommendations below."""
+    per_step = (lambda seconds: seconds / report.steps) if report.steps else (lambda seconds: 0.0)
+    rows = [
+        ("verdict", f"{report.verdict.upper()}: {report.verdict_reason}"),
+        (
+            "measured",
+            f"{report.steps} steps after {report.warmup_steps} warm-up, {report.epochs} epoch(s),"
+            f" {report.world_size} rank(s), {report.device}",
+        ),
+        (
+            "step time",
+            f"{format_seconds(report.step_time_s)}"
+            + (f"  ({report.samples_per_second:,.0f} samples/s)" if report.samples_per_second else ""),
+        ),
+    ]
+    for name, seconds, fraction in (
+        ("data wait", report.data_wait_s, report.data_wait_fraction),
+        ("batch transfer", report.transfer_s, report.transfer_fraction),
+        ("compute", report.compute_s, report.compute_fraction),
+        ("other (hooks, logging)", report.other_s, report.other_fraction),
+    ):
+        rows.append((name, f"{format_fraction(fraction):>6} of the step  ({format_seconds(per_step(seconds))}/step)"))
+    rows.append(("GPU idle", format_fraction(report.gpu_idle_fraction)))
+    rows.append(("GPU utilisation (NVML)", "n/a" if report.gpu_util_mean is None else f"{report.gpu_util_mean:.0f}%"))
+    for name, seconds, fraction in (
+        ("validation (apart)", report.validation_s, report.validation_fraction),
+        ("checkpoint saving (apart)", report.checkpoint_s, report.checkpoint_fraction),
+    ):
+        if seconds:
+            rows.append((name, f"{format_seconds(seconds)}  ({format_fraction(fraction)} of training time)"))
+    if report.worker_startup_s:
+        rows.append(("loader start-up at epoch starts", format_seconds(report.worker_startup_s)))
+    for name, spread in report.rank_spread.items():
+        rows.append(
+            (f"ranks: {name.removesuffix('_s').replace('_', ' ')}", _spread_text(name, spread.min, spread.mean, spread.max))
+        )
+    if report.world_size > 1:
+        rows.append(("straggler", "none" if report.straggler_rank is None else f"rank {report.straggler_rank}"))
+    for gpu in report.gpus:
+        util = "n/a" if gpu.util_mean is None else f"{gpu.util_mean:.0f}% mean, {gpu.util_max:.0f}% max"
+        flag = "  IDLE" if gpu.index in report.idle_gpus else ("" if gpu.visible else "  (not visible)")
+        memory = f"{format_bytes(gpu.memory_used_max_bytes)} / {format_bytes(gpu.memory_total_bytes)}"
+        rows.append((f"GPU {gpu.index} {gpu.name}", f"{util}; memory {memory}{flag}"))
+    notes = [f"  • {advice}" for advice in report.recommendations] or ["  • nothing to change in the input pipeline"]
+    if report.loader_cpu_fraction is not None and report.settings.num_workers == 0:
+        rows.insert(4, ("loader CPU use while waiting", f"{format_fraction(report.loader_cpu_fraction)} of a core"))
+    return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
+
+
+def _spread_text(name: str, low: float, mean: float, high: float) -> str:
+    if name.endswith("_s"):
+        return f"min {format_seconds(low)} · mean {format_seconds(mean)} · max {format_seconds(high)}"
+    return f"min {low:,.1f} · mean {mean:,.1f} · max {high:,.1f}"

@@ -1,0 +1,383 @@
+"""``DataWaitMonitor``: is the GPU waiting for data, or busy?
+
+Every training step is split into data wait (the dataloader ``next()``, timed exactly
+through the Trainer's profiler), batch transfer, compute and other host work; validation,
+checkpoint saving and loader start-up at epoch starts are totalled apart. On CUDA, events
+recorded at step start and end (read lazily, never synchronising) give GPU busy and idle
+time, and an NVML thread samples the utilisation and memory of every GPU. At the end of
+``fit`` the figures of all ranks are gathered; rank 0 logs a table with the verdict
+(``input-bound``, ``compute-bound``, ``host-bound`` or ``balanced``) and recommendations,
+and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir.
+
+Logged metrics, every ``log_every_n_steps`` measured steps, each over the steps since the
+previous log (rank 0's figures; to every logger of the Trainer):
+
++-----------------------------------+-----------------------------------------------------------+
+| Key                               | Meaning                                                   |
++===================================+===========================================================+
+| ``gpuopt/data_wait_fraction``     | share of step time spent waiting for the next batch       |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/transfer_fraction``      | share of step time copying the batch to the device        |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/compute_fraction``       | share of step time from step start to step end            |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/other_fraction``         | share of step time in hooks, logging, schedulers, ...     |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/step_time_ms``           | mean wall time of a training step (validation excluded)   |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/data_wait_ms``           | mean data wait per step                                   |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/samples_per_second``     | samples trained per second on this rank                   |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/gpu_idle_fraction``      | CUDA only: share of GPU time idle between steps           |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/gpu_util``               | NVML only: mean utilisation (%) of this rank's GPU        |
++-----------------------------------+-----------------------------------------------------------+
+| ``gpuopt/gpu_memory_used_fraction`` | NVML only: peak memory used / total of this rank's GPU  |
++-----------------------------------+-----------------------------------------------------------+
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
+
+from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.core.diagnosis import (
+    DataWaitReport,
+    RankFigures,
+    RunSettings,
+    Thresholds,
+    build_data_wait_report,
+)
+from lightning_gpuopt.core.nvml import NvmlSampler
+from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
+from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
+
+#: section of ``gpuopt_report.json`` this callback writes
+REPORT_SECTION = "data_wait"
+
+
+class DataWaitMonitor(Callback):
+    r"""Measure dataloader wait against step compute and say, with numbers, what bounds the run.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt import DataWaitMonitor
+
+        monitor = DataWaitMonitor()
+        trainer = Trainer(callbacks=[monitor])
+        trainer.fit(model, datamodule=dm)
+        monitor.report.verdict            # 'input-bound'
+        monitor.report.recommendations    # ['num_workers=0 → 2 (2 usable CPU cores): ...']
+
+    Args:
+        warmup_steps: training steps at the start of ``fit`` that are not measured
+            (allocator growth, cuDNN autotuning, lazy initialisation). The first step of
+            every epoch is never measured as a step: the time to its batch is reported as
+            loader start-up.
+        log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps;
+            ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        nvml_interval_s: seconds between NVML samples of GPU utilisation and memory.
+        data_wait_high: data wait share of a step from which the run is input-bound.
+        data_wait_low: data wait share up to which the run is compute-bound.
+        gpu_idle_high: GPU idle share from which the GPU counts as starved.
+        host_overhead_high: on CPU, share of transfer + other host work from which the run
+            is host-bound.
+        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median
+            of the others to reach the gradient sync is named a straggler.
+        report_path: where to write the JSON report; ``None`` writes
+            ``gpuopt_report.json`` into ``trainer.log_dir`` (or ``default_root_dir``).
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 3,
+        log_every_n_steps: Optional[int] = None,
+        nvml_interval_s: float = 0.5,
+        data_wait_high: float = 0.2,
+        data_wait_low: float = 0.05,
+        gpu_idle_high: float = 0.15,
+        host_overhead_high: float = 0.25,
+        straggler_slowdown: float = 0.2,
+        report_path: Optional[str | os.PathLike] = None,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}; e.g. warmup_steps=3.")
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"`log_every_n_steps` must be a positive integer or None (follow the Trainer), got {log_every_n_steps!r}."
+            )
+        if isinstance(nvml_interval_s, bool) or not isinstance(nvml_interval_s, (int, float)) or nvml_interval_s <= 0:
+            raise ValueError(f"`nvml_interval_s` must be a number of seconds > 0, got {nvml_interval_s!r}; e.g. 0.5.")
+        self.warmup_steps = warmup_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.nvml_interval_s = float(nvml_interval_s)
+        self.thresholds = Thresholds(
+            data_wait_high=data_wait_high,
+            data_wait_low=data_wait_low,
+            gpu_idle_high=gpu_idle_high,
+            host_overhead_high=host_overhead_high,
+            straggler_slowdown=straggler_slowdown,
+        )
+        self.report_path = report_path
+        #: the result of the last ``fit`` (on every rank); ``None`` before one ended
+        self.report: Optional[DataWaitReport] = None
+        #: where the JSON report was written (rank 0)
+        self.report_file: Optional[Path] = None
+        self._clock: Optional[StepClock] = None
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._tap: Optional[_profiler_tap.ProfilerTap] = None
+        self._gpu: Optional[CudaStepTimer] = None
+        self._gpu_logged = GpuTotals()
+        self._sampler: Optional[NvmlSampler] = None
+        self._nvml_index: Optional[int] = None
+        self._settings: Optional[RunSettings] = None
+        self._log_every = 50
+        self._in_validation = False
+        self._validation_wrapper: Any = None
+
+    # -- set up and tear down -------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_run_state()
+        self.report = None
+        self._clock = StepClock(self.warmup_steps)
+        strategy = type(trainer.strategy).__name__
+        self._tap = _profiler_tap.install(
+            trainer,
+            {
+                f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next": self._clock.add_fetch,
+                f"[Strategy]{strategy}.batch_to_device": self._clock.add_transfer,
+                f"[Strategy]{strategy}.training_step": self._clock.add_forward,
+                "save_checkpoint": self._on_checkpoint_saved,
+            },
+        )
+        self._time_validation(trainer)
+
+    def _on_checkpoint_saved(self, seconds: float, cpu_seconds: float) -> None:
+        if self._clock is not None and not self._in_validation:
+            self._clock.add_excluded("checkpoint", seconds)
+
+    def _time_validation(self, trainer: Trainer) -> None:
+        """Time whole validation runs inside fit (loader start-up included), sanity check excluded."""
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        run = val_loop.run
+
+        def timed_run(*args: Any, **kwargs: Any) -> Any:
+            if trainer.sanity_checking or self._clock is None or self._validation_wrapper is not timed_run:
+                return run(*args, **kwargs)
+            self._in_validation = True
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._in_validation = False
+                self._clock.add_excluded("validation", time.perf_counter() - started)
+
+        val_loop.run = timed_run
+        self._validation_wrapper = timed_run
+
+    def _restore(self, trainer: Trainer) -> None:
+        _profiler_tap.uninstall(trainer, self._tap)
+        self._tap = None
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        if self._validation_wrapper is not None and vars(val_loop).get("run") is self._validation_wrapper:
+            del val_loop.run
+        self._validation_wrapper = None
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restore(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore(trainer)
+
+    # -- measuring -------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._clock is None:
+            return
+        self._settings = read_run_settings(trainer)
+        self._log_every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        device = pl_module.device
+        if device.type == "cuda":
+            self._gpu = CudaStepTimer(device)
+            self._sampler = NvmlSampler(self.nvml_interval_s)
+            if self._sampler.start():
+                visible = self._sampler.visible_indices
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                self._nvml_index = visible[index] if index < len(visible) else None
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._clock is not None:
+            self._clock.epoch_start()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._clock is None:
+            return
+        start = self._clock.step_start()
+        if self._gpu is not None:
+            self._gpu.step_start(start)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._clock is None:
+            return
+        self._clock.step_end(self._batch_size(batch))
+        if self._gpu is not None:
+            self._gpu.step_end()
+        if self._clock.window.steps >= self._log_every:
+            self._log_window(trainer, self._clock.take_window())
+
+    def _batch_size(self, batch: Any) -> int:
+        try:
+            return extract_batch_size(batch)
+        except Exception:  # an opaque batch object: fall back to the loader's batch size
+            return (self._settings.batch_size if self._settings else None) or 0
+
+    def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
+        if not window.steps or not trainer.loggers:
+            return
+        metrics = {
+            "gpuopt/data_wait_fraction": window.fraction(window.data_wait_s),
+            "gpuopt/transfer_fraction": window.fraction(window.transfer_s),
+            "gpuopt/compute_fraction": window.fraction(window.compute_s),
+            "gpuopt/other_fraction": window.fraction(window.other_s),
+            "gpuopt/step_time_ms": 1e3 * window.wall_s / window.steps,
+            "gpuopt/data_wait_ms": 1e3 * window.data_wait_s / window.steps,
+            "gpuopt/samples_per_second": window.samples_per_second,
+        }
+        if self._gpu is not None:
+            totals = self._gpu.poll()
+            metrics["gpuopt/gpu_idle_fraction"] = totals.minus(self._gpu_logged).idle_fraction
+            self._gpu_logged = replace(totals)
+        if self._sampler is not None and self._nvml_index is not None:
+            util, memory = self._sampler.take_window(self._nvml_index)
+            metrics["gpuopt/gpu_util"] = util
+            metrics["gpuopt/gpu_memory_used_fraction"] = memory
+        metrics = {key: float(value) for key, value in metrics.items() if value is not None}
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # -- reporting -------------------------------------------------------------------------
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._clock is None or self._settings is None:
+            return
+        gpu_totals = self._gpu.finish() if self._gpu is not None else GpuTotals()
+        gpus = self._sampler.stop() if self._sampler is not None else []
+        own_util = next((gpu.util_mean for gpu in gpus if gpu.index == self._nvml_index), None)
+        clock = self._clock
+        figures = RankFigures(
+            rank=trainer.global_rank,
+            steps=clock.totals.steps,
+            samples=clock.totals.samples,
+            wall_s=clock.totals.wall_s,
+            data_wait_s=clock.totals.data_wait_s,
+            data_wait_cpu_s=clock.totals.data_wait_cpu_s,
+            transfer_s=clock.totals.transfer_s,
+            compute_s=clock.totals.compute_s,
+            forward_s=clock.totals.forward_s,
+            validation_s=clock.excluded_s.get("validation", 0.0),
+            checkpoint_s=clock.excluded_s.get("checkpoint", 0.0),
+            worker_startup_s=sum(clock.worker_startup_s),
+            gpu_busy_s=gpu_totals.busy_s,
+            gpu_idle_s=gpu_totals.idle_s,
+            gpu_util_mean=own_util,
+        )
+        ranks = gather_rank_figures(trainer, figures, pl_module.device)
+        settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
+        self.report = build_data_wait_report(
+            ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=_describe(pl_module.device)
+        )
+        if self.report.steps == 0:
+            rank_zero_warn(
+                f"DataWaitMonitor measured no training step: the run had {clock.steps_seen} step(s), of which"
+                f" {self.warmup_steps} warm-up and the first of each epoch are not measured. Train longer or lower"
+                " `warmup_steps`."
+            )
+        if trainer.is_global_zero:
+            rank_zero_info(data_wait_table(self.report))
+            path = Path(self.report_path) if self.report_path else _report_dir(trainer) / REPORT_FILENAME
+            self.report_file = update_json_section(path, REPORT_SECTION, to_dict(self.report))
+            rank_zero_info(f"gpuopt: report written to {self.report_file}")
+
+
+def gather_rank_figures(trainer: Trainer, figures: RankFigures, device: torch.device) -> list[RankFigures]:
+    """Every rank's figures, on every rank (one all-gather; a no-op on a single device)."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    vector = torch.tensor(figures.to_vector(), dtype=dtype, device=device)
+    gathered = trainer.strategy.all_gather(vector)
+    if gathered.dim() == 1:
+        gathered = gathered.unsqueeze(0)
+    return [RankFigures.from_vector(row) for row in gathered.detach().cpu().double().tolist()]
+
+
+def first_dataloader(loaders: Any) -> Optional[DataLoader]:
+    """The first ``DataLoader`` in what ``trainer.train_dataloader`` returns (loader or collection)."""
+    if isinstance(loaders, DataLoader):
+        return loaders
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        for item in loaders:
+            found = first_dataloader(item)
+            if found is not None:
+                return found
+    return None
+
+
+def usable_cpu_count() -> int:
+    """CPU cores this process may run on (affinity, not just ``os.cpu_count()``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def read_run_settings(trainer: Trainer) -> RunSettings:
+    """The loader and run settings the recommendations compare against."""
+    loader = first_dataloader(trainer.train_dataloader)
+    batch_size = None
+    if loader is not None:
+        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    return RunSettings(
+        device_type=trainer.strategy.root_device.type,
+        num_workers=loader.num_workers if loader is not None else None,
+        pin_memory=loader.pin_memory if loader is not None else None,
+        persistent_workers=loader.persistent_workers if loader is not None else None,
+        prefetch_factor=loader.prefetch_factor if loader is not None else None,
+        batch_size=batch_size,
+        usable_cpus=usable_cpu_count(),
+        processes_per_host=trainer.num_devices if trainer.world_size > 1 else 1,
+        precision=str(trainer.precision),
+        num_devices=trainer.num_devices,
+    )
+
+
+def _report_dir(trainer: Trainer) -> Path:
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)

@@ -1,0 +1,264 @@
+"""Step clock: where each training step's wall time goes, and how long the GPU sat idle.
+
+:class:`StepClock` is fed host timestamps by an adapter (the ``DataWaitMonitor`` callback)
+and splits every measured training step into
+
+* **data wait** -- the dataloader ``next()`` for this step's batch,
+* **transfer** -- host-to-device copy of the batch (``batch_to_device``),
+* **compute** -- from the start to the end of the step (forward, backward, optimizer),
+* **other** -- the rest of the step's wall time (hooks, logging, LR schedulers, progress bar).
+
+Validation and checkpoint saving that happen between two steps are *excluded* from the
+step and totalled apart, and the first step of every epoch is not measured: the time from
+the epoch start to its first batch (dataloader worker start-up) is totalled as
+``worker_startup_s``. The first ``warmup_steps`` steps of the run are not measured either.
+
+:class:`CudaStepTimer` records a CUDA event at the start and end of every measured step and
+reads them lazily with ``Event.query()``, so it never synchronises the device during
+training: GPU busy is start -> end of a step, GPU idle is end of step i-1 -> start of step i.
+
+Example::
+
+    >>> clock = StepClock(warmup_steps=0)
+    >>> clock.epoch_start()
+    >>> for _ in range(3):
+    ...     clock.add_fetch(0.0)
+    ...     _ = clock.step_start()
+    ...     clock.step_end(samples=8)
+    >>> clock.totals.steps  # the epoch's first step is start-up, not a measured step
+    2
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Callable, Deque, Optional
+
+import torch
+
+
+@dataclass
+class StepTotals:
+    """Sums over measured training steps (seconds, except ``steps`` and ``samples``)."""
+
+    steps: int = 0
+    samples: int = 0
+    wall_s: float = 0.0
+    data_wait_s: float = 0.0
+    data_wait_cpu_s: float = 0.0
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    forward_s: float = 0.0
+
+    @property
+    def other_s(self) -> float:
+        """Wall time of the steps not spent waiting for data, transferring, or computing."""
+        return max(0.0, self.wall_s - self.data_wait_s - self.transfer_s - self.compute_s)
+
+    def fraction(self, seconds: float) -> Optional[float]:
+        """``seconds`` as a share of the measured wall time; ``None`` before any step."""
+        return seconds / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def loader_cpu_fraction(self) -> Optional[float]:
+        """CPU seconds the process spent per second of data wait (near 1: loading computes in
+        the main process; near 0: it waits on I/O or on worker processes)."""
+        return min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None
+
+    @property
+    def samples_per_second(self) -> Optional[float]:
+        return self.samples / self.wall_s if self.wall_s > 0 and self.samples > 0 else None
+
+    @property
+    def step_time_s(self) -> Optional[float]:
+        return self.wall_s / self.steps if self.steps else None
+
+
+@dataclass
+class _PendingStep:
+    """What happened since the previous step ended, before the next one starts."""
+
+    fetch_s: float = 0.0
+    fetch_cpu_s: float = 0.0
+    transfer_s: float = 0.0
+    forward_s: float = 0.0
+    excluded_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """Returned by :meth:`StepClock.step_start`: whether this step is measured, and whether
+    the gap before it is a clean step-to-step gap (no validation, checkpoint or epoch start)."""
+
+    measured: bool
+    clean_gap: bool
+
+
+class StepClock:
+    """Splits training steps into data wait, transfer, compute and other, from host timers.
+
+    The adapter calls, in the order a training loop produces them: :meth:`epoch_start`;
+    then per step :meth:`add_fetch` / :meth:`add_transfer` (durations measured around the
+    dataloader ``next()`` and the device copy), :meth:`step_start`, :meth:`add_forward`,
+    :meth:`step_end`; and :meth:`add_excluded` for validation or checkpoint time between
+    steps.
+
+    Args:
+        warmup_steps: steps at the start of the run that are not measured (allocator
+            growth, cuDNN autotuning, lazy initialisation).
+        clock: a monotonic clock in seconds.
+    """
+
+    def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps!r}.")
+        self.warmup_steps = warmup_steps
+        self._clock = clock
+        self.totals = StepTotals()
+        self.window = StepTotals()
+        self.steps_seen = 0
+        self.epochs_seen = 0
+        self.worker_startup_s: list[float] = []
+        self.excluded_s: dict[str, float] = collections.defaultdict(float)
+        self._pending = _PendingStep()
+        self._epoch_started_at: Optional[float] = None
+        self._last_end: Optional[float] = None
+        self._step_started_at: Optional[float] = None
+        self._measuring_step = False
+
+    # -- fed by the adapter ------------------------------------------------------------
+    def epoch_start(self) -> None:
+        """A training epoch starts: its first batch carries the loader's start-up cost."""
+        self.epochs_seen += 1
+        self._epoch_started_at = self._clock()
+        self._last_end = None
+        self._pending = _PendingStep()
+
+    def add_fetch(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self._pending.fetch_s += seconds
+        self._pending.fetch_cpu_s += cpu_seconds
+
+    def add_transfer(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self._pending.transfer_s += seconds
+
+    def add_forward(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self._pending.forward_s += seconds
+
+    def add_excluded(self, kind: str, seconds: float) -> None:
+        """Validation, checkpoint saving, ...: totalled under ``kind``, kept out of the steps."""
+        self.excluded_s[kind] += seconds
+        self._pending.excluded_s += seconds
+
+    def step_start(self) -> StepStart:
+        now = self._clock()
+        self._step_started_at = now
+        first_in_epoch = self._last_end is None
+        if first_in_epoch and self._epoch_started_at is not None:
+            self.worker_startup_s.append(now - self._epoch_started_at - self._pending.excluded_s)
+        self._measuring_step = not first_in_epoch and self.steps_seen >= self.warmup_steps
+        return StepStart(measured=self._measuring_step, clean_gap=self._measuring_step and self._pending.excluded_s == 0)
+
+    def step_end(self, samples: int) -> None:
+        now = self._clock()
+        if self._step_started_at is None:  # a step that started before we were attached
+            return
+        if self._measuring_step and self._last_end is not None:
+            step = self._pending
+            compute_s = now - self._step_started_at
+            wall_s = max(now - self._last_end - step.excluded_s, compute_s)
+            for totals in (self.totals, self.window):
+                totals.steps += 1
+                totals.samples += samples
+                totals.wall_s += wall_s
+                totals.data_wait_s += step.fetch_s
+                totals.data_wait_cpu_s += step.fetch_cpu_s
+                totals.transfer_s += step.transfer_s
+                totals.compute_s += compute_s
+                totals.forward_s += step.forward_s
+        self.steps_seen += 1
+        self._last_end = now
+        self._step_started_at = None
+        self._pending = _PendingStep()
+
+    def take_window(self) -> StepTotals:
+        """The totals since the last call (for periodic logging), and start a new window."""
+        window, self.window = self.window, StepTotals()
+        return window
+
+
+@dataclass
+class GpuTotals:
+    """GPU busy and idle seconds over measured steps whose events have completed."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+
+    @property
+    def idle_fraction(self) -> Optional[float]:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else None
+
+    def minus(self, earlier: "GpuTotals") -> "GpuTotals":
+        return GpuTotals(self.steps - earlier.steps, self.busy_s - earlier.busy_s, self.idle_s - earlier.idle_s)
+
+
+@dataclass
+class _RecordedStep:
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    previous_end: Optional[torch.cuda.Event]
+
+
+class CudaStepTimer:
+    """GPU busy/idle per step from CUDA events, read lazily: no synchronisation while training.
+
+    Only steps whose events are not yet resolved are held, so a long run keeps a few events.
+
+    Args:
+        device: the CUDA device the steps run on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals = GpuTotals()
+        self._pending: Deque[_RecordedStep] = collections.deque()
+        self._start: Optional[torch.cuda.Event] = None
+        self._clean_gap = False
+        self._previous_end: Optional[torch.cuda.Event] = None
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def step_start(self, start: StepStart) -> None:
+        self._start = self._record() if start.measured else None
+        self._clean_gap = start.clean_gap
+
+    def step_end(self) -> None:
+        end = self._record()
+        if self._start is not None:
+            previous_end = self._previous_end if self._clean_gap else None
+            self._pending.append(_RecordedStep(self._start, end, previous_end))
+        self._previous_end = end
+        self._start = None
+        self.poll()
+
+    def poll(self) -> GpuTotals:
+        """Resolve every recorded step whose end event has completed, without blocking."""
+        while self._pending and self._pending[0].end.query():
+            step = self._pending.popleft()
+            self.totals.steps += 1
+            self.totals.busy_s += step.start.elapsed_time(step.end) / 1e3
+            if step.previous_end is not None:
+                self.totals.idle_s += max(0.0, step.previous_end.elapsed_time(step.start) / 1e3)
+        return self.totals
+
+    def finish(self) -> GpuTotals:
+        """Wait for the last recorded step (once, at the end) and resolve everything."""
+        if self._pending:
+            self._pending[-1].end.synchronize()
+        return self.poll()
