@@ -12,8 +12,7 @@ wrapped profiler, so the user's profiler (``SimpleProfiler``, ...) sees exactly 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Optional
 
 Listener = Callable[[float, float], None]
 """Called with an action's wall-clock seconds and the CPU seconds of the calling (main) thread meanwhile."""
@@ -44,23 +43,32 @@ class ProfilerTap:
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
-        if action_name not in self.listeners:
+        listener = self.listeners.get(action_name)
+        if listener is None:
             return self.inner.profile(action_name)
-        return self._timed(action_name)
-
-    @contextmanager
-    def _timed(self, action_name: str) -> Generator:
-        with self.inner.profile(action_name):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                yield action_name
-            finally:
-                listener = self.listeners.get(action_name)
-                if listener is not None:
-                    listener(time.perf_counter() - wall, time.thread_time() - cpu)
+        return _Timed(self.inner.profile(action_name), listener)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class _Timed:
+    """Context manager timing the body inside the wrapped profiler's own context (a class, not a
+    generator: it runs on every step, so it is kept cheap)."""
+
+    __slots__ = ("inner", "listener", "wall", "cpu")
+
+    def __init__(self, inner: Any, listener: Listener) -> None:
+        self.inner = inner
+        self.listener = listener
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        self.listener(time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+        return self.inner.__exit__(*exc_info)
 
 
 def install(trainer: Any, listeners: dict[str, Listener]) -> ProfilerTap:

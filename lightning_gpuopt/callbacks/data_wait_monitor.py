@@ -249,6 +249,8 @@ class DataWaitMonitor(Callback):
             self._log_window(trainer, self._clock.take_window())
 
     def _batch_size(self, batch: Any) -> int:
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim():
+            return batch[0].shape[0]  # the common (inputs, targets) batch, without a recursive search
         try:
             return extract_batch_size(batch)
         except Exception:  # an opaque batch object: fall back to the loader's batch size

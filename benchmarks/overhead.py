@@ -1,0 +1,163 @@
+"""Overhead of DataWaitMonitor: step time with no callback, with DataWaitMonitor, and with
+Lightning's SimpleProfiler, interleaved in one run.
+
+Each round trains every variant once, in a shuffled order, on the same model and data; a
+step is timed from the start of step ``--warmup`` to the end of the last step by the same
+minimal stopwatch in every variant. A variant's ratio is its step time over the bare run's
+in the same round; the table gives the median ratio over rounds (goal: DataWaitMonitor
+<= 1.01x).
+
+    python benchmarks/overhead.py                      # CPU
+    python benchmarks/overhead.py --accelerator gpu    # make bench-gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.profilers import SimpleProfiler
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import append  # noqa: E402
+
+from lightning_gpuopt import DataWaitMonitor  # noqa: E402
+
+VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "SimpleProfiler")
+
+
+class Stopwatch(Callback):
+    def __init__(self, first_step: int) -> None:
+        self.first_step = first_step
+        self.started: Optional[float] = None
+        self.ended: Optional[float] = None
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.first_step:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.started is not None:
+            self.steps += 1
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ended = time.perf_counter()
+
+    @property
+    def step_time_s(self) -> float:
+        return (self.ended - self.started) / self.steps
+
+
+class Model(LightningModule):
+    def __init__(self, features: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> float:
+    seed_everything(0, verbose=False)
+    stopwatch = Stopwatch(args.warmup)
+    callbacks: list[Callback] = [stopwatch]
+    profiler = None
+    if variant == "DataWaitMonitor":
+        callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup))
+    if variant == "empty Callback":  # what Lightning charges for dispatching hooks to any callback
+        callbacks.insert(0, Callback())
+    if variant == "SimpleProfiler":
+        profiler = SimpleProfiler(dirpath=root, filename="simple-profiler")
+    trainer = Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        callbacks=callbacks,
+        profiler=profiler,
+        logger=CSVLogger(root, name=variant),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Model(args.features, args.hidden), loader)
+    return stopwatch.step_time_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+
+    generator = torch.Generator().manual_seed(0)
+    samples = args.batch_size * (args.warmup + args.steps)
+    dataset = TensorDataset(torch.randn(samples, args.features, generator=generator),
+                            torch.randint(0, 10, (samples,), generator=generator))
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    order = random.Random(0)
+    with tempfile.TemporaryDirectory() as root:
+        run_once("bare", args, loader, Path(root))  # import and allocator warm-up, not recorded
+        for round_index in range(args.rounds):
+            variants = list(VARIANTS)
+            order.shuffle(variants)
+            measured = {variant: run_once(variant, args, loader, Path(root)) for variant in variants}
+            for variant in VARIANTS:
+                times[variant].append(measured[variant])
+                ratios[variant].append(measured[variant] / measured["bare"])
+            print(f"round {round_index + 1}/{args.rounds}: "
+                  + ", ".join(f"{v} {measured[v] * 1e3:.3f} ms" for v in VARIANTS), flush=True)
+
+    table = Table(title=f"Step-time overhead, {args.rounds} interleaved rounds × {args.steps} steps")
+    lines = ["| variant | median step time | ratio to bare (median of rounds) | min–max ratio |", "|---|---|---|---|"]
+    for column in ("variant", "median step time", "ratio to bare (median)", "min–max ratio"):
+        table.add_column(column)
+    for variant in VARIANTS:
+        step = statistics.median(times[variant]) * 1e3
+        ratio = statistics.median(ratios[variant])
+        spread = f"{min(ratios[variant]):.3f}–{max(ratios[variant]):.3f}"
+        table.add_row(variant, f"{step:.3f} ms", f"{ratio:.3f}x", spread)
+        lines.append(f"| {variant} | {step:.3f} ms | {ratio:.3f}x | {spread} |")
+    Console().print(table)
+    if not args.no_record:
+        workload = (f"MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, preloaded data, "
+                    f"{args.accelerator}, CSVLogger in every variant")
+        path = append("overhead.py: DataWaitMonitor vs SimpleProfiler vs bare", "\n".join(lines),
+                      f"Workload: {workload}. Goal: DataWaitMonitor <= 1.01x.")
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

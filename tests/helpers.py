@@ -1,0 +1,101 @@
+"""Datasets, models and small callbacks shared by the tests and the DDP test script."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from lightning import Callback, LightningModule
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+
+class SlowDataset(Dataset):
+    """Random features; each ``__getitem__`` sleeps ``delay_s`` (a stand-in for a disk read).
+
+    ``delay_for`` (optional) returns the delay to use, so a test can make one rank slower.
+    """
+
+    def __init__(self, size: int, features: int = 32, delay_s: float = 0.0,
+                 delay_for: Optional[Callable[[], float]] = None) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, features, generator=generator)
+        self.y = torch.randint(0, 10, (size,), generator=generator)
+        self.delay_s = delay_s
+        self.delay_for = delay_for
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        delay = self.delay_for() if self.delay_for is not None else self.delay_s
+        if delay:
+            time.sleep(delay)
+        return self.x[index], self.y[index]
+
+
+def preloaded_dataset(size: int, features: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(size, features, generator=generator), torch.randint(0, 10, (size,), generator=generator))
+
+
+class MLP(LightningModule):
+    """An MLP classifier; ``step_sleep_s`` adds a fixed host-side cost to each training step."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, layers: int = 1, step_sleep_s: float = 0.0) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = [nn.Linear(features, hidden), nn.ReLU()]
+        for _ in range(layers - 1):
+            blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
+        self.net = nn.Sequential(*blocks, nn.Linear(hidden, 10))
+        self.step_sleep_s = step_sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class TrainingWallClock(Callback):
+    """An independent stopwatch: wall time from the first epoch start to the end of training,
+    and the number of samples trained."""
+
+    def __init__(self) -> None:
+        self.started: Optional[float] = None
+        self.ended: Optional[float] = None
+        self.samples = 0
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.samples += len(batch[0])
+        self.ended = time.perf_counter()
+
+    @property
+    def wall_s(self) -> float:
+        assert self.started is not None and self.ended is not None
+        return self.ended - self.started
+
+
+class SlowHook(Callback):
+    """Host work after every training step (like a heavy logging callback)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        time.sleep(self.seconds)

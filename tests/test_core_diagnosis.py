@@ -1,0 +1,132 @@
+"""Verdict rules, recommendations, idle GPUs, stragglers and NVML's absence, from given figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gpuopt.core.diagnosis import (
+    RankFigures,
+    RunSettings,
+    StepShares,
+    Thresholds,
+    build_data_wait_report,
+    classify,
+    diagnose,
+    find_idle_gpus,
+    find_straggler,
+    workers_to_keep_up,
+)
+from lightning_gpuopt.core.nvml import GpuUsage, NvmlSampler, visible_gpu_indices
+
+
+def shares(wait: float, gpu_idle=None, other: float = 0.01, step: float = 0.1, loader_cpu=None) -> StepShares:
+    return StepShares(data_wait=wait, transfer=0.0, compute=1 - wait - other, other=other, gpu_idle=gpu_idle,
+                      step_time_s=step, data_wait_per_step_s=wait * step, loader_cpu=loader_cpu)
+
+
+@pytest.mark.parametrize(
+    "figures, verdict",
+    [
+        (shares(0.6), "input-bound"),
+        (shares(0.02), "compute-bound"),
+        (shares(0.1), "balanced"),
+        (shares(0.02, other=0.4), "host-bound"),
+        (shares(0.6, gpu_idle=0.5), "input-bound"),
+        (shares(0.6, gpu_idle=0.02), "compute-bound"),  # the wait overlaps GPU work: it costs nothing
+        (shares(0.02, gpu_idle=0.4), "host-bound"),
+    ],
+)
+def test_verdict_rules(figures, verdict):
+    assert classify(figures, Thresholds())[0] == verdict
+
+
+def test_workers_needed_follow_the_measured_ratio():
+    # 30 ms of wait against 10 ms of the rest: the main process takes 30 ms per batch -> 3 workers
+    assert workers_to_keep_up(shares(0.75, step=0.04), 0) == 3
+    # 2 workers and still 20 ms wait of 30: each worker needs 2 x 30 = 60 ms per batch -> 6
+    assert workers_to_keep_up(shares(2 / 3, step=0.03), 2) == 6
+
+
+def test_worker_advice_is_capped_by_cores_unless_loading_waits_on_io():
+    run = RunSettings(device_type="cpu", num_workers=0, usable_cpus=2)
+    cpu_heavy = diagnose(shares(0.9, loader_cpu=0.95), run, Thresholds()).recommendations
+    io_bound = diagnose(shares(0.9, loader_cpu=0.03), run, Thresholds()).recommendations
+    assert cpu_heavy[0].startswith("num_workers=0 → 2 (~10 would keep up; 2 usable CPU cores)")
+    assert io_bound[0].startswith("num_workers=0 → 4 (~10 would keep up; loading waits on I/O")
+
+
+def test_gpu_advice_names_pin_memory_and_precision():
+    run = RunSettings(device_type="cuda", num_workers=4, pin_memory=False, usable_cpus=16, precision="32-true")
+    input_bound = diagnose(shares(0.5, gpu_idle=0.45), run, Thresholds()).recommendations
+    assert any(advice.startswith("pin_memory=False → True") for advice in input_bound)
+    compute_bound = diagnose(shares(0.01, gpu_idle=0.01), run, Thresholds()).recommendations
+    assert any(advice.startswith("precision='32-true' → 'bf16-mixed'") for advice in compute_bound)
+
+
+def usage(index: int, util, visible: bool = True) -> GpuUsage:
+    return GpuUsage(index, "GPU", f"GPU-{index}", visible, 10, util, util, 0, 80 << 30)
+
+
+def test_three_idle_gpus_beside_a_working_one_are_flagged():
+    gpus = [usage(0, 56.0), usage(1, 0.0), usage(2, 0.0), usage(3, 0.0)]
+    assert find_idle_gpus(gpus, Thresholds()) == [1, 2, 3]
+    advice = diagnose(shares(0.01), RunSettings(device_type="cuda", num_devices=1), Thresholds(), gpus).recommendations
+    assert any(text.startswith("devices=1 → 4: GPUs 1, 2, 3 are visible but idle while GPU 0 at 56%") for text in advice)
+    # all idle (nothing works) or hidden GPUs: nothing to flag
+    assert find_idle_gpus([usage(0, 1.0), usage(1, 0.0)], Thresholds()) == []
+    assert find_idle_gpus([usage(0, 90.0), usage(1, 0.0, visible=False)], Thresholds()) == []
+
+
+def test_straggler_needs_a_real_gap():
+    thresholds = Thresholds()
+    assert find_straggler([0.010, 0.011, 0.030, 0.010], thresholds, step_time_s=0.05) == 2
+    assert find_straggler([0.010, 0.0115], thresholds, step_time_s=0.05) is None  # 15% slower: within limits
+    assert find_straggler([0.0001, 0.0003], thresholds, step_time_s=0.05) is None  # 3x, but 0.2 ms of 50 ms
+    assert find_straggler([0.01], thresholds, step_time_s=0.05) is None
+
+
+def test_report_aggregates_ranks_into_means_and_global_throughput():
+    def rank(r: int, wait: float) -> RankFigures:
+        return RankFigures(rank=r, steps=10, samples=80, wall_s=1.0, data_wait_s=wait, data_wait_cpu_s=0.0,
+                           transfer_s=0.0, compute_s=0.5, forward_s=0.1, validation_s=0.0, checkpoint_s=0.0,
+                           worker_startup_s=0.0, gpu_busy_s=0.0, gpu_idle_s=0.0, gpu_util_mean=None)
+
+    report = build_data_wait_report([rank(1, 0.4), rank(0, 0.1)], RunSettings(device_type="cpu", num_workers=0),
+                                    Thresholds())
+    assert [figures.rank for figures in report.ranks] == [0, 1]
+    assert report.data_wait_s == pytest.approx(0.25)
+    assert report.samples_per_second == pytest.approx(160.0)
+    assert report.rank_spread["data_wait_per_step_s"].max == pytest.approx(0.04)
+    assert report.straggler_rank == 1
+    assert RankFigures.from_vector(rank(1, 0.4).to_vector()) == rank(1, 0.4)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (None, [0, 1, 2, 3]),
+        ("2,0", [2, 0]),
+        ("1,7,2", [1]),  # CUDA stops at the first invalid entry
+        ("GPU-cc", [2]),
+        ("", []),
+    ],
+)
+def test_cuda_visible_devices_maps_to_nvml_indices(monkeypatch, env, expected):
+    uuids = ["GPU-aa11", "GPU-bb22", "GPU-cc33", "GPU-dd44"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpu_indices(uuids, env) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an NVIDIA driver is present")
+def test_nvml_sampler_is_silently_absent_without_a_driver():
+    sampler = NvmlSampler(interval_s=0.05)
+    assert sampler.start() is False
+    assert sampler.take_window(0) == (None, None)
+    assert sampler.stop() == [] and sampler.stop() == []
+
+
+@pytest.mark.parametrize("kwargs", [{"data_wait_high": 0}, {"data_wait_low": 0.5}, {"busy_gpu_util": 1.0}])
+def test_thresholds_validate(kwargs):
+    with pytest.raises(ValueError):
+        Thresholds(**kwargs)

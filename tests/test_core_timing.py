@@ -1,0 +1,98 @@
+"""StepClock: the split of step time, driven by a scripted clock so every figure is exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gpuopt.core.timing import StepClock, StepTotals
+
+
+class ScriptedClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run_step(clock: StepClock, time: ScriptedClock, fetch: float, compute: float, other: float = 0.0,
+             samples: int = 4) -> None:
+    time.advance(fetch)
+    clock.add_fetch(fetch, cpu_seconds=fetch / 2)
+    time.advance(other)
+    clock.step_start()
+    time.advance(compute)
+    clock.step_end(samples)
+
+
+def test_steps_split_into_wait_compute_and_other():
+    time = ScriptedClock()
+    clock = StepClock(warmup_steps=1, clock=time)
+    clock.epoch_start()
+    for _ in range(5):
+        run_step(clock, time, fetch=0.030, compute=0.010, other=0.002)
+    totals = clock.totals
+    assert totals.steps == 4  # step 0: warm-up and the epoch's first
+    assert totals.wall_s == pytest.approx(4 * 0.042)
+    assert totals.data_wait_s == pytest.approx(4 * 0.030)
+    assert totals.compute_s == pytest.approx(4 * 0.010)
+    assert totals.other_s == pytest.approx(4 * 0.002)
+    assert totals.fraction(totals.data_wait_s) == pytest.approx(30 / 42)
+    assert totals.loader_cpu_fraction == pytest.approx(0.5)
+    assert totals.samples_per_second == pytest.approx(4 / 0.042)
+    assert clock.worker_startup_s == [pytest.approx(0.032)]
+
+
+def test_excluded_work_between_steps_is_totalled_apart():
+    time = ScriptedClock()
+    clock = StepClock(warmup_steps=0, clock=time)
+    clock.epoch_start()
+    run_step(clock, time, fetch=0.01, compute=0.01)
+    run_step(clock, time, fetch=0.01, compute=0.01)
+    time.advance(0.5)
+    clock.add_excluded("validation", 0.5)
+    start = None
+    time.advance(0.01)
+    clock.add_fetch(0.01)
+    start = clock.step_start()
+    time.advance(0.01)
+    clock.step_end(4)
+    assert start.measured and not start.clean_gap  # the GPU-idle gap before it holds validation
+    assert clock.totals.steps == 2
+    assert clock.totals.wall_s == pytest.approx(0.04)
+    assert clock.excluded_s["validation"] == pytest.approx(0.5)
+
+
+def test_each_epoch_start_is_start_up_not_a_step():
+    time = ScriptedClock()
+    clock = StepClock(warmup_steps=0, clock=time)
+    for _ in range(3):
+        clock.epoch_start()
+        time.advance(0.2)  # workers starting
+        for _ in range(4):
+            run_step(clock, time, fetch=0.001, compute=0.01)
+        time.advance(1.0)  # epoch-end work never counts
+    assert clock.totals.steps == 3 * 3
+    assert clock.totals.wall_s == pytest.approx(9 * 0.011)
+    assert clock.worker_startup_s == [pytest.approx(0.201)] * 3
+    assert clock.epochs_seen == 3
+
+
+def test_take_window_resets_only_the_window():
+    time = ScriptedClock()
+    clock = StepClock(warmup_steps=0, clock=time)
+    clock.epoch_start()
+    for _ in range(4):
+        run_step(clock, time, fetch=0.01, compute=0.01)
+    window = clock.take_window()
+    assert window.steps == 3 and clock.window == StepTotals()
+    run_step(clock, time, fetch=0.01, compute=0.01)
+    assert clock.window.steps == 1 and clock.totals.steps == 4
+
+
+def test_negative_warmup_is_refused():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        StepClock(warmup_steps=-1)

@@ -1,0 +1,185 @@
+"""DataWaitMonitor with a real Trainer on CPU, real dataloaders and an independent stopwatch."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from lightning import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.profilers import SimpleProfiler
+from torch.utils.data import DataLoader
+
+from helpers import MLP, SlowDataset, SlowHook, TrainingWallClock, preloaded_dataset
+from lightning_gpuopt import DataWaitMonitor, DataWaitReport
+from lightning_gpuopt.core.report import from_dict
+
+
+def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    options.update(kwargs)
+    return Trainer(callbacks=callbacks, **options)
+
+
+def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
+    delay_s, batch_size = 0.002, 8
+    loader = DataLoader(SlowDataset(480, delay_s=delay_s), batch_size=batch_size)
+    monitor, stopwatch = DataWaitMonitor(warmup_steps=2), TrainingWallClock()
+    # the training step itself costs ~10 ms, so the true data wait share is near 0.6
+    make_trainer(tmp_path, [monitor, stopwatch], max_epochs=1).fit(MLP(step_sleep_s=0.01), loader)
+
+    report = monitor.report
+    truth = delay_s * stopwatch.samples / stopwatch.wall_s
+    assert 0.3 < truth < 0.9
+    assert report.data_wait_fraction == pytest.approx(truth, abs=0.1)
+    assert report.verdict == "input-bound"
+    # absolute figure: every measured step slept batch_size * delay_s in the loader
+    slept = delay_s * batch_size * report.steps
+    assert slept * 0.98 <= report.data_wait_s <= slept * 1.3
+    assert report.steps == 60 - 2  # 60 batches less 2 warm-up steps (the epoch's first step is one of them)
+    assert report.samples == report.steps * batch_size
+    assert report.gpu_idle_fraction is None and report.gpu_util_mean is None  # CPU, no NVML
+    assert report.loader_cpu_fraction is not None and report.loader_cpu_fraction < 0.5  # sleeping, not computing
+    workers = [advice for advice in report.recommendations if advice.startswith("num_workers=0 → ")]
+    assert len(workers) == 1, report.recommendations
+
+
+def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
+    loader = DataLoader(preloaded_dataset(2048, 256), batch_size=64)
+    monitor = DataWaitMonitor(warmup_steps=2)
+    make_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
+
+    report = monitor.report
+    assert report.verdict == "compute-bound", report.verdict_reason
+    assert report.data_wait_fraction < 0.05
+    assert report.compute_fraction > 0.75
+    assert not any(advice.startswith("num_workers") for advice in report.recommendations)
+
+
+def test_slow_host_hook_is_host_bound(tmp_path):
+    loader = DataLoader(preloaded_dataset(1024, 32), batch_size=32)
+    monitor = DataWaitMonitor(warmup_steps=1)
+    make_trainer(tmp_path, [monitor, SlowHook(0.01)], max_steps=20).fit(MLP(), loader)
+
+    report = monitor.report
+    assert report.verdict == "host-bound", report.verdict_reason
+    assert report.other_fraction > 0.5
+    assert report.other_s / report.steps >= 0.0095  # the hook's 10 ms land in "other", not in data wait
+    assert report.data_wait_fraction < 0.05
+    assert any(advice.startswith("batch_size=32 → 64") for advice in report.recommendations)
+
+
+def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
+    train_delay, val_delay, batch_size = 0.001, 0.004, 8
+    train = DataLoader(SlowDataset(400, delay_s=train_delay), batch_size=batch_size)
+    val = DataLoader(SlowDataset(64, delay_s=val_delay), batch_size=16)
+    monitor = DataWaitMonitor(warmup_steps=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    trainer = make_trainer(
+        tmp_path,
+        [monitor, checkpoint],
+        max_steps=30,
+        val_check_interval=10,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        enable_checkpointing=True,
+    )
+    trainer.fit(MLP(step_sleep_s=0.002), train, val)
+
+    report = monitor.report
+    slept = train_delay * batch_size * report.steps
+    assert slept * 0.98 <= report.data_wait_s <= slept * 1.3
+    validations = 3  # after steps 10, 20, 30
+    assert report.validation_s >= validations * 2 * 16 * val_delay
+    assert report.checkpoint_s > 0
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 6
+    # data wait share of the training steps alone, validation and saving excluded
+    assert report.data_wait_fraction == pytest.approx(report.data_wait_s / report.wall_s)
+    assert report.wall_s < report.steps * 0.05  # steps cost ~10 ms, validation runs cost ~130 ms each
+
+
+def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):
+    loader = DataLoader(SlowDataset(320, delay_s=0.001), batch_size=8)
+    monitor = DataWaitMonitor(warmup_steps=2, log_every_n_steps=5)
+    logger = CSVLogger(tmp_path, name="run")
+    make_trainer(tmp_path, [monitor], max_steps=32, logger=logger).fit(MLP(), loader)
+
+    path = monitor.report_file
+    assert path is not None and path.name == "gpuopt_report.json" and path.parent == tmp_path / "run" / "version_0"
+    loaded = from_dict(DataWaitReport, json.loads(path.read_text())["data_wait"])
+    assert loaded == monitor.report
+
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("gpuopt/data_wait_fraction")]
+    assert len(rows) == (32 - 2) // 5
+    for row in rows:
+        assert 0.0 < float(row["gpuopt/data_wait_fraction"]) <= 1.0
+        assert float(row["gpuopt/samples_per_second"]) > 0
+        assert float(row["gpuopt/step_time_ms"]) >= float(row["gpuopt/data_wait_ms"]) > 0
+    assert "gpuopt/gpu_util" not in rows[0]  # no NVML on this machine: the key is left out, not faked
+
+
+def test_users_profiler_keeps_working_and_is_restored(tmp_path):
+    profiler = SimpleProfiler()
+    loader = DataLoader(SlowDataset(160, delay_s=0.001), batch_size=8)
+    monitor = DataWaitMonitor(warmup_steps=1)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=15, profiler=profiler)
+    trainer.fit(MLP(), loader)
+
+    assert trainer.profiler is profiler
+    fetches = profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]
+    assert len(fetches) == 15
+    # the profiler and the monitor timed the same calls
+    measured = sum(fetches[1:])  # step 0 is warm-up (and the epoch's start-up)
+    assert monitor.report.data_wait_s == pytest.approx(measured, rel=0.05)
+
+
+def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):
+    loader = DataLoader(SlowDataset(64, delay_s=0.001), batch_size=8, num_workers=1, persistent_workers=False)
+    monitor = DataWaitMonitor(warmup_steps=0)
+    make_trainer(tmp_path, [monitor], max_epochs=3).fit(MLP(), loader)
+
+    report = monitor.report
+    assert report.epochs == 3
+    assert len(report.settings.worker_startup_s) == 3
+    assert all(seconds > 0.008 for seconds in report.settings.worker_startup_s)  # >= one batch of 8 x 1 ms
+    assert report.steps == 3 * (8 - 1)
+    assert report.settings.num_workers == 1 and report.settings.persistent_workers is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"nvml_interval_s": 0}, "nvml_interval_s"),
+        ({"data_wait_high": 1.5}, "data_wait_high"),
+        ({"data_wait_low": 0.3, "data_wait_high": 0.2}, "data_wait_low"),
+        ({"gpu_idle_high": 0}, "gpu_idle_high"),
+        ({"host_overhead_high": "0.2"}, "host_overhead_high"),
+        ({"straggler_slowdown": -0.1}, "straggler_slowdown"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name) as error:
+        DataWaitMonitor(**kwargs)
+    assert repr(list(kwargs.values())[0]) in str(error.value)
+
+
+def test_report_is_none_until_a_fit_ends_and_validate_alone_is_ignored(tmp_path):
+    monitor = DataWaitMonitor()
+    assert monitor.report is None
+    trainer = make_trainer(tmp_path, [monitor])
+    trainer.validate(MLP(), DataLoader(preloaded_dataset(64, 32), batch_size=16))
+    assert monitor.report is None

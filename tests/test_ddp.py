@@ -1,0 +1,43 @@
+"""DataWaitMonitor under DDP: 2 CPU processes (gloo) launched the way users launch them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_gpuopt import DataWaitReport
+from lightning_gpuopt.core.report import from_dict
+
+HERE = Path(__file__).parent
+
+
+def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(HERE / "ddp_script.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    report = from_dict(DataWaitReport, json.loads((tmp_path / "gpuopt_report.json").read_text())["data_wait"])
+    assert report.world_size == 2
+    assert [figures.rank for figures in report.ranks] == [0, 1]
+    assert all(figures.steps == 20 - 2 for figures in report.ranks)
+    slow, fast = report.ranks[1], report.ranks[0]
+    # rank 1 sleeps 4 ms per sample, rank 0 1 ms: 8-sample batches
+    assert 0.032 * 0.98 <= slow.data_wait_per_step_s <= 0.032 * 1.3
+    assert 0.008 * 0.98 <= fast.data_wait_per_step_s <= 0.008 * 1.5
+    spread = report.rank_spread["data_wait_per_step_s"]
+    assert spread.min == fast.data_wait_per_step_s and spread.max == slow.data_wait_per_step_s
+    assert report.straggler_rank == 1
+    assert any(advice.startswith("rank 1 is a straggler") for advice in report.recommendations)
+    assert report.samples == 2 * 18 * 8  # the whole job's samples
+
+    # both ranks concluded the same
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["straggler_rank"] == 1 and ranks[0]["world_size"] == 2
+    assert "rank 1 is a straggler" in result.stdout + result.stderr  # rank 0 logged the table
