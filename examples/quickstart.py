@@ -85,6 +85,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--root-dir", default=None, help="log dir (default: a temporary folder)")
     args = parser.parse_args()
+    if args.accelerator == "cpu":
+        # Beside a GPU the model's math does not compete with loader workers for CPU cores; on a
+        # CPU it does, and OpenMP threads stall when a worker takes their core. One intra-op
+        # thread keeps this demo about the loader, as it would be on a GPU machine.
+        torch.set_num_threads(1)
     args.root_dir = args.root_dir or tempfile.mkdtemp(prefix="gpuopt-quickstart-")
 
     print("\n=== Run 1: num_workers=0 (PyTorch's default) ===")
