@@ -15,6 +15,8 @@ class SlowDataset(Dataset):
     """Random features; each ``__getitem__`` sleeps ``delay_s`` (a stand-in for a disk read).
 
     ``delay_for`` (optional) returns the delay to use, so a test can make one rank slower.
+    With ``num_workers=0``, ``durations`` holds how long each ``__getitem__`` really took (a
+    loaded machine oversleeps): the ground truth the tests compare against.
     """
 
     def __init__(self, size: int, features: int = 32, delay_s: float = 0.0,
@@ -24,20 +26,37 @@ class SlowDataset(Dataset):
         self.y = torch.randint(0, 10, (size,), generator=generator)
         self.delay_s = delay_s
         self.delay_for = delay_for
+        self.durations: list[float] = []
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
         delay = self.delay_for() if self.delay_for is not None else self.delay_s
         if delay:
             time.sleep(delay)
-        return self.x[index], self.y[index]
+        item = self.x[index], self.y[index]
+        self.durations.append(time.perf_counter() - started)
+        return item
+
+    def loading_time(self, first_sample: int, last_sample: int | None = None) -> float:
+        """Seconds ``__getitem__`` really took for samples ``first_sample:last_sample`` in fetch order."""
+        return sum(self.durations[first_sample:last_sample])
 
 
 def preloaded_dataset(size: int, features: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(size, features, generator=generator), torch.randint(0, 10, (size,), generator=generator))
+
+
+def preloaded_batches(batches: int, batch_size: int, features: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Whole batches already in memory: use with ``DataLoader(..., batch_size=None)``."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(batch_size, features, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator))
+        for _ in range(batches)
+    ]
 
 
 class MLP(LightningModule):
@@ -69,8 +88,8 @@ class MLP(LightningModule):
 
 
 class TrainingWallClock(Callback):
-    """An independent stopwatch: wall time from the first epoch start to the end of training,
-    and the number of samples trained."""
+    """An independent stopwatch: wall time from the first epoch start to the end of training
+    (validation and checkpointing inside it included), and the number of samples trained."""
 
     def __init__(self) -> None:
         self.started: Optional[float] = None
@@ -83,6 +102,8 @@ class TrainingWallClock(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.samples += len(batch[0])
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.ended = time.perf_counter()
 
     @property

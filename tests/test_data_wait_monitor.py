@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset, SlowHook, TrainingWallClock, preloaded_dataset
+from helpers import MLP, SlowDataset, SlowHook, TrainingWallClock, preloaded_batches, preloaded_dataset
 from lightning_gpuopt import DataWaitMonitor, DataWaitReport
 from lightning_gpuopt.core.report import from_dict
 
@@ -33,20 +33,23 @@ def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
 
 def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
     delay_s, batch_size = 0.002, 8
-    loader = DataLoader(SlowDataset(480, delay_s=delay_s), batch_size=batch_size)
+    dataset = SlowDataset(480, delay_s=delay_s)
     monitor, stopwatch = DataWaitMonitor(warmup_steps=2), TrainingWallClock()
     # the training step itself costs ~10 ms, so the true data wait share is near 0.6
-    make_trainer(tmp_path, [monitor, stopwatch], max_epochs=1).fit(MLP(step_sleep_s=0.01), loader)
+    make_trainer(tmp_path, [monitor, stopwatch], max_epochs=1).fit(
+        MLP(step_sleep_s=0.01), DataLoader(dataset, batch_size=batch_size)
+    )
 
     report = monitor.report
-    truth = delay_s * stopwatch.samples / stopwatch.wall_s
+    # ground truth: delay x samples / wall time, with the delay each sample really took
+    truth = dataset.loading_time(0) / stopwatch.wall_s
     assert 0.3 < truth < 0.9
     assert report.data_wait_fraction == pytest.approx(truth, abs=0.1)
     assert report.verdict == "input-bound"
-    # absolute figure: every measured step slept batch_size * delay_s in the loader
-    slept = delay_s * batch_size * report.steps
-    assert slept * 0.98 <= report.data_wait_s <= slept * 1.3
     assert report.steps == 60 - 2  # 60 batches less 2 warm-up steps (the epoch's first step is one of them)
+    # absolute figure: the measured steps fetched every batch after the 2 warm-up batches
+    loading = dataset.loading_time(2 * batch_size)
+    assert loading <= report.data_wait_s <= loading * 1.1 + report.steps * 0.001
     assert report.samples == report.steps * batch_size
     assert report.gpu_idle_fraction is None and report.gpu_util_mean is None  # CPU, no NVML
     assert report.loader_cpu_fraction is not None and report.loader_cpu_fraction < 0.5  # sleeping, not computing
@@ -55,7 +58,7 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
 
 
 def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
-    loader = DataLoader(preloaded_dataset(2048, 256), batch_size=64)
+    loader = DataLoader(preloaded_batches(24, 64, 256), batch_size=None)
     monitor = DataWaitMonitor(warmup_steps=2)
     make_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
 
@@ -80,32 +83,32 @@ def test_slow_host_hook_is_host_bound(tmp_path):
 
 
 def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
-    train_delay, val_delay, batch_size = 0.001, 0.004, 8
-    train = DataLoader(SlowDataset(400, delay_s=train_delay), batch_size=batch_size)
-    val = DataLoader(SlowDataset(64, delay_s=val_delay), batch_size=16)
-    monitor = DataWaitMonitor(warmup_steps=1)
+    batch_size = 8
+    train_data, val_data = SlowDataset(400, delay_s=0.001), SlowDataset(64, delay_s=0.004)
+    monitor, stopwatch = DataWaitMonitor(warmup_steps=1), TrainingWallClock()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
     trainer = make_trainer(
         tmp_path,
-        [monitor, checkpoint],
+        [monitor, stopwatch, checkpoint],
         max_steps=30,
         val_check_interval=10,
         limit_val_batches=2,
         num_sanity_val_steps=0,
         enable_checkpointing=True,
     )
-    trainer.fit(MLP(step_sleep_s=0.002), train, val)
+    trainer.fit(MLP(step_sleep_s=0.002), DataLoader(train_data, batch_size=batch_size),
+                DataLoader(val_data, batch_size=16))
 
     report = monitor.report
-    slept = train_delay * batch_size * report.steps
-    assert slept * 0.98 <= report.data_wait_s <= slept * 1.3
-    validations = 3  # after steps 10, 20, 30
-    assert report.validation_s >= validations * 2 * 16 * val_delay
+    loading = train_data.loading_time(1 * batch_size)  # the batches of the measured steps
+    assert loading <= report.data_wait_s <= loading * 1.1 + report.steps * 0.001
+    assert len(val_data.durations) == 3 * 2 * 16  # validation after steps 10, 20, 30
+    assert report.validation_s >= val_data.loading_time(0)
     assert report.checkpoint_s > 0
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 6
-    # data wait share of the training steps alone, validation and saving excluded
+    # the shares are of the training steps alone: validation and saving are outside their wall time
     assert report.data_wait_fraction == pytest.approx(report.data_wait_s / report.wall_s)
-    assert report.wall_s < report.steps * 0.05  # steps cost ~10 ms, validation runs cost ~130 ms each
+    assert report.wall_s + report.validation_s + report.checkpoint_s <= stopwatch.wall_s
 
 
 def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):

@@ -27,9 +27,9 @@ def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(
     assert [figures.rank for figures in report.ranks] == [0, 1]
     assert all(figures.steps == 20 - 2 for figures in report.ranks)
     slow, fast = report.ranks[1], report.ranks[0]
-    # rank 1 sleeps 4 ms per sample, rank 0 1 ms: 8-sample batches
-    assert 0.032 * 0.98 <= slow.data_wait_per_step_s <= 0.032 * 1.3
-    assert 0.008 * 0.98 <= fast.data_wait_per_step_s <= 0.008 * 1.5
+    # rank 1 sleeps 4 ms per sample, rank 0 1 ms: 8-sample batches (a loaded machine oversleeps)
+    assert 0.032 <= slow.data_wait_per_step_s <= 0.032 * 1.6
+    assert 0.008 <= fast.data_wait_per_step_s <= 0.008 * 2.5
     spread = report.rank_spread["data_wait_per_step_s"]
     assert spread.min == fast.data_wait_per_step_s and spread.max == slow.data_wait_per_step_s
     assert report.straggler_rank == 1

@@ -12,29 +12,29 @@ and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer'
 Logged metrics, every ``log_every_n_steps`` measured steps, each over the steps since the
 previous log (rank 0's figures; to every logger of the Trainer):
 
-+-----------------------------------+-----------------------------------------------------------+
-| Key                               | Meaning                                                   |
-+===================================+===========================================================+
-| ``gpuopt/data_wait_fraction``     | share of step time spent waiting for the next batch       |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/transfer_fraction``      | share of step time copying the batch to the device        |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/compute_fraction``       | share of step time from step start to step end            |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/other_fraction``         | share of step time in hooks, logging, schedulers, ...     |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/step_time_ms``           | mean wall time of a training step (validation excluded)   |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/data_wait_ms``           | mean data wait per step                                   |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/samples_per_second``     | samples trained per second on this rank                   |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/gpu_idle_fraction``      | CUDA only: share of GPU time idle between steps           |
-+-----------------------------------+-----------------------------------------------------------+
-| ``gpuopt/gpu_util``               | NVML only: mean utilisation (%) of this rank's GPU        |
-+-----------------------------------+-----------------------------------------------------------+
++-------------------------------------+---------------------------------------------------------+
+| Key                                 | Meaning                                                 |
++=====================================+=========================================================+
+| ``gpuopt/data_wait_fraction``       | share of step time spent waiting for the next batch     |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/transfer_fraction``        | share of step time copying the batch to the device      |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/compute_fraction``         | share of step time from step start to step end          |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/other_fraction``           | share of step time in hooks, logging, schedulers, ...   |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/step_time_ms``             | mean wall time of a training step (validation excluded) |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/data_wait_ms``             | mean data wait per step                                 |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/samples_per_second``       | samples trained per second on this rank                 |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/gpu_idle_fraction``        | CUDA only: share of GPU time idle between steps         |
++-------------------------------------+---------------------------------------------------------+
+| ``gpuopt/gpu_util``                 | NVML only: mean utilisation (%) of this rank's GPU      |
++-------------------------------------+---------------------------------------------------------+
 | ``gpuopt/gpu_memory_used_fraction`` | NVML only: peak memory used / total of this rank's GPU  |
-+-----------------------------------+-----------------------------------------------------------+
++-------------------------------------+---------------------------------------------------------+
 """
 
 from __future__ import annotations
