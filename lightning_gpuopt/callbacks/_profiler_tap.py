@@ -49,6 +49,8 @@ class ProfilerTap:
         return _Timed(self.inner.profile(action_name), listener)
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "listeners", "_started"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
