@@ -120,3 +120,46 @@ class SlowHook(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         time.sleep(self.seconds)
+
+
+class CpuHeavyDataset(Dataset):
+    """Each sample costs ~1 ms of pure-Python CPU work (decoding-like), no I/O wait."""
+
+    def __init__(self, size: int, work: int = 30000) -> None:
+        self.size, self.work = size, work
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        total = 0
+        for k in range(self.work):
+            total += k * k
+        return torch.tensor([float(total % 7), float(index)]), torch.tensor(index % 10)
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    """An iterable dataset that does not shard by worker."""
+
+    def __init__(self, size: int, features: int = 32) -> None:
+        self.size, self.features = size, features
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(self.size):
+            yield torch.randn(self.features, generator=generator), torch.randint(0, 10, (), generator=generator)
+
+
+class BatchRecorder(Callback):
+    """Records the loader settings used and the first feature of every sample, in training order."""
+
+    def __init__(self) -> None:
+        self.loader_settings: Optional[tuple] = None
+        self.first_values: list[float] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        loader = trainer.train_dataloader
+        self.loader_settings = (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.first_values.extend(batch[0][:, 0].tolist())

@@ -1,5 +1,6 @@
 """Lightning callbacks: thin adapters over :mod:`lightning_gpuopt.core`, one callback a file."""
 
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
+from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 
-__all__ = ["DataWaitMonitor"]
+__all__ = ["DataLoaderTuner", "DataWaitMonitor"]

@@ -60,6 +60,7 @@ from lightning_gpuopt.core.diagnosis import (
     Thresholds,
     build_data_wait_report,
 )
+from lightning_gpuopt.core.loader import usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
@@ -346,13 +347,6 @@ def first_dataloader(loaders: Any) -> Optional[DataLoader]:
             if found is not None:
                 return found
     return None
-
-
-def usable_cpu_count() -> int:
-    """CPU cores this process may run on (affinity, not just ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def read_run_settings(trainer: Trainer) -> RunSettings:

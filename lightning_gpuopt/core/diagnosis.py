@@ -189,7 +189,8 @@ def _workers_advice(shares: StepShares, run: RunSettings, core_text: str) -> str
             why = f"{need}{core_text}"
         return f"num_workers={run.num_workers} → {suggested} ({why}): {wait}."
     return (
-        f"num_workers={run.num_workers} uses all {core_text} and {wait}: if loading computes (decoding,"
+        f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'}"
+        f" {core_text} and {wait}: if loading computes (decoding,"
         " augmentation), make it cheaper (cache decoded samples, augment on the GPU) or add cores; if it waits"
         f" on storage or network, more workers help: try num_workers={2 * run.num_workers}."
     )

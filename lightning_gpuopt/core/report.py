@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar, Union
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from lightning_gpuopt.core.diagnosis import DataWaitReport
+    from lightning_gpuopt.core.loader import LoaderTuneResult
 
 T = TypeVar("T")
 
@@ -124,7 +126,7 @@ def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[st
     table.add_column("figure", style="bold")
     table.add_column("value")
     for name, value in rows:
-        table.add_row(name, value)
+        table.add_row(Text(name), Text(value))  # plain text: brackets in figures are not rich markup
     console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
     console.print(table)
     text = console.file.getvalue().rstrip()  # type: ignore[attr-defined]
@@ -212,3 +214,21 @@ def _spread_text(name: str, low: float, mean: float, high: float) -> str:
     if name.endswith("_s"):
         return f"min {format_seconds(low)} · mean {format_seconds(mean)} · max {format_seconds(high)}"
     return f"min {low:,.1f} · mean {mean:,.1f} · max {high:,.1f}"
+
+
+def loader_tune_table(result: "LoaderTuneResult", message: str) -> str:
+    """The ``DataLoaderTuner`` result: one row per timed setting, the chosen one marked."""
+    rows = []
+    for timing in result.candidates:
+        marks = [mark for mark, on in (("CHOSEN", timing.setting == result.setting),
+                                       ("yours", result.baseline is timing),
+                                       ("stopped early", timing.stopped_early)) if on]
+        cpu = "" if timing.worker_cpu_fraction is None else f", workers {timing.worker_cpu_fraction:.0%} CPU"
+        rows.append((
+            timing.setting.short(),
+            f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
+            + (f"  [{', '.join(marks)}]" if marks else ""),
+        ))
+    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None else ""
+    notes = [f"  {message}{speedup}"]
+    return render_table("gpuopt · DataLoaderTuner", rows, notes)

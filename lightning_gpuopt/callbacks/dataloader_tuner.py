@@ -1,0 +1,277 @@
+"""``DataLoaderTuner``: choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and
+``pin_memory`` for the train loader by timing it, before training starts.
+
+In ``setup(stage="fit")`` the tuner asks Lightning for the train loader (the same request
+Lightning makes: the datamodule's or model's ``train_dataloader()``, or the loader passed to
+``fit``), times rebuilt copies of it -- same dataset, sampler, collate_fn and batch size --
+with :func:`lightning_gpuopt.core.loader.tune_loader`, and makes Lightning build the chosen
+setting every time it requests the loader. Random-number generator states (global, and the
+loader's own generators) are restored afterwards: training sees exactly the batches it would
+see with the chosen setting written by hand. (PyTorch itself shuffles differently with and
+without workers -- it draws the sampler's seed at ``iter()`` or at the first batch, and
+persistent workers skip the per-epoch draw -- but every epoch still sees each sample once.)
+Under DDP every rank times its loader at once (as they will load at
+once) and rank 0's choice is broadcast, so all ranks use the same setting.
+
+It leaves the loader alone, and says why, when it cannot rebuild it: an ``IterableDataset``
+(more workers would each replay the stream unless it shards by ``get_worker_info()``), several
+train loaders, or something that is not a ``torch.utils.data.DataLoader``.
+
+Logged metrics, once when training starts (to every logger of the Trainer):
+
++-----------------------------------------+----------------------------------------------------------+
+| Key                                     | Meaning                                                  |
++=========================================+==========================================================+
+| ``gpuopt/loader_num_workers``           | the ``num_workers`` chosen                               |
++-----------------------------------------+----------------------------------------------------------+
+| ``gpuopt/loader_samples_per_second``    | loader throughput measured with the chosen setting       |
++-----------------------------------------+----------------------------------------------------------+
+| ``gpuopt/loader_speedup``               | that throughput over the user's own setting's            |
++-----------------------------------------+----------------------------------------------------------+
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_gpuopt.core.loader import (
+    LoaderSetting,
+    LoaderTuneResult,
+    oversubscription,
+    tune_loader,
+    usable_cpu_count,
+)
+from lightning_gpuopt.core.report import REPORT_FILENAME, loader_tune_table, to_dict, update_json_section
+
+#: section of ``gpuopt_report.json`` this callback writes
+REPORT_SECTION = "dataloader"
+
+
+class DataLoaderTuner(Callback):
+    r"""Time the real train loader over worker settings before training, and apply the best.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt import DataLoaderTuner
+
+        tuner = DataLoaderTuner(max_seconds=10)
+        trainer = Trainer(callbacks=[tuner])
+        trainer.fit(model, datamodule=dm)
+        tuner.result.num_workers          # e.g. 8
+        tuner.result.speedup              # loader throughput over the user's own setting
+
+    Args:
+        max_seconds: no new candidate is timed once tuning has taken this long (a candidate
+            itself stops after a quarter of it); a few seconds plus a few batches in all.
+        batches_per_candidate: batches timed per candidate at least (``W`` more with ``W``
+            workers, whose first batches are pipeline fill).
+        tolerance: the cheapest setting (fewest workers, then smallest prefetch) within this
+            fraction of the best throughput is chosen.
+        target_samples_per_second: what training consumes, if known: the cheapest setting that
+            keeps up with it wins. ``None`` uses the compute ceiling measured by a
+            ``DataWaitMonitor`` in the same Trainer on an earlier ``fit``, when there is one.
+        max_num_workers: never more workers than this (default: 4 x the usable cores per
+            process; more workers than cores are tried only while the workers are measured
+            waiting on I/O).
+        persistent_workers: keep workers alive between epochs (skipped when the Trainer
+            reloads dataloaders every n epochs together with pinned memory, which PyTorch
+            does not support reliably).
+    """
+
+    def __init__(
+        self,
+        max_seconds: float = 10.0,
+        batches_per_candidate: int = 16,
+        tolerance: float = 0.05,
+        target_samples_per_second: Optional[float] = None,
+        max_num_workers: Optional[int] = None,
+        persistent_workers: bool = True,
+    ) -> None:
+        _check_positive("max_seconds", max_seconds, "e.g. max_seconds=10")
+        if isinstance(batches_per_candidate, bool) or not isinstance(batches_per_candidate, int) or batches_per_candidate < 2:
+            raise ValueError(f"`batches_per_candidate` must be an integer >= 2, got {batches_per_candidate!r}.")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+            raise ValueError(f"`tolerance` must be a fraction in [0, 1), got {tolerance!r}; e.g. tolerance=0.05.")
+        if target_samples_per_second is not None:
+            _check_positive("target_samples_per_second", target_samples_per_second, "or None to measure it")
+        if max_num_workers is not None and (
+            isinstance(max_num_workers, bool) or not isinstance(max_num_workers, int) or max_num_workers < 0
+        ):
+            raise ValueError(f"`max_num_workers` must be an integer >= 0 or None, got {max_num_workers!r}.")
+        self.max_seconds = float(max_seconds)
+        self.batches_per_candidate = batches_per_candidate
+        self.tolerance = float(tolerance)
+        self.target_samples_per_second = target_samples_per_second
+        self.max_num_workers = max_num_workers
+        self.persistent_workers = persistent_workers
+        #: the measurement and the choice (the same on every rank); ``None`` if not tuned
+        self.result: Optional[LoaderTuneResult] = None
+        #: what the tuner did, or why it left the loader alone
+        self.message: str = ""
+        self._original_source: Optional[_DataLoaderSource] = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.result, self.message = None, ""
+        source = trainer.fit_loop._data_source
+        if not source.is_defined():
+            return
+        loader = _request_dataloader(source)
+        refusal = why_not_tunable(loader)
+        if refusal is not None:
+            self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
+            rank_zero_warn(self.message)
+            return
+        on_gpu = trainer.strategy.root_device.type == "cuda"
+        cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
+        persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
+        baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+        with _RngPreserved(loader):
+            result = tune_loader(
+                lambda setting: rebuild_loader(loader, setting),
+                usable_cpus=cores,
+                batches=self.batches_per_candidate,
+                max_seconds=self.max_seconds,
+                tolerance=self.tolerance,
+                target_samples_per_second=self.target_samples_per_second or _measured_ceiling(trainer),
+                pin_memory=on_gpu or bool(loader.pin_memory),
+                persistent_workers=persistent,
+                max_workers=self.max_num_workers,
+                baseline=baseline,
+            )
+        self.result = trainer.strategy.broadcast(result, src=0)
+        self._original_source = source
+        trainer.fit_loop._data_source = _TunedSource(source.instance, source.name, self.result.setting)
+        changed = self.result.setting != baseline
+        self.message = (
+            f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
+            if changed
+            else f"DataLoaderTuner: kept {baseline.describe()}"
+        ) + f" ({self.result.reason}; {len(self.result.candidates)} settings timed in {self.result.seconds:.1f} s)"
+        rank_zero_info(loader_tune_table(self.result, self.message))
+        if trainer.strategy.root_device.type == "cpu":
+            chosen = next((t for t in self.result.candidates if t.setting == self.result.setting), None)
+            warning = oversubscription(
+                torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores
+            )
+            if warning:
+                rank_zero_warn(f"DataLoaderTuner: {warning}")
+        if trainer.is_global_zero:
+            path = Path(trainer.log_dir or trainer.default_root_dir) / REPORT_FILENAME
+            update_json_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.result is None or not trainer.loggers:
+            return
+        metrics = {
+            "gpuopt/loader_num_workers": float(self.result.num_workers),
+            "gpuopt/loader_samples_per_second": self.result.samples_per_second,
+        }
+        if self.result.speedup is not None:
+            metrics["gpuopt/loader_speedup"] = self.result.speedup
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self._original_source is not None:
+            trainer.fit_loop._data_source = self._original_source
+            self._original_source = None
+
+
+@dataclass
+class _TunedSource(_DataLoaderSource):
+    """Lightning's train-loader source, building the tuned setting each time it is asked."""
+
+    setting: Optional[LoaderSetting] = None
+
+    def dataloader(self) -> Any:
+        loader = super().dataloader()
+        if self.setting is not None and why_not_tunable(loader) is None:
+            return rebuild_loader(loader, self.setting)
+        return loader
+
+
+def why_not_tunable(loader: Any) -> Optional[str]:
+    """``None`` when ``loader`` can be rebuilt with other worker settings, else the reason."""
+    if isinstance(loader, (list, tuple, dict)):
+        return "there are several train loaders; tune each by hand or pass one loader."
+    if not isinstance(loader, DataLoader):
+        return (
+            f"it is a {type(loader).__name__}, not a torch.utils.data.DataLoader, so its worker settings cannot be"
+            " rebuilt."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): with more workers each would yield"
+            " the whole stream unless the dataset splits it with torch.utils.data.get_worker_info(). Set num_workers"
+            " yourself once it does."
+        )
+    return None
+
+
+def rebuild_loader(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
+    """A copy of ``loader`` (same dataset, sampler, collate_fn, batch size) with ``setting``'s
+    worker arguments, re-instantiated the way Lightning re-instantiates loaders."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+    positional = list(getattr(loader, "__pl_saved_arg_names", ()))
+    args = list(args)
+    for name, value in setting.loader_kwargs().items():
+        if name in positional and positional.index(name) < len(args):
+            args[positional.index(name)] = value
+        else:
+            kwargs[name] = value
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+class _RngPreserved:
+    """Restore global RNG states and the loader's own generators after timing candidates."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.generators = [
+            gen
+            for gen in (
+                loader.generator,
+                getattr(loader.sampler, "generator", None),
+                getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None),
+            )
+            if isinstance(gen, torch.Generator)
+        ]
+
+    def __enter__(self) -> None:
+        self.states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        self.generator_states = [gen.get_state() for gen in self.generators]
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _set_rng_states(self.states)
+        for gen, state in zip(self.generators, self.generator_states):
+            gen.set_state(state)
+
+
+def _measured_ceiling(trainer: Trainer) -> Optional[float]:
+    """Samples/s training would reach with no data wait, from a DataWaitMonitor's last report."""
+    from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        report = getattr(callback, "report", None) if isinstance(callback, DataWaitMonitor) else None
+        if report is not None and report.samples and report.wall_s > report.data_wait_s:
+            return report.samples / report.world_size / (report.wall_s - report.data_wait_s)
+    return None
+
+
+def _check_positive(name: str, value: Any, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`{name}` must be a number > 0, got {value!r}; {hint}.")

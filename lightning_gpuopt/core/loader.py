@@ -1,0 +1,350 @@
+"""Choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and ``pin_memory`` by
+timing the real loader.
+
+:func:`time_loader` iterates a ``DataLoader`` for a bounded number of batches and measures
+its start-up (``iter()`` + first batch: worker start-up included), its steady throughput,
+and -- from the CPU time of the worker processes once they exit -- whether the workers
+compute or wait on I/O. :func:`tune_loader` walks ``num_workers`` through a geometric set
+(0, 1, 2, 4, ...) up to the usable CPU cores, and past them only while the workers are
+measured waiting on I/O and throughput still grows; it stops a candidate early once it is
+clearly slower than the best, stops walking once throughput stops growing or keeps up with
+the target, tries ``prefetch_factor=4`` on the best, and picks the cheapest setting within
+``tolerance`` of the best throughput (or the cheapest that keeps up with the target).
+
+Example::
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> data = TensorDataset(torch.randn(256, 8))
+    >>> def build(setting):
+    ...     return DataLoader(data, batch_size=32, **setting.loader_kwargs())
+    >>> result = tune_loader(build, usable_cpus=1, batches=4, max_seconds=10.0)
+    >>> result.num_workers  # preloaded tensors: workers cannot beat the main process by much
+    0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+from torch.utils.data import DataLoader
+
+
+@dataclass(frozen=True)
+class LoaderSetting:
+    """One candidate: the ``DataLoader`` arguments the tuner sets."""
+
+    num_workers: int
+    prefetch_factor: Optional[int] = None
+    persistent_workers: bool = False
+    pin_memory: bool = False
+
+    def loader_kwargs(self) -> dict:
+        """Keyword arguments for ``DataLoader`` (valid for ``num_workers=0`` too)."""
+        if self.num_workers == 0:
+            return {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False, "pin_memory": self.pin_memory}
+        return {
+            "num_workers": self.num_workers,
+            "prefetch_factor": self.prefetch_factor or 2,
+            "persistent_workers": self.persistent_workers,
+            "pin_memory": self.pin_memory,
+        }
+
+    def describe(self) -> str:
+        if self.num_workers == 0:
+            return f"num_workers=0, pin_memory={self.pin_memory}"
+        return (
+            f"num_workers={self.num_workers}, prefetch_factor={self.prefetch_factor or 2},"
+            f" persistent_workers={self.persistent_workers}, pin_memory={self.pin_memory}"
+        )
+
+    def short(self) -> str:
+        """``'8 workers, prefetch 2, persistent'``-style label for tables."""
+        if self.num_workers == 0:
+            text = "main process (0 workers)"
+        else:
+            text = f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}, prefetch {self.prefetch_factor or 2}"
+            text += ", persistent" if self.persistent_workers else ""
+        return text + (", pinned" if self.pin_memory else "")
+
+    @property
+    def cost(self) -> tuple[int, int]:
+        """Cheaper = fewer worker processes, then fewer batches held in memory."""
+        return (self.num_workers, self.num_workers * (self.prefetch_factor or 2))
+
+
+@dataclass
+class LoaderTiming:
+    """What timing one candidate measured."""
+
+    setting: LoaderSetting
+    batches: int
+    samples: int
+    startup_s: float
+    seconds: float
+    samples_per_second: float
+    worker_cpu_fraction: Optional[float]
+    stopped_early: bool = False
+
+    @property
+    def batch_s(self) -> float:
+        """Steady-state seconds per batch."""
+        return self.samples / max(self.batches, 1) / max(self.samples_per_second, 1e-9)
+
+
+@dataclass
+class LoaderTuneResult:
+    """The chosen setting and every candidate's figures (samples/s in steady state)."""
+
+    num_workers: int
+    prefetch_factor: Optional[int]
+    persistent_workers: bool
+    pin_memory: bool
+    samples_per_second: float
+    baseline: Optional[LoaderTiming]
+    candidates: list[LoaderTiming] = field(default_factory=list)
+    target_samples_per_second: Optional[float] = None
+    usable_cpus: int = 1
+    seconds: float = 0.0
+    reason: str = ""
+
+    @property
+    def setting(self) -> LoaderSetting:
+        return LoaderSetting(self.num_workers, self.prefetch_factor, self.persistent_workers, self.pin_memory)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        if self.baseline is None or self.baseline.samples_per_second <= 0:
+            return None
+        return self.samples_per_second / self.baseline.samples_per_second
+
+
+def usable_cpu_count() -> int:
+    """CPU cores this process may run on (its affinity, not just ``os.cpu_count()``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _batch_samples(batch: object) -> int:
+    if hasattr(batch, "shape") and len(batch.shape):  # type: ignore[attr-defined]
+        return int(batch.shape[0])  # type: ignore[attr-defined]
+    if isinstance(batch, dict) and batch:
+        return _batch_samples(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_samples(batch[0])
+    return 1
+
+
+def _shutdown(iterator: Iterator) -> None:
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()  # joins the workers, so their CPU time reaches RUSAGE_CHILDREN
+
+
+def time_loader(
+    loader: DataLoader,
+    setting: LoaderSetting,
+    batches: int,
+    give_up_after_s: Optional[Callable[[int], float]] = None,
+    max_seconds: float = math.inf,
+    min_seconds: float = 0.0,
+) -> LoaderTiming:
+    """Time ``loader``: start-up to the first batch, then the steady rate.
+
+    With ``W`` workers the first ``W`` batches were all loading in parallel since ``iter()``,
+    so they are pipeline fill: the steady rate is timed over the batches after them, and at
+    least ``W + 8`` batches are fetched (fewer if the loader ends first).
+
+    Args:
+        loader: the loader built with ``setting``.
+        batches: batches to time at least.
+        give_up_after_s: maps batches fetched so far to the elapsed time beyond which this
+            candidate is clearly worse than the best so far, and is stopped.
+        max_seconds: stop after this long, once two batches have been timed past the fill.
+        min_seconds: keep fetching past ``batches`` until this long has passed (a steadier
+            figure for fast loaders).
+    """
+    fill = max(1, setting.num_workers)
+    wanted = max(batches, fill + 8)
+    cpu_before = _children_cpu_s()
+    started = time.perf_counter()
+    iterator = iter(loader)
+    first_ready = fill_ready = started
+    samples = steady_samples = fetched = 0
+    stopped_early = False
+    try:
+        for batch in iterator:
+            now = time.perf_counter()
+            size = _batch_samples(batch)
+            samples += size
+            fetched += 1
+            if fetched == 1:
+                first_ready = now
+            if fetched == fill:
+                fill_ready = now
+            elif fetched > fill:
+                steady_samples += size
+            if (fetched >= wanted and now - started >= min_seconds) or (
+                fetched >= fill + 2 and now - started > max_seconds
+            ):
+                break
+            if give_up_after_s is not None and now - started > give_up_after_s(fetched):
+                stopped_early = True
+                break
+    finally:
+        ended = time.perf_counter()
+        _shutdown(iterator)
+        del iterator
+    if steady_samples and ended > fill_ready:
+        rate = steady_samples / (ended - fill_ready)
+    else:  # too few batches to see a steady state: the overall rate
+        rate = samples / max(ended - started, 1e-9)
+    worker_cpu = None
+    if setting.num_workers > 0:
+        worker_cpu = min(1.0, (_children_cpu_s() - cpu_before) / (setting.num_workers * max(ended - started, 1e-9)))
+    return LoaderTiming(setting, fetched, samples, first_ready - started, ended - started, rate, worker_cpu, stopped_early)
+
+
+def worker_counts(usable_cpus: int) -> list[int]:
+    """0, 1, 2, 4, ... up to ``usable_cpus`` (which is included)."""
+    counts, workers = [0], 1
+    while workers < usable_cpus:
+        counts.append(workers)
+        workers *= 2
+    counts.append(max(1, usable_cpus))
+    return counts
+
+
+def tune_loader(
+    build: Callable[[LoaderSetting], DataLoader],
+    usable_cpus: int,
+    batches: int = 16,
+    max_seconds: float = 10.0,
+    tolerance: float = 0.05,
+    target_samples_per_second: Optional[float] = None,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    max_workers: Optional[int] = None,
+    baseline: Optional[LoaderSetting] = None,
+) -> LoaderTuneResult:
+    """Time candidate settings of one loader and choose one.
+
+    Args:
+        build: makes the loader for a setting (same dataset, sampler, collate_fn, batch size).
+        usable_cpus: CPU cores this process may use for workers.
+        batches: batches timed per candidate (worker start-up is timed on top, in the first).
+        max_seconds: no new candidate starts once tuning has taken this long.
+        tolerance: a cheaper setting within this fraction of the best throughput is chosen.
+        target_samples_per_second: what training consumes; the cheapest setting that keeps up
+            with it wins, and the walk stops once one does.
+        pin_memory: set on every candidate (on CUDA).
+        persistent_workers: set on every candidate with workers.
+        max_workers: never more workers than this (default 4 x ``usable_cpus``; past
+            ``usable_cpus`` only while workers are measured waiting on I/O).
+        baseline: the user's own setting, timed first for comparison.
+    """
+    started = time.perf_counter()
+    max_workers = max_workers if max_workers is not None else 4 * max(1, usable_cpus)
+    timings: list[LoaderTiming] = []
+
+    def best() -> Optional[LoaderTiming]:
+        finished = [t for t in timings if not t.stopped_early]
+        return max(finished, key=lambda t: t.samples_per_second) if finished else None
+
+    def give_up(fetched: int) -> float:
+        leader = best()
+        if leader is None:
+            return math.inf
+        return 2.0 * (leader.startup_s + fetched * leader.batch_s) + 0.05
+
+    def run(setting: LoaderSetting) -> LoaderTiming:
+        timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
+        timings.append(timing)
+        return timing
+
+    baseline_timing = run(baseline) if baseline is not None else None
+    previous: Optional[LoaderTiming] = None
+    counts = worker_counts(usable_cpus)
+    index = 0
+    while index < len(counts):
+        workers = counts[index]
+        index += 1
+        if workers > max_workers or time.perf_counter() - started > max_seconds:
+            break
+        setting = LoaderSetting(workers, 2 if workers else None, persistent_workers and workers > 0, pin_memory)
+        timing = next((t for t in timings if t.setting == setting), None) or run(setting)
+        if target_samples_per_second and timing.samples_per_second >= target_samples_per_second:
+            break
+        # one worker only moves loading off the main process (it overlaps compute, which this
+        # loop does not run), so growth is judged from two workers on
+        grew = previous is None or timing.samples_per_second > previous.samples_per_second * (1 + tolerance)
+        if workers >= 2 and not grew:
+            break
+        previous = timing
+        io_bound = timing.worker_cpu_fraction is not None and timing.worker_cpu_fraction < 0.5
+        if index == len(counts) and io_bound and workers * 2 <= max_workers:
+            counts.append(workers * 2)  # workers wait on I/O: more of them than cores still help
+    leader = best()
+    if leader is not None and leader.setting.num_workers > 0 and time.perf_counter() - started <= max_seconds:
+        deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
+        if all(t.setting != deeper for t in timings):
+            run(deeper)
+    return _choose(timings, baseline_timing, tolerance, target_samples_per_second, usable_cpus,
+                   time.perf_counter() - started)
+
+
+def _choose(
+    timings: list[LoaderTiming],
+    baseline: Optional[LoaderTiming],
+    tolerance: float,
+    target: Optional[float],
+    usable_cpus: int,
+    seconds: float,
+) -> LoaderTuneResult:
+    finished = [t for t in timings if not t.stopped_early] or list(timings)
+    top = max(t.samples_per_second for t in finished)
+    if target and any(t.samples_per_second >= target for t in finished):
+        pool = [t for t in finished if t.samples_per_second >= target]
+        reason = f"the cheapest setting that keeps up with training ({target:,.0f} samples/s)"
+    else:
+        pool = [t for t in finished if t.samples_per_second >= (1 - tolerance) * top]
+        reason = f"the cheapest setting within {tolerance:.0%} of the best ({top:,.0f} samples/s)"
+    chosen = min(pool, key=lambda t: t.setting.cost)
+    return LoaderTuneResult(
+        num_workers=chosen.setting.num_workers,
+        prefetch_factor=chosen.setting.prefetch_factor,
+        persistent_workers=chosen.setting.persistent_workers,
+        pin_memory=chosen.setting.pin_memory,
+        samples_per_second=chosen.samples_per_second,
+        baseline=baseline,
+        candidates=list(timings),
+        target_samples_per_second=target,
+        usable_cpus=usable_cpus,
+        seconds=seconds,
+        reason=reason,
+    )
+
+
+def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int) -> Optional[str]:
+    """A warning when the model's intra-op threads and busy workers want more cores than there are
+    (on CPU training, where the model's math runs on the same cores as the loader)."""
+    busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
+    if workers == 0 or intra_op_threads + busy <= cores:
+        return None
+    threads = max(1, cores - math.ceil(busy))
+    return (
+        f"oversubscription: torch runs {intra_op_threads} intra-op threads for the model and the {workers} loader"
+        f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"
+        f" torch.set_num_threads({threads}) so neither stalls the other."
+    )
