@@ -1,7 +1,9 @@
-"""Run by test_ddp.py: DataWaitMonitor under DDP, 2 CPU processes (gloo).
+"""Run by test_ddp.py under DDP, 2 CPU processes (gloo): ``ddp_script.py OUT [monitor|tune]``.
 
-Rank 1's dataset sleeps longer per sample, so it is the straggler. Every rank writes what
-its monitor concluded to ``OUT/rank<N>.json``; rank 0 also writes ``gpuopt_report.json``.
+monitor: rank 1's dataset sleeps longer per sample, so it is the straggler. Every rank writes
+what its DataWaitMonitor concluded to ``OUT/rank<N>.json``; rank 0 also writes
+``gpuopt_report.json``.
+tune: every rank runs DataLoaderTuner and writes its result and the loader its fit used.
 """
 
 import json
@@ -12,16 +14,28 @@ import torch.distributed as dist
 from lightning import Trainer
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset
-from lightning_gpuopt import DataWaitMonitor
+from helpers import MLP, BatchRecorder, SlowDataset
+from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor
 
 
 def rank_delay() -> float:
     return 0.004 if dist.is_initialized() and dist.get_rank() == 1 else 0.001
 
 
+def tune(out: Path) -> None:
+    tuner, recorder = DataLoaderTuner(max_seconds=3), BatchRecorder()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[tuner, recorder],
+                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=8))
+    (out / f"tune{trainer.global_rank}.json").write_text(json.dumps({
+        "chosen": list(vars(tuner.result.setting).values()), "used": list(recorder.loader_settings),
+        "usable_cpus": tuner.result.usable_cpus, "sampler": type(trainer.train_dataloader.sampler).__name__,
+    }))
+
+
 def main(out: Path) -> None:
-    monitor = DataWaitMonitor(warmup_steps=2, report_path=out / "gpuopt_report.json")
+    monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -44,4 +58,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    (tune if sys.argv[2:] == ["tune"] else main)(Path(sys.argv[1]))

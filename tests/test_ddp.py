@@ -14,13 +14,18 @@ from lightning_gpuopt.core.report import from_dict
 HERE = Path(__file__).parent
 
 
-def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(tmp_path):
+def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, str(HERE / "ddp_script.py"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(HERE / "ddp_script.py"), str(out), mode],
+        env=env, capture_output=True, text=True, timeout=150,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(tmp_path):
+    result = run_ddp(tmp_path, "monitor")
 
     report = from_dict(DataWaitReport, json.loads((tmp_path / "gpuopt_report.json").read_text())["data_wait"])
     assert report.world_size == 2
@@ -41,3 +46,14 @@ def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(
     assert ranks[0] == ranks[1]
     assert ranks[0]["straggler_rank"] == 1 and ranks[0]["world_size"] == 2
     assert "rank 1 is a straggler" in result.stdout + result.stderr  # rank 0 logged the table
+
+
+def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_path):
+    run_ddp(tmp_path, "tune")
+    ranks = [json.loads((tmp_path / f"tune{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["chosen"] == ranks[1]["chosen"]
+    for rank in ranks:
+        assert rank["used"] == rank["chosen"][:1] + rank["chosen"][1:]  # what each rank's fit used
+        assert rank["used"][0] > 0  # sleeping loader: workers help
+        assert rank["usable_cpus"] == 1  # 2 cores shared by 2 ranks
+        assert rank["sampler"] == "DistributedSampler"  # Lightning still injected it into the rebuilt loader

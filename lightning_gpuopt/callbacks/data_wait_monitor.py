@@ -152,6 +152,7 @@ class DataWaitMonitor(Callback):
         self._log_every = 50
         self._in_validation = False
         self._validation_wrapper: Any = None
+        self._report_target: Optional[Path] = None
 
     # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -217,6 +218,8 @@ class DataWaitMonitor(Callback):
         if self._clock is None:
             return
         self._settings = read_run_settings(trainer)
+        # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
+        self._report_target = Path(self.report_path) if self.report_path else report_dir(trainer) / REPORT_FILENAME
         self._log_every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
         device = pl_module.device
         if device.type == "cuda":
@@ -320,8 +323,7 @@ class DataWaitMonitor(Callback):
             )
         if trainer.is_global_zero:
             rank_zero_info(data_wait_table(self.report))
-            path = Path(self.report_path) if self.report_path else _report_dir(trainer) / REPORT_FILENAME
-            self.report_file = update_json_section(path, REPORT_SECTION, to_dict(self.report))
+            self.report_file = update_json_section(self._report_target, REPORT_SECTION, to_dict(self.report))
             rank_zero_info(f"gpuopt: report written to {self.report_file}")
 
 
@@ -369,7 +371,9 @@ def read_run_settings(trainer: Trainer) -> RunSettings:
     )
 
 
-def _report_dir(trainer: Trainer) -> Path:
+def report_dir(trainer: Trainer) -> Path:
+    """Where ``gpuopt_report.json`` goes. ``trainer.log_dir`` is a collective under DDP (it
+    broadcasts rank 0's value): call this on every rank."""
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 

@@ -33,7 +33,6 @@ Logged metrics, once when training starts (to every logger of the Trainer):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -46,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor, report_dir
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
     LoaderTuneResult,
@@ -170,8 +170,8 @@ class DataLoaderTuner(Callback):
             )
             if warning:
                 rank_zero_warn(f"DataLoaderTuner: {warning}")
+        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
-            path = Path(trainer.log_dir or trainer.default_root_dir) / REPORT_FILENAME
             update_json_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -263,8 +263,6 @@ class _RngPreserved:
 
 def _measured_ceiling(trainer: Trainer) -> Optional[float]:
     """Samples/s training would reach with no data wait, from a DataWaitMonitor's last report."""
-    from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
-
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         report = getattr(callback, "report", None) if isinstance(callback, DataWaitMonitor) else None
         if report is not None and report.samples and report.wall_s > report.data_wait_s:
