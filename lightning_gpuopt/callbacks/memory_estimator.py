@@ -166,7 +166,7 @@ class MemoryEstimator(Callback):
             batch,
             optimizer=optimizer,
             batch_size=_batch_size(batch),
-            forward_input=_forward_input(pl_module, batch),
+            forward_input=_forward_input(trainer, pl_module, batch),
             capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
         )
@@ -270,11 +270,12 @@ def _batch_size(batch: Any) -> int | None:
         return None
 
 
-def _forward_input(pl_module: pl.LightningModule, batch: Any) -> Any:
-    """What ``forward`` takes, for torchinfo: ``example_input_array``, else the batch or its first element."""
+def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
+    """What ``forward`` takes, for torchinfo: ``example_input_array`` (converted to the Trainer's
+    precision and moved to the model's device, as a batch is), else the batch or its first element."""
     example = pl_module.example_input_array
     if example is not None:
-        return move_data_to_device(example, pl_module.device)
+        return move_data_to_device(trainer.precision_plugin.convert_input(example), pl_module.device)
     if isinstance(batch, torch.Tensor):
         return batch
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):

@@ -326,8 +326,11 @@ def torchinfo_summary(
     *,
     batch_size: int | None = None,
     trace_batch_size: int | None = None,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> TorchinfoFigures:
     """torchinfo's figures for ``module(forward_input)``, with the input resized to ``trace_batch_size``.
+
+    The forward pass runs in ``step_context`` (e.g. autocast), as the training step does.
 
     Runs on fake tensors first (no memory, no side effects); a model that cannot run on them is
     summarised with real tensors under ``torch.no_grad()`` in eval mode (torchinfo's default,
@@ -346,7 +349,7 @@ def torchinfo_summary(
     try:
         with _fake_module(module, mode):
             fake_input = _batch_twin(forward_input, mode, batch_size, trace_batch_size)
-            with mode:
+            with mode, step_context():
                 # device=None: with input_data given, torchinfo then moves neither model nor input
                 # (``.to()`` would try to swap the fake parameters)
                 statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
@@ -355,7 +358,7 @@ def torchinfo_summary(
         pass
     start = time.perf_counter()
     real_input = _resized_real_batch(forward_input, batch_size, trace_batch_size)
-    with _restored_attributes(module):
+    with _restored_attributes(module), step_context():
         statistics = torchinfo.summary(module, input_data=real_input, device=device, verbose=0)
     return _figures_from(statistics, False, time.perf_counter() - start)
 
@@ -426,6 +429,9 @@ def with_measured_optimizer_state(estimate: MemoryEstimate, optimizer_bytes: int
 
 
 def _first_line(error: BaseException) -> str:
+    """``"Type: first line"`` of the innermost cause of ``error`` (torchinfo wraps the real one)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
@@ -541,7 +547,11 @@ def estimate_memory(
     if forward_input is not None:
         try:
             torchinfo_figures = torchinfo_summary(
-                module, forward_input, batch_size=leading_dimension(forward_input), trace_batch_size=batch_size
+                module,
+                forward_input,
+                batch_size=leading_dimension(forward_input),
+                trace_batch_size=batch_size,
+                step_context=step_context,
             )
         except Exception as error:  # noqa: BLE001 - a summary is optional
             notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")

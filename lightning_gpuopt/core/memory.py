@@ -280,7 +280,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     Active between ``__enter__`` and ``__exit__`` (usable as ``with`` or across two hooks). On entry
     the counts start at zero and the tensors of ``existing`` (see :func:`collect_tensors`) are
-    counted; on exit all tracked state is dropped, also when the block raised.
+    counted; on exit all tracked state is dropped (``live_bytes`` is 0 again, ``peak_bytes`` kept),
+    also when the block raised.
 
     Args:
         max_bytes: the cap; an op whose new storages would pass it raises ``torch.OutOfMemoryError``.
@@ -332,6 +333,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _clear(self) -> None:
         self._live.clear()  # dropping the weak references also drops their callbacks
+        self.live_bytes = 0
 
     @property
     def tracked_storages(self) -> int:
