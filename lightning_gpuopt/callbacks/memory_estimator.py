@@ -37,6 +37,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -44,6 +45,7 @@ from lightning_gpuopt.core.estimate import (
     optimizer_state_rule_bytes,
     with_measured_optimizer_state,
     with_measured_peak,
+    with_untraced_bytes,
 )
 from lightning_gpuopt.core.memory import PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
 from lightning_gpuopt.core.report import (
@@ -72,7 +74,11 @@ class MemoryEstimator(Callback):
     uses, at the current batch size and at twice it; the line through both gives the largest batch
     size that fits ``max_memory``. A step that cannot be traced (``.item()`` or data-dependent
     control flow in ``training_step``, manual optimization) falls back to torchinfo's figures with
-    a warning that says why. Each rank estimates its own step; there are no collectives.
+    a warning that says why. Each rank estimates its own step; there are no collectives. Under
+    DDP the prediction adds DDP's gradient buckets (a copy of the gradients, unless
+    ``gradient_as_bucket_view=True``) and the measurement starts at the third step, after DDP
+    has rebuilt its buckets. The trace assumes an optimizer step every batch
+    (``accumulate_grad_batches=1``) and no gradient clipping temporaries.
 
     Example::
 
@@ -108,6 +114,8 @@ class MemoryEstimator(Callback):
         self.measure_steps = measure_steps
         self.estimate: MemoryEstimate | None = None
         self._meter: PeakMemoryMeter | None = None
+        self._batches_started = 0
+        self._unmeasured_steps = 0
         self._peaks: list[int] = []
         self._measured = False
         self._optimizer_needs_measuring = False
@@ -117,9 +125,14 @@ class MemoryEstimator(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.estimate is None:
             self.estimate = self._predict(trainer, pl_module, batch)
-        if self._measured or len(self._peaks) >= self.measure_steps:
+        self._batches_started += 1
+        if self._measured or self._batches_started <= self._unmeasured_steps:
             return
-        self._meter = PeakMemoryMeter(pl_module.device, existing=(pl_module, *trainer.optimizers, batch))
+        self._meter = PeakMemoryMeter(
+            pl_module.device,
+            existing=(pl_module, *trainer.optimizers, batch),
+            baseline_bytes=self.estimate.untraced_bytes,
+        )
         self._meter.start()
 
     def on_train_batch_end(
@@ -142,8 +155,10 @@ class MemoryEstimator(Callback):
             self._finish_measuring(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # trainer.log_dir broadcasts from rank 0: every rank must ask for it
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
         if self.estimate is not None and trainer.is_global_zero:
-            self._report(trainer)
+            self._report(directory)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_meter()
@@ -173,6 +188,12 @@ class MemoryEstimator(Callback):
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
         for note in estimate.notes:
             rank_zero_warn(f"MemoryEstimator: {note}")
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            # DDP rebuilds its buckets once, in the second step: measure the steady state after it
+            self._unmeasured_steps = 2
+            if not trainer.strategy.model.gradient_as_bucket_view:
+                buckets = storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
+                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets (a copy of the gradients)")
         return estimate
 
     # ------------------------------------------------------------------ measuring
@@ -199,11 +220,10 @@ class MemoryEstimator(Callback):
     # ------------------------------------------------------------------ reporting
 
     @rank_zero_only
-    def _report(self, trainer: pl.Trainer) -> None:
+    def _report(self, directory: Path) -> None:
         assert self.estimate is not None
         rank_zero_info(render_estimate(self.estimate))
-        directory = trainer.log_dir or trainer.default_root_dir
-        update_json_section(Path(directory) / REPORT_FILENAME, "memory", to_dict(self.estimate))
+        update_json_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
 
 
 def render_estimate(estimate: MemoryEstimate) -> str:
@@ -216,6 +236,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("optimizer state", format_bytes(estimate.optimizer_bytes)),
         ("buffers", format_bytes(estimate.buffers_bytes)),
         ("batch", format_bytes(estimate.batch_bytes)),
+        ("outside the traced step", format_bytes(estimate.untraced_bytes)),
         ("activations and temporaries", format_bytes(estimate.activation_bytes)),
         ("predicted peak", format_bytes(estimate.predicted_peak_bytes)),
         ("measured peak", format_bytes(estimate.measured_peak_bytes)),

@@ -91,7 +91,7 @@ class MemoryEstimate:
     """Predicted (and, once measured, actual) peak memory of a training step.
 
     ``predicted_peak_bytes`` = ``params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
-    batch_bytes + activation_bytes``, where ``activation_bytes`` is everything else live at the
+    batch_bytes + untraced_bytes + activation_bytes``, where ``activation_bytes`` is everything else live at the
     peak (saved activations, temporaries). Errors are relative and signed:
     ``(predicted - measured) / measured``, positive when the prediction is too high.
     """
@@ -109,6 +109,8 @@ class MemoryEstimate:
     batch_size: int | None = None
     buffers_bytes: int = 0
     batch_bytes: int = 0
+    #: memory the real step holds outside the traced one (DDP's gradient buckets)
+    untraced_bytes: int = 0
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
@@ -414,17 +416,40 @@ def with_measured_peak(estimate: MemoryEstimate, measured_peak_bytes: int | None
     )
 
 
-def with_measured_optimizer_state(estimate: MemoryEstimate, optimizer_bytes: int) -> MemoryEstimate:
-    """For an optimizer without a rule: add its state as measured after a real step to the prediction."""
-    added = optimizer_bytes - estimate.optimizer_bytes
+def _with_fixed_bytes_added(estimate: MemoryEstimate, added: int, note: str, **changes: Any) -> MemoryEstimate:
     fixed = None if estimate.fixed_bytes is None else estimate.fixed_bytes + added
     return replace(
         estimate,
-        optimizer_bytes=optimizer_bytes,
         predicted_peak_bytes=estimate.predicted_peak_bytes + added,
         fixed_bytes=fixed,
         max_batch_size=max_batch_size_for(estimate.capacity_bytes, fixed, estimate.bytes_per_sample),
-        notes=[*estimate.notes, f"optimizer state measured after the first real step: {optimizer_bytes} bytes"],
+        notes=[*estimate.notes, note],
+        **changes,
+    )
+
+
+def with_measured_optimizer_state(estimate: MemoryEstimate, optimizer_bytes: int) -> MemoryEstimate:
+    """For an optimizer without a rule: add its state as measured after a real step to the prediction."""
+    return _with_fixed_bytes_added(
+        estimate,
+        optimizer_bytes - estimate.optimizer_bytes,
+        f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
+        optimizer_bytes=optimizer_bytes,
+    )
+
+
+def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: str) -> MemoryEstimate:
+    """Add memory the real step holds outside the traced one (e.g. DDP's gradient buckets).
+
+    Example::
+
+        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
+        >>> after = with_untraced_bytes(before, 10, "DDP gradient buckets")
+        >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size
+        (55, 10, 50)
+    """
+    return _with_fixed_bytes_added(
+        estimate, untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=estimate.untraced_bytes + untraced_bytes
     )
 
 

@@ -474,6 +474,8 @@ class PeakMemoryMeter:
         device: the device to measure.
         existing: on non-CUDA devices, objects whose tensors count from the start (model,
             optimizer, batch).
+        baseline_bytes: on non-CUDA devices, a fixed amount counted as live (memory held outside
+            tensors the tracker can see; on CUDA the allocator already counts everything).
 
     Example::
 
@@ -484,9 +486,12 @@ class PeakMemoryMeter:
         True
     """
 
-    def __init__(self, device: torch.device | str | None = None, *, existing: Iterable[Any] = ()) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, existing: Iterable[Any] = (), baseline_bytes: int = 0
+    ) -> None:
         self.device = _as_device(device)
         self.existing = tuple(existing)
+        self.baseline_bytes = baseline_bytes
         self.peak_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
         self._tracker: LiveTensorTracker | None = None
@@ -504,7 +509,7 @@ class PeakMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_running = True
         else:
-            self._tracker = LiveTensorTracker(existing=self.existing, device=self.device)
+            self._tracker = LiveTensorTracker(existing=self.existing, device=self.device, baseline_bytes=self.baseline_bytes)
             self._tracker.__enter__()
 
     def stop(self) -> int | None:
