@@ -78,26 +78,27 @@ class DataDependentNet(nn.Module):
         return self.large(x)
 
 
-def make_model(name: str) -> ClassifierModule:
-    """``"mlp"``, ``"cnn"`` (with BatchNorm), ``"transformer"`` or ``"data-dependent"``."""
+def make_model(name: str, num_samples: int = NUM_SAMPLES) -> ClassifierModule:
+    """``"mlp"``, ``"cnn"`` (with BatchNorm), ``"transformer"`` or ``"data-dependent"``, with
+    ``num_samples`` random training samples."""
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "mlp":
         network = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, NUM_CLASSES))
-        inputs = torch.randn(NUM_SAMPLES, 256, generator=generator)
+        inputs = torch.randn(num_samples, 256, generator=generator)
     elif name == "cnn":
         network = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
             nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, NUM_CLASSES),
         )  # fmt: skip
-        inputs = torch.randn(NUM_SAMPLES, 3, 32, 32, generator=generator)
+        inputs = torch.randn(num_samples, 3, 32, 32, generator=generator)
     elif name == "transformer":
         network = TokenClassifier()
-        inputs = torch.randint(0, 1000, (NUM_SAMPLES, 32), generator=generator)
+        inputs = torch.randint(0, 1000, (num_samples, 32), generator=generator)
     elif name == "data-dependent":
         network = DataDependentNet()
-        inputs = torch.randn(NUM_SAMPLES, 32, generator=generator)
+        inputs = torch.randn(num_samples, 32, generator=generator)
     else:
         raise ValueError(f"unknown model {name!r}; expected 'mlp', 'cnn', 'transformer' or 'data-dependent'")
     return ClassifierModule(network, inputs)

@@ -157,6 +157,29 @@ def test_estimating_leaves_model_optimizer_and_rng_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class RecordingClassifier(ClassifierModule):
+    """Keeps every step's loss in a list, as epoch-end aggregation code does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+
+def test_the_trace_leaves_no_fake_tensors_in_module_containers():
+    base = make_model("mlp")
+    model = RecordingClassifier(base.network, base.inputs)
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(model, 16, estimator, max_steps=3)
+    assert estimator.estimate.method == "traced"
+    assert len(model.losses) == 3 and all(type(loss) is torch.Tensor for loss in model.losses)
+    assert torch.stack(model.losses).isfinite().all()
+
+
 # --------------------------------------------------------------------------- the callback in a Trainer
 
 
@@ -180,6 +203,20 @@ def test_fit_fills_the_estimate_logs_metrics_and_writes_the_report(tmp_path, cap
     report = read_json(Path(trainer.log_dir) / REPORT_FILENAME)
     assert from_dict(MemoryEstimate, report["memory"]) == estimate
     assert "gpuopt: memory estimate" in caplog.text and "measured peak" in caplog.text
+
+
+def test_each_fit_gets_its_own_estimate():
+    model = make_model("mlp")
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(model, 8, estimator, max_steps=2)
+    first = estimator.estimate
+    L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[estimator],
+    ).fit(model, model.loader(32))  # fmt: skip
+    second = estimator.estimate
+    assert (first.batch_size, second.batch_size) == (8, 32)
+    assert second.measured_peak_bytes > 0 and abs(second.estimate_error) <= TOLERANCE
 
 
 def test_measurement_ends_with_training_when_it_is_shorter(tmp_path):

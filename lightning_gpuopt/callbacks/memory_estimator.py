@@ -122,6 +122,13 @@ class MemoryEstimator(Callback):
 
     # ------------------------------------------------------------------ hooks
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Each ``fit`` gets its own estimate and measurement."""
+        self.estimate = None
+        self._batches_started = self._unmeasured_steps = 0
+        self._peaks = []
+        self._measured = self._optimizer_needs_measuring = False
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.estimate is None:
             self.estimate = self._predict(trainer, pl_module, batch)

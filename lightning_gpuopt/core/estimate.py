@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -138,11 +139,20 @@ def _module_device(module: torch.nn.Module) -> torch.device:
 
 @contextlib.contextmanager
 def _restored_attributes(module: torch.nn.Module) -> Iterator[None]:
-    """Undo attribute (re)bindings made on ``module`` and its submodules inside the block."""
+    """Undo what the block does to the attributes of ``module`` and its submodules: (re)bindings,
+    and changes to the contents of list and dict attributes (e.g. losses appended in a step)."""
     saved = [(sub, dict(vars(sub))) for sub in module.modules()]
+    contents = [(value, type(value)(value)) for _, attributes in saved for value in attributes.values()
+                if type(value) in (list, dict, collections.OrderedDict)]  # fmt: skip
     try:
         yield
     finally:
+        for value, content in contents:
+            value.clear()
+            if isinstance(value, dict):
+                value.update(content)
+            else:
+                value.extend(content)
         for sub, attributes in saved:
             current = vars(sub)
             for name in [name for name in current if name not in attributes]:
