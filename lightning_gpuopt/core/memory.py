@@ -107,7 +107,11 @@ def _cgroup_limit_bytes() -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cap_by_cgroup(num_bytes: int) -> int:
+def _host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
+    """A ``/proc/meminfo`` figure (``os.sysconf`` pages without it), capped by the cgroup limit."""
+    num_bytes = _meminfo_bytes(meminfo_field)
+    if num_bytes is None:
+        num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf(sysconf_pages)
     limit = _cgroup_limit_bytes()
     return num_bytes if limit is None else min(num_bytes, limit)
 
@@ -123,14 +127,12 @@ def device_total_memory(device: torch.device | str | int | None = None) -> int:
     device = _as_device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[1])
-    total = _meminfo_bytes("MemTotal")
-    if total is None:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return _cap_by_cgroup(total)
+    return _host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
 
 
 def device_free_memory(device: torch.device | str | int | None = None) -> int:
-    """Bytes free on the device now: CUDA: the driver's free figure; CPU: ``MemAvailable``.
+    """Bytes free on the device now: CUDA: the driver's free figure; CPU: ``MemAvailable`` (at most
+    the cgroup limit).
 
     Example::
 
@@ -140,10 +142,7 @@ def device_free_memory(device: torch.device | str | int | None = None) -> int:
     device = _as_device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    free = _meminfo_bytes("MemAvailable")
-    if free is None:
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(free, device_total_memory(device))
+    return _host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
 
 
 def device_usable_memory(device: torch.device | str | int | None = None, *, existing: Iterable[Any] = ()) -> int:
