@@ -104,7 +104,8 @@ class MemoryEstimator(Callback):
 
     def __init__(self, max_memory: int | float | str | None = None, measure_steps: int = 3) -> None:
         if max_memory is not None:
-            parse_memory(max_memory, "cpu", name="max_memory")  # validates; a fraction is resolved on the real device later
+            # validates early; a fraction is resolved against the real device in the first step
+            parse_memory(max_memory, "cpu", name="max_memory")
         if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
             raise ValueError(
                 f"`measure_steps`={measure_steps!r} is not a positive int; expected e.g. 3 "
@@ -129,7 +130,9 @@ class MemoryEstimator(Callback):
         self._peaks = []
         self._measured = self._optimizer_needs_measuring = False
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.estimate is None:
             self.estimate = self._predict(trainer, pl_module, batch)
         self._batches_started += 1

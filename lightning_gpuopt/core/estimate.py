@@ -178,18 +178,27 @@ def _swapped_tensors(module: torch.nn.Module, twin: Callable[[torch.Tensor], tor
             store[name] = tensor
 
 
+def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, keep: Callable[[Any], Any]) -> Any:
+    """``batch`` with each tensor whose first dimension is ``batch_size`` replaced by zeros with
+    ``new_batch_size`` rows (fake ones under ``FakeTensorMode``), and every other leaf ``keep(leaf)``."""
+
+    def rebatched(value: Any) -> Any:
+        is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
+        if new_batch_size is None or not is_batched:
+            return keep(value)
+        return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
+
+    return tree_map(rebatched, batch)
+
+
 def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` as fake tensors; those whose first dimension is ``batch_size`` get ``new_batch_size``."""
+    """``batch`` as fake tensors, resized from ``batch_size`` to ``new_batch_size`` rows."""
 
-    def twin(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if new_batch_size is not None and value.dim() > 0 and value.shape[0] == batch_size:
-            with mode:
-                return torch.empty((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        return mode.from_tensor(value)
+    def keep(value: Any) -> Any:
+        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
-    return tree_map(twin, batch)
+    with mode:
+        return _rebatched(batch, batch_size, new_batch_size, keep)
 
 
 def leading_dimension(batch: Any) -> int | None:
@@ -206,23 +215,12 @@ def leading_dimension(batch: Any) -> int | None:
     return None
 
 
-def _resized_real_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    if new_batch_size is None or new_batch_size == batch_size:
-        return batch
-
-    def resized(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size:
-            return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        return value
-
-    return tree_map(resized, batch)
-
-
 def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
-    groups = [
-        {**{key: value for key, value in group.items() if key != "params"}, "params": [twin_of[id(p)] for p in group["params"]]}
-        for group in optimizer.param_groups
-    ]
+    """An optimizer of the same class and param-group options over the twins of its parameters."""
+    groups = []
+    for group in optimizer.param_groups:
+        options = {key: value for key, value in group.items() if key != "params"}
+        groups.append({**options, "params": [twin_of[id(param)] for param in group["params"]]})
     return type(optimizer)(groups)
 
 
@@ -369,7 +367,7 @@ def torchinfo_summary(
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
         pass
     start = time.perf_counter()
-    real_input = _resized_real_batch(forward_input, batch_size, trace_batch_size)
+    real_input = _rebatched(forward_input, batch_size, trace_batch_size, keep=lambda value: value)
     with _restored_attributes(module), step_context():
         statistics = torchinfo.summary(module, input_data=real_input, device=device, verbose=0)
     return _figures_from(statistics, False, time.perf_counter() - start)
@@ -409,7 +407,9 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
-def max_batch_size_for(capacity_bytes: int | None, fixed_bytes: float | None, bytes_per_sample: float | None) -> int | None:
+def max_batch_size_for(
+    capacity_bytes: int | None, fixed_bytes: float | None, bytes_per_sample: float | None
+) -> int | None:
     """The largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes`` (``None`` if unknown)."""
     if capacity_bytes is None or fixed_bytes is None or not bytes_per_sample or bytes_per_sample <= 0:
         return None
@@ -459,7 +459,10 @@ def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: s
         (55, 10, 50)
     """
     return _with_fixed_bytes_added(
-        estimate, untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=estimate.untraced_bytes + untraced_bytes
+        estimate,
+        untraced_bytes,
+        f"{reason}: {untraced_bytes} bytes",
+        untraced_bytes=estimate.untraced_bytes + untraced_bytes,
     )
 
 

@@ -190,7 +190,10 @@ def parse_memory(
         >>> parse_memory(4096), parse_memory("1.5KiB"), parse_memory("2 kb")
         (4096, 1536, 2000)
     """
-    works = 'a positive int of bytes, a string such as "300MB" or "20GiB", or a float in (0, 1] (a fraction of the device)'
+    works = (
+        'a positive int of bytes, a string such as "300MB" or "20GiB", '
+        "or a float in (0, 1] (a fraction of the device)"
+    )
     if isinstance(value, bool):
         raise ValueError(f"`{name}`={value!r} is a bool; expected {works}.")
     if isinstance(value, int):
@@ -508,7 +511,9 @@ class PeakMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_running = True
         else:
-            self._tracker = LiveTensorTracker(existing=self.existing, device=self.device, baseline_bytes=self.baseline_bytes)
+            self._tracker = LiveTensorTracker(
+                existing=self.existing, device=self.device, baseline_bytes=self.baseline_bytes
+            )
             self._tracker.__enter__()
 
     def stop(self) -> int | None:
