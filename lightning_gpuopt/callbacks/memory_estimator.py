@@ -5,8 +5,8 @@ Before the first training step the callback traces one step of the model on fake
 ``measure_steps`` real steps it measures the peak (CUDA: ``torch.cuda.max_memory_allocated``;
 CPU: live tensor storage, counted by a dispatch mode) and reports how far both predictions were.
 
-Logged metrics (to every logger of the Trainer, once, at the step where the measurement ends;
-a key whose value is unknown is not logged):
+Logged metrics (to every logger of the Trainer, once, at the step where the measurement ends, or
+at the end of training if that comes first; a key whose value is unknown is not logged):
 
 * ``gpuopt/mem_predicted_peak_bytes``: our predicted peak of a training step at the current batch size.
 * ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
@@ -161,7 +161,7 @@ class MemoryEstimator(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_meter()
-        if self._peaks and not self._measured:
+        if not self._measured:  # training was shorter than the measurement: log what there is
             self._finish_measuring(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,7 +218,7 @@ class MemoryEstimator(Callback):
         self._measured = True
         if self.estimate is None:
             return
-        self.estimate = with_measured_peak(self.estimate, max(self._peaks))
+        self.estimate = with_measured_peak(self.estimate, max(self._peaks, default=None))
         metrics = {
             METRIC_PREFIX + name: float(value)
             for name in _LOGGED_FIELDS
