@@ -81,13 +81,13 @@ def test_the_line_predicts_a_four_times_larger_batch_and_its_max_batch_size():
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
 def test_estimate_follows_the_trainer_precision(precision, dtype):
     estimator = MemoryEstimator(measure_steps=2)
-    fit(make_model("transformer"), 16, estimator, precision=precision)
+    fit(make_model("cnn"), 16, estimator, precision=precision)
     estimate = estimator.estimate
     assert estimate.param_dtype == dtype
     assert abs(estimate.estimate_error) <= TOLERANCE
 
     full = MemoryEstimator(measure_steps=2)
-    fit(make_model("transformer"), 16, full)
+    fit(make_model("cnn"), 16, full)
     assert estimate.predicted_peak_bytes < full.estimate.predicted_peak_bytes  # 16-bit activations are smaller
 
 
