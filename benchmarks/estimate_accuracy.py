@@ -43,6 +43,7 @@ from lightning_gpuopt.core.estimate import MemoryEstimate, relative_error  # noq
 from lightning_gpuopt.core.report import format_bytes, format_seconds  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+RUNS = Path(__file__).with_name("_runs")  # the trainers' reports (git-ignored)
 COLUMNS = ("model", "batch", "method", "measured peak", "ours", "our error", "torchinfo", "torchinfo error",
            "allocator peak (CPU)", "our error vs allocator", "our seconds", "torchinfo seconds", "max batch")  # fmt: skip
 
@@ -53,7 +54,7 @@ def run(name: str, batch_size: int, accelerator: str, measure_steps: int) -> tup
     estimator = MemoryEstimator(measure_steps=measure_steps)
     trainer = L.Trainer(
         accelerator=accelerator, devices=1, max_steps=measure_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[estimator],
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[estimator], default_root_dir=RUNS,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning is in estimate.notes

@@ -23,6 +23,12 @@ from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
 TOLERANCE = 0.10
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Trainers without a logger write the report into the working directory: keep it out of the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 def fit(model: L.LightningModule, batch_size: int, estimator: MemoryEstimator, **trainer_kwargs) -> L.Trainer:
     options = dict(
         accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
