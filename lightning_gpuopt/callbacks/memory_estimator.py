@@ -120,11 +120,15 @@ class MemoryEstimator(Callback):
         self._peaks: list[int] = []
         self._measured = False
         self._optimizer_needs_measuring = False
+        self._report_dir = Path(".")
 
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Each ``fit`` gets its own estimate and measurement."""
+        # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
+        # end of fit: a collective right before the processes exit makes DDP teardown racy
+        self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self.estimate = None
         self._batches_started = self._unmeasured_steps = 0
         self._peaks = []
@@ -165,10 +169,8 @@ class MemoryEstimator(Callback):
             self._finish_measuring(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # trainer.log_dir broadcasts from rank 0: every rank must ask for it
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
         if self.estimate is not None and trainer.is_global_zero:
-            self._report(directory)
+            self._report(self._report_dir)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_meter()
