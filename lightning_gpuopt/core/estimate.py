@@ -13,9 +13,14 @@ predicts the peak by *running* the step on fake tensors:
    ``zero_grad(set_to_none=True)``, backward, the optimizer's ``step()`` on a twin of the real
    optimizer (same class, same param-group options). The second step starts with the first
    step's gradients and optimizer state alive, as every later real step does;
-3. the tracker's peak is the prediction. Traced at batch sizes ``B`` and ``2B``, the peak gives a
-   line ``bytes(b) = fixed_bytes + bytes_per_sample * b``, and so the largest batch that fits a
+3. the tracker's peak is the prediction (on CUDA each storage counts in the caching allocator's
+   512-byte blocks). Traced at batch sizes ``B`` and ``2B``, the peak gives a line
+   ``bytes(b) = fixed_bytes + bytes_per_sample * b``, and so the largest batch that fits a
    capacity.
+
+What the trace cannot see: buffers that kernels allocate internally (cuDNN/cuBLAS workspaces,
+oneDNN reorders on CPU), the CUDA context, and memory held outside the step (e.g. DDP's gradient
+buckets, which :func:`with_untraced_bytes` adds).
 
 Nothing real is allocated or changed: module attributes, parameters, buffers and the RNG state
 are restored after the trace. A step that needs real values (``.item()``, data-dependent control
