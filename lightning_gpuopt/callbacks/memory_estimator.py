@@ -1,0 +1,316 @@
+"""MemoryEstimator: predict a training step's peak memory before it runs, then measure it.
+
+Before the first training step the callback traces one step of the model on fake tensors (see
+:mod:`lightning_gpuopt.core.estimate`) and keeps torchinfo's summary next to it; over the first
+``measure_steps`` real steps it measures the peak (CUDA: ``torch.cuda.max_memory_allocated``;
+CPU: live tensor storage, counted by a dispatch mode) and reports how far both predictions were.
+
+Logged metrics (to every logger of the Trainer, once, at the step where the measurement ends, or
+at the end of training if that comes first; a key whose value is unknown is not logged):
+
+* ``gpuopt/mem_predicted_peak_bytes``: our predicted peak of a training step at the current batch size.
+* ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
+* ``gpuopt/mem_estimate_error``: ``(predicted - measured) / measured``; positive when we predicted too much.
+* ``gpuopt/mem_torchinfo_total_bytes``: torchinfo's "Estimated Total Size" at the current batch size.
+* ``gpuopt/mem_torchinfo_error``: ``(torchinfo total - measured) / measured``.
+* ``gpuopt/mem_params_bytes``: bytes of the parameters.
+* ``gpuopt/mem_grads_bytes``: bytes of the gradients.
+* ``gpuopt/mem_optimizer_bytes``: bytes of the optimizer state.
+* ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations saved for backward,
+  temporaries), without parameters, buffers, gradients, optimizer state and the batch.
+* ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the capacity.
+
+At the end of ``fit`` rank 0 logs a table with ``rank_zero_info`` and writes the
+:class:`~lightning_gpuopt.core.estimate.MemoryEstimate` as the ``"memory"`` section of
+``gpuopt_report.json`` in ``trainer.log_dir`` (``trainer.default_root_dir`` without a logger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gpuopt.core.estimate import (
+    MemoryEstimate,
+    estimate_memory,
+    optimizer_state_rule_bytes,
+    with_measured_optimizer_state,
+    with_measured_peak,
+    with_untraced_bytes,
+)
+from lightning_gpuopt.core.memory import PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
+from lightning_gpuopt.core.report import (
+    REPORT_FILENAME,
+    format_bytes,
+    format_fraction,
+    format_seconds,
+    render_table,
+    to_dict,
+    update_json_section,
+)
+
+#: prefix of every metric this callback logs
+METRIC_PREFIX = "gpuopt/mem_"
+_LOGGED_FIELDS = (
+    "predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes", "torchinfo_error",
+    "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "max_batch_size",
+)  # fmt: skip
+
+
+class MemoryEstimator(Callback):
+    r"""Predicts the peak memory of a training step before the first one, and measures it after.
+
+    The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake
+    tensors (no memory is allocated, the model is left untouched), in the precision the Trainer
+    uses, at the current batch size and at twice it; the line through both gives the largest batch
+    size that fits ``max_memory``. A step that cannot be traced (``.item()`` or data-dependent
+    control flow in ``training_step``, manual optimization) falls back to torchinfo's figures with
+    a warning that says why. Each rank estimates its own step; there are no collectives. Under
+    DDP the prediction adds DDP's gradient buckets (a copy of the gradients, unless
+    ``gradient_as_bucket_view=True``) and the measurement starts at the third step, after DDP
+    has rebuilt its buckets. The trace assumes an optimizer step every batch
+    (``accumulate_grad_batches=1``) and no gradient clipping temporaries.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
+
+        estimator = MemoryEstimator(max_memory="20GiB")
+        trainer = Trainer(callbacks=[estimator])
+        trainer.fit(model)
+        estimator.estimate.predicted_peak_bytes, estimator.estimate.measured_peak_bytes
+        estimator.estimate.max_batch_size
+
+    Args:
+        max_memory: the memory to plan the largest batch size with: bytes, a string such as
+            ``"20GiB"`` or ``"300MB"``, or a fraction of the device such as ``0.9``. ``None``:
+            what the device has free when the estimate runs, plus what torch already holds there.
+        measure_steps: how many real training steps to measure the peak over (the first step has
+            no gradients or optimizer state yet, so measure at least 2 for the steady state).
+
+    Raises:
+        ValueError: if ``max_memory`` is not a memory size or ``measure_steps`` is not a positive int.
+    """
+
+    def __init__(self, max_memory: int | float | str | None = None, measure_steps: int = 3) -> None:
+        if max_memory is not None:
+            # validates early; a fraction is resolved against the real device in the first step
+            parse_memory(max_memory, "cpu", name="max_memory")
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
+            raise ValueError(
+                f"`measure_steps`={measure_steps!r} is not a positive int; expected e.g. 3 "
+                "(the number of real training steps to measure the peak over)."
+            )
+        self.max_memory = max_memory
+        self.measure_steps = measure_steps
+        self.estimate: MemoryEstimate | None = None
+        self._meter: PeakMemoryMeter | None = None
+        self._batches_started = 0
+        self._unmeasured_steps = 0
+        self._peaks: list[int] = []
+        self._measured = False
+        self._optimizer_needs_measuring = False
+        self._report_dir = Path(".")
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Each ``fit`` gets its own estimate and measurement."""
+        # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
+        # end of fit: a collective right before the processes exit makes DDP teardown racy
+        self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self.estimate = None
+        self._batches_started = self._unmeasured_steps = 0
+        self._peaks = []
+        self._measured = self._optimizer_needs_measuring = False
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.estimate is None:
+            self.estimate = self._predict(trainer, pl_module, batch)
+        self._batches_started += 1
+        if self._measured or self._batches_started <= self._unmeasured_steps:
+            return
+        self._meter = PeakMemoryMeter(
+            pl_module.device,
+            existing=(pl_module, *trainer.optimizers, batch),
+            baseline_bytes=self.estimate.untraced_bytes,
+        )
+        self._meter.start()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._meter is None or not self._meter.running:
+            return
+        peak = self._stop_meter()
+        if peak is not None:
+            self._peaks.append(peak)
+        if self._optimizer_needs_measuring and self.estimate is not None:
+            self._optimizer_needs_measuring = False
+            self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
+        if len(self._peaks) >= self.measure_steps:
+            self._finish_measuring(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_meter()
+        if not self._measured:  # training was shorter than the measurement: log what there is
+            self._finish_measuring(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.estimate is not None and trainer.is_global_zero:
+            self._report(self._report_dir)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_meter()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_meter()
+
+    # ------------------------------------------------------------------ predicting
+
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MemoryEstimate:
+        device = pl_module.device
+        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        if self.max_memory is not None:
+            capacity = parse_memory(self.max_memory, device, name="max_memory")
+        else:
+            capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
+        estimate = estimate_memory(
+            pl_module,
+            _loss_function(pl_module),
+            batch,
+            optimizer=optimizer,
+            batch_size=_batch_size(batch),
+            forward_input=_forward_input(trainer, pl_module, batch),
+            capacity_bytes=capacity,
+            step_context=trainer.precision_plugin.train_step_context,
+        )
+        self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
+        for note in estimate.notes:
+            rank_zero_warn(f"MemoryEstimator: {note}")
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            # DDP rebuilds its buckets once, in the second step: measure the steady state after it
+            self._unmeasured_steps = 2
+            if not trainer.strategy.model.gradient_as_bucket_view:
+                buckets = storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
+                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets (a copy of the gradients)")
+        return estimate
+
+    # ------------------------------------------------------------------ measuring
+
+    def _stop_meter(self) -> int | None:
+        if self._meter is None:
+            return None
+        meter, self._meter = self._meter, None
+        return meter.stop() if meter.running else None
+
+    def _finish_measuring(self, trainer: pl.Trainer) -> None:
+        self._measured = True
+        if self.estimate is None:
+            return
+        self.estimate = with_measured_peak(self.estimate, max(self._peaks, default=None))
+        metrics = {
+            METRIC_PREFIX + name: float(value)
+            for name in _LOGGED_FIELDS
+            if (value := getattr(self.estimate, name)) is not None
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    # ------------------------------------------------------------------ reporting
+
+    @rank_zero_only
+    def _report(self, directory: Path) -> None:
+        assert self.estimate is not None
+        rank_zero_info(render_estimate(self.estimate))
+        update_json_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
+
+
+def render_estimate(estimate: MemoryEstimate) -> str:
+    """The estimate as a text table (rich), for ``rank_zero_info``."""
+    rows = [
+        ("method", estimate.method),
+        ("batch size", str(estimate.batch_size)),
+        ("parameters", format_bytes(estimate.params_bytes)),
+        ("gradients", format_bytes(estimate.grads_bytes)),
+        ("optimizer state", format_bytes(estimate.optimizer_bytes)),
+        ("buffers", format_bytes(estimate.buffers_bytes)),
+        ("batch", format_bytes(estimate.batch_bytes)),
+        ("outside the traced step", format_bytes(estimate.untraced_bytes)),
+        ("activations and temporaries", format_bytes(estimate.activation_bytes)),
+        ("predicted peak", format_bytes(estimate.predicted_peak_bytes)),
+        ("measured peak", format_bytes(estimate.measured_peak_bytes)),
+        ("estimate error", format_fraction(estimate.estimate_error)),
+        ("torchinfo total", format_bytes(estimate.torchinfo_total_bytes)),
+        ("torchinfo error", format_fraction(estimate.torchinfo_error)),
+        ("capacity", format_bytes(estimate.capacity_bytes)),
+        ("max batch size", str(estimate.max_batch_size)),
+        ("trace time", format_seconds(estimate.trace_seconds)),
+    ]
+    return render_table("gpuopt: memory estimate", rows, notes=estimate.notes)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _ignore_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _logging_disabled(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing inside (a traced step must not log fake values)."""
+    pl_module.log = _ignore_log  # type: ignore[method-assign]
+    pl_module.log_dict = _ignore_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+
+
+def _loss_function(pl_module: pl.LightningModule) -> Any:
+    def loss_of(batch: Any) -> torch.Tensor:
+        if not pl_module.automatic_optimization:
+            raise RuntimeError("manual optimization: training_step steps the optimizers itself")
+        with _logging_disabled(pl_module):
+            output = pl_module.training_step(batch, 0)
+        if isinstance(output, Mapping):
+            output = output.get("loss")
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"training_step returned {type(output).__name__}, not a loss tensor")
+        return output
+
+    return loss_of
+
+
+def _batch_size(batch: Any) -> int | None:
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # noqa: BLE001 - an unknown batch size only means: no line, no max batch size
+        return None
+
+
+def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
+    """What ``forward`` takes, for torchinfo: ``example_input_array`` (converted to the Trainer's
+    precision and moved to the model's device, as a batch is), else the batch or its first element."""
+    example = pl_module.example_input_array
+    if example is not None:
+        return move_data_to_device(trainer.precision_plugin.convert_input(example), pl_module.device)
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    return None

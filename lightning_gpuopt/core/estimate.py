@@ -1,0 +1,624 @@
+"""Peak memory of a training step, predicted before it runs: torchinfo's summary and a traced step.
+
+torchinfo's "Estimated Total Size" (input + forward/backward pass + parameters) leaves out
+gradients, optimizer state and what autograd saves beyond each layer's output, so it can be off
+by several times against a real step. This module keeps torchinfo's figures for reference and
+predicts the peak by *running* the step on fake tensors:
+
+1. the module's parameters and buffers are swapped for ``FakeTensor`` twins (no memory; shapes,
+   dtypes and devices kept), the batch is faked and, to vary the batch size, rebuilt with another
+   first dimension;
+2. under ``FakeTensorMode`` and a :class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, two
+   steps run in Lightning's order: forward (in the caller's ``step_context``, e.g. autocast),
+   ``zero_grad(set_to_none=True)``, backward, the optimizer's ``step()`` on a twin of the real
+   optimizer (same class, same param-group options). The second step starts with the first
+   step's gradients and optimizer state alive, as every later real step does;
+3. the tracker's peak is the prediction (on CUDA each storage counts in the caching allocator's
+   512-byte blocks). Traced at batch sizes ``B`` and ``2B``, the peak gives a line
+   ``bytes(b) = fixed_bytes + bytes_per_sample * b``, and so the largest batch that fits a
+   capacity.
+
+What the trace cannot see: buffers that kernels allocate internally (cuDNN/cuBLAS workspaces,
+oneDNN reorders on CPU), the CUDA context, and memory held outside the step (e.g. DDP's gradient
+buckets, which :func:`with_untraced_bytes` adds).
+
+Nothing real is allocated or changed: module attributes, parameters, buffers and the RNG state
+are restored after the trace. A step that needs real values (``.item()``, data-dependent control
+flow, ops without a fake implementation) cannot be traced; :func:`estimate_memory` then falls
+back to torchinfo's figures plus parameters, gradients and a rule for the optimizer state
+(Adam/AdamW: 2x the trainable parameters, 3x with ``amsgrad``; SGD with momentum: 1x, without: 0),
+and says why in :attr:`MemoryEstimate.notes`.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    >>> optimizer = torch.optim.Adam(model.parameters())
+    >>> batch = (torch.randn(16, 32), torch.randn(16, 1))
+    >>> loss_fn = lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1])
+    >>> estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=16,
+    ...                            forward_input=batch[0], capacity_bytes=10**6)
+    >>> estimate.method, estimate.optimizer_bytes >= 2 * estimate.params_bytes  # exp_avg, exp_avg_sq, step
+    ('traced', True)
+    >>> estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+import torchinfo
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, LiveTensorTracker, storage_bytes
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass
+class TracedStep:
+    """Figures of one traced training step (all in bytes, as live at the step's end)."""
+
+    batch_size: int | None
+    peak_bytes: int
+    params_bytes: int
+    buffers_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    batch_bytes: int
+    seconds: float
+
+
+@dataclass
+class TorchinfoFigures:
+    """torchinfo's summary of one forward pass; ``total_bytes`` is its "Estimated Total Size"."""
+
+    total_params: int
+    trainable_params: int
+    mult_adds: int
+    input_bytes: int
+    forward_backward_bytes: int
+    params_bytes: int
+    total_bytes: int
+    on_fake_tensors: bool
+    seconds: float
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted (and, once measured, actual) peak memory of a training step.
+
+    ``predicted_peak_bytes`` = ``params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
+    batch_bytes + untraced_bytes + activation_bytes``, where ``activation_bytes`` is everything else live at the
+    peak (saved activations, temporaries). Errors are relative and signed:
+    ``(predicted - measured) / measured``, positive when the prediction is too high.
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int | None
+    torchinfo_total_bytes: int | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None = None
+    max_batch_size: int | None = None
+    #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
+    method: str = "traced"
+    batch_size: int | None = None
+    buffers_bytes: int = 0
+    batch_bytes: int = 0
+    #: memory the real step holds outside the traced one (DDP's gradient buckets)
+    untraced_bytes: int = 0
+    fixed_bytes: float | None = None
+    bytes_per_sample: float | None = None
+    capacity_bytes: int | None = None
+    param_dtype: str | None = None
+    estimate_error: float | None = None
+    torchinfo_error: float | None = None
+    torchinfo_params: int | None = None
+    torchinfo_trainable_params: int | None = None
+    torchinfo_mult_adds: int | None = None
+    trace_seconds: float | None = None
+    torchinfo_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- fake twins
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _restored_attributes(module: torch.nn.Module) -> Iterator[None]:
+    """Undo what the block does to the attributes of ``module`` and its submodules: (re)bindings,
+    and changes to the contents of list and dict attributes (e.g. losses appended in a step)."""
+    saved = [(sub, dict(vars(sub))) for sub in module.modules()]
+    contents = [(value, type(value)(value)) for _, attributes in saved for value in attributes.values()
+                if type(value) in (list, dict, collections.OrderedDict)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for value, content in contents:
+            value.clear()
+            if isinstance(value, dict):
+                value.update(content)
+            else:
+                value.extend(content)
+        for sub, attributes in saved:
+            current = vars(sub)
+            for name in [name for name in current if name not in attributes]:
+                del current[name]
+            current.update(attributes)
+
+
+@contextlib.contextmanager
+def _swapped_tensors(module: torch.nn.Module, twin: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Replace every parameter and buffer of ``module`` by ``twin(tensor)`` inside the block."""
+    swapped = []
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in store.items():
+                if tensor is not None:
+                    swapped.append((store, name, tensor))
+    try:
+        for store, name, tensor in swapped:
+            store[name] = twin(tensor)
+        yield
+    finally:
+        for store, name, tensor in swapped:
+            store[name] = tensor
+
+
+def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, keep: Callable[[Any], Any]) -> Any:
+    """``batch`` with each tensor whose first dimension is ``batch_size`` replaced by zeros with
+    ``new_batch_size`` rows (fake ones under ``FakeTensorMode``), and every other leaf ``keep(leaf)``."""
+
+    def rebatched(value: Any) -> Any:
+        is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
+        if new_batch_size is None or not is_batched:
+            return keep(value)
+        return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
+
+    return tree_map(rebatched, batch)
+
+
+def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
+    """``batch`` as fake tensors, resized from ``batch_size`` to ``new_batch_size`` rows."""
+
+    def keep(value: Any) -> Any:
+        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    with mode:
+        return _rebatched(batch, batch_size, new_batch_size, keep)
+
+
+def leading_dimension(batch: Any) -> int | None:
+    """The first dimension of the first tensor in ``batch`` (``None`` without one).
+
+    Example::
+
+        >>> leading_dimension({"x": torch.zeros(5, 2), "y": torch.zeros(5)})
+        5
+    """
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """An optimizer of the same class and param-group options over the twins of its parameters."""
+    groups = []
+    for group in optimizer.param_groups:
+        options = {key: value for key, value in group.items() if key != "params"}
+        groups.append({**options, "params": [twin_of[id(param)] for param in group["params"]]})
+    return type(optimizer)(groups)
+
+
+@contextlib.contextmanager
+def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block ``module`` holds fake twins of its tensors; yields real id -> twin."""
+    twin_of: dict[int, torch.Tensor] = {}
+
+    def twin(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in twin_of:
+            twin_of[id(tensor)] = mode.from_tensor(tensor)
+        return twin_of[id(tensor)]
+
+    device = _module_device(module)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), _restored_attributes(module), _swapped_tensors(module, twin):
+        yield twin_of
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def trace_training_step(
+    module: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    batch_size: int | None = None,
+    trace_batch_size: int | None = None,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    steps: int = 2,
+) -> TracedStep:
+    """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
+
+    Args:
+        module: the model; ``loss_fn`` must reach its parameters through it.
+        loss_fn: ``batch -> loss`` (the forward pass and the loss).
+        batch: a real batch (tensors, or lists/tuples/dicts of them).
+        optimizer: the real optimizer; a twin of it steps the fake parameters. ``None``: no step.
+        batch_size: the batch size of ``batch`` (tensors with that first dimension are resized).
+        trace_batch_size: the batch size to trace at (default: ``batch_size``).
+        step_context: a context manager factory the forward pass runs in (e.g. autocast).
+        steps: how many steps to trace; from the second one on gradients and optimizer state of
+            the previous step are alive, as in a real training loop.
+
+    Raises:
+        Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
+
+    Example::
+
+        >>> model = torch.nn.Linear(100, 10)
+        >>> step = trace_training_step(model, lambda x: model(x).sum(), torch.ones(8, 100),
+        ...                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                            batch_size=8, trace_batch_size=1000)
+        >>> step.params_bytes == step.grads_bytes == 4040, step.optimizer_bytes, step.batch_bytes
+        (True, 0, 400000)
+    """
+    start = time.perf_counter()
+    device = _module_device(module)
+    granularity = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_module(module, mode) as twin_of:
+        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
+        params = list(module.parameters())
+        with mode, LiveTensorTracker(existing=(module, fake_batch), granularity=granularity) as tracker:
+            twin_optimizer = None if optimizer is None else _twin_optimizer(optimizer, twin_of)
+            for _ in range(steps):
+                with step_context():
+                    loss = loss_fn(fake_batch)
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+                for param in params:
+                    param.grad = None
+                loss.backward()
+                if twin_optimizer is not None:
+                    twin_optimizer.step()
+                del loss
+            figures = TracedStep(
+                batch_size=trace_batch_size or batch_size,
+                peak_bytes=tracker.peak_bytes,
+                params_bytes=storage_bytes(params, granularity=granularity),
+                buffers_bytes=storage_bytes(list(module.buffers()), granularity=granularity),
+                grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
+                optimizer_bytes=0 if twin_optimizer is None else storage_bytes(twin_optimizer, granularity=granularity),
+                batch_bytes=storage_bytes(fake_batch, granularity=granularity),
+                seconds=0.0,
+            )
+    figures.seconds = time.perf_counter() - start
+    return figures
+
+
+# ----------------------------------------------------------------------------- torchinfo
+
+
+def _figures_from(statistics: torchinfo.ModelStatistics, on_fake: bool, seconds: float) -> TorchinfoFigures:
+    return TorchinfoFigures(
+        total_params=int(statistics.total_params),
+        trainable_params=int(statistics.trainable_params),
+        mult_adds=int(statistics.total_mult_adds),
+        input_bytes=int(statistics.total_input),
+        forward_backward_bytes=int(statistics.total_output_bytes),
+        params_bytes=int(statistics.total_param_bytes),
+        total_bytes=int(statistics.total_input + statistics.total_output_bytes + statistics.total_param_bytes),
+        on_fake_tensors=on_fake,
+        seconds=seconds,
+    )
+
+
+def torchinfo_summary(
+    module: torch.nn.Module,
+    forward_input: Any,
+    *,
+    batch_size: int | None = None,
+    trace_batch_size: int | None = None,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> TorchinfoFigures:
+    """torchinfo's figures for ``module(forward_input)``, with the input resized to ``trace_batch_size``.
+
+    The forward pass runs in ``step_context`` (e.g. autocast), as the training step does.
+
+    Runs on fake tensors first (no memory, no side effects); a model that cannot run on them is
+    summarised with real tensors under ``torch.no_grad()`` in eval mode (torchinfo's default,
+    which leaves BatchNorm statistics alone), with ``device=`` the module's own device. Either
+    way torchinfo never moves the model.
+
+    Example::
+
+        >>> figures = torchinfo_summary(torch.nn.Linear(10, 5), torch.ones(4, 10))
+        >>> figures.total_params, figures.on_fake_tensors
+        (55, True)
+    """
+    device = _module_device(module)
+    start = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with _fake_module(module, mode):
+            fake_input = _batch_twin(forward_input, mode, batch_size, trace_batch_size)
+            with mode, step_context():
+                # device=None: with input_data given, torchinfo then moves neither model nor input
+                # (``.to()`` would try to swap the fake parameters)
+                statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
+        return _figures_from(statistics, True, time.perf_counter() - start)
+    except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
+        pass
+    start = time.perf_counter()
+    real_input = _rebatched(forward_input, batch_size, trace_batch_size, keep=lambda value: value)
+    with _restored_attributes(module), step_context():
+        statistics = torchinfo.summary(module, input_data=real_input, device=device, verbose=0)
+    return _figures_from(statistics, False, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def optimizer_state_rule_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
+    """Optimizer state by rule: Adam/AdamW 2x trainable parameters (3x with amsgrad), SGD 1x with
+    momentum, 0 without; ``None`` for other optimizers (measure them after a real step).
+
+    Example::
+
+        >>> model = torch.nn.Linear(10, 10)
+        >>> optimizer_state_rule_bytes(torch.optim.Adam(model.parameters()))
+        880
+    """
+    if optimizer is None:
+        return 0
+    total = 0
+    for group in optimizer.param_groups:
+        trainable = storage_bytes([p for p in group["params"] if p.requires_grad])
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            total += trainable * (3 if group.get("amsgrad") else 2)
+        elif isinstance(optimizer, torch.optim.SGD):
+            total += trainable if group.get("momentum", 0) else 0
+        else:
+            return None
+    return total
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """``(predicted - measured) / measured``; ``None`` when either is missing or measured is 0."""
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def max_batch_size_for(
+    capacity_bytes: int | None, fixed_bytes: float | None, bytes_per_sample: float | None
+) -> int | None:
+    """The largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes`` (``None`` if unknown)."""
+    if capacity_bytes is None or fixed_bytes is None or not bytes_per_sample or bytes_per_sample <= 0:
+        return None
+    return max(0, math.floor((capacity_bytes - fixed_bytes) / bytes_per_sample))
+
+
+def with_measured_peak(estimate: MemoryEstimate, measured_peak_bytes: int | None) -> MemoryEstimate:
+    """``estimate`` with the measured peak and both relative errors filled in."""
+    return replace(
+        estimate,
+        measured_peak_bytes=measured_peak_bytes,
+        estimate_error=relative_error(estimate.predicted_peak_bytes, measured_peak_bytes),
+        torchinfo_error=relative_error(estimate.torchinfo_total_bytes, measured_peak_bytes),
+    )
+
+
+def _with_fixed_bytes_added(estimate: MemoryEstimate, added: int, note: str, **changes: Any) -> MemoryEstimate:
+    fixed = None if estimate.fixed_bytes is None else estimate.fixed_bytes + added
+    return replace(
+        estimate,
+        predicted_peak_bytes=estimate.predicted_peak_bytes + added,
+        fixed_bytes=fixed,
+        max_batch_size=max_batch_size_for(estimate.capacity_bytes, fixed, estimate.bytes_per_sample),
+        notes=[*estimate.notes, note],
+        **changes,
+    )
+
+
+def with_measured_optimizer_state(estimate: MemoryEstimate, optimizer_bytes: int) -> MemoryEstimate:
+    """For an optimizer without a rule: add its state as measured after a real step to the prediction."""
+    return _with_fixed_bytes_added(
+        estimate,
+        optimizer_bytes - estimate.optimizer_bytes,
+        f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
+        optimizer_bytes=optimizer_bytes,
+    )
+
+
+def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: str) -> MemoryEstimate:
+    """Add memory the real step holds outside the traced one (e.g. DDP's gradient buckets).
+
+    Example::
+
+        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
+        >>> after = with_untraced_bytes(before, 10, "DDP gradient buckets")
+        >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size
+        (55, 10, 50)
+    """
+    return _with_fixed_bytes_added(
+        estimate,
+        untraced_bytes,
+        f"{reason}: {untraced_bytes} bytes",
+        untraced_bytes=estimate.untraced_bytes + untraced_bytes,
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    """``"Type: first line"`` of the innermost cause of ``error`` (torchinfo wraps the real one)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _traced_estimate(
+    module: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    batch_size: int | None,
+    step_context: Callable[[], ContextManager[Any]],
+) -> tuple[MemoryEstimate, float]:
+    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context)
+    at_batch = trace_training_step(module, loss_fn, batch, **trace)
+    seconds = at_batch.seconds
+    fixed = per_sample = None
+    if batch_size:
+        at_double = trace_training_step(module, loss_fn, batch, trace_batch_size=2 * batch_size, **trace)
+        seconds += at_double.seconds
+        per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / batch_size
+        fixed = at_batch.peak_bytes - per_sample * batch_size
+    known = at_batch.params_bytes + at_batch.buffers_bytes + at_batch.grads_bytes + at_batch.optimizer_bytes
+    estimate = MemoryEstimate(
+        params_bytes=at_batch.params_bytes,
+        grads_bytes=at_batch.grads_bytes,
+        optimizer_bytes=at_batch.optimizer_bytes,
+        activation_bytes=at_batch.peak_bytes - known - at_batch.batch_bytes,
+        torchinfo_total_bytes=None,
+        predicted_peak_bytes=at_batch.peak_bytes,
+        method="traced",
+        batch_size=batch_size,
+        buffers_bytes=at_batch.buffers_bytes,
+        batch_bytes=at_batch.batch_bytes,
+        fixed_bytes=fixed,
+        bytes_per_sample=per_sample,
+    )
+    return estimate, seconds
+
+
+def _fallback_estimate(
+    module: torch.nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    batch_size: int | None,
+    torchinfo_figures: TorchinfoFigures | None,
+) -> MemoryEstimate:
+    params = list(module.parameters())
+    params_bytes = storage_bytes(params)
+    grads_bytes = storage_bytes([p for p in params if p.requires_grad])
+    optimizer_bytes = optimizer_state_rule_bytes(optimizer)
+    notes = []
+    if optimizer_bytes is None:
+        notes.append(f"no rule for {type(optimizer).__name__}: its state is measured after the first real step")
+        optimizer_bytes = 0
+    buffers_bytes = storage_bytes(list(module.buffers()))
+    batch_bytes = storage_bytes(batch)
+    fixed = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes
+    if torchinfo_figures is None:
+        return MemoryEstimate(
+            params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=optimizer_bytes,
+            activation_bytes=None, torchinfo_total_bytes=None, predicted_peak_bytes=fixed + batch_bytes,
+            method="parameters-only", batch_size=batch_size, buffers_bytes=buffers_bytes,
+            batch_bytes=batch_bytes, notes=notes,
+        )  # fmt: skip
+    activation_bytes = torchinfo_figures.forward_backward_bytes
+    per_batch = torchinfo_figures.input_bytes + activation_bytes
+    return MemoryEstimate(
+        params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=optimizer_bytes,
+        activation_bytes=activation_bytes, torchinfo_total_bytes=torchinfo_figures.total_bytes,
+        predicted_peak_bytes=fixed + per_batch, method="torchinfo-fallback", batch_size=batch_size,
+        buffers_bytes=buffers_bytes, batch_bytes=torchinfo_figures.input_bytes, fixed_bytes=fixed,
+        bytes_per_sample=per_batch / batch_size if batch_size else None, notes=notes,
+    )  # fmt: skip
+
+
+def estimate_memory(
+    module: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    batch_size: int | None = None,
+    forward_input: Any = None,
+    capacity_bytes: int | None = None,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> MemoryEstimate:
+    """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
+
+    Traces the step at ``batch_size`` and ``2 * batch_size`` (see :func:`trace_training_step`);
+    when it cannot be traced, falls back to torchinfo's figures and says why in ``notes``.
+
+    Args:
+        module: the model.
+        loss_fn: ``batch -> loss``.
+        batch: a real batch.
+        optimizer: the real optimizer (its class and param-group options are reused).
+        batch_size: the batch size of ``batch``; without it there is no line and no max batch size.
+        forward_input: what ``module.forward`` takes, for torchinfo (``None``: no torchinfo figures);
+            resized to ``batch_size`` along the first dimension of its tensors.
+        capacity_bytes: the memory to plan with, for :attr:`MemoryEstimate.max_batch_size`.
+        step_context: a context manager factory the forward pass runs in (e.g. autocast).
+
+    Example::
+
+        >>> model = torch.nn.Linear(64, 64)
+        >>> estimate = estimate_memory(model, lambda x: model(x).sum(), torch.ones(32, 64), batch_size=32)
+        >>> estimate.params_bytes, estimate.grads_bytes, estimate.method
+        (16640, 16640, 'traced')
+    """
+    device = _module_device(module)
+    notes: list[str] = []
+    torchinfo_figures = None
+    if forward_input is not None:
+        try:
+            torchinfo_figures = torchinfo_summary(
+                module,
+                forward_input,
+                batch_size=leading_dimension(forward_input),
+                trace_batch_size=batch_size,
+                step_context=step_context,
+            )
+        except Exception as error:  # noqa: BLE001 - a summary is optional
+            notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
+    try:
+        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context)
+    except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
+        notes.append(f"the training step could not be traced on fake tensors ({_first_line(error)}); "
+                     "the estimate uses torchinfo's figures and is less accurate")  # fmt: skip
+        estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
+    if torchinfo_figures is not None:
+        estimate = replace(
+            estimate,
+            torchinfo_total_bytes=torchinfo_figures.total_bytes,
+            torchinfo_params=torchinfo_figures.total_params,
+            torchinfo_trainable_params=torchinfo_figures.trainable_params,
+            torchinfo_mult_adds=torchinfo_figures.mult_adds,
+            torchinfo_seconds=torchinfo_figures.seconds,
+        )
+    params = list(module.parameters())
+    return replace(
+        estimate,
+        capacity_bytes=capacity_bytes,
+        max_batch_size=max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
+        param_dtype=str(params[0].dtype) if params else None,
+        trace_seconds=trace_seconds,
+        notes=[*notes, *estimate.notes],
+    )

@@ -1,0 +1,608 @@
+"""Device memory: capacity, peak meters, a simulated cap (:class:`MemoryBudget`), OOM detection and cleanup.
+
+Pure torch + standard library (no Lightning import).
+
+* :func:`device_total_memory` / :func:`device_free_memory`: what a device holds and has free. On CUDA
+  from ``torch.cuda.mem_get_info`` (the CUDA context lives outside torch's allocator statistics, so
+  the driver's figure is the honest one); on CPU from ``/proc/meminfo`` (``MemTotal``,
+  ``MemAvailable``), capped by a cgroup v2 ``memory.max`` when one is set, with ``os.sysconf`` as
+  the fallback.
+* :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts the bytes of live tensor storage.
+  Each untyped storage is counted once, by its ``nbytes`` (views share their base's storage and add
+  nothing), from the op that created it until it is freed (a weak reference to the storage calls
+  back when it dies). In-place ops and views of existing tensors allocate nothing and count nothing.
+  It works for real and for fake tensors alike, which is what lets :mod:`.estimate` trace a step
+  without allocating.
+* :class:`MemoryBudget`: the tracker with a cap; an op whose new storage would pass the cap raises
+  ``torch.OutOfMemoryError`` with "CUDA out of memory" in its message, so code written for a real
+  CUDA OOM (``lightning.pytorch.utilities.memory.is_oom_error`` included) handles it the same way.
+* :class:`PeakMemoryMeter`: the peak of one device between ``start()`` and ``stop()``: the caching
+  allocator's ``max_memory_allocated`` on CUDA, a :class:`LiveTensorTracker` elsewhere.
+* :func:`device_usable_memory`: what a training step may use (free + already held by torch).
+* :func:`parse_memory`: ``"300MB"``, ``"20GiB"``, ``0.9`` (a fraction of the device) or bytes.
+* :func:`is_out_of_memory_error`, :func:`release_memory`, :func:`call_catching_oom`.
+
+What a tracker counts: the tensors created while it is active, plus those handed to it as
+``existing`` (modules: parameters, buffers and gradients; optimizers: their state; any tensors or
+nested lists/tuples/dicts of them), which are counted from entry until they are freed. So a budget
+entered with ``existing=(model, optimizer, batch)`` caps the whole training step, parameters,
+gradients and optimizer state included, and a gradient freed by ``zero_grad(set_to_none=True)``
+inside it is subtracted when it dies. Tensors that were alive before entry and not passed as
+``existing`` are not counted; ``baseline_bytes`` adds a fixed amount for anything else.
+
+Example::
+
+    >>> import torch
+    >>> with MemoryBudget("1MB") as budget:
+    ...     a = torch.zeros(1000)           # 4000 bytes
+    ...     b = a[10:]                      # a view: no new storage
+    ...     del a, b
+    ...     c = torch.zeros(2000)           # 8000 bytes; the first tensor is already freed
+    >>> budget.peak_bytes
+    8000
+    >>> parse_memory("300MB"), parse_memory("1GiB")
+    (300000000, 1073741824)
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+#: markers of out-of-memory errors in exception messages (CUDA, MPS, XPU, cuBLAS, cuDNN, CPU allocator)
+OOM_MESSAGE_MARKERS = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+#: the CUDA caching allocator hands out blocks in multiples of this many bytes
+CUDA_ALLOCATION_GRANULARITY = 512
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_limit_bytes() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
+    """A ``/proc/meminfo`` figure (``os.sysconf`` pages without it), capped by the cgroup limit."""
+    num_bytes = _meminfo_bytes(meminfo_field)
+    if num_bytes is None:
+        num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf(sysconf_pages)
+    limit = _cgroup_limit_bytes()
+    return num_bytes if limit is None else min(num_bytes, limit)
+
+
+def device_total_memory(device: torch.device | str | int | None = None) -> int:
+    """Bytes the device holds: CUDA: the driver's total; CPU: physical RAM (cgroup limit applied).
+
+    Example::
+
+        >>> device_total_memory("cpu") > 0
+        True
+    """
+    device = _as_device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return _host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+
+
+def device_free_memory(device: torch.device | str | int | None = None) -> int:
+    """Bytes free on the device now: CUDA: the driver's free figure; CPU: ``MemAvailable`` (at most
+    the cgroup limit).
+
+    Example::
+
+        >>> 0 < device_free_memory("cpu") <= device_total_memory("cpu")
+        True
+    """
+    device = _as_device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
+
+
+def device_usable_memory(device: torch.device | str | int | None = None, *, existing: Iterable[Any] = ()) -> int:
+    """Bytes a training step on ``device`` can use: free memory plus what torch already holds there.
+
+    CUDA: free memory plus what the caching allocator has reserved (the model and optimizer live
+    in it and a larger batch can reuse it). Elsewhere: free memory plus the storages of
+    ``existing`` (e.g. the model and optimizer, already allocated and so no longer free).
+
+    Example::
+
+        >>> model = torch.nn.Linear(100, 100)
+        >>> device_usable_memory("cpu", existing=[model]) >= storage_bytes(model)
+        True
+    """
+    device = _as_device(device)
+    if device.type == "cuda":
+        return device_free_memory(device) + int(torch.cuda.memory_reserved(device))
+    return min(device_free_memory(device) + storage_bytes(*existing), device_total_memory(device))
+
+
+def parse_memory(
+    value: int | float | str,
+    device: torch.device | str | int | None = None,
+    *,
+    name: str = "max_memory",
+) -> int:
+    """An amount of memory in bytes from bytes, a string with a unit, or a fraction of the device.
+
+    Decimal units are powers of 1000 (``"300MB"`` = 300,000,000 bytes), binary units powers of
+    1024 (``"20GiB"`` = 20 * 2**30 bytes); units are case-insensitive. A float in ``(0, 1]`` is a
+    fraction of :func:`device_total_memory` of ``device``, which must then be given.
+
+    Args:
+        value: bytes (a positive int), a string such as ``"300MB"``, ``"1.5GiB"`` or ``"4096"``,
+            or a fraction of the device such as ``0.9``.
+        device: the device a fraction refers to.
+        name: the argument's name, used in error messages.
+
+    Raises:
+        ValueError: for anything else; the message names the argument, the value and what works.
+
+    Example::
+
+        >>> parse_memory(4096), parse_memory("1.5KiB"), parse_memory("2 kb")
+        (4096, 1536, 2000)
+    """
+    works = (
+        'a positive int of bytes, a string such as "300MB" or "20GiB", '
+        "or a float in (0, 1] (a fraction of the device)"
+    )
+    if isinstance(value, bool):
+        raise ValueError(f"`{name}`={value!r} is a bool; expected {works}.")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"`{name}`={value!r} is not positive; expected {works}.")
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"`{name}`={value!r} is a float outside (0, 1]; expected {works}.")
+        if device is None:
+            raise ValueError(
+                f"`{name}`={value!r} is a fraction of a device, but no device was given; "
+                "pass `device=` or give bytes / a string such as \"20GiB\"."
+            )
+        return int(value * device_total_memory(device))
+    if isinstance(value, str):
+        match = _MEMORY_STRING.match(value)
+        if match is None:
+            raise ValueError(f"`{name}`={value!r} is not a memory size; expected {works}.")
+        number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+        num_bytes = int(number * _UNITS[unit])
+        if num_bytes <= 0:
+            raise ValueError(f"`{name}`={value!r} is zero bytes; expected {works}.")
+        return num_bytes
+    raise ValueError(f"`{name}`={value!r} has type {type(value).__name__}; expected {works}.")
+
+
+# ----------------------------------------------------------------------------- tensors and storages
+
+
+def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
+    """The tensors that ``objects`` hold: modules (parameters, buffers, gradients), optimizers (state)
+    and tensors, also inside lists, tuples and dicts.
+
+    Example::
+
+        >>> len(list(collect_tensors(torch.nn.Linear(2, 3), [torch.zeros(1)])))
+        3
+    """
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for param in obj.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+            yield from obj.buffers()
+        elif isinstance(obj, torch.optim.Optimizer):
+            yield from collect_tensors(list(obj.state.values()))
+        else:
+            yield from (leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor))
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
+        return None
+
+
+def _round_up(num_bytes: int, granularity: int) -> int:
+    return -(-num_bytes // granularity) * granularity
+
+
+def storage_bytes(*objects: Any, granularity: int = 1) -> int:
+    """Bytes of the distinct storages behind the tensors of ``objects`` (see :func:`collect_tensors`).
+
+    Example::
+
+        >>> base = torch.zeros(10)
+        >>> storage_bytes(base, base[5:], torch.zeros(2))
+        48
+    """
+    seen: dict[int, int] = {}
+    for tensor in collect_tensors(*objects):
+        storage = _storage_of(tensor)
+        if storage is not None:
+            seen[storage._cdata] = _round_up(storage.nbytes(), granularity)
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------- live storage tracking
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """A dispatch mode that counts the bytes of live tensor storages, with an optional cap.
+
+    Active between ``__enter__`` and ``__exit__`` (usable as ``with`` or across two hooks). On entry
+    the counts start at zero and the tensors of ``existing`` (see :func:`collect_tensors`) are
+    counted; on exit all tracked state is dropped (``live_bytes`` is 0 again, ``peak_bytes`` kept),
+    also when the block raised.
+
+    Args:
+        max_bytes: the cap; an op whose new storages would pass it raises ``torch.OutOfMemoryError``.
+        existing: objects whose tensors count from entry: modules, optimizers, batches.
+        device: count only tensors on this device (``None``: every device).
+        granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
+        baseline_bytes: a fixed amount added to the live bytes (memory held outside tensors).
+
+    Example::
+
+        >>> with LiveTensorTracker() as tracker:
+        ...     x = torch.ones(256)
+        ...     y = x * 2
+        >>> tracker.peak_bytes
+        2048
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        *,
+        existing: Iterable[Any] = (),
+        device: torch.device | str | None = None,
+        granularity: int = 1,
+        baseline_bytes: int = 0,
+    ) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self.existing = tuple(existing)
+        self.device = None if device is None else torch.device(device)
+        self.granularity = granularity
+        self.baseline_bytes = baseline_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+
+    # -- lifecycle
+    def __enter__(self) -> "LiveTensorTracker":
+        self._clear()
+        self.live_bytes = self.peak_bytes = self.baseline_bytes
+        self.track(*self.existing)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._clear()
+
+    def _clear(self) -> None:
+        self._live.clear()  # dropping the weak references also drops their callbacks
+        self.live_bytes = 0
+
+    @property
+    def tracked_storages(self) -> int:
+        """How many storages are counted as live now (0 outside the ``with`` block)."""
+        return len(self._live)
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the bytes live now."""
+        self.peak_bytes = self.live_bytes
+
+    # -- counting
+    def track(self, *objects: Any) -> None:
+        """Count the tensors of ``objects`` as live from now until they are freed (cap not applied)."""
+        for key, storage, num_bytes in self._new_storages(collect_tensors(*objects), exclude=set()):
+            self._add(key, storage, num_bytes)
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        if self.device is None:
+            return True
+        device = tensor.device
+        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
+
+    def _new_storages(
+        self, tensors: Iterable[Any], exclude: set[int]
+    ) -> list[tuple[int, torch.UntypedStorage, int]]:
+        found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not self._counts(tensor):
+                continue
+            storage = _storage_of(tensor)
+            if storage is None:
+                continue
+            key = storage._cdata
+            if key in self._live or key in exclude or key in found:
+                continue
+            num_bytes = _round_up(storage.nbytes(), self.granularity)
+            if num_bytes > 0:
+                found[key] = (key, storage, num_bytes)
+        return list(found.values())
+
+    def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:
+        self._live[key] = (weakref.ref(storage, self._release_callback(key)), num_bytes)
+        self.live_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _release_callback(self, key: int) -> Callable[[weakref.ref], None]:
+        def release(_ref: weakref.ref) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.live_bytes -= entry[1]
+
+        return release
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage._cdata for storage in map(_storage_of, _tensor_leaves((args, kwargs))) if storage is not None}
+        new = self._new_storages(tree_leaves(out), exclude=inputs)
+        added = sum(num_bytes for _, _, num_bytes in new)
+        if self.max_bytes is not None and added and self.live_bytes + added > self.max_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(func, added))
+        for key, storage, num_bytes in new:
+            self._add(key, storage, num_bytes)
+        return out
+
+    def _oom_message(self, func: Any, added: int) -> str:
+        where = "any device" if self.device is None else str(self.device)
+        return (
+            f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
+            f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+        )
+
+
+def _tensor_leaves(tree: Any) -> Iterator[torch.Tensor]:
+    return (leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
+
+
+class MemoryBudget(LiveTensorTracker):
+    """A simulated device-memory cap: raises ``torch.OutOfMemoryError`` when live tensors would pass it.
+
+    Counts what :class:`LiveTensorTracker` counts: tensors created inside the block, plus the
+    tensors of ``existing`` (e.g. ``(model, optimizer, batch)`` to cap a whole training step with
+    parameters, gradients and optimizer state), plus ``baseline_bytes``. The error's message
+    contains "CUDA out of memory", so ``lightning.pytorch.utilities.memory.is_oom_error`` and
+    :func:`is_out_of_memory_error` recognise it like a real CUDA OOM. It works on any device (on
+    CUDA the real allocator still applies its own limit); nested budgets each apply their own cap,
+    and leaving the block, normally or by an exception, drops all tracked state.
+
+    Args:
+        max_memory: the cap: bytes, a string such as ``"300MB"`` / ``"20GiB"``, or a fraction of
+            ``device`` such as ``0.5`` (see :func:`parse_memory`).
+        existing: objects whose tensors count from entry: modules, optimizers, batches.
+        device: count only tensors on this device; also the device a fraction refers to.
+        baseline_bytes: a fixed amount counted as live (memory held outside tensors).
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Linear(1000, 1000)           # 4,004,000 bytes of parameters
+        >>> with MemoryBudget("5MB", existing=[model]) as budget:
+        ...     try:
+        ...         model(torch.ones(512, 1000))          # 2 MB input + 2 MB output: too much
+        ...     except torch.OutOfMemoryError as error:
+        ...         print("CUDA out of memory" in str(error))
+        True
+        >>> budget.peak_bytes <= 5_000_000
+        True
+    """
+
+    def __init__(
+        self,
+        max_memory: int | float | str,
+        *,
+        existing: Iterable[Any] = (),
+        device: torch.device | str | None = None,
+        baseline_bytes: int = 0,
+    ) -> None:
+        super().__init__(
+            parse_memory(max_memory, device),
+            existing=existing,
+            device=device,
+            granularity=1 if device is None or torch.device(device).type != "cuda" else CUDA_ALLOCATION_GRANULARITY,
+            baseline_bytes=baseline_bytes,
+        )
+
+
+# ----------------------------------------------------------------------------- peak meter
+
+
+class PeakMemoryMeter:
+    """Peak memory of one device between :meth:`start` and :meth:`stop` (or inside ``with``).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (everything the
+    process holds on the device), plus ``max_memory_reserved`` as :attr:`peak_reserved_bytes`.
+    Other devices: a :class:`LiveTensorTracker` over the tensors of ``existing`` and those
+    created in between (no ``peak_reserved_bytes``).
+
+    Args:
+        device: the device to measure.
+        existing: on non-CUDA devices, objects whose tensors count from the start (model,
+            optimizer, batch).
+        baseline_bytes: on non-CUDA devices, a fixed amount counted as live (memory held outside
+            tensors the tracker can see; on CUDA the allocator already counts everything).
+
+    Example::
+
+        >>> model = torch.nn.Linear(10, 10)
+        >>> with PeakMemoryMeter("cpu", existing=[model]) as meter:
+        ...     model(torch.ones(4, 10)).sum().backward()
+        >>> meter.peak_bytes >= 2 * (10 * 10 + 10) * 4
+        True
+    """
+
+    def __init__(
+        self, device: torch.device | str | None = None, *, existing: Iterable[Any] = (), baseline_bytes: int = 0
+    ) -> None:
+        self.device = _as_device(device)
+        self.existing = tuple(existing)
+        self.baseline_bytes = baseline_bytes
+        self.peak_bytes: int | None = None
+        self.peak_reserved_bytes: int | None = None
+        self._tracker: LiveTensorTracker | None = None
+        self._cuda_running = False
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`start` was called and :meth:`stop` not yet."""
+        return self._tracker is not None or self._cuda_running
+
+    def start(self) -> None:
+        """Begin measuring (a running meter restarts)."""
+        self.stop()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_running = True
+        else:
+            self._tracker = LiveTensorTracker(
+                existing=self.existing, device=self.device, baseline_bytes=self.baseline_bytes
+            )
+            self._tracker.__enter__()
+
+    def stop(self) -> int | None:
+        """Stop measuring; returns the peak in bytes (``None`` if never started)."""
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(None, None, None)
+            self.peak_bytes = tracker.peak_bytes
+        elif self._cuda_running:
+            self._cuda_running = False
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
+        return self.peak_bytes
+
+    def __enter__(self) -> "PeakMemoryMeter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------- OOM handling
+
+
+def is_out_of_memory_error(exception: BaseException) -> bool:
+    """Whether ``exception`` means the device ran out of memory.
+
+    Broader than ``lightning.pytorch.utilities.memory.is_oom_error``: any ``torch.OutOfMemoryError``
+    or ``MemoryError``, and ``RuntimeError`` messages from CUDA/MPS/XPU ("out of memory"), cuBLAS
+    ("CUBLAS_STATUS_ALLOC_FAILED"), cuDNN ("CUDNN_STATUS_NOT_SUPPORTED", which cuDNN raises when
+    its workspace cannot be allocated) and the CPU allocator.
+
+    Example::
+
+        >>> is_out_of_memory_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+        True
+        >>> is_out_of_memory_error(ValueError("out of memory"))
+        False
+    """
+    if isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if not isinstance(exception, RuntimeError):
+        return False
+    message = " ".join(str(arg) for arg in exception.args)
+    return any(marker in message for marker in OOM_MESSAGE_MARKERS)
+
+
+def release_memory() -> None:
+    """Free what a failed step left: collect garbage and, on CUDA, return cached blocks to the driver.
+
+    Call it outside the ``except`` block that caught the error, so that the traceback (and the
+    failed step's tensors its frames hold) is gone first; :func:`call_catching_oom` does this.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class CallOutcome:
+    """What :func:`call_catching_oom` returns: the value, or that the call ran out of memory."""
+
+    value: Any = None
+    out_of_memory: bool = False
+    error_message: str | None = None
+
+
+def call_catching_oom(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
+    """Call ``fn``; on an out-of-memory error free its memory and report it instead of raising.
+
+    Other exceptions propagate. The cleanup runs after the ``except`` block, when the exception and
+    its traceback (whose frames hold the failed call's tensors) have been released.
+
+    Example::
+
+        >>> def step():
+        ...     with MemoryBudget(1000):
+        ...         return torch.zeros(1000)
+        >>> outcome = call_catching_oom(step)
+        >>> outcome.out_of_memory, "CUDA out of memory" in outcome.error_message
+        (True, True)
+    """
+    message: str | None = None
+    try:
+        return CallOutcome(value=fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
+        if not is_out_of_memory_error(exc):
+            raise
+        message = str(exc)
+    release_memory()
+    return CallOutcome(out_of_memory=True, error_message=message)

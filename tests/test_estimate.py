@@ -1,0 +1,263 @@
+"""Tests of the calibrated memory estimate (lightning_gpuopt.core.estimate) and the MemoryEstimator
+callback, with real Trainers, real dataloaders and real training steps on CPU."""
+
+from __future__ import annotations
+
+import csv
+import doctest
+import logging
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from models_memory import ClassifierModule, make_model
+
+from lightning_gpuopt.callbacks.memory_estimator import METRIC_PREFIX, MemoryEstimator
+from lightning_gpuopt.core import estimate as estimate_module
+from lightning_gpuopt.core.estimate import MemoryEstimate, estimate_memory, optimizer_state_rule_bytes
+from lightning_gpuopt.core.memory import storage_bytes
+from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
+
+TOLERANCE = 0.10
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Trainers without a logger write the report into the working directory: keep it out of the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
+def fit(model: L.LightningModule, batch_size: int, estimator: MemoryEstimator, **trainer_kwargs) -> L.Trainer:
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+    )  # fmt: skip
+    options.update(trainer_kwargs)
+    trainer = L.Trainer(callbacks=[estimator], **options)
+    trainer.fit(model, model.loader(batch_size))
+    return trainer
+
+
+class RMSpropClassifier(ClassifierModule):
+    """An optimizer without a state rule: its state is measured after the first real step."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("batch_size", [4, 16, 48])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_traced_estimate_is_within_ten_percent_of_the_measured_peak(name, batch_size):
+    estimator = MemoryEstimator(measure_steps=3)
+    fit(make_model(name), batch_size, estimator)
+    estimate = estimator.estimate
+    print(
+        f"\n{name} B={batch_size}: predicted {estimate.predicted_peak_bytes} measured {estimate.measured_peak_bytes} "
+        f"error {estimate.estimate_error:+.4f}; torchinfo {estimate.torchinfo_total_bytes} error {estimate.torchinfo_error:+.4f}"
+    )
+    assert estimate.method == "traced" and estimate.batch_size == batch_size
+    assert estimate.measured_peak_bytes >= estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
+    assert abs(estimate.estimate_error) <= TOLERANCE
+    # torchinfo's figure is reported next to ours, measured against the same peak
+    assert estimate.torchinfo_total_bytes > 0
+    assert estimate.torchinfo_error == pytest.approx(
+        (estimate.torchinfo_total_bytes - estimate.measured_peak_bytes) / estimate.measured_peak_bytes
+    )
+
+
+def test_the_line_predicts_a_four_times_larger_batch_and_its_max_batch_size():
+    large = MemoryEstimator(measure_steps=2)
+    fit(make_model("cnn"), 32, large)
+    peak_at_32 = large.estimate.measured_peak_bytes
+
+    small = MemoryEstimator(max_memory=peak_at_32, measure_steps=2)
+    fit(make_model("cnn"), 8, small)
+    estimate = small.estimate
+    predicted_at_32 = estimate.fixed_bytes + 32 * estimate.bytes_per_sample
+    assert abs(predicted_at_32 - peak_at_32) / peak_at_32 <= TOLERANCE
+    assert estimate.capacity_bytes == peak_at_32
+    assert abs(estimate.max_batch_size - 32) <= 32 * TOLERANCE
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
+def test_estimate_follows_the_trainer_precision(precision, dtype):
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(make_model("cnn"), 16, estimator, precision=precision)
+    estimate = estimator.estimate
+    assert estimate.param_dtype == dtype
+    assert abs(estimate.estimate_error) <= TOLERANCE
+
+    full = MemoryEstimator(measure_steps=2)
+    fit(make_model("cnn"), 16, full)
+    assert estimate.predicted_peak_bytes < full.estimate.predicted_peak_bytes  # 16-bit activations are smaller
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+def test_untraceable_model_gets_a_torchinfo_estimate_and_a_warning():
+    estimator = MemoryEstimator(measure_steps=2)
+    with pytest.warns(UserWarning, match="could not be traced.*DataDependentOutputException"):
+        fit(make_model("data-dependent"), 16, estimator)
+    estimate = estimator.estimate
+    assert estimate.method == "torchinfo-fallback"
+    assert estimate.torchinfo_total_bytes > 0 and estimate.activation_bytes > 0
+    assert estimate.predicted_peak_bytes > estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
+    assert estimate.optimizer_bytes == 2 * estimate.params_bytes  # Adam's rule
+    assert estimate.measured_peak_bytes > 0 and estimate.estimate_error is not None
+    assert any("could not be traced" in note for note in estimate.notes)
+
+
+def test_optimizer_without_a_rule_is_measured_after_the_first_step():
+    base = make_model("data-dependent")
+    model = RMSpropClassifier(base.network, base.inputs)
+    estimator = MemoryEstimator(measure_steps=2)
+    with pytest.warns(UserWarning) as warned:
+        trainer = fit(model, 16, estimator)
+    messages = [str(warning.message) for warning in warned]
+    assert any("could not be traced" in message for message in messages)
+    assert any("no rule for RMSprop" in message for message in messages)
+    estimate = estimator.estimate
+    assert estimate.optimizer_bytes == storage_bytes(trainer.optimizers[0]) > 0
+    assert any("measured after the first real step" in note for note in estimate.notes)
+
+
+def test_optimizer_state_rules():
+    params = list(torch.nn.Linear(10, 10).parameters())  # 440 bytes
+    assert optimizer_state_rule_bytes(torch.optim.Adam(params)) == 880
+    assert optimizer_state_rule_bytes(torch.optim.AdamW(params, amsgrad=True)) == 1320
+    assert optimizer_state_rule_bytes(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 440
+    assert optimizer_state_rule_bytes(torch.optim.SGD(params, lr=0.1)) == 0
+    assert optimizer_state_rule_bytes(torch.optim.RMSprop(params)) is None
+
+
+# --------------------------------------------------------------------------- side effects
+
+
+def test_estimating_leaves_model_optimizer_and_rng_untouched():
+    model = make_model("cnn")
+    optimizer = model.configure_optimizers()
+    batch = next(iter(model.loader(16)))
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    params = list(model.parameters())
+    attributes = set(vars(model))
+    rng = torch.get_rng_state()
+
+    model.log = lambda *args, **kwargs: None  # outside a Trainer there is nothing to log to
+    estimate = estimate_memory(
+        model, lambda b: model.training_step(b, 0), batch, optimizer=optimizer, batch_size=16,
+        forward_input=model.example_input_array,
+    )  # fmt: skip
+    del model.log
+
+    assert estimate.method == "traced" and estimate.optimizer_bytes > 0
+    assert list(model.parameters()) == params and all(type(p) is torch.nn.Parameter for p in params)
+    assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())  # BatchNorm stats too
+    assert set(vars(model)) == attributes and model.training
+    assert optimizer.state == {} and all(p.grad is None for p in params)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class RecordingClassifier(ClassifierModule):
+    """Keeps every step's loss in a list, as epoch-end aggregation code does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+
+def test_the_trace_leaves_no_fake_tensors_in_module_containers():
+    base = make_model("mlp")
+    model = RecordingClassifier(base.network, base.inputs)
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(model, 16, estimator, max_steps=3)
+    assert estimator.estimate.method == "traced"
+    assert len(model.losses) == 3 and all(type(loss) is torch.Tensor for loss in model.losses)
+    assert torch.stack(model.losses).isfinite().all()
+
+
+# --------------------------------------------------------------------------- the callback in a Trainer
+
+
+def test_fit_fills_the_estimate_logs_metrics_and_writes_the_report(tmp_path, caplog):
+    estimator = MemoryEstimator(max_memory="1GB", measure_steps=2)
+    with caplog.at_level(logging.INFO):
+        trainer = fit(make_model("mlp"), 16, estimator, max_steps=4, logger=CSVLogger(tmp_path), default_root_dir=tmp_path)
+    estimate = estimator.estimate
+    assert estimate.measured_peak_bytes > 0 and estimate.capacity_bytes == 10**9
+    assert estimate.max_batch_size > 16
+
+    with open(Path(trainer.log_dir) / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get(METRIC_PREFIX + "measured_peak_bytes")]
+    assert len(rows) == 1
+    for name in ("predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes",
+                 "torchinfo_error", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+                 "max_batch_size"):  # fmt: skip
+        assert float(rows[0][METRIC_PREFIX + name]) == pytest.approx(getattr(estimate, name)), name
+    assert int(rows[0]["step"]) == 1  # logged at the end of the second measured step (0-based steps)
+
+    report = read_json(Path(trainer.log_dir) / REPORT_FILENAME)
+    assert from_dict(MemoryEstimate, report["memory"]) == estimate
+    assert "gpuopt: memory estimate" in caplog.text and "measured peak" in caplog.text
+
+
+def test_each_fit_gets_its_own_estimate():
+    model = make_model("mlp")
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(model, 8, estimator, max_steps=2)
+    first = estimator.estimate
+    L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[estimator],
+    ).fit(model, model.loader(32))  # fmt: skip
+    second = estimator.estimate
+    assert (first.batch_size, second.batch_size) == (8, 32)
+    assert second.measured_peak_bytes > 0 and abs(second.estimate_error) <= TOLERANCE
+
+
+def test_measurement_ends_with_training_when_it_is_shorter(tmp_path):
+    estimator = MemoryEstimator(measure_steps=5)
+    fit(make_model("mlp"), 8, estimator, max_steps=1, default_root_dir=tmp_path)
+    assert estimator.estimate.measured_peak_bytes > 0 and estimator.estimate.estimate_error is not None
+    assert estimator._meter is None and torch._C._len_torch_dispatch_stack() == 0
+    assert (tmp_path / REPORT_FILENAME).exists()  # no logger: default_root_dir
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        (dict(max_memory="lots"), "max_memory"),
+        (dict(max_memory=0), "max_memory"),
+        (dict(max_memory=1.5), "max_memory"),
+        (dict(max_memory=True), "max_memory"),
+        (dict(measure_steps=0), "measure_steps"),
+        (dict(measure_steps=True), "measure_steps"),
+        (dict(measure_steps=2.5), "measure_steps"),
+    ],
+)
+def test_bad_constructor_arguments_fail_early(kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        MemoryEstimator(**kwargs)
+
+
+def test_module_examples_run():
+    assert doctest.testmod(estimate_module).failed == 0
+
+
+def test_each_ddp_rank_estimates_its_own_without_deadlock(tmp_path):
+    estimator = MemoryEstimator(measure_steps=2)
+    fit(make_model("mlp"), 8, estimator, strategy="ddp_spawn", devices=2, max_steps=4, default_root_dir=tmp_path)
+    report = read_json(tmp_path / REPORT_FILENAME)["memory"]  # written by rank 0 in its own process
+    assert report["method"] == "traced" and report["measured_peak_bytes"] > 0
+    assert report["untraced_bytes"] == report["grads_bytes"]  # DDP's gradient buckets
+    assert abs(report["estimate_error"]) <= TOLERANCE

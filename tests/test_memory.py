@@ -1,0 +1,291 @@
+"""Tests of lightning_gpuopt.core.memory: MemoryBudget, the live-storage tracker, peak meter,
+parse_memory, OOM detection and cleanup (CPU, real tensors and a real training step)."""
+
+from __future__ import annotations
+
+import doctest
+import gc
+import weakref
+
+import pytest
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+
+from lightning_gpuopt.core import memory
+from lightning_gpuopt.core.memory import (
+    LiveTensorTracker,
+    MemoryBudget,
+    PeakMemoryMeter,
+    call_catching_oom,
+    device_free_memory,
+    device_total_memory,
+    device_usable_memory,
+    is_out_of_memory_error,
+    parse_memory,
+    storage_bytes,
+)
+
+FLOAT_BYTES = 4
+
+
+def dispatch_stack_depth() -> int:
+    return torch._C._len_torch_dispatch_stack()
+
+
+def small_training_setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = (torch.randn(32, 64), torch.randint(0, 8, (32,)))
+    return model, optimizer, batch
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> None:
+    """One step in Lightning's order: forward, zero_grad(set_to_none), backward, optimizer step."""
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+# --------------------------------------------------------------------------- MemoryBudget
+
+
+def test_budget_allows_up_to_the_cap_and_raises_past_it():
+    cap = 4000
+    with MemoryBudget(cap) as budget:
+        exactly_the_cap = torch.zeros(cap // FLOAT_BYTES)
+        assert budget.live_bytes == cap
+        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+            torch.zeros(1)
+        del exactly_the_cap
+        assert budget.live_bytes == 0
+        one_more = torch.zeros(cap // FLOAT_BYTES)  # fits again once the first tensor is freed
+        assert one_more.numel() == cap // FLOAT_BYTES
+    assert budget.peak_bytes == cap
+
+
+def test_budget_error_is_recognised_by_lightning_and_by_us():
+    with MemoryBudget("1KB"):
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            torch.ones(1000)
+    assert is_oom_error(caught.value)
+    assert is_out_of_memory_error(caught.value)
+    assert "1000" in str(caught.value)  # the cap in bytes is in the message
+
+
+def test_budget_caps_a_whole_training_step_at_its_measured_peak():
+    model, optimizer, batch = small_training_setup()
+    training_step(model, optimizer, batch)  # gradients and optimizer state exist from now on
+    with PeakMemoryMeter("cpu", existing=(model, optimizer, batch)) as meter:
+        training_step(model, optimizer, batch)
+    peak = meter.peak_bytes
+    assert peak > storage_bytes(model, optimizer, batch)
+
+    with MemoryBudget(peak, existing=(model, optimizer, batch)) as budget:
+        training_step(model, optimizer, batch)
+    assert budget.peak_bytes == peak
+
+    with pytest.raises(torch.OutOfMemoryError):
+        with MemoryBudget(peak - 1, existing=(model, optimizer, batch)):
+            training_step(model, optimizer, batch)
+
+
+def test_existing_tensors_count_until_freed_inside():
+    model, optimizer, batch = small_training_setup()
+    training_step(model, optimizer, batch)
+    grads_bytes = storage_bytes([p.grad for p in model.parameters()])
+    with LiveTensorTracker(existing=(model, optimizer)) as tracker:
+        before = tracker.live_bytes
+        assert before == storage_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        assert tracker.live_bytes == before - grads_bytes
+
+
+def test_views_and_in_place_ops_allocate_nothing():
+    existing = torch.zeros(100)
+    with LiveTensorTracker() as tracker:
+        fresh = torch.zeros(1000)
+        views = [fresh[10:], fresh.view(10, 100), fresh[::2]]
+        fresh.add_(1)
+        existing.mul_(2)  # in place on an untracked tensor: not an allocation
+        existing_view = existing[1:]
+        assert tracker.live_bytes == 1000 * FLOAT_BYTES
+        assert tracker.tracked_storages == 1
+        del views, existing_view
+
+
+def test_nested_budgets_each_apply_their_cap_and_leave_nothing_behind():
+    with MemoryBudget(10_000) as outer:
+        kept = torch.zeros(1000)  # 4000 bytes
+        with MemoryBudget(2000) as inner:
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.zeros(1000)
+            small = torch.zeros(100)
+        assert inner.tracked_storages == 0 and inner.live_bytes == 0
+        assert outer.live_bytes == 4400
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.zeros(2000)  # 4400 + 8000 passes the outer cap
+        del small
+    assert outer.tracked_storages == 0 and outer.live_bytes == 0
+    assert dispatch_stack_depth() == 0
+    assert kept.sum() == 0
+
+
+def test_exception_inside_a_budget_pops_the_mode_and_frees_its_tensors():
+    refs = []
+
+    def work():
+        with MemoryBudget("1MB") as budget:
+            tensor = torch.ones(1000)
+            refs.append(weakref.ref(tensor))
+            raise ValueError("boom")
+        return budget
+
+    with pytest.raises(ValueError, match="boom"):
+        work()
+    gc.collect()
+    assert dispatch_stack_depth() == 0
+    assert refs[0]() is None
+    # a fresh budget starts from zero
+    with MemoryBudget("1MB") as budget:
+        pass
+    assert budget.peak_bytes == 0 and budget.tracked_storages == 0
+
+
+def test_budget_fraction_and_device_filter():
+    with MemoryBudget(0.5, device="cpu") as budget:
+        torch.zeros(10)
+    assert budget.max_bytes == int(0.5 * device_total_memory("cpu"))
+    with LiveTensorTracker(device="meta") as tracker:
+        torch.zeros(1000)  # a CPU tensor: not on the tracked device
+        meta = torch.zeros(1000, device="meta")
+        assert tracker.live_bytes == 1000 * FLOAT_BYTES
+        del meta
+
+
+# --------------------------------------------------------------------------- peak meter, capacity
+
+
+def test_peak_meter_measures_a_known_sequence_across_start_and_stop():
+    meter = PeakMemoryMeter("cpu")
+    assert not meter.running and meter.stop() is None
+    meter.start()
+    assert meter.running
+    first = torch.zeros(2000)
+    second = torch.zeros(500)
+    del first
+    third = torch.zeros(1000)
+    assert meter.stop() == 2500 * FLOAT_BYTES
+    assert not meter.running and dispatch_stack_depth() == 0
+    del second, third
+
+
+def test_device_memory_figures_are_consistent():
+    total = device_total_memory("cpu")
+    free = device_free_memory("cpu")
+    assert 0 < free <= total
+    model = torch.nn.Linear(256, 256)
+    assert free <= device_usable_memory("cpu", existing=[model]) <= total
+
+
+# --------------------------------------------------------------------------- parse_memory
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("300MB", 300 * 10**6),
+        ("300 mb", 300 * 10**6),
+        ("20GiB", 20 * 2**30),
+        ("1.5KiB", 1536),
+        ("2kB", 2000),
+        ("1TB", 10**12),
+        ("512B", 512),
+    ],
+)
+def test_parse_memory_accepts_bytes_and_units(value, expected):
+    assert parse_memory(value) == expected
+
+
+def test_parse_memory_fraction_of_the_device():
+    assert parse_memory(0.25, "cpu") == int(0.25 * device_total_memory("cpu"))
+    assert parse_memory(1.0, "cpu") == device_total_memory("cpu")
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (0, "not positive"),
+        (-5, "not positive"),
+        (True, "bool"),
+        (1.5, "outside (0, 1]"),
+        (0.0, "outside (0, 1]"),
+        ("lots", "not a memory size"),
+        ("10 XB", "not a memory size"),
+        ("", "not a memory size"),
+        ("0MB", "zero bytes"),
+        (None, "NoneType"),
+        ([1], "list"),
+    ],
+)
+def test_parse_memory_rejects_with_a_clear_message(value, fragment):
+    with pytest.raises(ValueError) as caught:
+        parse_memory(value, "cpu", name="max_memory")
+    message = str(caught.value)
+    assert "`max_memory`" in message and repr(value) in message and fragment in message
+    assert '"20GiB"' in message  # says what would work
+
+
+def test_parse_memory_fraction_needs_a_device():
+    with pytest.raises(ValueError, match="no device was given"):
+        parse_memory(0.9)
+
+
+# --------------------------------------------------------------------------- OOM detection and cleanup
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."),
+        RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
+        MemoryError(),
+    ],
+)
+def test_out_of_memory_errors_are_recognised(error):
+    assert is_out_of_memory_error(error)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("shape mismatch"), ValueError("out of memory"), KeyboardInterrupt()])
+def test_other_errors_are_not_out_of_memory(error):
+    assert not is_out_of_memory_error(error)
+
+
+def test_call_catching_oom_frees_the_failed_calls_tensors():
+    refs = []
+
+    def step():
+        with MemoryBudget(10_000):
+            activations = [torch.ones(1000)]
+            refs.append(weakref.ref(activations[0]))
+            activations.append(torch.ones(2000))  # passes the cap
+
+    outcome = call_catching_oom(step)
+    assert outcome.out_of_memory and "CUDA out of memory" in outcome.error_message
+    assert refs[0]() is None  # freed: the traceback holding the frame is gone
+    assert dispatch_stack_depth() == 0
+
+    assert call_catching_oom(lambda: 42).value == 42
+    with pytest.raises(KeyError):
+        call_catching_oom(lambda: {}["missing"])
+
+
+def test_module_examples_run():
+    assert doctest.testmod(memory, optionflags=doctest.ELLIPSIS).failed == 0
