@@ -21,11 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
-import platform
-import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -36,13 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import append  # noqa: E402
 from models_memory import make_model  # noqa: E402
 
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator  # noqa: E402
 from lightning_gpuopt.core.estimate import MemoryEstimate, relative_error  # noqa: E402
 from lightning_gpuopt.core.report import format_bytes, format_seconds  # noqa: E402
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 RUNS = Path(__file__).with_name("_runs")  # the trainers' reports (git-ignored)
 COLUMNS = ("model", "batch", "method", "measured peak", "ours", "our error", "torchinfo", "torchinfo error",
            "allocator peak (CPU)", "our error vs allocator", "our seconds", "torchinfo seconds", "max batch")  # fmt: skip
@@ -103,26 +100,6 @@ def row(name: str, batch_size: int, estimate: MemoryEstimate, allocator_peak: in
     )  # fmt: skip
 
 
-def machine() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.processor() or platform.machine()}, {cores} usable cores, {device}; torch {torch.__version__}"
-
-
-def append_results(rows: list[tuple[str, ...]], notes: list[str]) -> None:
-    """Append a dated section to RESULTS.md (created with its header if missing; never rewritten)."""
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nEach section was appended by the script it names.\n")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv])
-    lines = [f"\n## Memory estimate accuracy — {stamp}\n", f"- machine: {machine()}", f"- command: `{command}`\n",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]  # fmt: skip
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    lines += ["", *notes]
-    with RESULTS.open("a") as handle:
-        handle.write("\n".join(lines) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "data-dependent"])
@@ -155,7 +132,9 @@ def main() -> None:
         "dispatch-level count can see.",
     ]
     if not args.no_write:
-        append_results(rows, notes)
+        markdown = "\n".join(["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+                             + ["| " + " | ".join(cells) + " |" for cells in rows])
+        append("Memory estimate accuracy", markdown, "\n".join(notes))
 
 
 if __name__ == "__main__":

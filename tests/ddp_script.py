@@ -4,6 +4,7 @@ monitor: rank 1's dataset sleeps longer per sample, so it is the straggler. Ever
 what its DataWaitMonitor concluded to ``OUT/rank<N>.json``; rank 0 also writes
 ``gpuopt_report.json``.
 tune: every rank runs DataLoaderTuner and writes its result and the loader its fit used.
+memory: every rank runs MemoryEstimator; rank 0 writes the report.
 """
 
 import json
@@ -34,6 +35,18 @@ def tune(out: Path) -> None:
     }))
 
 
+def memory(out: Path) -> None:
+    from models_memory import make_model
+
+    from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
+
+    model = make_model("mlp")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, callbacks=[MemoryEstimator(measure_steps=2)],
+                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(model, model.loader(8))
+
+
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
@@ -58,4 +71,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    (tune if sys.argv[2:] == ["tune"] else main)(Path(sys.argv[1]))
+    {"tune": tune, "memory": memory}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

@@ -2,5 +2,6 @@
 
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
+from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
 
-__all__ = ["DataLoaderTuner", "DataWaitMonitor"]
+__all__ = ["DataLoaderTuner", "DataWaitMonitor", "MemoryEstimator"]
