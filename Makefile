@@ -26,11 +26,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+BENCHMARKS := benchmarks/overhead.py benchmarks/dataloader.py benchmarks/estimate_accuracy.py
+
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
 
 bench-gpu:
-	PYTHONPATH=$(CURDIR) $(BENCH_PY) benchmarks/overhead.py --accelerator gpu
+	for script in $(BENCHMARKS); do PYTHONPATH=$(CURDIR) $(BENCH_PY) $$script --accelerator gpu || exit 1; done
 
 clean:
 	rm -rf $(VENV) lightning_logs benchmarks/_runs .pytest_cache

@@ -33,7 +33,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import append  # noqa: E402
+from _common import append  # noqa: E402
 from models_memory import make_model  # noqa: E402
 
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator  # noqa: E402

@@ -18,9 +18,8 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning import Callback, LightningModule, Trainer, seed_everything
@@ -32,38 +31,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import append  # noqa: E402
+from _common import Stopwatch, append  # noqa: E402
 
 from lightning_gpuopt import DataWaitMonitor  # noqa: E402
 
 VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "SimpleProfiler")
-
-
-class Stopwatch(Callback):
-    def __init__(self, first_step: int) -> None:
-        self.first_step = first_step
-        self.started: Optional[float] = None
-        self.ended: Optional[float] = None
-        self.steps = 0
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.first_step:
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.started is not None:
-            self.steps += 1
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.ended = time.perf_counter()
-
-    @property
-    def step_time_s(self) -> float:
-        return (self.ended - self.started) / self.steps
 
 
 class Model(LightningModule):

@@ -2,8 +2,9 @@
 
 A small MLP trains on synthetic data whose dataset is deliberately slow: every sample
 sleeps ``--delay-ms`` (a stand-in for disk reads or decoding). ``DataWaitMonitor`` measures
-each step and reports what bounds the run. Then the same training runs again with the
-``num_workers`` it recommended, so you can see the data wait fall.
+each step and reports what bounds the run. Then the same training runs again with
+``DataLoaderTuner``, which times the loader over worker settings before training and applies
+the best, and the monitor shows the data wait fall.
 
     python examples/quickstart.py                  # CPU, about a minute with start-up
     python examples/quickstart.py --accelerator gpu
@@ -12,7 +13,6 @@ each step and reports what bounds the run. Then the same training runs again wit
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 import time
 
@@ -21,7 +21,7 @@ from lightning import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import DataWaitMonitor
+from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor
 
 
 class SlowDataset(Dataset):
@@ -56,17 +56,16 @@ class Classifier(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def train(args: argparse.Namespace, num_workers: int) -> DataWaitMonitor:
+def train(args: argparse.Namespace, tune: bool) -> DataWaitMonitor:
     seed_everything(0, verbose=False)
     dataset = SlowDataset(args.samples, 64, args.delay_ms / 1e3)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=num_workers,
-                        persistent_workers=num_workers > 0)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)  # num_workers=0: PyTorch's default
     monitor = DataWaitMonitor(warmup_steps=2)
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=1,
         max_epochs=args.epochs,
-        callbacks=[monitor],
+        callbacks=[DataLoaderTuner(max_seconds=5), monitor] if tune else [monitor],
         default_root_dir=args.root_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -92,16 +91,10 @@ def main() -> None:
         torch.set_num_threads(1)
     args.root_dir = args.root_dir or tempfile.mkdtemp(prefix="gpuopt-quickstart-")
 
-    print("\n=== Run 1: num_workers=0 (PyTorch's default) ===")
-    first = train(args, num_workers=0).report
-    advice = next((r for r in first.recommendations if r.startswith("num_workers=")), None)
-    match = re.match(r"num_workers=\d+ → (\d+)", advice or "")
-    if match is None:
-        print(f"\nVerdict {first.verdict!r}: no num_workers change recommended; done.")
-        return
-    workers = int(match.group(1))
-    print(f"\n=== Run 2: num_workers={workers}, as recommended ===")
-    second = train(args, num_workers=workers).report
+    print("\n=== Run 1: DataWaitMonitor, num_workers=0 (PyTorch's default) ===")
+    first = train(args, tune=False).report
+    print("\n=== Run 2: the same, with DataLoaderTuner ===")
+    second = train(args, tune=True).report
     print(
         f"\ndata wait {first.data_wait_fraction:.0%} → {second.data_wait_fraction:.0%} of the step;"
         f" {first.samples_per_second:,.0f} → {second.samples_per_second:,.0f} samples/s"

@@ -53,7 +53,7 @@ def test_worker_advice_is_capped_by_cores_unless_loading_waits_on_io():
     cpu_heavy = diagnose(shares(0.9, loader_cpu=0.95), run, Thresholds()).recommendations
     io_bound = diagnose(shares(0.9, loader_cpu=0.03), run, Thresholds()).recommendations
     assert cpu_heavy[0].startswith("num_workers=0 → 2 (~10 would keep up; 2 usable CPU cores)")
-    assert io_bound[0].startswith("num_workers=0 → 4 (~10 would keep up; loading waits on I/O")
+    assert io_bound[0].startswith("num_workers=0 → 8 (~10 would keep up; loading waits on I/O")
 
 
 def test_gpu_advice_names_pin_memory_and_precision():

@@ -32,6 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from lightning_gpuopt.core.loader import IO_BOUND_WORKERS_PER_CORE
 from lightning_gpuopt.core.nvml import GpuUsage
 
 VERDICTS = ("input-bound", "compute-bound", "host-bound", "balanced")
@@ -176,7 +177,7 @@ def _workers_advice(shares: StepShares, run: RunSettings, core_text: str) -> str
     wait = f"the step waits {_ms(shares.data_wait_per_step_s)} of {_ms(shares.step_time_s)} for its batch"
     # In the main process (num_workers=0) the CPU time spent fetching tells computing from waiting on I/O.
     io_bound = run.num_workers == 0 and shares.loader_cpu is not None and shares.loader_cpu < 0.5
-    cap = 2 * cores if io_bound else cores
+    cap = IO_BOUND_WORKERS_PER_CORE * cores if io_bound else cores
     if (run.num_workers or 0) < cap:
         suggested = min(needed, cap)
         need = f"~{needed} would keep up; " if needed > suggested else ""

@@ -28,11 +28,16 @@ from __future__ import annotations
 import math
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader
+
+#: workers per usable core worth trying when the workers are measured waiting on I/O (asleep
+#: most of the time); the same bound in DataWaitMonitor's advice and DataLoaderTuner's search
+IO_BOUND_WORKERS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,21 @@ def _batch_samples(batch: object) -> int:
     return 1
 
 
-def _shutdown(iterator: Iterator) -> None:
+def _shutdown(iterator: Iterator, threads_before: set[threading.Thread], timeout_s: float = 5.0) -> None:
+    """Stop the iterator's workers and wait for the queue-feeder threads it started.
+
+    Joining the workers puts their CPU time in ``RUSAGE_CHILDREN``. torch closes its queues
+    without joining their feeder threads; one still running at the next ``fork()`` (the next
+    candidate, or the training loader) can hold a lock the forked worker inherits locked, and
+    that worker then deadlocks before it loads anything. So they are joined here.
+    """
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
-        shutdown()  # joins the workers, so their CPU time reaches RUSAGE_CHILDREN
+        shutdown()
+    deadline = time.monotonic() + timeout_s
+    for thread in set(threading.enumerate()) - threads_before:
+        if thread.name.startswith("QueueFeederThread"):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def time_loader(
@@ -178,6 +194,7 @@ def time_loader(
     fill = max(1, setting.num_workers)
     wanted = max(batches, fill + 8)
     cpu_before = _children_cpu_s()
+    threads_before = set(threading.enumerate())
     started = time.perf_counter()
     iterator = iter(loader)
     first_ready = fill_ready = started
@@ -204,7 +221,7 @@ def time_loader(
                 break
     finally:
         ended = time.perf_counter()
-        _shutdown(iterator)
+        _shutdown(iterator, threads_before)
         del iterator
     if steady_samples and ended > fill_ready:
         rate = steady_samples / (ended - fill_ready)
@@ -250,12 +267,12 @@ def tune_loader(
             with it wins, and the walk stops once one does.
         pin_memory: set on every candidate (on CUDA).
         persistent_workers: set on every candidate with workers.
-        max_workers: never more workers than this (default 4 x ``usable_cpus``; past
+        max_workers: never more workers than this (default ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``; past
             ``usable_cpus`` only while workers are measured waiting on I/O).
         baseline: the user's own setting, timed first for comparison.
     """
     started = time.perf_counter()
-    max_workers = max_workers if max_workers is not None else 4 * max(1, usable_cpus)
+    max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
 
     def best() -> Optional[LoaderTiming]:

@@ -1,0 +1,78 @@
+"""Shared by the benchmark scripts: the machine description, appending to RESULTS.md, and a
+stopwatch callback that times training steps the same way in every variant."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import time
+from typing import Any, Optional
+
+import torch
+from lightning import Callback
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def machine() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {cores} usable cores, {device}; torch {torch.__version__}"
+
+
+def command() -> str:
+    return " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv])
+
+
+def append(title: str, markdown_table: str, notes: str = "") -> Path:
+    """Append a dated section to benchmarks/RESULTS.md (never rewrites earlier sections)."""
+    if not RESULTS.exists():
+        RESULTS.write_text("# Benchmark results\n\nEach section was appended by the script it names.\n")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = f"\n## {title} — {stamp}\n\n- machine: {machine()}\n- command: `{command()}`\n\n{markdown_table}\n"
+    if notes:
+        section += f"\n{notes}\n"
+    with RESULTS.open("a") as handle:
+        handle.write(section)
+    return RESULTS
+
+
+class Stopwatch(Callback):
+    """Times training from the start of step ``first_step`` to the end of training (CUDA synchronised
+    at both ends), and counts the steps and samples in between."""
+
+    def __init__(self, first_step: int) -> None:
+        self.first_step = first_step
+        self.started: Optional[float] = None
+        self.ended: Optional[float] = None
+        self.steps = 0
+        self.samples = 0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.first_step and self.started is None:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.started is not None:
+            self.steps += 1
+            self.samples += len(batch[0])
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ended = time.perf_counter()
+
+    @property
+    def step_time_s(self) -> float:
+        return (self.ended - self.started) / self.steps
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / (self.ended - self.started)
