@@ -14,7 +14,8 @@ import time
 from typing import Any, Optional
 
 import torch
-from lightning import Callback
+from lightning import Callback, LightningModule
+from torch import nn
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -76,3 +77,24 @@ class Stopwatch(Callback):
     @property
     def samples_per_second(self) -> float:
         return self.samples / (self.ended - self.started)
+
+
+class MLP(LightningModule):
+    """The benchmarks' model: features -> hidden -> hidden -> 10, SGD; logs its loss every step
+    when ``log_loss``."""
+
+    def __init__(self, features: int, hidden: int, log_loss: bool = True) -> None:
+        super().__init__()
+        self.log_loss = log_loss
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.log_loss:
+            self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -27,15 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning import LightningModule, Trainer, seed_everything
+from lightning import Trainer, seed_everything
 from lightning.fabric.utilities.data import suggested_max_num_workers
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Stopwatch, append  # noqa: E402
+from _common import MLP, Stopwatch, append  # noqa: E402
 
 from lightning_gpuopt import DataLoaderTuner  # noqa: E402
 
@@ -52,20 +51,6 @@ class LatencyDataset(Dataset):
         return self.features[index], self.labels[index]
 
 
-class Model(LightningModule):
-    def __init__(self, features: int, hidden: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, 10))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 def train(args: argparse.Namespace, dataset: Dataset, root: Path, num_workers: int = 0,
           tuner: bool = False) -> tuple[float, float, int]:
     """Samples/s of training, the tuner's seconds, and the num_workers the fit used."""
@@ -80,7 +65,7 @@ def train(args: argparse.Namespace, dataset: Dataset, root: Path, num_workers: i
     trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.warmup + args.steps, callbacks=callbacks,
                       default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False)
-    trainer.fit(Model(args.features, args.hidden), loader)
+    trainer.fit(MLP(args.features, args.hidden, log_loss=False), loader)
     used = tuning.result.num_workers if tuning is not None and tuning.result is not None else num_workers
     return stopwatch.samples_per_second, (tuning.result.seconds if tuning and tuning.result else 0.0), used
 

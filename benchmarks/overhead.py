@@ -22,36 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer, seed_everything
+from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Stopwatch, append  # noqa: E402
+from _common import MLP, Stopwatch, append  # noqa: E402
 
 from lightning_gpuopt import DataWaitMonitor  # noqa: E402
 
 VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "SimpleProfiler")
-
-
-class Model(LightningModule):
-    def __init__(self, features: int, hidden: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, 10))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> float:
@@ -76,7 +59,7 @@ def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: P
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(Model(args.features, args.hidden), loader)
+    trainer.fit(MLP(args.features, args.hidden), loader)
     return stopwatch.step_time_s
 
 

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     estimate_memory,
@@ -128,7 +129,7 @@ class MemoryEstimator(Callback):
         """Each ``fit`` gets its own estimate and measurement."""
         # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
         # end of fit: a collective right before the processes exit makes DDP teardown racy
-        self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self._report_dir = report_dir(trainer)
         self.estimate = None
         self._batches_started = self._unmeasured_steps = 0
         self._peaks = []
