@@ -49,7 +49,6 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _profiler_tap
@@ -60,7 +59,7 @@ from lightning_gpuopt.core.diagnosis import (
     Thresholds,
     build_data_wait_report,
 )
-from lightning_gpuopt.core.loader import usable_cpu_count
+from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
@@ -253,12 +252,8 @@ class DataWaitMonitor(Callback):
             self._log_window(trainer, self._clock.take_window())
 
     def _batch_size(self, batch: Any) -> int:
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim():
-            return batch[0].shape[0]  # the common (inputs, targets) batch, without a recursive search
-        try:
-            return extract_batch_size(batch)
-        except Exception:  # an opaque batch object: fall back to the loader's batch size
-            return (self._settings.batch_size if self._settings else None) or 0
+        # an opaque batch object: fall back to the loader's batch size
+        return batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0
 
     def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
         if not window.steps or not trainer.loggers:

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+import torch
 from torch.utils.data import DataLoader
 
 #: workers per usable core worth trying when the workers are measured waiting on I/O (asleep
@@ -141,14 +142,22 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _batch_samples(batch: object) -> int:
-    if hasattr(batch, "shape") and len(batch.shape):  # type: ignore[attr-defined]
-        return int(batch.shape[0])  # type: ignore[attr-defined]
-    if isinstance(batch, dict) and batch:
-        return _batch_samples(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_samples(batch[0])
-    return 1
+def batch_samples(batch: object) -> Optional[int]:
+    """Samples in a batch: the leading dimension of its first tensor (depth-first through
+    tuples, lists and dicts); ``None`` when it holds no tensor with a dimension.
+
+    >>> import torch
+    >>> batch_samples(({"x": torch.zeros(8, 3)}, torch.zeros(8)))
+    8
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = batch_samples(item)
+        if found is not None:
+            return found
+    return None
 
 
 def _shutdown(iterator: Iterator, threads_before: set[threading.Thread], timeout_s: float = 5.0) -> None:
@@ -203,7 +212,7 @@ def time_loader(
     try:
         for batch in iterator:
             now = time.perf_counter()
-            size = _batch_samples(batch)
+            size = batch_samples(batch) or 1
             samples += size
             fetched += 1
             if fetched == 1:
