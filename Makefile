@@ -26,7 +26,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := benchmarks/overhead.py benchmarks/dataloader.py benchmarks/estimate_accuracy.py
+BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks/dataloader.py \
+              benchmarks/estimate_accuracy.py
 
 bench: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
