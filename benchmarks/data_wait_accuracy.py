@@ -7,6 +7,7 @@ wall is shown too: sleeps overshoot). Also compares the monitor's absolute data 
 ``__getitem__`` time of the batches its measured steps fetched.
 
     python benchmarks/data_wait_accuracy.py
+    python benchmarks/data_wait_accuracy.py --accelerator gpu
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ COLUMNS = ("step cost", "truth", "truth (nominal delay)", "measured", "error", "
            "verdict")
 
 
-def run(delay_s: float, step_s: float, batch_size: int, batches: int, warmup: int) -> tuple[str, ...]:
+def run(delay_s: float, step_s: float, batch_size: int, batches: int, warmup: int,
+        accelerator: str) -> tuple[str, ...]:
     dataset = SlowDataset(batches * batch_size, delay_s=delay_s)
     monitor, stopwatch = DataWaitMonitor(warmup_steps=warmup), TrainingWallClock()
-    trainer = Trainer(accelerator="cpu", max_epochs=1, callbacks=[monitor, stopwatch], logger=False,
+    trainer = Trainer(accelerator=accelerator, devices=1, max_epochs=1, callbacks=[monitor, stopwatch], logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(MLP(step_sleep_s=step_s), DataLoader(dataset, batch_size=batch_size))
     report = monitor.report
@@ -49,6 +51,7 @@ def run(delay_s: float, step_s: float, batch_size: int, batches: int, warmup: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--delay-ms", type=float, default=2.0)
     parser.add_argument("--step-ms", type=float, nargs="+", default=[3.0, 10.0, 30.0])
     parser.add_argument("--batch-size", type=int, default=8)
@@ -56,7 +59,8 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [run(args.delay_ms / 1e3, step / 1e3, args.batch_size, args.batches, warmup=2) for step in args.step_ms]
+    rows = [run(args.delay_ms / 1e3, step / 1e3, args.batch_size, args.batches, 2, args.accelerator)
+            for step in args.step_ms]
     table = Table(title=f"DataWaitMonitor vs ground truth, {args.delay_ms} ms/sample, batch {args.batch_size}")
     for column in COLUMNS:
         table.add_column(column)
