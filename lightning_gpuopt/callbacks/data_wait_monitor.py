@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
     RankFigures,
@@ -113,16 +114,10 @@ class DataWaitMonitor(Callback):
         straggler_slowdown: float = 0.2,
         report_path: Optional[str | os.PathLike] = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}; e.g. warmup_steps=3.")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"`log_every_n_steps` must be a positive integer or None (follow the Trainer), got {log_every_n_steps!r}."
-            )
-        if isinstance(nvml_interval_s, bool) or not isinstance(nvml_interval_s, (int, float)) or nvml_interval_s <= 0:
-            raise ValueError(f"`nvml_interval_s` must be a number of seconds > 0, got {nvml_interval_s!r}; e.g. 0.5.")
+        check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
+        check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
+                  allow_none=True)
+        check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
         self.warmup_steps = warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor, report_dir
+from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
     LoaderTuneResult,
@@ -100,17 +101,13 @@ class DataLoaderTuner(Callback):
         max_num_workers: Optional[int] = None,
         persistent_workers: bool = True,
     ) -> None:
-        _check_positive("max_seconds", max_seconds, "e.g. max_seconds=10")
-        if isinstance(batches_per_candidate, bool) or not isinstance(batches_per_candidate, int) or batches_per_candidate < 2:
-            raise ValueError(f"`batches_per_candidate` must be an integer >= 2, got {batches_per_candidate!r}.")
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
-            raise ValueError(f"`tolerance` must be a fraction in [0, 1), got {tolerance!r}; e.g. tolerance=0.05.")
+        check_number("max_seconds", max_seconds, "max_seconds=10", low=0, low_inclusive=False)
+        check_int("batches_per_candidate", batches_per_candidate, 2, "batches_per_candidate=16")
+        check_number("tolerance", tolerance, "tolerance=0.05", low=0, high=1, high_inclusive=False)
         if target_samples_per_second is not None:
-            _check_positive("target_samples_per_second", target_samples_per_second, "or None to measure it")
-        if max_num_workers is not None and (
-            isinstance(max_num_workers, bool) or not isinstance(max_num_workers, int) or max_num_workers < 0
-        ):
-            raise ValueError(f"`max_num_workers` must be an integer >= 0 or None, got {max_num_workers!r}.")
+            check_number("target_samples_per_second", target_samples_per_second,
+                         "target_samples_per_second=5000, or None to measure it", low=0, low_inclusive=False)
+        check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
         self.max_seconds = float(max_seconds)
         self.batches_per_candidate = batches_per_candidate
         self.tolerance = float(tolerance)
@@ -268,8 +265,3 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
         if report is not None and report.samples and report.wall_s > report.data_wait_s:
             return report.samples / report.world_size / (report.wall_s - report.data_wait_s)
     return None
-
-
-def _check_positive(name: str, value: Any, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a number > 0, got {value!r}; {hint}.")

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
+from lightning_gpuopt.core.checks import check_int
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     estimate_memory,
@@ -107,11 +108,7 @@ class MemoryEstimator(Callback):
         if max_memory is not None:
             # validates early; a fraction is resolved against the real device in the first step
             parse_memory(max_memory, "cpu", name="max_memory")
-        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
-            raise ValueError(
-                f"`measure_steps`={measure_steps!r} is not a positive int; expected e.g. 3 "
-                "(the number of real training steps to measure the peak over)."
-            )
+        check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         self.max_memory = max_memory
         self.measure_steps = measure_steps
         self.estimate: MemoryEstimate | None = None

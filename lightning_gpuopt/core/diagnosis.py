@@ -32,6 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from lightning_gpuopt.core.checks import check_number
 from lightning_gpuopt.core.loader import IO_BOUND_WORKERS_PER_CORE
 from lightning_gpuopt.core.nvml import GpuUsage
 
@@ -63,10 +64,10 @@ class Thresholds:
     busy_gpu_util: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("data_wait_high", "data_wait_low", "gpu_idle_high", "host_overhead_high", "straggler_slowdown"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-                raise ValueError(f"`{name}` must be a fraction between 0 and 1 (exclusive), got {value!r}.")
+        for name, default in (("data_wait_high", 0.2), ("data_wait_low", 0.05), ("gpu_idle_high", 0.15),
+                              ("host_overhead_high", 0.25), ("straggler_slowdown", 0.2)):
+            check_number(name, getattr(self, name), f"{name}={default}", low=0, high=1, low_inclusive=False,
+                         high_inclusive=False)
         if not self.data_wait_low < self.data_wait_high:
             raise ValueError(
                 f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high}),"

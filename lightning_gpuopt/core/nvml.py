@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_gpuopt.core.checks import check_number
+
 
 @dataclass
 class GpuUsage:
@@ -100,9 +102,7 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.5) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"`interval_s` must be > 0 seconds, got {interval_s!r}.")
-        self.interval_s = interval_s
+        self.interval_s = check_number("interval_s", interval_s, "interval_s=0.5", low=0, low_inclusive=False)
         self._pynvml = None
         self._handles: list[Any] = []
         self._names: list[str] = []

@@ -38,6 +38,8 @@ from typing import Callable, Deque, Optional
 
 import torch
 
+from lightning_gpuopt.core.checks import check_int
+
 
 @dataclass
 class StepTotals:
@@ -112,9 +114,7 @@ class StepClock:
     """
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps!r}.")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
         self._clock = clock
         self.totals = StepTotals()
         self.window = StepTotals()
