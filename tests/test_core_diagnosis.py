@@ -56,6 +56,15 @@ def test_worker_advice_is_capped_by_cores_unless_loading_waits_on_io():
     assert io_bound[0].startswith("num_workers=0 → 8 (~10 would keep up; loading waits on I/O")
 
 
+def test_a_wait_spent_receiving_from_workers_does_not_ask_for_more_workers():
+    run = RunSettings(device_type="cpu", num_workers=8, usable_cpus=2, batch_size=32)
+    receiving = diagnose(shares(0.35, loader_cpu=0.46, step=0.0025), run, Thresholds()).recommendations
+    assert receiving[0].startswith("num_workers=8: the step waits 0.9 ms of 2.5 ms for its batch, and the main process")
+    assert "batch_size=32 → 64" in receiving[0] and "try num_workers" not in receiving[0]
+    waiting = diagnose(shares(0.35, loader_cpu=0.05, step=0.0025), run, Thresholds()).recommendations
+    assert "try num_workers=16" in waiting[0]
+
+
 def test_gpu_advice_names_pin_memory_and_precision():
     run = RunSettings(device_type="cuda", num_workers=4, pin_memory=False, usable_cpus=16, precision="32-true")
     input_bound = diagnose(shares(0.5, gpu_idle=0.45), run, Thresholds()).recommendations

@@ -92,7 +92,9 @@ class StepShares:
     step_time_s: float
     data_wait_per_step_s: float
     startup: float = 0.0  # share of all training time spent starting the loader at epoch starts
-    loader_cpu: Optional[float] = None  # main-thread CPU seconds per second of data wait
+    # main-thread CPU seconds per second of data wait: loading in the main process (num_workers=0),
+    # or receiving batches from workers
+    loader_cpu: Optional[float] = None
 
 
 @dataclass
@@ -179,6 +181,17 @@ def _workers_advice(shares: StepShares, run: RunSettings, core_text: str) -> str
     # In the main process (num_workers=0) the CPU time spent fetching tells computing from waiting on I/O.
     io_bound = run.num_workers == 0 and shares.loader_cpu is not None and shares.loader_cpu < 0.5
     cap = IO_BOUND_WORKERS_PER_CORE * cores if io_bound else cores
+    receiving = (run.num_workers or 0) > 0 and shares.loader_cpu is not None and shares.loader_cpu >= 0.3
+    if receiving:
+        # with workers, the main thread's CPU time while it waits is spent receiving batches
+        # from them (unpickling, shared-memory handles): more workers cannot shorten it
+        cpu_ms = _ms((shares.loader_cpu or 0.0) * shares.data_wait_per_step_s)
+        larger = f" (batch_size={run.batch_size} → {2 * run.batch_size})" if run.batch_size else ""
+        return (
+            f"num_workers={run.num_workers}: {wait}, and the main process is busy {_pct(shares.loader_cpu or 0.0)}"
+            f" of that wait ({cpu_ms} per batch) receiving batches from the workers; more workers cannot shorten"
+            f" that, fewer and larger batches amortise it{larger}."
+        )
     if (run.num_workers or 0) < cap:
         suggested = min(needed, cap)
         need = f"~{needed} would keep up; " if needed > suggested else ""

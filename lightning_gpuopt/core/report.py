@@ -205,8 +205,8 @@ def data_wait_table(report: "DataWaitReport") -> str:
         memory = f"{format_bytes(gpu.memory_used_max_bytes)} / {format_bytes(gpu.memory_total_bytes)}"
         rows.append((f"GPU {gpu.index} {gpu.name}", f"{util}; memory {memory}{flag}"))
     notes = [f"  • {advice}" for advice in report.recommendations] or ["  • nothing to change in the input pipeline"]
-    if report.loader_cpu_fraction is not None and report.settings.num_workers == 0:
-        rows.insert(4, ("loader CPU use while waiting", f"{format_fraction(report.loader_cpu_fraction)} of a core"))
+    if report.loader_cpu_fraction is not None:
+        rows.insert(4, ("main thread busy while waiting", format_fraction(report.loader_cpu_fraction)))
     return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
 
 
