@@ -12,7 +12,7 @@ PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 # repo on PYTHONPATH (carry wheels for what its image lacks, e.g. torchinfo).
 BENCH_PY   ?= python3
 
-.PHONY: demo test bench bench-gpu clean
+.PHONY: demo test test-gpu bench bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks
 
 bench: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
+
+# the CUDA paths (events, NVML, max_memory_allocated, pinned memory); skipped without a GPU
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(BENCH_PY) -m pytest -q tests/test_gpu.py
 
 bench-gpu:
 	for script in $(BENCHMARKS); do PYTHONPATH=$(CURDIR) $(BENCH_PY) $$script --accelerator gpu || exit 1; done

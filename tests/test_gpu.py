@@ -1,0 +1,96 @@
+"""The CUDA paths, checked on a real GPU: events, NVML, the monitor's GPU figures, the memory
+estimate against ``max_memory_allocated``, and the tuner's pinned memory.
+
+Skipped without CUDA (CI has none). On a GPU machine: ``make test-gpu``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lightning import Trainer
+from torch.utils.data import DataLoader
+
+from helpers import MLP, SlowDataset, preloaded_batches
+from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, MemoryEstimator
+from lightning_gpuopt.core.nvml import NvmlSampler
+from lightning_gpuopt.core.timing import CudaStepTimer, StepStart
+from models_memory import make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def busy_kernels(device: torch.device, size: int = 2048, repeats: int = 20) -> None:
+    x = torch.randn(size, size, device=device)
+    for _ in range(repeats):
+        x = torch.tanh(x @ x / size)
+
+
+def gpu_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
+    options = dict(accelerator="gpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, logger=False)
+    options.update(kwargs)
+    return Trainer(callbacks=callbacks, **options)
+
+
+def test_cuda_step_timer_sees_the_host_pause_between_steps_as_idle():
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer, pause_s, steps = CudaStepTimer(device), 0.02, 10
+    busy_kernels(device)  # warm-up: cuBLAS handles, allocator
+    torch.cuda.synchronize()
+    for step in range(steps):
+        timer.step_start(StepStart(measured=True, clean_gap=step > 0))
+        busy_kernels(device)
+        timer.step_end()
+        torch.cuda.synchronize()  # the host waits for the GPU, then pauses: the GPU idles
+        time.sleep(pause_s)
+    totals = timer.finish()
+    assert totals.steps == steps and totals.busy_s > 0
+    assert totals.idle_s == pytest.approx((steps - 1) * pause_s, rel=0.3)
+
+
+def test_nvml_sampler_sees_this_gpu_working():
+    sampler = NvmlSampler(interval_s=0.1)
+    assert sampler.start()
+    device = torch.device("cuda", torch.cuda.current_device())
+    deadline = time.perf_counter() + 1.5
+    while time.perf_counter() < deadline:
+        busy_kernels(device)
+    torch.cuda.synchronize()
+    usage = sampler.stop()
+    own = usage[sampler.visible_indices[device.index]]
+    assert own.samples >= 10 and own.util_mean > 20 and own.memory_used_max_bytes > 0
+
+
+def test_monitor_on_gpu_input_bound_with_an_idle_gpu_and_compute_bound_with_a_busy_one(tmp_path):
+    slow = DataWaitMonitor(warmup_steps=2)
+    gpu_trainer(tmp_path, [slow], max_steps=30).fit(MLP(), DataLoader(SlowDataset(960, delay_s=0.001), batch_size=16))
+    assert slow.report.verdict == "input-bound", slow.report.verdict_reason
+    assert slow.report.gpu_idle_fraction > 0.5 and slow.report.gpu_util_mean is not None
+    assert any(advice.startswith("pin_memory=False → True") for advice in slow.report.recommendations)
+
+    # ~5 TFLOP a step (4096 x 1024 -> 8192 x 4 layers, forward and backward): tens of ms on any GPU,
+    # far above Lightning's per-step host overhead
+    busy = DataWaitMonitor(warmup_steps=3)
+    model = MLP(features=1024, hidden=8192, layers=4)
+    gpu_trainer(tmp_path, [busy], max_steps=30).fit(model, DataLoader(preloaded_batches(30, 4096, 1024), batch_size=None))
+    assert busy.report.verdict == "compute-bound", busy.report.verdict_reason
+    assert busy.report.gpu_idle_fraction < 0.15
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_memory_estimate_within_fifteen_percent_of_max_memory_allocated(tmp_path, name):
+    model = make_model(name, num_samples=4 * 64)
+    estimator = MemoryEstimator(measure_steps=3)
+    gpu_trainer(tmp_path, [estimator], max_steps=4).fit(model, model.loader(64))
+    estimate = estimator.estimate
+    assert estimate.method == "traced" and estimate.measured_peak_bytes > 0
+    assert abs(estimate.estimate_error) <= 0.15, estimate
+
+
+def test_tuner_pins_memory_on_cuda(tmp_path):
+    tuner = DataLoaderTuner(max_seconds=3)
+    gpu_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=16))
+    assert tuner.result.pin_memory is True and tuner.result.num_workers > 0
