@@ -137,3 +137,13 @@ def test_json_report_round_trips_and_lightning_source_is_restored(tmp_path):
 def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DataLoaderTuner(**kwargs)
+
+
+def test_a_short_epoch_does_not_inflate_deep_prefetch():
+    # 8 workers sleeping 0.5 ms per sample can deliver at most 8 x 32 / 16 ms = 16,000 samples/s;
+    # an epoch of 32 batches is entirely queued at iter() with prefetch_factor=4
+    setting = LoaderSetting(8, 4, True)
+    loader = DataLoader(SlowDataset(32 * 32, delay_s=0.0005), batch_size=32, **setting.loader_kwargs())
+    timing = time_loader(loader, setting, 16)
+    assert timing.batches == 32
+    assert timing.samples_per_second <= 16_000

@@ -159,9 +159,15 @@ class DataLoaderTuner(Callback):
             if changed
             else f"DataLoaderTuner: kept {baseline.describe()}"
         ) + f" ({self.result.reason}; {len(self.result.candidates)} settings timed in {self.result.seconds:.1f} s)"
+        chosen = next((t for t in self.result.candidates if t.setting == self.result.setting), None)
+        if self.result.num_workers > cores and chosen is not None and chosen.worker_cpu_fraction is not None:
+            self.message += (
+                f". PyTorch will warn that {self.result.num_workers} workers exceed the {cores} usable cores: they"
+                f" were measured busy only {chosen.worker_cpu_fraction:.0%} of the time (waiting on I/O), so more"
+                " workers than cores is what keeps up here"
+            )
         rank_zero_info(loader_tune_table(self.result, self.message))
         if trainer.strategy.root_device.type == "cpu":
-            chosen = next((t for t in self.result.candidates if t.setting == self.result.setting), None)
             warning = oversubscription(
                 torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores
             )

@@ -30,6 +30,7 @@ import os
 import resource
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -187,9 +188,11 @@ def time_loader(
 ) -> LoaderTiming:
     """Time ``loader``: start-up to the first batch, then the steady rate.
 
-    With ``W`` workers the first ``W`` batches were all loading in parallel since ``iter()``,
-    so they are pipeline fill: the steady rate is timed over the batches after them, and at
-    least ``W + 8`` batches are fetched (fewer if the loader ends first).
+    ``iter()`` queues ``W x prefetch_factor`` batches at once, and the workers, forked one after
+    another, start loading them at different times: those batches are pipeline fill. The steady
+    rate is timed over the batches after them, and at least fill + 8 batches are fetched. When
+    the loader ends first (a short epoch), the rate over everything, start-up included, is the
+    honest figure and is returned instead.
 
     Args:
         loader: the loader built with ``setting``.
@@ -200,7 +203,7 @@ def time_loader(
         min_seconds: keep fetching past ``batches`` until this long has passed (a steadier
             figure for fast loaders).
     """
-    fill = max(1, setting.num_workers)
+    fill = setting.num_workers * (setting.prefetch_factor or 2) if setting.num_workers else 1
     wanted = max(batches, fill + 8)
     cpu_before = _children_cpu_s()
     threads_before = set(threading.enumerate())
@@ -232,7 +235,7 @@ def time_loader(
         ended = time.perf_counter()
         _shutdown(iterator, threads_before)
         del iterator
-    if steady_samples and ended > fill_ready:
+    if fetched >= fill + 2 and ended > fill_ready:
         rate = steady_samples / (ended - fill_ready)
     else:  # too few batches to see a steady state: the overall rate
         rate = samples / max(ended - started, 1e-9)
@@ -295,7 +298,10 @@ def tune_loader(
         return 2.0 * (leader.startup_s + fetched * leader.batch_s) + 0.05
 
     def run(setting: LoaderSetting) -> LoaderTiming:
-        timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
+        with warnings.catch_warnings():
+            # torch warns whenever workers outnumber cores; here that is what is being measured
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
         timings.append(timing)
         return timing
 
