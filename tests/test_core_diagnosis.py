@@ -139,3 +139,15 @@ def test_nvml_sampler_is_silently_absent_without_a_driver():
 def test_thresholds_validate(kwargs):
     with pytest.raises(ValueError):
         Thresholds(**kwargs)
+
+
+def test_oversubscription_warns_only_when_lowering_threads_helps():
+    from lightning_gpuopt.core.loader import oversubscription
+
+    assert oversubscription(2, 8, 0.13, cores=2) == (
+        "oversubscription: torch runs 2 intra-op threads for the model and the 8 loader workers keep ~1.0 cores"
+        " busy, 3.0 > 2 usable cores; call torch.set_num_threads(1) so neither stalls the other."
+    )
+    assert oversubscription(1, 8, 0.13, cores=2) is None  # already one thread: nothing to lower
+    assert oversubscription(8, 2, 1.0, cores=16) is None  # fits
+    assert oversubscription(4, 0, None, cores=2) is None  # no workers

@@ -372,9 +372,9 @@ def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: O
     """A warning when the model's intra-op threads and busy workers want more cores than there are
     (on CPU training, where the model's math runs on the same cores as the loader)."""
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
-    if workers == 0 or intra_op_threads + busy <= cores:
-        return None
     threads = max(1, cores - math.ceil(busy))
+    if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads:
+        return None  # within 10% of the cores, or nothing left to lower
     return (
         f"oversubscription: torch runs {intra_op_threads} intra-op threads for the model and the {workers} loader"
         f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"
