@@ -196,10 +196,12 @@ class BatchSizeSearch(Callback):
             upper, upper_note = self._upper_bound(trainer, initial)
             predicted, bytes_per_sample, notes = self._prediction(trainer, pl_module, budget)
             start = predicted if predicted is not None else initial
-            runner = _TrialRunner(trainer, pl_module, state, budget, self.batch_arg_name)
+            # every rank must try the same sizes: plan with the tightest rank's figures
+            search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
+            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name)
             result = search_largest_fit(
                 runner.fits,
-                budget_bytes=budget,
+                budget_bytes=search_budget,
                 start=max(start, self.min_batch_size),
                 max_batch_size=upper,
                 min_batch_size=self.min_batch_size,
@@ -356,9 +358,10 @@ class _TrialRunner:
 
     def __init__(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "_TrainingStateRestored", budget: int,
-        batch_arg_name: str,
+        search_budget: int, batch_arg_name: str,
     ) -> None:
         self.trainer, self.pl_module, self.state, self.budget = trainer, pl_module, state, budget
+        self.search_budget = search_budget
         self.batch_arg_name = batch_arg_name
         self.baseline = _ddp_bucket_bytes(trainer, pl_module)
 
@@ -380,7 +383,7 @@ class _TrialRunner:
         outcome = call_catching_oom(_run_steps, trainer, pl_module, meter)
         peak = meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= self.budget
-        return _agree(trainer, fitted, peak)
+        return _agree(trainer, fitted, peak, self.budget, self.search_budget)
 
 
 def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -> None:
@@ -388,15 +391,34 @@ def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -
         trainer.fit_loop.run()
 
 
-def _agree(trainer: pl.Trainer, fitted: bool, peak: Optional[int]) -> tuple[bool, Optional[int]]:
-    """All ranks' outcomes: fits only if it fitted everywhere; the largest peak."""
+def _agree(
+    trainer: pl.Trainer, fitted: bool, peak: Optional[int], budget: int, search_budget: int
+) -> tuple[bool, Optional[int]]:
+    """All ranks' outcome: fits only if it fitted on every rank. The peak handed to the search is
+    the tightest rank's, as seen against the search's budget: ``search_budget - min(headroom)``."""
     if trainer.world_size <= 1:
         return fitted, peak
-    mine = torch.tensor([int(fitted), -1 if peak is None else int(peak)], dtype=torch.int64,
+    headroom = -1 if peak is None else budget - int(peak)
+    mine = torch.tensor([int(fitted), int(peak is not None), headroom], dtype=torch.int64,
                         device=trainer.strategy.root_device)  # fmt: skip
-    gathered = trainer.strategy.all_gather(mine).reshape(-1, 2).cpu()
-    peaks = [int(value) for value in gathered[:, 1] if value >= 0]
-    return bool(gathered[:, 0].min()), max(peaks) if peaks else None
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()
+    known = gathered[gathered[:, 1] == 1]
+    agreed_peak = search_budget - int(known[:, 2].min()) if len(known) == len(gathered) else None
+    return bool(gathered[:, 0].min()), agreed_peak
+
+
+def _agree_plan(
+    trainer: pl.Trainer, budget: int, start: int, bytes_per_sample: Optional[float], upper: int
+) -> tuple[int, int, Optional[float], int]:
+    """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
+    if trainer.world_size <= 1:
+        return budget, start, bytes_per_sample, upper
+    mine = torch.tensor([budget, start, -1.0 if bytes_per_sample is None else bytes_per_sample, upper],
+                        dtype=torch.float64, device=trainer.strategy.root_device)  # fmt: skip
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, 4).cpu()
+    slopes = [float(value) for value in gathered[:, 2] if value >= 0]
+    return (int(gathered[:, 0].min()), int(gathered[:, 1].min()), max(slopes) if slopes else None,
+            int(gathered[:, 3].min()))  # fmt: skip
 
 
 @contextlib.contextmanager
