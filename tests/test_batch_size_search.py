@@ -283,3 +283,13 @@ def test_cpu_without_max_memory_is_a_clear_value_error(tmp_path):
 def test_bad_arguments_name_the_argument_the_value_and_what_works(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BatchSizeSearch(**kwargs)
+
+
+def test_a_step_that_cannot_be_traced_starts_at_the_users_batch_and_still_finds_the_limit(tmp_path):
+    with pytest.warns(UserWarning, match="could not be traced"):
+        searcher, _, _ = search(tmp_path, "data-dependent", max_memory="2MB")
+    result = searcher.result
+    assert result.start_batch_size == 16 and result.predicted_batch_size is None
+    assert len(result.trials) <= 8
+    assert fits_independently(tmp_path, "data-dependent", result.batch_size, result.budget_bytes)
+    assert not fits_independently(tmp_path, "data-dependent", result.batch_size + 1, result.budget_bytes)

@@ -21,7 +21,8 @@ replaced by a ``DummyLogger``, ``self.log`` is a no-op and validation is off, so
 sees a trial step.
 
 Under DDP every rank runs each trial and the ranks agree: a size fits only if it fitted on every
-rank (an all-gather of each rank's outcome), so all ranks train with the same batch size. A
+rank (an all-gather of each rank's outcome), so all ranks train with the same batch size; the
+sizes to try are planned with the tightest rank's budget, estimate and measured headroom. A
 trial runs each rank's steps without the gradient all-reduce, the buffer broadcast and the
 per-step SIGTERM broadcast (the DDP wrapper and that broadcast are bypassed for the trial), so a
 rank that runs out of memory mid-step cannot leave the others waiting in a collective; the
@@ -32,11 +33,13 @@ Logged metrics, once when training starts (to every logger of the Trainer):
 
 * ``gpuopt/batch_size``: the batch size found and set.
 * ``gpuopt/batch_search_trials``: how many trials the search ran.
-* ``gpuopt/batch_search_steps``: training steps the trials ran in all (trials x ``steps_per_trial``).
+* ``gpuopt/batch_search_steps``: training steps the trials were given, trials x ``steps_per_trial``
+  (a trial that ran out of memory stopped early, so at most this many ran).
 * ``gpuopt/batch_search_seconds``: wall-clock seconds of the whole search (estimate, trials, restore).
 * ``gpuopt/batch_search_peak_bytes``: the peak measured by the trial of the chosen size (the
   largest over ranks under DDP).
-* ``gpuopt/batch_search_budget_bytes``: the cap every trial ran under, ``max_memory * (1 - margin)``.
+* ``gpuopt/batch_search_budget_bytes``: the cap every trial ran under, ``max_memory * (1 - margin)``
+  (under DDP with different budgets per rank: the smallest, which the search plans with).
 * ``gpuopt/batch_search_predicted``: the estimate's predicted largest batch (not logged when the
   step could not be estimated).
 
@@ -60,6 +63,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -85,7 +89,13 @@ from lightning_gpuopt.core.memory import (
     parse_memory,
     storage_bytes,
 )
-from lightning_gpuopt.core.report import REPORT_FILENAME, batch_search_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import (
+    REPORT_FILENAME,
+    batch_search_table,
+    format_bytes,
+    to_dict,
+    update_json_section,
+)
 from lightning_gpuopt.core.search import BatchSizeSearchResult, search_largest_fit
 
 #: section of ``gpuopt_report.json`` this callback writes
@@ -156,7 +166,9 @@ class BatchSizeSearch(Callback):
         if max_memory is not None:
             parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom).")
+            raise ValueError(
+                f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom)."
+            )
         _check_int("steps_per_trial", steps_per_trial, 1, "e.g. 2, so that optimizer state exists in the trial")
         _check_int("max_trials", max_trials, 1, "e.g. 10")
         _check_int("min_batch_size", min_batch_size, 1, "e.g. 1")
@@ -195,6 +207,8 @@ class BatchSizeSearch(Callback):
         with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial):
             upper, upper_note = self._upper_bound(trainer, initial)
             predicted, bytes_per_sample, notes = self._prediction(trainer, pl_module, budget)
+            for note in notes:
+                rank_zero_warn(f"BatchSizeSearch: {note}")
             start = predicted if predicted is not None else initial
             # every rank must try the same sizes: plan with the tightest rank's figures
             search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
@@ -464,8 +478,6 @@ def _clone(collection: Any) -> Any:
 
 def _progress_objects(loop: Any, seen: Optional[set] = None) -> Iterator[_BaseProgress]:
     """Every progress counter of ``loop`` and its child loops."""
-    from lightning.pytorch.loops.loop import _Loop
-
     seen = set() if seen is None else seen
     for value in list(vars(loop).values()):
         if isinstance(value, _BaseProgress) and id(value) not in seen:
@@ -487,7 +499,8 @@ class _TrainingStateRestored:
         trainer, module = self.trainer, self.pl_module
         tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
         self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
-        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in module.parameters()]
+        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
+                      for p in module.parameters()]  # fmt: skip
         self.optimizers = [_cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_cpu_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _cpu_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop)]
@@ -596,6 +609,4 @@ def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
 
 
 def _bytes(num_bytes: Optional[int]) -> str:
-    from lightning_gpuopt.core.report import format_bytes
-
     return f"{format_bytes(num_bytes)} ({num_bytes} bytes)" if num_bytes is not None else "n/a"

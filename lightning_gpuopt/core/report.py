@@ -247,6 +247,6 @@ def batch_search_table(result: "BatchSizeSearchResult") -> str:
     for number, trial in enumerate(result.trials, 1):
         mark = "  [CHOSEN]" if trial.fits and trial.batch_size == result.batch_size else ""
         outcome = "fits" if trial.fits else "does not fit"
-        rows.append((f"trial {number}: {trial.batch_size}",
-                     f"{outcome:>12}, peak {format_bytes(trial.peak_bytes)}, {format_seconds(trial.seconds)}{mark}"))  # fmt: skip
+        figures = f"peak {format_bytes(trial.peak_bytes)}, {format_seconds(trial.seconds)}"
+        rows.append((f"trial {number}: {trial.batch_size}", f"{outcome:>12}, {figures}{mark}"))
     return render_table("gpuopt · BatchSizeSearch", rows, [f"  {note}" for note in result.notes])

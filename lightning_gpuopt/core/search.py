@@ -71,7 +71,7 @@ class BatchSizeSearchResult:
 
     batch_size: Optional[int]
     trials: list[Trial] = field(default_factory=list)
-    #: the cap every trial ran under (``max_memory`` less the margin)
+    #: the cap the search planned with (``max_memory`` less the margin; under DDP the smallest rank's)
     budget_bytes: int = 0
     #: one of :data:`STOP_REASONS`
     stop_reason: str = ""
