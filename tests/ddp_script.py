@@ -5,9 +5,12 @@ what its DataWaitMonitor concluded to ``OUT/rank<N>.json``; rank 0 also writes
 ``gpuopt_report.json``.
 tune: every rank runs DataLoaderTuner and writes its result and the loader its fit used.
 memory: every rank runs MemoryEstimator; rank 0 writes the report.
+search: every rank runs BatchSizeSearch with its own budget (rank 0: 20 MB, rank 1: 16 MB) and
+writes its result and the batch size its training used to ``OUT/search<N>.json``.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +50,27 @@ def memory(out: Path) -> None:
     trainer.fit(model, model.loader(8))
 
 
+SEARCH_BUDGETS = ("20MB", "16MB")  # by rank
+
+
+def search(out: Path) -> None:
+    from models_memory import make_model
+
+    from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch
+    from lightning_gpuopt.core.report import to_dict
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # known before the processes join: budgets differ by rank
+    searcher = BatchSizeSearch(max_memory=SEARCH_BUDGETS[rank])
+    model = make_model("mlp", num_samples=4096, batch_size=16)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[searcher],
+                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(model)
+    (out / f"search{trainer.global_rank}.json").write_text(json.dumps({
+        "result": to_dict(searcher.result), "used": trainer.train_dataloader.batch_size, "global_step": trainer.global_step,
+    }))
+
+
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
@@ -71,4 +95,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"tune": tune, "memory": memory}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    {"tune": tune, "memory": memory, "search": search}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

@@ -26,10 +26,11 @@ NUM_CLASSES = 10
 class ClassifierModule(L.LightningModule):
     """A classifier over ``inputs`` (random features or tokens) trained with Adam and cross-entropy."""
 
-    def __init__(self, network: nn.Module, inputs: torch.Tensor) -> None:
+    def __init__(self, network: nn.Module, inputs: torch.Tensor, batch_size: int = 32) -> None:
         super().__init__()
         self.network = network
         self.inputs = inputs
+        self.batch_size = batch_size  # read by train_dataloader(): what BatchSizeSearch resizes
         self.example_input_array = inputs[:2].clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,9 @@ class ClassifierModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader(self.batch_size)
 
     def loader(self, batch_size: int) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
@@ -78,9 +82,9 @@ class DataDependentNet(nn.Module):
         return self.large(x)
 
 
-def make_model(name: str, num_samples: int = NUM_SAMPLES) -> ClassifierModule:
+def make_model(name: str, num_samples: int = NUM_SAMPLES, batch_size: int = 32) -> ClassifierModule:
     """``"mlp"``, ``"cnn"`` (with BatchNorm), ``"transformer"`` or ``"data-dependent"``, with
-    ``num_samples`` random training samples."""
+    ``num_samples`` random training samples and ``batch_size`` for ``train_dataloader()``."""
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "mlp":
@@ -101,4 +105,4 @@ def make_model(name: str, num_samples: int = NUM_SAMPLES) -> ClassifierModule:
         inputs = torch.randn(num_samples, 32, generator=generator)
     else:
         raise ValueError(f"unknown model {name!r}; expected 'mlp', 'cnn', 'transformer' or 'data-dependent'")
-    return ClassifierModule(network, inputs)
+    return ClassifierModule(network, inputs, batch_size)

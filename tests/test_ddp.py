@@ -57,3 +57,25 @@ def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_
         assert rank["used"][0] > 0  # sleeping loader: workers help
         assert rank["usable_cpus"] == 1  # 2 cores shared by 2 ranks
         assert rank["sampler"] == "DistributedSampler"  # Lightning still injected it into the rebuilt loader
+
+
+def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
+    from models_memory import make_model
+    from test_batch_size_search import fits_independently
+
+    from lightning_gpuopt.core.memory import parse_memory, storage_bytes
+
+    run_ddp(tmp_path, "search")
+    ranks = [json.loads((tmp_path / f"search{rank}.json").read_text()) for rank in (0, 1)]
+    size = ranks[0]["result"]["batch_size"]
+    assert ranks[1]["result"]["batch_size"] == size and [r["used"] for r in ranks] == [size, size]
+    assert [t["batch_size"] for t in ranks[0]["result"]["trials"]] == [t["batch_size"] for t in ranks[1]["result"]["trials"]]
+    assert all(r["global_step"] == 2 for r in ranks) and len(ranks[0]["result"]["trials"]) <= 8
+    # independent check: a single process with rank 1's cap, less DDP's gradient buckets (a copy of
+    # the gradients, which the trials count as a baseline), fits `size` but not `size + 1`, while
+    # rank 0's larger cap would have fitted `size + 1`: the smaller budget decided, on both ranks
+    buckets = storage_bytes(list(make_model("mlp").parameters()))
+    small, large = (int(parse_memory(budget) * 0.9) - buckets for budget in ("16MB", "20MB"))
+    assert fits_independently(tmp_path, "mlp", size, small, samples=2048)
+    assert not fits_independently(tmp_path, "mlp", size + 1, small, samples=2048)
+    assert fits_independently(tmp_path, "mlp", size + 1, large, samples=2048)

@@ -38,6 +38,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from lightning_gpuopt.core.diagnosis import DataWaitReport
     from lightning_gpuopt.core.loader import LoaderTuneResult
+    from lightning_gpuopt.core.search import BatchSizeSearchResult
 
 T = TypeVar("T")
 
@@ -232,3 +233,20 @@ def loader_tune_table(result: "LoaderTuneResult", message: str) -> str:
     speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None else ""
     notes = [f"  {message}{speedup}"]
     return render_table("gpuopt · DataLoaderTuner", rows, notes)
+
+
+def batch_search_table(result: "BatchSizeSearchResult") -> str:
+    """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
+    rows = [
+        ("batch size", f"{result.batch_size} (was {result.initial_batch_size}; estimate predicted "
+                       f"{result.predicted_batch_size})"),
+        ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
+        ("search", f"{len(result.trials)} trials x {result.steps_per_trial} steps in "
+                   f"{format_seconds(result.seconds)}; stopped: {result.stop_reason}"),
+    ]  # fmt: skip
+    for number, trial in enumerate(result.trials, 1):
+        mark = "  [CHOSEN]" if trial.fits and trial.batch_size == result.batch_size else ""
+        outcome = "fits" if trial.fits else "does not fit"
+        figures = f"peak {format_bytes(trial.peak_bytes)}, {format_seconds(trial.seconds)}"
+        rows.append((f"trial {number}: {trial.batch_size}", f"{outcome:>12}, {figures}{mark}"))
+    return render_table("gpuopt · BatchSizeSearch", rows, [f"  {note}" for note in result.notes])

@@ -1,0 +1,612 @@
+"""BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
+
+In ``on_fit_start`` (after the strategy set the model and optimizers up) the callback predicts the
+largest batch from a calibrated estimate (:func:`lightning_gpuopt.core.estimate.estimate_memory`),
+then runs trials -- ``steps_per_trial`` real training steps through the Trainer's fit loop,
+strategy and precision plugin -- at the sizes :func:`lightning_gpuopt.core.search.search_largest_fit`
+picks: probe the prediction, extrapolate from the measured peaks, bisect once a size misses. It
+sets the largest size that fitted on the model, its hparams or the datamodule (wherever
+``batch_arg_name`` lives), and training starts with it. A trial fits when it ran without running
+out of memory and its peak stayed within ``max_memory * (1 - margin)``:
+
+* CUDA: the real allocator's OOM, and ``torch.cuda.max_memory_allocated`` as the peak;
+* CPU (and other devices): a :class:`~lightning_gpuopt.core.memory.MemoryBudget` of that size
+  around the trial, counting the model, its gradients, the optimizer state, the batch and
+  everything the step allocates (on CPU ``max_memory`` is required: there is no device to fill).
+
+Everything a trial changes is restored in memory afterwards (no checkpoint file): parameters and
+buffers, gradients, optimizer and LR-scheduler state, loop progress (global step, epoch), RNG
+states, module attributes and train/eval modes. During trials callbacks are detached, loggers
+replaced by a ``DummyLogger``, ``self.log`` is a no-op and validation is off, so nothing outside
+sees a trial step.
+
+Under DDP every rank runs each trial and the ranks agree: a size fits only if it fitted on every
+rank (an all-gather of each rank's outcome), so all ranks train with the same batch size; the
+sizes to try are planned with the tightest rank's budget, estimate and measured headroom. A
+trial runs each rank's steps without the gradient all-reduce, the buffer broadcast and the
+per-step SIGTERM broadcast (the DDP wrapper and that broadcast are bypassed for the trial), so a
+rank that runs out of memory mid-step cannot leave the others waiting in a collective; the
+memory DDP holds for its gradient buckets is allocated already on CUDA and is counted as
+``baseline_bytes`` under a simulated budget.
+
+Logged metrics, once when training starts (to every logger of the Trainer):
+
+* ``gpuopt/batch_size``: the batch size found and set.
+* ``gpuopt/batch_search_trials``: how many trials the search ran.
+* ``gpuopt/batch_search_steps``: training steps the trials were given, trials x ``steps_per_trial``
+  (a trial that ran out of memory stopped early, so at most this many ran).
+* ``gpuopt/batch_search_seconds``: wall-clock seconds of the whole search (estimate, trials, restore).
+* ``gpuopt/batch_search_peak_bytes``: the peak measured by the trial of the chosen size (the
+  largest over ranks under DDP).
+* ``gpuopt/batch_search_budget_bytes``: the cap every trial ran under, ``max_memory * (1 - margin)``
+  (under DDP with different budgets per rank: the smallest, which the search plans with).
+* ``gpuopt/batch_search_predicted``: the estimate's predicted largest batch (not logged when the
+  step could not be estimated).
+
+Rank 0 logs a table of the trials with ``rank_zero_info`` and writes the
+:class:`~lightning_gpuopt.core.search.BatchSizeSearchResult` as the ``"batch_size_search"``
+section of ``gpuopt_report.json`` in ``trainer.log_dir`` (``trainer.default_root_dir`` without a
+logger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.progress import _BaseProgress
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
+from lightning_gpuopt.callbacks.memory_estimator import _batch_size, _logging_disabled, _loss_function
+from lightning_gpuopt.core.estimate import (
+    MemoryEstimate,
+    _restored_attributes,
+    estimate_memory,
+    max_batch_size_for,
+    trace_training_step,
+    with_untraced_bytes,
+)
+from lightning_gpuopt.core.memory import (
+    LiveTensorTracker,
+    MemoryBudget,
+    PeakMemoryMeter,
+    call_catching_oom,
+    device_usable_memory,
+    parse_memory,
+    storage_bytes,
+)
+from lightning_gpuopt.core.report import (
+    REPORT_FILENAME,
+    batch_search_table,
+    format_bytes,
+    to_dict,
+    update_json_section,
+)
+from lightning_gpuopt.core.search import BatchSizeSearchResult, search_largest_fit
+
+#: section of ``gpuopt_report.json`` this callback writes
+REPORT_SECTION = "batch_size_search"
+MODES = ("fill", "cap")
+
+
+class NoBatchSizeFitsError(RuntimeError):
+    """Raised when even ``min_batch_size`` does not fit the budget."""
+
+
+class BatchSizeSearch(Callback):
+    r"""Find the largest batch size that fits the memory budget with a few real training steps, and set it.
+
+    The data must come from the model's or the datamodule's ``train_dataloader()``, reading the
+    batch size from ``batch_arg_name`` (on the model, ``model.hparams`` or the datamodule), so that
+    a new size gives a new loader. Validation is not run in trials (it needs less memory than
+    training). The estimate, the trials and the restore run once, before the first real step.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch
+
+        search = BatchSizeSearch(max_memory="20GiB", multiple_of=8)
+        trainer = Trainer(callbacks=[search])
+        trainer.fit(model, datamodule=dm)          # dm.batch_size is now the largest that fits
+        search.result.batch_size, [(t.batch_size, t.fits) for t in search.result.trials]
+
+    Args:
+        max_memory: the memory a training step may use: bytes, a string such as ``"20GiB"``, or a
+            fraction of the device such as ``0.9``. ``None``: on CUDA what is free plus what torch
+            holds already; on CPU it is required (the budget is simulated there).
+        margin: headroom: a trial fits only if its peak stays within ``max_memory * (1 - margin)``
+            (fragmentation, longer sequences later, other processes).
+        steps_per_trial: real training steps per trial; from the second on, gradients and optimizer
+            state of the previous step are alive, as in training.
+        max_trials: at most this many trials; the largest size that fitted is kept.
+        min_batch_size: the smallest size to consider; if it does not fit, the search raises.
+        max_batch_size: the largest size to consider (sizes are also capped at the samples each
+            rank's loader holds).
+        batch_arg_name: where the batch size lives: an attribute of the model, a key of
+            ``model.hparams``, or an attribute of the datamodule.
+        multiple_of: every size tried and returned is a multiple of this (e.g. 8 for tensor cores).
+        mode: ``"fill"``: as large as fits; ``"cap"``: as large as fits but never above the batch
+            size the user set.
+
+    Raises:
+        ValueError: for an argument out of range (the message names it, its value and what works),
+            and on CPU in ``on_fit_start`` when ``max_memory`` is ``None``.
+        MisconfigurationException: in ``on_fit_start`` when the batch size cannot be found or the
+            train loader does not come from ``train_dataloader()``.
+        NoBatchSizeFitsError: when even ``min_batch_size`` does not fit.
+    """
+
+    def __init__(
+        self,
+        max_memory: Optional[int | float | str] = None,
+        margin: float = 0.1,
+        steps_per_trial: int = 2,
+        max_trials: int = 10,
+        min_batch_size: int = 1,
+        max_batch_size: int = 2**16,
+        batch_arg_name: str = "batch_size",
+        multiple_of: int = 1,
+        mode: str = "fill",
+    ) -> None:
+        if max_memory is not None:
+            parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(
+                f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom)."
+            )
+        _check_int("steps_per_trial", steps_per_trial, 1, "e.g. 2, so that optimizer state exists in the trial")
+        _check_int("max_trials", max_trials, 1, "e.g. 10")
+        _check_int("min_batch_size", min_batch_size, 1, "e.g. 1")
+        _check_int("max_batch_size", max_batch_size, min_batch_size, f"at least min_batch_size={min_batch_size}")
+        _check_int("multiple_of", multiple_of, 1, "e.g. 1 or 8")
+        if multiple_of > max_batch_size:
+            raise ValueError(f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
+                             "expected a multiple_of <= max_batch_size.")  # fmt: skip
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise ValueError(f"`batch_arg_name`={batch_arg_name!r} is not a name; expected e.g. 'batch_size'.")
+        if mode not in MODES:
+            raise ValueError(f"`mode`={mode!r} is not one of {MODES}: 'fill' (as large as fits) or 'cap' "
+                             "(as large as fits, never above your batch size).")  # fmt: skip
+        self.max_memory = max_memory
+        self.margin = float(margin)
+        self.steps_per_trial = steps_per_trial
+        self.max_trials = max_trials
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.batch_arg_name = batch_arg_name
+        self.multiple_of = multiple_of
+        self.mode = mode
+        #: what the search found (the same on every rank); ``None`` before ``fit``
+        self.result: Optional[BatchSizeSearchResult] = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        started = time.perf_counter()
+        self.result = None
+        self._check_usable(trainer, pl_module)
+        device = pl_module.device
+        budget = self._budget_bytes(device)
+        initial = int(lightning_getattr(pl_module, self.batch_arg_name))
+        # the state is kept before anything runs: building a loader iterator draws from the global RNG
+        with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial):
+            upper, upper_note = self._upper_bound(trainer, initial)
+            predicted, bytes_per_sample, notes = self._prediction(trainer, pl_module, budget)
+            for note in notes:
+                rank_zero_warn(f"BatchSizeSearch: {note}")
+            start = predicted if predicted is not None else initial
+            # every rank must try the same sizes: plan with the tightest rank's figures
+            search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
+            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name)
+            result = search_largest_fit(
+                runner.fits,
+                budget_bytes=search_budget,
+                start=max(start, self.min_batch_size),
+                max_batch_size=upper,
+                min_batch_size=self.min_batch_size,
+                multiple_of=self.multiple_of,
+                max_trials=self.max_trials,
+                bytes_per_sample=bytes_per_sample,
+            )
+            if result.batch_size is None:
+                message = self._nothing_fits_message(runner, result)
+        _reset_train_loader(trainer)
+        if result.batch_size is None:
+            lightning_setattr(pl_module, self.batch_arg_name, initial)
+            raise NoBatchSizeFitsError(message)
+        lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
+        self.result = replace(
+            result,
+            initial_batch_size=initial,
+            predicted_batch_size=predicted,
+            steps_per_trial=self.steps_per_trial,
+            world_size=trainer.world_size,
+            seconds=time.perf_counter() - started,
+            notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else [])],
+        )
+        self._report(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.result is None or not trainer.loggers:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(logged_metrics(self.result), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    # ------------------------------------------------------------------ preparing
+
+    def _check_usable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        name = self.batch_arg_name
+        if not lightning_hasattr(pl_module, name):
+            raise MisconfigurationException(
+                f"BatchSizeSearch: found no `{name}` on the model, in `model.hparams` or on the datamodule. Expose the "
+                f"batch size there and read it in `train_dataloader()`: e.g. `self.{name} = {name}` in the "
+                f"LightningModule's or LightningDataModule's `__init__` (or `self.save_hyperparameters()` with a "
+                f"`{name}` argument), or pass `batch_arg_name=` with the name you use."
+            )
+        if not trainer.fit_loop._data_source.is_module():
+            raise MisconfigurationException(
+                "BatchSizeSearch cannot resize a DataLoader passed to `fit()` directly: build it in the model's or "
+                f"the datamodule's `train_dataloader()` with `batch_size=self.{name}`."
+            )
+
+    def _budget_bytes(self, device: torch.device) -> int:
+        if self.max_memory is None:
+            if device.type != "cuda":
+                raise ValueError(
+                    f"`max_memory`=None on a {device.type} device: there is no device memory to fill; pass "
+                    "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
+                )
+            capacity = device_usable_memory(device)
+        else:
+            capacity = parse_memory(self.max_memory, device, name="max_memory")
+        return int(capacity * (1.0 - self.margin))
+
+    def _upper_bound(self, trainer: pl.Trainer, initial: int) -> tuple[int, str]:
+        upper, note = self.max_batch_size, f"max_batch_size={self.max_batch_size}"
+        if self.mode == "cap" and initial < upper:
+            upper, note = initial, f"mode='cap': never above your batch size {initial}"
+        samples = _samples_per_rank(trainer)
+        if samples is not None and samples < upper:
+            upper, note = samples, f"each rank's loader holds {samples} samples"
+        return max(upper, self.min_batch_size), note
+
+    def _prediction(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, budget: int
+    ) -> tuple[Optional[int], Optional[float], list[str]]:
+        """The estimate's largest batch for ``budget`` and its bytes per sample, from traced steps."""
+        try:
+            batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
+            trace = dict(
+                optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+                batch_size=_batch_size(batch),
+                step_context=trainer.precision_plugin.train_step_context,
+            )
+            estimate = estimate_memory(pl_module, _loss_function(pl_module), batch, capacity_bytes=budget, **trace)
+            if estimate.method != "traced":
+                return None, None, [f"the step could not be traced ({estimate.method}); started at your batch size"]
+            buckets = _ddp_bucket_bytes(trainer, pl_module)
+            if buckets:
+                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
+            return _refined(estimate, pl_module, batch, trace, budget, buckets)
+        except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
+            return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size"]
+
+    # ------------------------------------------------------------------ reporting
+
+    def _nothing_fits_message(self, runner: "_TrialRunner", result: BatchSizeSearchResult) -> str:
+        smallest = result.lower_bound
+        fitted, peak = runner.fits(smallest, capped=False)  # the peak it needs, measured without a cap
+        measured = f"a trial at batch size {smallest} peaked at {_bytes(peak)}" if peak is not None else "no peak"
+        return (
+            f"BatchSizeSearch: even min_batch_size={smallest} does not fit the budget of {_bytes(result.budget_bytes)} "
+            f"(max_memory={self.max_memory!r} less margin={self.margin}): {measured}. Try MemoryFill (mixed "
+            "precision, activation checkpointing and gradient accumulation), a smaller model, or more memory (a "
+            "larger max_memory, a smaller margin, or a larger device)."
+        )
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        assert self.result is not None
+        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        if trainer.is_global_zero:
+            rank_zero_info(batch_search_table(self.result))
+            update_json_section(path, REPORT_SECTION, to_dict(self.result))
+
+
+def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
+    """The metrics the callback logs for ``result`` (see the module docstring)."""
+    metrics = {
+        "gpuopt/batch_size": float(result.batch_size or 0),
+        "gpuopt/batch_search_trials": float(result.num_trials),
+        "gpuopt/batch_search_steps": float(result.num_trials * result.steps_per_trial),
+        "gpuopt/batch_search_seconds": result.seconds,
+        "gpuopt/batch_search_budget_bytes": float(result.budget_bytes),
+    }
+    if result.peak_bytes is not None:
+        metrics["gpuopt/batch_search_peak_bytes"] = float(result.peak_bytes)
+    if result.predicted_batch_size is not None:
+        metrics["gpuopt/batch_search_predicted"] = float(result.predicted_batch_size)
+    return metrics
+
+
+def _refined(
+    estimate: MemoryEstimate, pl_module: pl.LightningModule, batch: Any, trace: dict, budget: int, extra_bytes: int
+) -> tuple[Optional[int], Optional[float], list[str]]:
+    """Re-trace near the predicted limit: the peak is convex piecewise-linear in the batch (at small
+    batches the optimizer step can set it, flattening the line), so the line through the user's
+    batch and twice it can be far too flat. Two passes of (prediction / 2, prediction)."""
+    predicted, per_sample = estimate.max_batch_size, estimate.bytes_per_sample
+    for _ in range(2):
+        if not predicted or predicted < 4 or trace["batch_size"] is None:
+            break
+        half, full = (trace_training_step(pl_module, _loss_function(pl_module), batch, trace_batch_size=size, **trace)
+                      for size in (predicted // 2, predicted))  # fmt: skip
+        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
+        fixed = full.peak_bytes + extra_bytes - per_sample * predicted
+        refined = max_batch_size_for(budget, fixed, per_sample)
+        if refined is None or refined == predicted:
+            break
+        predicted = refined
+    return predicted, per_sample, []
+
+
+# ---------------------------------------------------------------------- trials
+
+
+class _TrialRunner:
+    """Runs one trial at a batch size on every rank and returns what all ranks agree on."""
+
+    def __init__(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "_TrainingStateRestored", budget: int,
+        search_budget: int, batch_arg_name: str,
+    ) -> None:
+        self.trainer, self.pl_module, self.state, self.budget = trainer, pl_module, state, budget
+        self.search_budget = search_budget
+        self.batch_arg_name = batch_arg_name
+        self.baseline = _ddp_bucket_bytes(trainer, pl_module)
+
+    def fits(self, batch_size: int, capped: bool = True) -> tuple[bool, Optional[int]]:
+        trainer, pl_module = self.trainer, self.pl_module
+        lightning_setattr(pl_module, self.batch_arg_name, batch_size)
+        _reset_train_loader(trainer)
+        trainer.fit_loop.setup_data()  # collectives (barrier, length checks): outside the trial, on every rank
+        self.state.reset_for_trial()
+        device = pl_module.device
+        prefetched = getattr(trainer.fit_loop._data_fetcher, "batches", [])
+        existing = (pl_module, *trainer.optimizers, prefetched)
+        if device.type == "cuda":
+            meter: Any = PeakMemoryMeter(device)
+        elif capped:
+            meter = MemoryBudget(self.budget, existing=existing, device=device, baseline_bytes=self.baseline)
+        else:
+            meter = LiveTensorTracker(existing=existing, device=device, baseline_bytes=self.baseline)
+        outcome = call_catching_oom(_run_steps, trainer, pl_module, meter)
+        peak = meter.peak_bytes
+        fitted = not outcome.out_of_memory and peak is not None and peak <= self.budget
+        return _agree(trainer, fitted, peak, self.budget, self.search_budget)
+
+
+def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -> None:
+    with _collectives_bypassed(trainer, pl_module), _logging_disabled(pl_module), meter:
+        trainer.fit_loop.run()
+
+
+def _agree(
+    trainer: pl.Trainer, fitted: bool, peak: Optional[int], budget: int, search_budget: int
+) -> tuple[bool, Optional[int]]:
+    """All ranks' outcome: fits only if it fitted on every rank. The peak handed to the search is
+    the tightest rank's, as seen against the search's budget: ``search_budget - min(headroom)``."""
+    if trainer.world_size <= 1:
+        return fitted, peak
+    headroom = -1 if peak is None else budget - int(peak)
+    mine = torch.tensor([int(fitted), int(peak is not None), headroom], dtype=torch.int64,
+                        device=trainer.strategy.root_device)  # fmt: skip
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()
+    known = gathered[gathered[:, 1] == 1]
+    agreed_peak = search_budget - int(known[:, 2].min()) if len(known) == len(gathered) else None
+    return bool(gathered[:, 0].min()), agreed_peak
+
+
+def _agree_plan(
+    trainer: pl.Trainer, budget: int, start: int, bytes_per_sample: Optional[float], upper: int
+) -> tuple[int, int, Optional[float], int]:
+    """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
+    if trainer.world_size <= 1:
+        return budget, start, bytes_per_sample, upper
+    mine = torch.tensor([budget, start, -1.0 if bytes_per_sample is None else bytes_per_sample, upper],
+                        dtype=torch.float64, device=trainer.strategy.root_device)  # fmt: skip
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, 4).cpu()
+    slopes = [float(value) for value in gathered[:, 2] if value >= 0]
+    return (int(gathered[:, 0].min()), int(gathered[:, 1].min()), max(slopes) if slopes else None,
+            int(gathered[:, 3].min()))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _collectives_bypassed(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+    """Under DDP: the trial steps the bare module (no gradient all-reduce, no buffer broadcast) and
+    skips the per-step SIGTERM broadcast, so an OOM on one rank cannot strand the others."""
+    strategy, epoch_loop = trainer.strategy, trainer.fit_loop.epoch_loop
+    wrapped = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
+    if trainer.world_size > 1:
+        epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+    if wrapped is not None:
+        strategy.model = pl_module
+    try:
+        yield
+    finally:
+        if wrapped is not None:
+            strategy.model = wrapped
+        if "_broadcast_sigterm_tensor" in vars(epoch_loop):
+            del epoch_loop._broadcast_sigterm_tensor
+
+
+def _ddp_bucket_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """DDP's gradient buckets (a copy of the gradients unless ``gradient_as_bucket_view``): on CUDA
+    the allocator counts them already; elsewhere they are added to a trial's budget."""
+    model = trainer.strategy.model
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    if pl_module.device.type == "cuda":
+        return 0
+    return storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
+
+
+# ---------------------------------------------------------------------- state kept and restored
+
+
+def _cpu_copy(collection: Any) -> Any:
+    return apply_to_collection(collection, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+def _clone(collection: Any) -> Any:
+    return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
+
+
+def _progress_objects(loop: Any, seen: Optional[set] = None) -> Iterator[_BaseProgress]:
+    """Every progress counter of ``loop`` and its child loops."""
+    seen = set() if seen is None else seen
+    for value in list(vars(loop).values()):
+        if isinstance(value, _BaseProgress) and id(value) not in seen:
+            seen.add(id(value))
+            yield value
+        elif isinstance(value, _Loop):
+            yield from _progress_objects(value, seen)
+
+
+class _TrainingStateRestored:
+    """Keeps, in host memory, everything a trial changes and puts it back on exit: parameters and
+    buffers, gradients, optimizer and LR-scheduler state, loop progress, RNG states, module
+    attributes (train/eval modes included) and ``trainer.should_stop``."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer, self.pl_module = trainer, pl_module
+
+    def __enter__(self) -> "_TrainingStateRestored":
+        trainer, module = self.trainer, self.pl_module
+        tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
+                      for p in module.parameters()]  # fmt: skip
+        self.optimizers = [_cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
+        self.schedulers = [_cpu_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        self.progress = [(p, _cpu_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop)]
+        self.batches_that_stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.should_stop = trainer.should_stop
+        self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+        self.attributes = _restored_attributes(module)
+        self.attributes.__enter__()
+        return self
+
+    def reset_for_trial(self) -> None:
+        """The state training starts from, with counters at zero (so ``steps_per_trial`` steps run)."""
+        self._restore_weights_and_optimizers()
+        for progress in _progress_objects(self.trainer.fit_loop):
+            progress.reset()
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = 0
+        self.trainer.should_stop = False
+
+    def _restore_weights_and_optimizers(self) -> None:
+        with torch.no_grad():
+            for tensor, saved in self.tensors:
+                tensor.copy_(saved)
+        for param, grad in self.grads:
+            param.grad = None if grad is None else grad.to(param.device, copy=True)
+        for optimizer, state in zip(self.trainer.optimizers, self.optimizers):
+            optimizer.load_state_dict(_clone(state))
+        for config, state in zip(self.trainer.lr_scheduler_configs, self.schedulers):
+            config.scheduler.load_state_dict(_clone(state))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.attributes.__exit__(*exc_info)
+        self._restore_weights_and_optimizers()
+        for progress, state in self.progress:
+            progress.load_state_dict(_clone(state))
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
+        self.trainer.should_stop = self.should_stop
+        _set_rng_states(self.rng)
+        self.trainer._logger_connector.reset_results()
+        self.trainer._logger_connector.reset_metrics()
+
+
+_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+class _TrialStopMessages(logging.Filter):
+    """Drops the fit loop's "`Trainer.fit` stopped: `max_steps=N` reached." that ends every trial."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("`Trainer.fit` stopped")
+
+
+@contextlib.contextmanager
+def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]:
+    """Callbacks detached, loggers swapped for a DummyLogger, no validation, ``steps_per_trial``
+    optimizer steps over as many epochs as that takes."""
+    fit_loop = trainer.fit_loop
+    saved = (trainer.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
+             fit_loop.max_epochs)  # fmt: skip
+    quiet = _TrialStopMessages()
+    logging.getLogger(_RANK_ZERO_LOGGER).addFilter(quiet)
+    trainer.callbacks = []
+    trainer.loggers = [DummyLogger()] if trainer.loggers else []
+    trainer.limit_val_batches = 0
+    fit_loop.epoch_loop.max_steps = steps_per_trial
+    fit_loop.max_epochs = -1
+    try:
+        yield
+    finally:
+        logging.getLogger(_RANK_ZERO_LOGGER).removeFilter(quiet)
+        trainer.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
+        fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = saved[3], saved[4]
+
+
+def _reset_train_loader(trainer: pl.Trainer) -> None:
+    """Make the fit loop build the train loader again (at the batch size now set)."""
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
+
+
+def _first_loader(trainer: pl.Trainer) -> Any:
+    loop = trainer.fit_loop
+    _reset_train_loader(trainer)
+    loop.setup_data()
+    assert loop._combined_loader is not None
+    return loop._combined_loader.flattened[0]
+
+
+def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
+    """Samples each rank's train loader draws in an epoch (its sampler's length), if known."""
+    try:
+        loader = _first_loader(trainer)
+        sampler = getattr(loader, "sampler", None)
+        return len(sampler) if sampler is not None else len(loader.dataset)
+    except (TypeError, AttributeError, NotImplementedError):
+        return None
+    finally:
+        _reset_train_loader(trainer)
+
+
+def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}`={value!r} is not an int >= {minimum}; expected {hint}.")
+
+
+def _bytes(num_bytes: Optional[int]) -> str:
+    return f"{format_bytes(num_bytes)} ({num_bytes} bytes)" if num_bytes is not None else "n/a"

@@ -1,0 +1,295 @@
+"""BatchSizeSearch with a real Trainer on CPU, under simulated budgets (MemoryBudget).
+
+Every result is checked by an independent measurement: a fresh model and Trainer run the same
+number of real training steps at that size inside a fresh ``MemoryBudget`` with the same cap.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import pytest
+import torch
+from lightning import Callback, Trainer
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
+from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
+from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+from models_memory import make_model
+
+BUDGET = "20MB"
+SAMPLES = 4096
+
+
+def trainer_for(tmp_path, callbacks, max_steps: int = 1, **kwargs: Any) -> Trainer:
+    options = dict(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=tmp_path, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options.update(kwargs)
+    return Trainer(callbacks=callbacks, **options)
+
+
+class BudgetAroundTraining(Callback):
+    """The independent measurement: a MemoryBudget entered at train start, left at train end."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.budget: Optional[MemoryBudget] = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.budget = MemoryBudget(self.cap_bytes, existing=(pl_module, *trainer.optimizers), device="cpu")
+        self.budget.__enter__()
+
+    def _leave(self) -> None:
+        if self.budget is not None:
+            budget, self.budget = self.budget, None
+            budget.__exit__(None, None, None)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self._leave()
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._leave()
+
+
+def fits_independently(tmp_path, name: str, batch_size: int, cap_bytes: int, steps: int = 2, samples: int = SAMPLES) -> bool:
+    """Do ``steps`` real training steps of a fresh model at ``batch_size`` fit in ``cap_bytes``?"""
+    model = make_model(name, num_samples=samples, batch_size=batch_size)
+    trainer = trainer_for(tmp_path / f"check{batch_size}", [BudgetAroundTraining(cap_bytes)], max_steps=steps)
+    try:
+        trainer.fit(model)
+    except Exception as error:  # noqa: BLE001
+        if is_out_of_memory_error(error):
+            return False
+        raise
+    return True
+
+
+def search(tmp_path, name: str, samples: int = SAMPLES, max_steps: int = 1, **kwargs: Any):
+    kwargs.setdefault("max_memory", BUDGET)
+    initial = kwargs.pop("initial", 16)
+    searcher = BatchSizeSearch(**kwargs)
+    model = make_model(name, num_samples=samples, batch_size=initial)
+    trainer = trainer_for(tmp_path, [searcher], max_steps=max_steps)
+    trainer.fit(model)
+    return searcher, model, trainer
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_result_is_the_largest_batch_that_fits_checked_independently(tmp_path, name):
+    searcher, model, trainer = search(tmp_path, name)
+    result = searcher.result
+    assert result is not None and result.batch_size is not None
+    assert model.batch_size == result.batch_size  # set where train_dataloader() reads it
+    assert trainer.train_dataloader.batch_size == result.batch_size  # training used it
+    assert len(result.trials) <= 8
+    assert result.budget_bytes == int(20_000_000 * 0.9)
+    chosen = [t for t in result.trials if t.batch_size == result.batch_size]
+    assert chosen and all(t.fits and t.peak_bytes <= result.budget_bytes for t in chosen)
+    assert fits_independently(tmp_path, name, result.batch_size, result.budget_bytes)
+    assert not fits_independently(tmp_path, name, result.batch_size + 1, result.budget_bytes)
+
+
+def test_multiple_of_eight(tmp_path):
+    searcher, _, _ = search(tmp_path, "mlp", multiple_of=8)
+    size = searcher.result.batch_size
+    assert size % 8 == 0 and all(t.batch_size % 8 == 0 for t in searcher.result.trials)
+    assert fits_independently(tmp_path, "mlp", size, searcher.result.budget_bytes)
+    assert not fits_independently(tmp_path, "mlp", size + 8, searcher.result.budget_bytes)
+
+
+def test_cap_mode_never_goes_above_the_users_batch(tmp_path):
+    searcher, model, _ = search(tmp_path, "mlp", mode="cap", initial=48)
+    assert searcher.result.batch_size == 48 == model.batch_size
+    assert [t.batch_size for t in searcher.result.trials] == [48]
+    assert searcher.result.stop_reason == "upper bound"
+
+
+def test_dataset_smaller_than_the_limit_returns_its_length(tmp_path):
+    searcher, _, _ = search(tmp_path, "mlp", samples=300)
+    result = searcher.result
+    assert result.batch_size == 300 and result.stop_reason == "upper bound"
+    assert any(t.batch_size == 300 and t.fits for t in result.trials)
+    assert all(t.batch_size <= 300 for t in result.trials)
+
+
+def test_budget_too_small_for_min_batch_size_says_what_to_try(tmp_path):
+    with pytest.raises(NoBatchSizeFitsError) as info:
+        search(tmp_path, "mlp", max_memory="3MB", margin=0.0)  # parameters + Adam state alone are ~6 MB
+    message = str(info.value)
+    assert "min_batch_size=1" in message and "3000000 bytes" in message  # the budget
+    assert "peaked at" in message and "MemoryFill" in message and "smaller model" in message
+
+
+class StateBefore(Callback):
+    """Gives the optimizer and scheduler state (one real step), then snapshots everything."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        x, y = next(iter(pl_module.loader(8)))
+        torch.nn.functional.cross_entropy(pl_module(x), y).backward()
+        trainer.optimizers[0].step()
+        trainer.lr_scheduler_configs[0].scheduler.step()
+        self.tensors = {k: v.clone() for k, v in pl_module.state_dict(keep_vars=False).items()}
+        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+        self.optimizer = _clone_tree(trainer.optimizers[0].state_dict())
+        self.scheduler = _clone_tree(trainer.lr_scheduler_configs[0].scheduler.state_dict())
+        self.counters = (trainer.global_step, trainer.current_epoch, trainer.fit_loop.epoch_loop._batches_that_stepped)
+        self.rng = torch.get_rng_state()
+        self.training = [m.training for m in pl_module.modules()]
+
+
+class StateAfter(Callback):
+    def __init__(self, before: StateBefore) -> None:
+        self.before = before
+        self.checked = False
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        before = self.before
+        now = pl_module.state_dict()
+        assert now.keys() == before.tensors.keys()
+        assert all(torch.equal(now[k], before.tensors[k]) for k in now)  # BatchNorm statistics included
+        assert all(torch.equal(p.grad, before.grads[n]) for n, p in pl_module.named_parameters())
+        _assert_equal_trees(trainer.optimizers[0].state_dict(), before.optimizer)
+        _assert_equal_trees(trainer.lr_scheduler_configs[0].scheduler.state_dict(), before.scheduler)
+        assert (trainer.global_step, trainer.current_epoch,
+                trainer.fit_loop.epoch_loop._batches_that_stepped) == before.counters  # fmt: skip
+        assert torch.equal(torch.get_rng_state(), before.rng)
+        assert [m.training for m in pl_module.modules()] == before.training
+        assert not trainer.callback_metrics  # no trial step logged anything
+        self.checked = True
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    return tree
+
+
+def _assert_equal_trees(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_equal_trees(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_equal_trees(x, y)
+    else:
+        assert a == b
+
+
+class RecordingLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[dict, Optional[int]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+        self.calls.append((dict(metrics), step))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_state_is_restored_bit_for_bit_and_loggers_see_no_trial(tmp_path):
+    model = make_model("cnn", num_samples=SAMPLES, batch_size=16)  # BatchNorm: running statistics change in trials
+    original_configure = model.configure_optimizers
+
+    def configure_optimizers():
+        optimizer = original_configure()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    model.configure_optimizers = configure_optimizers
+    before = StateBefore()
+    after = StateAfter(before)
+    searcher = BatchSizeSearch(max_memory=BUDGET)
+    logger = RecordingLogger()
+    trainer = trainer_for(tmp_path, [before, searcher, after], max_steps=2, logger=logger, log_every_n_steps=1,
+                          enable_checkpointing=True)  # fmt: skip
+    trainer.fit(model)
+    assert after.checked and len(searcher.result.trials) >= 2
+    assert trainer.global_step == 2  # training ran its own 2 steps after the search
+    train_steps = [step for metrics, step in logger.calls if "train_loss" in metrics]
+    assert train_steps == [0, 1]  # the trials' steps were never logged
+    logged = [metrics for metrics, _ in logger.calls if "gpuopt/batch_size" in metrics]
+    assert len(logged) == 1 and logged[0]["gpuopt/batch_size"] == searcher.result.batch_size
+    assert logged[0]["gpuopt/batch_search_trials"] == len(searcher.result.trials)
+    assert logged[0]["gpuopt/batch_search_steps"] == 2 * len(searcher.result.trials)
+    # no checkpoint of the search remains; the only one is training's own (enable_checkpointing=True)
+    checkpoints = sorted(p.name for p in tmp_path.rglob("*.ckpt"))
+    assert all(not name.startswith(".") and "scale_batch" not in name for name in checkpoints)
+    assert len(checkpoints) == 1
+    report = json.loads((report_dir(trainer) / "gpuopt_report.json").read_text())
+    assert report["batch_size_search"]["batch_size"] == searcher.result.batch_size
+
+
+def test_report_section_and_table(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        searcher, _, _ = search(tmp_path, "mlp")
+    section = json.loads((tmp_path / "gpuopt_report.json").read_text())["batch_size_search"]
+    assert section["batch_size"] == searcher.result.batch_size
+    assert [t["batch_size"] for t in section["trials"]] == [t.batch_size for t in searcher.result.trials]
+    assert "BatchSizeSearch" in caplog.text and "CHOSEN" in caplog.text
+
+
+def test_missing_batch_size_attribute_explains_how_to_expose_it(tmp_path):
+    model = make_model("mlp")
+    del model.batch_size
+    with pytest.raises(MisconfigurationException, match=r"self\.batch_size = batch_size"):
+        trainer_for(tmp_path, [BatchSizeSearch(max_memory=BUDGET)]).fit(model)
+
+
+def test_loader_passed_to_fit_cannot_be_resized(tmp_path):
+    model = make_model("mlp")
+    with pytest.raises(MisconfigurationException, match="train_dataloader"):
+        trainer_for(tmp_path, [BatchSizeSearch(max_memory=BUDGET)]).fit(model, model.loader(8))
+
+
+def test_cpu_without_max_memory_is_a_clear_value_error(tmp_path):
+    with pytest.raises(ValueError, match=r"`max_memory`=None on a cpu device"):
+        trainer_for(tmp_path, [BatchSizeSearch()]).fit(make_model("mlp"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_memory="lots"), r"`max_memory`='lots' is not a memory size"),
+        (dict(margin=1.0), r"`margin`=1.0 is not a fraction in \[0, 1\)"),
+        (dict(steps_per_trial=0), r"`steps_per_trial`=0 is not an int >= 1; expected e.g. 2"),
+        (dict(max_trials=2.5), r"`max_trials`=2.5 is not an int >= 1"),
+        (dict(min_batch_size=0), r"`min_batch_size`=0 is not an int >= 1"),
+        (dict(min_batch_size=64, max_batch_size=32), r"`max_batch_size`=32 is not an int >= 64"),
+        (dict(multiple_of=0), r"`multiple_of`=0 is not an int >= 1"),
+        (dict(multiple_of=64, max_batch_size=32), r"`multiple_of`=64 is above `max_batch_size`=32"),
+        (dict(batch_arg_name=""), r"`batch_arg_name`='' is not a name"),
+        (dict(mode="power"), r"`mode`='power' is not one of \('fill', 'cap'\)"),
+    ],
+)
+def test_bad_arguments_name_the_argument_the_value_and_what_works(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BatchSizeSearch(**kwargs)
+
+
+def test_a_step_that_cannot_be_traced_starts_at_the_users_batch_and_still_finds_the_limit(tmp_path):
+    with pytest.warns(UserWarning, match="could not be traced"):
+        searcher, _, _ = search(tmp_path, "data-dependent", max_memory="2MB")
+    result = searcher.result
+    assert result.start_batch_size == 16 and result.predicted_batch_size is None
+    assert len(result.trials) <= 8
+    assert fits_independently(tmp_path, "data-dependent", result.batch_size, result.budget_bytes)
+    assert not fits_independently(tmp_path, "data-dependent", result.batch_size + 1, result.budget_bytes)

@@ -1,0 +1,150 @@
+"""The largest-fit search against synthetic oracles whose limit is known exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_gpuopt.core.search import predicted_largest_fit, round_down, search_largest_fit
+
+
+def linear_oracle(fixed: int, per_sample: int, cap: int):
+    calls = []
+
+    def fits(batch_size: int):
+        calls.append(batch_size)
+        peak = fixed + per_sample * batch_size
+        return peak <= cap, peak
+
+    fits.calls = calls  # type: ignore[attr-defined]
+    return fits
+
+
+def true_limit(fixed: int, per_sample: int, cap: int, multiple_of: int = 1, upper: int = 10**9) -> int:
+    return min(round_down((cap - fixed) // per_sample, multiple_of), round_down(upper, multiple_of))
+
+
+def check(result, fits, limit: int, lo: int, hi: int, multiple_of: int) -> None:
+    assert result.batch_size == limit
+    assert [t.batch_size for t in result.trials] == fits.calls  # every trial is a real call, in order
+    chosen = [t for t in result.trials if t.batch_size == result.batch_size]
+    assert chosen and all(t.fits for t in chosen)  # the answer was tested and fitted
+    for trial in result.trials:
+        assert trial.batch_size % multiple_of == 0 and lo <= trial.batch_size <= hi
+        assert trial.fits == (trial.batch_size <= limit)
+    if result.stop_reason == "bracketed":
+        assert any(not t.fits and t.batch_size == limit + multiple_of for t in result.trials)
+
+
+@pytest.mark.parametrize("start_error", [1.0, 0.7, 1.3, 3.0, 0.05])
+def test_limit_near_1000_found_in_at_most_8_trials_from_an_imperfect_estimate(start_error):
+    fixed, per_sample, cap = 3_000_000, 10_000, 13_000_000  # limit 1000
+    fits = linear_oracle(fixed, per_sample, cap)
+    result = search_largest_fit(fits, budget_bytes=cap, start=int(1000 * start_error), max_batch_size=8192)
+    check(result, fits, 1000, 1, 8192, 1)
+    assert len(result.trials) <= 8
+    assert result.stop_reason == "bracketed"
+
+
+@pytest.mark.parametrize("slope_error", [0.2, 1.0, 5.0])
+def test_a_wrong_estimated_slope_costs_trials_but_not_correctness(slope_error):
+    fixed, per_sample, cap = 3_000_000, 10_000, 13_000_000
+    fits = linear_oracle(fixed, per_sample, cap)
+    result = search_largest_fit(fits, budget_bytes=cap, start=900, max_batch_size=8192,
+                                bytes_per_sample=per_sample * slope_error)
+    check(result, fits, 1000, 1, 8192, 1)
+    assert len(result.trials) <= 8
+
+
+def test_without_an_estimate_it_grows_at_most_4x_a_trial():
+    fits = linear_oracle(3_000_000, 10_000, 13_000_000)
+    result = search_largest_fit(fits, budget_bytes=13_000_000, start=2, max_batch_size=8192)
+    check(result, fits, 1000, 1, 8192, 1)
+    sizes = [t.batch_size for t in result.trials]
+    assert all(b <= 4 * a for a, b in zip(sizes, sizes[1:]))
+    assert len(result.trials) <= 8
+
+
+@pytest.mark.parametrize("multiple_of", [8, 64])
+def test_sizes_are_multiples_and_the_next_multiple_is_proven_not_to_fit(multiple_of):
+    fits = linear_oracle(3_000_000, 10_000, 13_000_000)
+    result = search_largest_fit(fits, budget_bytes=13_000_000, start=700, max_batch_size=8192, multiple_of=multiple_of)
+    check(result, fits, true_limit(3_000_000, 10_000, 13_000_000, multiple_of), multiple_of, 8192, multiple_of)
+
+
+def test_convex_piecewise_linear_peak_is_still_found_exactly():
+    # small batches: the optimizer step sets the peak (flat); large ones: activations (steep)
+    def fits(batch_size: int):
+        peak = max(8_000_000, 2_000_000 + 12_000 * batch_size)
+        fits.calls.append(batch_size)
+        return peak <= 14_000_000, peak
+
+    fits.calls = []  # type: ignore[attr-defined]
+    result = search_largest_fit(fits, budget_bytes=14_000_000, start=50, max_batch_size=8192)
+    check(result, fits, 1000, 1, 8192, 1)
+    assert len(result.trials) <= 10  # from 20x below the limit with a flat line at first
+
+
+def test_a_nonlinear_peak_converges_by_bisection():
+    def fits(batch_size: int):
+        peak = 1_000 * batch_size + batch_size**2 * 3  # superlinear: the line always over-predicts
+        fits.calls.append(batch_size)
+        return peak <= 4_000_000, peak
+
+    fits.calls = []  # type: ignore[attr-defined]
+    limit = max(b for b in range(1, 5000) if 1_000 * b + 3 * b * b <= 4_000_000)
+    result = search_largest_fit(fits, budget_bytes=4_000_000, start=100, max_batch_size=8192, max_trials=20)
+    check(result, fits, limit, 1, 8192, 1)
+
+
+def test_random_linear_budgets_always_exact_and_within_8_trials():
+    rng = random.Random(0)
+    for _ in range(300):
+        per_sample = rng.randint(100, 100_000)
+        fixed = rng.randint(0, 50_000_000)
+        limit = rng.randint(1, 5000)
+        cap = fixed + per_sample * limit + rng.randint(0, per_sample - 1)
+        multiple_of = rng.choice([1, 1, 2, 8])
+        upper = rng.choice([8192, 10**6])
+        expected = true_limit(fixed, per_sample, cap, multiple_of, upper)
+        if expected < multiple_of:
+            continue
+        fits = linear_oracle(fixed, per_sample, cap)
+        start = max(1, int(limit * rng.uniform(0.05, 4.0)))
+        result = search_largest_fit(fits, budget_bytes=cap, start=start, max_batch_size=upper, multiple_of=multiple_of)
+        check(result, fits, expected, multiple_of, round_down(upper, multiple_of), multiple_of)
+        assert len(result.trials) <= 8, (fixed, per_sample, cap, start, multiple_of, result.trials)
+
+
+def test_upper_bound_is_returned_when_everything_fits():
+    fits = linear_oracle(1_000, 10, 10**12)
+    result = search_largest_fit(fits, budget_bytes=10**12, start=10, max_batch_size=300)
+    assert result.batch_size == 300 and result.stop_reason == "upper bound"
+    assert result.trials[-1].batch_size == 300 and result.trials[-1].fits
+
+
+def test_nothing_fits_returns_none_after_trying_the_minimum():
+    fits = linear_oracle(5_000_000, 10_000, 1_000_000)
+    result = search_largest_fit(fits, budget_bytes=1_000_000, start=64, max_batch_size=8192, min_batch_size=2)
+    assert result.batch_size is None and result.stop_reason == "nothing fits"
+    assert result.trials[-1].batch_size == 2 and not result.trials[-1].fits
+    assert len(result.trials) <= 7
+
+
+def test_max_trials_keeps_the_largest_tested_fit():
+    fits = linear_oracle(3_000_000, 10_000, 13_000_000)
+    result = search_largest_fit(fits, budget_bytes=13_000_000, start=2, max_batch_size=8192, max_trials=2)
+    assert len(result.trials) == 2 and result.stop_reason == "max trials"
+    assert result.batch_size == max(t.batch_size for t in result.trials if t.fits)
+
+
+def test_no_multiple_in_range_is_a_value_error():
+    with pytest.raises(ValueError, match="no multiple of multiple_of=8"):
+        search_largest_fit(lambda b: (True, 0), budget_bytes=1, start=1, max_batch_size=5, multiple_of=8)
+
+
+def test_prediction_needs_a_rising_line():
+    assert predicted_largest_fit([], 100) is None
+    assert predicted_largest_fit([(10, 500), (20, 500)], 1000) is None  # flat: no information
+    assert predicted_largest_fit([(10, 500)], 1000, bytes_per_sample=10) == 60
