@@ -11,9 +11,11 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from lightning import Callback, Trainer
+from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
@@ -293,3 +295,73 @@ def test_a_step_that_cannot_be_traced_starts_at_the_users_batch_and_still_finds_
     assert len(result.trials) <= 8
     assert fits_independently(tmp_path, "data-dependent", result.batch_size, result.budget_bytes)
     assert not fits_independently(tmp_path, "data-dependent", result.batch_size + 1, result.budget_bytes)
+
+
+class VariableLengthTokens(torch.utils.data.Dataset):
+    """Token sequences of 8 to 256 tokens; :func:`pad_batch` pads each batch to its longest."""
+
+    def __init__(self, size: int = 384) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.items = [(torch.randint(1, 1000, (8 + (i * 37) % 249,), generator=generator), i % 10) for i in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.items[index]
+
+
+def pad_batch(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.nn.utils.rnn.pad_sequence([tokens for tokens, _ in batch], batch_first=True)
+    return tokens, torch.tensor([label for _, label in batch])
+
+
+class SequenceClassifier(LightningModule):
+    def __init__(self, batch_size: int = 8, longest_second: bool = False) -> None:
+        super().__init__()
+        self.batch_size, self.longest_second = batch_size, longest_second
+        self.embed = nn.Embedding(1000, 32)
+        self.head = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.data = VariableLengthTokens()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        return nn.functional.cross_entropy(self.head(self.embed(tokens)).mean(1), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.longest_second:
+            # the worst case, built independently of the callback: the longest sequences in the
+            # second step, when Adam's state exists
+            by_length = sorted(range(len(self.data)), key=lambda i: len(self.data.items[i][0]))
+            order = by_length[: self.batch_size] + by_length[-self.batch_size:]
+            return DataLoader(self.data, batch_size=self.batch_size, sampler=order, collate_fn=pad_batch)
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, collate_fn=pad_batch)
+
+
+def fits_sequences(tmp_path, cap_bytes: int, **kwargs: Any) -> bool:
+    trainer = trainer_for(tmp_path, [BudgetAroundTraining(cap_bytes)], max_steps=kwargs.pop("max_steps", -1),
+                          max_epochs=1)
+    try:
+        trainer.fit(SequenceClassifier(**kwargs))
+    except Exception as error:  # noqa: BLE001
+        if is_out_of_memory_error(error):
+            return False
+        raise
+    return True
+
+
+def test_varying_lengths_the_size_found_fits_the_longest_batch_of_a_whole_epoch(tmp_path):
+    searcher = BatchSizeSearch(max_memory=BUDGET)
+    trainer_for(tmp_path, [searcher], max_steps=1).fit(SequenceClassifier())
+    result = searcher.result
+    assert any("batches of the largest sample" in note for note in result.notes), result.notes
+    found, cap = result.batch_size, result.budget_bytes
+    # a whole shuffled epoch at that size fits, its longest batch included ...
+    assert fits_sequences(tmp_path / "epoch", cap, batch_size=found)
+    # ... and it is the limit: one more sample does not fit when the longest sequences come in a
+    # step where the optimizer state exists
+    assert fits_sequences(tmp_path / "worst-found", cap, batch_size=found, longest_second=True, max_steps=2)
+    assert not fits_sequences(tmp_path / "worst", cap, batch_size=found + 1, longest_second=True, max_steps=2)

@@ -52,6 +52,7 @@ logger).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -66,10 +67,13 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset
 
+from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
 from lightning_gpuopt.callbacks.memory_estimator import _batch_size, _logging_disabled, _loss_function
 from lightning_gpuopt.core.estimate import (
@@ -80,6 +84,7 @@ from lightning_gpuopt.core.estimate import (
     trace_training_step,
     with_untraced_bytes,
 )
+from lightning_gpuopt.core.loader import LargestSampleSampler, largest_samples_first
 from lightning_gpuopt.core.memory import (
     LiveTensorTracker,
     MemoryBudget,
@@ -204,9 +209,12 @@ class BatchSizeSearch(Callback):
         budget = self._budget_bytes(device)
         initial = int(lightning_getattr(pl_module, self.batch_arg_name))
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
-        with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial):
+        with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
+                _largest_samples_first(trainer) as sizes_note:
             upper, upper_note = self._upper_bound(trainer, initial)
             predicted, bytes_per_sample, notes = self._prediction(trainer, pl_module, budget)
+            if sizes_note:
+                notes.append(sizes_note)
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
             start = predicted if predicted is not None else initial
@@ -572,6 +580,30 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
         logging.getLogger(_RANK_ZERO_LOGGER).removeFilter(quiet)
         trainer.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
         fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = saved[3], saved[4]
+
+
+@contextlib.contextmanager
+def _largest_samples_first(trainer: pl.Trainer) -> Iterator[Optional[str]]:
+    """When sample sizes vary (sequences of different lengths), the estimate and every trial step
+    use batches of the largest sample: the size found must fit the worst batch the data holds, at
+    a step where optimizer state already exists."""
+    loader = _first_loader(trainer)
+    _reset_train_loader(trainer)
+    dataset = getattr(loader, "dataset", None)
+    probed = None if dataset is None or isinstance(dataset, IterableDataset) else largest_samples_first(dataset)
+    if probed is None:
+        yield None
+        return
+    source = trainer.fit_loop._data_source
+    sampler = LargestSampleSampler(probed.order[0], len(dataset))
+    trainer.fit_loop._data_source = RebuiltSource.around(source, functools.partial(_update_dataloader, sampler=sampler))
+    try:
+        yield (
+            f"sample sizes vary ({probed.smallest:,} to {probed.largest:,} elements over {probed.probed:,} probed"
+            " samples): the estimate and the trials used batches of the largest sample"
+        )
+    finally:
+        trainer.fit_loop._data_source = source
 
 
 def _reset_train_loader(trainer: pl.Trainer) -> None:

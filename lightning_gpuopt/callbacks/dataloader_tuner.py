@@ -32,7 +32,7 @@ Logged metrics, once when training starts (to every logger of the Trainer):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Any, Optional
 
 import torch
@@ -45,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor, report_dir
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.loader import (
@@ -152,7 +153,9 @@ class DataLoaderTuner(Callback):
             )
         self.result = trainer.strategy.broadcast(result, src=0)
         self._original_source = source
-        trainer.fit_loop._data_source = _TunedSource(source.instance, source.name, self.result.setting)
+        trainer.fit_loop._data_source = RebuiltSource.around(
+            source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting)
+        )
         changed = self.result.setting != baseline
         self.message = (
             f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
@@ -195,17 +198,8 @@ class DataLoaderTuner(Callback):
             self._original_source = None
 
 
-@dataclass
-class _TunedSource(_DataLoaderSource):
-    """Lightning's train-loader source, building the tuned setting each time it is asked."""
-
-    setting: Optional[LoaderSetting] = None
-
-    def dataloader(self) -> Any:
-        loader = super().dataloader()
-        if self.setting is not None and why_not_tunable(loader) is None:
-            return rebuild_loader(loader, self.setting)
-        return loader
+def _rebuilt_if_tunable(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
+    return rebuild_loader(loader, setting) if why_not_tunable(loader) is None else loader
 
 
 def why_not_tunable(loader: Any) -> Optional[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import resource
 import threading
 import time
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when the workers are measured waiting on I/O (asleep
 #: most of the time); the same bound in DataWaitMonitor's advice and DataLoaderTuner's search
@@ -380,3 +381,78 @@ def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: O
         f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"
         f" torch.set_num_threads({threads}) so neither stalls the other."
     )
+
+
+def sample_size(sample: object) -> int:
+    """Elements in one sample: the total ``numel`` of its tensors (and arrays), through tuples,
+    lists and dicts. A padded batch of the largest samples is a step's worst case."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if hasattr(sample, "size") and hasattr(sample, "shape") and not callable(sample.size):  # numpy arrays
+        return int(sample.size)  # type: ignore[attr-defined]
+    items = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (list, tuple)) else ()
+    return sum(sample_size(item) for item in items)
+
+
+@dataclass
+class ProbedSizes:
+    """Sample sizes seen by :func:`largest_samples_first`: the probed indices, largest first."""
+
+    order: list[int]
+    smallest: int
+    largest: int
+    probed: int
+
+
+def largest_samples_first(
+    dataset: object, max_probe: int = 2048, max_seconds: float = 2.0, uniform_after: int = 256
+) -> Optional[ProbedSizes]:
+    """Probe up to ``max_probe`` random samples (own RNG, ``max_seconds`` at most) and order them
+    largest first; ``None`` when the dataset is not sized and indexable, or when the first
+    ``uniform_after`` probes are all the same size (fixed-size samples: every batch is alike).
+
+    >>> import torch
+    >>> data = [torch.zeros(n) for n in (3, 9, 5)]
+    >>> largest_samples_first(data).order
+    [1, 2, 0]
+    """
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if length < 2:
+        return None
+    indices = list(range(length))
+    random.Random(0).shuffle(indices)
+    deadline = time.perf_counter() + max_seconds
+    sizes: list[tuple[int, int]] = []
+    for index in indices[:max_probe]:
+        sizes.append((sample_size(dataset[index]), index))  # type: ignore[index]
+        if len(sizes) == uniform_after and len({size for size, _ in sizes}) == 1:
+            return None
+        if time.perf_counter() > deadline:
+            break
+    smallest, largest = min(size for size, _ in sizes), max(size for size, _ in sizes)
+    if smallest == largest:
+        return None
+    order = [index for _, index in sorted(sizes, key=lambda pair: -pair[0])]
+    return ProbedSizes(order, smallest, largest, len(sizes))
+
+
+class LargestSampleSampler(Sampler[int]):
+    """Yields the index of the largest sample, ``length`` times: every batch drawn from it is the
+    worst case at every step (a padded batch that holds the longest sample is as large as copies
+    of it, and the worst step is one where optimizer state already exists).
+
+    >>> list(LargestSampleSampler(7, 3))
+    [7, 7, 7]
+    """
+
+    def __init__(self, index: int, length: int) -> None:
+        self.index, self.length = index, length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([self.index] * self.length)
+
+    def __len__(self) -> int:
+        return self.length
