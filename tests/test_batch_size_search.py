@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
 from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
 from models_memory import make_model

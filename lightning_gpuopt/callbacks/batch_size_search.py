@@ -74,8 +74,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
-from lightning_gpuopt.callbacks.memory_estimator import _batch_size, _logging_disabled, _loss_function
+from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     _restored_attributes,
@@ -84,7 +84,7 @@ from lightning_gpuopt.core.estimate import (
     trace_training_step,
     with_untraced_bytes,
 )
-from lightning_gpuopt.core.loader import LargestSampleSampler, largest_samples_first
+from lightning_gpuopt.core.loader import LargestSampleSampler, batch_samples, largest_samples_first
 from lightning_gpuopt.core.memory import (
     LiveTensorTracker,
     MemoryBudget,
@@ -301,7 +301,7 @@ class BatchSizeSearch(Callback):
             batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
             trace = dict(
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
-                batch_size=_batch_size(batch),
+                batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
             )
             estimate = estimate_memory(pl_module, _loss_function(pl_module), batch, capacity_bytes=budget, **trace)

@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
@@ -359,12 +360,6 @@ def read_run_settings(trainer: Trainer) -> RunSettings:
         precision=str(trainer.precision),
         num_devices=trainer.num_devices,
     )
-
-
-def report_dir(trainer: Trainer) -> Path:
-    """Where ``gpuopt_report.json`` goes. ``trainer.log_dir`` is a collective under DDP (it
-    broadcasts rank 0's value): call this on every rank."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 def _describe(device: torch.device) -> str:

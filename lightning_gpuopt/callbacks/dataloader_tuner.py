@@ -46,7 +46,8 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor, report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.loader import (
     LoaderSetting,

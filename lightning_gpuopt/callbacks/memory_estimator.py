@@ -35,11 +35,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gpuopt.callbacks.data_wait_monitor import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.core.checks import check_int
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -49,6 +48,7 @@ from lightning_gpuopt.core.estimate import (
     with_measured_peak,
     with_untraced_bytes,
 )
+from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
@@ -190,7 +190,7 @@ class MemoryEstimator(Callback):
             _loss_function(pl_module),
             batch,
             optimizer=optimizer,
-            batch_size=_batch_size(batch),
+            batch_size=batch_samples(batch),  # unknown (None): no line, no max batch size
             forward_input=_forward_input(trainer, pl_module, batch),
             capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
@@ -292,13 +292,6 @@ def _loss_function(pl_module: pl.LightningModule) -> Any:
         return output
 
     return loss_of
-
-
-def _batch_size(batch: Any) -> int | None:
-    try:
-        return extract_batch_size(batch)
-    except Exception:  # noqa: BLE001 - an unknown batch size only means: no line, no max batch size
-        return None
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
