@@ -147,6 +147,7 @@ class BatchSizeSearch(Callback):
         multiple_of: every size tried and returned is a multiple of this (e.g. 8 for tensor cores).
         mode: ``"fill"``: as large as fits; ``"cap"``: as large as fits but never above the batch
             size the user set.
+        verbose: log the table of trials with ``rank_zero_info`` (the JSON report is written either way).
 
     Raises:
         ValueError: for an argument out of range (the message names it, its value and what works),
@@ -167,6 +168,7 @@ class BatchSizeSearch(Callback):
         batch_arg_name: str = "batch_size",
         multiple_of: int = 1,
         mode: str = "fill",
+        verbose: bool = True,
     ) -> None:
         if max_memory is not None:
             parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
@@ -196,6 +198,7 @@ class BatchSizeSearch(Callback):
         self.batch_arg_name = batch_arg_name
         self.multiple_of = multiple_of
         self.mode = mode
+        self.verbose = verbose
         #: what the search found (the same on every rank); ``None`` before ``fit``
         self.result: Optional[BatchSizeSearchResult] = None
 
@@ -331,7 +334,8 @@ class BatchSizeSearch(Callback):
         assert self.result is not None
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
-            rank_zero_info(batch_search_table(self.result))
+            if self.verbose:
+                rank_zero_info(batch_search_table(self.result))
             update_json_section(path, REPORT_SECTION, to_dict(self.result))
 
 

@@ -101,6 +101,7 @@ class DataWaitMonitor(Callback):
             of the others to reach the gradient sync is named a straggler.
         report_path: where to write the JSON report; ``None`` writes
             ``gpuopt_report.json`` into ``trainer.log_dir`` (or ``default_root_dir``).
+        verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class DataWaitMonitor(Callback):
         host_overhead_high: float = 0.25,
         straggler_slowdown: float = 0.2,
         report_path: Optional[str | os.PathLike] = None,
+        verbose: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
         check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
@@ -130,6 +132,7 @@ class DataWaitMonitor(Callback):
             straggler_slowdown=straggler_slowdown,
         )
         self.report_path = report_path
+        self.verbose = verbose
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
         #: where the JSON report was written (rank 0)
@@ -313,9 +316,11 @@ class DataWaitMonitor(Callback):
                 " `warmup_steps`."
             )
         if trainer.is_global_zero:
-            rank_zero_info(data_wait_table(self.report))
+            if self.verbose:
+                rank_zero_info(data_wait_table(self.report))
             self.report_file = update_json_section(self._report_target, REPORT_SECTION, to_dict(self.report))
-            rank_zero_info(f"gpuopt: report written to {self.report_file}")
+            if self.verbose:
+                rank_zero_info(f"gpuopt: report written to {self.report_file}")
 
 
 def gather_rank_figures(trainer: Trainer, figures: RankFigures, device: torch.device) -> list[RankFigures]:

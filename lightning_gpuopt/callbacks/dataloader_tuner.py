@@ -92,6 +92,7 @@ class DataLoaderTuner(Callback):
         persistent_workers: keep workers alive between epochs (skipped when the Trainer
             reloads dataloaders every n epochs together with pinned memory, which PyTorch
             does not support reliably).
+        verbose: log the table of timed settings with ``rank_zero_info`` (the JSON report is written either way).
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class DataLoaderTuner(Callback):
         target_samples_per_second: Optional[float] = None,
         max_num_workers: Optional[int] = None,
         persistent_workers: bool = True,
+        verbose: bool = True,
     ) -> None:
         check_number("max_seconds", max_seconds, "max_seconds=10", low=0, low_inclusive=False)
         check_int("batches_per_candidate", batches_per_candidate, 2, "batches_per_candidate=16")
@@ -116,6 +118,7 @@ class DataLoaderTuner(Callback):
         self.target_samples_per_second = target_samples_per_second
         self.max_num_workers = max_num_workers
         self.persistent_workers = persistent_workers
+        self.verbose = verbose
         #: the measurement and the choice (the same on every rank); ``None`` if not tuned
         self.result: Optional[LoaderTuneResult] = None
         #: what the tuner did, or why it left the loader alone
@@ -170,7 +173,8 @@ class DataLoaderTuner(Callback):
                 f" were measured busy only {chosen.worker_cpu_fraction:.0%} of the time (waiting on I/O), so more"
                 " workers than cores is what keeps up here"
             )
-        rank_zero_info(loader_tune_table(self.result, self.message))
+        if self.verbose:
+            rank_zero_info(loader_tune_table(self.result, self.message))
         if trainer.strategy.root_device.type == "cpu":
             warning = oversubscription(
                 torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores

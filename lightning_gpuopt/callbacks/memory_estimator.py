@@ -99,18 +99,22 @@ class MemoryEstimator(Callback):
             what the device has free when the estimate runs, plus what torch already holds there.
         measure_steps: how many real training steps to measure the peak over (the first step has
             no gradients or optimizer state yet, so measure at least 2 for the steady state).
+        verbose: log the estimate's table with ``rank_zero_info`` (the JSON report is written either way).
 
     Raises:
         ValueError: if ``max_memory`` is not a memory size or ``measure_steps`` is not a positive int.
     """
 
-    def __init__(self, max_memory: int | float | str | None = None, measure_steps: int = 3) -> None:
+    def __init__(
+        self, max_memory: int | float | str | None = None, measure_steps: int = 3, verbose: bool = True
+    ) -> None:
         if max_memory is not None:
             # validates early; a fraction is resolved against the real device in the first step
             parse_memory(max_memory, "cpu", name="max_memory")
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         self.max_memory = max_memory
         self.measure_steps = measure_steps
+        self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
         self._meter: PeakMemoryMeter | None = None
         self._batches_started = 0
@@ -232,7 +236,8 @@ class MemoryEstimator(Callback):
     @rank_zero_only
     def _report(self, directory: Path) -> None:
         assert self.estimate is not None
-        rank_zero_info(render_estimate(self.estimate))
+        if self.verbose:
+            rank_zero_info(render_estimate(self.estimate))
         update_json_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
 
 

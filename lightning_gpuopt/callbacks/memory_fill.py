@@ -1,0 +1,522 @@
+"""MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
+
+The user names the global batch (samples per optimizer step over all devices; by default the
+batch size x ``accumulate_grad_batches`` x devices the run already has). MemoryFill decides, in
+this order and from measurements:
+
+1. **mixed precision** (in ``setup``, before the strategy wraps the model): ``bf16-mixed`` on a
+   GPU with bfloat16, else ``16-mixed`` with a gradient scaler; on CPU only with ``amp=True``;
+   only when the run was left at ``32-true``;
+2. **activation checkpointing** on the model's repeated blocks (see
+   :mod:`lightning_gpuopt.core.checkpointing`): with ``checkpointing=True`` or a list of classes
+   always; with ``"auto"`` when the largest micro-batch that fits would be below
+   ``min_micro_batch_size`` -- predicted in ``setup`` by the calibrated estimate (a traced step on
+   fake tensors), or, when the estimate was wrong or unavailable, found by the trials in
+   ``on_fit_start`` (then the blocks are checkpointed there and searched again);
+3. **the largest micro-batch** that fits, with real training steps (:class:`BatchSizeSearch`'s
+   search, capped at what each rank contributes to the global batch);
+4. **gradient accumulation**: ``accumulate_grad_batches = ceil(samples per rank / largest fit)``
+   and the micro-batch evened out over the steps, so the effective batch stays the one asked for.
+
+The optimizer steps once per accumulation group. When an epoch ends in a shorter group (its
+batch count is not a multiple of the accumulation), Lightning still divides each loss by the
+full accumulation; MemoryFill scales that group's gradients back to a mean over the micro-batches
+it had. When the batch size or the accumulation changed and the model has LR schedulers, the
+optimizers and schedulers are built again (``configure_optimizers``), so schedulers sized with
+``trainer.estimated_stepping_batches`` count the real number of optimizer steps.
+
+Levers that cannot apply are refused with the reason: accumulation under manual optimization,
+mixed precision and checkpointing under FSDP/DeepSpeed (they have their own), and a precision or
+accumulation the user set explicitly (respected, and said so). At ``teardown`` the Trainer and
+the model get their precision, accumulation, batch size and forward methods back; the plan stays
+in :attr:`MemoryFill.plan`.
+
+Logged metrics, once when training starts (to every logger of the Trainer):
+
+* ``gpuopt/micro_batch_size``: the batch size each step trains on.
+* ``gpuopt/accumulate_grad_batches``: micro-batches per optimizer step.
+* ``gpuopt/global_batch_size``: samples per optimizer step over all ranks.
+* ``gpuopt/mixed_precision``: 1 when the run trains in a mixed precision, else 0.
+* ``gpuopt/checkpointed_blocks``: how many blocks are checkpointed.
+* ``gpuopt/fill_measured_peak_bytes``: the peak the trial of the largest fitting micro-batch measured.
+* ``gpuopt/fill_predicted_peak_bytes``: the estimate's peak at the micro-batch (when it could be traced).
+
+Rank 0 logs the plan with ``rank_zero_info`` and writes it as the ``"memory_fill"`` section of
+``gpuopt_report.json`` (the search's trials go to ``"batch_size_search"``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks.batch_size_search import (
+    BatchSizeSearch,
+    NoBatchSizeFitsError,
+    _first_loader,
+    _reset_train_loader,
+)
+from lightning_gpuopt.callbacks.memory_estimator import _loss_function
+from lightning_gpuopt.core.checkpointing import (
+    BlockSpec,
+    CheckpointedBlocks,
+    enable_checkpointing,
+    find_repeated_blocks,
+    select_blocks,
+)
+from lightning_gpuopt.core.checks import check_int
+from lightning_gpuopt.core.estimate import estimate_memory
+from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
+from lightning_gpuopt.core.loader import batch_samples
+from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict, update_json_section
+
+#: section of ``gpuopt_report.json`` this callback writes
+REPORT_SECTION = "memory_fill"
+OBJECTIVES = ("throughput", "memory")
+_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+class MemoryFill(Callback):
+    r"""Keep the global batch you want and fill the memory: AMP, activation checkpointing, gradient accumulation.
+
+    Needs what :class:`BatchSizeSearch` needs: a batch size the model, its hparams or the
+    datamodule holds (``batch_arg_name``) and reads in ``train_dataloader()``.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt import MemoryFill
+
+        fill = MemoryFill(global_batch_size=512, max_memory="20GiB")
+        trainer = Trainer(callbacks=[fill])
+        trainer.fit(model, datamodule=dm)
+        fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches, fill.plan.changes
+
+    Args:
+        global_batch_size: samples per optimizer step over all devices. ``None``: the run's
+            batch size x ``accumulate_grad_batches`` x devices. Must divide by the device count.
+        amp: mixed precision: ``"auto"`` (on GPUs), ``True`` (also on CPU, as bf16-mixed), ``False``.
+        checkpointing: ``"auto"`` (when the micro-batch would fall below ``min_micro_batch_size``),
+            ``True`` (the repeated blocks, always), ``False``, or a list of module classes, class
+            names or qualified module names to checkpoint.
+        accumulation: ``"auto"`` (as many steps as the global batch needs) or ``False`` (the
+            whole global batch must fit in one step).
+        max_memory: the memory a step may use: bytes, ``"20GiB"``, or a fraction of the device.
+            ``None``: what the GPU has free; required on CPU (a simulated budget).
+        margin: headroom: a size fits only if its peak stays within ``max_memory * (1 - margin)``.
+        min_micro_batch_size: below this micro-batch ``checkpointing="auto"`` switches
+            checkpointing on (capped at the samples each rank contributes).
+        objective: ``"throughput"``: the largest micro-batch that fits (fewest accumulation
+            steps); ``"memory"``: the smallest footprint: micro-batch ``min_micro_batch_size``,
+            checkpointing on with ``"auto"``.
+        batch_arg_name: where the batch size lives (model attribute, hparams key or datamodule).
+        steps_per_trial: real training steps per trial of the search.
+        max_trials: at most this many trials per search.
+        verbose: log the plan (and the search's trials) with ``rank_zero_info``.
+
+    Raises:
+        ValueError: an argument out of range (the message names it, its value and what works).
+        MisconfigurationException: in ``setup`` for a lever that cannot apply (see the module docstring).
+        NoBatchSizeFitsError: when not even a micro-batch of 1 fits with every allowed lever.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: Optional[int] = None,
+        amp: Union[str, bool] = "auto",
+        checkpointing: Union[str, bool, Sequence[BlockSpec]] = "auto",
+        accumulation: Union[str, bool] = "auto",
+        max_memory: Optional[Union[int, float, str]] = None,
+        margin: float = 0.1,
+        min_micro_batch_size: int = 8,
+        objective: str = "throughput",
+        batch_arg_name: str = "batch_size",
+        steps_per_trial: int = 2,
+        max_trials: int = 10,
+        verbose: bool = True,
+    ) -> None:
+        check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None: your batch size "
+                  "x accumulate_grad_batches x devices)", allow_none=True)  # fmt: skip
+        if amp not in ("auto", True, False):
+            raise ValueError(f"`amp`={amp!r} is not 'auto', True or False.")
+        if accumulation not in ("auto", False):
+            raise ValueError(f"`accumulation`={accumulation!r} is not 'auto' or False.")
+        if isinstance(checkpointing, str) and checkpointing != "auto":
+            checkpointing = [checkpointing]  # one class or module name
+        if not (checkpointing in ("auto", True, False) or _is_block_list(checkpointing)):
+            raise ValueError(f"`checkpointing`={checkpointing!r} is not 'auto', True, False or a list of module "
+                             "classes / class names / module names, e.g. ['TransformerEncoderLayer'].")  # fmt: skip
+        check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"`objective`={objective!r} is not one of {OBJECTIVES}: 'throughput' (largest "
+                             "micro-batch that fits) or 'memory' (smallest footprint).")  # fmt: skip
+        # the search validates max_memory, margin, batch_arg_name, steps_per_trial and max_trials
+        self._search_options = dict(max_memory=max_memory, margin=margin, steps_per_trial=steps_per_trial,
+                                    max_trials=max_trials, batch_arg_name=batch_arg_name)  # fmt: skip
+        BatchSizeSearch(**self._search_options)
+        self.global_batch_size = global_batch_size
+        self.amp = amp
+        self.checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
+        self.accumulation = accumulation
+        self.max_memory = max_memory
+        self.margin = float(margin)
+        self.min_micro_batch_size = min_micro_batch_size
+        self.objective = objective
+        self.batch_arg_name = batch_arg_name
+        self.verbose = verbose
+        #: what was decided and measured (the same on every rank); ``None`` before ``fit``
+        self.plan: Optional[MemoryFillPlan] = None
+        #: the search of the last ``fit`` (its ``.result`` has the trials)
+        self.search: Optional[BatchSizeSearch] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._checkpointed: Optional[CheckpointedBlocks] = None
+        self._saved: Optional[dict[str, Any]] = None
+        self._reasons: list[str] = []
+        self._started = 0.0
+        self._fixed_accumulation: Optional[int] = None
+        self._samples_per_rank = 0
+        self._initial: dict[str, Any] = {}
+        self._micro_batches_in_group = 0
+        self._correct_short_groups = False
+
+    # ------------------------------------------------------------------ setup: precision and checkpointing
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset()
+        self.plan = None
+        self._started = time.perf_counter()
+        self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
+        self.search._check_usable(trainer, pl_module)
+        initial_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
+        self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
+                             accumulate=trainer.accumulate_grad_batches)  # fmt: skip
+        self._saved = dict(precision_plugin=trainer.strategy.precision_plugin)
+        self._plan_batch(trainer, pl_module, initial_batch)
+        self._decide_precision(trainer)
+        self._decide_checkpointing_early(trainer, pl_module)
+
+    def _plan_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, initial_batch: int) -> None:
+        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+        requested = self.global_batch_size or initial_batch * accumulate * world
+        if requested % world:
+            raise ValueError(f"`global_batch_size`={requested} does not divide over the {world} devices; expected "
+                             f"a multiple of {world}, e.g. {max(1, requested // world) * world}.")  # fmt: skip
+        self._samples_per_rank = requested // world
+        self._requested = requested
+        if not pl_module.automatic_optimization:
+            self._fix_accumulation(1, "manual optimization: Lightning cannot accumulate gradients for it (accumulate "
+                                   "in your training_step); the whole global batch must fit in one step")
+        elif accumulate != 1:
+            self._fix_accumulation(accumulate, f"accumulate_grad_batches={accumulate} was set explicitly: kept")
+        elif self.accumulation is False:
+            self._fix_accumulation(1, "accumulation=False: the whole global batch must fit in one step")
+
+    def _fix_accumulation(self, steps: int, reason: str) -> None:
+        if self._samples_per_rank % steps:
+            raise MisconfigurationException(
+                f"MemoryFill: global_batch_size={self._requested} is {self._samples_per_rank} samples per device, "
+                f"which does not divide into the accumulate_grad_batches={steps} you set; pass a global_batch_size "
+                f"that is a multiple of {steps * (self._requested // self._samples_per_rank)}."
+            )
+        self._fixed_accumulation = steps
+        self._reasons.append(reason)
+
+    def _decide_precision(self, trainer: pl.Trainer) -> None:
+        device = trainer.strategy.root_device
+        sharded = type(trainer.strategy).__name__ in _SHARDED_STRATEGIES
+        if sharded and self.amp is True:
+            raise MisconfigurationException(
+                f"MemoryFill: amp=True cannot swap the precision plugin of {type(trainer.strategy).__name__}: it "
+                "needs its own precision class. Set Trainer(precision='bf16-mixed') instead and amp=False."
+            )
+        if sharded and self.amp == "auto":
+            self._reasons.append(f"{type(trainer.strategy).__name__}: mixed precision left to the strategy")
+            return
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if device.type == "cpu":
+            bf16 = True
+        precision, reason = choose_precision(self.amp, device.type, current=str(trainer.precision), bf16_supported=bf16)
+        if self.amp is not False:
+            self._reasons.append(reason)
+        if precision is None:
+            if self.amp is True and str(trainer.precision) not in (*MIXED_PRECISIONS, "32-true"):
+                rank_zero_warn(f"MemoryFill: amp=True but {reason}.")
+            return
+        if type(trainer.strategy.precision_plugin) is not Precision:
+            raise MisconfigurationException(
+                f"MemoryFill: cannot switch to {precision}: the run uses the precision plugin "
+                f"{type(trainer.strategy.precision_plugin).__name__}. Pass amp=False, or set the precision yourself."
+            )
+        trainer.strategy.precision_plugin = MixedPrecision(precision, device=device.type)  # type: ignore[arg-type]
+
+    def _decide_checkpointing_early(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checkpointing is False:
+            return
+        sharded = type(trainer.strategy).__name__ in _SHARDED_STRATEGIES
+        if sharded:
+            if self.checkpointing != "auto":
+                raise MisconfigurationException(
+                    f"MemoryFill: checkpointing={self.checkpointing!r} is not applied under "
+                    f"{type(trainer.strategy).__name__}: use the strategy's own activation checkpointing option "
+                    "and checkpointing=False."
+                )
+            self._reasons.append(f"{type(trainer.strategy).__name__}: activation checkpointing left to the strategy")
+            self.checkpointing = False
+            return
+        if self.checkpointing is True or isinstance(self.checkpointing, list):
+            blocks = (find_repeated_blocks(pl_module) if self.checkpointing is True
+                      else select_blocks(pl_module, self.checkpointing))  # fmt: skip
+            if not blocks:
+                raise MisconfigurationException(
+                    f"MemoryFill: checkpointing=True found no repeated blocks in {type(pl_module).__name__} (same-class "
+                    "children of an nn.ModuleList/nn.Sequential with parameters and submodules); pass the classes "
+                    "to checkpoint, e.g. checkpointing=['MyBlock'], or checkpointing=False."
+                )
+            self._apply_checkpointing(blocks, f"checkpointing={self.checkpointing!r}")
+            return
+        blocks = find_repeated_blocks(pl_module)
+        if not blocks:
+            self._reasons.append("no repeated blocks to checkpoint (pass checkpointing=[classes] to choose some)")
+            return
+        if self.objective == "memory":
+            self._apply_checkpointing(blocks, "objective='memory': the smallest footprint")
+            return
+        predicted = self._predicted_largest_fit(trainer, pl_module)
+        wanted = self._wanted_micro()
+        small = predicted is not None and predicted < wanted
+        if trainer.world_size > 1:  # every rank checkpoints, or none
+            small = trainer.strategy.reduce_boolean_decision(small, all=False)
+        if small:
+            self._apply_checkpointing(blocks, f"the estimate predicts a largest micro-batch of {predicted} "
+                                      f"< {wanted} without it")  # fmt: skip
+
+    def _wanted_micro(self) -> int:
+        """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
+        needed = self._samples_per_rank // (self._fixed_accumulation or 1)
+        return min(self.min_micro_batch_size, needed) if self._fixed_accumulation is None else needed
+
+    def _predicted_largest_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[int]:
+        """The calibrated estimate's largest micro-batch, from a step traced on fake tensors (``None``
+        when the step cannot be traced: the trials decide then)."""
+        assert self.search is not None
+        try:
+            budget = self.search._budget_bytes(trainer.strategy.root_device)
+            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+            optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
+            estimate = estimate_memory(
+                pl_module, _loss_function(pl_module), batch, optimizer=optimizers[0] if len(optimizers) == 1 else None,
+                batch_size=batch_samples(batch), capacity_bytes=budget,
+                step_context=trainer.strategy.precision_plugin.train_step_context,
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
+            self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")
+            return None
+        if estimate.method != "traced":
+            return None
+        return estimate.max_batch_size or 0
+
+    def _apply_checkpointing(self, blocks: list, reason: str) -> None:
+        self._checkpointed = enable_checkpointing(blocks)
+        self._reasons.append(f"activation checkpointing on {len(self._checkpointed.names)} "
+                             f"{'/'.join(self._checkpointed.classes)} blocks: {reason}")  # fmt: skip
+
+    # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.search is not None
+        wanted = self._wanted_micro()
+        needed = self._samples_per_rank // (self._fixed_accumulation or 1)
+        upper = wanted if self.objective == "memory" and self._fixed_accumulation is None else needed
+        largest = self._search_largest(trainer, pl_module, upper)
+        if (largest is None or largest < wanted) and self.checkpointing == "auto" and self._checkpointed is None:
+            blocks = find_repeated_blocks(pl_module)
+            if blocks:
+                found = "no micro-batch" if largest is None else f"a largest micro-batch of {largest}"
+                self._apply_checkpointing(blocks, f"the trials found {found} < {wanted} without it")
+                largest = self._search_largest(trainer, pl_module, upper)
+        if largest is None or (self._fixed_accumulation is not None and largest < needed):
+            raise NoBatchSizeFitsError(self._nothing_fits_message(largest, needed))
+        if self._fixed_accumulation is not None:
+            micro, accumulate = needed, self._fixed_accumulation
+        else:
+            micro, accumulate = split_global_batch(self._samples_per_rank, largest)
+        lightning_setattr(pl_module, self.batch_arg_name, micro)
+        trainer.accumulate_grad_batches = accumulate
+        self._correct_short_groups = accumulate > 1 and self._fixed_accumulation is None
+        _reset_train_loader(trainer)
+        if trainer.lr_scheduler_configs and (micro, accumulate) != (self._initial["batch_size"],
+                                                                     self._initial["accumulate"]):  # fmt: skip
+            trainer.strategy.setup_optimizers(trainer)  # schedulers sized by estimated_stepping_batches
+            self._reasons.append("optimizers and LR schedulers built again for the new steps per epoch")
+        self.plan = self._make_plan(trainer, pl_module, micro, accumulate, largest)
+        self._report(trainer)
+
+    def _search_largest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, upper: int) -> Optional[int]:
+        assert self.search is not None
+        self.search.max_batch_size = max(1, upper)
+        self.search.min_batch_size = 1
+        lightning_setattr(pl_module, self.batch_arg_name, self._initial["batch_size"])
+        try:
+            self.search.on_fit_start(trainer, pl_module)
+        except NoBatchSizeFitsError:
+            return None
+        assert self.search.result is not None
+        return self.search.result.batch_size
+
+    def _nothing_fits_message(self, largest: Optional[int], needed: int) -> str:
+        levers = ", ".join(self._reasons) or "none"
+        if largest is None:
+            found = "not even a micro-batch of 1 fits"
+        else:
+            found = f"the largest micro-batch that fits is {largest}, but {needed} per step is needed"
+        return (
+            f"MemoryFill: {found} in max_memory={self.max_memory!r} (margin {self.margin}). Decisions so far: "
+            f"{levers}. Allow more levers (amp=True, checkpointing=True, accumulation='auto'), a smaller "
+            "global_batch_size, or more memory."
+        )
+
+    def _make_plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: int, accumulate: int, largest: int
+    ) -> MemoryFillPlan:
+        assert self.search is not None and self.search.result is not None
+        checkpointed = self._checkpointed
+        plan = MemoryFillPlan(
+            precision=str(trainer.precision),
+            checkpointing=checkpointed is not None,
+            micro_batch_size=micro,
+            accumulate_grad_batches=accumulate,
+            global_batch_size=micro * accumulate * trainer.world_size,
+            requested_global_batch_size=self._requested,
+            world_size=trainer.world_size,
+            checkpointed_modules=list(checkpointed.names) if checkpointed else [],
+            checkpointed_classes=list(checkpointed.classes) if checkpointed else [],
+            initial_precision=str(self._initial["precision"]),
+            initial_batch_size=self._initial["batch_size"],
+            initial_accumulate_grad_batches=self._initial["accumulate"],
+            largest_fit=largest,
+            budget_bytes=self.search.result.budget_bytes,
+            predicted_peak_bytes=_predicted_peak(trainer, pl_module),
+            measured_peak_bytes=self.search.result.peak_bytes,
+            reasons=list(self._reasons),
+        )
+        if plan.global_batch_size != plan.requested_global_batch_size:
+            plan.reasons.append(f"{self._samples_per_rank} samples per device do not split evenly into micro-batches "
+                                f"of at most {largest}: the global batch is {plan.global_batch_size}")  # fmt: skip
+        return replace(plan, seconds=time.perf_counter() - self._started)
+
+    # ------------------------------------------------------------------ training: the last accumulation group
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._micro_batches_in_group += 1
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        counted, self._micro_batches_in_group = self._micro_batches_in_group, 0
+        accumulate = trainer.accumulate_grad_batches
+        if not self._correct_short_groups or not 0 < counted < accumulate:
+            return
+        scale = accumulate / counted  # Lightning divided each loss by the full accumulation
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._micro_batches_in_group = 0
+        if self.plan is None or not trainer.loggers:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(logged_metrics(self.plan), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._micro_batches_in_group = 0
+
+    # ------------------------------------------------------------------ undoing and reporting
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._saved is None:
+            return
+        if self._checkpointed is not None:
+            self._checkpointed.remove()
+        trainer.strategy.precision_plugin = self._saved["precision_plugin"]
+        trainer.accumulate_grad_batches = self._initial["accumulate"]
+        lightning_setattr(pl_module, self.batch_arg_name, self._initial["batch_size"])
+        self._saved = None
+        self._checkpointed = None
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        assert self.plan is not None
+        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        if trainer.is_global_zero:
+            if self.verbose:
+                rank_zero_info(plan_table(self.plan))
+            update_json_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+
+
+def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[int]:
+    """The estimate's peak at the micro-batch now set, with every lever in place."""
+    try:
+        batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
+        estimate = estimate_memory(
+            pl_module, _loss_function(pl_module), batch,
+            optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+            batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
+        )  # fmt: skip
+        return estimate.predicted_peak_bytes if estimate.method == "traced" else None
+    except Exception:  # noqa: BLE001 - a prediction is optional here
+        return None
+    finally:
+        _reset_train_loader(trainer)
+
+
+def _is_block_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, (str, type)) for v in value)
+
+
+def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
+    """The metrics the callback logs for ``plan`` (see the module docstring)."""
+    metrics = {
+        "gpuopt/micro_batch_size": float(plan.micro_batch_size),
+        "gpuopt/accumulate_grad_batches": float(plan.accumulate_grad_batches),
+        "gpuopt/global_batch_size": float(plan.global_batch_size),
+        "gpuopt/mixed_precision": float(plan.precision in MIXED_PRECISIONS),
+        "gpuopt/checkpointed_blocks": float(len(plan.checkpointed_modules)),
+    }
+    if plan.measured_peak_bytes is not None:
+        metrics["gpuopt/fill_measured_peak_bytes"] = float(plan.measured_peak_bytes)
+    if plan.predicted_peak_bytes is not None:
+        metrics["gpuopt/fill_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
+    return metrics
+
+
+def plan_table(plan: MemoryFillPlan) -> str:
+    """The plan as a text table (rich) for ``rank_zero_info``."""
+    rows = [
+        ("precision", f"{plan.initial_precision} → {plan.precision}" if plan.precision != plan.initial_precision
+         else plan.precision),
+        ("activation checkpointing", f"{len(plan.checkpointed_modules)} blocks ({', '.join(plan.checkpointed_classes)})"
+         if plan.checkpointing else "off"),
+        ("micro-batch", f"{plan.initial_batch_size} → {plan.micro_batch_size} (largest that fits: {plan.largest_fit})"),
+        ("accumulate_grad_batches", f"{plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"),
+        ("global batch", f"{plan.global_batch_size} (asked: {plan.requested_global_batch_size}, "
+         f"{plan.world_size} device{'s' if plan.world_size > 1 else ''})"),
+        ("budget", format_bytes(plan.budget_bytes)),
+        ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / "
+         f"{format_bytes(plan.measured_peak_bytes)} (at {plan.largest_fit})"),
+    ]  # fmt: skip
+    return render_table("MemoryFill plan", rows, notes=plan.reasons)

@@ -1,0 +1,125 @@
+"""Deciding the memory levers: mixed precision, micro-batch and gradient accumulation.
+
+Pure decisions (no Lightning, no measuring) for :class:`~lightning_gpuopt.MemoryFill`:
+
+* :func:`choose_precision` -- which mixed precision a device gets, if any;
+* :func:`split_global_batch` -- micro-batch and accumulation steps for the samples each rank
+  must contribute to an optimizer step, given the largest micro-batch that fits;
+* :class:`MemoryFillPlan` -- what was decided and measured, and :func:`plan_changes`, the
+  list of changes a report shows.
+
+Example::
+
+    >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
+    ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
+    >>> choose_precision("auto", "cpu", current="32-true", bf16_supported=True)[0] is None
+    True
+    >>> split_global_batch(100, largest_fit=32)      # 4 steps of 25, not 4 of 32 (= 128)
+    (25, 4)
+    >>> split_global_batch(64, largest_fit=200)      # fits whole: no accumulation
+    (64, 1)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+#: what ``amp`` accepts
+AmpSetting = Union[str, bool]
+#: precisions MemoryFill may switch to
+MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+
+
+def choose_precision(
+    amp: AmpSetting, device_type: str, *, current: str, bf16_supported: bool
+) -> tuple[Optional[str], str]:
+    """The mixed precision to switch to (``None``: leave the precision alone) and why.
+
+    Only a run left at ``32-true`` is changed. ``amp="auto"`` switches on CUDA only (bf16-mixed
+    where the GPU has bfloat16, else 16-mixed with a gradient scaler); ``amp=True`` also on CPU
+    (bf16-mixed, the CPU autocast type).
+    """
+    if amp is False:
+        return None, "amp=False"
+    if current != "32-true":
+        return None, f"precision={current!r} was set explicitly: left as it is"
+    if device_type == "cuda":
+        if bf16_supported:
+            return "bf16-mixed", "bf16-mixed: the GPU supports bfloat16"
+        return "16-mixed", "16-mixed with a gradient scaler: the GPU has no bfloat16"
+    if device_type == "cpu":
+        if amp is True:
+            return "bf16-mixed", "bf16-mixed: asked for with amp=True (CPU autocast runs in bfloat16)"
+        return None, "amp='auto' leaves CPU runs in float32 (pass amp=True for bf16-mixed on CPU)"
+    return None, f"no mixed precision for a {device_type!r} device"
+
+
+def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, int]:
+    """``(micro_batch_size, accumulate_grad_batches)`` for ``samples_per_rank`` per optimizer step.
+
+    As few accumulation steps as the largest fitting micro-batch allows, then the micro-batch
+    evened out over them (``ceil(samples / steps)``), so the product overshoots the target only
+    when no split is exact: by fewer than ``steps`` samples.
+    """
+    if samples_per_rank < 1 or largest_fit < 1:
+        raise ValueError(f"samples_per_rank={samples_per_rank} and largest_fit={largest_fit} must be >= 1")
+    steps = math.ceil(samples_per_rank / largest_fit)
+    for exact in range(steps, min(2 * steps, samples_per_rank) + 1):  # an exact split, if one is near
+        if samples_per_rank % exact == 0:
+            return samples_per_rank // exact, exact
+    return math.ceil(samples_per_rank / steps), steps
+
+
+@dataclass
+class MemoryFillPlan:
+    """What MemoryFill decided (the same on every rank) and the memory it predicted and measured."""
+
+    precision: str
+    checkpointing: bool
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    #: samples per optimizer step over all ranks: ``micro_batch_size * accumulate_grad_batches * world_size``
+    global_batch_size: int
+    #: the global batch asked for (``global_batch_size`` differs only when no split is exact)
+    requested_global_batch_size: int
+    world_size: int = 1
+    #: qualified names and classes of the checkpointed blocks
+    checkpointed_modules: list[str] = field(default_factory=list)
+    checkpointed_classes: list[str] = field(default_factory=list)
+    #: the run's settings before MemoryFill
+    initial_precision: str = "32-true"
+    initial_batch_size: int = 0
+    initial_accumulate_grad_batches: int = 1
+    #: the largest micro-batch the trials found to fit (``micro_batch_size`` is at most this)
+    largest_fit: Optional[int] = None
+    #: the budget every trial ran under (``max_memory * (1 - margin)``)
+    budget_bytes: Optional[int] = None
+    #: the estimate's peak at ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
+    predicted_peak_bytes: Optional[int] = None
+    measured_peak_bytes: Optional[int] = None
+    #: why each lever was (not) used, in the order decided
+    reasons: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def changes(self) -> list[str]:
+        return plan_changes(self)
+
+
+def plan_changes(plan: MemoryFillPlan) -> list[str]:
+    """The settings the plan changed, as ``"name: before → after"`` lines (empty: nothing changed)."""
+    changes = []
+    if plan.precision != plan.initial_precision:
+        changes.append(f"precision: {plan.initial_precision} → {plan.precision}")
+    if plan.checkpointing:
+        classes = ", ".join(plan.checkpointed_classes)
+        changes.append(f"activation checkpointing: on for {len(plan.checkpointed_modules)} blocks ({classes})")
+    if plan.micro_batch_size != plan.initial_batch_size:
+        changes.append(f"batch size: {plan.initial_batch_size} → {plan.micro_batch_size}")
+    if plan.accumulate_grad_batches != plan.initial_accumulate_grad_batches:
+        changes.append(
+            f"accumulate_grad_batches: {plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"
+        )
+    return changes
