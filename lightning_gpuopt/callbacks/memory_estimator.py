@@ -98,7 +98,9 @@ class MemoryEstimator(Callback):
             ``"20GiB"`` or ``"300MB"``, or a fraction of the device such as ``0.9``. ``None``:
             what the device has free when the estimate runs, plus what torch already holds there.
         measure_steps: how many real training steps to measure the peak over (the first step has
-            no gradients or optimizer state yet, so measure at least 2 for the steady state).
+            no gradients or optimizer state yet, so measure at least 2 for the steady state). With
+            gradient accumulation, at least ``accumulate_grad_batches + 1`` batches are measured, so
+            that an optimizer step is among them.
         verbose: log the estimate's table with ``rank_zero_info`` (the JSON report is written either way).
 
     Raises:
@@ -162,7 +164,9 @@ class MemoryEstimator(Callback):
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False
             self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
-        if len(self._peaks) >= self.measure_steps:
+        # with gradient accumulation the optimizer first steps (and creates its state) at batch
+        # `accumulate_grad_batches`: measure until one batch after it
+        if len(self._peaks) >= max(self.measure_steps, trainer.accumulate_grad_batches + 1):
             self._finish_measuring(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

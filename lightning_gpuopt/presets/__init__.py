@@ -48,6 +48,7 @@ PRESET_KEYS: dict[str, str] = {
     "objective": "'throughput' (largest micro-batch that fits) or 'memory' (smallest footprint)",
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
     "batch_arg_name": "where the batch size lives: attribute of the model, its hparams or the datamodule",
+    "loader_max_seconds": "time budget of DataLoaderTuner, in seconds",
 }
 
 _SUFFIXES = (".yaml", ".yml")

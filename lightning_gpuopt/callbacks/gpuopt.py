@@ -1,0 +1,214 @@
+"""GpuOpt: one callback composed from a preset (name or YAML) plus keyword overrides.
+
+It runs, in the hooks where each belongs and in this order:
+
+1. :class:`MemoryFill` -- mixed precision and activation checkpointing in ``setup``, the
+   micro-batch (real trials) and gradient accumulation in ``on_fit_start``;
+2. :class:`DataLoaderTuner` -- in ``on_fit_start`` *after* the micro-batch is set, so the loader
+   is tuned for the batch size that trains (on its own, the tuner runs in ``setup``);
+3. :class:`MemoryEstimator` -- the estimate before the first step, checked against the real
+   peak of the first steps;
+4. :class:`DataWaitMonitor` -- data wait vs compute, GPU idle and utilisation, the verdict.
+
+The parts stay quiet (``verbose=False``); at the end of ``fit`` rank 0 logs one combined report
+-- what was changed, then each part's figures -- and writes the ``"gpuopt"`` section of
+``gpuopt_report.json`` (preset, settings, changes) beside the parts' own sections. The combined
+result is :attr:`GpuOpt.report`. Metrics are logged by the parts under their documented
+``gpuopt/…`` keys (see each callback's module docstring).
+
+Presets (``lightning_gpuopt/presets/*.yaml``; ``gpuopt presets`` lists them): ``diagnose``
+(measure, change nothing), ``fill-memory``, ``max-throughput``, ``low-memory``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
+from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
+from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
+from lightning_gpuopt.callbacks.memory_fill import MemoryFill, plan_table
+from lightning_gpuopt.core.diagnosis import DataWaitReport
+from lightning_gpuopt.core.estimate import MemoryEstimate
+from lightning_gpuopt.core.fill import MemoryFillPlan
+from lightning_gpuopt.core.loader import LoaderTuneResult
+from lightning_gpuopt.core.report import (
+    REPORT_FILENAME,
+    batch_search_table,
+    data_wait_table,
+    loader_tune_table,
+    render_table,
+    to_dict,
+    update_json_section,
+)
+from lightning_gpuopt.core.search import BatchSizeSearchResult
+from lightning_gpuopt.presets import check_keys, load_preset
+
+#: section of ``gpuopt_report.json`` GpuOpt writes
+REPORT_SECTION = "gpuopt"
+_FILL_KEYS = ("global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin",
+              "min_micro_batch_size", "objective", "batch_arg_name")  # fmt: skip
+
+
+@dataclass
+class GpuOptReport:
+    """Everything one ``fit`` with GpuOpt measured and changed (a part that did not run is ``None``)."""
+
+    preset: str
+    settings: dict[str, Any]
+    #: the settings GpuOpt changed, as ``"name: before → after"`` lines (empty: nothing changed)
+    changes: list[str] = field(default_factory=list)
+    memory_fill: Optional[MemoryFillPlan] = None
+    batch_size_search: Optional[BatchSizeSearchResult] = None
+    dataloader: Optional[LoaderTuneResult] = None
+    memory: Optional[MemoryEstimate] = None
+    data_wait: Optional[DataWaitReport] = None
+
+
+class GpuOpt(Callback):
+    r"""The whole checklist in one callback: a preset, plus any of its settings overridden by keyword.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpuopt import GpuOpt
+
+        trainer = Trainer(callbacks=[GpuOpt("fill-memory", global_batch_size=256)])
+        trainer = Trainer(callbacks=[GpuOpt("my-team.yaml", amp=False)])   # a YAML file extending a preset
+        trainer.fit(model, datamodule=dm)
+        trainer.callbacks[0].report.changes
+
+    Args:
+        preset: a shipped preset (``"diagnose"``, ``"fill-memory"``, ``"max-throughput"``,
+            ``"low-memory"``) or the path of a YAML file of settings (which may say
+            ``preset: NAME`` to extend one).
+        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator,
+            DataLoaderTuner, MemoryFill.
+        max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
+            min_micro_batch_size, batch_arg_name: MemoryFill's arguments (``max_memory`` also
+            MemoryEstimator's).
+        loader_max_seconds: DataLoaderTuner's time budget.
+
+        Every setting left at ``None`` comes from the preset (or the part's own default).
+
+    Raises:
+        ValueError: an unknown preset or key (the message lists the valid ones), or a bad value
+            (the part that takes it names it).
+    """
+
+    def __init__(
+        self,
+        preset: str = "diagnose",
+        monitor: Optional[bool] = None,
+        estimate: Optional[bool] = None,
+        tune_loader: Optional[bool] = None,
+        fill_memory: Optional[bool] = None,
+        max_memory: Optional[Union[int, float, str]] = None,
+        margin: Optional[float] = None,
+        global_batch_size: Optional[int] = None,
+        amp: Optional[Union[bool, str]] = None,
+        checkpointing: Optional[Union[bool, str, list[str]]] = None,
+        accumulation: Optional[Union[bool, str]] = None,
+        objective: Optional[str] = None,
+        min_micro_batch_size: Optional[int] = None,
+        batch_arg_name: Optional[str] = None,
+        loader_max_seconds: Optional[float] = None,
+    ) -> None:
+        overrides = {key: value for key, value in locals().items() if key not in ("self", "preset", "__class__")}
+        check_keys(overrides, source="GpuOpt's keyword arguments")
+        self.preset = str(preset)
+        self.settings = {**load_preset(preset), **{k: v for k, v in overrides.items() if v is not None}}
+        settings = self.settings
+        self.fill = MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False) \
+            if settings.get("fill_memory") else None  # fmt: skip
+        tuner_options = {"max_seconds": settings["loader_max_seconds"]} if "loader_max_seconds" in settings else {}
+        self.tuner = DataLoaderTuner(**tuner_options, verbose=False) if settings.get("tune_loader") else None
+        self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) \
+            if settings.get("estimate") else None  # fmt: skip
+        self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
+        #: the combined result of the last ``fit``; ``None`` before one ended
+        self.report: Optional[GpuOptReport] = None
+
+    @property
+    def parts(self) -> list[Callback]:
+        """The callbacks GpuOpt runs, in hook order."""
+        return [part for part in (self.fill, self.tuner, self.estimator, self.monitor) if part is not None]
+
+    # ------------------------------------------------------------------ hooks with an order of their own
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.report = None
+        for part in self.parts:
+            if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
+                part.setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for part in self.parts:
+            if part is self.tuner:
+                part.setup(trainer, pl_module, "fit")
+            part.on_fit_start(trainer, pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for part in self.parts:
+            part.on_fit_end(trainer, pl_module)
+        self.report = self._combined_report()
+        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        if trainer.is_global_zero:
+            rank_zero_info(render_report(self.report))
+            update_json_section(path, REPORT_SECTION,
+                                {"preset": self.preset, "settings": self.settings, "changes": self.report.changes})
+
+    def _combined_report(self) -> GpuOptReport:
+        changes = list(self.fill.plan.changes) if self.fill is not None and self.fill.plan is not None else []
+        tuned = self.tuner.result if self.tuner is not None else None
+        if tuned is not None and tuned.baseline is not None and tuned.setting != tuned.baseline.setting:
+            changes.append(f"train loader: {tuned.baseline.setting.describe()} → {tuned.setting.describe()}")
+        return GpuOptReport(
+            preset=self.preset,
+            settings=dict(self.settings),
+            changes=changes,
+            memory_fill=self.fill.plan if self.fill is not None else None,
+            batch_size_search=self.fill.search.result if self.fill is not None and self.fill.search else None,
+            dataloader=tuned,
+            memory=self.estimator.estimate if self.estimator is not None else None,
+            data_wait=self.monitor.report if self.monitor is not None else None,
+        )
+
+
+def _delegate(name: str) -> Any:
+    def hook(self: GpuOpt, *args: Any, **kwargs: Any) -> None:
+        for part in self.parts:
+            getattr(part, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    hook.__doc__ = f"Runs each part's ``{name}``."
+    return hook
+
+
+for _name in [n for n in vars(Callback) if (n.startswith("on_") or n == "teardown") and callable(vars(Callback)[n])]:
+    if _name not in vars(GpuOpt):
+        setattr(GpuOpt, _name, _delegate(_name))
+
+
+def render_report(report: GpuOptReport) -> str:
+    """The combined report: what changed, then each part's table."""
+    changes = report.changes or ["nothing (measured only)"]
+    sections = [render_table(f"gpuopt · preset {report.preset} · changed", [(str(i + 1), c) for i, c in
+                                                                              enumerate(changes)])]  # fmt: skip
+    if report.memory_fill is not None:
+        sections.append(plan_table(report.memory_fill))
+    if report.batch_size_search is not None:
+        sections.append(batch_search_table(report.batch_size_search))
+    if report.dataloader is not None:
+        sections.append(loader_tune_table(report.dataloader, ""))
+    if report.memory is not None:
+        sections.append(render_estimate(report.memory))
+    if report.data_wait is not None:
+        sections.append(data_wait_table(report.data_wait))
+    return "\n".join(sections)

@@ -1,0 +1,113 @@
+"""GpuOpt: presets composed into one callback, each run as a short fit on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lightning import Trainer
+
+from lightning_gpuopt import GpuOpt, available_presets, load_preset
+from lightning_gpuopt.callbacks._reporting import report_dir
+from models_memory import make_model
+
+BUDGET = "40MB"  # the transformer at micro-batch 64 fits it; checkpointing lets 8 fit far below
+
+
+def fit(tmp_path, gpuopt: GpuOpt, initial: int = 16, max_steps: int = 2, **kwargs) -> tuple[Trainer, object]:
+    model = make_model("transformer", num_samples=256, batch_size=initial)
+    options = dict(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=tmp_path, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options.update(kwargs)
+    trainer = Trainer(callbacks=[gpuopt], **options)
+    trainer.fit(model)
+    return trainer, model
+
+
+def saved_report(trainer: Trainer) -> dict:
+    return json.loads((report_dir(trainer) / "gpuopt_report.json").read_text())
+
+
+def test_diagnose_measures_and_changes_nothing(tmp_path):
+    gpuopt = GpuOpt("diagnose")
+    trainer, model = fit(tmp_path, gpuopt)
+    report = gpuopt.report
+    assert report.changes == [] and report.memory_fill is None and report.dataloader is None
+    assert report.data_wait is not None and report.data_wait.verdict
+    assert report.memory is not None and report.memory.measured_peak_bytes > 0
+    assert model.batch_size == 16 and trainer.precision == "32-true"
+    saved = saved_report(trainer)
+    assert saved["gpuopt"]["changes"] == [] and {"data_wait", "memory"} <= saved.keys()
+
+
+def test_fill_memory_lists_the_batch_it_set(tmp_path):
+    gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, global_batch_size=64)
+    trainer, _ = fit(tmp_path, gpuopt)
+    plan = gpuopt.report.memory_fill
+    assert gpuopt.report.changes == ["batch size: 16 → 64"]
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (64, 1, False)
+    assert gpuopt.report.batch_size_search.batch_size == 64
+    # the estimate was made at the micro-batch that trained, and checked against its real peak
+    assert gpuopt.report.memory.batch_size == 64
+    assert abs(gpuopt.report.memory.estimate_error) < 0.05
+    assert saved_report(trainer)["gpuopt"]["changes"] == ["batch size: 16 → 64"]
+
+
+def test_max_throughput_with_amp_on_cpu_and_a_tuned_loader(tmp_path):
+    gpuopt = GpuOpt("max-throughput", max_memory=BUDGET, global_batch_size=128, amp=True, loader_max_seconds=3)
+    fit(tmp_path, gpuopt)
+    report = gpuopt.report
+    assert report.changes[0] == "precision: 32-true → bf16-mixed"
+    assert report.memory_fill.global_batch_size == 128
+    assert report.dataloader is not None and report.dataloader.candidates  # the loader was timed
+    assert report.data_wait is not None
+
+
+def test_low_memory_checkpoints_and_accumulates_at_the_smallest_micro_batch(tmp_path):
+    gpuopt = GpuOpt("low-memory", max_memory=BUDGET, global_batch_size=64)
+    trainer, model = fit(tmp_path, gpuopt)
+    plan = gpuopt.report.memory_fill
+    assert plan.checkpointing and plan.checkpointed_classes == ["TransformerEncoderLayer"]
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches) == (8, 8)
+    assert gpuopt.report.changes == [
+        "activation checkpointing: on for 2 blocks (TransformerEncoderLayer)",
+        "batch size: 16 → 8",
+        "accumulate_grad_batches: 1 → 8",
+    ]
+    # less memory than fill-memory's plan for the same global batch, measured by the trials
+    filled = GpuOpt("fill-memory", max_memory=BUDGET, global_batch_size=64, monitor=False, estimate=False)
+    fit(tmp_path / "fill", filled)
+    assert plan.measured_peak_bytes < 0.5 * filled.report.memory_fill.measured_peak_bytes
+
+
+def test_a_users_yaml_extends_a_preset_and_keywords_override_it(tmp_path):
+    path = tmp_path / "team.yaml"
+    path.write_text("preset: fill-memory\nmonitor: false\nmin_micro_batch_size: 4\n")
+    gpuopt = GpuOpt(str(path), max_memory=BUDGET, amp=True)
+    assert gpuopt.settings["checkpointing"] == "auto"  # from fill-memory
+    assert gpuopt.settings["min_micro_batch_size"] == 4 and gpuopt.settings["monitor"] is False  # from the file
+    assert gpuopt.settings["amp"] is True  # from the keyword
+    assert gpuopt.monitor is None and gpuopt.fill is not None and gpuopt.fill.amp is True
+    fit(tmp_path, gpuopt, max_steps=1)
+    assert gpuopt.report.memory_fill.precision == "bf16-mixed"
+
+
+def test_unknown_preset_and_key_list_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'fast'.*'diagnose', 'fill-memory', 'low-memory', 'max-throughput'"):
+        GpuOpt("fast")
+    path = tmp_path / "typo.yaml"
+    path.write_text("preset: diagnose\nampp: true\n")
+    with pytest.raises(ValueError, match="unknown key\\(s\\) 'ampp' in .*typo.yaml: valid keys are monitor, estimate"):
+        GpuOpt(str(path))
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("preset: cycle.yaml\n")
+    with pytest.raises(ValueError, match="cycle"):
+        load_preset(cycle)
+
+
+def test_every_shipped_preset_loads_into_gpuopt():
+    for name in available_presets():
+        gpuopt = GpuOpt(name, max_memory="1GB")
+        assert gpuopt.settings == {**load_preset(name), "max_memory": "1GB"}
+        assert gpuopt.monitor is not None  # every preset measures
+
