@@ -7,6 +7,9 @@ tune: every rank runs DataLoaderTuner and writes its result and the loader its f
 memory: every rank runs MemoryEstimator; rank 0 writes the report.
 search: every rank runs BatchSizeSearch with its own budget (rank 0: 20 MB, rank 1: 16 MB) and
 writes its result and the batch size its training used to ``OUT/search<N>.json``.
+fill: every rank runs MemoryFill for a global batch of 64 with its own budget (rank 0: 60 MB,
+rank 1: 7 MB, where micro-batches of 8 fit only with checkpointing) and writes its plan and
+what its training used to ``OUT/fill<N>.json``.
 """
 
 import json
@@ -71,6 +74,33 @@ def search(out: Path) -> None:
     }))
 
 
+FILL_BUDGETS = ("60MB", "7MB")  # by rank
+
+
+def fill(out: Path) -> None:
+    from lightning import Callback
+    from models_memory import make_model
+
+    from lightning_gpuopt import MemoryFill
+    from lightning_gpuopt.core.report import to_dict
+
+    class Used(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen = (len(batch[0]), trainer.accumulate_grad_batches,
+                         "forward" in vars(pl_module.network.encoder.layers[0]))
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    memory_fill, used = MemoryFill(global_batch_size=64, max_memory=FILL_BUDGETS[rank]), Used()
+    model = make_model("transformer", num_samples=512, batch_size=16)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[memory_fill, used],
+                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(model)
+    (out / f"fill{trainer.global_rank}.json").write_text(json.dumps({
+        "plan": to_dict(memory_fill.plan), "used": used.seen, "global_step": trainer.global_step,
+    }))
+
+
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
@@ -95,4 +125,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"tune": tune, "memory": memory, "search": search}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    {"tune": tune, "memory": memory, "search": search, "fill": fill}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

@@ -79,3 +79,19 @@ def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
     assert fits_independently(tmp_path, "mlp", size, small, samples=2048)
     assert not fits_independently(tmp_path, "mlp", size + 1, small, samples=2048)
     assert fits_independently(tmp_path, "mlp", size + 1, large, samples=2048)
+
+
+def test_ddp_memory_fill_ranks_agree_on_one_plan(tmp_path):
+    run_ddp(tmp_path, "fill")
+    plans = [json.loads((tmp_path / f"fill{rank}.json").read_text()) for rank in (0, 1)]
+    first = plans[0]["plan"]
+    # rank 1's budget needs checkpointing for micro-batches of 8; rank 0's does not: both checkpoint
+    assert first["checkpointing"] and first["checkpointed_classes"] == ["TransformerEncoderLayer"]
+    for seen in plans:
+        plan = seen["plan"]
+        assert {k: plan[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")} == \
+            {k: first[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")}
+        assert plan["global_batch_size"] == 64 == plan["micro_batch_size"] * plan["accumulate_grad_batches"] * 2
+        assert seen["used"] == [plan["micro_batch_size"], plan["accumulate_grad_batches"], True]
+        assert seen["global_step"] == 2
+    assert first["micro_batch_size"] < 32  # the tight rank's budget set it

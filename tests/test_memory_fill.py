@@ -309,3 +309,23 @@ def test_global_batch_must_divide_over_accumulation_set_by_the_user(tmp_path):
     trainer = trainer_for(tmp_path, [MemoryFill(max_memory="200MB", global_batch_size=30)], accumulate_grad_batches=4)
     with pytest.raises(MisconfigurationException, match="global_batch_size=30 .* accumulate_grad_batches=4"):
         trainer.fit(make_model("mlp", num_samples=64, batch_size=8))
+
+
+class UntraceableTransformer(type(make_model("transformer"))):
+    """A step that needs real values (``.item()``): no estimate, so the trials decide alone."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        assert loss.item() < 1e9
+        return loss
+
+
+def test_without_an_estimate_the_trials_turn_checkpointing_on(tmp_path, transformer_budget_needing_checkpointing):
+    plain = make_model("transformer", num_samples=256, batch_size=32)
+    model = UntraceableTransformer(plain.network, plain.inputs, batch_size=32)
+    fill = MemoryFill(global_batch_size=32, max_memory=transformer_budget_needing_checkpointing)
+    trainer_for(tmp_path, [fill]).fit(model)
+    plan = fill.plan
+    assert plan.checkpointing and plan.micro_batch_size >= 8
+    assert any("the trials found a largest micro-batch of" in reason for reason in plan.reasons), plan.reasons
+    assert plan.predicted_peak_bytes is None  # nothing could be traced

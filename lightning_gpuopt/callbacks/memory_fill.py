@@ -296,13 +296,11 @@ class MemoryFill(Callback):
         if self.objective == "memory":
             self._apply_checkpointing(blocks, "objective='memory': the smallest footprint")
             return
-        predicted = self._predicted_largest_fit(trainer, pl_module)
+        predicted = _smallest_over_ranks(trainer, self._predicted_largest_fit(trainer, pl_module))
         wanted = self._wanted_micro()
-        small = predicted is not None and predicted < wanted
-        if trainer.world_size > 1:  # every rank checkpoints, or none
-            small = trainer.strategy.reduce_boolean_decision(small, all=False)
-        if small:
-            self._apply_checkpointing(blocks, f"the estimate predicts a largest micro-batch of {predicted} "
+        if predicted is not None and predicted < wanted:  # every rank checkpoints, or none
+            ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
+            self._apply_checkpointing(blocks, f"the estimate predicts a largest micro-batch of {predicted}{ranks} "
                                       f"< {wanted} without it")  # fmt: skip
 
     def _wanted_micro(self) -> int:
@@ -482,6 +480,15 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
         return None
     finally:
         _reset_train_loader(trainer)
+
+
+def _smallest_over_ranks(trainer: pl.Trainer, predicted: Optional[int]) -> Optional[int]:
+    """The smallest prediction over the ranks (``None``: no rank could predict)."""
+    if trainer.world_size <= 1:
+        return predicted
+    mine = torch.tensor([-1 if predicted is None else predicted], device=trainer.strategy.root_device)
+    known = [int(value) for value in trainer.strategy.all_gather(mine).flatten().tolist() if value >= 0]
+    return min(known) if known else None
 
 
 def _is_block_list(value: Any) -> bool:
