@@ -60,7 +60,7 @@ _FILL_KEYS = ("global_batch_size", "amp", "checkpointing", "accumulation", "max_
 class GpuOptReport:
     """Everything one ``fit`` with GpuOpt measured and changed (a part that did not run is ``None``)."""
 
-    preset: str
+    preset: Optional[str]
     settings: dict[str, Any]
     #: the settings GpuOpt changed, as ``"name: before → after"`` lines (empty: nothing changed)
     changes: list[str] = field(default_factory=list)
@@ -87,7 +87,7 @@ class GpuOpt(Callback):
     Args:
         preset: a shipped preset (``"diagnose"``, ``"fill-memory"``, ``"max-throughput"``,
             ``"low-memory"``) or the path of a YAML file of settings (which may say
-            ``preset: NAME`` to extend one).
+            ``preset: NAME`` to extend one). ``None``: no preset, only the settings given here.
         monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator,
             DataLoaderTuner, MemoryFill.
         max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
@@ -104,7 +104,7 @@ class GpuOpt(Callback):
 
     def __init__(
         self,
-        preset: str = "diagnose",
+        preset: Optional[str] = "diagnose",
         monitor: Optional[bool] = None,
         estimate: Optional[bool] = None,
         tune_loader: Optional[bool] = None,
@@ -122,8 +122,9 @@ class GpuOpt(Callback):
     ) -> None:
         overrides = {key: value for key, value in locals().items() if key not in ("self", "preset", "__class__")}
         check_keys(overrides, source="GpuOpt's keyword arguments")
-        self.preset = str(preset)
-        self.settings = {**load_preset(preset), **{k: v for k, v in overrides.items() if v is not None}}
+        self.preset = preset
+        from_preset = load_preset(preset) if preset is not None else {}
+        self.settings = {**from_preset, **{k: v for k, v in overrides.items() if v is not None}}
         settings = self.settings
         self.fill = MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False) \
             if settings.get("fill_memory") else None  # fmt: skip

@@ -1,0 +1,35 @@
+"""Train with LightningCLI and one flag: ``--gpuopt PRESET`` (GpuOptCLI).
+
+The model is :class:`models.TokenTransformer` (synthetic data, no download). Every LightningCLI
+option works as usual; ``--gpuopt`` adds lightning-gpuopt's GpuOpt callback from a preset or a
+YAML file, with dotted overrides:
+
+    python examples/cli_train.py fit --trainer.max_steps 20                    # plain LightningCLI
+    python examples/cli_train.py fit --gpuopt diagnose --trainer.max_steps 20  # measure only
+    python examples/cli_train.py fit --gpuopt fill-memory --gpuopt.max_memory 40MB \\
+        --gpuopt.global_batch_size 128 --trainer.max_steps 20                  # on CPU: a simulated budget
+    python examples/cli_train.py fit --gpuopt examples/configs/team.yaml --trainer.max_steps 20
+    python examples/cli_train.py fit --config examples/configs/fill-memory-cli.yaml
+
+On a GPU, ``--gpuopt max-throughput --trainer.accelerator gpu`` fills the card (``max_memory``
+defaults to its free memory). The resolved settings are saved in the run's ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import TokenTransformer  # noqa: E402
+
+from lightning_gpuopt import GpuOptCLI  # noqa: E402
+
+
+def main() -> None:
+    GpuOptCLI(TokenTransformer, trainer_defaults={"accelerator": "cpu", "devices": 1})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""GpuOptCLI through examples/cli_train.py, run as a user runs it: a subprocess on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_gpuopt._gpuopt_cli import preset_flag_as_key
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "cli_train.py"
+CONFIGS = ROOT / "examples" / "configs"
+QUICK = ["--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", "--model.num_samples", "256"]
+
+
+def train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), "fit", *args, "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def ran(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def saved_config(tmp_path: Path) -> dict:
+    (path,) = tmp_path.rglob("config.yaml")
+    return yaml.safe_load(path.read_text())
+
+
+def report(tmp_path: Path) -> dict:
+    (path,) = tmp_path.rglob("gpuopt_report.json")
+    return json.loads(path.read_text())
+
+
+def test_fit_gpuopt_diagnose_measures_and_saves_its_settings(tmp_path):
+    ran(train(tmp_path, "--gpuopt", "diagnose", *QUICK))
+    config = saved_config(tmp_path)["gpuopt"]
+    assert config["preset"] == "diagnose" and config["monitor"] is True and config["fill_memory"] is False
+    saved = report(tmp_path)
+    assert saved["gpuopt"]["changes"] == [] and saved["data_wait"]["verdict"]
+
+
+def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path):
+    ran(train(tmp_path, "--gpuopt", str(CONFIGS / "team.yaml"), *QUICK))
+    config = saved_config(tmp_path)["gpuopt"]
+    assert (config["checkpointing"], config["min_micro_batch_size"], config["global_batch_size"]) == ("auto", 4, 128)
+    plan = report(tmp_path)["memory_fill"]
+    assert plan["micro_batch_size"] * plan["accumulate_grad_batches"] == 128
+
+
+def test_fit_dotted_override_changes_one_setting(tmp_path):
+    ran(train(tmp_path, "--gpuopt", "fill-memory", "--gpuopt.max_memory", "40MB", "--gpuopt.amp", "true", *QUICK))
+    assert saved_config(tmp_path)["gpuopt"]["amp"] is True
+    assert report(tmp_path)["gpuopt"]["changes"][0] == "precision: 32-true → bf16-mixed"
+
+
+@pytest.mark.parametrize("config", ["fill-memory-cli.yaml", "fill-memory-lightningcli.yaml"])
+def test_fit_config_file_with_a_preset(tmp_path, config):
+    ran(train(tmp_path, "--config", str(CONFIGS / config), *QUICK))
+    saved = report(tmp_path)
+    assert saved["gpuopt"]["preset"] == "fill-memory"
+    assert saved["gpuopt"]["changes"] == ["batch size: 32 → 64"]  # global batch 64 fits whole in 40 MB
+
+
+def test_unknown_preset_fails_with_the_valid_ones(tmp_path):
+    result = train(tmp_path, "--gpuopt", "fast", *QUICK)
+    assert result.returncode == 2
+    assert "unknown preset 'fast': expected one of 'diagnose', 'fill-memory', 'low-memory', 'max-throughput'" in \
+        result.stderr  # fmt: skip
+    assert not list(tmp_path.rglob("gpuopt_report.json"))  # nothing ran
+
+
+def test_without_the_flag_nothing_is_added(tmp_path):
+    ran(train(tmp_path, *QUICK))
+    assert not list(tmp_path.rglob("gpuopt_report.json"))
+    assert saved_config(tmp_path)["gpuopt"]["preset"] is None
+
+
+def test_preset_flag_forms():
+    assert preset_flag_as_key(["fit", "--gpuopt=low-memory", "--gpuopt.amp=false"]) == [
+        "fit", "--gpuopt.preset=low-memory", "--gpuopt.amp=false"]  # fmt: skip
