@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from lightning import Trainer
+from lightning import Callback, Trainer
 from torch.utils.data import DataLoader
 
 from helpers import MLP, SlowDataset, preloaded_batches
@@ -94,3 +94,26 @@ def test_tuner_pins_memory_on_cuda(tmp_path):
     tuner = DataLoaderTuner(max_seconds=3)
     gpu_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=16))
     assert tuner.result.pin_memory is True and tuner.result.num_workers > 0
+
+
+def test_memory_fill_on_cuda_picks_mixed_precision_and_stays_in_the_budget(tmp_path):
+    from lightning_gpuopt import MemoryFill
+
+    budget = 200 * 2**20  # far below the card: the real allocator decides what fits
+    model = make_model("transformer", num_samples=4096, batch_size=16)
+    fill = MemoryFill(global_batch_size=1024, max_memory=budget)
+
+    class PeakOfTraining(Callback):  # trials above the budget may have run: measure training alone
+        def on_train_start(self, trainer, pl_module):
+            torch.cuda.reset_peak_memory_stats()
+
+        def on_train_end(self, trainer, pl_module):
+            self.peak = torch.cuda.max_memory_allocated()
+
+    peak = PeakOfTraining()
+    gpu_trainer(tmp_path, [fill, peak], max_steps=3).fit(model)
+    plan = fill.plan
+    assert plan.precision == ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed")
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == 1024 and plan.accumulate_grad_batches > 1
+    assert plan.measured_peak_bytes <= budget * 0.9
+    assert peak.peak <= budget  # no step of the real training went past it
