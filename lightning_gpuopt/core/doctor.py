@@ -155,9 +155,10 @@ def _nvml_gpus(pynvml: Any) -> list[_Gpu]:
     ]
 
 
-def _nvml_gpu_count() -> int:
+def _visible_gpu_count() -> int:
+    """GPUs the driver shows that ``CUDA_VISIBLE_DEVICES`` leaves visible (0 without a driver)."""
     with _nvml() as (pynvml, _):
-        return 0 if pynvml is None else int(pynvml.nvmlDeviceGetCount())
+        return 0 if pynvml is None else sum(gpu.visible for gpu in _nvml_gpus(pynvml))
 
 
 # ----------------------------------------------------------------------------- torch build and driver
@@ -215,16 +216,17 @@ def check_torch_build() -> Check:
     value = f"torch {torch.__version__}, CUDA build {build or 'none (CPU-only wheel)'}"
     value += f", cuDNN {cudnn}" if cudnn else ""
     details = {"torch": torch.__version__, "cuda": build, "cudnn": cudnn, "cuda_available": torch.cuda.is_available()}
-    gpus = _nvml_gpu_count()
+    gpus = _visible_gpu_count()
     if build is None and gpus:
-        return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} GPU(s)",
+        return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} visible GPU(s)",
                      "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 "
                      "(pick the CUDA version the driver supports, see cuda_driver)", details)  # fmt: skip
     if build is not None and not torch.cuda.is_available():
         if gpus:
-            return Check("torch_build", "fail", f"{value}, the driver shows {gpus} GPU(s) but CUDA is not available",
+            return Check("torch_build", "fail", f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not "
+                         "available",
                          "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES", details)  # fmt: skip
-        return Check("torch_build", "info", f"{value}; no GPU, so it runs on the CPU", details=details)
+        return Check("torch_build", "info", f"{value}; no visible GPU, so it runs on the CPU", details=details)
     return Check("torch_build", "ok" if build else "info", value, details=details)
 
 
