@@ -310,14 +310,14 @@ def check_gpus() -> Check:
         rows, busy, details = [], [], []
         for gpu in _nvml_gpus(pynvml):
             memory = pynvml.nvmlDeviceGetMemoryInfo(gpu.handle)
-            util = int(pynvml.nvmlDeviceGetUtilizationRates(gpu.handle).gpu)
+            util = _utilisation(pynvml, gpu.handle)
             hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
             rows.append(f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
-                        f"{util}% busy{hidden}")  # fmt: skip
+                        f"{'n/a' if util is None else util}% busy{hidden}")  # fmt: skip
             details.append({"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible,
                             "memory_used_bytes": int(memory.used), "memory_total_bytes": int(memory.total),
                             "utilization_percent": util})  # fmt: skip
-            if gpu.visible and (util > BUSY_UTILISATION or memory.used > BUSY_MEMORY_FRACTION * memory.total):
+            if gpu.visible and ((util or 0) > BUSY_UTILISATION or memory.used > BUSY_MEMORY_FRACTION * memory.total):
                 busy.append(gpu.index)
     value = "; ".join(rows) or "the driver shows no GPU"
     if not any(gpu["visible"] for gpu in details):
@@ -329,6 +329,14 @@ def check_gpus() -> Check:
                      "another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES",
                      {"gpus": details})  # fmt: skip
     return Check("gpus", "ok", value, details={"gpus": details})
+
+
+def _utilisation(pynvml: Any, handle: Any) -> Optional[int]:
+    """% of time a kernel ran, as nvidia-smi shows it; ``None`` where NVML has no figure (MIG mode)."""
+    try:
+        return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError:
+        return None
 
 
 def _process_name(pynvml: Any, pid: int) -> str:
