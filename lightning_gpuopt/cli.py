@@ -304,13 +304,13 @@ def import_class(target: str) -> type:
         >>> import_class("torch.nn:Linnear")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_gpuopt.cli.UsageError: `MODULE:CLASS`='torch.nn:Linnear': the module 'torch.nn' has no attribute 'Linnear'; ...
+        lightning_gpuopt.cli.UsageError: `MODULE:CLASS`='torch.nn:Linnear': the module 'torch.nn' has no ...
     """
     label = f"`MODULE:CLASS`={target!r}"
     module_part, colon, class_part = target.rpartition(":")
     if not colon or not module_part or not class_part:
-        raise UsageError(f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon and "
-                         "the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel.")  # fmt: skip
+        raise UsageError(f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon "
+                         "and the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel.")
     if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
         module = _import_file(module_part, label)
     else:
@@ -325,8 +325,9 @@ def import_class(target: str) -> type:
     import torch
 
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        candidates = ", ".join(_module_classes(module)) or "none"
         raise UsageError(f"{label}: {class_part!r} is a {type(cls).__name__}, not a torch.nn.Module class; "
-                         f"the module's torch.nn.Module classes: {', '.join(_module_classes(module)) or 'none'}.")  # fmt: skip
+                         f"the module's torch.nn.Module classes: {candidates}.")
     return cls
 
 
@@ -394,7 +395,8 @@ def _instantiate(cls: type, init_args: str, target: str) -> Any:
         return cls(**kwargs)
     except Exception as error:  # noqa: BLE001 - bad keyword arguments, or the class's own checks
         raise UsageError(f"{cls.__name__}(**{kwargs!r}) from `MODULE:CLASS`={target!r} and `--init-args` raised "
-                         f"{type(error).__name__}: {error}; the signature is {cls.__name__}{_signature(cls)}.") from None
+                         f"{type(error).__name__}: {error}; the signature is "
+                         f"{cls.__name__}{_signature(cls)}.") from None
 
 
 def _signature(cls: type) -> str:
@@ -726,8 +728,9 @@ def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
     """The estimate and its setup as a text table (rich), notes below."""
     from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table
 
-    per_sample = ("n/a" if estimate.bytes_per_sample is None else
-                  f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.bytes_per_sample)} per sample")  # fmt: skip
+    per_sample = "n/a"
+    if estimate.bytes_per_sample is not None:
+        per_sample = f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.bytes_per_sample)} per sample"
     rows = [
         ("model", f"{setup.model}, {setup.parameters:,} parameters ({estimate.param_dtype})"),
         ("device, precision", f"{setup.device}, {setup.precision}"),

@@ -150,7 +150,8 @@ def test_estimate_of_an_example_model_matches_real_steps():
 
     measured = real_step_peak(model, next(iter(model.train_dataloader())))
     error = (estimate["predicted_peak_bytes"] - measured) / measured
-    print(f"\nTokenTransformer B=8: predicted {estimate['predicted_peak_bytes']} measured {measured} error {error:+.4f}")
+    print(f"\nTokenTransformer B=8: predicted {estimate['predicted_peak_bytes']} measured {measured} "
+          f"error {error:+.4f}")
     assert abs(error) <= TOLERANCE
 
     # the largest batch for 200 MB: a real step at that size fits and fills the memory

@@ -195,7 +195,8 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
     supported = cuda_version_text(driver)
     details = {"driver_cuda": supported, "torch_cuda": build, "driver": driver_release or None}
     if build is None:
-        return Check(name, "info", f"driver supports CUDA {supported}{release}; torch is a CPU-only build", details=details)
+        return Check(name, "info", f"driver supports CUDA {supported}{release}; torch is a CPU-only build",
+                     details=details)
     value = f"driver supports CUDA {supported}{release}; torch built for CUDA {build}"
     fix = (f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} "
            f"(pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)")  # fmt: skip
@@ -224,8 +225,8 @@ def check_torch_build() -> Check:
     if build is not None and not torch.cuda.is_available():
         if gpus:
             return Check("torch_build", "fail", f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not "
-                         "available",
-                         "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES", details)  # fmt: skip
+                         "available", "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES",
+                         details)  # fmt: skip
         return Check("torch_build", "info", f"{value}; no visible GPU, so it runs on the CPU", details=details)
     return Check("torch_build", "ok" if build else "info", value, details=details)
 
@@ -283,8 +284,9 @@ def check_gpu_architecture() -> Check:
     value = f"{', '.join(found)}; wheel has {' '.join(arch_list)}"
     details = {"devices": found, "arch_list": arch_list}
     if worst == "none":
-        return Check("gpu_arch", "fail", value, "this torch wheel has no kernels for the GPU: install a newer torch "
-                     "built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)", details)  # fmt: skip
+        return Check("gpu_arch", "fail", value, "this torch wheel has no kernels for the GPU: install a newer "
+                     "torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)",
+                     details)  # fmt: skip
     if worst == "ptx":
         return Check("gpu_arch", "warn", value, "kernels are JIT-compiled from PTX at start-up (slow first steps); "
                      "install a wheel with native kernels for the GPU", details)  # fmt: skip
@@ -628,7 +630,9 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
     """
     total = threads * processes
     per_process = max(1, cores // processes)
-    who = f"{processes} process(es) x {threads} intra-op thread(s)" if processes > 1 else f"{threads} intra-op thread(s)"
+    who = f"{threads} intra-op thread(s)"
+    if processes > 1:
+        who = f"{processes} process(es) x {who}"
     details = {"threads": threads, "cores": cores, "processes": processes,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}  # fmt: skip
     if total > cores:
