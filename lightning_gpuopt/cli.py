@@ -1,0 +1,761 @@
+"""The ``gpuopt`` console command: ``doctor``, ``presets`` and ``estimate``.
+
+::
+
+    gpuopt doctor [--quick | --matmul-seconds S] [--json]
+    gpuopt presets [NAME_OR_YAML] [--json]
+    gpuopt estimate MODULE:CLASS [--init-args JSON] [--input-size 3,224,224] [--batch-size N]
+                    [--optimizer adam|adamw|sgd|none] [--precision 32-true|bf16-mixed|16-mixed|bf16-true]
+                    [--max-memory 20GiB] [--device cpu|cuda] [--json]
+
+Human output is a rich table on stdout; ``--json`` prints one JSON document instead. Exit status:
+0 on success, 2 on bad usage (the message names the argument, the value and what would work),
+1 when ``doctor`` finds a "fail". Also runs as ``python -m lightning_gpuopt.cli ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+# ============================================================================= the gpuopt console command
+
+#: precisions ``gpuopt estimate`` accepts, as Lightning's Trainer names them
+ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+#: optimizers ``gpuopt estimate --optimizer`` builds (``auto``: the model's ``configure_optimizers()``, else Adam)
+ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
+#: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
+DEFAULT_BATCH_SIZE = 8
+
+_STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
+
+
+class UsageError(Exception):
+    """Bad command-line input: exit status 2; the message names the argument, the value and what works."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: 2 on bad usage, 0 for --help
+        return int(exit_.code or 0)
+    try:
+        return int(args.handler(args))
+    except UsageError as error:
+        print(f"gpuopt {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gpuopt`` argument parser with its three subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="gpuopt", description="Check a machine for GPU training, show presets, estimate a model's memory."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,presets,estimate}")
+    _add_doctor_parser(commands, common)
+    _add_presets_parser(commands, common)
+    _add_estimate_parser(commands, common)
+    return parser
+
+
+def _version() -> str:
+    from lightning_gpuopt import __version__
+
+    return __version__
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 120))
+    return Console(width=width, highlight=False)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _table(title: str, columns: Sequence[str]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+# ----------------------------------------------------------------------------- gpuopt doctor
+
+
+def _add_doctor_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    doctor = commands.add_parser(
+        "doctor", parents=[common], help="environment checks, each with a status and a fix",
+        description="Check torch/CUDA vs the driver and GPU, the GPUs and who else uses them, matmul speed, "
+                    "CPU cores and threads, BLAS, pinned memory and /dev/shm. Exit status 1 on a 'fail'.",
+    )  # fmt: skip
+    timing = doctor.add_mutually_exclusive_group()
+    timing.add_argument("--quick", action="store_true", help="a 0.3 s matmul benchmark instead of 2 s")
+    timing.add_argument("--matmul-seconds", type=float, default=2.0, metavar="S",
+                        help="seconds of matmul benchmark over all dtypes (default 2; 0 skips it)")  # fmt: skip
+    doctor.set_defaults(handler=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """``gpuopt doctor``: run :func:`lightning_gpuopt.core.doctor.run_checks`; 1 if one "fail"s."""
+    from lightning_gpuopt.core.doctor import run_checks, worst_status
+
+    if args.matmul_seconds < 0:
+        raise UsageError(f"`--matmul-seconds`={args.matmul_seconds} is negative; use e.g. 2 (or 0 to skip).")
+    checks = run_checks(matmul_seconds=0.3 if args.quick else args.matmul_seconds)
+    status = worst_status(checks)
+    if args.json:
+        _print_json({"status": status, "checks": [dataclasses.asdict(check) for check in checks]})
+    else:
+        _print_doctor(checks, status)
+    return 1 if status == "fail" else 0
+
+
+def _print_doctor(checks: list[Any], status: str) -> None:
+    from rich.text import Text
+
+    table = _table("gpuopt doctor", ["status", "check", "finding  (→ fix)"])
+    for check in checks:
+        finding = Text(check.value)
+        if check.fix:
+            finding.append(f"\n→ {check.fix}", style="italic")
+        table.add_row(Text(check.status.upper(), style=_STATUS_STYLE.get(check.status, "")), Text(check.name), finding)
+    console = _console()
+    console.print(table)
+    counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in ("ok", "info", "warn", "fail"))
+    console.print(Text(f"{len(checks)} checks: {counts}; overall {status.upper()}", style=_STATUS_STYLE[status]))
+
+
+# ----------------------------------------------------------------------------- gpuopt presets
+
+
+def _add_presets_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    presets = commands.add_parser(
+        "presets", parents=[common], help="list the presets, or show one's settings",
+        description="Without NAME: the shipped presets and what each does. With NAME (or a YAML file): its "
+                    "settings, `preset:` extensions resolved, and what each key means.",
+    )  # fmt: skip
+    presets.add_argument("name", nargs="?", metavar="NAME", help="a preset name or the path of a YAML file")
+    presets.set_defaults(handler=run_presets)
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    """``gpuopt presets [NAME]``: list the presets, or one preset's settings with each key's meaning."""
+    from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description, preset_path
+
+    if args.name is None:
+        listing = [{"name": name, "description": preset_description(name), "path": str(preset_path(name))}
+                   for name in available_presets()]  # fmt: skip
+        if args.json:
+            _print_json({"presets": listing})
+        else:
+            table = _table("gpuopt presets  (gpuopt presets NAME shows one)", ["preset", "what it does"])
+            for item in listing:
+                table.add_row(item["name"], item["description"])
+            _console().print(table)
+        return 0
+    try:
+        settings = load_preset(args.name)
+        description = preset_description(args.name)
+    except ValueError as error:
+        raise UsageError(f"`NAME`={args.name!r}: {error}") from None
+    if args.json:
+        _print_json({"name": args.name, "path": str(preset_path(args.name)), "description": description,
+                     "settings": settings, "meanings": {key: PRESET_KEYS[key] for key in settings}})  # fmt: skip
+        return 0
+    from rich.text import Text
+
+    table = _table(f"gpuopt preset {args.name}", ["key", "value", "meaning"])
+    for key, value in settings.items():
+        table.add_row(Text(key), Text(json.dumps(value)), Text(PRESET_KEYS[key]))
+    console = _console()
+    console.print(Text(description))
+    console.print(table)
+    return 0
+
+
+# ----------------------------------------------------------------------------- gpuopt estimate
+
+
+def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    estimate = commands.add_parser(
+        "estimate", parents=[common], help="a model's training-step memory and the largest batch that fits",
+        description="Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained "
+                    "or allocated) and report the memory by part, the predicted peak at --batch-size and the "
+                    "largest batch that fits --max-memory. The batch comes from --input-size, else the model's "
+                    "train_dataloader(), else its example_input_array.",
+    )  # fmt: skip
+    estimate.add_argument("target", metavar="MODULE:CLASS",
+                          help="the model class: a dotted module (importable, or under the current directory) or "
+                               "path/to/file.py, a colon, the class name; e.g. examples/models.py:TokenTransformer")
+    estimate.add_argument("--init-args", default="{}", metavar="JSON",
+                          help='keyword arguments of the class as a JSON object, e.g. \'{"width": 256}\'')
+    estimate.add_argument("--input-size", action="append", metavar="D1,D2,...",
+                          help="the shape of one sample of forward's input, without the batch dimension, e.g. "
+                               "3,224,224; repeat for several inputs (forward(*inputs)); the loss is then a "
+                               "stand-in: the mean of the output")
+    estimate.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "long"),
+                          help="dtype of the --input-size tensors (long: token ids below --vocab)")
+    estimate.add_argument("--vocab", type=int, metavar="N",
+                          help="token ids for --dtype long are drawn from [0, N) (default: the model's first "
+                               "nn.Embedding)")
+    estimate.add_argument("--batch-size", type=int, metavar="N",
+                          help=f"the batch size to estimate at (default: the dataloader's, else {DEFAULT_BATCH_SIZE})")
+    estimate.add_argument("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS,
+                          help="auto (default): the model's configure_optimizers(), else adam; sgd has momentum 0.9")
+    estimate.add_argument("--precision", default="32-true", choices=ESTIMATE_PRECISIONS,
+                          help="as Lightning's Trainer(precision=...); 16-mixed only on CUDA")
+    estimate.add_argument("--max-memory", metavar="MEMORY",
+                          help='the memory to fit: bytes, "20GiB", "300MB" or a fraction of the device (0.9); '
+                               "default: what the device can give a training step now")
+    estimate.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    estimate.set_defaults(handler=run_estimate)  # fmt: skip
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """``gpuopt estimate``: the :class:`~lightning_gpuopt.core.estimate.MemoryEstimate` of one model."""
+    from lightning_gpuopt.core.estimate import estimate_memory
+    from lightning_gpuopt.core.loader import batch_samples
+    from lightning_gpuopt.core.report import to_dict
+
+    _check_estimate_numbers(args)
+    device = _estimate_device(args.device, args.precision)
+    cls = import_class(args.target)
+    module = _instantiate(cls, args.init_args, args.target)
+    setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
+    module = _prepare_module(module, device, args.precision)
+    batch, loss_fn, forward_input = _batch_and_loss(module, args, device, setup)
+    setup.batch_size = batch_samples(batch)
+    optimizer = _optimizer(module, args.optimizer, setup)
+    capacity = _capacity(args.max_memory, device, module, setup)
+    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=_step_context(device, args.precision))
+    estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
+    estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
+    estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
+    if args.json:
+        setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
+        _print_json({**to_dict(estimate), "setup": setup_figures})  # notes: in the estimate's
+    else:
+        _console().print(estimate_table(estimate, setup), markup=False, highlight=False)
+    return 0
+
+
+@dataclasses.dataclass
+class EstimateSetup:
+    """What ``gpuopt estimate`` ran with (the ``"setup"`` key of its JSON)."""
+
+    model: str
+    device: str
+    precision: str
+    parameters: int = 0
+    batch_source: str = ""
+    batch_size: int | None = None
+    loss: str = ""
+    optimizer: str = ""
+    memory_source: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _check_estimate_numbers(args: argparse.Namespace) -> None:
+    for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
+        if value is not None and value < 1:
+            raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
+
+
+# -- the model
+
+
+def import_class(target: str) -> type:
+    """The class named by ``MODULE:CLASS`` or ``path/to/file.py:CLASS``, a ``torch.nn.Module`` subclass.
+
+    A dotted module is imported from ``sys.path`` with the current directory in front; a file is
+    imported with its own directory on ``sys.path`` (for its sibling imports).
+
+    Raises:
+        UsageError: naming which part failed: the form, the file, the module, the class.
+
+    Example::
+
+        >>> import_class("torch.nn:Linear")
+        <class 'torch.nn.modules.linear.Linear'>
+        >>> import_class("torch.nn:Linnear")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_gpuopt.cli.UsageError: `MODULE:CLASS`='torch.nn:Linnear': the module 'torch.nn' has no ...
+    """
+    label = f"`MODULE:CLASS`={target!r}"
+    module_part, colon, class_part = target.rpartition(":")
+    if not colon or not module_part or not class_part:
+        raise UsageError(f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon "
+                         "and the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel.")
+    if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
+        module = _import_file(module_part, label)
+    else:
+        module = _import_module(module_part, label)
+    cls = getattr(module, class_part, None)
+    if cls is None:
+        close = difflib.get_close_matches(class_part, [name for name in vars(module) if not name.startswith("_")], 1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        candidates = ", ".join(_module_classes(module)) or "none"
+        raise UsageError(f"{label}: the module {module_part!r} has no attribute {class_part!r}; {hint}"
+                         f"its torch.nn.Module classes: {candidates}.")  # fmt: skip
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        candidates = ", ".join(_module_classes(module)) or "none"
+        raise UsageError(f"{label}: {class_part!r} is a {type(cls).__name__}, not a torch.nn.Module class; "
+                         f"the module's torch.nn.Module classes: {candidates}.")
+    return cls
+
+
+def _import_module(name: str, label: str) -> ModuleType:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
+            raise UsageError(f"{label}: the module part {name!r} cannot be imported ({error}); it is looked up on "
+                             f"sys.path and in the current directory {os.getcwd()}; give a dotted module path or "
+                             "path/to/file.py.") from None  # fmt: skip
+        raise UsageError(f"{label}: importing the module {name!r} failed: {error} (a dependency of it is "
+                         "missing).") from None  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - the user's module raised while importing
+        raise UsageError(f"{label}: importing the module {name!r} raised {type(error).__name__}: {error}") from None
+
+
+def _import_file(path_text: str, label: str) -> ModuleType:
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise UsageError(f"{label}: the file {path_text!r} does not exist (looked for {path}); give an existing "
+                         "path/to/file.py or a dotted module.")  # fmt: skip
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path:
+            return module
+    name = path.stem if path.stem not in sys.modules else f"_gpuopt_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{label}: {path_text!r} cannot be imported as a Python file.")
+    module = importlib.util.module_from_spec(spec)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - the user's file raised while importing
+        del sys.modules[name]
+        raise UsageError(f"{label}: importing the file {path_text!r} raised {type(error).__name__}: {error}") from None
+    return module
+
+
+def _module_classes(module: ModuleType, limit: int = 15) -> list[str]:
+    """The ``torch.nn.Module`` classes defined in ``module``; without any, those it exposes (at most ``limit``)."""
+    import torch
+
+    exposed = sorted(name for name, value in vars(module).items()
+                     if isinstance(value, type) and issubclass(value, torch.nn.Module))  # fmt: skip
+    defined = [name for name in exposed if getattr(module, name).__module__ == module.__name__]
+    names = defined or exposed
+    return names[:limit] + (["..."] if len(names) > limit else [])
+
+
+def _instantiate(cls: type, init_args: str, target: str) -> Any:
+    try:
+        kwargs = json.loads(init_args)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"`--init-args`={init_args!r} is not JSON ({error}); give an object of keyword "
+                         'arguments, e.g. \'{"width": 256, "depth": 4}\'.') from None  # fmt: skip
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"`--init-args`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of keyword "
+                         'arguments such as \'{"width": 256}\'.')  # fmt: skip
+    try:
+        return cls(**kwargs)
+    except Exception as error:  # noqa: BLE001 - bad keyword arguments, or the class's own checks
+        raise UsageError(f"{cls.__name__}(**{kwargs!r}) from `MODULE:CLASS`={target!r} and `--init-args` raised "
+                         f"{type(error).__name__}: {error}; the signature is "
+                         f"{cls.__name__}{_signature(cls)}.") from None
+
+
+def _signature(cls: type) -> str:
+    try:
+        return str(inspect.signature(cls))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _estimate_device(requested: str | None, precision: str) -> "torch.device":
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if precision == "16-mixed" and device.type != "cuda":
+        raise UsageError(f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use "
+                         "--precision bf16-mixed.")  # fmt: skip
+    return device
+
+
+def _prepare_module(module: Any, device: "torch.device", precision: str) -> Any:
+    import torch
+
+    module = module.to(device)
+    if precision == "bf16-true":
+        module = module.to(torch.bfloat16)
+    module.train()
+    return module
+
+
+def _step_context(device: "torch.device", precision: str) -> Callable[[], Any]:
+    import contextlib
+
+    import torch
+
+    if precision == "bf16-mixed":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return lambda: torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext
+
+
+# -- the batch and the loss
+
+
+def _batch_and_loss(module: Any, args: argparse.Namespace, device: "torch.device", setup: EstimateSetup) -> tuple:
+    """``(batch, loss_fn, forward_input)`` from --input-size, else the dataloader, else example_input_array;
+    fills ``setup``'s batch, loss and parameter fields."""
+    setup.parameters = sum(p.numel() for p in module.parameters())
+    if args.input_size:
+        batch = _batch_of_sizes(module, args, device)
+        setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
+        return batch, _stand_in_loss_fn(module, setup), batch
+    found = _loader_batch(module, args.batch_size, device, setup)
+    if found is not None:
+        return found
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
+                         "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
+                         "--dtype long for token ids).")  # fmt: skip
+    batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
+    setup.batch_source = "example_input_array, resized to the batch size"
+    return batch, _stand_in_loss_fn(module, setup), batch
+
+
+def _batch_of_sizes(module: Any, args: argparse.Namespace, device: "torch.device") -> Any:
+    import torch
+
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    tensors = []
+    for text in args.input_size:
+        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or any(int(n) < 1 for n in re.findall(r"\d+", text)):
+            raise UsageError(f"`--input-size`={text!r} is not a list of positive integers; give one sample's shape "
+                             "without the batch dimension, e.g. --input-size 3,224,224.")  # fmt: skip
+        shape = (batch_size, *(int(n) for n in re.findall(r"\d+", text)))
+        if args.dtype == "long":
+            tensors.append(torch.randint(0, _vocab(module, args.vocab), shape, device=device))
+        else:
+            dtype = getattr(torch, args.dtype)
+            if args.precision == "bf16-true":
+                dtype = torch.bfloat16
+            tensors.append(torch.randn(shape, device=device).to(dtype))
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _vocab(module: Any, vocab: int | None) -> int:
+    import torch
+
+    if vocab is not None:
+        return vocab
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Embedding):
+            return int(sub.num_embeddings)
+    raise UsageError("`--dtype`='long' needs the range of the token ids and the model has no nn.Embedding; "
+                     "give it with --vocab N, e.g. --vocab 32000.")  # fmt: skip
+
+
+def _loader_batch(module: Any, batch_size: int | None, device: "torch.device", setup: EstimateSetup) -> tuple | None:
+    """A batch from a LightningModule's own ``train_dataloader()``, with ``training_step`` as the loss."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks.memory_estimator import _loss_function
+    from lightning_gpuopt.core.loader import batch_samples
+
+    if not isinstance(module, LightningModule) or not is_overridden("train_dataloader", module):
+        return None
+    if batch_size is not None and isinstance(getattr(module, "batch_size", None), int):
+        module.batch_size = batch_size
+    try:
+        batch = next(iter(module.train_dataloader()))
+    except Exception as error:  # noqa: BLE001 - e.g. it needs a Trainer or a datamodule
+        setup.notes.append(f"train_dataloader() failed outside a Trainer ({type(error).__name__}: {error}); "
+                           "using example_input_array or --input-size instead")  # fmt: skip
+        return None
+    batch = _to_device(batch, device, module)
+    loaded = batch_samples(batch)
+    if batch_size is not None and loaded is not None and loaded != batch_size:
+        batch = _resized(batch, batch_size)
+        setup.notes.append(f"the dataloader gives batches of {loaded}; its samples are repeated to make {batch_size}")
+    setup.batch_source = "the model's train_dataloader()"
+    example = getattr(module, "example_input_array", None)
+    forward_input = _to_device(example, device, module) if example is not None else _first_tensor(batch)
+    if is_overridden("training_step", module) and module.automatic_optimization:
+        setup.loss = "the model's training_step()"
+        return batch, _loss_function(module), forward_input
+    return batch, _stand_in_loss_fn(module, setup, forward_of=_first_tensor), forward_input
+
+
+def _first_tensor(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    return batch
+
+
+def _to_device(data: Any, device: "torch.device", module: Any) -> Any:
+    """Tensors of ``data`` on ``device``; floating ones in the module's dtype under bf16-true."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(device)
+        return value.to(dtype) if value.is_floating_point() and dtype == torch.bfloat16 else value
+
+    return tree_map(move, data)
+
+
+def _resized(batch: Any, batch_size: int) -> Any:
+    """``batch`` with every tensor of its leading dimension repeated or cut to ``batch_size`` rows."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from lightning_gpuopt.core.loader import batch_samples
+
+    current = batch_samples(batch)
+    if current is None or current == batch_size:
+        return batch
+
+    def resize(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == current:
+            return value[torch.arange(batch_size, device=value.device) % current]
+        return value
+
+    return tree_map(resize, batch)
+
+
+def _call_forward(module: Any, forward_input: Any) -> Any:
+    if isinstance(forward_input, dict):
+        return module(**forward_input)
+    if isinstance(forward_input, (list, tuple)):
+        return module(*forward_input)
+    return module(forward_input)
+
+
+def _stand_in_loss_fn(
+    module: Any, setup: EstimateSetup, forward_of: Callable[[Any], Any] = lambda batch: batch
+) -> Callable[[Any], Any]:
+    """``batch -> sum of the means of forward's floating outputs``, for batches without a training_step."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    setup.loss = "stand-in: the mean of forward's output"
+    setup.notes.append("no training_step for this batch: the loss is a stand-in, the mean of forward's output; "
+                       "a real loss adds little (targets and a few scalars)")  # fmt: skip
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        leaves = [leaf for leaf in tree_leaves(_call_forward(module, forward_of(batch)))
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]  # fmt: skip
+        if not leaves:
+            raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
+        return sum(leaf.float().mean() for leaf in leaves)
+
+    return loss_of
+
+
+# -- the optimizer and the memory
+
+
+def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if choice == "auto":
+        configured = _configured_optimizer(module, setup)
+        if configured is not None:
+            setup.optimizer = f"{type(configured).__name__} (configure_optimizers())"
+            return configured
+        choice = "adam"
+    setup.optimizer = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD (momentum 0.9)", "none": "none"}[choice]
+    if choice == "none" or not params:
+        return None
+    if choice == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    return (torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)
+
+
+def _configured_optimizer(module: Any, setup: EstimateSetup) -> Any:
+    """The (first) optimizer of a LightningModule's ``configure_optimizers()``; ``None`` without one."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not isinstance(module, LightningModule) or not is_overridden("configure_optimizers", module):
+        setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
+        return None
+    try:
+        configured = module.configure_optimizers()
+    except Exception as error:  # noqa: BLE001 - e.g. it reads self.trainer
+        setup.notes.append(f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); "
+                           "estimating with Adam")  # fmt: skip
+        return None
+    found = _optimizers_in(configured)
+    if not found:
+        setup.notes.append("configure_optimizers() returned no optimizer: estimating with Adam")
+        return None
+    if len(found) > 1:
+        setup.notes.append(f"configure_optimizers() returned {len(found)} optimizers: estimating with the first")
+    return found[0] if isinstance(found[0], torch.optim.Optimizer) else None
+
+
+def _optimizers_in(configured: Any) -> list[Any]:
+    import torch
+
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, dict):
+        return _optimizers_in(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        if configured and isinstance(configured[0], (list, tuple)):  # ([optimizers], [schedulers])
+            return _optimizers_in(list(configured[0]))
+        return [found for item in configured for found in _optimizers_in(item)]
+    return []
+
+
+def memory_argument(text: str) -> int | float | str:
+    """A ``--max-memory`` string as :func:`~lightning_gpuopt.core.memory.parse_memory` takes it.
+
+    Example::
+
+        >>> memory_argument("4096"), memory_argument("0.9"), memory_argument("20GiB")
+        (4096, 0.9, '20GiB')
+    """
+    if re.fullmatch(r"\s*\d+\s*", text):
+        return int(text)
+    if re.fullmatch(r"\s*\d*\.\d+\s*", text):
+        return float(text)
+    return text
+
+
+def _capacity(max_memory: str | None, device: "torch.device", module: Any, setup: EstimateSetup) -> int:
+    from lightning_gpuopt.core.memory import device_usable_memory, parse_memory
+
+    if max_memory is None:
+        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
+        return device_usable_memory(device, existing=[module])
+    try:
+        capacity = parse_memory(memory_argument(max_memory), device, name="--max-memory")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    setup.memory_source = f"--max-memory {max_memory}"
+    return capacity
+
+
+def refined_near_capacity(estimate: Any, module: Any, loss_fn: Any, batch: Any, trace: dict) -> Any:
+    """The estimate with its line re-traced near the largest batch (``max_batch_size / 2`` and
+    ``max_batch_size``, two passes), as ``BatchSizeSearch`` does.
+
+    The peak is convex piecewise-linear in the batch: at small batches the optimizer step can set it,
+    so the line through the batch size and twice it can be too flat and overshoot the largest batch.
+    The peak at the batch size itself stays the exact trace.
+    """
+    from lightning_gpuopt.core.estimate import max_batch_size_for, trace_training_step
+
+    predicted, first = estimate.max_batch_size, estimate.max_batch_size
+    if estimate.method != "traced" or not trace["batch_size"] or not predicted or predicted <= 2 * trace["batch_size"]:
+        return estimate
+    fixed, per_sample, seconds = estimate.fixed_bytes, estimate.bytes_per_sample, estimate.trace_seconds or 0.0
+    for _ in range(2):
+        half, full = (trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace)
+                      for size in (predicted // 2, predicted))  # fmt: skip
+        seconds += half.seconds + full.seconds
+        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
+        fixed = full.peak_bytes - per_sample * predicted
+        refined = max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
+        if refined is None or refined == predicted or refined < 4:
+            predicted = refined if refined is not None else predicted
+            break
+        predicted = refined
+    note = (f"the line was re-traced near the limit (the line through batch sizes {trace['batch_size']} and "
+            f"{2 * trace['batch_size']} gave {first:,})" if predicted != first else "")  # fmt: skip
+    return dataclasses.replace(
+        estimate, fixed_bytes=fixed, bytes_per_sample=per_sample, max_batch_size=predicted, trace_seconds=seconds,
+        notes=[*estimate.notes, note] if note else estimate.notes,
+    )  # fmt: skip
+
+
+# -- the output
+
+
+def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
+    """The estimate and its setup as a text table (rich), notes below."""
+    from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table
+
+    per_sample = "n/a"
+    if estimate.bytes_per_sample is not None:
+        per_sample = f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.bytes_per_sample)} per sample"
+    rows = [
+        ("model", f"{setup.model}, {setup.parameters:,} parameters ({estimate.param_dtype})"),
+        ("device, precision", f"{setup.device}, {setup.precision}"),
+        ("optimizer", setup.optimizer),
+        ("batch", f"{setup.batch_size} samples from {setup.batch_source}"),
+        ("loss", setup.loss),
+        ("method", estimate.method),
+        ("parameters", format_bytes(estimate.params_bytes)),
+        ("gradients", format_bytes(estimate.grads_bytes)),
+        ("optimizer state", format_bytes(estimate.optimizer_bytes)),
+        ("buffers", format_bytes(estimate.buffers_bytes)),
+        ("batch tensors", format_bytes(estimate.batch_bytes)),
+        ("activations and temporaries", format_bytes(estimate.activation_bytes)),
+        (f"predicted peak at batch size {setup.batch_size}", format_bytes(estimate.predicted_peak_bytes)),
+        ("peak = fixed + per sample", per_sample),
+        ("memory to fit", f"{format_bytes(estimate.capacity_bytes)} ({setup.memory_source})"),
+        ("largest batch that fits", "n/a" if estimate.max_batch_size is None else f"{estimate.max_batch_size:,}"),
+        ("torchinfo total (for comparison)", format_bytes(estimate.torchinfo_total_bytes)),
+        ("trace time", format_seconds(estimate.trace_seconds)),
+    ]
+    return render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
+
+
+# =============================================================================
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

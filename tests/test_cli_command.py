@@ -1,0 +1,308 @@
+"""Tests of the ``gpuopt`` console command (lightning_gpuopt.cli) and its checks (lightning_gpuopt.core.doctor).
+
+The commands run as users run them, in a subprocess (``python -m lightning_gpuopt.cli``); the
+memory estimate is checked against the live-tensor peak of real training steps of the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gpuopt import cli
+from lightning_gpuopt.core import doctor
+from lightning_gpuopt.core.memory import LiveTensorTracker
+from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_MODELS = REPO / "examples" / "models.py"
+TOLERANCE = 0.10
+CHECK_NAMES = ["torch_build", "cuda_driver", "gpu_arch", "gpus", "gpu_processes", "matmul", "cpu_cores",
+               "torch_threads", "blas", "pinned_memory", "shm"]  # fmt: skip
+
+
+def run_gpuopt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m lightning_gpuopt.cli ARGS`` from the repository root, this checkout first on the path."""
+    environment = {**os.environ, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt.cli", *args],
+        cwd=REPO, env=environment, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """``cli.main(args)`` in this process: (exit status, stdout, stderr)."""
+    status = cli.main(list(args))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- gpuopt doctor
+
+
+def test_doctor_json_without_a_gpu_reports_it_as_a_status():
+    # CUDA_VISIBLE_DEVICES="" hides every GPU, so this is the no-GPU machine on any machine
+    result = run_gpuopt("doctor", "--json", "--quick", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "Traceback" not in result.stderr, result.stderr
+    report = json.loads(result.stdout)
+    checks = {check["name"]: check for check in report["checks"]}
+    assert list(checks) == CHECK_NAMES
+    assert all(check["status"] in doctor.STATUSES and check["value"] for check in checks.values())
+    statuses = [check["status"] for check in checks.values()]
+    assert report["status"] == max(statuses, key=doctor.STATUSES.index)
+    assert result.returncode == (1 if "fail" in statuses else 0)
+
+    assert checks["gpus"]["status"] == "warn" and "no GPU visible" in checks["gpus"]["value"]
+    assert "--gpus all" in checks["gpus"]["fix"]
+    assert checks["pinned_memory"]["status"] == "info" and "no CUDA" in checks["pinned_memory"]["value"]
+    matmul = checks["matmul"]  # the CPU fallback of the benchmark
+    assert matmul["status"] == "info" and matmul["details"]["device"] == "cpu"
+    assert matmul["details"]["gflops"]["fp32"] > 0.1
+    assert checks["shm"]["details"]["total_bytes"] > 0 or checks["shm"]["status"] == "warn"
+
+
+def test_doctor_table_in_process(capsys):
+    status, out, _ = run_main(capsys, "doctor", "--matmul-seconds", "0")
+    assert status in (0, 1)
+    assert all(name in out for name in CHECK_NAMES) and "checks:" in out
+    assert run_main(capsys, "doctor", "--matmul-seconds", "-1")[0] == 2
+
+
+# --------------------------------------------------------------------------- gpuopt presets
+
+
+def test_presets_lists_every_preset_with_its_description():
+    result = run_gpuopt("presets")
+    assert result.returncode == 0, result.stderr
+    for name in available_presets():
+        assert name in result.stdout
+        assert " ".join(preset_description(name).split()[:3]) in " ".join(result.stdout.split())
+
+
+def test_preset_json_shows_its_settings_and_what_each_key_means():
+    result = run_gpuopt("presets", "fill-memory", "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["name"] == "fill-memory" and shown["settings"] == load_preset("fill-memory")
+    assert shown["meanings"] == {key: PRESET_KEYS[key] for key in shown["settings"]}
+    assert shown["description"] == preset_description("fill-memory")
+
+
+def test_unknown_preset_exits_2_and_lists_the_valid_names():
+    result = run_gpuopt("presets", "nope")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "'nope'" in result.stderr
+    assert all(repr(name) in result.stderr for name in available_presets())
+
+
+def test_preset_table_in_process(capsys):
+    status, out, _ = run_main(capsys, "presets", "max-throughput")
+    assert status == 0
+    assert all(key in out for key in load_preset("max-throughput"))
+
+
+# --------------------------------------------------------------------------- gpuopt estimate
+
+
+def real_step_peak(model: torch.nn.Module, batch: tuple, steps: int = 3) -> int:
+    """The live-tensor peak of ``steps`` real training steps in Lightning's order (forward and loss,
+    zero_grad, backward, optimizer step), counting the model, optimizer state and the batch."""
+    optimizer = model.configure_optimizers()
+    model.log = lambda *args, **kwargs: None  # training_step logs; there is no Trainer here
+    with LiveTensorTracker(existing=(model, optimizer, batch)) as tracker:
+        for _ in range(steps):
+            loss = model.training_step(batch, 0)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            del loss
+    del model.log
+    return tracker.peak_bytes
+
+
+def example_model(name: str, **kwargs):
+    return cli.import_class(f"{EXAMPLE_MODELS}:{name}")(**kwargs)
+
+
+def test_estimate_of_an_example_model_matches_real_steps():
+    result = run_gpuopt(
+        "estimate", "examples/models.py:TokenTransformer", "--batch-size", "8", "--max-memory", "200MB",
+        "--device", "cpu", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    estimate = json.loads(result.stdout)
+    assert estimate["method"] == "traced" and estimate["batch_size"] == 8
+    assert estimate["setup"]["loss"] == "the model's training_step()"
+    assert estimate["setup"]["optimizer"].startswith("AdamW")
+
+    torch.manual_seed(0)
+    model = example_model("TokenTransformer", batch_size=8)
+    params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert estimate["params_bytes"] == params_bytes == estimate["grads_bytes"]
+    assert estimate["optimizer_bytes"] >= 2 * params_bytes  # AdamW: exp_avg and exp_avg_sq
+
+    measured = real_step_peak(model, next(iter(model.train_dataloader())))
+    error = (estimate["predicted_peak_bytes"] - measured) / measured
+    print(f"\nTokenTransformer B=8: predicted {estimate['predicted_peak_bytes']} measured {measured} "
+          f"error {error:+.4f}")
+    assert abs(error) <= TOLERANCE
+
+    # the largest batch for 200 MB: a real step at that size fits and fills the memory
+    largest, fixed, per_sample = estimate["max_batch_size"], estimate["fixed_bytes"], estimate["bytes_per_sample"]
+    assert estimate["capacity_bytes"] == 200_000_000
+    assert fixed + largest * per_sample <= 200_000_000 < fixed + (largest + 1) * per_sample
+    model = example_model("TokenTransformer", batch_size=largest, num_samples=largest)
+    batch = next(iter(model.train_dataloader()))
+    assert len(batch[0]) == largest
+    measured_largest = real_step_peak(model, batch)
+    print(f"TokenTransformer largest batch {largest}: measured {measured_largest} of 200,000,000 bytes")
+    assert (1 - TOLERANCE) * 200_000_000 <= measured_largest <= 200_000_000
+    assert 100 < largest < 10_000
+
+
+def test_estimate_table_and_other_batch_sources_in_process(capsys):
+    status, out, err = run_main(capsys, "estimate", f"{EXAMPLE_MODELS}:ResidualConvNet", "--batch-size", "16",
+                                "--max-memory", "1GiB", "--device", "cpu", "--precision", "bf16-mixed")  # fmt: skip
+    assert status == 0, err
+    for row in ("predicted peak at batch size 16", "largest batch that fits", "torchinfo total", "bf16-mixed"):
+        assert row in out
+
+    # --input-size: random inputs and a stand-in loss, said in a note
+    status, out, err = run_main(capsys, "estimate", "torch.nn:Linear", "--init-args", '{"in_features": 100, '
+                                '"out_features": 10}', "--input-size", "100", "--batch-size", "32", "--optimizer",
+                                "sgd", "--device", "cpu", "--json")  # fmt: skip
+    assert status == 0, err
+    estimate = json.loads(out)
+    assert estimate["batch_size"] == 32 and estimate["params_bytes"] == 1010 * 4
+    assert estimate["optimizer_bytes"] == 1010 * 4  # SGD's momentum buffers
+    assert estimate["batch_bytes"] == 32 * 100 * 4
+    assert any("stand-in" in note for note in estimate["notes"])
+
+    # token ids for a model without a dataloader: --dtype long, the vocabulary from its nn.Embedding
+    status, out, err = run_main(capsys, "estimate", "torch.nn:Embedding", "--init-args", '{"num_embeddings": 50, '
+                                '"embedding_dim": 8}', "--input-size", "12", "--dtype", "long", "--device", "cpu",
+                                "--optimizer", "none", "--json")  # fmt: skip
+    assert status == 0, err
+    estimate = json.loads(out)
+    assert estimate["batch_size"] == cli.DEFAULT_BATCH_SIZE and estimate["optimizer_bytes"] == 0
+
+
+def test_a_bad_module_class_exits_2_and_names_it():
+    result = run_gpuopt("estimate", "no_such_module_xyz:Model")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "`MODULE:CLASS`='no_such_module_xyz:Model'" in result.stderr
+    assert "the module part 'no_such_module_xyz' cannot be imported" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["TokenTransformer"], "`MODULE:CLASS`='TokenTransformer' is not MODULE:CLASS"),
+        (["examples/missing.py:Model"], "the file 'examples/missing.py' does not exist"),
+        ([f"{EXAMPLE_MODELS}:TokenTransfomer"], "has no attribute 'TokenTransfomer'; did you mean 'TokenTransformer'?"),
+        (["json:loads"], "'loads' is a function, not a torch.nn.Module class"),
+        ([f"{EXAMPLE_MODELS}:TokenTransformer", "--init-args", "{width: 3}"], "`--init-args`='{width: 3}' is not JSON"),
+        ([f"{EXAMPLE_MODELS}:TokenTransformer", "--init-args", '{"widht": 3}'], "unexpected keyword argument 'widht'"),
+        ([f"{EXAMPLE_MODELS}:TokenTransformer", "--max-memory", "lots"], "`--max-memory`='lots' is not a memory size"),
+        (["torch.nn:Linear", "--init-args", '{"in_features": 2, "out_features": 2}'], "pass --input-size"),
+        (["torch.nn:Identity", "--input-size", "3x4"], "`--input-size`='3x4' is not a list of positive integers"),
+        (["torch.nn:Identity", "--input-size", "4", "--dtype", "long"], "give it with --vocab N"),
+        (["torch.nn:Identity", "--batch-size", "0"], "`--batch-size`=0 must be a positive integer"),
+        (["torch.nn:Identity", "--device", "cpu", "--precision", "16-mixed"], "16-mixed' needs CUDA"),
+    ],
+)
+def test_bad_estimate_arguments_exit_2_with_what_would_work(capsys, args, expected):
+    status, out, err = run_main(capsys, "estimate", *args)
+    assert status == 2 and out == ""
+    assert err.startswith("gpuopt estimate: error: ") and expected in err
+
+
+# --------------------------------------------------------------------------- core.doctor checks
+
+
+def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch):
+    cores = doctor.usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores + 1)
+        check = doctor.check_torch_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert check.status == "warn" and check.details["threads"] == cores + 1
+    assert f"torch.set_num_threads({cores})" in check.fix
+
+    # several processes on one host (torchrun's LOCAL_WORLD_SIZE), one thread each: still too many
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    check = doctor.check_torch_threads()
+    assert check.status == "warn" and check.details["processes"] == 2 * cores
+    assert "torch.set_num_threads(1)" in check.fix
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert doctor.torch_threads_check(threads=cores, cores=cores).status == "ok"
+
+
+def test_shm_check_reads_a_real_statvfs(tmp_path):
+    stat = os.statvfs(tmp_path)
+    check = doctor.check_shared_memory(str(tmp_path))
+    assert check.details["total_bytes"] == stat.f_frsize * stat.f_blocks
+    assert 0 <= check.details["free_bytes"] <= check.details["total_bytes"]
+    small = check.details["total_bytes"] < doctor.SHM_WARN_BYTES or check.details["free_bytes"] < doctor.SHM_WARN_BYTES
+    assert check.status == ("warn" if small else "ok")
+
+    missing = doctor.check_shared_memory(str(tmp_path / "no-such-dir"))
+    assert missing.status == "warn" and "num_workers=0" in missing.fix
+    docker_default = doctor.shared_memory_check(64 * 2**20, 64 * 2**20)
+    assert docker_default.status == "warn" and "--shm-size" in docker_default.fix
+
+
+def test_cpu_cores_check_against_a_cgroup_quota():
+    count, affinity = os.cpu_count(), len(os.sched_getaffinity(0))
+    assert doctor.check_cpu_cores().details == {"cpu_count": count, "affinity": affinity,
+                                                "cgroup_quota": doctor.cgroup_cpu_quota()}  # fmt: skip
+    limited = doctor.cpu_cores_check(count, affinity, quota=affinity / 2)
+    assert limited.status == "warn" and "num_workers" in limited.fix
+
+
+@pytest.mark.parametrize(
+    ("build", "driver", "status"),
+    [("12.4", 12040, "ok"), ("12.1", 12080, "ok"), ("12.8", 12020, "warn"), ("12.4", 11080, "fail"),
+     (None, 12040, "info"), ("12.4", None, "info")],
+)  # fmt: skip
+def test_cuda_driver_versus_build(build, driver, status):
+    assert doctor.cuda_driver_check(build, driver).status == status
+
+
+def test_architecture_support_and_card_peaks():
+    assert doctor.arch_support((9, 0), ["sm_80", "sm_90"]) == "native"
+    assert doctor.arch_support((8, 9), ["sm_80", "sm_86"]) == "native"  # same major, earlier minor
+    assert doctor.arch_support((10, 0), ["sm_90", "compute_90"]) == "ptx"
+    assert doctor.arch_support((7, 0), ["sm_80", "sm_90"]) == "none"
+    names = {"NVIDIA A100-SXM4-40GB": "A100", "NVIDIA A10": "A10", "NVIDIA L4": "L4", "NVIDIA L40S": "L40S",
+             "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H200": "H200 SXM",
+             "Tesla V100-SXM2-16GB": "V100 SXM2", "Tesla T4": "T4", "NVIDIA GeForce RTX 4090": "RTX 4090",
+             "NVIDIA GeForce RTX 3090": "RTX 3090"}  # fmt: skip
+    assert {name: doctor.card_peaks(name).card for name in names} == names
+    assert doctor.card_peaks("NVIDIA GeForce GTX 1080") is None
+
+
+def test_blas_of_the_installed_torch():
+    check = doctor.check_blas()
+    assert check.details["torch"] == doctor.torch_blas(torch.__config__.show()) != "none"
+    assert check.status in ("ok", "info")
+
+
+def test_a_check_that_raises_becomes_a_warning_naming_the_error(monkeypatch):
+    def broken() -> int:
+        raise PermissionError("sched_getaffinity denied")
+
+    monkeypatch.setattr(doctor, "usable_cores", broken)
+    check = doctor.check_torch_threads()
+    assert check.status == "warn" and "PermissionError: sched_getaffinity denied" in check.value
