@@ -10,7 +10,7 @@ from lightning_gpuopt.callbacks import (
     MemoryFill,
     NoBatchSizeFitsError,
 )
-from lightning_gpuopt._gpuopt_cli import GpuOptCLI
+from lightning_gpuopt.cli import GpuOptCLI
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
