@@ -82,6 +82,7 @@ from lightning_gpuopt.core.estimate import (
     estimate_memory,
     max_batch_size_for,
     trace_training_step,
+    with_accumulation,
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import LargestSampleSampler, batch_samples, largest_samples_first
@@ -313,7 +314,9 @@ class BatchSizeSearch(Callback):
             buckets = _ddp_bucket_bytes(trainer, pl_module)
             if buckets:
                 estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
-            return _refined(estimate, pl_module, batch, trace, budget, buckets)
+            accumulated = with_accumulation(estimate, trainer.accumulate_grad_batches)
+            extra = buckets + accumulated.untraced_bytes - estimate.untraced_bytes
+            return _refined(accumulated, pl_module, batch, trace, budget, extra)
         except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
             return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size"]
 

@@ -45,6 +45,7 @@ from lightning_gpuopt.core.estimate import (
     estimate_memory,
     optimizer_state_rule_bytes,
     with_measured_optimizer_state,
+    with_accumulation,
     with_measured_peak,
     with_untraced_bytes,
 )
@@ -203,6 +204,7 @@ class MemoryEstimator(Callback):
             capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
         )
+        estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
         for note in estimate.notes:
             rank_zero_warn(f"MemoryEstimator: {note}")

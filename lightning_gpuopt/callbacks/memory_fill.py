@@ -76,7 +76,7 @@ from lightning_gpuopt.core.checkpointing import (
     select_blocks,
 )
 from lightning_gpuopt.core.checks import check_int
-from lightning_gpuopt.core.estimate import estimate_memory
+from lightning_gpuopt.core.estimate import estimate_memory, with_accumulation
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict, update_json_section
@@ -347,6 +347,8 @@ class MemoryFill(Callback):
                 found = "no micro-batch" if largest is None else f"a largest micro-batch of {largest}"
                 self._apply_checkpointing(blocks, f"the trials found {found} < {wanted} without it")
                 largest = self._search_largest(trainer, pl_module, upper)
+        if largest is not None and largest < needed and self._fixed_accumulation is None:
+            largest = self._search_accumulating(trainer, pl_module, largest)
         if largest is None or (self._fixed_accumulation is not None and largest < needed):
             raise NoBatchSizeFitsError(self._nothing_fits_message(largest, needed))
         if self._fixed_accumulation is not None:
@@ -375,6 +377,20 @@ class MemoryFill(Callback):
             return None
         assert self.search.result is not None
         return self.search.result.batch_size
+
+    def _search_accumulating(self, trainer: pl.Trainer, pl_module: pl.LightningModule, largest: int) -> Optional[int]:
+        """The trials again, now accumulating: training will keep the gradients of earlier
+        micro-batches alive through the next backward pass, so the trials must too (a peak
+        measured accumulating 2 micro-batches is the peak of any longer accumulation)."""
+        trainer.accumulate_grad_batches = 2
+        try:
+            accumulating = self._search_largest(trainer, pl_module, largest)
+        finally:
+            trainer.accumulate_grad_batches = self._initial["accumulate"]
+        if accumulating != largest:
+            self._reasons.append(f"largest micro-batch {largest} without accumulation, {accumulating} when "
+                                 "accumulating (earlier micro-batches' gradients stay alive)")  # fmt: skip
+        return accumulating
 
     def _nothing_fits_message(self, largest: Optional[int], needed: int) -> str:
         levers = ", ".join(self._reasons) or "none"
@@ -475,6 +491,7 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
             optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
             batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
         )  # fmt: skip
+        estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

@@ -471,6 +471,24 @@ def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: s
     )
 
 
+def with_accumulation(estimate: MemoryEstimate, accumulate_grad_batches: int) -> MemoryEstimate:
+    """Under gradient accumulation the gradients of earlier micro-batches stay alive through the
+    next backward pass (the traced step zeroes them first), and each new gradient is added to them:
+    up to one more set of gradients at the peak.
+
+    Example::
+
+        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
+        >>> with_accumulation(before, 4).predicted_peak_bytes, with_accumulation(before, 1).predicted_peak_bytes
+        (55, 45)
+    """
+    if accumulate_grad_batches <= 1 or not estimate.grads_bytes:
+        return estimate
+    return with_untraced_bytes(
+        estimate, estimate.grads_bytes, f"gradients kept across {accumulate_grad_batches} accumulated micro-batches"
+    )
+
+
 def _first_line(error: BaseException) -> str:
     """``"Type: first line"`` of the innermost cause of ``error`` (torchinfo wraps the real one)."""
     while error.__cause__ is not None:
