@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 GPU_BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks/dataloader.py \
-                  benchmarks/estimate_accuracy.py
+                  benchmarks/estimate_accuracy.py benchmarks/memory_fill.py
 # the search comparison runs under a simulated budget, the same on any machine
 BENCHMARKS := $(GPU_BENCHMARKS) benchmarks/search_vs_lightning.py
 
