@@ -19,7 +19,7 @@ names and ``state_dict`` keys stay as they were, so checkpoints load with or wit
 
 * the recomputation in backward would update BatchNorm running statistics a second time; they
   are saved before and put back after each recomputation, so running stats equal those of an
-  unchekpointed run;
+  uncheckpointed run;
 * outside autograd (``torch.no_grad()``, validation) blocks run plainly.
 
 Example::
