@@ -694,34 +694,25 @@ def _capacity(max_memory: str | None, device: "torch.device", module: Any, setup
 
 
 def refined_near_capacity(estimate: Any, module: Any, loss_fn: Any, batch: Any, trace: dict) -> Any:
-    """The estimate with its line re-traced near the largest batch (``max_batch_size / 2`` and
-    ``max_batch_size``, two passes), as ``BatchSizeSearch`` does.
+    """The estimate with its line re-traced near the largest batch, as ``BatchSizeSearch`` does
+    (:func:`~lightning_gpuopt.core.estimate.refine_near_capacity`). The peak at the batch size
+    itself stays the exact trace."""
+    from lightning_gpuopt.core.estimate import refine_near_capacity, trace_training_step
 
-    The peak is convex piecewise-linear in the batch: at small batches the optimizer step can set it,
-    so the line through the batch size and twice it can be too flat and overshoot the largest batch.
-    The peak at the batch size itself stays the exact trace.
-    """
-    from lightning_gpuopt.core.estimate import max_batch_size_for, trace_training_step
-
-    predicted, first = estimate.max_batch_size, estimate.max_batch_size
-    if estimate.method != "traced" or not trace["batch_size"] or not predicted or predicted <= 2 * trace["batch_size"]:
+    first = estimate.max_batch_size
+    if estimate.method != "traced" or not trace["batch_size"] or not first or first <= 2 * trace["batch_size"]:
         return estimate
-    fixed, per_sample, seconds = estimate.fixed_bytes, estimate.bytes_per_sample, estimate.trace_seconds or 0.0
-    for _ in range(2):
-        half, full = (trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace)
-                      for size in (predicted // 2, predicted))  # fmt: skip
-        seconds += half.seconds + full.seconds
-        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
-        fixed = full.peak_bytes - per_sample * predicted
-        refined = max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
-        if refined is None or refined == predicted or refined < 4:
-            predicted = refined if refined is not None else predicted
-            break
-        predicted = refined
+    refined = refine_near_capacity(
+        lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
+        first, estimate.capacity_bytes,
+    )  # fmt: skip
+    if refined.fixed_bytes is None:
+        return estimate
     note = (f"the line was re-traced near the limit (the line through batch sizes {trace['batch_size']} and "
-            f"{2 * trace['batch_size']} gave {first:,})" if predicted != first else "")  # fmt: skip
+            f"{2 * trace['batch_size']} gave {first:,})" if refined.max_batch_size != first else "")  # fmt: skip
     return dataclasses.replace(
-        estimate, fixed_bytes=fixed, bytes_per_sample=per_sample, max_batch_size=predicted, trace_seconds=seconds,
+        estimate, fixed_bytes=refined.fixed_bytes, bytes_per_sample=refined.bytes_per_sample,
+        max_batch_size=refined.max_batch_size, trace_seconds=(estimate.trace_seconds or 0.0) + refined.seconds,
         notes=[*estimate.notes, note] if note else estimate.notes,
     )  # fmt: skip
 

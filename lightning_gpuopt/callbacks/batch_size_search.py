@@ -80,7 +80,7 @@ from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     _restored_attributes,
     estimate_memory,
-    max_batch_size_for,
+    refine_near_capacity,
     trace_training_step,
     with_accumulation,
     with_untraced_bytes,
@@ -361,22 +361,18 @@ def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
 def _refined(
     estimate: MemoryEstimate, pl_module: pl.LightningModule, batch: Any, trace: dict, budget: int, extra_bytes: int
 ) -> tuple[Optional[int], Optional[float], list[str]]:
-    """Re-trace near the predicted limit: the peak is convex piecewise-linear in the batch (at small
-    batches the optimizer step can set it, flattening the line), so the line through the user's
-    batch and twice it can be far too flat. Two passes of (prediction / 2, prediction)."""
-    predicted, per_sample = estimate.max_batch_size, estimate.bytes_per_sample
-    for _ in range(2):
-        if not predicted or predicted < 4 or trace["batch_size"] is None:
-            break
-        half, full = (trace_training_step(pl_module, _loss_function(pl_module), batch, trace_batch_size=size, **trace)
-                      for size in (predicted // 2, predicted))  # fmt: skip
-        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
-        fixed = full.peak_bytes + extra_bytes - per_sample * predicted
-        refined = max_batch_size_for(budget, fixed, per_sample)
-        if refined is None or refined == predicted:
-            break
-        predicted = refined
-    return predicted, per_sample, []
+    """The estimate's largest batch and slope, re-traced near the predicted limit (see
+    :func:`~lightning_gpuopt.core.estimate.refine_near_capacity`)."""
+    predicted = estimate.max_batch_size
+    if not predicted or trace["batch_size"] is None:
+        return predicted, estimate.bytes_per_sample, []
+    loss_fn = _loss_function(pl_module)
+    refined = refine_near_capacity(
+        lambda size: trace_training_step(pl_module, loss_fn, batch, trace_batch_size=size, **trace),
+        predicted, budget, extra_bytes,
+    )  # fmt: skip
+    per_sample = refined.bytes_per_sample if refined.bytes_per_sample is not None else estimate.bytes_per_sample
+    return refined.max_batch_size, per_sample, []
 
 
 # ---------------------------------------------------------------------- trials

@@ -421,6 +421,49 @@ def max_batch_size_for(
     return max(0, math.floor((capacity_bytes - fixed_bytes) / bytes_per_sample))
 
 
+@dataclass
+class RefinedLine:
+    """The line re-traced near the largest batch, and the largest batch it gives."""
+
+    max_batch_size: int
+    fixed_bytes: float | None
+    bytes_per_sample: float | None
+    seconds: float
+
+
+def refine_near_capacity(
+    trace_at: Callable[[int], TracedStep], predicted: int, capacity_bytes: int | None, extra_bytes: int = 0,
+    passes: int = 2,
+) -> RefinedLine:
+    """Re-trace the line near the largest batch: the peak is convex piecewise-linear in the batch
+    (at small batches the optimizer step can set it), so the line through ``B`` and ``2B`` can be
+    too flat and overshoot. Each pass traces ``predicted // 2`` and ``predicted`` with ``trace_at``
+    (batch size -> :class:`TracedStep`) and solves the new line for ``capacity_bytes``;
+    ``extra_bytes`` is memory the trace does not see. Stops when the answer no longer moves or
+    falls below 4. ``fixed_bytes``/``bytes_per_sample`` are ``None`` when nothing was traced.
+
+    Example::
+
+        >>> steps = lambda b: TracedStep(b, 1000 + 10 * b + (5 * b if b > 50 else 0), 0, 0, 0, 0, 0, 0.0)
+        >>> refine_near_capacity(steps, predicted=100, capacity_bytes=2000).max_batch_size  # steeper above 50: 66 fits
+        68
+    """
+    fixed = per_sample = None
+    seconds = 0.0
+    for _ in range(passes):
+        if predicted < 4:
+            break
+        half, full = trace_at(predicted // 2), trace_at(predicted)
+        seconds += half.seconds + full.seconds
+        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
+        fixed = full.peak_bytes + extra_bytes - per_sample * predicted
+        refined = max_batch_size_for(capacity_bytes, fixed, per_sample)
+        if refined is None or refined == predicted:
+            break
+        predicted = refined
+    return RefinedLine(predicted, fixed, per_sample, seconds)
+
+
 def with_measured_peak(estimate: MemoryEstimate, measured_peak_bytes: int | None) -> MemoryEstimate:
     """``estimate`` with the measured peak and both relative errors filled in."""
     return replace(
