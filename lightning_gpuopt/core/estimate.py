@@ -291,7 +291,7 @@ def trace_training_step(
     with _fake_module(module, mode) as twin_of:
         fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
         params = list(module.parameters())
-        with mode, LiveTensorTracker(existing=(module, fake_batch), granularity=granularity) as tracker:
+        with mode, LiveTensorTracker(existing=(module, fake_batch), granularity=granularity, workspaces=False) as tracker:
             twin_optimizer = None if optimizer is None else _twin_optimizer(optimizer, twin_of)
             for _ in range(steps):
                 with step_context():

@@ -7,12 +7,16 @@ Pure torch + standard library (no Lightning import).
   the driver's figure is the honest one); on CPU from ``/proc/meminfo`` (``MemTotal``,
   ``MemAvailable``), capped by a cgroup v2 ``memory.max`` when one is set, with ``os.sysconf`` as
   the fallback.
-* :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts the bytes of live tensor storage.
-  Each untyped storage is counted once, by its ``nbytes`` (views share their base's storage and add
-  nothing), from the op that created it until it is freed (a weak reference to the storage calls
-  back when it dies). In-place ops and views of existing tensors allocate nothing and count nothing.
-  It works for real and for fake tensors alike, which is what lets :mod:`.estimate` trace a step
-  without allocating.
+* :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts memory at the allocator, op by op.
+  Each untyped storage is counted once, by its ``nbytes`` (what the CPU allocator hands out for
+  it; views share their base's storage and add nothing), from the op that created it until it is
+  freed (a weak reference to the storage calls back when it dies). On top of that, each op's
+  *workspace* -- what its kernel allocates and frees inside itself (oneDNN reorders, scratch
+  buffers), invisible to a storage count -- is learned from the profiler's allocator events the
+  first time that op call is seen (:mod:`.op_memory`) and counted while the op runs, so the peak
+  and the cap are those of the allocator. In-place ops and views allocate nothing and count
+  nothing. With ``workspaces=False`` it counts storages alone, for real and fake tensors alike,
+  which is what lets :mod:`.estimate` trace a step without allocating.
 * :class:`MemoryBudget`: the tracker with a cap; an op whose new storage would pass the cap raises
   ``torch.OutOfMemoryError`` with "CUDA out of memory" in its message, so code written for a real
   CUDA OOM (``lightning.pytorch.utilities.memory.is_oom_error`` included) handles it the same way.
@@ -54,8 +58,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from lightning_gpuopt.core.op_memory import call_learning_allocations
 
 #: markers of out-of-memory errors in exception messages (CUDA, MPS, XPU, cuBLAS, cuDNN, CPU allocator)
 OOM_MESSAGE_MARKERS = (
@@ -291,13 +298,20 @@ class LiveTensorTracker(TorchDispatchMode):
         device: count only tensors on this device (``None``: every device).
         granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
         baseline_bytes: a fixed amount added to the live bytes (memory held outside tensors).
+        workspaces: count what each op's kernel allocates inside itself on the host, learned from
+            the profiler's allocator events (see :mod:`.op_memory`); ``False`` counts storages alone.
 
     Example::
 
         >>> with LiveTensorTracker() as tracker:
         ...     x = torch.ones(256)
+        ...     y = x * 2                 # the kernel also wraps the 2 in a tensor: 8 + 4 bytes
+        >>> tracker.peak_bytes            # two 1024-byte storages and the multiplication's 12
+        2060
+        >>> with LiveTensorTracker(workspaces=False) as storages_only:
+        ...     x = torch.ones(256)
         ...     y = x * 2
-        >>> tracker.peak_bytes
+        >>> storages_only.peak_bytes
         2048
     """
 
@@ -309,9 +323,11 @@ class LiveTensorTracker(TorchDispatchMode):
         device: torch.device | str | None = None,
         granularity: int = 1,
         baseline_bytes: int = 0,
+        workspaces: bool = True,
     ) -> None:
         super().__init__()
         self.max_bytes = max_bytes
+        self.workspaces = workspaces
         self.existing = tuple(existing)
         self.device = None if device is None else torch.device(device)
         self.granularity = granularity
@@ -390,15 +406,26 @@ class LiveTensorTracker(TorchDispatchMode):
         return release
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        allocations = None
+        if self.workspaces and self._counts_host() and _real_host_call((args, kwargs)):
+            out, allocations = call_learning_allocations(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         inputs = {storage._cdata for storage in map(_storage_of, _tensor_leaves((args, kwargs))) if storage is not None}
         new = self._new_storages(tree_leaves(out), exclude=inputs)
         added = sum(num_bytes for _, _, num_bytes in new)
-        if self.max_bytes is not None and added and self.live_bytes + added > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, added))
+        # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
+        needed = max(added, allocations.peak_bytes if allocations is not None else 0)
+        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(func, needed))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + needed)
         for key, storage, num_bytes in new:
             self._add(key, storage, num_bytes)
         return out
+
+    def _counts_host(self) -> bool:
+        return self.device is None or self.device.type == "cpu"
 
     def _oom_message(self, func: Any, added: int) -> str:
         where = "any device" if self.device is None else str(self.device)
@@ -406,6 +433,18 @@ class LiveTensorTracker(TorchDispatchMode):
             f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
             f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
         )
+
+
+def _real_host_call(tree: Any) -> bool:
+    """Whether an op call runs on real host tensors (no fake, meta or device tensors, no other device)."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, FakeTensor):
+            return False
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            return False
+        if isinstance(leaf, torch.device) and leaf.type != "cpu":
+            return False
+    return True
 
 
 def _tensor_leaves(tree: Any) -> Iterator[torch.Tensor]:
