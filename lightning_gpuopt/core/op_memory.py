@@ -159,3 +159,51 @@ def call_learning_allocations(
             _templates.clear()
         _templates[key] = allocations
     return out, allocations
+
+
+class AllocationWindow:
+    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
+    events: a peak measured by deltas, without touching the allocator's peak counters.
+
+    ``peak_delta_bytes`` is ``None`` when another profiler was already running (it is left alone).
+
+    Example::
+
+        >>> with AllocationWindow("cpu") as window:
+        ...     a = torch.zeros(1000); del a
+        ...     b = torch.zeros(500)
+        >>> window.peak_delta_bytes
+        4000
+    """
+
+    def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
+        self.device_type = device_type
+        self.index = index
+        self.peak_delta_bytes: Optional[int] = None
+        self._active = False
+
+    def __enter__(self) -> "AllocationWindow":
+        self.peak_delta_bytes = None
+        self._active = learning_possible()
+        if self._active:
+            torch.autograd._enable_profiler_legacy(_profiler_config())
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self._active:
+            return
+        self._active = False
+        records = torch.autograd._disable_profiler_legacy()
+        live = peak = 0
+        for thread in records:
+            for record in thread:
+                if record.kind() != "memory_alloc":
+                    continue
+                if self.device_type == "cuda":
+                    if record.device() != self.index:
+                        continue
+                    live += int(record.cuda_memory_usage())
+                else:
+                    live += int(record.cpu_memory_usage())
+                peak = max(peak, live)
+        self.peak_delta_bytes = peak
