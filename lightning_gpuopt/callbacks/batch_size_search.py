@@ -9,7 +9,10 @@ sets the largest size that fitted on the model, its hparams or the datamodule (w
 ``batch_arg_name`` lives), and training starts with it. A trial fits when it ran without running
 out of memory and its peak stayed within ``max_memory * (1 - margin)``:
 
-* CUDA: the real allocator's OOM, and ``torch.cuda.max_memory_allocated`` as the peak;
+* CUDA (a real or a simulated card, through :mod:`lightning_gpuopt.core.device`): the allocator's
+  own OOM, with reserved memory capped at ``max_memory`` during the trial (the per-process memory
+  fraction), and the allocated peak of the trial measured without resetting the process-wide
+  peak counters;
 * CPU (and other devices): a :class:`~lightning_gpuopt.core.memory.MemoryBudget` of that size
   around the trial, counting the model, its gradients, the optimizer state, the batch and
   everything the step allocates (on CPU ``max_memory`` is required: there is no device to fill).
@@ -76,6 +79,7 @@ from torch.utils.data import IterableDataset
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
+from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     _restored_attributes,
@@ -89,7 +93,6 @@ from lightning_gpuopt.core.loader import LargestSampleSampler, batch_samples, la
 from lightning_gpuopt.core.memory import (
     LiveTensorTracker,
     MemoryBudget,
-    PeakMemoryMeter,
     call_catching_oom,
     device_usable_memory,
     parse_memory,
@@ -224,7 +227,8 @@ class BatchSizeSearch(Callback):
             start = predicted if predicted is not None else initial
             # every rank must try the same sizes: plan with the tightest rank's figures
             search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
-            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name)
+            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name,
+                                  self._capacity_bytes(device))
             result = search_largest_fit(
                 runner.fits,
                 budget_bytes=search_budget,
@@ -276,17 +280,19 @@ class BatchSizeSearch(Callback):
                 f"the datamodule's `train_dataloader()` with `batch_size=self.{name}`."
             )
 
-    def _budget_bytes(self, device: torch.device) -> int:
+    def _capacity_bytes(self, device: torch.device) -> int:
+        """``max_memory`` in bytes; without one, what a CUDA card has free plus what torch holds."""
         if self.max_memory is None:
-            if device.type != "cuda":
+            if not device_for(device).is_cuda:
                 raise ValueError(
                     f"`max_memory`=None on a {device.type} device: there is no device memory to fill; pass "
                     "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
                 )
-            capacity = device_usable_memory(device)
-        else:
-            capacity = parse_memory(self.max_memory, device, name="max_memory")
-        return int(capacity * (1.0 - self.margin))
+            return device_usable_memory(device)
+        return parse_memory(self.max_memory, device, name="max_memory")
+
+    def _budget_bytes(self, device: torch.device) -> int:
+        return int(self._capacity_bytes(device) * (1.0 - self.margin))
 
     def _upper_bound(self, trainer: pl.Trainer, initial: int) -> tuple[int, str]:
         upper, note = self.max_batch_size, f"max_batch_size={self.max_batch_size}"
@@ -383,10 +389,11 @@ class _TrialRunner:
 
     def __init__(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "_TrainingStateRestored", budget: int,
-        search_budget: int, batch_arg_name: str,
+        search_budget: int, batch_arg_name: str, capacity: int,
     ) -> None:
         self.trainer, self.pl_module, self.state, self.budget = trainer, pl_module, state, budget
         self.search_budget = search_budget
+        self.capacity = capacity
         self.batch_arg_name = batch_arg_name
         self.baseline = _ddp_bucket_bytes(trainer, pl_module)
 
@@ -399,8 +406,9 @@ class _TrialRunner:
         device = pl_module.device
         prefetched = getattr(trainer.fit_loop._data_fetcher, "batches", [])
         existing = (pl_module, *trainer.optimizers, prefetched)
-        if device.type == "cuda":
-            meter: Any = PeakMemoryMeter(device)
+        card = device_for(device)
+        if card.is_cuda:  # the allocator's own OOM; reserved memory kept within max_memory
+            meter: Any = card.memory_cap(self.capacity, existing) if capped else card.peak_meter(existing)
         elif capped:
             meter = MemoryBudget(self.budget, existing=existing, device=device, baseline_bytes=self.baseline)
         else:
@@ -471,7 +479,7 @@ def _ddp_bucket_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int
     model = trainer.strategy.model
     if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
         return 0
-    if pl_module.device.type == "cuda":
+    if device_for(pl_module.device).is_cuda:
         return 0
     return storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
 
@@ -517,7 +525,7 @@ class _TrainingStateRestored:
         self.progress = [(p, _cpu_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop)]
         self.batches_that_stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
         self.should_stop = trainer.should_stop
-        self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+        self.rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
         self.attributes = _restored_attributes(module)
         self.attributes.__enter__()
         return self

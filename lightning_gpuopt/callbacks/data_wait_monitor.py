@@ -64,6 +64,7 @@ from lightning_gpuopt.core.diagnosis import (
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
@@ -145,7 +146,7 @@ class DataWaitMonitor(Callback):
         self._gpu: Optional[CudaStepTimer] = None
         self._gpu_logged = GpuTotals()
         self._sampler: Optional[NvmlSampler] = None
-        self._nvml_index: Optional[int] = None
+        self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = 50
         self._in_validation = False
@@ -163,13 +164,19 @@ class DataWaitMonitor(Callback):
         self._tap = _profiler_tap.install(
             trainer,
             {
-                f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next": self._clock.add_fetch,
+                f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next": self._on_fetched,
                 f"[Strategy]{strategy}.batch_to_device": self._clock.add_transfer,
                 f"[Strategy]{strategy}.training_step": self._clock.add_forward,
                 "save_checkpoint": self._on_checkpoint_saved,
             },
         )
         self._time_validation(trainer)
+
+    def _on_fetched(self, seconds: float, cpu_seconds: float) -> None:
+        if self._clock is not None:
+            self._clock.add_fetch(seconds, cpu_seconds)
+        if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
+            self._gpu.before_transfer()
 
     def _on_checkpoint_saved(self, seconds: float, cpu_seconds: float) -> None:
         if self._clock is not None and not self._in_validation:
@@ -219,14 +226,12 @@ class DataWaitMonitor(Callback):
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = Path(self.report_path) if self.report_path else report_dir(trainer) / REPORT_FILENAME
         self._log_every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
-        device = pl_module.device
-        if device.type == "cuda":
-            self._gpu = CudaStepTimer(device)
-            self._sampler = NvmlSampler(self.nvml_interval_s)
+        card = device_for(pl_module.device)
+        if card.is_cuda:
+            self._gpu = CudaStepTimer(card.new_event)  # type: ignore[arg-type]
+            self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if card.uuid else None)
             if self._sampler.start():
-                visible = self._sampler.visible_indices
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                self._nvml_index = visible[index] if index < len(visible) else None
+                self._nvml_uuid = card.uuid
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
@@ -270,8 +275,8 @@ class DataWaitMonitor(Callback):
             totals = self._gpu.poll()
             metrics["gpuopt/gpu_idle_fraction"] = totals.minus(self._gpu_logged).idle_fraction
             self._gpu_logged = replace(totals)
-        if self._sampler is not None and self._nvml_index is not None:
-            util, memory = self._sampler.take_window(self._nvml_index)
+        if self._sampler is not None and self._nvml_uuid is not None:
+            util, memory = self._sampler.take_window(self._nvml_uuid)
             metrics["gpuopt/gpu_util"] = util
             metrics["gpuopt/gpu_memory_used_fraction"] = memory
         metrics = {key: float(value) for key, value in metrics.items() if value is not None}
@@ -285,7 +290,7 @@ class DataWaitMonitor(Callback):
             return
         gpu_totals = self._gpu.finish() if self._gpu is not None else GpuTotals()
         gpus = self._sampler.stop() if self._sampler is not None else []
-        own_util = next((gpu.util_mean for gpu in gpus if gpu.index == self._nvml_index), None)
+        own_util = next((gpu.util_mean for gpu in gpus if gpu.uuid == self._nvml_uuid), None)
         clock = self._clock
         figures = RankFigures(
             rank=trainer.global_rank,
@@ -307,7 +312,7 @@ class DataWaitMonitor(Callback):
         ranks = gather_rank_figures(trainer, figures, pl_module.device)
         settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
         self.report = build_data_wait_report(
-            ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=_describe(pl_module.device)
+            ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=device_for(pl_module.device).describe()
         )
         if self.report.steps == 0:
             rank_zero_warn(
@@ -354,7 +359,7 @@ def read_run_settings(trainer: Trainer) -> RunSettings:
     if loader is not None:
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return RunSettings(
-        device_type=trainer.strategy.root_device.type,
+        device_type=device_for(trainer.strategy.root_device).type,
         num_workers=loader.num_workers if loader is not None else None,
         pin_memory=loader.pin_memory if loader is not None else None,
         persistent_workers=loader.persistent_workers if loader is not None else None,
@@ -365,9 +370,3 @@ def read_run_settings(trainer: Trainer) -> RunSettings:
         precision=str(trainer.precision),
         num_devices=trainer.num_devices,
     )
-
-
-def _describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return str(device)

@@ -43,12 +43,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_int, check_number
+from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
     LoaderTuneResult,
@@ -138,7 +140,15 @@ class DataLoaderTuner(Callback):
             self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
             rank_zero_warn(self.message)
             return
-        on_gpu = trainer.strategy.root_device.type == "cuda"
+        card = device_for(trainer.strategy.root_device)
+        on_gpu = card.is_cuda
+        if on_gpu:
+            with _RngPreserved(loader):  # reading a sample may draw random augmentations
+                refusal = samples_on_device(loader, card)
+            if refusal is not None:
+                self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
+                rank_zero_warn(self.message)
+                return
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
         baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
@@ -254,13 +264,37 @@ class _RngPreserved:
         ]
 
     def __enter__(self) -> None:
-        self.states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        self.states = _collect_rng_states(include_cuda=cuda_rng_in_use())
         self.generator_states = [gen.get_state() for gen in self.generators]
 
     def __exit__(self, *exc_info: Any) -> None:
         _set_rng_states(self.states)
         for gen, state in zip(self.generators, self.generator_states):
             gen.set_state(state)
+
+
+def samples_on_device(loader: Any, device: Device) -> Optional[str]:
+    """Why a loader whose samples already live on ``device`` must be left alone (``None`` if they do
+    not, or if the dataset cannot be looked at without drawing from it: an iterable dataset).
+    One sample is read: its tensors tell."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed so is not ours to judge
+        return None
+    on_device = [leaf for leaf in tree_leaves(sample) if isinstance(leaf, torch.Tensor) and device.holds(leaf)]
+    if not on_device:
+        return None
+    return (
+        f"its samples are already on {device.describe()} (the first sample holds {len(on_device)} device "
+        "tensor(s)): pin_memory=True fails on them (only dense CPU tensors can be pinned) and worker processes "
+        "would touch CUDA after fork. Keep num_workers=0 and pin_memory=False for such data, or keep the dataset "
+        "on the host and let the tuner choose workers."
+    )
 
 
 def _measured_ceiling(trainer: Trainer) -> Optional[float]:

@@ -76,6 +76,7 @@ from lightning_gpuopt.core.checkpointing import (
     select_blocks,
 )
 from lightning_gpuopt.core.checks import check_int
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import estimate_memory, with_accumulation
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
@@ -247,10 +248,10 @@ class MemoryFill(Callback):
         if sharded and self.amp == "auto":
             self._reasons.append(f"{type(trainer.strategy).__name__}: mixed precision left to the strategy")
             return
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        if device.type == "cpu":
-            bf16 = True
-        precision, reason = choose_precision(self.amp, device.type, current=str(trainer.precision), bf16_supported=bf16)
+        card = device_for(device)
+        # native bfloat16 only (compute capability >= 8.0): is_bf16_supported() also counts emulation
+        bf16 = card.capabilities.native_bf16 if card.is_cuda else True
+        precision, reason = choose_precision(self.amp, card.type, current=str(trainer.precision), bf16_supported=bf16)
         if self.amp is not False:
             self._reasons.append(reason)
         if precision is None:
@@ -262,7 +263,7 @@ class MemoryFill(Callback):
                 f"MemoryFill: cannot switch to {precision}: the run uses the precision plugin "
                 f"{type(trainer.strategy.precision_plugin).__name__}. Pass amp=False, or set the precision yourself."
             )
-        trainer.strategy.precision_plugin = MixedPrecision(precision, device=device.type)  # type: ignore[arg-type]
+        trainer.strategy.precision_plugin = MixedPrecision(precision, device=card.autocast_device_type)  # type: ignore[arg-type]
 
     def _decide_checkpointing_early(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointing is False:

@@ -409,9 +409,24 @@ def cuda_available() -> bool:
     return bool(_simulations) or torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    """CUDA cards this process can use (a simulated card counts as one)."""
+    return 1 if _simulations else torch.cuda.device_count()
+
+
+def cuda_arch_list() -> list[str]:
+    """The GPU architectures this torch build carries kernels for (``sm_90``, ...; ``compute_*`` is PTX)."""
+    return torch.cuda.get_arch_list()
+
+
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (a simulated card never does)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def cuda_rng_in_use() -> bool:
     """Whether CUDA RNG states exist to save and restore (only on a real, initialised card)."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return cuda_initialised()
 
 
 def device_for(device: torch.device | str | int | None = None) -> Device:

@@ -2,11 +2,10 @@
 
 Pure torch + standard library (no Lightning import).
 
-* :func:`device_total_memory` / :func:`device_free_memory`: what a device holds and has free. On CUDA
-  from ``torch.cuda.mem_get_info`` (the CUDA context lives outside torch's allocator statistics, so
-  the driver's figure is the honest one); on CPU from ``/proc/meminfo`` (``MemTotal``,
-  ``MemAvailable``), capped by a cgroup v2 ``memory.max`` when one is set, with ``os.sysconf`` as
-  the fallback.
+* :func:`device_total_memory` / :func:`device_free_memory`: what a device holds and has free,
+  asked of the device layer (:mod:`.device`): on CUDA the driver's figures; on CPU
+  ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``), capped by a cgroup v2 ``memory.max`` when
+  one is set, with ``os.sysconf`` as the fallback.
 * :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts memory at the allocator, op by op.
   Each untyped storage is counted once, by its ``nbytes`` (what the CPU allocator hands out for
   it; views share their base's storage and add nothing), from the op that created it until it is
@@ -20,8 +19,8 @@ Pure torch + standard library (no Lightning import).
 * :class:`MemoryBudget`: the tracker with a cap; an op whose new storage would pass the cap raises
   ``torch.OutOfMemoryError`` with "CUDA out of memory" in its message, so code written for a real
   CUDA OOM (``lightning.pytorch.utilities.memory.is_oom_error`` included) handles it the same way.
-* :class:`PeakMemoryMeter`: the peak of one device between ``start()`` and ``stop()``: the caching
-  allocator's ``max_memory_allocated`` on CUDA, a :class:`LiveTensorTracker` elsewhere.
+* :class:`PeakMemoryMeter`: the peak of one device between ``start()`` and ``stop()``, from the
+  device layer (a :class:`LiveTensorTracker` on the host).
 * :func:`device_usable_memory`: what a training step may use (free + already held by torch).
 * :func:`parse_memory`: ``"300MB"``, ``"20GiB"``, ``0.9`` (a fraction of the device) or bytes.
 * :func:`is_out_of_memory_error`, :func:`release_memory`, :func:`call_catching_oom`.
@@ -86,14 +85,6 @@ _MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNO
 # ----------------------------------------------------------------------------- capacity
 
 
-def _as_device(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        return torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
-
-
 def _meminfo_bytes(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as handle:
@@ -124,32 +115,25 @@ def _host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
 
 
 def device_total_memory(device: torch.device | str | int | None = None) -> int:
-    """Bytes the device holds: CUDA: the driver's total; CPU: physical RAM (cgroup limit applied).
+    """Bytes the device holds (see :meth:`lightning_gpuopt.core.device.Device.total_memory`).
 
     Example::
 
         >>> device_total_memory("cpu") > 0
         True
     """
-    device = _as_device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[1])
-    return _host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+    return _device_for(device).total_memory()
 
 
 def device_free_memory(device: torch.device | str | int | None = None) -> int:
-    """Bytes free on the device now: CUDA: the driver's free figure; CPU: ``MemAvailable`` (at most
-    the cgroup limit).
+    """Bytes free on the device now (see :meth:`lightning_gpuopt.core.device.Device.free_memory`).
 
     Example::
 
         >>> 0 < device_free_memory("cpu") <= device_total_memory("cpu")
         True
     """
-    device = _as_device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return _host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
+    return _device_for(device).free_memory()
 
 
 def device_usable_memory(device: torch.device | str | int | None = None, *, existing: Iterable[Any] = ()) -> int:
@@ -165,10 +149,13 @@ def device_usable_memory(device: torch.device | str | int | None = None, *, exis
         >>> device_usable_memory("cpu", existing=[model]) >= storage_bytes(model)
         True
     """
-    device = _as_device(device)
-    if device.type == "cuda":
-        return device_free_memory(device) + int(torch.cuda.memory_reserved(device))
-    return min(device_free_memory(device) + storage_bytes(*existing), device_total_memory(device))
+    return _device_for(device).usable_memory(existing)
+
+
+def _device_for(device: torch.device | str | int | None) -> Any:
+    from lightning_gpuopt.core.device import device_for  # the device layer builds on this module
+
+    return device_for(device)
 
 
 def parse_memory(
@@ -506,16 +493,17 @@ class MemoryBudget(LiveTensorTracker):
 class PeakMemoryMeter:
     """Peak memory of one device between :meth:`start` and :meth:`stop` (or inside ``with``).
 
-    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (everything the
-    process holds on the device), plus ``max_memory_reserved`` as :attr:`peak_reserved_bytes`.
-    Other devices: a :class:`LiveTensorTracker` over the tensors of ``existing`` and those
-    created in between (no ``peak_reserved_bytes``).
+    The device layer's meter (:meth:`lightning_gpuopt.core.device.Device.peak_meter`): on the host
+    a :class:`LiveTensorTracker` over the tensors of ``existing`` and those created in between
+    (allocator-level: kernel workspaces included); on a CUDA card the allocated bytes at start plus
+    the largest rise over the span (the process-wide peak counters are not reset), with
+    :attr:`peak_reserved_bytes`; on a simulated card a window over its allocator.
 
     Args:
         device: the device to measure.
-        existing: on non-CUDA devices, objects whose tensors count from the start (model,
-            optimizer, batch).
-        baseline_bytes: on non-CUDA devices, a fixed amount counted as live (memory held outside
+        existing: on the host, objects whose tensors count from the start (model, optimizer,
+            batch); a simulated card moves them to itself.
+        baseline_bytes: on the host, a fixed amount counted as live (memory held outside
             tensors the tracker can see; on CUDA the allocator already counts everything).
 
     Example::
@@ -530,42 +518,28 @@ class PeakMemoryMeter:
     def __init__(
         self, device: torch.device | str | None = None, *, existing: Iterable[Any] = (), baseline_bytes: int = 0
     ) -> None:
-        self.device = _as_device(device)
-        self.existing = tuple(existing)
-        self.baseline_bytes = baseline_bytes
-        self.peak_bytes: int | None = None
-        self.peak_reserved_bytes: int | None = None
-        self._tracker: LiveTensorTracker | None = None
-        self._cuda_running = False
+        self._meter = _device_for(device).peak_meter(existing=tuple(existing), baseline_bytes=baseline_bytes)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self._meter.peak_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        return self._meter.peak_reserved_bytes
 
     @property
     def running(self) -> bool:
         """Whether :meth:`start` was called and :meth:`stop` not yet."""
-        return self._tracker is not None or self._cuda_running
+        return bool(getattr(self._meter, "running", False))
 
     def start(self) -> None:
         """Begin measuring (a running meter restarts)."""
-        self.stop()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._cuda_running = True
-        else:
-            self._tracker = LiveTensorTracker(
-                existing=self.existing, device=self.device, baseline_bytes=self.baseline_bytes
-            )
-            self._tracker.__enter__()
+        self._meter.start()
 
     def stop(self) -> int | None:
         """Stop measuring; returns the peak in bytes (``None`` if never started)."""
-        if self._tracker is not None:
-            tracker, self._tracker = self._tracker, None
-            tracker.__exit__(None, None, None)
-            self.peak_bytes = tracker.peak_bytes
-        elif self._cuda_running:
-            self._cuda_running = False
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-            self.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
-        return self.peak_bytes
+        return self._meter.stop()
 
     def __enter__(self) -> "PeakMemoryMeter":
         self.start()
@@ -608,8 +582,12 @@ def release_memory() -> None:
     failed step's tensors its frames hold) is gone first; :func:`call_catching_oom` does this.
     """
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    from lightning_gpuopt.core.device import cuda_rng_in_use, simulated_device
+
+    if simulated_device() is not None:
+        simulated_device().empty_cache()  # type: ignore[union-attr]
+    elif cuda_rng_in_use():  # CUDA is initialised
+        _device_for("cuda").empty_cache()
 
 
 @dataclass

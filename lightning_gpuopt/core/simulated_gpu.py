@@ -3,13 +3,18 @@
 Tensors stay on the CPU; what the card *holds* is counted at the host allocator and passed
 through :class:`~lightning_gpuopt.core.allocator.CachingAllocatorModel`:
 
-* every storage an op creates on the host is a request to the model, from the op that made it
-  until the storage dies (a weak reference calls back), and so is each op's in-kernel workspace,
+* a tensor is *on the card* as it would be in a real run: a module's parameters, buffers and
+  gradients from its first ``forward`` (a global forward pre-hook, which also brings the
+  forward's tensor arguments: the batch), an optimizer's state from its first step (a global
+  step pre-hook), what :meth:`SimulatedMemory.adopt` is given (the simulated ``tensor.cuda()``),
+  the outputs of every op with an input on the card (but an explicit ``.to("cpu", copy=True)``),
+  and the outputs of factory ops (no tensor input) called inside a ``forward``. An op mixing card and host tensors moves the host ones to
+  the card first (a real card would refuse the mix), except 0-dim CPU scalars, which CUDA
+  accepts. Everything else -- a dataset built in host memory, the loader's collation -- stays on
+  the host and is not counted;
+* every storage on the card is a request to the model, from the op that made it until the
+  storage dies (a weak reference calls back), and so is each such op's in-kernel workspace,
   replayed in the order the profiler saw its allocations and frees (:mod:`.op_memory`);
-* tensors made before the card was entered reach it as they would be moved to a real card:
-  a module's parameters, buffers and gradients when it first runs ``forward`` (a global forward
-  pre-hook, which also brings the forward's tensor arguments), an optimizer's state when it first
-  steps (a global step pre-hook);
 * the first matrix multiplication allocates the cuBLAS workspace, kept for the card's life;
 * a request that would take reserved memory past the limit first frees cached segments, then
   raises the real ``torch.OutOfMemoryError`` with CUDA's wording.
@@ -69,6 +74,7 @@ class SimulatedMemory(TorchDispatchMode):
         self._adopted_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._adopted_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._hooks: list[Any] = []
+        self._forward_depth = 0
         #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self.busy_s = 0.0
 
@@ -76,6 +82,7 @@ class SimulatedMemory(TorchDispatchMode):
     def __enter__(self) -> "SimulatedMemory":
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._forward_hook, always_call=True),
             register_optimizer_step_pre_hook(self._optimizer_pre_hook),
         ]
         return super().__enter__()
@@ -107,10 +114,14 @@ class SimulatedMemory(TorchDispatchMode):
             self._undo(new.values(), pending, error)
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self._forward_depth += 1
         if module not in self._adopted_modules:
             self.adopt(module)
             self._adopted_modules.update(module.modules())
         self.adopt(list(_tensors(args)))
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer not in self._adopted_optimizers:
@@ -120,15 +131,15 @@ class SimulatedMemory(TorchDispatchMode):
     # -- ops
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        on_card = _real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
         started = time.perf_counter()
-        real = _real_host_call((args, kwargs))
         allocations = None
-        if real:
+        if on_card:
             out, allocations = call_learning_allocations(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         self.busy_s += time.perf_counter() - started
-        if not real:
+        if not on_card:
             return out
         if self._cublas is None and self.cublas_workspace_bytes and func.overloadpacket.__name__ in _MATMUL_OPS:
             try:
@@ -143,6 +154,20 @@ class SimulatedMemory(TorchDispatchMode):
                 outputs[storage._cdata] = storage
         self._replay(allocations, list(outputs.values()))
         return out
+
+    def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether the op runs on the card: an input is there (the others are moved there first),
+        or it is a factory op inside a ``forward``. An explicit copy to ``"cpu"``
+        (``tensor.to("cpu", copy=True)``) is a copy to the host."""
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            return False
+        inputs = list(_tensors((args, kwargs)))
+        if not inputs:
+            return self._forward_depth > 0
+        if not any(self.holds(tensor) for tensor in inputs):
+            return False
+        self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
+        return True
 
     def _replay(self, allocations: Optional[OpAllocations], outputs: list[torch.UntypedStorage]) -> None:
         """The op's requests in the profiler's order: workspaces come and go, kept allocations

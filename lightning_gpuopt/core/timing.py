@@ -34,9 +34,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Optional
-
-import torch
+from typing import Any, Callable, Deque, Optional, Protocol
 
 from lightning_gpuopt.core.checks import check_int
 
@@ -205,41 +203,63 @@ class GpuTotals:
         return GpuTotals(self.steps - earlier.steps, self.busy_s - earlier.busy_s, self.idle_s - earlier.idle_s)
 
 
+class Event(Protocol):
+    """A timing event recorded on the device's stream (``torch.cuda.Event`` on a real card)."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class _RecordedStep:
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    previous_end: Optional[torch.cuda.Event]
+    start: Event
+    end: Event
+    previous_end: Optional[Event]
 
 
 class CudaStepTimer:
-    """GPU busy/idle per step from CUDA events, read lazily: no synchronisation while training.
+    """GPU busy/idle per step from device events, read lazily: no synchronisation while training.
 
-    Only steps whose events are not yet resolved are held, so a long run keeps a few events.
+    A step's GPU time starts when its batch has been fetched, before the host-to-device copy
+    (:meth:`before_transfer`), so a copy counts as busy, not as idle. Only steps whose events are
+    not yet resolved are held, so a long run keeps a few events.
 
     Args:
-        device: the CUDA device the steps run on.
+        new_event: records an event on the device's current stream and returns it
+            (:meth:`lightning_gpuopt.core.device.Device.new_event`).
+
+    Example::
+
+        >>> from lightning_gpuopt.core.device import HostEvent
+        >>> timer = CudaStepTimer(HostEvent)
+        >>> timer.before_transfer(); timer.step_start(StepStart(measured=True, clean_gap=True)); timer.step_end()
+        >>> timer.finish().steps
+        1
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, new_event: Callable[[], Event]) -> None:
+        self._new_event = new_event
         self.totals = GpuTotals()
         self._pending: Deque[_RecordedStep] = collections.deque()
-        self._start: Optional[torch.cuda.Event] = None
+        self._transfer_start: Optional[Event] = None
+        self._start: Optional[Event] = None
         self._clean_gap = False
-        self._previous_end: Optional[torch.cuda.Event] = None
+        self._previous_end: Optional[Event] = None
 
-    def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def before_transfer(self) -> None:
+        """The batch is fetched: the step's device work begins with its copy to the device."""
+        self._transfer_start = self._new_event()
 
     def step_start(self, start: StepStart) -> None:
-        self._start = self._record() if start.measured else None
+        event, self._transfer_start = self._transfer_start, None
+        self._start = (event or self._new_event()) if start.measured else None
         self._clean_gap = start.clean_gap
 
     def step_end(self) -> None:
-        end = self._record()
+        end = self._new_event()
         if self._start is not None:
             previous_end = self._previous_end if self._clean_gap else None
             self._pending.append(_RecordedStep(self._start, end, previous_end))

@@ -22,9 +22,11 @@ What it simulates:
   small and large pools and their segment sizes, splitting, cached blocks, reserved >= allocated,
   fragmentation), plus the CUDA context outside it. A request that would take reserved memory
   past the card frees cached segments first (as ``empty_cache``), then raises the real
-  ``torch.OutOfMemoryError`` with CUDA's wording. Tensors made before the block reach the card
-  when their module first runs ``forward`` (parameters, buffers, gradients, the forward's
-  arguments) or their optimizer first steps (its state), as a real run moves them there.
+  ``torch.OutOfMemoryError`` with CUDA's wording. A tensor is on the card as in a real run: a
+  module's parameters, buffers and gradients from its first ``forward`` (and the forward's
+  arguments, the batch), an optimizer's state from its first step, what :meth:`SimulatedGpu.place`
+  is given (the simulated ``tensor.cuda()``), and whatever ops make from tensors on the card;
+  a dataset built in host memory stays on the host.
 * **NVML**: a fake NVML library answers the library's NVML calls: memory used (context +
   reserved), utilisation (the share of wall time spent in ops since the last reading; a MIG
   instance answers ``NotSupported`` as real MIG does), and can be told to fail for the card
@@ -92,8 +94,9 @@ class SimulatedGpu:
 
         >>> import torch
         >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
-        ...     x = torch.ones(1000)                        # 4000 bytes: one 4096-byte block
-        ...     gpu.allocated_bytes, gpu.reserved_bytes     # of a 2 MiB small-pool segment
+        ...     x = torch.ones(1000)                        # host memory: not on the card
+        ...     gpu.place(x)                                # the simulated x.cuda(): 4000 bytes take
+        ...     gpu.allocated_bytes, gpu.reserved_bytes     # a 4096-byte block of a 2 MiB segment
         (4096, 2097152)
     """
 
@@ -151,6 +154,11 @@ class SimulatedGpu:
     @property
     def peak_reserved_bytes(self) -> int:
         return self.device.allocator.stats.peak_reserved_bytes
+
+    def place(self, *objects: Any) -> None:
+        """Put tensors (or modules, optimizers, collections of them) on the card: the simulated
+        ``tensor.cuda()``, e.g. for a dataset held in device memory."""
+        self.device.memory.adopt(*objects)
 
     def utilization(self) -> int:
         """Percent of wall time spent inside ops since the last call (what NVML's utilisation counts)."""
