@@ -205,6 +205,7 @@ class BatchSizeSearch(Callback):
         self.verbose = verbose
         #: what the search found (the same on every rank); ``None`` before ``fit``
         self.result: Optional[BatchSizeSearchResult] = None
+        self._memory_cap: Any = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -258,10 +259,34 @@ class BatchSizeSearch(Callback):
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hold_memory_cap(pl_module)
         if self.result is None or not trainer.loggers:
             return
         for logger in trainer.loggers:
             logger.log_metrics(logged_metrics(self.result), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.release_memory_cap()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.release_memory_cap()
+
+    def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
+        """On a CUDA card with an explicit ``max_memory``: training may reserve at most that much
+        (the caching allocator's per-process memory fraction), as the trials could; put back by
+        :meth:`release_memory_cap` at teardown or on an exception."""
+        self.release_memory_cap()
+        card = device_for(pl_module.device)
+        if self.max_memory is None or self.result is None or not card.is_cuda:
+            return
+        self._memory_cap = card.memory_cap(self._capacity_bytes(pl_module.device))
+        self._memory_cap.start()
+
+    def release_memory_cap(self) -> None:
+        """Lift the cap :meth:`hold_memory_cap` set (nothing to do without one)."""
+        cap, self._memory_cap = getattr(self, "_memory_cap", None), None
+        if cap is not None:
+            cap.stop()
 
     # ------------------------------------------------------------------ preparing
 
@@ -420,8 +445,36 @@ class _TrialRunner:
 
 
 def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -> None:
-    with _collectives_bypassed(trainer, pl_module), _logging_disabled(pl_module), meter:
+    """The trial's steps. A step whose gradient scaler found inf/NaN skips ``optimizer.step()``, so
+    optimizer state may not exist yet: the trial goes on until ``max_steps`` optimizer steps really
+    ran (at most as many again), or the peak would miss the optimizer state training holds."""
+    wanted = trainer.fit_loop.epoch_loop.max_steps
+    with _collectives_bypassed(trainer, pl_module), _logging_disabled(pl_module), meter, \
+            _optimizer_steps_counted(trainer.optimizers) as stepped:  # fmt: skip
         trainer.fit_loop.run()
+        for _ in range(wanted):
+            if stepped[0] >= wanted or trainer.fit_loop.epoch_loop.max_steps >= 2 * wanted:
+                break
+            trainer.fit_loop.epoch_loop.max_steps += 1
+            trainer.should_stop = False
+            trainer.fit_loop.run()
+
+
+@contextlib.contextmanager
+def _optimizer_steps_counted(optimizers: list) -> Iterator[list[int]]:
+    """Counts the ``step()`` calls that ran (a scaler that skips a step does not call it); one
+    count for the first optimizer, so several optimizers stepping once count as one step."""
+    count = [0]
+
+    def counted(*_: Any) -> None:
+        count[0] += 1
+
+    handles = [optimizers[0].register_step_post_hook(counted)] if optimizers else []
+    try:
+        yield count
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _agree(
@@ -526,6 +579,11 @@ class _TrainingStateRestored:
         self.batches_that_stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
         self.should_stop = trainer.should_stop
         self.rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
+        # 16-mixed: the trials step with scalers of their own, so an OOM inside optimizer.step() (after
+        # unscale_) cannot leave the run's scaler mid-step, and its scale and growth tracker stay as they are
+        plugin = trainer.strategy.precision_plugin
+        self.scaler = getattr(plugin, "scaler", None)
+        self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         self.attributes = _restored_attributes(module)
         self.attributes.__enter__()
         return self
@@ -537,6 +595,8 @@ class _TrainingStateRestored:
             progress.reset()
         self.trainer.fit_loop.epoch_loop._batches_that_stepped = 0
         self.trainer.should_stop = False
+        if self.scaler is not None:
+            self.trainer.strategy.precision_plugin.scaler = _trial_scaler(self.trainer.strategy.precision_plugin)
 
     def _restore_weights_and_optimizers(self) -> None:
         with torch.no_grad():
@@ -551,6 +611,9 @@ class _TrainingStateRestored:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.attributes.__exit__(*exc_info)
+        if self.scaler is not None:
+            self.trainer.strategy.precision_plugin.scaler = self.scaler
+            self.scaler.load_state_dict(self.scaler_state)
         self._restore_weights_and_optimizers()
         for progress, state in self.progress:
             progress.load_state_dict(_clone(state))
@@ -559,6 +622,12 @@ class _TrainingStateRestored:
         _set_rng_states(self.rng)
         self.trainer._logger_connector.reset_results()
         self.trainer._logger_connector.reset_metrics()
+
+
+def _trial_scaler(plugin: Any) -> torch.amp.GradScaler:
+    """A fresh gradient scaler for one trial, at scale 1: memory does not depend on the scale, and
+    at 1 a float16 step does not overflow, so the optimizer steps as it will in training."""
+    return torch.amp.GradScaler(plugin.device, init_scale=1.0, growth_interval=2**30)
 
 
 _RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"

@@ -453,6 +453,8 @@ class MemoryFill(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
+        if self.search is not None and self.plan is not None:
+            self.search.hold_memory_cap(pl_module)  # training reserves no more than the trials could
         if self.plan is None or not trainer.loggers:
             return
         for logger in trainer.loggers:
@@ -463,7 +465,13 @@ class MemoryFill(Callback):
 
     # ------------------------------------------------------------------ undoing and reporting
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.search is not None:
+            self.search.release_memory_cap()
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.search is not None:
+            self.search.release_memory_cap()
         if stage != "fit" or self._saved is None:
             return
         if self._checkpointed is not None:

@@ -1,0 +1,191 @@
+"""The simulated CUDA card (``lightning_gpuopt.testing.SimulatedGpu``) and its caching-allocator model,
+held against the torch profiler's allocator events and against known caching-allocator behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
+from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.memory import storage_bytes
+from lightning_gpuopt.testing import GPU_PROFILES, SimulatedGpu
+
+MIB = 2**20
+
+
+# ----------------------------------------------------------------------------- the allocator model
+
+
+def test_a_freed_block_is_reused_without_reserving_more():
+    allocator = CachingAllocatorModel(64 * MIB)
+    first = allocator.malloc(300_000)
+    reserved = allocator.reserved_bytes
+    allocator.free(first)
+    assert allocator.allocated_bytes == 0 and allocator.reserved_bytes == reserved  # cached, not returned
+    allocator.malloc(250_000)
+    assert allocator.reserved_bytes == reserved and allocator.stats.num_segments == 1
+
+
+def test_reserved_memory_grows_by_segments():
+    allocator = CachingAllocatorModel(1024 * MIB)
+    allocator.malloc(100)  # small pool: a 2 MiB segment
+    assert allocator.reserved_bytes == SMALL_BUFFER
+    allocator.malloc(3 * MIB)  # large request under 10 MiB: a 20 MiB segment
+    assert allocator.reserved_bytes == SMALL_BUFFER + LARGE_BUFFER
+    allocator.malloc(3 * MIB)  # split from the same 20 MiB segment
+    assert allocator.reserved_bytes == SMALL_BUFFER + LARGE_BUFFER
+    allocator.malloc(15 * MIB + 1)  # 10 MiB and more: rounded up to 2 MiB
+    assert allocator.reserved_bytes == SMALL_BUFFER + LARGE_BUFFER + 16 * MIB
+    assert allocator.allocated_bytes == 512 + 6 * MIB + 15 * MIB + 512
+
+
+def test_fragmentation_runs_out_of_memory_with_enough_free_bytes_in_total():
+    allocator = CachingAllocatorModel(LARGE_BUFFER, total_bytes=LARGE_BUFFER)
+    blocks = [allocator.malloc(3 * MIB) for _ in range(6)]  # 18 MiB out of one 20 MiB segment
+    for block in blocks[::2]:
+        allocator.free(block)  # 9 MiB free, in three 3 MiB holes, and 2 MiB at the end
+    free_in_total = allocator.reserved_bytes - allocator.allocated_bytes
+    assert free_in_total == 11 * MIB
+    with pytest.raises(AllocatorOutOfMemory, match="CUDA out of memory. Tried to allocate 5.00 MiB") as error:
+        allocator.malloc(5 * MIB)
+    assert "11.00 MiB is reserved by PyTorch but unallocated" in error.value.message
+    assert allocator.stats.num_ooms == 1 and allocator.stats.num_alloc_retries == 1
+
+
+def test_a_full_card_releases_cached_segments_before_giving_up():
+    allocator = CachingAllocatorModel(40 * MIB)
+    first, second = allocator.malloc(15 * MIB), allocator.malloc(15 * MIB)  # two 16 MiB segments
+    allocator.free(first)
+    allocator.malloc(20 * MIB)  # 32 + 20 > 40: the free 16 MiB segment goes back first
+    assert allocator.reserved_bytes == 16 * MIB + 20 * MIB and allocator.stats.num_alloc_retries == 1
+    assert second.allocated
+
+
+def test_windows_measure_their_own_peak_without_resetting_the_process_peak():
+    allocator = CachingAllocatorModel(64 * MIB)
+    big = allocator.malloc(8 * MIB)
+    allocator.free(big)
+    window = allocator.open_window()
+    small = allocator.malloc(1 * MIB)
+    allocator.close_window(window)
+    assert window.peak_allocated_bytes == 1 * MIB
+    assert allocator.stats.peak_allocated_bytes == 8 * MIB  # what max_memory_allocated() would still say
+    allocator.free(small)
+
+
+# ----------------------------------------------------------------------------- the card against the profiler
+
+
+def profiler_peak(step, existing=()) -> int:
+    """The allocator's peak over ``step``: the profiler's allocation events summed in order, plus
+    the storages of ``existing`` alive before it."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = []
+
+    def walk(event):
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        for child in event.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return storage_bytes(*existing) + peak
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)), torch.randn(64, 512)
+
+
+def cnn():
+    network = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                            nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+    return network, torch.randn(32, 3, 32, 32)
+
+
+def transformer():
+    layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(16, 64, 128)
+
+
+@pytest.mark.parametrize("build", [mlp, cnn, transformer], ids=["mlp", "cnn-batchnorm", "transformer"])
+def test_allocated_peak_of_a_step_matches_the_profilers_allocator_events(build):
+    torch.manual_seed(0)
+    network, x = build()
+    optimizer = torch.optim.Adam(network.parameters())
+
+    def step():
+        network(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # optimizer state exists from here on, as in any later step
+    truth = profiler_peak(step, existing=(network, optimizer, x))
+    with SimulatedGpu("H100", cublas_workspace=0) as gpu:
+        gpu.place(network, optimizer, x)
+        with gpu.device.peak_meter() as meter:
+            step()
+    # the card hands out 512-byte blocks, and large blocks whole: a little above the raw bytes
+    assert truth <= meter.peak_bytes <= truth * 1.01 + 64 * 512
+    assert meter.peak_reserved_bytes >= meter.peak_bytes
+
+
+def test_an_allocation_past_the_card_raises_cudas_out_of_memory_and_takes_nothing():
+    with SimulatedGpu("T4", memory="32MiB") as gpu:
+        x = torch.ones(1000)
+        gpu.place(x)
+        held = gpu.allocated_bytes
+        with pytest.raises(torch.OutOfMemoryError) as error:
+            x.repeat(20_000)  # 80 MB
+        assert is_oom_error(error.value)
+        assert str(error.value).startswith("CUDA out of memory. Tried to allocate 76.29 MiB. GPU 0 has a total "
+                                           "capacity of 32.00 MiB")  # fmt: skip
+        assert gpu.allocated_bytes == held and gpu.allocator.stats.num_ooms == 1
+
+
+def test_host_data_stays_off_the_card_and_what_the_model_touches_is_on_it():
+    network, x = mlp()
+    with SimulatedGpu("A100", memory="1GiB", cublas_workspace=0) as gpu:
+        dataset = torch.randn(10_000, 512)  # a dataset built in host memory
+        assert gpu.allocated_bytes == 0 and not gpu.device.holds(dataset)
+        out = network(x)  # parameters, buffers and the batch move to the card at the first forward
+        assert gpu.device.holds(out) and gpu.device.holds(x) and gpu.device.holds(network[0].weight)
+        assert gpu.allocated_bytes >= storage_bytes(network, x, out)
+        backup = network[0].weight.detach().to("cpu", copy=True)  # an explicit copy to the host
+        assert not gpu.device.holds(backup)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_PROFILES))
+def test_every_profile_reports_its_identity_and_capabilities(name):
+    profile_ = GPU_PROFILES[name]
+    with SimulatedGpu(name) as gpu:
+        card = device_for("cpu")
+        assert card is gpu.device and card.is_cuda and card.type == "cuda"
+        assert card.total_memory() == profile_.total_bytes
+        assert card.free_memory() == profile_.total_bytes - profile_.context_bytes
+        caps = card.capabilities
+        assert caps.native_bf16 == (profile_.capability >= (8, 0)) and caps.mig == name.startswith("A100-MIG")
+        assert card.uuid == profile_.uuid and card.describe() == f"cuda:0 ({profile_.name})"
+    assert not device_for("cpu").is_cuda  # gone with the block
+
+
+def test_bad_arguments_name_the_argument_and_what_works():
+    with pytest.raises(ValueError, match="`profile`='K80' is not a known card; expected one of 'H100'"):
+        SimulatedGpu("K80")
+    with pytest.raises(ValueError, match="`memory`='lots'"):
+        SimulatedGpu("T4", memory="lots")
+    with pytest.raises(ValueError, match="`nvml_error`='broken'"):
+        SimulatedGpu("T4", nvml_error="broken")
+    with SimulatedGpu("T4"), pytest.raises(RuntimeError, match="already entered"):
+        SimulatedGpu("H100").__enter__()
