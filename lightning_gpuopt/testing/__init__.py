@@ -1,0 +1,1 @@
+"""Test doubles for running lightning-gpuopt on machines without a GPU."""
