@@ -1,6 +1,9 @@
 """Environment checks for GPU training, each with a status and a fix (``gpuopt doctor``).
 
 Pure torch + standard library (``pynvml`` and ``numpy`` are used when importable; no Lightning).
+NVML is reached through :func:`lightning_gpuopt.core.nvml.nvml_library` (a fake can stand in for
+it), and a GPU NVML refuses (``NoPermission``, ...) is reported by the NVML checks while the
+other GPUs are still checked.
 Every check is one small function that returns a :class:`Check`; a check never raises: an
 error inside it becomes a "warn" (or, where the error itself is the finding, a "fail") whose value
 names the error. A machine without a GPU gets statuses that say so, with the fix, not an exception.
@@ -15,9 +18,10 @@ The checks, in the order :func:`run_checks` runs them (``Check.name``):
   (``torch.cuda.get_arch_list()``): missing is a "fail", only PTX (JIT at start-up) a "warn".
 * ``gpus``: the GPUs NVML shows, which of them ``CUDA_VISIBLE_DEVICES`` leaves visible, their
   memory and current utilisation; none at all is a "warn" (training runs on the CPU), a visible
-  GPU already busy before training is a "warn".
+  GPU already busy before training, or one NVML cannot read, is a "warn".
 * ``gpu_processes``: other processes computing on the visible GPUs
-  (``nvmlDeviceGetComputeRunningProcesses``) and the memory they hold.
+  (``nvmlDeviceGetComputeRunningProcesses``) and the memory they hold; a GPU whose processes
+  NVML cannot read is a "warn".
 * ``matmul``: a short matmul benchmark; on a GPU fp32, tf32 and bf16 TFLOP/s against the card's
   dense datasheet peaks (:data:`CARD_PEAKS`; below :data:`MATMUL_WARN_FRACTION` is a "warn"); on
   the CPU fp32 (and bf16) GFLOP/s as "info".
@@ -56,7 +60,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from lightning_gpuopt.core.nvml import _import_pynvml, _text, visible_gpu_indices
+from lightning_gpuopt.core.nvml import NvmlDevice, _error_text, _text, nvml_devices, nvml_library
 
 #: statuses from best to worst
 STATUSES = ("ok", "info", "warn", "fail")
@@ -117,48 +121,30 @@ def _guarded(name: str) -> Callable[[Callable[..., Check]], Callable[..., Check]
 # ----------------------------------------------------------------------------- NVML
 
 
-@dataclass
-class _Gpu:
-    index: int
-    name: str
-    uuid: str
-    visible: bool
-    handle: Any
-
-
 @contextlib.contextmanager
 def _nvml() -> Iterator[tuple[Any, str]]:
-    """``(pynvml, "")`` initialised inside the block, or ``(None, why not)`` without a driver."""
-    pynvml = _import_pynvml()
-    if pynvml is None:
+    """``(library, "")`` initialised inside the block (:func:`~lightning_gpuopt.core.nvml.nvml_library`),
+    or ``(None, why not)`` without a driver. Shuts NVML down once on leaving."""
+    lib = nvml_library()
+    if lib is None:
         yield None, "nvidia-ml-py (pynvml) is not installed"
         return
     try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError, OSError) as error:
+        lib.nvmlInit()
+    except (lib.NVMLError, OSError) as error:
         yield None, f"no NVIDIA driver ({error})"
         return
     try:
-        yield pynvml, ""
+        yield lib, ""
     finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
-
-
-def _nvml_gpus(pynvml: Any) -> list[_Gpu]:
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    uuids = [_text(pynvml.nvmlDeviceGetUUID(handle)) for handle in handles]
-    visible = visible_gpu_indices(uuids)
-    return [
-        _Gpu(i, _text(pynvml.nvmlDeviceGetName(handle)), uuids[i], i in visible, handle)
-        for i, handle in enumerate(handles)
-    ]
+        with contextlib.suppress(lib.NVMLError, OSError):
+            lib.nvmlShutdown()
 
 
 def _visible_gpu_count() -> int:
     """GPUs the driver shows that ``CUDA_VISIBLE_DEVICES`` leaves visible (0 without a driver)."""
-    with _nvml() as (pynvml, _):
-        return 0 if pynvml is None else sum(gpu.visible for gpu in _nvml_gpus(pynvml))
+    with _nvml() as (lib, _):
+        return 0 if lib is None else sum(gpu.visible for gpu in nvml_devices(lib))
 
 
 # ----------------------------------------------------------------------------- torch build and driver
@@ -234,13 +220,13 @@ def check_torch_build() -> Check:
 @_guarded("cuda_driver")
 def check_cuda_driver() -> Check:
     """The driver's CUDA version (NVML) against ``torch.version.cuda``."""
-    with _nvml() as (pynvml, _why):
-        if pynvml is None:
+    with _nvml() as (lib, _why):
+        if lib is None:
             return cuda_driver_check(torch.version.cuda, None)
         return cuda_driver_check(
             torch.version.cuda,
-            int(pynvml.nvmlSystemGetCudaDriverVersion()),
-            _text(pynvml.nvmlSystemGetDriverVersion()),
+            int(lib.nvmlSystemGetCudaDriverVersion()),
+            _text(lib.nvmlSystemGetDriverVersion()),
         )
 
 
@@ -300,77 +286,132 @@ _NO_GPU_FIX = ("training runs on the CPU; on a GPU machine install the NVIDIA dr
                "`--gpus all`, and check CUDA_VISIBLE_DEVICES")  # fmt: skip
 
 
+_UNREADABLE_FIX = ("NVML could not read GPU(s) {gpus}: NoPermission means this user may not query the device "
+                   "(run as a user in the video group, or ask the admin), other errors: check nvidia-smi and "
+                   "the driver's logs")  # fmt: skip
+
+
+def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
+    """The text and the details of one GPU; an NVML error on it is reported in both, not raised."""
+    hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
+    detail: dict[str, Any] = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible,
+                              "memory_used_bytes": None, "memory_total_bytes": None, "utilization_percent": None}  # fmt: skip
+    error = gpu.error
+    if gpu.handle is not None and error is None:
+        try:
+            memory = lib.nvmlDeviceGetMemoryInfo(gpu.handle)
+        except lib.NVMLError as failure:
+            error = _error_text(failure)
+        else:
+            util = _utilisation(lib, gpu.handle)
+            detail.update(memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
+                          utilization_percent=util)  # fmt: skip
+            return (f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
+                    f"{'n/a' if util is None else util}% busy{hidden}"), detail  # fmt: skip
+    detail["error"] = error
+    return f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({error}){hidden}", detail
+
+
+def _is_busy(detail: dict[str, Any]) -> bool:
+    used, total = detail["memory_used_bytes"], detail["memory_total_bytes"]
+    memory_full = used is not None and total and used > BUSY_MEMORY_FRACTION * total
+    return bool(detail["visible"] and ((detail["utilization_percent"] or 0) > BUSY_UTILISATION or memory_full))
+
+
 @_guarded("gpus")
 def check_gpus() -> Check:
-    """The GPUs NVML shows, their visibility, memory and utilisation now."""
-    with _nvml() as (pynvml, why):
-        if pynvml is None:
+    """The GPUs NVML shows, their visibility, memory and utilisation now; a GPU NVML cannot read
+    is reported (a "warn" when visible) and the others are still checked."""
+    with _nvml() as (lib, why):
+        if lib is None:
             if torch.cuda.is_available():
                 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                 return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
             return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
-        rows, busy, details = [], [], []
-        for gpu in _nvml_gpus(pynvml):
-            memory = pynvml.nvmlDeviceGetMemoryInfo(gpu.handle)
-            util = _utilisation(pynvml, gpu.handle)
-            hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
-            rows.append(f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
-                        f"{'n/a' if util is None else util}% busy{hidden}")  # fmt: skip
-            details.append({"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible,
-                            "memory_used_bytes": int(memory.used), "memory_total_bytes": int(memory.total),
-                            "utilization_percent": util})  # fmt: skip
-            if gpu.visible and ((util or 0) > BUSY_UTILISATION or memory.used > BUSY_MEMORY_FRACTION * memory.total):
-                busy.append(gpu.index)
+        rows, details = [], []
+        for gpu in nvml_devices(lib):
+            row, detail = _gpu_row(lib, gpu)
+            rows.append(row)
+            details.append(detail)
     value = "; ".join(rows) or "the driver shows no GPU"
     if not any(gpu["visible"] for gpu in details):
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         return Check("gpus", "warn", f"{value}; none visible (CUDA_VISIBLE_DEVICES={env!r})", _NO_GPU_FIX,
                      {"gpus": details})  # fmt: skip
+    busy = [str(gpu["index"]) for gpu in details if _is_busy(gpu)]
+    unreadable = [str(gpu["index"]) for gpu in details if gpu["visible"] and gpu.get("error")]
+    fixes = []
     if busy:
-        return Check("gpus", "warn", value, f"GPU(s) {', '.join(map(str, busy))} are busy before training starts: "
-                     "another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES",
-                     {"gpus": details})  # fmt: skip
+        fixes.append(f"GPU(s) {', '.join(busy)} are busy before training starts: another job shares them (see "
+                     "gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES")  # fmt: skip
+    if unreadable:
+        fixes.append(_UNREADABLE_FIX.format(gpus=", ".join(unreadable)))
+    if fixes:
+        return Check("gpus", "warn", value, "; ".join(fixes), {"gpus": details})
     return Check("gpus", "ok", value, details={"gpus": details})
 
 
-def _utilisation(pynvml: Any, handle: Any) -> Optional[int]:
+def _utilisation(lib: Any, handle: Any) -> Optional[int]:
     """% of time a kernel ran, as nvidia-smi shows it; ``None`` where NVML has no figure (MIG mode)."""
     try:
-        return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except pynvml.NVMLError:
+        return int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except lib.NVMLError:
         return None
 
 
-def _process_name(pynvml: Any, pid: int) -> str:
+def _process_name(lib: Any, pid: int) -> str:
     try:
-        return os.path.basename(_text(pynvml.nvmlSystemGetProcessName(pid)))
-    except pynvml.NVMLError:
+        return os.path.basename(_text(lib.nvmlSystemGetProcessName(pid)))
+    except lib.NVMLError:
         return "?"
+
+
+def _gpu_processes(lib: Any, gpu: NvmlDevice) -> list[dict[str, Any]]:
+    """Other processes computing on ``gpu`` (its MIG instances' included); NVML's errors propagate."""
+    others = []
+    for process in lib.nvmlDeviceGetComputeRunningProcesses(gpu.handle):
+        if process.pid == os.getpid():
+            continue
+        used = getattr(process, "usedGpuMemory", None)
+        others.append({"gpu": gpu.index, "pid": int(process.pid), "name": _process_name(lib, process.pid),
+                       "memory_bytes": None if used is None else int(used)})  # fmt: skip
+    return others
 
 
 @_guarded("gpu_processes")
 def check_gpu_processes() -> Check:
-    """Other processes computing on the visible GPUs, and the memory they hold."""
-    with _nvml() as (pynvml, why):
-        if pynvml is None:
+    """Other processes computing on the visible GPUs, and the memory they hold; a GPU NVML cannot
+    read is named (a "warn") and the others are still checked."""
+    with _nvml() as (lib, why):
+        if lib is None:
             return Check("gpu_processes", "info", f"no GPU ({why})")
-        others = []
-        for gpu in (gpu for gpu in _nvml_gpus(pynvml) if gpu.visible):
-            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle):
-                if process.pid == os.getpid():
-                    continue
-                used = getattr(process, "usedGpuMemory", None)
-                others.append({"gpu": gpu.index, "pid": int(process.pid), "name": _process_name(pynvml, process.pid),
-                               "memory_bytes": None if used is None else int(used)})  # fmt: skip
+        others, unreadable = [], []
+        for gpu in (gpu for gpu in nvml_devices(lib) if gpu.visible):
+            try:
+                if gpu.error is None:
+                    others.extend(_gpu_processes(lib, gpu))
+            except lib.NVMLError as error:
+                gpu.error = _error_text(error)
+            if gpu.error is not None:
+                unreadable.append(f"GPU {gpu.index}: {gpu.error}")
+    gap = f"processes not readable on {'; '.join(unreadable)}"
+    gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
     if not others:
+        if unreadable:
+            return Check("gpu_processes", "warn", f"no other process on the readable GPUs; {gap}", gap_fix,
+                         {"processes": [], "unreadable": unreadable})  # fmt: skip
         return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
     text = "; ".join(
         f"GPU {p['gpu']}: pid {p['pid']} ({p['name']})"
         + ("" if p["memory_bytes"] is None else f" holds {p['memory_bytes'] / _GIB:.1f} GiB")
         for p in others
     )
-    return Check("gpu_processes", "warn", text, "these processes share the GPU's memory and compute with training: "
-                 "stop them or pick another GPU with CUDA_VISIBLE_DEVICES", {"processes": others})  # fmt: skip
+    fix = ("these processes share the GPU's memory and compute with training: stop them or pick another GPU with "
+           "CUDA_VISIBLE_DEVICES")  # fmt: skip
+    details: dict[str, Any] = {"processes": others}
+    if unreadable:
+        text, fix, details["unreadable"] = f"{text}; {gap}", f"{fix}; {gap_fix}", unreadable
+    return Check("gpu_processes", "warn", text, fix, details)
 
 
 # ----------------------------------------------------------------------------- matmul benchmark
