@@ -414,9 +414,11 @@ def _signature(cls: type) -> str:
 def _estimate_device(requested: str | None, precision: str) -> "torch.device":
     import torch
 
-    if requested == "cuda" and not torch.cuda.is_available():
+    from lightning_gpuopt.core.device import cuda_available
+
+    if requested == "cuda" and not cuda_available():
         raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
-    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(requested or ("cuda" if cuda_available() else "cpu"))
     if precision == "16-mixed" and device.type != "cuda":
         raise UsageError(f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use "
                          "--precision bf16-mixed.")  # fmt: skip

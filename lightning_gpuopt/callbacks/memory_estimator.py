@@ -2,8 +2,8 @@
 
 Before the first training step the callback traces one step of the model on fake tensors (see
 :mod:`lightning_gpuopt.core.estimate`) and keeps torchinfo's summary next to it; over the first
-``measure_steps`` real steps it measures the peak (CUDA: ``torch.cuda.max_memory_allocated``;
-CPU: live tensor storage, counted by a dispatch mode) and reports how far both predictions were.
+``measure_steps`` real steps it measures the peak (through the device layer: on
+CUDA the allocated peak, on the host what the allocator handed out, op workspaces included) and reports how far both predictions were.
 
 Logged metrics (to every logger of the Trainer, once, at the step where the measurement ends, or
 at the end of training if that comes first; a key whose value is unknown is not logged):

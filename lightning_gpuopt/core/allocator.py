@@ -123,7 +123,7 @@ class PeakWindow:
 
 @dataclass
 class AllocatorStats:
-    """Counters as ``torch.cuda.memory_stats`` names them (a subset)."""
+    """Counters as PyTorch's ``memory_stats`` names them (a subset)."""
 
     num_alloc_retries: int = 0
     num_ooms: int = 0
@@ -214,7 +214,7 @@ class CachingAllocatorModel:
         pool.add(block)
 
     def empty_cache(self) -> int:
-        """Release every fully free segment to the driver (``torch.cuda.empty_cache``); the bytes released."""
+        """Release every fully free segment to the driver (PyTorch's ``empty_cache``); the bytes released."""
         released = 0
         for segment_id, first in list(self._segments.items()):
             if first.allocated or first.next is not None:
@@ -240,7 +240,7 @@ class CachingAllocatorModel:
         return window
 
     def reset_peaks(self) -> None:
-        """Restart the process-wide peaks (``torch.cuda.reset_peak_memory_stats``) from the bytes held now."""
+        """Restart the process-wide peaks (PyTorch's ``reset_peak_memory_stats``) from the bytes held now."""
         self.stats.peak_allocated_bytes = self.allocated_bytes
         self.stats.peak_reserved_bytes = self.reserved_bytes
 

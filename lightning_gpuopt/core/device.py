@@ -409,6 +409,11 @@ def cuda_available() -> bool:
     return bool(_simulations) or torch.cuda.is_available()
 
 
+def cuda_hardware_available() -> bool:
+    """Whether a real CUDA card can be used (``torch.cuda.is_available()``; a simulated one does not count)."""
+    return torch.cuda.is_available()
+
+
 def cuda_device_count() -> int:
     """CUDA cards this process can use (a simulated card counts as one)."""
     return 1 if _simulations else torch.cuda.device_count()

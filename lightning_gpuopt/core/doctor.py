@@ -12,15 +12,15 @@ The checks, in the order :func:`run_checks` runs them (``Check.name``):
 
 * ``torch_build``: torch's version and the CUDA version it was built for; a CPU-only wheel on a
   machine whose driver shows GPUs is a "fail".
-* ``cuda_driver``: the CUDA version the driver supports (NVML ``nvmlSystemGetCudaDriverVersion``)
+* ``cuda_driver``: the CUDA version the driver supports (NVML, through :mod:`.nvml`)
   against ``torch.version.cuda``: an older driver major is a "fail", an older minor a "warn".
 * ``gpu_arch``: each GPU's compute capability against the kernels in the wheel
-  (``torch.cuda.get_arch_list()``): missing is a "fail", only PTX (JIT at start-up) a "warn".
+  (``cuda_arch_list()`` of :mod:`.device`): missing is a "fail", only PTX (JIT at start-up) a "warn".
 * ``gpus``: the GPUs NVML shows, which of them ``CUDA_VISIBLE_DEVICES`` leaves visible, their
   memory and current utilisation; none at all is a "warn" (training runs on the CPU), a visible
   GPU already busy before training, or one NVML cannot read, is a "warn".
 * ``gpu_processes``: other processes computing on the visible GPUs
-  (``nvmlDeviceGetComputeRunningProcesses``) and the memory they hold; a GPU whose processes
+  (NVML's compute processes) and the memory they hold; a GPU whose processes
   NVML cannot read is a "warn".
 * ``matmul``: a short matmul benchmark; on a GPU fp32, tf32 and bf16 TFLOP/s against the card's
   dense datasheet peaks (:data:`CARD_PEAKS`; below :data:`MATMUL_WARN_FRACTION` is a "warn"); on
@@ -60,7 +60,18 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from lightning_gpuopt.core.nvml import NvmlDevice, _error_text, _text, nvml_devices, nvml_library
+from lightning_gpuopt.core import device as device_layer
+from lightning_gpuopt.core.nvml import (
+    NvmlDevice,
+    _error_text,
+    compute_processes,
+    driver_versions,
+    memory_info,
+    nvml_devices,
+    nvml_session,
+    process_name,
+    utilisation_percent,
+)
 
 #: statuses from best to worst
 STATUSES = ("ok", "info", "warn", "fail")
@@ -121,29 +132,9 @@ def _guarded(name: str) -> Callable[[Callable[..., Check]], Callable[..., Check]
 # ----------------------------------------------------------------------------- NVML
 
 
-@contextlib.contextmanager
-def _nvml() -> Iterator[tuple[Any, str]]:
-    """``(library, "")`` initialised inside the block (:func:`~lightning_gpuopt.core.nvml.nvml_library`),
-    or ``(None, why not)`` without a driver. Shuts NVML down once on leaving."""
-    lib = nvml_library()
-    if lib is None:
-        yield None, "nvidia-ml-py (pynvml) is not installed"
-        return
-    try:
-        lib.nvmlInit()
-    except (lib.NVMLError, OSError) as error:
-        yield None, f"no NVIDIA driver ({error})"
-        return
-    try:
-        yield lib, ""
-    finally:
-        with contextlib.suppress(lib.NVMLError, OSError):
-            lib.nvmlShutdown()
-
-
 def _visible_gpu_count() -> int:
     """GPUs the driver shows that ``CUDA_VISIBLE_DEVICES`` leaves visible (0 without a driver)."""
-    with _nvml() as (lib, _):
+    with nvml_session() as (lib, _):
         return 0 if lib is None else sum(gpu.visible for gpu in nvml_devices(lib))
 
 
@@ -202,13 +193,14 @@ def check_torch_build() -> Check:
     cudnn = torch.backends.cudnn.version() if build else None
     value = f"torch {torch.__version__}, CUDA build {build or 'none (CPU-only wheel)'}"
     value += f", cuDNN {cudnn}" if cudnn else ""
-    details = {"torch": torch.__version__, "cuda": build, "cudnn": cudnn, "cuda_available": torch.cuda.is_available()}
+    details = {"torch": torch.__version__, "cuda": build, "cudnn": cudnn,
+               "cuda_available": device_layer.cuda_hardware_available()}
     gpus = _visible_gpu_count()
     if build is None and gpus:
         return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} visible GPU(s)",
                      "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 "
                      "(pick the CUDA version the driver supports, see cuda_driver)", details)  # fmt: skip
-    if build is not None and not torch.cuda.is_available():
+    if build is not None and not device_layer.cuda_hardware_available():
         if gpus:
             return Check("torch_build", "fail", f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not "
                          "available", "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES",
@@ -220,13 +212,12 @@ def check_torch_build() -> Check:
 @_guarded("cuda_driver")
 def check_cuda_driver() -> Check:
     """The driver's CUDA version (NVML) against ``torch.version.cuda``."""
-    with _nvml() as (lib, _why):
+    with nvml_session() as (lib, _why):
         if lib is None:
             return cuda_driver_check(torch.version.cuda, None)
         return cuda_driver_check(
             torch.version.cuda,
-            int(lib.nvmlSystemGetCudaDriverVersion()),
-            _text(lib.nvmlSystemGetDriverVersion()),
+            *driver_versions(lib),
         )
 
 
@@ -258,12 +249,12 @@ def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
 @_guarded("gpu_arch")
 def check_gpu_architecture() -> Check:
     """Each CUDA device's compute capability against the kernels in the wheel."""
-    if not torch.cuda.is_available():
+    if not device_layer.cuda_hardware_available():
         return Check("gpu_arch", "info", "no CUDA device")
-    arch_list = torch.cuda.get_arch_list()
+    arch_list = device_layer.cuda_arch_list()
     found, worst = [], "native"
-    for index in range(torch.cuda.device_count()):
-        capability = torch.cuda.get_device_capability(index)
+    for index in range(device_layer.cuda_device_count()):
+        capability = device_layer.device_for(index).capabilities.compute_capability or (0, 0)
         support = arch_support(capability, arch_list)
         found.append(f"cuda:{index} sm_{capability[0]}{capability[1]} ({support})")
         worst = max(worst, support, key=["native", "ptx", "none"].index)
@@ -299,11 +290,11 @@ def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
     error = gpu.error
     if gpu.handle is not None and error is None:
         try:
-            memory = lib.nvmlDeviceGetMemoryInfo(gpu.handle)
+            memory = memory_info(lib, gpu.handle)
         except lib.NVMLError as failure:
             error = _error_text(failure)
         else:
-            util = _utilisation(lib, gpu.handle)
+            util = utilisation_percent(lib, gpu.handle)
             detail.update(memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
                           utilization_percent=util)  # fmt: skip
             return (f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
@@ -322,10 +313,10 @@ def _is_busy(detail: dict[str, Any]) -> bool:
 def check_gpus() -> Check:
     """The GPUs NVML shows, their visibility, memory and utilisation now; a GPU NVML cannot read
     is reported (a "warn" when visible) and the others are still checked."""
-    with _nvml() as (lib, why):
+    with nvml_session() as (lib, why):
         if lib is None:
-            if torch.cuda.is_available():
-                names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if device_layer.cuda_hardware_available():
+                names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
                 return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
             return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
         rows, details = [], []
@@ -351,29 +342,14 @@ def check_gpus() -> Check:
     return Check("gpus", "ok", value, details={"gpus": details})
 
 
-def _utilisation(lib: Any, handle: Any) -> Optional[int]:
-    """% of time a kernel ran, as nvidia-smi shows it; ``None`` where NVML has no figure (MIG mode)."""
-    try:
-        return int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except lib.NVMLError:
-        return None
-
-
-def _process_name(lib: Any, pid: int) -> str:
-    try:
-        return os.path.basename(_text(lib.nvmlSystemGetProcessName(pid)))
-    except lib.NVMLError:
-        return "?"
-
-
 def _gpu_processes(lib: Any, gpu: NvmlDevice) -> list[dict[str, Any]]:
     """Other processes computing on ``gpu`` (its MIG instances' included); NVML's errors propagate."""
     others = []
-    for process in lib.nvmlDeviceGetComputeRunningProcesses(gpu.handle):
+    for process in compute_processes(lib, gpu.handle):
         if process.pid == os.getpid():
             continue
         used = getattr(process, "usedGpuMemory", None)
-        others.append({"gpu": gpu.index, "pid": int(process.pid), "name": _process_name(lib, process.pid),
+        others.append({"gpu": gpu.index, "pid": int(process.pid), "name": process_name(lib, process.pid),
                        "memory_bytes": None if used is None else int(used)})  # fmt: skip
     return others
 
@@ -382,7 +358,7 @@ def _gpu_processes(lib: Any, gpu: NvmlDevice) -> list[dict[str, Any]]:
 def check_gpu_processes() -> Check:
     """Other processes computing on the visible GPUs, and the memory they hold; a GPU NVML cannot
     read is named (a "warn") and the others are still checked."""
-    with _nvml() as (lib, why):
+    with nvml_session() as (lib, why):
         if lib is None:
             return Check("gpu_processes", "info", f"no GPU ({why})")
         others, unreadable = [], []
@@ -439,7 +415,7 @@ class CardPeaks:
 # Ada whitepaper (RTX 4090): FP32 82.6, TF32 82.6, BF16 with FP32 accumulate 165.2.
 # Ampere GA102 whitepaper (RTX 3090): FP32 35.6, TF32 35.6, BF16 with FP32 accumulate 71.
 # T4 datasheet: FP32 8.1; no TF32, no BF16 (FP16 65).
-#: (pattern on ``torch.cuda.get_device_name()``, peaks); the first match wins
+#: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),
     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
@@ -473,8 +449,7 @@ def card_peaks(device_name: str) -> Optional[CardPeaks]:
 
 
 def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    device_layer.device_for(device).synchronize()
 
 
 @contextlib.contextmanager
@@ -514,11 +489,12 @@ def matmul_flops(size: int, dtype: torch.dtype, device: torch.device | str, seco
 
 
 def _gpu_matmul_check(seconds: float, size: int) -> Check:
-    device = torch.device("cuda", 0)
-    name = torch.cuda.get_device_name(device)
+    card = device_layer.device_for(0)
+    device = card.torch_device
+    name = card.name
     peaks = card_peaks(name)
     kinds = ["fp32"]
-    if torch.cuda.get_device_capability(device) >= (8, 0):
+    if card.capabilities.tf32:
         kinds += ["tf32", "bf16"]
     achieved: dict[str, float] = {}
     for kind in kinds:
@@ -572,7 +548,7 @@ def check_matmul(seconds: float = 2.0) -> Check:
     """
     if seconds <= 0:
         return Check("matmul", "info", "skipped")
-    if torch.cuda.is_available():
+    if device_layer.cuda_hardware_available():
         try:
             return _gpu_matmul_check(seconds, size=8192 if seconds >= 1 else 4096)
         except RuntimeError as error:  # e.g. "no kernel image is available", OOM: the finding itself
@@ -754,19 +730,20 @@ def check_blas() -> Check:
 
 def _copy_gbps(source: torch.Tensor, device: torch.device) -> float:
     target = torch.empty(source.shape, dtype=source.dtype, device=device)
+    card = device_layer.device_for(device)
     target.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
+    card.synchronize()
     start = time.perf_counter()
     for _ in range(3):
         target.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
+    card.synchronize()
     return 3 * source.numel() * source.element_size() / (time.perf_counter() - start) / 1e9
 
 
 @_guarded("pinned_memory")
 def check_pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
     """Allocate ``num_bytes`` of pinned host memory and compare host-to-GPU copies pinned vs pageable."""
-    if not torch.cuda.is_available():
+    if not device_layer.cuda_hardware_available():
         return Check("pinned_memory", "info", "no CUDA: DataLoader(pin_memory=True) has no GPU copy to speed up")
     try:
         start = time.perf_counter()

@@ -528,3 +528,54 @@ class NvmlSampler:
             lib, self._lib = self._lib, None
             _shutdown(lib)
         return self._final
+
+
+@contextlib.contextmanager
+def nvml_session() -> Iterator[tuple[Any, str]]:
+    """``(library, "")`` initialised inside the block (:func:`nvml_library`),
+    or ``(None, why not)`` without a driver. Shuts NVML down once on leaving."""
+    lib = nvml_library()
+    if lib is None:
+        yield None, "nvidia-ml-py (pynvml) is not installed"
+        return
+    try:
+        lib.nvmlInit()
+    except (lib.NVMLError, OSError) as error:
+        yield None, f"no NVIDIA driver ({error})"
+        return
+    try:
+        yield lib, ""
+    finally:
+        with contextlib.suppress(lib.NVMLError, OSError):
+            lib.nvmlShutdown()
+
+
+def driver_versions(lib: Any) -> tuple[int, str]:
+    """``(CUDA version the driver supports, e.g. 12040; driver release, e.g. "550.54.15")``."""
+    return int(lib.nvmlSystemGetCudaDriverVersion()), _text(lib.nvmlSystemGetDriverVersion())
+
+
+def memory_info(lib: Any, handle: Any) -> Any:
+    """The device's memory (``.total``, ``.used``, ``.free`` in bytes); NVML's errors propagate."""
+    return lib.nvmlDeviceGetMemoryInfo(handle)
+
+
+def compute_processes(lib: Any, handle: Any) -> list[Any]:
+    """Processes computing on the device (``.pid``, ``.usedGpuMemory``); NVML's errors propagate."""
+    return list(lib.nvmlDeviceGetComputeRunningProcesses(handle))
+
+
+def utilisation_percent(lib: Any, handle: Any) -> Optional[int]:
+    """% of time a kernel ran, as nvidia-smi shows it; ``None`` where NVML has no figure (MIG mode)."""
+    try:
+        return int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except lib.NVMLError:
+        return None
+
+
+def process_name(lib: Any, pid: int) -> str:
+    """The executable's name of process ``pid`` (``"?"`` when NVML cannot tell)."""
+    try:
+        return os.path.basename(_text(lib.nvmlSystemGetProcessName(pid)))
+    except lib.NVMLError:
+        return "?"

@@ -204,7 +204,7 @@ class GpuTotals:
 
 
 class Event(Protocol):
-    """A timing event recorded on the device's stream (``torch.cuda.Event`` on a real card)."""
+    """A timing event recorded on the device's stream (a CUDA ``Event`` on a real card)."""
 
     def query(self) -> bool: ...
 
