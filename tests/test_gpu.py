@@ -1,7 +1,8 @@
 """The CUDA paths, checked on a real GPU: events, NVML, the monitor's GPU figures, the memory
 estimate against ``max_memory_allocated``, and the tuner's pinned memory.
 
-Skipped without CUDA (CI has none). On a GPU machine: ``make test-gpu``.
+Skipped without CUDA (CI has none). On a GPU machine: ``make test-gpu``. Each behaviour here has a
+twin on a simulated card in ``tests/test_gpu_simulated.py``, which CI runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from helpers import MLP, SlowDataset, preloaded_batches
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, MemoryEstimator
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.timing import CudaStepTimer, StepStart
 from models_memory import make_model
@@ -37,7 +39,7 @@ def gpu_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
 
 def test_cuda_step_timer_sees_the_host_pause_between_steps_as_idle():
     device = torch.device("cuda", torch.cuda.current_device())
-    timer, pause_s, steps = CudaStepTimer(device), 0.02, 10
+    timer, pause_s, steps = CudaStepTimer(device_for(device).new_event), 0.02, 10
     busy_kernels(device)  # warm-up: cuBLAS handles, allocator
     torch.cuda.synchronize()
     for step in range(steps):
@@ -52,15 +54,16 @@ def test_cuda_step_timer_sees_the_host_pause_between_steps_as_idle():
 
 
 def test_nvml_sampler_sees_this_gpu_working():
-    sampler = NvmlSampler(interval_s=0.1)
-    assert sampler.start()
     device = torch.device("cuda", torch.cuda.current_device())
+    uuid = device_for(device).uuid
+    sampler = NvmlSampler(interval_s=0.1, uuids=[uuid])
+    assert sampler.start()
     deadline = time.perf_counter() + 1.5
     while time.perf_counter() < deadline:
         busy_kernels(device)
     torch.cuda.synchronize()
     usage = sampler.stop()
-    own = usage[sampler.visible_indices[device.index]]
+    own = next(gpu for gpu in usage if gpu.uuid.endswith(uuid.split("-", 1)[-1]))
     assert own.samples >= 10 and own.util_mean > 20 and own.memory_used_max_bytes > 0
 
 
@@ -117,3 +120,29 @@ def test_memory_fill_on_cuda_picks_mixed_precision_and_stays_in_the_budget(tmp_p
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 1024 and plan.accumulate_grad_batches > 1
     assert plan.measured_peak_bytes <= budget * 0.9
     assert peak.peak <= budget  # no step of the real training went past it
+
+
+def test_a_search_leaves_the_process_wide_peak_counters_alone(tmp_path):
+    from lightning_gpuopt import BatchSizeSearch
+
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del big
+    before = torch.cuda.max_memory_allocated()  # at least 256 MiB: what DeviceStatsMonitor would read
+    model = make_model("mlp", num_samples=512, batch_size=8)
+    gpu_trainer(tmp_path, [BatchSizeSearch(max_memory="128MiB")], max_steps=1).fit(model)
+    assert torch.cuda.max_memory_allocated() >= before
+
+
+def test_an_explicit_max_memory_is_enforced_on_reserved_memory(tmp_path):
+    from lightning_gpuopt import BatchSizeSearch
+
+    cap = 256 * 2**20
+    model = make_model("cnn", num_samples=2048, batch_size=8)
+
+    class Reserved(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.reserved = max(getattr(self, "reserved", 0), torch.cuda.memory_reserved())
+
+    reserved = Reserved()
+    gpu_trainer(tmp_path, [BatchSizeSearch(max_memory=cap), reserved], max_steps=5).fit(model)
+    assert reserved.reserved <= cap
