@@ -229,7 +229,9 @@ class DataWaitMonitor(Callback):
         card = device_for(pl_module.device)
         if card.is_cuda:
             self._gpu = CudaStepTimer(card.new_event)  # type: ignore[arg-type]
-            self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if card.uuid else None)
+            # every GPU (the report names idle ones); a MIG instance is only sampled when asked for by UUID
+            mig = card.capabilities.mig and card.uuid
+            self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig else None)
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
 
