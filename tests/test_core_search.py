@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -199,24 +200,24 @@ def test_an_under_reporting_peak_reaches_95_of_100_in_10_trials_like_lightnings_
 
 @pytest.mark.parametrize("limit", [100, 1000, 37, 5000])
 def test_wrong_models_get_within_5_percent_of_the_limit_in_10_trials(limit):
-    failures = []
-    for kind in [0.5, 0.77, 1.0, 1.3, "hidden"]:
-        for start_factor in [0.05, 1.25, 4.0]:  # far below, just above, far above the limit
-            for multiple_of in [1, 8]:
-                for fixed_share in [0.0, 1.0]:  # no fixed part; a fixed part as large as the batch's at the limit
-                    for estimated in [False, True]:  # the estimate's slope, as wrong as the meter
-                        per_sample = 10_000
-                        fits, budget = wrong_model_oracle(limit, kind, per_sample, int(fixed_share * per_sample * limit))
-                        slope = per_sample * (1.0 if kind == "hidden" else kind) if estimated else None
-                        result = search_largest_fit(
-                            fits, budget_bytes=budget, start=max(1, int(limit * start_factor)), max_batch_size=8192,
-                            multiple_of=multiple_of, max_trials=10, bytes_per_sample=slope,
-                        )
-                        check_wrong_model(result, fits, limit, multiple_of)
-                        reachable = round_down(limit, multiple_of)
-                        if (result.batch_size or 0) < 0.95 * reachable:
-                            failures.append((kind, start_factor, multiple_of, fixed_share, estimated,
-                                             [(t.batch_size, int(t.fits)) for t in result.trials]))  # fmt: skip
+    per_sample, failures = 10_000, []
+    grid = itertools.product(
+        [0.5, 0.77, 1.0, 1.3, "hidden"],  # reported peak / real peak, or a hidden constant
+        [0.05, 1.25, 4.0],  # start: far below, just above, far above the limit
+        [1, 8],  # multiple_of
+        [0.0, 1.0],  # fixed part: none; as large as the batch's part at the limit
+        [False, True],  # the estimate's slope: none; as wrong as the meter
+    )
+    for kind, start_factor, multiple_of, fixed_share, estimated in grid:
+        fits, budget = wrong_model_oracle(limit, kind, per_sample, int(fixed_share * per_sample * limit))
+        slope = per_sample * (1.0 if kind == "hidden" else kind) if estimated else None
+        result = search_largest_fit(fits, budget_bytes=budget, start=max(1, int(limit * start_factor)),
+                                    max_batch_size=8192, multiple_of=multiple_of, max_trials=10,
+                                    bytes_per_sample=slope)  # fmt: skip
+        check_wrong_model(result, fits, limit, multiple_of)
+        if (result.batch_size or 0) < 0.95 * round_down(limit, multiple_of):
+            failures.append((kind, start_factor, multiple_of, fixed_share, estimated,
+                             [(t.batch_size, int(t.fits)) for t in result.trials]))  # fmt: skip
     assert not failures, failures
 
 
