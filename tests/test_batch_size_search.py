@@ -7,6 +7,7 @@ number of real training steps at that size inside a fresh ``MemoryBudget`` with 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 import pytest
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
 from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+from lightning_gpuopt.core.report import format_bytes
 from models_memory import make_model
 
 BUDGET = "20MB"
@@ -122,7 +124,42 @@ def test_budget_too_small_for_min_batch_size_says_what_to_try(tmp_path):
         search(tmp_path, "mlp", max_memory="3MB", margin=0.0)  # parameters + Adam state alone are ~6 MB
     message = str(info.value)
     assert "min_batch_size=1" in message and "3000000 bytes" in message  # the budget
-    assert "peaked at" in message and "MemoryFill" in message and "smaller model" in message
+    assert "ran out of memory" in message and "MemoryFill" in message and "smaller model" in message
+
+
+def test_nothing_fits_message_gives_the_failed_trials_own_figures(tmp_path):
+    # budget 2.7 MB: the trial at 1 runs out of memory inside the step (parameters, gradients and
+    # Adam state need ~6.4 MB), its recorded peak below the budget -- the message must say so
+    with pytest.raises(NoBatchSizeFitsError) as info:
+        search(tmp_path, "mlp", max_memory="3MB")
+    result = info.value.result
+    assert result is not None and result.batch_size is None and result.stop_reason == "nothing fits"
+    trial = min(result.trials, key=lambda t: t.batch_size)
+    assert trial.batch_size == 1 and not trial.fits and trial.peak_bytes < result.budget_bytes == 2_700_000
+    message = str(info.value)
+    assert "even min_batch_size=1 does not fit" in message
+    # why it failed, in the trial's own figures: out of memory under the cap, its recorded peak
+    assert (f"ran out of memory inside a training step, its peak until then {format_bytes(trial.peak_bytes)} "
+            f"({trial.peak_bytes} bytes) under the cap of {format_bytes(result.budget_bytes)} "
+            f"({result.budget_bytes} bytes)") in message  # fmt: skip
+    allocated, live, cap = map(int, re.search(
+        r"tried to allocate (\d+) bytes with (\d+) bytes live and a cap of (\d+) bytes", message).groups())
+    assert cap == result.budget_bytes and live <= trial.peak_bytes < cap < live + allocated
+    needs = int(re.search(r"needs [^(]*\((\d+) bytes\)", message).group(1))  # measured again without the cap
+    assert needs > cap
+    # no figure in the message contradicts the trial: every byte count is one of these
+    assert set(map(int, re.findall(r"(\d+) bytes", message))) == {trial.peak_bytes, cap, allocated, live, needs}
+
+
+def test_max_trials_spent_without_a_fit_does_not_claim_min_batch_size_fails(tmp_path):
+    with pytest.warns(UserWarning, match="could not be traced"), pytest.raises(NoBatchSizeFitsError) as info:
+        search(tmp_path, "data-dependent", max_memory="2MB", max_trials=1, initial=SAMPLES)
+    result = info.value.result
+    assert [(t.batch_size, t.fits) for t in result.trials] == [(SAMPLES, False)]
+    assert result.stop_reason == "max trials"
+    message = str(info.value)
+    assert "min_batch_size=1 does not fit" not in message  # 1 was never tried (and it fits)
+    assert f"no size fitted in 1 trial (max_trials=1); the smallest tried, {SAMPLES}, does not fit" in message
 
 
 class StateBefore(Callback):

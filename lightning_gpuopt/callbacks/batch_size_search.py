@@ -58,7 +58,7 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
@@ -105,7 +105,7 @@ from lightning_gpuopt.core.report import (
     to_dict,
     update_json_section,
 )
-from lightning_gpuopt.core.search import BatchSizeSearchResult, search_largest_fit
+from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "batch_size_search"
@@ -113,7 +113,13 @@ MODES = ("fill", "cap")
 
 
 class NoBatchSizeFitsError(RuntimeError):
-    """Raised when even ``min_batch_size`` does not fit the budget."""
+    """Raised when even ``min_batch_size`` does not fit the budget (or no size tried fitted within
+    ``max_trials``). The message says why the smallest size tried failed, with that trial's figures;
+    ``result`` holds the search and its trials (``batch_size`` is ``None``) when a search ran."""
+
+    def __init__(self, message: str, result: Optional[BatchSizeSearchResult] = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class BatchSizeSearch(Callback):
@@ -158,7 +164,9 @@ class BatchSizeSearch(Callback):
             and on CPU in ``on_fit_start`` when ``max_memory`` is ``None``.
         MisconfigurationException: in ``on_fit_start`` when the batch size cannot be found or the
             train loader does not come from ``train_dataloader()``.
-        NoBatchSizeFitsError: when even ``min_batch_size`` does not fit.
+        NoBatchSizeFitsError: when even ``min_batch_size`` does not fit (or no size tried fitted within
+            ``max_trials``): the message says why the smallest size tried failed, in that trial's figures,
+            and the error's ``result`` holds the trials.
     """
 
     def __init__(
@@ -243,11 +251,7 @@ class BatchSizeSearch(Callback):
             if result.batch_size is None:
                 message = self._nothing_fits_message(runner, result)
         _reset_train_loader(trainer)
-        if result.batch_size is None:
-            lightning_setattr(pl_module, self.batch_arg_name, initial)
-            raise NoBatchSizeFitsError(message)
-        lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
-        self.result = replace(
+        result = replace(
             result,
             initial_batch_size=initial,
             predicted_batch_size=predicted,
@@ -256,6 +260,11 @@ class BatchSizeSearch(Callback):
             seconds=time.perf_counter() - started,
             notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else [])],
         )
+        if result.batch_size is None:
+            lightning_setattr(pl_module, self.batch_arg_name, initial)
+            raise NoBatchSizeFitsError(message, result)
+        lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
+        self.result = result
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -354,14 +363,28 @@ class BatchSizeSearch(Callback):
     # ------------------------------------------------------------------ reporting
 
     def _nothing_fits_message(self, runner: "_TrialRunner", result: BatchSizeSearchResult) -> str:
-        smallest = result.lower_bound
-        fitted, peak = runner.fits(smallest, capped=False)  # the peak it needs, measured without a cap
-        measured = f"a trial at batch size {smallest} peaked at {_bytes(peak)}" if peak is not None else "no peak"
+        """Why no size fitted: the smallest size tried, and why its trial failed in that trial's own
+        figures (the ones the table of trials shows); on a simulated cap, also what a step at that
+        size needs, measured again without the cap."""
+        smallest = min(result.trials, key=lambda trial: trial.batch_size)
+        size = smallest.batch_size
+        if size <= result.lower_bound:
+            headline = f"even min_batch_size={size} does not fit"
+        else:
+            count = len(result.trials)
+            headline = (f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
+                        f"the smallest tried, {size}, does not fit")  # fmt: skip
+        why = _why_it_missed(smallest, runner.outcomes.get(size), runner.budget, runner.trainer.world_size)
+        needs = ""
+        if runner.pl_module.device.type != "cuda":  # the cap is simulated: measure the step without it
+            fitted, peak = runner.fits(size, capped=False)
+            if fitted or peak is not None:
+                needs = f" Measured again without the cap, a step at batch size {size} needs {_bytes(peak)}."
         return (
-            f"BatchSizeSearch: even min_batch_size={smallest} does not fit the budget of {_bytes(result.budget_bytes)} "
-            f"(max_memory={self.max_memory!r} less margin={self.margin}): {measured}. Try MemoryFill (mixed "
-            "precision, activation checkpointing and gradient accumulation), a smaller model, or more memory (a "
-            "larger max_memory, a smaller margin, or a larger device)."
+            f"BatchSizeSearch: {headline} the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} "
+            f"less margin={self.margin}): its trial {why}.{needs} Try MemoryFill (mixed precision, activation "
+            "checkpointing and gradient accumulation), a smaller model, or more memory (a larger max_memory, a "
+            "smaller margin, or a larger device)."
         )
 
     def _report(self, trainer: pl.Trainer) -> None:
@@ -421,6 +444,8 @@ class _TrialRunner:
         self.capacity = capacity
         self.batch_arg_name = batch_arg_name
         self.baseline = _ddp_bucket_bytes(trainer, pl_module)
+        #: this rank's outcome of the trial at each batch size (capped trials)
+        self.outcomes: dict[int, _TrialOutcome] = {}
 
     def fits(self, batch_size: int, capped: bool = True) -> tuple[bool, Optional[int]]:
         trainer, pl_module = self.trainer, self.pl_module
@@ -441,7 +466,52 @@ class _TrialRunner:
         outcome = call_catching_oom(_run_steps, trainer, pl_module, meter)
         peak = meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= self.budget
+        if capped:
+            cap = meter.max_bytes if isinstance(meter, MemoryBudget) else None
+            self.outcomes[batch_size] = _TrialOutcome(fitted, peak, cap, outcome.error_message)
         return _agree(trainer, fitted, peak, self.budget, self.search_budget)
+
+
+@dataclass
+class _TrialOutcome:
+    """This rank's side of one trial, which the search's ``Trial`` does not keep: whether it fitted
+    here, its peak, the simulated cap it ran under (``None``: the device's own memory, on CUDA) and,
+    when it ran out of memory, the error's message."""
+
+    fitted: bool
+    peak_bytes: Optional[int]
+    cap_bytes: Optional[int]
+    oom_message: Optional[str]
+
+
+def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, world_size: int) -> str:
+    """Why ``trial`` did not fit, in its own figures: its recorded peak, and the cap it ran out of
+    memory under or the budget its peak passed (on this rank under DDP, which may not be the rank
+    that failed).
+
+    Example::
+
+        >>> _why_it_missed(Trial(1, False, 2_000, 0.1), _TrialOutcome(False, 2_000, None, None), 1_500, 1)
+        'peaked at 2.0 KiB (2000 bytes), above the budget of 1.5 KiB (1500 bytes)'
+    """
+    peak = trial.peak_bytes if world_size == 1 or outcome is None else outcome.peak_bytes
+    where = "" if world_size == 1 else " on this rank"
+    if outcome is None:
+        return f"did not fit (peak {_bytes(peak)})"
+    if outcome.fitted:
+        return f"fitted{where} (peak {_bytes(peak)}, budget {_bytes(budget)}) but not on every rank"
+    if outcome.oom_message is not None:
+        cap = "the device's memory" if outcome.cap_bytes is None else f"the cap of {_bytes(outcome.cap_bytes)}"
+        return (f"ran out of memory{where} inside a training step, its peak until then {_bytes(peak)} under {cap}: "
+                f"{_first_sentences(outcome.oom_message)}")  # fmt: skip
+    if peak is None:
+        return f"measured no peak{where}"
+    return f"peaked{where} at {_bytes(peak)}, above the budget of {_bytes(budget)}"
+
+
+def _first_sentences(message: str) -> str:
+    """An out-of-memory message without CUDA's advice on the allocator, on one line, no final period."""
+    return " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".")
 
 
 def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -> None:

@@ -10,10 +10,15 @@ Pure standard library (no torch, no Lightning): the search only sees an oracle
    or proportional through zero, which under-shoots) predicts the largest ``b`` whose peak is at
    most the budget. Each jump is capped at ``max_growth`` times the largest fit;
 3. once a size missed, **interpolate inside the bracket** (largest fit, smallest miss) with the
-   same line (with a single fit: the line through zero, which under-shoots); after a miss that
-   the line through two fits did not foresee, or with a flat line, the next guess is the
-   midpoint (**bisection**), so a peak that is not linear still converges;
-4. stop when the smallest miss is the largest fit plus ``multiple_of`` (the limit is proven), at
+   same line (with a single fit: the line through zero, which under-shoots);
+4. **bisect** the bracket (or, while nothing missed, double the largest fit) whenever the line
+   contradicts a trial -- it says the smallest miss fits, or that the largest fit does not (its
+   peak was above the budget) -- or is flat; and for the rest of the search once two of the
+   line's guesses missed although it said they fit. The measured peaks are then not what decides
+   a fit (the allocator, a cap measured elsewhere, memory the meter does not see, a peak that is
+   not linear), and bisection converges whatever the peaks say. One miss alone does not end the
+   line: a convex peak (flat, then steep) misses once at its kink and is then exact again;
+5. stop when the smallest miss is the largest fit plus ``multiple_of`` (the limit is proven), at
    the upper bound, or after ``max_trials``.
 
 Every size returned was tested and fitted: the answer is the largest fitting trial, never an
@@ -30,6 +35,18 @@ Example::
     (1000, 4, 'bracketed')
     >>> [trial.batch_size for trial in result.trials]
     [64, 256, 1000, 1001]
+
+A meter that under-reports (the step needs 1 MB a sample, the peak says 1/1.3 of it, so the line
+says up to 130 fit): the first miss contradicts the line, and the search bisects::
+
+    >>> def fits(batch_size):                 # true limit 100
+    ...     needed = 1_000_000 * batch_size
+    ...     return needed <= 100_500_000, int(needed / 1.3)
+    >>> result = search_largest_fit(fits, budget_bytes=100_500_000, start=125, max_batch_size=4096)
+    >>> result.batch_size, [(t.batch_size, t.fits) for t in result.trials][:4]
+    (100, [(125, False), (62, True), (93, True), (109, False)])
+    >>> [trial.batch_size for trial in result.trials][4:]
+    [101, 97, 99, 100]
 """
 
 from __future__ import annotations
@@ -150,39 +167,72 @@ def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(high, value))
 
 
+#: after this many of the measured line's guesses did not fit, the line is not used again: the rest of
+#: the search bisects (the first miss may be a kink of a convex peak, the second says the peaks lie)
+LINE_MISSES_TO_BISECT = 2
+
+
 @dataclass
 class _State:
     best: Optional[int] = None  # largest size that fitted
     miss: Optional[int] = None  # smallest size that did not fit
     points: list[tuple[int, int]] = field(default_factory=list)
-    bisect: bool = False
+    line_misses: int = 0  # the line's guesses that did not fit although it said they would
+
+
+@dataclass
+class _Guess:
+    """The next size to try (``None``: stop, for ``stop_reason``). ``line_prediction``: set when the
+    size is the measured line's guess, what the line said is the largest fit (not rounded)."""
+
+    batch_size: Optional[int]
+    stop_reason: str = ""
+    line_prediction: Optional[float] = None
+
+
+def _line_agrees(predicted: float, best: int, miss: Optional[int]) -> bool:
+    """Whether a line's predicted largest fit agrees with the trials: it must not say that the
+    largest fit does not fit (its peak was above the budget) nor that the smallest miss fits.
+
+    Example::
+
+        >>> _line_agrees(130.4, best=62, miss=None), _line_agrees(130.4, best=62, miss=125)
+        (True, False)
+    """
+    return best <= predicted and (miss is None or predicted < miss)
 
 
 def _next_guess(
     state: _State, lo: int, hi: int, multiple_of: int, budget_bytes: int, bytes_per_sample: Optional[float],
     max_growth: float,
-) -> tuple[Optional[int], str]:
+) -> _Guess:
     m = multiple_of
     if state.best is None:  # only misses so far: halve towards the lower bound
         assert state.miss is not None
         if state.miss <= lo:
-            return None, "nothing fits"
-        return _clamp(round_down(state.miss / 2, m), lo, state.miss - m), ""
+            return _Guess(None, "nothing fits")
+        return _Guess(_clamp(round_down(state.miss / 2, m), lo, state.miss - m))
     if state.miss is not None and state.miss - state.best <= m:
-        return None, "bracketed"
+        return _Guess(None, "bracketed")
     if state.miss is None and state.best >= hi:
-        return None, "upper bound"
+        return _Guess(None, "upper bound")
     ceiling = hi if state.miss is None else state.miss - m
     if state.miss is None:
         ceiling = min(ceiling, max(state.best + m, round_down(state.best * max_growth, m)))
-    # inside a bracket the estimate's slope was proven wrong: one point alone uses the line through zero
-    slope = bytes_per_sample if state.miss is None else None
-    predicted = predicted_largest_fit(state.points, budget_bytes, slope)
-    if state.miss is not None and (state.bisect or predicted is None):
-        return _clamp(round_down((state.best + state.miss) / 2, m), state.best + m, ceiling), ""
-    guess = ceiling if predicted is None else round_down(predicted, m)
-    # a prediction at or below the largest fit says "that is the limit": test the next size up
-    return _clamp(guess, state.best + m, ceiling), ""
+    if state.miss is None and len(state.points) == 1 and bytes_per_sample:
+        # one fit, no miss: the estimate's slope (a miss proves it wrong, then one point uses the line through zero)
+        predicted = predicted_largest_fit(state.points, budget_bytes, bytes_per_sample)
+        return _Guess(ceiling if predicted is None else _clamp(round_down(predicted, m), state.best + m, ceiling))
+    predicted = predicted_largest_fit(state.points, budget_bytes)
+    if predicted is None:  # a flat line: no information; bisect, or grow as far as allowed
+        target = ceiling if state.miss is None else (state.best + state.miss) / 2
+        return _Guess(_clamp(round_down(target, m), state.best + m, ceiling))
+    if state.line_misses >= LINE_MISSES_TO_BISECT or not _line_agrees(predicted, state.best, state.miss):
+        # the measured peaks are not what decides a fit: bisect the bracket, or double until a size misses
+        target = state.best * 2 if state.miss is None else (state.best + state.miss) / 2
+        return _Guess(_clamp(round_down(target, m), state.best + m, ceiling))
+    # a prediction below the next size up says "the largest fit is the limit": test the next size up
+    return _Guess(_clamp(round_down(predicted, m), state.best + m, ceiling), line_prediction=predicted)
 
 
 def search_largest_fit(
@@ -227,24 +277,24 @@ def search_largest_fit(
         )
     state = _State()
     trials: list[Trial] = []
-    guess: Optional[int] = _clamp(round_down(start, multiple_of), lo, hi)
-    first = guess
+    guess = _Guess(_clamp(round_down(start, multiple_of), lo, hi))
+    first = guess.batch_size
     reason = "max trials"
-    while guess is not None and len(trials) < max_trials:
+    while guess.batch_size is not None and len(trials) < max_trials:
+        size = guess.batch_size
         started = time.perf_counter()
-        fitted, peak = fits(guess)
-        trials.append(Trial(guess, bool(fitted), None if peak is None else int(peak), time.perf_counter() - started))
+        fitted, peak = fits(size)
+        trials.append(Trial(size, bool(fitted), None if peak is None else int(peak), time.perf_counter() - started))
         if fitted:
-            state.best = guess if state.best is None else max(state.best, guess)
+            state.best = size if state.best is None else max(state.best, size)
             if peak is not None:
-                state.points.append((guess, int(peak)))
+                state.points.append((size, int(peak)))
         else:
-            state.miss = guess if state.miss is None else min(state.miss, guess)
-        # a miss although the line through two fits said it would fit: the peak is not linear here
-        state.bisect = not fitted and len(state.points) >= 2
-        guess, stop = _next_guess(state, lo, hi, multiple_of, budget_bytes, bytes_per_sample, max_growth)
-        if guess is None:
-            reason = stop
+            state.miss = size if state.miss is None else min(state.miss, size)
+        if not fitted and guess.line_prediction is not None and guess.line_prediction >= size:
+            state.line_misses += 1  # the line said it fits
+        guess = _next_guess(state, lo, hi, multiple_of, budget_bytes, bytes_per_sample, max_growth)
+        reason = guess.stop_reason or reason
     return BatchSizeSearchResult(
         batch_size=state.best,
         trials=trials,
