@@ -458,13 +458,17 @@ class _TrialRunner:
         existing = (pl_module, *trainer.optimizers, prefetched)
         card = device_for(device)
         if card.is_cuda:  # the allocator's own OOM; reserved memory kept within max_memory
+            card.empty_cache()  # the trial reserves from a clean cache: what it holds is its own
             meter: Any = card.memory_cap(self.capacity, existing) if capped else card.peak_meter(existing)
         elif capped:
             meter = MemoryBudget(self.budget, existing=existing, device=device, baseline_bytes=self.baseline)
         else:
             meter = LiveTensorTracker(existing=existing, device=device, baseline_bytes=self.baseline)
         outcome = call_catching_oom(_run_steps, trainer, pl_module, meter)
-        peak = meter.peak_bytes
+        # on a card the memory taken is what the caching allocator reserved (blocks in use and cached):
+        # a batch that fits by the allocated bytes can still run out of memory on the reserved ones
+        reserved = meter.peak_reserved_bytes if card.is_cuda else None
+        peak = reserved if reserved is not None else meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= self.budget
         if capped:
             cap = meter.max_bytes if isinstance(meter, MemoryBudget) else None
