@@ -11,8 +11,9 @@ out of memory and its peak stayed within ``max_memory * (1 - margin)``:
 
 * CUDA (a real or a simulated card, through :mod:`lightning_gpuopt.core.device`): the allocator's
   own OOM, with reserved memory capped at ``max_memory`` during the trial (the per-process memory
-  fraction), and the allocated peak of the trial measured without resetting the process-wide
-  peak counters;
+  fraction), and the trial's peak of *reserved* memory (blocks in use and cached, the trial
+  starting from an empty cache): a batch that fits by allocated bytes can still run out of
+  memory on reserved ones. Peaks are measured without resetting the process-wide counters;
 * CPU (and other devices): a :class:`~lightning_gpuopt.core.memory.MemoryBudget` of that size
   around the trial, counting the model, its gradients, the optimizer state, the batch and
   everything the step allocates (on CPU ``max_memory`` is required: there is no device to fill).
