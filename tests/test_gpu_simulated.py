@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset
-from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, MemoryFill, NoBatchSizeFitsError
+from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt, MemoryFill, NoBatchSizeFitsError
 from lightning_gpuopt.core.device import HostEvent, device_for
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.op_memory import AllocationWindow
@@ -311,3 +311,16 @@ def test_memory_fill_on_a_card_uses_its_precision_and_stays_in_the_budget(tmp_pa
     assert plan.precision == ("bf16-mixed" if profile == "H100" else "16-mixed")
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 256
     assert window["meter"].peak_reserved_bytes <= budget  # no step of the real training went past it
+
+
+def test_the_readme_example_gpuopt_fits_a_simulated_t4(tmp_path):
+    """README, "SimulatedGpu": a user's test of their own GpuOpt setup in CPU CI."""
+    model = make_model("mlp", num_samples=512, batch_size=16)
+    with SimulatedGpu("T4", memory="256MiB") as gpu:
+        trainer = Trainer(accelerator="cpu", max_steps=5, default_root_dir=tmp_path, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          callbacks=[GpuOpt("fill-memory", amp="auto")])  # fmt: skip
+        trainer.fit(model)
+    plan = trainer.callbacks[0].report.memory_fill
+    assert plan.precision == "16-mixed"
+    assert gpu.peak_reserved_bytes <= 256 * MIB
