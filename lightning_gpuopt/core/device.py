@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 import torch
 
 from lightning_gpuopt.core.memory import LiveTensorTracker, MemoryBudget, _host_memory_bytes, storage_bytes
+from lightning_gpuopt.core.op_memory import AllocationWindow
 
 #: cuBLAS keeps one workspace per handle and stream, allocated through the caching allocator:
 #: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from compute capability 9.0 on (torch's defaults)
@@ -95,19 +96,44 @@ class Capabilities:
                    cublas_workspace_bytes=cublas_workspace_bytes(capability))  # fmt: skip
 
 
-class PeakMeter(Protocol):
-    """Measures the peak of a span: ``start()`` ... ``stop()`` (or ``with``)."""
+class SpanMeter:
+    """What every meter shares: peaks of a span between :meth:`start` and :meth:`stop`, usable as
+    ``with``; subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
-    peak_bytes: Optional[int]
-    peak_reserved_bytes: Optional[int]
+    def __init__(self) -> None:
+        self.peak_bytes: Optional[int] = None
+        self.peak_reserved_bytes: Optional[int] = None
+        self._running = False
 
-    def start(self) -> None: ...
+    @property
+    def running(self) -> bool:
+        return self._running
 
-    def stop(self) -> Optional[int]: ...
+    def start(self) -> None:
+        """Begin measuring (a running meter restarts)."""
+        self.stop()
+        self._begin()
+        self._running = True
 
-    def __enter__(self) -> "PeakMeter": ...
+    def stop(self) -> Optional[int]:
+        """Stop measuring; the peak in bytes (``None`` if never started)."""
+        if self._running:
+            self._running = False
+            self._end()
+        return self.peak_bytes
 
-    def __exit__(self, *exc_info: Any) -> None: ...
+    def _begin(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every meter defines it
+
+    def _end(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every meter defines it
+
+    def __enter__(self) -> "SpanMeter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
 
 
 class Event(Protocol):
@@ -185,13 +211,13 @@ class Device:
         of ``existing`` on the host; everything reserved on a CUDA card)."""
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> PeakMeter:
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         """A meter of the peak of a span, counting ``existing``'s tensors and ``baseline_bytes`` on the
         host (a card's allocator counts everything it holds)."""
         return _TrackerMeter(LiveTensorTracker(existing=existing, device=self.torch_device,
                                                baseline_bytes=baseline_bytes))  # fmt: skip
 
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> PeakMeter:
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         """A meter whose span raises ``torch.OutOfMemoryError`` past ``max_bytes`` (host: a
         :class:`~lightning_gpuopt.core.memory.MemoryBudget` counting ``existing`` too)."""
         return _TrackerMeter(MemoryBudget(max_bytes, existing=existing, device=self.torch_device,
@@ -217,37 +243,19 @@ class HostDevice(Device):
     """The CPU: host RAM, memory counted at the host allocator."""
 
 
-class _TrackerMeter:
-    """A :class:`LiveTensorTracker` (or budget) as a :class:`PeakMeter`."""
+class _TrackerMeter(SpanMeter):
+    """A :class:`LiveTensorTracker` (or budget) as a meter."""
 
     def __init__(self, tracker: LiveTensorTracker) -> None:
+        super().__init__()
         self.tracker = tracker
-        self.peak_bytes: Optional[int] = None
-        self.peak_reserved_bytes: Optional[int] = None
-        self._running = False
 
-    @property
-    def running(self) -> bool:
-        return self._running
-
-    def start(self) -> None:
-        self.stop()
+    def _begin(self) -> None:
         self.tracker.__enter__()
-        self._running = True
 
-    def stop(self) -> Optional[int]:
-        if self._running:
-            self._running = False
-            self.tracker.__exit__(None, None, None)
-            self.peak_bytes = self.tracker.peak_bytes
-        return self.peak_bytes
-
-    def __enter__(self) -> "_TrackerMeter":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
+    def _end(self) -> None:
+        self.tracker.__exit__(None, None, None)
+        self.peak_bytes = self.tracker.peak_bytes
 
 
 # ----------------------------------------------------------------------------- real CUDA (thin)
@@ -286,10 +294,10 @@ class CudaDevice(Device):
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
         return self.free_memory() + self.reserved_memory()
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> PeakMeter:
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _CudaPeakMeter(self)
 
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> PeakMeter:
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _CudaCapMeter(self, max_bytes)
 
     def empty_cache(self) -> None:
@@ -307,7 +315,7 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.torch_device)
 
 
-class _CudaPeakMeter:
+class _CudaPeakMeter(SpanMeter):
     """The peak allocated between start and stop, from the profiler's allocator events (the
     allocated bytes at start plus the largest running sum of the span's allocations and frees),
     so ``reset_peak_memory_stats`` is never called. Reserved memory only grows between
@@ -316,47 +324,23 @@ class _CudaPeakMeter:
     (an upper bound of the span's peak)."""
 
     def __init__(self, device: CudaDevice) -> None:
+        super().__init__()
         self.device = device
-        self.peak_bytes: Optional[int] = None
-        self.peak_reserved_bytes: Optional[int] = None
-        self._window: Optional[Any] = None
+        self._window = AllocationWindow("cuda", device.index)
         self._start: tuple[int, int] = (0, 0)
-        self._running = False
 
-    @property
-    def running(self) -> bool:
-        return self._running
-
-    def start(self) -> None:
-        from lightning_gpuopt.core.op_memory import AllocationWindow
-
-        self.stop()
+    def _begin(self) -> None:
         self._start = (self.device.allocated_memory(), self.device.reserved_memory())
-        self._window = AllocationWindow("cuda", self.device.index)
         self._window.__enter__()
-        self._running = True
 
-    def stop(self) -> Optional[int]:
-        if not self._running:
-            return self.peak_bytes
-        self._running = False
-        window, self._window = self._window, None
-        assert window is not None
-        window.__exit__(None, None, None)
+    def _end(self) -> None:
+        self._window.__exit__(None, None, None)
         allocated, reserved = self._start
-        if window.peak_delta_bytes is None:
+        if self._window.peak_delta_bytes is None:
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device.torch_device))
         else:
-            self.peak_bytes = allocated + window.peak_delta_bytes
+            self.peak_bytes = allocated + self._window.peak_delta_bytes
         self.peak_reserved_bytes = max(reserved, self.device.reserved_memory())
-        return self.peak_bytes
-
-    def __enter__(self) -> "_CudaPeakMeter":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
 
 
 class _CudaCapMeter(_CudaPeakMeter):
@@ -368,15 +352,15 @@ class _CudaCapMeter(_CudaPeakMeter):
         self.max_bytes = max_bytes
         self._fraction: Optional[float] = None
 
-    def start(self) -> None:
+    def _begin(self) -> None:
         self._fraction = torch.cuda.get_per_process_memory_fraction(self.device.torch_device)
         fraction = min(1.0, self.max_bytes / self.device.total_memory())
         torch.cuda.set_per_process_memory_fraction(fraction, self.device.torch_device)
-        super().start()
+        super()._begin()
 
-    def stop(self) -> Optional[int]:
+    def _end(self) -> None:
         try:
-            return super().stop()
+            super()._end()
         finally:
             if self._fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(self._fraction, self.device.torch_device)

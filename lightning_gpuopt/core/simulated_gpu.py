@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_gpuopt.core.allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
-from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
+from lightning_gpuopt.core.device import Capabilities, Device, HostEvent, SpanMeter
 from lightning_gpuopt.core.memory import _real_host_call, _storage_of, collect_tensors
 from lightning_gpuopt.core.op_memory import OpAllocations, call_learning_allocations
 
@@ -326,45 +326,34 @@ class SimulatedCudaDevice(Device):
         return HostEvent()
 
 
-class SimulatedPeakMeter:
+class SimulatedPeakMeter(SpanMeter):
     """A window over the simulated allocator; with ``cap_bytes`` the allocator may reserve at most
     that much inside it (as ``set_per_process_memory_fraction``). ``existing`` tensors not on the
     card yet are moved to it (counted) at start."""
 
     def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), cap_bytes: Optional[int] = None):
+        super().__init__()
         self.device = device
         self.existing = tuple(existing)
         self.cap_bytes = cap_bytes
-        self.peak_bytes: Optional[int] = None
-        self.peak_reserved_bytes: Optional[int] = None
         self._window: Optional[PeakWindow] = None
         self._limit: Optional[int] = None
 
-    @property
-    def running(self) -> bool:
-        return self._window is not None
-
-    def start(self) -> None:
-        self.stop()
+    def _begin(self) -> None:
         allocator = self.device.allocator
         if self.cap_bytes is not None:
             self._limit = allocator.limit_bytes
             allocator.limit_bytes = min(allocator.limit_bytes, int(self.cap_bytes))
         self._window = allocator.open_window()
-        self.device.memory.adopt(*self.existing)
+        try:
+            self.device.memory.adopt(*self.existing)
+        except BaseException:
+            self._end()
+            raise
 
-    def stop(self) -> Optional[int]:
+    def _end(self) -> None:
         if self._window is not None:
             window, self._window = self.device.allocator.close_window(self._window), None
             self.peak_bytes, self.peak_reserved_bytes = window.peak_allocated_bytes, window.peak_reserved_bytes
         if self._limit is not None:
             self.device.allocator.limit_bytes, self._limit = self._limit, None
-        return self.peak_bytes
-
-    def __enter__(self) -> "SimulatedPeakMeter":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
-
