@@ -242,7 +242,7 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
 
 def run_estimate(args: argparse.Namespace) -> int:
     """``gpuopt estimate``: the :class:`~lightning_gpuopt.core.estimate.MemoryEstimate` of one model."""
-    from lightning_gpuopt.core.estimate import estimate_memory
+    from lightning_gpuopt.core.estimate import estimate_memory, learn_workspaces
     from lightning_gpuopt.core.loader import batch_samples
     from lightning_gpuopt.core.report import to_dict
 
@@ -257,6 +257,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
     trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=_step_context(device, args.precision))
+    # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
+    trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
+                                           step_context=trace["step_context"])  # fmt: skip
     estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
     estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])

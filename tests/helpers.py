@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from lightning import Callback, LightningModule
@@ -163,3 +163,84 @@ class BatchRecorder(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.first_values.extend(batch[0][:, 0].tolist())
+
+
+#: the name of the profiler range :func:`profiler_peak_bytes` records when an ``existing`` storage dies
+_FREED_MARKER = "profiler_peak_bytes.freed"
+
+
+def profiler_peak_bytes(fn: Callable[[], Any], existing: Iterable[Any] = ()) -> int:
+    """The host allocator's peak while ``fn()`` runs, as the torch profiler records it, plus the
+    storage bytes of ``existing`` (tensors alive before the window: model, optimizer, batch).
+
+    An independent measurement: every allocation and free the CPU allocator serves inside the
+    window (``profile_memory=True``, kernel workspaces included), summed in time order. The
+    profiler does not report the free of a block it did not see allocated ("Memory block of unknown
+    size was allocated before the profiling started"), e.g. a gradient of the previous step freed by
+    ``zero_grad(set_to_none=True)``, and reports it with a stale size when it saw another block at
+    that address in an earlier profile. So only frees of blocks allocated inside the window are
+    taken from the allocator's events, and the death of each storage of ``existing`` is marked in
+    the profile (a ``record_function`` range from a weak-reference callback) and counted as its free.
+
+    Example::
+
+        >>> weights = torch.zeros(1000)                       # 4000 bytes, alive before the window
+        >>> def work():
+        ...     a = torch.ones(500); del a                    # 2000 bytes, freed
+        ...     return torch.ones(1000).exp()                 # 4000 + 4000 bytes at once
+        >>> profiler_peak_bytes(work, existing=[weights])
+        12000
+    """
+    import gc
+    import weakref
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lightning_gpuopt.core.memory import collect_tensors
+
+    before: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for tensor in collect_tensors(*existing):
+        storage = tensor.untyped_storage()
+        before.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+
+    def freed(data_ptr: int) -> Callable[[Any], None]:
+        def mark(_reference: Any) -> None:
+            with record_function(f"{_FREED_MARKER} {data_ptr}"):
+                pass
+
+        return mark
+
+    gc.collect()  # garbage of earlier work must not be freed (and counted) inside the window
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        references = [weakref.ref(storage, freed(data_ptr)) for data_ptr, (storage, _) in before.items()]
+        sizes = {data_ptr: num_bytes for data_ptr, (_, num_bytes) in before.items()}
+        before.clear()  # the window holds no reference of its own
+        fn()
+    del references
+    events: list[tuple[int, int, int, bool]] = []  # (time, signed bytes, data pointer, a death marker)
+
+    def collect(nodes: Any) -> None:
+        for event in nodes:
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+                events.append((event.start_time_ns, int(event.extra_fields.alloc_size), event.extra_fields.ptr, False))
+            elif event.name.startswith(_FREED_MARKER):
+                data_ptr = int(event.name.split()[-1])
+                events.append((event.start_time_ns, -sizes[data_ptr], data_ptr, True))
+            collect(event.children)
+
+    collect(prof.profiler.kineto_results.experimental_event_tree())
+    live = peak = sum(sizes.values())
+    allocated: dict[int, int] = {}  # blocks allocated inside the window, by address
+    for _, size, data_ptr, marker in sorted(events, key=lambda event: event[0]):  # stable: ties keep tree order
+        if marker:
+            live += size
+        elif size > 0:
+            allocated[data_ptr] = size
+            live += size
+        elif data_ptr in allocated:
+            live -= allocated.pop(data_ptr)
+        # else: the free of a block from before the window. Its size in the profiler can be stale (an
+        # address the profiler saw earlier, reused since); ``existing`` blocks are counted by marker
+        peak = max(peak, live)
+    return peak

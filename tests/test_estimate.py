@@ -11,16 +11,26 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import profiler_peak_bytes
 from lightning.pytorch.loggers import CSVLogger
 from models_memory import ClassifierModule, make_model
 
 from lightning_gpuopt.callbacks.memory_estimator import METRIC_PREFIX, MemoryEstimator
 from lightning_gpuopt.core import estimate as estimate_module
-from lightning_gpuopt.core.estimate import MemoryEstimate, estimate_memory, optimizer_state_rule_bytes
-from lightning_gpuopt.core.memory import storage_bytes
+from lightning_gpuopt.core import workspace as workspace_module
+from lightning_gpuopt.core.estimate import (
+    MemoryEstimate,
+    estimate_memory,
+    learn_workspaces,
+    optimizer_state_rule_bytes,
+    trace_training_step,
+)
+from lightning_gpuopt.core.memory import LiveTensorTracker, storage_bytes
 from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
 
-TOLERANCE = 0.10
+TOLERANCE = 0.05
+#: the predicted peak against the host allocator's peak as the torch profiler records it
+ALLOCATOR_TOLERANCE = 0.05
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +61,8 @@ class RMSpropClassifier(ClassifierModule):
 
 
 @pytest.mark.parametrize("batch_size", [4, 16, 48])
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
-def test_traced_estimate_is_within_ten_percent_of_the_measured_peak(name, batch_size):
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "decoder", "unet"])
+def test_traced_estimate_is_within_tolerance_of_the_measured_peak(name, batch_size):
     estimator = MemoryEstimator(measure_steps=3)
     fit(make_model(name), batch_size, estimator)
     estimate = estimator.estimate
@@ -68,6 +78,152 @@ def test_traced_estimate_is_within_ten_percent_of_the_measured_peak(name, batch_
     assert estimate.torchinfo_error == pytest.approx(
         (estimate.torchinfo_total_bytes - estimate.measured_peak_bytes) / estimate.measured_peak_bytes
     )
+
+
+def steady_state_step(name: str, batch_size: int) -> tuple:
+    """A model, its optimizer, a batch, ``training_step`` as a loss function and one training step
+    in Lightning's order (forward, ``zero_grad(set_to_none=True)``, backward, optimizer step)."""
+    model = make_model(name, num_samples=batch_size)
+    model.log = lambda *args, **kwargs: None  # outside a Trainer there is nothing to log to
+    optimizer = model.configure_optimizers()
+    batch = next(iter(model.loader(batch_size)))
+
+    def loss_fn(b):
+        return model.training_step(b, 0)
+
+    def step() -> None:
+        loss = loss_fn(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return model, optimizer, batch, loss_fn, step
+
+
+@pytest.mark.parametrize("batch_size", [8, 48])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "decoder", "unet"])
+def test_predicted_peak_is_within_five_percent_of_the_profilers_allocator_peak(name, batch_size):
+    # 8: the workspace probe runs at the batch itself; 48: at 16, its workspaces scaled up 3x.
+    # "decoder" and "unet" are held out: the estimate was not tuned on them
+    model, optimizer, batch, loss_fn, step = steady_state_step(name, batch_size)
+    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
+    assert estimate.method == "traced"
+
+    step(), step()  # the steady state: the previous step's gradients and optimizer state are alive
+    truth = profiler_peak_bytes(step, existing=(model, optimizer, batch))
+    error = (estimate.predicted_peak_bytes - truth) / truth
+    print(f"\n{name} B={batch_size}: predicted {estimate.predicted_peak_bytes} profiler {truth} error {error:+.4f} "
+          f"(workspaces {estimate.workspace_bytes})")
+    assert abs(error) <= ALLOCATOR_TOLERANCE
+    if name in ("cnn", "unet"):  # oneDNN convolutions and BatchNorm's backward allocate inside their kernels
+        assert estimate.workspace_bytes > 0.05 * truth
+        note = next(note for note in estimate.notes if note.startswith("kernel workspaces learned"))
+        assert note.endswith(f"{estimate.workspace_bytes} bytes of the predicted peak")
+        assert f"at batch size {min(batch_size, 16)}" in note
+
+
+@pytest.mark.parametrize("name", ["cnn", "unet"])
+def test_the_line_predicts_the_profilers_peak_at_four_times_the_batch(name):
+    model, optimizer, batch, loss_fn, _ = steady_state_step(name, 12)
+    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=12)
+    *_, step_at_48 = (large := steady_state_step(name, 48))
+    step_at_48(), step_at_48()
+    truth = profiler_peak_bytes(step_at_48, existing=large[:3])
+    predicted = estimate.fixed_bytes + 48 * estimate.bytes_per_sample
+    assert abs(predicted - truth) / truth <= ALLOCATOR_TOLERANCE
+
+
+def test_the_profiler_peak_counts_the_free_of_a_gradient_from_before_the_window():
+    model, x = torch.nn.Linear(1000, 1000), torch.randn(8, 1000)
+    model(x).sum().backward()  # gradients allocated before the window: the profiler never saw them
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    truth = profiler_peak_bytes(step, existing=(model, x))
+    with LiveTensorTracker(existing=(model, x)) as tracker:  # counts storages and workspaces itself
+        step()
+    assert truth == tracker.peak_bytes
+    assert truth < storage_bytes(model, x) + 100_000  # the old gradients are gone when the new ones come
+
+
+def test_the_workspace_probe_touches_no_parameter_gradient_hook_statistic_or_rng():
+    model, optimizer, batch, loss_fn, _ = steady_state_step("unet", 32)
+    hooked = []
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(hooked.append)  # as DDP's reducer does
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    profile = learn_workspaces(model, loss_fn, batch, batch_size=32)
+
+    assert profile.learned and profile.batch_size == 16 and profile.workspace_calls > 0
+    assert hooked == [] and all(param.grad is None for param in model.parameters())
+    assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())  # BatchNorm stats too
+    assert torch.equal(torch.get_rng_state(), rng) and optimizer.state == {}
+
+
+def test_a_profile_learned_once_serves_every_traced_batch_size():
+    model, optimizer, batch, loss_fn, _ = steady_state_step("cnn", 8)
+    profile = learn_workspaces(model, loss_fn, batch, batch_size=8)
+    trace = dict(optimizer=optimizer, batch_size=8)
+    plain = trace_training_step(model, loss_fn, batch, trace_batch_size=64, **trace)
+    with_workspaces = trace_training_step(model, loss_fn, batch, trace_batch_size=64, workspaces=profile, **trace)
+    assert plain.workspace_bytes == 0 and with_workspaces.workspace_bytes > 0
+    assert plain.peak_bytes < with_workspaces.peak_bytes <= plain.peak_bytes + with_workspaces.workspace_bytes
+    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=profile)
+    assert estimate.workspace_bytes > 0 and estimate.predicted_peak_bytes > estimate_memory(
+        model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=False).predicted_peak_bytes
+
+
+class LstmClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(500, 32)
+        self.lstm = torch.nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embedding(tokens))[0][:, -1])
+
+
+@pytest.mark.parametrize("batch_size", [8, 32])
+def test_an_output_the_real_kernel_makes_larger_than_the_fake_one_counts_at_its_real_size(batch_size):
+    # oneDNN's LSTM layer returns a workspace, saved for backward, that its meta kernel gives 0 elements:
+    # without it the traced peak was a third of the allocator's
+    torch.manual_seed(0)
+    model = LstmClassifier()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = (torch.randint(0, 500, (batch_size, 24)), torch.randint(0, 10, (batch_size,)))
+
+    def loss_fn(b):
+        return torch.nn.functional.cross_entropy(model(b[0]), b[1])
+
+    def step() -> None:
+        loss = loss_fn(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
+    step(), step()
+    truth = profiler_peak_bytes(step, existing=(model, optimizer, batch))
+    assert estimate.workspace_bytes > 0.3 * truth
+    assert abs(estimate.predicted_peak_bytes - truth) / truth <= ALLOCATOR_TOLERANCE
+
+
+def test_workspaces_are_not_counted_under_another_profiler_and_the_notes_say_so():
+    model, optimizer, batch, loss_fn, _ = steady_state_step("cnn", 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8)
+    assert estimate.method == "traced" and estimate.workspace_bytes == 0
+    assert any(note.startswith("kernel workspaces not counted (another profiler is running)") for note in estimate.notes)
+
+
+def test_no_workspace_probe_off_the_host():
+    model = torch.nn.Linear(4, 4, device="meta")  # as on CUDA: the host's kernels say nothing about the device's
+    assert learn_workspaces(model, lambda x: model(x).sum(), torch.ones(2, 4, device="meta"), batch_size=2) is None
 
 
 def test_the_line_predicts_a_four_times_larger_batch_and_its_max_batch_size():
@@ -252,6 +408,7 @@ def test_bad_constructor_arguments_fail_early(kwargs, argument):
 
 def test_module_examples_run():
     assert doctest.testmod(estimate_module).failed == 0
+    assert doctest.testmod(workspace_module).failed == 0
 
 
 def test_each_ddp_rank_estimates_its_own_without_deadlock(tmp_path):

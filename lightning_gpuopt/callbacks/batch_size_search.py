@@ -85,6 +85,7 @@ from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     _restored_attributes,
     estimate_memory,
+    learn_workspaces,
     refine_near_capacity,
     trace_training_step,
     with_accumulation,
@@ -349,6 +350,9 @@ class BatchSizeSearch(Callback):
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
             )
+            # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
+            trace["workspaces"] = learn_workspaces(pl_module, _loss_function(pl_module), batch,
+                                                   batch_size=trace["batch_size"], step_context=trace["step_context"])
             estimate = estimate_memory(pl_module, _loss_function(pl_module), batch, capacity_bytes=budget, **trace)
             if estimate.method != "traced":
                 return None, None, [f"the step could not be traced ({estimate.method}); started at your batch size"]

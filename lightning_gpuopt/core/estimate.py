@@ -18,12 +18,23 @@ predicts the peak by *running* the step on fake tensors:
    ``bytes(b) = fixed_bytes + bytes_per_sample * b``, and so the largest batch that fits a
    capacity.
 
-What the trace cannot see: buffers that kernels allocate internally (cuDNN/cuBLAS workspaces,
-oneDNN reorders on CPU), the CUDA context, and memory held outside the step (e.g. DDP's gradient
-buckets, which :func:`with_untraced_bytes` adds).
+What a fake trace cannot see is the memory kernels allocate and free inside themselves: on CPU,
+oneDNN's reorders around each convolution (as large as its output), BatchNorm backward's
+temporaries, scratch buffers -- a quarter of a small CNN's peak. On a module on the host,
+:func:`learn_workspaces` runs one real forward and backward at a small batch (at most
+:data:`~lightning_gpuopt.core.workspace.PROBE_BATCH_SIZE` samples) on copies of the parameters and
+buffers, learns what each op call needs beyond its outputs from the profiler's allocator events
+(:mod:`.op_memory`), and the trace adds each call's workspace, scaled to the traced call's inputs,
+while that call runs, and counts the outputs some real kernels make larger than their fake twins
+(oneDNN's LSTM workspace) at the real size (:mod:`.workspace`); :attr:`MemoryEstimate.notes` and
+:attr:`MemoryEstimate.workspace_bytes` say how much of the predicted peak that is. On
+CUDA the host's kernels say nothing about cuDNN's and cuBLAS's workspaces: they, the CUDA context
+and memory held outside the step (e.g. DDP's gradient buckets, which :func:`with_untraced_bytes`
+adds) are not traced.
 
-Nothing real is allocated or changed: module attributes, parameters, buffers and the RNG state
-are restored after the trace. A step that needs real values (``.item()``, data-dependent control
+The trace allocates nothing real, and nothing is changed: module attributes, parameters,
+buffers, gradients and the RNG state are as before (the probe's own allocations, on the host, are
+freed when it ends). A step that needs real values (``.item()``, data-dependent control
 flow, ops without a fake implementation) cannot be traced; :func:`estimate_memory` then falls
 back to torchinfo's figures plus parameters, gradients and a rule for the optimizer state
 (Adam/AdamW: 2x the trainable parameters, 3x with ``amsgrad``; SGD with momentum: 1x, without: 0),
@@ -58,7 +69,9 @@ import torchinfo
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, LiveTensorTracker, storage_bytes
+from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, storage_bytes
+from lightning_gpuopt.core.op_memory import learning_possible
+from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -75,6 +88,9 @@ class TracedStep:
     optimizer_bytes: int
     batch_bytes: int
     seconds: float
+    #: kernel memory in the peak, learned by a probe (:func:`learn_workspaces`): workspaces, and
+    #: outputs the real kernels make larger than the fake ones
+    workspace_bytes: int = 0
 
 
 @dataclass
@@ -98,7 +114,8 @@ class MemoryEstimate:
 
     ``predicted_peak_bytes`` = ``params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
     batch_bytes + untraced_bytes + activation_bytes``, where ``activation_bytes`` is everything else live at the
-    peak (saved activations, temporaries). Errors are relative and signed:
+    peak (saved activations, temporaries, and the ``workspace_bytes`` that kernels allocate inside
+    themselves, learned on the host by :func:`learn_workspaces`). Errors are relative and signed:
     ``(predicted - measured) / measured``, positive when the prediction is too high.
     """
 
@@ -117,6 +134,9 @@ class MemoryEstimate:
     batch_bytes: int = 0
     #: memory the real step holds outside the traced one (DDP's gradient buckets)
     untraced_bytes: int = 0
+    #: kernel workspaces in the predicted peak (part of ``activation_bytes``; 0 where not learned:
+    #: not on the host, or another profiler was running)
+    workspace_bytes: int = 0
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
@@ -230,13 +250,17 @@ def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.T
 
 
 @contextlib.contextmanager
-def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, torch.Tensor]]:
-    """Inside the block ``module`` holds fake twins of its tensors; yields real id -> twin."""
+def _twinned_module(
+    module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block ``module`` holds ``make(tensor)`` twins of its parameters and buffers (one
+    per tensor: tied weights stay tied), its attributes and the RNG state are restored after it;
+    yields real id -> twin."""
     twin_of: dict[int, torch.Tensor] = {}
 
     def twin(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in twin_of:
-            twin_of[id(tensor)] = mode.from_tensor(tensor)
+            twin_of[id(tensor)] = make(tensor)
         return twin_of[id(tensor)]
 
     device = _module_device(module)
@@ -245,7 +269,92 @@ def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict
         yield twin_of
 
 
+def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> ContextManager[dict[int, torch.Tensor]]:
+    """Inside the block ``module`` holds fake twins of its tensors; yields real id -> twin."""
+    return _twinned_module(module, mode.from_tensor)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy (same values, strides and ``requires_grad``; a parameter stays a parameter)."""
+    copy = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
+
+
+def _sliced(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
+    """``batch`` with each tensor whose first dimension is ``batch_size`` cut to its first
+    ``new_batch_size`` rows (views of the real data)."""
+
+    def sliced(value: Any) -> Any:
+        is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
+        return value[:new_batch_size] if new_batch_size is not None and is_batched else value
+
+    return tree_map(sliced, batch)
+
+
 # ----------------------------------------------------------------------------- tracing
+
+
+def _on_host(*objects: Any) -> bool:
+    """Whether every tensor of ``objects`` (modules: parameters and buffers) is a host tensor."""
+    for obj in objects:
+        tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tree_leaves(obj)
+        if any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors):
+            return False
+    return True
+
+
+def learn_workspaces(
+    module: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    batch_size: int | None = None,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    probe_batch_size: int = PROBE_BATCH_SIZE,
+) -> WorkspaceProfile | None:
+    """What each op call of a training step allocates inside its kernel, from one real forward and
+    backward pass on the host at ``min(batch_size, probe_batch_size)`` samples.
+
+    The pass runs on copies of the parameters and buffers (the model's own, their gradients and
+    hooks -- DDP's among them --, BatchNorm's running statistics and the optimizer are not touched;
+    attributes and the RNG state are restored) and on the first rows of ``batch``; the optimizer
+    does not step (its kernels allocate nothing beyond their outputs). It allocates on the host a
+    copy of the parameters and buffers and what a real step at that batch size does, without
+    optimizer state, and frees it all on return.
+
+    Returns ``None`` where the probe does not apply: tensors off the host (on CUDA, cuDNN and
+    cuBLAS choose their own workspaces; this is the one place that decides), and a
+    :class:`~lightning_gpuopt.core.workspace.WorkspaceProfile` with ``failure`` set when it could
+    not run (another profiler running, the step raised).
+
+    Example::
+
+        >>> conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> stats = conv[1].running_mean.clone()
+        >>> profile = learn_workspaces(conv, lambda x: conv(x).sum(), torch.randn(64, 3, 16, 16), batch_size=64)
+        >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
+        (16, True, True)
+    """
+    if not _on_host(module, batch):
+        return None
+    probe_size = None if batch_size is None else max(1, min(batch_size, probe_batch_size))
+    if not learning_possible():
+        return WorkspaceProfile(batch_size=probe_size, failure="another profiler is running")
+    start = time.perf_counter()
+    small_batch = _sliced(batch, batch_size, probe_size)
+    try:
+        with _twinned_module(module, _host_copy), WorkspaceRecorder() as recorder:
+            with step_context():
+                loss = loss_fn(small_batch)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+            loss.backward()
+            del loss
+    except Exception as error:  # noqa: BLE001 - without a probe the trace counts no workspaces
+        return WorkspaceProfile(batch_size=probe_size, seconds=time.perf_counter() - start, failure=_first_line(error))
+    return WorkspaceProfile(tuple(recorder.calls), probe_size, time.perf_counter() - start)
 
 
 def trace_training_step(
@@ -258,6 +367,7 @@ def trace_training_step(
     trace_batch_size: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     steps: int = 2,
+    workspaces: WorkspaceProfile | None = None,
 ) -> TracedStep:
     """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
 
@@ -271,6 +381,9 @@ def trace_training_step(
         step_context: a context manager factory the forward pass runs in (e.g. autocast).
         steps: how many steps to trace; from the second one on gradients and optimizer state of
             the previous step are alive, as in a real training loop.
+        workspaces: kernel memory learned by :func:`learn_workspaces`: each traced op call holds
+            its workspace while it runs, its outputs count what the real kernel allocates for them
+            (``None``: none counted).
 
     Raises:
         Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
@@ -291,9 +404,12 @@ def trace_training_step(
     with _fake_module(module, mode) as twin_of:
         fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
         params = list(module.parameters())
-        with mode, LiveTensorTracker(existing=(module, fake_batch), granularity=granularity, workspaces=False) as tracker:
+        learned = workspaces if workspaces is not None and workspaces.learned else None
+        with mode, WorkspaceTracker(learned, existing=(module, fake_batch), granularity=granularity) as tracker:
             twin_optimizer = None if optimizer is None else _twin_optimizer(optimizer, twin_of)
-            for _ in range(steps):
+            for step in range(steps):
+                if step:
+                    tracker.next_step()
                 with step_context():
                     loss = loss_fn(fake_batch)
                 if not isinstance(loss, torch.Tensor):
@@ -313,6 +429,7 @@ def trace_training_step(
                 optimizer_bytes=0 if twin_optimizer is None else storage_bytes(twin_optimizer, granularity=granularity),
                 batch_bytes=storage_bytes(fake_batch, granularity=granularity),
                 seconds=0.0,
+                workspace_bytes=tracker.workspace_bytes_at_peak,
             )
     figures.seconds = time.perf_counter() - start
     return figures
@@ -547,8 +664,9 @@ def _traced_estimate(
     optimizer: torch.optim.Optimizer | None,
     batch_size: int | None,
     step_context: Callable[[], ContextManager[Any]],
+    workspaces: WorkspaceProfile | None,
 ) -> tuple[MemoryEstimate, float]:
-    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context)
+    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces)
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None
@@ -569,10 +687,33 @@ def _traced_estimate(
         batch_size=batch_size,
         buffers_bytes=at_batch.buffers_bytes,
         batch_bytes=at_batch.batch_bytes,
+        workspace_bytes=at_batch.workspace_bytes,
         fixed_bytes=fixed,
         bytes_per_sample=per_sample,
+        notes=workspace_notes(workspaces, at_batch),
     )
     return estimate, seconds
+
+
+def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
+    """What :attr:`MemoryEstimate.notes` says about kernel workspaces in ``traced`` (none where the
+    probe does not apply).
+
+    Example::
+
+        >>> traced = TracedStep(32, 5000, 0, 0, 0, 0, 0, 0.0, workspace_bytes=1200)
+        >>> workspace_notes(WorkspaceProfile((), batch_size=16), traced)[0][:60]
+        'kernel workspaces learned from a real forward and backward p'
+    """
+    if workspaces is None:
+        return []
+    if not workspaces.learned:
+        return [f"kernel workspaces not counted ({workspaces.failure}): the predicted peak leaves out what "
+                "kernels allocate inside themselves (e.g. oneDNN reorders)"]  # fmt: skip
+    at = "" if workspaces.batch_size is None else f" at batch size {workspaces.batch_size}"
+    return [f"kernel workspaces learned from a real forward and backward pass on the host{at} "
+            f"({workspaces.workspace_calls} of {len(workspaces.calls)} op calls allocate more than the fake trace "
+            f"sees, {workspaces.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"]  # fmt: skip
 
 
 def _fallback_estimate(
@@ -621,10 +762,12 @@ def estimate_memory(
     forward_input: Any = None,
     capacity_bytes: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    workspaces: WorkspaceProfile | bool | None = True,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
 
-    Traces the step at ``batch_size`` and ``2 * batch_size`` (see :func:`trace_training_step`);
+    Traces the step at ``batch_size`` and ``2 * batch_size`` (see :func:`trace_training_step`),
+    with the kernel workspaces of a module on the host learned first (:func:`learn_workspaces`);
     when it cannot be traced, falls back to torchinfo's figures and says why in ``notes``.
 
     Args:
@@ -637,6 +780,9 @@ def estimate_memory(
             resized to ``batch_size`` along the first dimension of its tensors.
         capacity_bytes: the memory to plan with, for :attr:`MemoryEstimate.max_batch_size`.
         step_context: a context manager factory the forward pass runs in (e.g. autocast).
+        workspaces: ``True``: learn the kernel workspaces with :func:`learn_workspaces` where it
+            applies (a module on the host); a profile it returned (to trace more batch sizes with
+            the same one, e.g. :func:`refine_near_capacity`); ``False``/``None``: count none.
 
     Example::
 
@@ -659,8 +805,12 @@ def estimate_memory(
             )
         except Exception as error:  # noqa: BLE001 - a summary is optional
             notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
+    if workspaces is True:
+        workspaces = learn_workspaces(module, loss_fn, batch, batch_size=batch_size, step_context=step_context)
+    profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
     try:
-        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context)
+        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile)
+        trace_seconds += 0.0 if profile is None else profile.seconds
     except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
         notes.append(f"the training step could not be traced on fake tensors ({_first_line(error)}); "
                      "the estimate uses torchinfo's figures and is less accurate")  # fmt: skip
