@@ -242,6 +242,8 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
 
 def run_estimate(args: argparse.Namespace) -> int:
     """``gpuopt estimate``: the :class:`~lightning_gpuopt.core.estimate.MemoryEstimate` of one model."""
+    import torch
+
     from lightning_gpuopt.core.estimate import estimate_memory, learn_workspaces
     from lightning_gpuopt.core.loader import batch_samples
     from lightning_gpuopt.core.report import to_dict
@@ -251,15 +253,18 @@ def run_estimate(args: argparse.Namespace) -> int:
     cls = import_class(args.target)
     module = _instantiate(cls, args.init_args, args.target)
     setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
-    module = _prepare_module(module, device, args.precision)
-    batch, loss_fn, forward_input = _batch_and_loss(module, args, device, setup)
+    # the model and the batch stay on the host: a CUDA run is traced with fake twins on the card
+    host = torch.device("cpu")
+    module = _prepare_module(module, host, args.precision)
+    batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup)
     setup.batch_size = batch_samples(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
-    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=_step_context(device, args.precision))
+    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=_step_context(device, args.precision),
+                 device=device)  # fmt: skip
     # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
     trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
-                                           step_context=trace["step_context"])  # fmt: skip
+                                           step_context=trace["step_context"], device=device)  # fmt: skip
     estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
     estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
@@ -709,7 +714,7 @@ def refined_near_capacity(estimate: Any, module: Any, loss_fn: Any, batch: Any, 
         return estimate
     refined = refine_near_capacity(
         lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
-        first, estimate.capacity_bytes,
+        first, estimate.capacity_bytes, estimate.untraced_bytes,
     )  # fmt: skip
     if refined.fixed_bytes is None:
         return estimate

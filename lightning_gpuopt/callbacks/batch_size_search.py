@@ -360,7 +360,7 @@ class BatchSizeSearch(Callback):
             if buckets:
                 estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
             accumulated = with_accumulation(estimate, trainer.accumulate_grad_batches)
-            extra = buckets + accumulated.untraced_bytes - estimate.untraced_bytes
+            extra = accumulated.untraced_bytes  # what no re-trace sees: buckets, cuBLAS, accumulated gradients
             return _refined(accumulated, pl_module, batch, trace, budget, extra)
         except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
             return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size"]

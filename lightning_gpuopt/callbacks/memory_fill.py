@@ -321,6 +321,7 @@ class MemoryFill(Callback):
                 pl_module, _loss_function(pl_module), batch, optimizer=optimizers[0] if len(optimizers) == 1 else None,
                 batch_size=batch_samples(batch), capacity_bytes=budget,
                 step_context=trainer.strategy.precision_plugin.train_step_context,
+                device=trainer.strategy.root_device,  # traced as on the card: autocast acts there, not on the host
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
             self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")

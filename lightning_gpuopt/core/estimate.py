@@ -69,6 +69,7 @@ import torchinfo
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, storage_bytes
 from lightning_gpuopt.core.op_memory import learning_possible
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
@@ -216,11 +217,17 @@ def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, k
     return tree_map(rebatched, batch)
 
 
-def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` as fake tensors, resized from ``batch_size`` to ``new_batch_size`` rows."""
+def _batch_twin(
+    batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None,
+    device: torch.device | None = None,
+) -> Any:
+    """``batch`` as fake tensors (on ``device`` if given), resized from ``batch_size`` to ``new_batch_size`` rows."""
 
     def keep(value: Any) -> Any:
-        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        if not isinstance(value, torch.Tensor):
+            return value
+        fake = mode.from_tensor(value)
+        return fake if device is None else fake.to(device)
 
     with mode:
         return _rebatched(batch, batch_size, new_batch_size, keep)
@@ -313,6 +320,7 @@ def learn_workspaces(
     batch_size: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     probe_batch_size: int = PROBE_BATCH_SIZE,
+    device: torch.device | str | None = None,
 ) -> WorkspaceProfile | None:
     """What each op call of a training step allocates inside its kernel, from one real forward and
     backward pass on the host at ``min(batch_size, probe_batch_size)`` samples.
@@ -324,7 +332,8 @@ def learn_workspaces(
     copy of the parameters and buffers and what a real step at that batch size does, without
     optimizer state, and frees it all on return.
 
-    Returns ``None`` where the probe does not apply: tensors off the host (on CUDA, cuDNN and
+    Returns ``None`` where the probe does not apply: tensors off the host or a step that will
+    run on another ``device`` than the host (on CUDA, cuDNN and
     cuBLAS choose their own workspaces; this is the one place that decides), and a
     :class:`~lightning_gpuopt.core.workspace.WorkspaceProfile` with ``failure`` set when it could
     not run (another profiler running, the step raised).
@@ -337,8 +346,8 @@ def learn_workspaces(
         >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
         (16, True, True)
     """
-    if not _on_host(module, batch):
-        return None
+    if not _on_host(module, batch) or (device is not None and torch.device(device).type != "cpu"):
+        return None  # the step will run on a card whose kernels are not the host's
     probe_size = None if batch_size is None else max(1, min(batch_size, probe_batch_size))
     if not learning_possible():
         return WorkspaceProfile(batch_size=probe_size, failure="another profiler is running")
@@ -368,6 +377,7 @@ def trace_training_step(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     steps: int = 2,
     workspaces: WorkspaceProfile | None = None,
+    device: torch.device | str | None = None,
 ) -> TracedStep:
     """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
 
@@ -384,6 +394,10 @@ def trace_training_step(
         workspaces: kernel memory learned by :func:`learn_workspaces`: each traced op call holds
             its workspace while it runs, its outputs count what the real kernel allocates for them
             (``None``: none counted).
+        device: the device the step will run on (default: the module's). A CUDA card (real or
+            simulated) counts storages in the caching allocator's 512-byte blocks; a module still on
+            the host for a real CUDA run (e.g. in ``setup``) is traced with fake twins on the card,
+            so autocast does there what it will do in training. Nothing is allocated on it.
 
     Raises:
         Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
@@ -398,11 +412,14 @@ def trace_training_step(
         (True, 0, 400000)
     """
     start = time.perf_counter()
-    device = _module_device(module)
-    granularity = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
+    home = _module_device(module)
+    target = home if device is None else torch.device(device)
+    granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
+    moved = target.type != home.type  # fake twins made on the device the step will run on
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_module(module, mode) as twin_of:
-        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
+    make = (lambda tensor: mode.from_tensor(tensor).to(target)) if moved else mode.from_tensor
+    with _twinned_module(module, make) as twin_of:
+        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size, target if moved else None)
         params = list(module.parameters())
         learned = workspaces if workspaces is not None and workspaces.learned else None
         with mode, WorkspaceTracker(learned, existing=(module, fake_batch), granularity=granularity) as tracker:
@@ -665,8 +682,10 @@ def _traced_estimate(
     batch_size: int | None,
     step_context: Callable[[], ContextManager[Any]],
     workspaces: WorkspaceProfile | None,
+    device: torch.device | str | None = None,
 ) -> tuple[MemoryEstimate, float]:
-    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces)
+    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces,
+                 device=device)  # fmt: skip
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None
@@ -763,6 +782,7 @@ def estimate_memory(
     capacity_bytes: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     workspaces: WorkspaceProfile | bool | None = True,
+    device: torch.device | str | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
 
@@ -783,6 +803,9 @@ def estimate_memory(
         workspaces: ``True``: learn the kernel workspaces with :func:`learn_workspaces` where it
             applies (a module on the host); a profile it returned (to trace more batch sizes with
             the same one, e.g. :func:`refine_near_capacity`); ``False``/``None``: count none.
+        device: the device the step will run on (default: the module's; see
+            :func:`trace_training_step`). On a CUDA card the cuBLAS workspace its matmuls keep is
+            added (32 MiB from Hopper on, 8.1 MiB before).
 
     Example::
 
@@ -806,10 +829,16 @@ def estimate_memory(
         except Exception as error:  # noqa: BLE001 - a summary is optional
             notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
     if workspaces is True:
-        workspaces = learn_workspaces(module, loss_fn, batch, batch_size=batch_size, step_context=step_context)
+        workspaces = learn_workspaces(module, loss_fn, batch, batch_size=batch_size, step_context=step_context,
+                                      device=device)  # fmt: skip
     profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
     try:
-        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile)
+        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile,
+                                                   device)  # fmt: skip
+        card = device_for(device if device is not None else _module_device(module))
+        if card.is_cuda and card.capabilities.cublas_workspace_bytes:
+            estimate = with_untraced_bytes(estimate, card.capabilities.cublas_workspace_bytes,
+                                           "the cuBLAS workspace (kept by the caching allocator)")  # fmt: skip
         trace_seconds += 0.0 if profile is None else profile.seconds
     except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
         notes.append(f"the training step could not be traced on fake tensors ({_first_line(error)}); "
