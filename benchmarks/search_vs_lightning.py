@@ -13,21 +13,37 @@ fit (the search plus one training step, the same for every method), the batch si
 measurement (a fresh model and Trainer running 2 steps inside a fresh ``MemoryBudget(CAP)``).
 Goal: ours <= 1/4 of Lightning's training steps, and within [90%, 100%] of the true largest fit.
 
+On a simulated H100 (``--device simulated-h100``; ``all``, the default, runs both tables): every
+method runs inside an identical fresh ``SimulatedGpu("H100", memory=M)`` (M per model, so that the
+largest fit is a few hundred samples): memory is counted at the simulated card's caching allocator
+(blocks, segments, cache, the 32 MiB cuBLAS workspace) and an OOM is the real
+``torch.OutOfMemoryError`` with CUDA's wording. Ours runs with its defaults (``BatchSizeSearch()``:
+``max_memory=None`` is the card's usable memory, ``margin=0.1``) and with ``margin=0``; Lightning's
+``BatchSizeFinder`` with its defaults (``power``) and ``binsearch``, nothing wrapped. Every found
+size is then checked independently: a fresh model and Trainer, on a fresh card of the same memory,
+train one whole shuffled epoch at that size (``max_epochs=1``, a data set of 3.5x the size: three
+full batches and a short last one), OOM or not; the card's peak reserved and allocated bytes during
+that epoch are reported. The true largest fit is the largest size that trains such an epoch, found
+by bisection over the same (cached) check, seeded with the found sizes' checks.
+
 Usage::
 
-    .venv/bin/python benchmarks/search_vs_lightning.py            # appends a section to RESULTS.md
-    .venv/bin/python benchmarks/search_vs_lightning.py --no-write
+    .venv/bin/python benchmarks/search_vs_lightning.py            # both tables, appends two sections to RESULTS.md
+    .venv/bin/python benchmarks/search_vs_lightning.py --device simulated-h100 --no-write
+    .venv/bin/python benchmarks/search_vs_lightning.py --smoke     # one tiny model on the simulated card
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -39,13 +55,17 @@ from rich.table import Table
 from torch._subclasses.fake_tensor import FakeTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append  # noqa: E402
+from models import ResidualConvNet, TokenTransformer  # noqa: E402
 from models_memory import make_model  # noqa: E402
 
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch  # noqa: E402
 from lightning_gpuopt.core.memory import MemoryBudget, parse_memory  # noqa: E402
 from lightning_gpuopt.core.memory import is_out_of_memory_error  # noqa: E402
+from lightning_gpuopt.core.report import format_bytes  # noqa: E402
+from lightning_gpuopt.testing import SimulatedGpu  # noqa: E402
 
 #: model -> (cap, training samples): caps chosen so the largest fit is tens to a thousand or more
 WORKLOADS = {"mlp": ("16MB", 8192), "cnn": ("60MB", 2048), "transformer": ("60MB", 2048)}
@@ -153,13 +173,257 @@ def run_lightning(name: str, samples: int, cap: int, mode: str) -> dict:
     return dict(trials=trials[0], steps=steps[0] - 1, seconds=seconds, batch=finder.optimal_batch_size)
 
 
+# ----------------------------------------------------------------------------- simulated H100
+
+#: the simulated card every method and every check runs on
+CARD = "H100"
+
+
+@dataclass(frozen=True)
+class SimulatedWorkload:
+    """A model built by ``make(num_samples=..., batch_size=...)`` on a card of ``memory``; the
+    searches see ``samples`` training samples (well above twice the largest fit, so that
+    Lightning's doubling is not stopped by the data set's length)."""
+
+    name: str
+    make: Callable[..., L.LightningModule]
+    memory: str
+    samples: int
+    description: str
+
+
+#: examples/models.py, scaled to a few MB of parameters (x4 with gradients and Adam's two moments), so
+#: that the 32 MiB cuBLAS workspace is not everything, and a largest fit of a few hundred samples
+SIMULATED_WORKLOADS = [
+    SimulatedWorkload("transformer", functools.partial(TokenTransformer, width=128, depth=4), "320MiB", 2048,
+                      "TokenTransformer(width=128, depth=4, seq_len=32), AdamW"),
+    SimulatedWorkload("cnn", functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8), "192MiB", 2048,
+                      "ResidualConvNet(channels=128, depth=2, image_size=8), Adam"),
+]  # fmt: skip
+
+#: the smallest setting (``--smoke``, and the test of this script): the cuBLAS workspace is most of the card
+SMOKE_WORKLOADS = [
+    SimulatedWorkload("tiny-transformer", functools.partial(TokenTransformer, width=32, depth=1, seq_len=16), "40MiB",
+                      1024, "TokenTransformer(width=32, depth=1, seq_len=16), AdamW"),
+]  # fmt: skip
+
+
+@dataclass
+class EpochCheck:
+    """One independent check: a whole shuffled epoch at ``batch_size`` on a fresh card."""
+
+    batch_size: int
+    trains: bool
+    steps: int
+    seconds: float
+    peak_reserved: int
+    peak_allocated: int
+
+
+class EpochChecker:
+    """``check(b)``: does a fresh model train a whole shuffled epoch at batch ``b`` on a fresh
+    ``SimulatedGpu(CARD, memory)``? The data set holds ``3 * b + b // 2`` samples: three full
+    batches and a short last one. Results are cached; ``checks`` lists the epochs run, in order."""
+
+    def __init__(self, workload: SimulatedWorkload) -> None:
+        self.workload = workload
+        self.cache: dict[int, EpochCheck] = {}
+        self.checks: list[EpochCheck] = []
+
+    def check(self, batch_size: int) -> EpochCheck:
+        if batch_size not in self.cache:
+            model = self.workload.make(num_samples=3 * batch_size + max(1, batch_size // 2), batch_size=batch_size)
+            steps = counting_steps(model)
+            started = time.perf_counter()
+            trains = True
+            with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=self.workload.memory) as gpu:
+                try:
+                    epoch_trainer(root).fit(model)  # the model's train_dataloader() shuffles
+                except Exception as error:  # noqa: BLE001
+                    if not is_out_of_memory_error(error):
+                        raise
+                    trains = False
+            result = EpochCheck(batch_size, trains, steps[0], time.perf_counter() - started,
+                                gpu.peak_reserved_bytes, gpu.peak_allocated_bytes)  # fmt: skip
+            self.cache[batch_size] = result
+            self.checks.append(result)
+        return self.cache[batch_size]
+
+    def largest_fit(self, upper: int) -> int:
+        """The largest size in [1, ``upper``] that trains an epoch: bisection between the largest
+        size known to train and the smallest known not to (galloping up from the first when no size
+        above it failed yet, halving down when nothing trained yet)."""
+        fitted = [b for b, c in self.cache.items() if c.trains]
+        while not fitted:
+            smallest = min(self.cache, default=upper * 2)
+            if smallest == 1:
+                return 0
+            fitted = [b for b in [max(1, smallest // 2)] if self.check(b).trains]
+        low = max(fitted)
+        failed = [b for b, c in self.cache.items() if not c.trains and b > low]
+        high = min(failed) if failed else None
+        step = 1
+        while high is None:
+            candidate = min(upper, low + step)
+            if candidate == low:
+                return low
+            if self.check(candidate).trains:
+                low, step = candidate, step * 2
+            else:
+                high = candidate
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.check(mid).trains else (low, mid)
+        return low
+
+
+def epoch_trainer(root: str) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=root, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+
+
+def run_ours_simulated(workload: SimulatedWorkload, **search_args: Any) -> dict:
+    model = workload.make(num_samples=workload.samples, batch_size=16)
+    steps = counting_steps(model)
+    search = BatchSizeSearch(verbose=False, **search_args)
+    with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=workload.memory):
+        started = time.perf_counter()
+        trainer(root, [search], max_steps=1).fit(model)
+        seconds = time.perf_counter() - started
+    result = search.result
+    return dict(trials=len(result.trials), steps=steps[0] - 1, seconds=seconds, batch=result.batch_size,
+                log=[(t.batch_size, t.fits, t.peak_bytes) for t in result.trials], budget=result.budget_bytes,
+                predicted=result.predicted_batch_size)  # fmt: skip
+
+
+def run_lightning_simulated(workload: SimulatedWorkload, mode: str) -> dict:
+    model = workload.make(num_samples=workload.samples, batch_size=2)
+    steps = counting_steps(model)
+    trials: list[int] = []
+    original: Callable = batch_size_scaling._try_loop_run
+
+    def counted_trial(trainer: L.Trainer, params: dict) -> None:
+        trials.append(trainer.lightning_module.batch_size)
+        original(trainer, params)
+
+    finder = BatchSizeFinder(mode=mode)
+    batch_size_scaling._try_loop_run = counted_trial
+    try:
+        with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=workload.memory):
+            started = time.perf_counter()
+            trainer(root, [finder], max_steps=1).fit(model)
+            seconds = time.perf_counter() - started
+    finally:
+        batch_size_scaling._try_loop_run = original
+    return dict(trials=len(trials), steps=steps[0] - 1, seconds=seconds, batch=finder.optimal_batch_size, log=trials)
+
+
+def run_simulated(workloads: list[SimulatedWorkload], echo: Callable[[str], None] = print) -> tuple[list, list[str]]:
+    """Every method on every workload, each found size checked, and the truth; table rows and notes."""
+    rows, notes = [], []
+    for workload in workloads:
+        methods = {
+            "BatchSizeSearch()": run_ours_simulated(workload),
+            "BatchSizeSearch(margin=0)": run_ours_simulated(workload, margin=0.0),
+            "Lightning power": run_lightning_simulated(workload, "power"),
+            "Lightning binsearch": run_lightning_simulated(workload, "binsearch"),
+        }
+        checker = EpochChecker(workload)
+        for figures in methods.values():
+            figures["check"] = checker.check(figures["batch"])
+        verifying = len(checker.checks)
+        truth = checker.largest_fit(upper=workload.samples)
+        truth_check = checker.check(truth) if truth else None
+        for method, figures in methods.items():
+            rows.append((workload, method, figures, truth))
+            echo(f"{workload.name} {method}: trials {figures['log']}")
+        ours, binsearch = methods["BatchSizeSearch()"], methods["Lightning binsearch"]
+        rows.append((workload, "ours() / binsearch", dict(
+            trials=ours["trials"] / binsearch["trials"], steps=ours["steps"] / binsearch["steps"],
+            seconds=ours["seconds"] / binsearch["seconds"], batch=None), truth))  # fmt: skip
+        rows.append((workload, "truth: epochs bisected", dict(
+            trials=len(checker.checks), steps=sum(c.steps for c in checker.checks),
+            seconds=sum(c.seconds for c in checker.checks),
+            batch=truth, check=truth_check), truth))  # fmt: skip
+        extra = len(checker.checks) - verifying
+        parameters = sum(p.numel() for p in workload.make(num_samples=2, batch_size=2).parameters())
+        notes.append(f"{workload.name}: {workload.description}, {parameters / 1e6:.2f}M parameters "
+                     f"({format_bytes(4 * parameters)} in float32), card memory {workload.memory}; truth {truth} from "
+                     f"{len(checker.checks)} epochs ({verifying} checking the found sizes, {extra} more bisecting): "
+                     + ", ".join(f"{c.batch_size} {'trains' if c.trains else 'OOM'}" for c in checker.checks)
+                     + f". Ours (default) trials (size, fits, peak allocated): "
+                     + ", ".join(f"({b}, {'yes' if f else 'no'}, {format_bytes(p) if p else '-'})"
+                                 for b, f, p in ours["log"])
+                     + f", budget {format_bytes(ours['budget'])}, predicted {ours['predicted']}.")  # fmt: skip
+    return rows, notes
+
+
+def print_and_record_simulated(rows: list, notes: list[str], no_write: bool, wall_seconds: float) -> None:
+    headers = ["model", "card", "method", "trials", "training steps", "seconds", "batch found", "true largest fit",
+               "found / true", "trains a shuffled epoch", "epoch peak reserved", "epoch peak allocated"]  # fmt: skip
+    table = Table(title=f"BatchSizeSearch vs Lightning BatchSizeFinder on a simulated {CARD} (CPU)")
+    for header in headers:
+        table.add_column(header)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for workload, method, figures, truth in rows:
+        ratio = "/" in method
+        batch, check = figures["batch"], figures.get("check")
+        share = "" if batch is None else f"{batch / truth:.0%}" if truth else "n/a"
+        cells = [workload.name, f"{CARD} {workload.memory}", method, _cell(figures["trials"], ratio),
+                 _cell(figures["steps"], ratio),
+                 f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
+                 "" if batch is None else str(batch), "" if ratio else str(truth), share,
+                 "" if check is None else ("yes" if check.trains else "NO: OOM"),
+                 "" if check is None else format_bytes(check.peak_reserved),
+                 "" if check is None else format_bytes(check.peak_allocated)]  # fmt: skip
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    Console(width=200).print(table)
+    for note in notes:
+        print(note)
+    if not no_write:
+        text = (f"Every method in an identical fresh `SimulatedGpu(\"{CARD}\", memory=M)` on a CPU Trainer (memory "
+                "counted at the simulated caching allocator, cuBLAS workspace 32 MiB, CUDA's OOM). Ours with its "
+                "defaults (`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 0.1) and with "
+                "`margin=0`; Lightning's `BatchSizeFinder` with its defaults (power; init_val=2, steps_per_trial=3) "
+                "and binsearch (margin 5%). 'trains a shuffled epoch': a fresh model and Trainer on a fresh card of "
+                "the same memory train one whole shuffled epoch at the found size (`max_epochs=1`, 3.5x the size in "
+                "samples: three full batches and a short last one) without OOM; the epoch's peak reserved and "
+                "allocated bytes on that card ('truth' row: at the true largest fit). True largest fit: the largest "
+                "size that trains such an epoch, by bisection over the same cached check, seeded with the found "
+                "sizes' checks ('truth' row: the epochs it ran, found sizes' checks included). Training steps: "
+                "`training_step` calls on real tensors, failed trials included. Wall time of this table: "
+                f"{wall_seconds:.0f} s.\n\n" + "\n\n".join(notes))  # fmt: skip
+        path = append(f"search_vs_lightning.py: BatchSizeSearch vs BatchSizeFinder on a simulated {CARD}",
+                      "\n".join(lines), text)  # fmt: skip
+        print(f"appended to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--device", choices=("cpu", "simulated-h100", "all"), default="all",
+                        help="cpu: MemoryBudget caps; simulated-h100: a simulated H100 card; all: both tables")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the simulated table on one tiny model only (seconds; never written)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.smoke:
+        started = time.perf_counter()
+        rows, notes = run_simulated(SMOKE_WORKLOADS)
+        print_and_record_simulated(rows, notes, True, time.perf_counter() - started)
+        return
+    if args.device in ("cpu", "all"):
+        run_cpu(args.no_write)
+    if args.device in ("simulated-h100", "all"):
+        started = time.perf_counter()
+        rows, notes = run_simulated(SIMULATED_WORKLOADS)
+        print_and_record_simulated(rows, notes, args.no_write, time.perf_counter() - started)
+
+
+def run_cpu(no_write: bool) -> None:
     rows = []
     for name, (cap_text, samples) in WORKLOADS.items():
         cap = parse_memory(cap_text)
@@ -172,7 +436,7 @@ def main() -> None:
         rows.append((name, cap_text, "ours / binsearch", dict(
             trials=ours["trials"] / binsearch["trials"], steps=ours["steps"] / binsearch["steps"],
             seconds=ours["seconds"] / binsearch["seconds"], batch=None), truth))  # fmt: skip
-    print_and_record(rows, args.no_write)
+    print_and_record(rows, no_write)
 
 
 def _cell(value: Optional[float], ratio: bool) -> str:
