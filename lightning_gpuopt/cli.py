@@ -244,7 +244,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     """``gpuopt estimate``: the :class:`~lightning_gpuopt.core.estimate.MemoryEstimate` of one model."""
     import torch
 
-    from lightning_gpuopt.core.estimate import estimate_memory, learn_workspaces
+    from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, learn_workspaces
     from lightning_gpuopt.core.loader import batch_samples
     from lightning_gpuopt.core.report import to_dict
 
@@ -260,7 +260,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     setup.batch_size = batch_samples(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
-    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=_step_context(device, args.precision),
+    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=host_step_context(args.precision),
                  device=device)  # fmt: skip
     # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
     trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
@@ -441,18 +441,6 @@ def _prepare_module(module: Any, device: "torch.device", precision: str) -> Any:
         module = module.to(torch.bfloat16)
     module.train()
     return module
-
-
-def _step_context(device: "torch.device", precision: str) -> Callable[[], Any]:
-    import contextlib
-
-    import torch
-
-    if precision == "bf16-mixed":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "16-mixed":
-        return lambda: torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext
 
 
 # -- the batch and the loss

@@ -77,7 +77,7 @@ from lightning_gpuopt.core.checkpointing import (
 )
 from lightning_gpuopt.core.checks import check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import estimate_memory, with_accumulation
+from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, with_accumulation
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict, update_json_section
@@ -320,8 +320,7 @@ class MemoryFill(Callback):
             estimate = estimate_memory(
                 pl_module, _loss_function(pl_module), batch, optimizer=optimizers[0] if len(optimizers) == 1 else None,
                 batch_size=batch_samples(batch), capacity_bytes=budget,
-                step_context=trainer.strategy.precision_plugin.train_step_context,
-                device=trainer.strategy.root_device,  # traced as on the card: autocast acts there, not on the host
+                step_context=_setup_step_context(trainer, pl_module), device=trainer.strategy.root_device,
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
             self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")
@@ -490,6 +489,15 @@ class MemoryFill(Callback):
             if self.verbose:
                 rank_zero_info(plan_table(self.plan))
             update_json_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+
+
+def _setup_step_context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The autocast of the run, acting where the module is in ``setup``: before the strategy moves
+    it to a CUDA card, a CUDA autocast would do nothing to its host tensors, so the estimate would
+    count float32 activations and switch checkpointing on where mixed precision alone fits."""
+    if pl_module.device.type == "cpu" and trainer.strategy.root_device.type != "cpu":
+        return host_step_context(str(trainer.precision))
+    return trainer.strategy.precision_plugin.train_step_context
 
 
 def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[int]:

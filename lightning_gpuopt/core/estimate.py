@@ -217,17 +217,11 @@ def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, k
     return tree_map(rebatched, batch)
 
 
-def _batch_twin(
-    batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None,
-    device: torch.device | None = None,
-) -> Any:
-    """``batch`` as fake tensors (on ``device`` if given), resized from ``batch_size`` to ``new_batch_size`` rows."""
+def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
+    """``batch`` as fake tensors, resized from ``batch_size`` to ``new_batch_size`` rows."""
 
     def keep(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        fake = mode.from_tensor(value)
-        return fake if device is None else fake.to(device)
+        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     with mode:
         return _rebatched(batch, batch_size, new_batch_size, keep)
@@ -312,6 +306,23 @@ def _on_host(*objects: Any) -> bool:
     return True
 
 
+def host_step_context(precision: str) -> Callable[[], ContextManager[Any]]:
+    """The step context for tracing on the host a step that will run in ``precision`` on a card:
+    a CPU autocast of the same dtype (a CUDA autocast does nothing to host tensors, and the trace
+    would then count float32 activations the run will not have).
+
+    Example::
+
+        >>> with host_step_context("16-mixed")():
+        ...     torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype
+        torch.float16
+    """
+    if precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+        return lambda: torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext
+
+
 def learn_workspaces(
     module: torch.nn.Module,
     loss_fn: LossFn,
@@ -394,10 +405,11 @@ def trace_training_step(
         workspaces: kernel memory learned by :func:`learn_workspaces`: each traced op call holds
             its workspace while it runs, its outputs count what the real kernel allocates for them
             (``None``: none counted).
-        device: the device the step will run on (default: the module's). A CUDA card (real or
-            simulated) counts storages in the caching allocator's 512-byte blocks; a module still on
-            the host for a real CUDA run (e.g. in ``setup``) is traced with fake twins on the card,
-            so autocast does there what it will do in training. Nothing is allocated on it.
+        device: the device the step will run on (default: the module's): on a CUDA card (real or
+            simulated) storages count in the caching allocator's 512-byte blocks. The trace itself
+            runs where the module is; for a module still on the host, pass a ``step_context`` that
+            acts on host tensors (e.g. a CPU autocast of the run's dtype, see
+            :func:`host_step_context`).
 
     Raises:
         Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
@@ -412,14 +424,11 @@ def trace_training_step(
         (True, 0, 400000)
     """
     start = time.perf_counter()
-    home = _module_device(module)
-    target = home if device is None else torch.device(device)
+    target = _module_device(module) if device is None else torch.device(device)
     granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
-    moved = target.type != home.type  # fake twins made on the device the step will run on
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    make = (lambda tensor: mode.from_tensor(tensor).to(target)) if moved else mode.from_tensor
-    with _twinned_module(module, make) as twin_of:
-        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size, target if moved else None)
+    with _fake_module(module, mode) as twin_of:
+        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
         params = list(module.parameters())
         learned = workspaces if workspaces is not None and workspaces.learned else None
         with mode, WorkspaceTracker(learned, existing=(module, fake_batch), granularity=granularity) as tracker:
@@ -814,7 +823,6 @@ def estimate_memory(
         >>> estimate.params_bytes, estimate.grads_bytes, estimate.method
         (16640, 16640, 'traced')
     """
-    device = _module_device(module)
     notes: list[str] = []
     torchinfo_figures = None
     if forward_input is not None:
