@@ -206,8 +206,10 @@ class MemoryEstimator(Callback):
         )
         estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
+        # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
+        say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
         for note in estimate.notes:
-            rank_zero_warn(f"MemoryEstimator: {note}")
+            say(f"MemoryEstimator: {note}")
         if isinstance(trainer.strategy.model, DistributedDataParallel):
             # DDP rebuilds its buckets once, in the second step: measure the steady state after it
             self._unmeasured_steps = 2

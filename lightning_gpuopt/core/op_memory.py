@@ -87,7 +87,7 @@ def _leaf_key(leaf: Any) -> Any:
 
 
 def op_key(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple:
-    """A hashable key of an op call: the op and its arguments' metadata (not their values).
+    """A hashable key of an op call: the op, the intra-op threads and its arguments' metadata (not their values).
 
     Example::
 
@@ -96,7 +96,8 @@ def op_key(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple:
         True
     """
     leaves, _ = tree_flatten((args, kwargs or {}))
-    return (func, *map(_leaf_key, leaves))
+    # oneDNN picks kernels (and so workspaces) by the number of threads too
+    return (func, torch.get_num_threads(), *map(_leaf_key, leaves))
 
 
 def _profiler_config() -> Any:
