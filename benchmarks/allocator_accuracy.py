@@ -3,7 +3,8 @@
 For each model x batch size, one steady-state training step (Adam state alive) is measured four ways:
 
 * **truth**: the torch profiler's allocation events (``profile_memory=True``), summed in order over
-  the step, plus the storages alive before it (model, gradients, optimizer state, batch);
+  the step, plus the storages alive before it (model, gradients, optimizer state, batch):
+  ``tests/helpers.py: profiler_peak_bytes``;
 * **storages only**: a ``LiveTensorTracker(workspaces=False)``: live tensor storages at the
   dispatcher (what ``MemoryBudget`` counted before it learned op workspaces);
 * **allocator level**: ``LiveTensorTracker()`` / ``MemoryBudget``: storages plus each op's in-kernel
@@ -23,58 +24,22 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
-from _common import append
-from lightning_gpuopt.core.memory import LiveTensorTracker, storage_bytes
-from lightning_gpuopt.testing import SimulatedGpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-class Block(nn.Module):
-    def __init__(self, width: int = 128, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (part.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for part in self.qkv(self.norm1(x)).split(c, dim=2))  # fmt: skip
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(attended)
-        return x + self.mlp(self.norm2(x))
-
-
-class Decoder(nn.Module):
-    def __init__(self, vocab: int = 512, width: int = 128, layers: int = 4) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(layers)])
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embedding(tokens)))
-
-
-class UNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.down1 = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
-        self.down2 = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU())
-        self.up = nn.ConvTranspose2d(32, 16, 2, stride=2)
-        self.out = nn.Conv2d(32, 3, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = self.down1(x)
-        return self.out(torch.cat([skip, self.up(self.down2(skip))], dim=1))
+from _common import append  # noqa: E402
+from helpers import profiler_peak_bytes  # noqa: E402
+from lightning_gpuopt.core.memory import LiveTensorTracker  # noqa: E402
+from lightning_gpuopt.testing import SimulatedGpu  # noqa: E402
+from models_memory import Decoder, UNet  # noqa: E402
 
 
 def models(batch_size: int) -> dict:
@@ -89,30 +54,12 @@ def models(batch_size: int) -> dict:
                                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)),
                             torch.randn(batch_size, 3, 32, 32, generator=g), lambda out, x: out.pow(2).mean()),
         "Transformer (MHA)": (mha, torch.randn(batch_size, 64, 128, generator=g), lambda out, x: out.pow(2).mean()),
-        "decoder (SDPA), held out": (Decoder(), torch.randint(0, 512, (batch_size, 128), generator=g),
+        "decoder (SDPA), held out": (Decoder(width=128, layers=4, tokens=128),
+                                     torch.randint(0, 512, (batch_size, 128), generator=g),
                                      lambda out, x: F.cross_entropy(out.flatten(0, 1), x.flatten())),
-        "U-Net, held out": (UNet(), torch.randn(batch_size, 3, 64, 64, generator=g), lambda out, x: F.mse_loss(out, x)),
+        "U-Net, held out": (UNet(), torch.randn(batch_size, 3, 64, 64, generator=g),
+                            lambda out, x: out.float().pow(2).mean()),
     }  # fmt: skip
-
-
-def profiler_peak(step, existing) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = []
-
-    def walk(event) -> None:
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return storage_bytes(*existing) + peak
 
 
 def measure(name: str, network: nn.Module, x: torch.Tensor, loss_fn) -> dict:
@@ -126,7 +73,7 @@ def measure(name: str, network: nn.Module, x: torch.Tensor, loss_fn) -> dict:
 
     step()
     existing = (network, optimizer, x)
-    truth = profiler_peak(step, existing)
+    truth = profiler_peak_bytes(step, existing)
     with LiveTensorTracker(existing=existing, workspaces=False) as storages:
         step()
     with LiveTensorTracker(existing=existing) as allocator:

@@ -7,9 +7,8 @@ import pytest
 import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
+from helpers import profiler_peak_bytes
 from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.memory import storage_bytes
@@ -82,28 +81,6 @@ def test_windows_measure_their_own_peak_without_resetting_the_process_peak():
 # ----------------------------------------------------------------------------- the card against the profiler
 
 
-def profiler_peak(step, existing=()) -> int:
-    """The allocator's peak over ``step``: the profiler's allocation events summed in order, plus
-    the storages of ``existing`` alive before it."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = []
-
-    def walk(event):
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return storage_bytes(*existing) + peak
-
-
 def mlp():
     return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)), torch.randn(64, 512)
 
@@ -132,7 +109,7 @@ def test_allocated_peak_of_a_step_matches_the_profilers_allocator_events(build):
         optimizer.zero_grad()
 
     step()  # optimizer state exists from here on, as in any later step
-    truth = profiler_peak(step, existing=(network, optimizer, x))
+    truth = profiler_peak_bytes(step, existing=(network, optimizer, x))
     with SimulatedGpu("H100", cublas_workspace=0) as gpu:
         gpu.place(network, optimizer, x)
         with gpu.device.peak_meter() as meter:

@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class Capabilities:
                    cublas_workspace_bytes=cublas_workspace_bytes(capability))  # fmt: skip
 
 
-class SpanMeter:
+class SpanMeter(abc.ABC):
     """What every meter shares: peaks of a span between :meth:`start` and :meth:`stop`, usable as
     ``with``; subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
@@ -122,11 +123,13 @@ class SpanMeter:
             self._end()
         return self.peak_bytes
 
+    @abc.abstractmethod
     def _begin(self) -> None:
-        raise NotImplementedError  # pragma: no cover - every meter defines it
+        """Start counting."""
 
+    @abc.abstractmethod
     def _end(self) -> None:
-        raise NotImplementedError  # pragma: no cover - every meter defines it
+        """Stop counting and set :attr:`peak_bytes` (and :attr:`peak_reserved_bytes` where known)."""
 
     def __enter__(self) -> "SpanMeter":
         self.start()
