@@ -10,6 +10,9 @@ writes its result and the batch size its training used to ``OUT/search<N>.json``
 fill: every rank runs MemoryFill for a global batch of 64 with its own budget (rank 0: 60 MB,
 rank 1: 7 MB, where micro-batches of 8 fit only with checkpointing) and writes its plan and
 what its training used to ``OUT/fill<N>.json``.
+simulated: every rank trains on a simulated T4 of its own size (rank 0: 256 MiB, rank 1: 40 MiB)
+with MemoryFill for a global batch of 256 and writes its plan and its card's peak to
+``OUT/simulated<N>.json``.
 """
 
 import json
@@ -101,6 +104,30 @@ def fill(out: Path) -> None:
     }))
 
 
+SIMULATED_CARDS = ("256MiB", "40MiB")  # by rank: a simulated T4 of this size in each process
+
+
+def simulated(out: Path) -> None:
+    from models_memory import make_model
+
+    from lightning_gpuopt import MemoryFill
+    from lightning_gpuopt.core.report import to_dict
+    from lightning_gpuopt.testing import SimulatedGpu
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    model = make_model("cnn", num_samples=1024, batch_size=8)
+    with SimulatedGpu("T4", memory=SIMULATED_CARDS[rank]) as gpu:
+        memory_fill = MemoryFill(global_batch_size=256, checkpointing=False)  # max_memory: each rank's card
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[memory_fill],
+                          default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+        trainer.fit(model)
+    (out / f"simulated{trainer.global_rank}.json").write_text(json.dumps({
+        "plan": to_dict(memory_fill.plan), "global_step": trainer.global_step,
+        "peak_reserved": gpu.peak_reserved_bytes, "card": gpu.profile.total_bytes,
+    }))
+
+
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
@@ -125,4 +152,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"tune": tune, "memory": memory, "search": search, "fill": fill}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    {"tune": tune, "memory": memory, "search": search, "fill": fill, "simulated": simulated}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

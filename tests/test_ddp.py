@@ -95,3 +95,16 @@ def test_ddp_memory_fill_ranks_agree_on_one_plan(tmp_path):
         assert seen["used"] == [plan["micro_batch_size"], plan["accumulate_grad_batches"], True]
         assert seen["global_step"] == 2
     assert first["micro_batch_size"] < 32  # the tight rank's budget set it
+
+
+def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(tmp_path):
+    run_ddp(tmp_path, "simulated")
+    ranks = [json.loads((tmp_path / f"simulated{rank}.json").read_text()) for rank in (0, 1)]
+    plans = [rank["plan"] for rank in ranks]
+    keys = ("precision", "micro_batch_size", "accumulate_grad_batches", "largest_fit")
+    assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
+    assert plans[0]["precision"] == "16-mixed"  # a T4: no native bfloat16
+    assert plans[0]["micro_batch_size"] * plans[0]["accumulate_grad_batches"] * 2 == 256
+    assert plans[0]["accumulate_grad_batches"] > 1  # rank 1's 40 MiB card decided; rank 0's fits 128 whole
+    assert all(rank["global_step"] == 2 for rank in ranks)
+    assert all(rank["peak_reserved"] <= rank["card"] for rank in ranks)  # no card ran out
