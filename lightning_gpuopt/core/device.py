@@ -386,6 +386,18 @@ def simulating(device: Device) -> Iterator[Device]:
         _simulations.remove(device)
 
 
+@contextlib.contextmanager
+def host_only() -> Iterator[None]:
+    """Inside the block tensors are host tensors, also under a simulated card: for work a real run
+    does on the host (e.g. the estimate's probe of kernel workspaces), which must not count on it."""
+    card = _simulations[-1] if _simulations else None
+    if card is None:
+        yield
+        return
+    with card.paused():  # type: ignore[attr-defined]
+        yield
+
+
 def simulated_device() -> Optional[Device]:
     """The simulated card in force, if any."""
     return _simulations[-1] if _simulations else None

@@ -69,7 +69,7 @@ import torchinfo
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.device import device_for, host_only
 from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, storage_bytes
 from lightning_gpuopt.core.op_memory import learning_possible
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
@@ -365,7 +365,7 @@ def learn_workspaces(
     start = time.perf_counter()
     small_batch = _sliced(batch, batch_size, probe_size)
     try:
-        with _twinned_module(module, _host_copy), WorkspaceRecorder() as recorder:
+        with host_only(), _twinned_module(module, _host_copy), WorkspaceRecorder() as recorder:
             with step_context():
                 loss = loss_fn(small_batch)
             if not isinstance(loss, torch.Tensor):

@@ -24,6 +24,7 @@ Fake and meta tensors (the estimate's traces) are not counted: they allocate not
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ class SimulatedMemory(TorchDispatchMode):
         self._adopted_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._hooks: list[Any] = []
         self._forward_depth = 0
+        #: while positive, nothing reaches the card (host-only work, see ``core.device.host_only``)
+        self.paused = 0
         #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self.busy_s = 0.0
 
@@ -115,6 +118,8 @@ class SimulatedMemory(TorchDispatchMode):
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
+        if self.paused:
+            return
         if module not in self._adopted_modules:
             self.adopt(module)
             self._adopted_modules.update(module.modules())
@@ -124,14 +129,14 @@ class SimulatedMemory(TorchDispatchMode):
         self._forward_depth = max(0, self._forward_depth - 1)
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer not in self._adopted_optimizers:
+        if not self.paused and optimizer not in self._adopted_optimizers:
             self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
             self._adopted_optimizers.add(optimizer)
 
     # -- ops
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        on_card = _real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
+        on_card = not self.paused and _real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
         started = time.perf_counter()
         allocations = None
         if on_card:
@@ -321,6 +326,15 @@ class SimulatedCudaDevice(Device):
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return self.memory.holds(tensor)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Host-only work inside the block: nothing it makes reaches the card."""
+        self.memory.paused += 1
+        try:
+            yield
+        finally:
+            self.memory.paused -= 1
 
     def new_event(self) -> HostEvent:
         return HostEvent()
