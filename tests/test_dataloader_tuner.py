@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -51,12 +52,17 @@ def test_cpu_heavy_dataset_gets_no_more_workers_than_cores(tmp_path):
     busy = [t for t in result.candidates if t.worker_cpu_fraction is not None and t.setting.num_workers <= 2]
     assert busy and max(t.worker_cpu_fraction for t in busy) >= 0.5  # the workers were measured computing
     # an independent check, both timed now under the same conditions: twice the cores' workers
-    # are no real gain over the choice
+    # are no real gain over the choice (medians of 3 interleaved timings, so one noisy timing on a
+    # shared machine decides nothing)
     def rate(setting: LoaderSetting) -> float:
         loader = DataLoader(CpuHeavyDataset(4000), batch_size=8, **setting.loader_kwargs())
         return time_loader(loader, setting, 24, min_seconds=0.5).samples_per_second
 
-    assert rate(LoaderSetting(4, 2)) <= 1.25 * rate(result.setting)
+    doubled, chosen = [], []
+    for _ in range(3):
+        doubled.append(rate(LoaderSetting(4, 2)))
+        chosen.append(rate(result.setting))
+    assert statistics.median(doubled) <= 1.25 * statistics.median(chosen)
 
 
 def test_tuning_consumes_no_randomness_training_equals_the_setting_set_by_hand(tmp_path):
