@@ -167,3 +167,41 @@ def test_bad_arguments_name_the_argument_and_what_works():
         SimulatedGpu("T4", nvml_error="broken")
     with SimulatedGpu("T4"), pytest.raises(RuntimeError, match="already entered"):
         SimulatedGpu("H100").__enter__()
+
+
+def test_leaving_the_card_by_an_exception_puts_everything_back():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from lightning_gpuopt.core.nvml import nvml_library
+
+    before = nvml_library()
+    network, x = mlp()
+    with pytest.raises(ValueError, match="user code failed"):
+        with SimulatedGpu("T4", memory="64MiB") as first:
+            network(x)
+            raise ValueError("user code failed")
+    assert not device_for("cpu").is_cuda and not _get_current_dispatch_mode_stack()
+    assert nvml_library() is before
+    held, ops = first.allocated_bytes, first.device.memory.busy_s
+    with SimulatedGpu("H100", memory="64MiB", cublas_workspace=0) as second:
+        network(x)  # a new card: the model moves to it at its first forward there
+    network(x)  # outside every card
+    assert first.allocated_bytes == held and first.device.memory.busy_s == ops  # the first card's hooks are gone
+    assert second.allocated_bytes >= storage_bytes(network, x)
+
+
+def test_a_card_whose_nvml_refuses_still_trains_and_reports_no_utilisation(tmp_path):
+    from lightning import Trainer
+    from torch.utils.data import DataLoader
+
+    from helpers import MLP, preloaded_batches
+    from lightning_gpuopt import DataWaitMonitor
+
+    monitor = DataWaitMonitor(warmup_steps=1)
+    with SimulatedGpu("A100", memory="256MiB", nvml_error="no-permission") as gpu:
+        Trainer(accelerator="cpu", max_steps=6, default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                ).fit(MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None))  # fmt: skip
+    assert gpu.nvml.initialised == 0
+    assert monitor.report.steps == 5 and monitor.report.gpu_util_mean is None
+    assert monitor.report.gpu_idle_fraction is not None  # the card's events still time it
