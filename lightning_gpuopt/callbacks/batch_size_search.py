@@ -224,7 +224,8 @@ class BatchSizeSearch(Callback):
         self.result = None
         self._check_usable(trainer, pl_module)
         device = pl_module.device
-        budget = self._budget_bytes(device)
+        capacity = self._capacity_bytes(device)  # asked once: free memory moves between two readings
+        budget = int(capacity * (1.0 - self.margin))
         initial = int(lightning_getattr(pl_module, self.batch_arg_name))
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
         with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
@@ -238,8 +239,7 @@ class BatchSizeSearch(Callback):
             start = predicted if predicted is not None else initial
             # every rank must try the same sizes: plan with the tightest rank's figures
             search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
-            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name,
-                                  self._capacity_bytes(device))
+            runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name, capacity)
             result = search_largest_fit(
                 runner.fits,
                 budget_bytes=search_budget,
@@ -295,7 +295,7 @@ class BatchSizeSearch(Callback):
 
     def release_memory_cap(self) -> None:
         """Lift the cap :meth:`hold_memory_cap` set (nothing to do without one)."""
-        cap, self._memory_cap = getattr(self, "_memory_cap", None), None
+        cap, self._memory_cap = self._memory_cap, None
         if cap is not None:
             cap.stop()
 
