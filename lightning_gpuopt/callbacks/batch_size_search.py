@@ -381,7 +381,7 @@ class BatchSizeSearch(Callback):
                         f"the smallest tried, {size}, does not fit")  # fmt: skip
         why = _why_it_missed(smallest, runner.outcomes.get(size), runner.budget, runner.trainer.world_size)
         needs = ""
-        if runner.pl_module.device.type != "cuda":  # the cap is simulated: measure the step without it
+        if not device_for(runner.pl_module.device).is_cuda:  # a simulated cap: measure the step without it
             fitted, peak = runner.fits(size, capped=False)
             if fitted or peak is not None:
                 needs = f" Measured again without the cap, a step at batch size {size} needs {_bytes(peak)}."
