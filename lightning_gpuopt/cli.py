@@ -253,7 +253,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     cls = import_class(args.target)
     module = _instantiate(cls, args.init_args, args.target)
     setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
-    # the model and the batch stay on the host: a CUDA run is traced with fake twins on the card
+    # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
+    # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
     host = torch.device("cpu")
     module = _prepare_module(module, host, args.precision)
     batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup)
