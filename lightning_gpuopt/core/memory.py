@@ -582,11 +582,12 @@ def release_memory() -> None:
     failed step's tensors its frames hold) is gone first; :func:`call_catching_oom` does this.
     """
     gc.collect()
-    from lightning_gpuopt.core.device import cuda_rng_in_use, simulated_device
+    from lightning_gpuopt.core.device import cuda_initialised, simulated_device
 
-    if simulated_device() is not None:
-        simulated_device().empty_cache()  # type: ignore[union-attr]
-    elif cuda_rng_in_use():  # CUDA is initialised
+    card = simulated_device()
+    if card is not None:
+        card.empty_cache()
+    elif cuda_initialised():
         _device_for("cuda").empty_cache()
 
 
