@@ -45,7 +45,6 @@ from lightning_gpuopt.core.estimate import (
     estimate_memory,
     optimizer_state_rule_bytes,
     with_measured_optimizer_state,
-    with_accumulation,
     with_measured_peak,
     with_untraced_bytes,
 )
@@ -80,8 +79,11 @@ class MemoryEstimator(Callback):
     a warning that says why. Each rank estimates its own step; there are no collectives. Under
     DDP the prediction adds DDP's gradient buckets (a copy of the gradients, unless
     ``gradient_as_bucket_view=True``) and the measurement starts at the third step, after DDP
-    has rebuilt its buckets. The trace assumes an optimizer step every batch
-    (``accumulate_grad_batches=1``) and no gradient clipping temporaries.
+    has rebuilt its buckets. Under gradient accumulation (set by the user or by
+    :class:`MemoryFill`) the trace keeps the previous micro-batch's gradients alive, as the run
+    does; mixed precision and activation checkpointing are traced as they run (the precision
+    plugin's step context, the checkpointed blocks). Gradient clipping's temporaries (one norm per
+    parameter) are not counted.
 
     Example::
 
@@ -100,8 +102,8 @@ class MemoryEstimator(Callback):
             what the device has free when the estimate runs, plus what torch already holds there.
         measure_steps: how many real training steps to measure the peak over (the first step has
             no gradients or optimizer state yet, so measure at least 2 for the steady state). With
-            gradient accumulation, at least ``accumulate_grad_batches + 1`` batches are measured, so
-            that an optimizer step is among them.
+            gradient accumulation, at least ``2 * accumulate_grad_batches`` batches are measured:
+            the second group's micro-batches run with the optimizer state alive.
         verbose: log the estimate's table with ``rank_zero_info`` (the JSON report is written either way).
 
     Raises:
@@ -166,8 +168,9 @@ class MemoryEstimator(Callback):
             self._optimizer_needs_measuring = False
             self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
         # with gradient accumulation the optimizer first steps (and creates its state) at batch
-        # `accumulate_grad_batches`: measure until one batch after it
-        if len(self._peaks) >= max(self.measure_steps, trainer.accumulate_grad_batches + 1):
+        # `accumulate_grad_batches`; the worst micro-batch (earlier gradients and the optimizer state
+        # alive, then the step) is the last of the second group: measure until it
+        if len(self._peaks) >= max(self.measure_steps, 2 * trainer.accumulate_grad_batches):
             self._finish_measuring(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -203,8 +206,8 @@ class MemoryEstimator(Callback):
             forward_input=_forward_input(trainer, pl_module, batch),
             capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
-        estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
         # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
         say = rank_zero_info if estimate.method == "traced" else rank_zero_warn

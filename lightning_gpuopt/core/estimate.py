@@ -141,6 +141,8 @@ class MemoryEstimate:
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
+    #: the gradient accumulation the step was traced with (the gradients of earlier micro-batches alive)
+    accumulate_grad_batches: int = 1
     param_dtype: str | None = None
     estimate_error: float | None = None
     torchinfo_error: float | None = None
@@ -389,6 +391,7 @@ def trace_training_step(
     steps: int = 2,
     workspaces: WorkspaceProfile | None = None,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> TracedStep:
     """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
 
@@ -410,6 +413,12 @@ def trace_training_step(
             runs where the module is; for a module still on the host, pass a ``step_context`` that
             acts on host tensors (e.g. a CPU autocast of the run's dtype, see
             :func:`host_step_context`).
+        accumulate_grad_batches: the run's gradient accumulation. Above 1, the gradients are set to
+            ``None`` only before the first traced backward: later steps accumulate onto the earlier
+            step's gradients, as micro-batches after the first of a group do (and as the first does
+            in its forward pass: Lightning zeroes the gradients after it), and the optimizer still
+            steps after each, so the trace's last step is the worst micro-batch of any group of any
+            length: gradients and optimizer state alive from its start, then the optimizer's step.
 
     Raises:
         Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
@@ -440,8 +449,9 @@ def trace_training_step(
                     loss = loss_fn(fake_batch)
                 if not isinstance(loss, torch.Tensor):
                     raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-                for param in params:
-                    param.grad = None
+                if step == 0 or accumulate_grad_batches <= 1:
+                    for param in params:
+                        param.grad = None
                 loss.backward()
                 if twin_optimizer is not None:
                     twin_optimizer.step()
@@ -657,24 +667,6 @@ def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: s
     )
 
 
-def with_accumulation(estimate: MemoryEstimate, accumulate_grad_batches: int) -> MemoryEstimate:
-    """Under gradient accumulation the gradients of earlier micro-batches stay alive through the
-    next backward pass (the traced step zeroes them first), and each new gradient is added to them:
-    up to one more set of gradients at the peak.
-
-    Example::
-
-        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
-        >>> with_accumulation(before, 4).predicted_peak_bytes, with_accumulation(before, 1).predicted_peak_bytes
-        (55, 45)
-    """
-    if accumulate_grad_batches <= 1 or not estimate.grads_bytes:
-        return estimate
-    return with_untraced_bytes(
-        estimate, estimate.grads_bytes, f"gradients kept across {accumulate_grad_batches} accumulated micro-batches"
-    )
-
-
 def _first_line(error: BaseException) -> str:
     """``"Type: first line"`` of the innermost cause of ``error`` (torchinfo wraps the real one)."""
     while error.__cause__ is not None:
@@ -692,9 +684,10 @@ def _traced_estimate(
     step_context: Callable[[], ContextManager[Any]],
     workspaces: WorkspaceProfile | None,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> tuple[MemoryEstimate, float]:
     trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces,
-                 device=device)  # fmt: skip
+                 device=device, accumulate_grad_batches=accumulate_grad_batches)  # fmt: skip
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None
@@ -718,9 +711,24 @@ def _traced_estimate(
         workspace_bytes=at_batch.workspace_bytes,
         fixed_bytes=fixed,
         bytes_per_sample=per_sample,
-        notes=workspace_notes(workspaces, at_batch),
+        accumulate_grad_batches=accumulate_grad_batches,
+        notes=[*workspace_notes(workspaces, at_batch), *accumulation_notes(accumulate_grad_batches)],
     )
     return estimate, seconds
+
+
+def accumulation_notes(accumulate_grad_batches: int) -> list[str]:
+    """What :attr:`MemoryEstimate.notes` says about gradient accumulation (nothing without it).
+
+    Example::
+
+        >>> accumulation_notes(1), accumulation_notes(4)[0][:52]
+        ([], 'traced accumulating 4 micro-batches per optimizer st')
+    """
+    if accumulate_grad_batches <= 1:
+        return []
+    return [f"traced accumulating {accumulate_grad_batches} micro-batches per optimizer step: the gradients of "
+            "earlier micro-batches are alive through the next forward and backward pass"]  # fmt: skip
 
 
 def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
@@ -792,6 +800,7 @@ def estimate_memory(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     workspaces: WorkspaceProfile | bool | None = True,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
 
@@ -815,6 +824,8 @@ def estimate_memory(
         device: the device the step will run on (default: the module's; see
             :func:`trace_training_step`). On a CUDA card the cuBLAS workspace its matmuls keep is
             added (32 MiB from Hopper on, 8.1 MiB before).
+        accumulate_grad_batches: the run's gradient accumulation (``Trainer.accumulate_grad_batches``):
+            the trace keeps the gradients of the previous micro-batch (see :func:`trace_training_step`).
 
     Example::
 
@@ -842,7 +853,7 @@ def estimate_memory(
     profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
     try:
         estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile,
-                                                   device)  # fmt: skip
+                                                   device, accumulate_grad_batches)  # fmt: skip
         card = device_for(device if device is not None else _module_device(module))
         if card.is_cuda and card.capabilities.cublas_workspace_bytes:
             estimate = with_untraced_bytes(estimate, card.capabilities.cublas_workspace_bytes,
@@ -866,6 +877,7 @@ def estimate_memory(
         estimate,
         capacity_bytes=capacity_bytes,
         max_batch_size=max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
+        accumulate_grad_batches=accumulate_grad_batches,
         param_dtype=str(params[0].dtype) if params else None,
         trace_seconds=trace_seconds,
         notes=[*notes, *estimate.notes],
