@@ -147,7 +147,7 @@ class DictDataset(Dataset):
 class DictDataModule(L.LightningDataModule):
     """The data of :class:`DictBatchModule`: dict batches of ``batch_size``."""
 
-    def __init__(self, features: int = 128, num_samples: int = 512, batch_size: int = 16) -> None:
+    def __init__(self, features: int = 256, num_samples: int = 512, batch_size: int = 16) -> None:
         super().__init__()
         self.features, self.num_samples, self.batch_size = features, num_samples, batch_size
 
@@ -158,7 +158,7 @@ class DictDataModule(L.LightningDataModule):
 class DictBatchModule(L.LightningModule):
     """An MLP over dict batches; AdamW; no dataloader of its own (it comes with a DataModule)."""
 
-    def __init__(self, features: int = 128, hidden: int = 512, layers: int = 3) -> None:
+    def __init__(self, features: int = 256, hidden: int = 1024, layers: int = 2) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         width = features
