@@ -270,16 +270,17 @@ def run_estimate(args: argparse.Namespace) -> int:
     # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
     host = torch.device("cpu")
     module = _prepare_module(module, host, args.precision)
-    _attach_trainer(module, datamodule, args, setup)
+    trainer = _attach_trainer(module, datamodule, args, setup)
     batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup, datamodule)
     setup.batch_size = _batch_size_of(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
     trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=host_step_context(args.precision),
-                 device=device)  # fmt: skip
+                 device=device, manual_step=_manual_step(module, trainer, optimizer, args, setup))  # fmt: skip
     # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
     trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
-                                           step_context=trace["step_context"], device=device)  # fmt: skip
+                                           step_context=trace["step_context"], device=device,
+                                           manual_step=trace["manual_step"], optimizer=optimizer)  # fmt: skip
     estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
     estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
@@ -306,6 +307,24 @@ class EstimateSetup:
     optimizer: str = ""
     memory_source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
+    """For a LightningModule under manual optimization with a batch from a dataloader: its whole
+    ``training_step`` (its backward passes and optimizer steps), traced with the Trainer attached
+    (see :func:`lightning_gpuopt.callbacks.memory_estimator.manual_step`); else ``None``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks.memory_estimator import manual_step
+    from lightning_gpuopt.core.estimate import optimizer_list
+
+    if trainer is None or module.automatic_optimization or args.input_size or not setup.batch_source.endswith(
+            "train_dataloader()") or not is_overridden("training_step", module):  # fmt: skip
+        return None
+    trainer.strategy.optimizers = optimizer_list(optimizer)  # what self.optimizers() reads outside the trace
+    setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
+    setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
+    return manual_step(trainer, module)
 
 
 def _check_estimate_numbers(args: argparse.Namespace) -> None:
