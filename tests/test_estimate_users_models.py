@@ -8,19 +8,20 @@ a :class:`~lightning_gpuopt.core.memory.MemoryBudget` at the reported batch size
 from __future__ import annotations
 
 import json
-import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
 import pytest
 import torch
 from helpers import profiler_peak_bytes
-from models_users import ResNetModule
+from models_users import DataloaderIterModule, DictBatchModule, DictDataModule, GanModule, ResNetModule
 from torch.nn import functional as F
 
-from lightning_gpuopt import GpuOpt, MemoryEstimator
+from lightning_gpuopt import GpuOpt, MemoryEstimator, cli
+from lightning_gpuopt.callbacks.memory_estimator import render_estimate
 from lightning_gpuopt.core.estimate import estimate_memory
-from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error, storage_bytes
 
 #: the predicted peak against the profiler's allocator peak
 ALLOCATOR_TOLERANCE = 0.05
@@ -123,3 +124,121 @@ def test_gpuopt_report_under_accumulation_agrees_with_the_plan_and_the_real_peak
     truth, _ = resnet_group_peak(plan.micro_batch_size, plan.accumulate_grad_batches)
     assert abs(memory.predicted_peak_bytes - truth) / truth <= ALLOCATOR_TOLERANCE
     assert abs(memory.measured_peak_bytes - truth) / truth <= ALLOCATOR_TOLERANCE
+
+
+# --------------------------------------------------------------------------- 12.7: gpuopt estimate
+
+USERS_MODELS = str(Path(__file__).parent / "models_users.py")
+
+
+def cli_estimate(capsys, *args: str) -> dict:
+    status = cli.main(["estimate", *args, "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    return json.loads(captured.out)
+
+
+def fits_under(cap_bytes: int, model: L.LightningModule, datamodule: Any = None, **trainer_kwargs: Any) -> bool:
+    """Do three real training steps fit ``cap_bytes`` (a MemoryBudget from train start)?"""
+    try:
+        trainer_for([PeakUnderBudget(cap_bytes)], max_steps=3, **trainer_kwargs).fit(model, datamodule=datamodule)
+    except Exception as error:  # noqa: BLE001
+        if is_out_of_memory_error(error):
+            return False
+        raise
+    return True
+
+
+def test_estimate_builds_configure_optimizers_with_a_trainer_and_its_largest_batch_trains(capsys):
+    # configure_optimizers() reads self.trainer.estimated_stepping_batches (OneCycleLR): the command
+    # fell back to Adam, whose state is twice SGD-with-momentum's, and reported a smaller largest batch
+    estimate = cli_estimate(capsys, f"{USERS_MODELS}:ResNetModule", "--init-args", '{"width": 32, "size": 8}',
+                            "--batch-size", "16", "--max-memory", "12MB")  # fmt: skip
+    assert estimate["setup"]["optimizer"] == "SGD (configure_optimizers())"
+    assert estimate["optimizer_bytes"] == estimate["params_bytes"]  # the momentum buffers
+    largest = estimate["max_batch_size"]
+    model = ResNetModule(width=32, size=8, num_samples=4 * largest, batch_size=largest)
+    assert fits_under(12_000_000, model, gradient_clip_val=1.0)  # the reported batch trains in that memory
+
+
+def test_estimate_takes_a_datamodule_with_dict_batches_and_its_largest_batch_is_the_real_one(capsys):
+    estimate = cli_estimate(capsys, f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
+                            "--datamodule-init-args", '{"batch_size": 16}', "--max-memory", "30MB")  # fmt: skip
+    setup = estimate["setup"]
+    assert setup["batch_source"] == "the datamodule's train_dataloader()" and setup["batch_size"] == 16
+    assert setup["datamodule"] == "models_users.DictDataModule" and setup["optimizer"].startswith("AdamW")
+    assert estimate["method"] == "traced" and estimate["optimizer_bytes"] >= 2 * estimate["params_bytes"]
+    largest = estimate["max_batch_size"]
+    # the independent truth: real training in that memory at the reported batch, and one more
+    assert fits_under(30_000_000, DictBatchModule(), DictDataModule(num_samples=3 * largest, batch_size=largest))
+    assert not fits_under(30_000_000, DictBatchModule(), DictDataModule(num_samples=3 * largest, batch_size=largest + 1))
+
+
+def test_estimate_batch_size_sets_the_datamodules_and_bad_datamodule_arguments_are_named(capsys):
+    estimate = cli_estimate(capsys, f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
+                            "--batch-size", "24", "--max-memory", "30MB")  # fmt: skip
+    assert estimate["batch_size"] == 24 and estimate["batch_bytes"] == 24 * (256 * 4 + 8)
+    status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictBatchModule"])
+    err = capsys.readouterr().err
+    assert status == 2 and "`--datamodule`=" in err and "not a lightning.pytorch.LightningDataModule class" in err
+    assert "DictDataModule" in err  # the classes that would work
+    status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
+                       "--datamodule-init-args", '{"batch": 3}'])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and "`--datamodule-init-args`" in err and "DictDataModule(" in err
+    status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule"])
+    err = capsys.readouterr().err
+    assert status == 2 and "gives no batch" in err and "--datamodule" in err
+
+
+class ResNetWithBrokenOptimizers(ResNetModule):
+    def configure_optimizers(self) -> Any:
+        raise ValueError("no such schedule")
+
+
+def test_estimate_refuses_when_configure_optimizers_raises_instead_of_guessing_adam(capsys, monkeypatch):
+    import models_users
+
+    monkeypatch.setattr(models_users, "ResNetWithBrokenOptimizers", ResNetWithBrokenOptimizers, raising=False)
+    status = cli.main(["estimate", "models_users:ResNetWithBrokenOptimizers", "--batch-size", "4"])
+    err = capsys.readouterr().err
+    assert status == 2 and "configure_optimizers() of ResNetWithBrokenOptimizers raised ValueError" in err
+    assert "--optimizer adam|adamw|sgd|none" in err
+
+
+# --------------------------------------------------------------------------- 12.8: manual optimization
+
+
+def test_manual_optimization_is_traced_with_every_optimizers_state_and_leaves_no_trace(recwarn):
+    estimator = MemoryEstimator(max_memory="100MB", verbose=False)
+    torch.manual_seed(0)
+    with_estimator = GanModule()
+    trainer = trainer_for([estimator], max_steps=3)
+    trainer.fit(with_estimator)
+    estimate = estimator.estimate
+    assert estimate.method == "traced" and estimate.not_traced_reason is None
+    # both Adam optimizers' state (exp_avg, exp_avg_sq, step), as the real optimizers hold it after training
+    assert estimate.optimizer_bytes == storage_bytes(*trainer.optimizers) > 2 * estimate.params_bytes
+    assert not [w for w in recwarn if "MemoryEstimator" in str(w.message)]  # nothing to warn about
+    # the predicted peak against real training without the estimator (a MemoryBudget from train start)
+    torch.manual_seed(0)
+    without = GanModule()
+    peak = PeakUnderBudget(10**9)
+    plain = trainer_for([peak], max_steps=3)
+    plain.fit(without)
+    assert abs(estimate.predicted_peak_bytes - peak.peak_bytes) / peak.peak_bytes <= ALLOCATOR_TOLERANCE
+    # the trace stepped twins: the real run is the same, bit for bit, and counted the same steps
+    assert trainer.global_step == plain.global_step == 4  # 2 batches x 2 optimizer steps
+    for mine, theirs in zip(with_estimator.state_dict().values(), without.state_dict().values()):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_dataloader_iter_step_falls_back_with_the_reason_not_a_type_error():
+    estimator = MemoryEstimator(max_memory="100MB", verbose=False)
+    with pytest.warns(UserWarning, match="training_step takes dataloader_iter"):
+        trainer_for([estimator], max_steps=2).fit(DataloaderIterModule())
+    estimate = estimator.estimate
+    assert estimate.method != "traced" and "dataloader_iter" in estimate.not_traced_reason
+    assert not any("TypeError" in note for note in estimate.notes)
+    assert estimate.optimizer_bytes == estimate.params_bytes  # SGD with momentum, by rule
+    assert "not traced because" in render_estimate(estimate)
