@@ -575,9 +575,9 @@ def _batch_and_loss(
     example = getattr(module, "example_input_array", None)
     if example is None:
         raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
-                         "example_input_array; pass --datamodule MODULE:CLASS (a LightningDataModule whose "
-                         "train_dataloader() gives the batches) or --input-size (e.g. --input-size 3,224,224, or "
-                         "--input-size 128 --dtype long for token ids).")  # fmt: skip
+                         "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
+                         "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
+                         "LightningDataModule whose train_dataloader() gives the batches).")  # fmt: skip
     batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
     return batch, _stand_in_loss_fn(module, setup), batch
@@ -858,6 +858,7 @@ def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
         ("device, precision", f"{setup.device}, {setup.precision}"),
         ("optimizer", setup.optimizer),
         ("batch", f"{setup.batch_size} samples from {setup.batch_source}"),
+        *([("datamodule", setup.datamodule)] if setup.datamodule else []),
         ("loss", setup.loss),
         ("method", estimate.method),
         ("parameters", format_bytes(estimate.params_bytes)),

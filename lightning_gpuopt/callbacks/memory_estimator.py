@@ -265,6 +265,8 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("method", estimate.method),
         *([("not traced because", estimate.not_traced_reason)] if estimate.not_traced_reason else []),
         ("batch size", str(estimate.batch_size)),
+        *([("micro-batches per optimizer step", str(estimate.accumulate_grad_batches))]
+          if estimate.accumulate_grad_batches > 1 else []),  # fmt: skip
         ("parameters", format_bytes(estimate.params_bytes)),
         ("gradients", format_bytes(estimate.grads_bytes)),
         ("optimizer state", format_bytes(estimate.optimizer_bytes)),

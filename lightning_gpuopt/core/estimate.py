@@ -816,8 +816,7 @@ def _fallback_estimate(
     notes = []
     if optimizer_bytes is None:
         names = ", ".join(type(one).__name__ for one in optimizer_list(optimizer))
-        notes.append(f"no state rule for {names}: the optimizer state is measured after the first real step "
-                     "(0 bytes until then)")  # fmt: skip
+        notes.append(f"no rule for {names}: its state is measured after the first real step")
         optimizer_bytes = 0
     buffers_bytes = storage_bytes(list(module.buffers()))
     batch_bytes = storage_bytes(batch)
@@ -918,8 +917,10 @@ def estimate_memory(
         trace_seconds += 0.0 if profile is None else profile.seconds
     except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
         reason = _first_line(error)
+        uses = ("torchinfo's figures" if torchinfo_figures is not None else
+                "parameters, gradients, optimizer state and the batch only (no torchinfo figures)")  # fmt: skip
         notes.append(f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
-                     "torchinfo's figures and is less accurate")  # fmt: skip
+                     f"{uses} and is less accurate")  # fmt: skip
         estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
         estimate = replace(estimate, not_traced_reason=reason)
     if torchinfo_figures is not None:
