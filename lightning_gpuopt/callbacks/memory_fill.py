@@ -66,6 +66,7 @@ from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
     _first_loader,
+    _samples_per_rank,
     _reset_train_loader,
 )
 from lightning_gpuopt.callbacks.memory_estimator import _loss_function
@@ -340,6 +341,7 @@ class MemoryFill(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.search is not None
+        self._check_enough_samples(trainer)
         wanted = self._wanted_micro()
         needed = self._samples_per_rank // (self._fixed_accumulation or 1)
         upper = wanted if self.objective == "memory" and self._fixed_accumulation is None else needed
@@ -368,6 +370,19 @@ class MemoryFill(Callback):
             self._reasons.append("optimizers and LR schedulers built again for the new steps per epoch")
         self.plan = self._make_plan(trainer, pl_module, micro, accumulate, largest)
         self._report(trainer)
+
+    def _check_enough_samples(self, trainer: pl.Trainer) -> None:
+        """Refuse a global batch larger than the data: every optimizer step would see fewer samples than
+        the plan says (5 samples a step under a "4 x 16 = 64" plan)."""
+        samples = _samples_per_rank(trainer)
+        if samples is not None and samples < self._samples_per_rank:
+            world = trainer.world_size
+            raise MisconfigurationException(
+                f"MemoryFill: global_batch_size={self._requested} asks {self._samples_per_rank} samples per device for "
+                f"each optimizer step, but the train loader holds {samples} per device"
+                f"{f' ({world} devices)' if world > 1 else ''}: every step would see {samples}. Pass a "
+                f"global_batch_size of at most {samples * world}, or train on more data."
+            )
 
     def _search_largest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, upper: int) -> Optional[int]:
         assert self.search is not None
