@@ -78,7 +78,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
@@ -105,7 +105,6 @@ from lightning_gpuopt.core.report import (
     batch_search_table,
     format_bytes,
     to_dict,
-    update_json_section,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
 
@@ -398,7 +397,7 @@ class BatchSizeSearch(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(batch_search_table(self.result))
-            update_json_section(path, REPORT_SECTION, to_dict(self.result))
+            write_report_section(path, REPORT_SECTION, to_dict(self.result))
 
 
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _profiler_tap
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
@@ -63,7 +63,7 @@ from lightning_gpuopt.core.diagnosis import (
 )
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
-from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
 
@@ -325,8 +325,8 @@ class DataWaitMonitor(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(data_wait_table(self.report))
-            self.report_file = update_json_section(self._report_target, REPORT_SECTION, to_dict(self.report))
-            if self.verbose:
+            self.report_file = write_report_section(self._report_target, REPORT_SECTION, to_dict(self.report))
+            if self.verbose and self.report_file is not None:
                 rank_zero_info(f"gpuopt: report written to {self.report_file}")
 
 

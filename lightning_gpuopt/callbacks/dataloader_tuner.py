@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
@@ -58,7 +58,7 @@ from lightning_gpuopt.core.loader import (
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import REPORT_FILENAME, loader_tune_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import REPORT_FILENAME, loader_tune_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "dataloader"
@@ -193,7 +193,7 @@ class DataLoaderTuner(Callback):
                 rank_zero_warn(f"DataLoaderTuner: {warning}")
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
-            update_json_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
+            write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.result is None or not trainer.loggers:

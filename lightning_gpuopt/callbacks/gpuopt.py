@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -45,7 +45,6 @@ from lightning_gpuopt.core.report import (
     loader_tune_table,
     render_table,
     to_dict,
-    update_json_section,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import check_keys, load_preset
@@ -162,7 +161,7 @@ class GpuOpt(Callback):
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
-            update_json_section(path, REPORT_SECTION,
+            write_report_section(path, REPORT_SECTION,
                                 {"preset": self.preset, "settings": self.settings, "changes": self.report.changes})
 
     def _combined_report(self) -> GpuOptReport:

@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_int
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -58,7 +58,6 @@ from lightning_gpuopt.core.report import (
     format_seconds,
     render_table,
     to_dict,
-    update_json_section,
 )
 
 #: prefix of every metric this callback logs
@@ -246,7 +245,7 @@ class MemoryEstimator(Callback):
         assert self.estimate is not None
         if self.verbose:
             rank_zero_info(render_estimate(self.estimate))
-        update_json_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
+        write_report_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
 
 
 def render_estimate(estimate: MemoryEstimate) -> str:

@@ -60,7 +60,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
@@ -80,7 +80,7 @@ from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, with_accumulation
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "memory_fill"
@@ -488,7 +488,7 @@ class MemoryFill(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(plan_table(self.plan))
-            update_json_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+            write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
 
 def _setup_step_context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
