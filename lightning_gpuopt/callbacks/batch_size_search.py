@@ -80,6 +80,7 @@ from torch.utils.data import IterableDataset
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
+from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -93,6 +94,7 @@ from lightning_gpuopt.core.estimate import (
 )
 from lightning_gpuopt.core.loader import LargestSampleSampler, batch_samples, largest_samples_first
 from lightning_gpuopt.core.memory import (
+    MIN_MAX_MEMORY_BYTES,
     LiveTensorTracker,
     MemoryBudget,
     call_catching_oom,
@@ -184,24 +186,22 @@ class BatchSizeSearch(Callback):
         verbose: bool = True,
     ) -> None:
         if max_memory is not None:
-            parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(
-                f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom)."
-            )
-        _check_int("steps_per_trial", steps_per_trial, 1, "e.g. 2, so that optimizer state exists in the trial")
-        _check_int("max_trials", max_trials, 1, "e.g. 10")
-        _check_int("min_batch_size", min_batch_size, 1, "e.g. 1")
-        _check_int("max_batch_size", max_batch_size, min_batch_size, f"at least min_batch_size={min_batch_size}")
-        _check_int("multiple_of", multiple_of, 1, "e.g. 1 or 8")
+            parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)  # validates early; a fraction is resolved later
+        check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
+        check_int("steps_per_trial", steps_per_trial, 1,
+                  "steps_per_trial=2, so that optimizer state exists in the trial")
+        check_int("max_trials", max_trials, 1, "max_trials=10")
+        check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
+        check_int("max_batch_size", max_batch_size, min_batch_size,
+                  f"max_batch_size=65536 (at least min_batch_size={min_batch_size})")
+        check_int("multiple_of", multiple_of, 1, "multiple_of=1 or multiple_of=8")
         if multiple_of > max_batch_size:
             raise ValueError(f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
                              "expected a multiple_of <= max_batch_size.")  # fmt: skip
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"`batch_arg_name`={batch_arg_name!r} is not a name; expected e.g. 'batch_size'.")
-        if mode not in MODES:
-            raise ValueError(f"`mode`={mode!r} is not one of {MODES}: 'fill' (as large as fits) or 'cap' "
-                             "(as large as fits, never above your batch size).")  # fmt: skip
+        check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
+        check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (as large as fits, never "
+                     "above your batch size)")  # fmt: skip
+        check_bool("verbose", verbose, "verbose=False")
         self.max_memory = max_memory
         self.margin = float(margin)
         self.steps_per_trial = steps_per_trial
@@ -324,7 +324,7 @@ class BatchSizeSearch(Callback):
                     "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
                 )
             return device_usable_memory(device)
-        return parse_memory(self.max_memory, device, name="max_memory")
+        return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
     def _budget_bytes(self, device: torch.device) -> int:
         return int(self._capacity_bytes(device) * (1.0 - self.margin))
@@ -791,11 +791,6 @@ def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
         return None
     finally:
         _reset_train_loader(trainer)
-
-
-def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}`={value!r} is not an int >= {minimum}; expected {hint}.")
 
 
 def _bytes(num_bytes: Optional[int]) -> str:

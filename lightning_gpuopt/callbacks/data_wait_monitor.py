@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
-from lightning_gpuopt.core.checks import check_int, check_number
+from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
     RankFigures,
@@ -122,6 +122,9 @@ class DataWaitMonitor(Callback):
         check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
                   allow_none=True)
         check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
+        check_path("report_path", report_path, "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
+                   allow_none=True)
+        check_bool("verbose", verbose, "verbose=False")
         self.warmup_steps = warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)

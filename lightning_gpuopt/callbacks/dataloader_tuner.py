@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
-from lightning_gpuopt.core.checks import check_int, check_number
+from lightning_gpuopt.core.checks import check_bool, check_int, check_number
 from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
@@ -114,6 +114,8 @@ class DataLoaderTuner(Callback):
             check_number("target_samples_per_second", target_samples_per_second,
                          "target_samples_per_second=5000, or None to measure it", low=0, low_inclusive=False)
         check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
+        check_bool("persistent_workers", persistent_workers, "persistent_workers=False")
+        check_bool("verbose", verbose, "verbose=False")
         self.max_seconds = float(max_seconds)
         self.batches_per_candidate = batches_per_candidate
         self.tolerance = float(tolerance)

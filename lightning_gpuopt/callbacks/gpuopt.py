@@ -23,6 +23,7 @@ Presets (``lightning_gpuopt/presets/*.yaml``; ``gpuopt presets`` lists them): ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -47,7 +48,8 @@ from lightning_gpuopt.core.report import (
     to_dict,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import check_keys, load_preset
+from lightning_gpuopt.core.checks import check_bool, check_number
+from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
 #: section of ``gpuopt_report.json`` GpuOpt writes
 REPORT_SECTION = "gpuopt"
@@ -121,10 +123,13 @@ class GpuOpt(Callback):
     ) -> None:
         overrides = {key: value for key, value in locals().items() if key not in ("self", "preset", "__class__")}
         check_keys(overrides, source="GpuOpt's keyword arguments")
+        overrides = {key: value for key, value in overrides.items() if value is not None}
         self.preset = preset
-        from_preset = load_preset(preset) if preset is not None else {}
-        self.settings = {**from_preset, **{k: v for k, v in overrides.items() if v is not None}}
+        from_preset, sources = load_preset_with_sources(preset) if preset is not None else ({}, {})
+        self.settings = {**from_preset, **overrides}
         settings = self.settings
+        for key, value in settings.items():  # every setting, also of the parts that do not run
+            check_setting(key, value, source=None if key in overrides else sources.get(key))
         self.fill = MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False) \
             if settings.get("fill_memory") else None  # fmt: skip
         tuner_options = {"max_seconds": settings["loader_max_seconds"]} if "loader_max_seconds" in settings else {}
@@ -179,6 +184,35 @@ class GpuOpt(Callback):
             memory=self.estimator.estimate if self.estimator is not None else None,
             data_wait=self.monitor.report if self.monitor is not None else None,
         )
+
+
+_SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
+
+
+def check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
+    """Refuse a bad value of one GpuOpt setting with the message of the part that takes it (which
+    names the setting and the value), prefixed by the preset file that set it, if one did.
+
+    Example::
+
+        >>> check_setting("fill_memory", "false")
+        Traceback (most recent call last):
+        ...
+        ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
+    """
+    try:
+        if key in _SWITCHES:
+            check_bool(key, value, f"{key}=False")
+        elif key == "loader_max_seconds":
+            check_number(key, value, "loader_max_seconds=10", low=0, low_inclusive=False)
+        elif key == "max_memory":
+            MemoryEstimator(max_memory=value, verbose=False)
+        elif key in _FILL_KEYS:
+            MemoryFill(**{key: value}, verbose=False)
+    except (TypeError, ValueError) as error:
+        if source is None:
+            raise
+        raise ValueError(f"in preset file {source}: {error}") from None
 
 
 def _delegate(name: str) -> Any:
