@@ -9,6 +9,7 @@ import pytest
 from lightning import Trainer
 
 from lightning_gpuopt import GpuOpt, available_presets, load_preset
+from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.core import report as report_module
 from models_memory import make_model
@@ -152,3 +153,17 @@ def test_a_full_disk_at_the_end_of_fit_warns_and_the_run_ends_normally(tmp_path,
     assert gpuopt.report is not None and gpuopt.report.data_wait is not None and gpuopt.report.memory is not None
     assert sum("No space left on device" in str(w.message) for w in caught) == 3  # memory, data_wait, gpuopt
     assert not (tmp_path / "gpuopt_report.json").exists()
+
+
+def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path):
+    gpuopt = GpuOpt("diagnose", tune_loader=True, loader_max_seconds=2)
+    fit(tmp_path, gpuopt)
+    tuned = gpuopt.report.dataloader
+    text = render_report(gpuopt.report)
+    note = next(line.strip() for line in text.splitlines() if "your setting" in line)
+    assert not note.startswith(";")  # it read "; 1.00x your setting" with no sentence before it
+    if tuned.setting == tuned.baseline.setting:
+        assert note.startswith(f"kept your setting {tuned.baseline.setting.describe()}") and "1.00x" not in text
+    else:
+        assert note.startswith(f"{tuned.baseline.setting.describe()} → {tuned.setting.describe()}")
+        assert f"{tuned.samples_per_second / tuned.baseline.samples_per_second:.2f}x" in note

@@ -289,9 +289,28 @@ def loader_tune_table(result: "LoaderTuneResult", message: str) -> str:
             f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
             + (f"  [{', '.join(marks)}]" if marks else ""),
         ))
-    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None else ""
-    notes = [f"  {message}{speedup}"]
+    kept = result.baseline is not None and result.setting == result.baseline.setting
+    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None and not kept else ""
+    notes = [f"  {message}{speedup}" if message else f"  {loader_tune_summary(result)}"]
     return render_table("gpuopt · DataLoaderTuner", rows, notes)
+
+
+def loader_tune_summary(result: "LoaderTuneResult") -> str:
+    """One line on what the tuner did: kept the user's setting, or changed it and by how much.
+
+    Example::
+
+        >>> from lightning_gpuopt.core.loader import LoaderSetting, LoaderTiming, LoaderTuneResult
+        >>> yours = LoaderTiming(LoaderSetting(2, 2), 8, 256, 0.1, 0.5, 512.0, None)
+        >>> loader_tune_summary(LoaderTuneResult(2, 2, False, False, 512.0, yours, [yours], reason="fastest"))
+        'kept your setting num_workers=2, prefetch_factor=2, persistent_workers=False, pin_memory=False (fastest)'
+    """
+    reason = f" ({result.reason})" if result.reason else ""
+    if result.baseline is not None and result.setting == result.baseline.setting:
+        return f"kept your setting {result.setting.describe()}{reason}"
+    before = f"{result.baseline.setting.describe()} → " if result.baseline is not None else ""
+    speedup = f": {result.speedup:.2f}x the samples/s of your setting" if result.speedup is not None else ""
+    return f"{before}{result.setting.describe()}{speedup}{reason}"
 
 
 def batch_search_table(result: "BatchSizeSearchResult") -> str:
