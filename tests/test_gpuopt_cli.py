@@ -144,10 +144,10 @@ def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_g
     assert saved_config(tmp_path)["notes"] == "mine"
 
 
-@pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("preset: self.yaml\n", None)])
+@pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("preset: ../{folder}/self.yaml\n", None)])
 def test_a_broken_preset_file_is_a_usage_error_naming_the_file(tmp_path, text, line):
     path = tmp_path / "self.yaml"
-    path.write_text(text)
+    path.write_text(text.format(folder=tmp_path.name))  # the second extends itself by another spelling
     result = train(tmp_path, "--gpuopt", str(path), *QUICK)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert str(path) in result.stderr and (line is None or f"line {line}" in result.stderr)
