@@ -378,15 +378,21 @@ class BatchSizeSearch(Callback):
             count = len(result.trials)
             headline = (f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
                         f"the smallest tried, {size}, does not fit")  # fmt: skip
-        why = _why_it_missed(smallest, runner.outcomes.get(size), runner.budget, runner.trainer.world_size)
+        trainer = runner.trainer
+        if trainer.world_size > 1:  # each rank's own budget, cap and peak: the ranks' figures differ
+            budget = f"the budget of the tightest rank, {_bytes(result.budget_bytes)}"
+            why = f"its trial, rank by rank: {_why_each_rank_missed(trainer, runner.outcomes.get(size), runner.budget)}"
+        else:
+            budget = f"the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} less margin={self.margin})"
+            why = f"its trial {_why_it_missed(smallest, runner.outcomes.get(size), runner.budget, 1)}"
         needs = ""
         if not device_for(runner.pl_module.device).is_cuda:  # a simulated cap: measure the step without it
             fitted, peak = runner.fits(size, capped=False)
+            where = "" if trainer.world_size == 1 else f" on rank {trainer.global_rank}"
             if fitted or peak is not None:
-                needs = f" Measured again without the cap, a step at batch size {size} needs {_bytes(peak)}."
+                needs = f" Measured again without the cap{where}, a step at batch size {size} needs {_bytes(peak)}."
         return (
-            f"BatchSizeSearch: {headline} the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} "
-            f"less margin={self.margin}): its trial {why}.{needs} Try MemoryFill (mixed precision, activation "
+            f"BatchSizeSearch: {headline} {budget}: {why}.{needs} Try MemoryFill (mixed precision, activation "
             "checkpointing and gradient accumulation), a smaller model, or more memory (a larger max_memory, a "
             "smaller margin, or a larger device)."
         )
@@ -515,6 +521,46 @@ def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, 
     if peak is None:
         return f"measured no peak{where}"
     return f"peaked{where} at {_bytes(peak)}, above the budget of {_bytes(budget)}"
+
+
+def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[_TrialOutcome], budget: int) -> str:
+    """Under DDP: why the trial did not fit, on each rank in that rank's own figures (its budget, its
+    cap, its peak; one all-gather). The out-of-memory message is only known for this rank."""
+    figures = [budget, -1, -1, 0, 0, 0] if outcome is None else [
+        budget, -1 if outcome.cap_bytes is None else outcome.cap_bytes,
+        -1 if outcome.peak_bytes is None else outcome.peak_bytes, int(outcome.fitted),
+        int(outcome.oom_message is not None), 1]  # fmt: skip
+    mine = torch.tensor(figures, dtype=torch.int64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, len(figures)).cpu().tolist()
+    parts = []
+    for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gathered):
+        message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
+        parts.append(f"rank {rank} " + _rank_missed(rank_budget, None if cap < 0 else cap, None if peak < 0 else peak,
+                                                    bool(fitted), bool(oom), bool(known), message))  # fmt: skip
+    return "; ".join(parts)
+
+
+def _rank_missed(
+    budget: int, cap: Optional[int], peak: Optional[int], fitted: bool, oom: bool, known: bool, message: Optional[str]
+) -> str:
+    """One rank's side of a trial that did not fit on every rank, in that rank's own figures.
+
+    Example::
+
+        >>> _rank_missed(54_000, 54_000, 60_000, False, True, True, None)
+        'ran out of memory inside a training step, its peak until then 58.6 KiB (60000 bytes) under its cap of 52.7 KiB (54000 bytes)'
+    """
+    if not known:
+        return "ran no trial at this size"
+    if fitted:
+        return f"fitted (peak {_bytes(peak)}, its budget {_bytes(budget)})"
+    if oom:
+        where = "the device's memory" if cap is None else f"its cap of {_bytes(cap)}"
+        detail = f": {_first_sentences(message)}" if message else ""
+        return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
+    if peak is None:
+        return "measured no peak"
+    return f"peaked at {_bytes(peak)}, above its budget of {_bytes(budget)}"
 
 
 def _first_sentences(message: str) -> str:
