@@ -178,7 +178,10 @@ def test_string_booleans_in_a_preset_file_do_not_turn_a_part_on(tmp_path, text):
 def test_gpuopt_refuses_a_preset_that_is_no_name_or_path(preset):
     with pytest.raises(ValueError) as error:
         GpuOpt(preset)
-    assert_names(error, "preset", preset) if not isinstance(preset, str) or not preset else None
+    if not isinstance(preset, str) or not preset:  # not a name at all: the argument is named
+        assert_names(error, "preset", preset)
+    else:  # a name that is no preset: the name is quoted
+        assert repr(preset) in str(error.value)
     assert "'diagnose', 'fill-memory', 'low-memory', 'max-throughput'" in str(error.value)
 
 
