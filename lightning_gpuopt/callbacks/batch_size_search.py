@@ -84,8 +84,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
+from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -99,6 +100,7 @@ from lightning_gpuopt.core.estimate import (
 )
 from lightning_gpuopt.core.loader import TrialSampler, batch_samples, largest_samples_first
 from lightning_gpuopt.core.memory import (
+    MIN_MAX_MEMORY_BYTES,
     LiveTensorTracker,
     MemoryBudget,
     call_catching_oom,
@@ -111,7 +113,6 @@ from lightning_gpuopt.core.report import (
     batch_search_table,
     format_bytes,
     to_dict,
-    update_json_section,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
 
@@ -191,24 +192,22 @@ class BatchSizeSearch(Callback):
         verbose: bool = True,
     ) -> None:
         if max_memory is not None:
-            parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(
-                f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom)."
-            )
-        _check_int("steps_per_trial", steps_per_trial, 1, "e.g. 2, so that optimizer state exists in the trial")
-        _check_int("max_trials", max_trials, 1, "e.g. 10")
-        _check_int("min_batch_size", min_batch_size, 1, "e.g. 1")
-        _check_int("max_batch_size", max_batch_size, min_batch_size, f"at least min_batch_size={min_batch_size}")
-        _check_int("multiple_of", multiple_of, 1, "e.g. 1 or 8")
+            parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)  # validates early; a fraction is resolved later
+        check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
+        check_int("steps_per_trial", steps_per_trial, 1,
+                  "steps_per_trial=2, so that optimizer state exists in the trial")
+        check_int("max_trials", max_trials, 1, "max_trials=10")
+        check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
+        check_int("max_batch_size", max_batch_size, min_batch_size,
+                  f"max_batch_size=65536 (at least min_batch_size={min_batch_size})")
+        check_int("multiple_of", multiple_of, 1, "multiple_of=1 or multiple_of=8")
         if multiple_of > max_batch_size:
             raise ValueError(f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
                              "expected a multiple_of <= max_batch_size.")  # fmt: skip
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"`batch_arg_name`={batch_arg_name!r} is not a name; expected e.g. 'batch_size'.")
-        if mode not in MODES:
-            raise ValueError(f"`mode`={mode!r} is not one of {MODES}: 'fill' (as large as fits) or 'cap' "
-                             "(as large as fits, never above your batch size).")  # fmt: skip
+        check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
+        check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (as large as fits, never "
+                     "above your batch size)")  # fmt: skip
+        check_bool("verbose", verbose, "verbose=False")
         self.max_memory = max_memory
         self.margin = float(margin)
         self.steps_per_trial = steps_per_trial
@@ -334,7 +333,7 @@ class BatchSizeSearch(Callback):
                     "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
                 )
             return device_usable_memory(device)
-        return parse_memory(self.max_memory, device, name="max_memory")
+        return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
     def _budget_bytes(self, device: torch.device) -> int:
         return int(self._capacity_bytes(device) * (1.0 - self.margin))
@@ -393,15 +392,21 @@ class BatchSizeSearch(Callback):
             count = len(result.trials)
             headline = (f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
                         f"the smallest tried, {size}, does not fit")  # fmt: skip
-        why = _why_it_missed(smallest, runner.outcomes.get(size), runner.budget, runner.trainer.world_size)
+        trainer = runner.trainer
+        if trainer.world_size > 1:  # each rank's own budget, cap and peak: the ranks' figures differ
+            budget = f"the budget of the tightest rank, {_bytes(result.budget_bytes)}"
+            why = f"its trial, rank by rank: {_why_each_rank_missed(trainer, runner.outcomes.get(size), runner.budget)}"
+        else:
+            budget = f"the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} less margin={self.margin})"
+            why = f"its trial {_why_it_missed(smallest, runner.outcomes.get(size), runner.budget, 1)}"
         needs = ""
         if not device_for(runner.pl_module.device).is_cuda:  # a simulated cap: measure the step without it
             fitted, peak = runner.fits(size, capped=False)
+            where = "" if trainer.world_size == 1 else f" on rank {trainer.global_rank}"
             if fitted or peak is not None:
-                needs = f" Measured again without the cap, a step at batch size {size} needs {_bytes(peak)}."
+                needs = f" Measured again without the cap{where}, a step at batch size {size} needs {_bytes(peak)}."
         return (
-            f"BatchSizeSearch: {headline} the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} "
-            f"less margin={self.margin}): its trial {why}.{needs} Try MemoryFill (mixed precision, activation "
+            f"BatchSizeSearch: {headline} {budget}: {why}.{needs} Try MemoryFill (mixed precision, activation "
             "checkpointing and gradient accumulation), a smaller model, or more memory (a larger max_memory, a "
             "smaller margin, or a larger device)."
         )
@@ -412,7 +417,7 @@ class BatchSizeSearch(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(batch_search_table(self.result))
-            update_json_section(path, REPORT_SECTION, to_dict(self.result))
+            write_report_section(path, REPORT_SECTION, to_dict(self.result))
 
 
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
@@ -551,6 +556,46 @@ def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, 
     if peak is None:
         return f"measured no peak{where}"
     return f"peaked{where} at {_bytes(peak)}, above the budget of {_bytes(budget)}"
+
+
+def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[_TrialOutcome], budget: int) -> str:
+    """Under DDP: why the trial did not fit, on each rank in that rank's own figures (its budget, its
+    cap, its peak; one all-gather). The out-of-memory message is only known for this rank."""
+    figures = [budget, -1, -1, 0, 0, 0] if outcome is None else [
+        budget, -1 if outcome.cap_bytes is None else outcome.cap_bytes,
+        -1 if outcome.peak_bytes is None else outcome.peak_bytes, int(outcome.fitted),
+        int(outcome.oom_message is not None), 1]  # fmt: skip
+    mine = torch.tensor(figures, dtype=torch.int64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, len(figures)).cpu().tolist()
+    parts = []
+    for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gathered):
+        message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
+        parts.append(f"rank {rank} " + _rank_missed(rank_budget, None if cap < 0 else cap, None if peak < 0 else peak,
+                                                    bool(fitted), bool(oom), bool(known), message))  # fmt: skip
+    return "; ".join(parts)
+
+
+def _rank_missed(
+    budget: int, cap: Optional[int], peak: Optional[int], fitted: bool, oom: bool, known: bool, message: Optional[str]
+) -> str:
+    """One rank's side of a trial that did not fit on every rank, in that rank's own figures.
+
+    Example::
+
+        >>> _rank_missed(54_000, 54_000, 60_000, False, True, True, None)
+        'ran out of memory inside a training step, its peak until then 58.6 KiB (60000 bytes) under its cap of 52.7 KiB (54000 bytes)'
+    """
+    if not known:
+        return "ran no trial at this size"
+    if fitted:
+        return f"fitted (peak {_bytes(peak)}, its budget {_bytes(budget)})"
+    if oom:
+        where = "the device's memory" if cap is None else f"its cap of {_bytes(cap)}"
+        detail = f": {_first_sentences(message)}" if message else ""
+        return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
+    if peak is None:
+        return "measured no peak"
+    return f"peaked at {_bytes(peak)}, above its budget of {_bytes(budget)}"
 
 
 def _first_sentences(message: str) -> str:
@@ -995,11 +1040,6 @@ def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
     finally:
         _reset_train_loader(trainer)
         _set_rng_states(rng)
-
-
-def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}`={value!r} is not an int >= {minimum}; expected {hint}.")
 
 
 def _bytes(num_bytes: Optional[int]) -> str:
