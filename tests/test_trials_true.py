@@ -273,7 +273,7 @@ def test_batch_size_in_two_places_warns_sets_both_and_puts_both_back_on_failure(
     assert model.batch_size == model.hparams.batch_size == search.result.batch_size
     model = TwoPlaces()
     with pytest.raises(Exception, match="does not fit"), pytest.warns(UserWarning):
-        make_trainer(tmp_path / "none", [BatchSizeSearch(max_memory=1_000, verbose=False)]).fit(model)
+        make_trainer(tmp_path / "none", [BatchSizeSearch(max_memory=2_000, verbose=False)]).fit(model)
     assert (model.batch_size, model.hparams.batch_size) == (16, 32)  # each as it was
 
 
