@@ -4,7 +4,8 @@
 
     gpuopt doctor [--quick | --matmul-seconds S] [--json]
     gpuopt presets [NAME_OR_YAML] [--json]
-    gpuopt estimate MODULE:CLASS [--init-args JSON] [--input-size 3,224,224] [--batch-size N]
+    gpuopt estimate MODULE:CLASS [--init-args JSON] [--datamodule MODULE:CLASS [--datamodule-init-args JSON]]
+                    [--input-size 3,224,224] [--batch-size N]
                     [--optimizer adam|adamw|sgd|none] [--precision 32-true|bf16-mixed|16-mixed|bf16-true]
                     [--max-memory 20GiB] [--device cpu|cuda] [--json]
 
@@ -41,10 +42,14 @@ if TYPE_CHECKING:
 
 #: precisions ``gpuopt estimate`` accepts, as Lightning's Trainer names them
 ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-#: optimizers ``gpuopt estimate --optimizer`` builds (``auto``: the model's ``configure_optimizers()``, else Adam)
+#: optimizers ``gpuopt estimate --optimizer`` builds (``auto``: a LightningModule's ``configure_optimizers()`` with a
+#: Trainer attached, else Adam)
 ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
 #: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
 DEFAULT_BATCH_SIZE = 8
+#: ``max_steps`` of the Trainer ``gpuopt estimate`` attaches to a LightningModule (``configure_optimizers``
+#: may read ``self.trainer.estimated_stepping_batches``; nothing is trained)
+ESTIMATE_TRAINER_STEPS = 1000
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
 
@@ -210,14 +215,21 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
         "estimate", parents=[common], help="a model's training-step memory and the largest batch that fits",
         description="Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained "
                     "or allocated) and report the memory by part, the predicted peak at --batch-size and the "
-                    "largest batch that fits --max-memory. The batch comes from --input-size, else the model's "
-                    "train_dataloader(), else its example_input_array.",
+                    "largest batch that fits --max-memory. The batch comes from --input-size, else --datamodule's "
+                    "train_dataloader(), else the model's, else its example_input_array. A LightningModule gets a "
+                    "CPU Trainer attached (nothing is trained), so that configure_optimizers() and "
+                    "train_dataloader() can use self.trainer.",
     )  # fmt: skip
     estimate.add_argument("target", metavar="MODULE:CLASS",
                           help="the model class: a dotted module (importable, or under the current directory) or "
                                "path/to/file.py, a colon, the class name; e.g. examples/models.py:TokenTransformer")
     estimate.add_argument("--init-args", default="{}", metavar="JSON",
                           help='keyword arguments of the class as a JSON object, e.g. \'{"width": 256}\'')
+    estimate.add_argument("--datamodule", metavar="MODULE:CLASS",
+                          help="a LightningDataModule class whose train_dataloader() gives the batch, as MODULE:CLASS "
+                               "is given, e.g. my_package.data:ImageNetData")
+    estimate.add_argument("--datamodule-init-args", default="{}", metavar="JSON",
+                          help="keyword arguments of the --datamodule class as a JSON object")
     estimate.add_argument("--input-size", action="append", metavar="D1,D2,...",
                           help="the shape of one sample of forward's input, without the batch dimension, e.g. "
                                "3,224,224; repeat for several inputs (forward(*inputs)); the loss is then a "
@@ -230,7 +242,8 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
     estimate.add_argument("--batch-size", type=int, metavar="N",
                           help=f"the batch size to estimate at (default: the dataloader's, else {DEFAULT_BATCH_SIZE})")
     estimate.add_argument("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS,
-                          help="auto (default): the model's configure_optimizers(), else adam; sgd has momentum 0.9")
+                          help="auto (default): the model's configure_optimizers() (with a Trainer attached), else "
+                               "adam; sgd has momentum 0.9")
     estimate.add_argument("--precision", default="32-true", choices=ESTIMATE_PRECISIONS,
                           help="as Lightning's Trainer(precision=...); 16-mixed only on CUDA")
     estimate.add_argument("--max-memory", metavar="MEMORY",
@@ -245,27 +258,29 @@ def run_estimate(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, learn_workspaces
-    from lightning_gpuopt.core.loader import batch_samples
     from lightning_gpuopt.core.report import to_dict
 
     _check_estimate_numbers(args)
     device = _estimate_device(args.device, args.precision)
     cls = import_class(args.target)
     module = _instantiate(cls, args.init_args, args.target)
+    datamodule = _datamodule(args)
     setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
     # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
     # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
     host = torch.device("cpu")
     module = _prepare_module(module, host, args.precision)
-    batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup)
-    setup.batch_size = batch_samples(batch)
+    trainer = _attach_trainer(module, datamodule, args, setup)
+    batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup, datamodule)
+    setup.batch_size = _batch_size_of(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
     trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=host_step_context(args.precision),
-                 device=device)  # fmt: skip
+                 device=device, manual_step=_manual_step(module, trainer, optimizer, args, setup))  # fmt: skip
     # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
     trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
-                                           step_context=trace["step_context"], device=device)  # fmt: skip
+                                           step_context=trace["step_context"], device=device,
+                                           manual_step=trace["manual_step"], optimizer=optimizer)  # fmt: skip
     estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
     estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
@@ -284,6 +299,7 @@ class EstimateSetup:
     model: str
     device: str
     precision: str
+    datamodule: str = ""
     parameters: int = 0
     batch_source: str = ""
     batch_size: int | None = None
@@ -291,6 +307,24 @@ class EstimateSetup:
     optimizer: str = ""
     memory_source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
+    """For a LightningModule under manual optimization with a batch from a dataloader: its whole
+    ``training_step`` (its backward passes and optimizer steps), traced with the Trainer attached
+    (see :func:`lightning_gpuopt.callbacks.memory_estimator.manual_step`); else ``None``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks.memory_estimator import manual_step
+    from lightning_gpuopt.core.estimate import optimizer_list
+
+    if trainer is None or module.automatic_optimization or args.input_size or not setup.batch_source.endswith(
+            "train_dataloader()") or not is_overridden("training_step", module):  # fmt: skip
+        return None
+    trainer.strategy.optimizers = optimizer_list(optimizer)  # what self.optimizers() reads outside the trace
+    setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
+    setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
+    return manual_step(trainer, module)
 
 
 def _check_estimate_numbers(args: argparse.Namespace) -> None:
@@ -302,8 +336,9 @@ def _check_estimate_numbers(args: argparse.Namespace) -> None:
 # -- the model
 
 
-def import_class(target: str) -> type:
-    """The class named by ``MODULE:CLASS`` or ``path/to/file.py:CLASS``, a ``torch.nn.Module`` subclass.
+def import_class(target: str, base: type | None = None, argument: str = "MODULE:CLASS") -> type:
+    """The class named by ``MODULE:CLASS`` or ``path/to/file.py:CLASS``, a subclass of ``base``
+    (default ``torch.nn.Module``); errors name ``argument``.
 
     A dotted module is imported from ``sys.path`` with the current directory in front; a file is
     imported with its own directory on ``sys.path`` (for its sibling imports).
@@ -320,7 +355,10 @@ def import_class(target: str) -> type:
         ...
         lightning_gpuopt.cli.UsageError: `MODULE:CLASS`='torch.nn:Linnear': the module 'torch.nn' has no ...
     """
-    label = f"`MODULE:CLASS`={target!r}"
+    import torch
+
+    base = torch.nn.Module if base is None else base
+    label = f"`{argument}`={target!r}"
     module_part, colon, class_part = target.rpartition(":")
     if not colon or not module_part or not class_part:
         raise UsageError(f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon "
@@ -333,16 +371,21 @@ def import_class(target: str) -> type:
     if cls is None:
         close = difflib.get_close_matches(class_part, [name for name in vars(module) if not name.startswith("_")], 1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        candidates = ", ".join(_module_classes(module)) or "none"
+        candidates = ", ".join(_module_classes(module, base)) or "none"
         raise UsageError(f"{label}: the module {module_part!r} has no attribute {class_part!r}; {hint}"
-                         f"its torch.nn.Module classes: {candidates}.")  # fmt: skip
-    import torch
-
-    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-        candidates = ", ".join(_module_classes(module)) or "none"
-        raise UsageError(f"{label}: {class_part!r} is a {type(cls).__name__}, not a torch.nn.Module class; "
-                         f"the module's torch.nn.Module classes: {candidates}.")
+                         f"its {_class_name(base)} classes: {candidates}.")  # fmt: skip
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        candidates = ", ".join(_module_classes(module, base)) or "none"
+        raise UsageError(f"{label}: {class_part!r} is a {type(cls).__name__}, not a {_class_name(base)} class; "
+                         f"the module's {_class_name(base)} classes: {candidates}.")
     return cls
+
+
+def _class_name(cls: type) -> str:
+    """``torch.nn.Module``, ``lightning.pytorch.LightningDataModule``: as users import it."""
+    module = cls.__module__
+    public = {"torch.nn.modules.module": "torch.nn", "lightning.pytorch.core.datamodule": "lightning.pytorch"}
+    return f"{public.get(module, module)}.{cls.__qualname__}"
 
 
 def _import_module(name: str, label: str) -> ModuleType:
@@ -385,32 +428,101 @@ def _import_file(path_text: str, label: str) -> ModuleType:
     return module
 
 
-def _module_classes(module: ModuleType, limit: int = 15) -> list[str]:
-    """The ``torch.nn.Module`` classes defined in ``module``; without any, those it exposes (at most ``limit``)."""
+def _module_classes(module: ModuleType, base: type | None = None, limit: int = 15) -> list[str]:
+    """The ``base`` (default ``torch.nn.Module``) classes defined in ``module``; without any, those it
+    exposes (at most ``limit``)."""
     import torch
 
+    base = torch.nn.Module if base is None else base
     exposed = sorted(name for name, value in vars(module).items()
-                     if isinstance(value, type) and issubclass(value, torch.nn.Module))  # fmt: skip
+                     if isinstance(value, type) and issubclass(value, base))  # fmt: skip
     defined = [name for name in exposed if getattr(module, name).__module__ == module.__name__]
     names = defined or exposed
     return names[:limit] + (["..."] if len(names) > limit else [])
 
 
-def _instantiate(cls: type, init_args: str, target: str) -> Any:
+def _instantiate(cls: type, init_args: str, target: str, arguments: tuple[str, str] = ("MODULE:CLASS", "--init-args")
+                 ) -> Any:  # fmt: skip
+    """``cls(**json.loads(init_args))``; errors name ``arguments`` (the class's and the init args')."""
+    class_argument, init_argument = arguments
     try:
         kwargs = json.loads(init_args)
     except json.JSONDecodeError as error:
-        raise UsageError(f"`--init-args`={init_args!r} is not JSON ({error}); give an object of keyword "
+        raise UsageError(f"`{init_argument}`={init_args!r} is not JSON ({error}); give an object of keyword "
                          'arguments, e.g. \'{"width": 256, "depth": 4}\'.') from None  # fmt: skip
     if not isinstance(kwargs, dict):
-        raise UsageError(f"`--init-args`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of keyword "
-                         'arguments such as \'{"width": 256}\'.')  # fmt: skip
+        raise UsageError(f"`{init_argument}`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of "
+                         'keyword arguments such as \'{"width": 256}\'.')  # fmt: skip
     try:
         return cls(**kwargs)
     except Exception as error:  # noqa: BLE001 - bad keyword arguments, or the class's own checks
-        raise UsageError(f"{cls.__name__}(**{kwargs!r}) from `MODULE:CLASS`={target!r} and `--init-args` raised "
-                         f"{type(error).__name__}: {error}; the signature is "
+        raise UsageError(f"{cls.__name__}(**{kwargs!r}) from `{class_argument}`={target!r} and `{init_argument}` "
+                         f"raised {type(error).__name__}: {error}; the signature is "
                          f"{cls.__name__}{_signature(cls)}.") from None
+
+
+def _datamodule(args: argparse.Namespace) -> Any:
+    """The ``--datamodule`` instance (``None`` without one)."""
+    from lightning.pytorch import LightningDataModule
+
+    if args.datamodule is None:
+        if args.datamodule_init_args.strip() not in ("", "{}"):
+            raise UsageError(f"`--datamodule-init-args`={args.datamodule_init_args!r} without --datamodule: name "
+                             "the class too, e.g. --datamodule my_package.data:MyData.")  # fmt: skip
+        return None
+    cls = import_class(args.datamodule, LightningDataModule, "--datamodule")
+    return _instantiate(cls, args.datamodule_init_args, args.datamodule, ("--datamodule", "--datamodule-init-args"))
+
+
+def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: "EstimateSetup") -> Any:
+    """A LightningModule gets a CPU Trainer attached, as ``Trainer.fit`` attaches one (with the
+    datamodule), so that ``configure_optimizers()`` and ``train_dataloader()`` can read
+    ``self.trainer`` (e.g. ``estimated_stepping_batches``, ``datamodule``); nothing is trained.
+    Returns the Trainer (``None`` for a plain ``torch.nn.Module``)."""
+    import logging
+
+    from lightning.pytorch import LightningModule, Trainer
+
+    if datamodule is not None:
+        setup.datamodule = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
+    if not isinstance(module, LightningModule):
+        if datamodule is not None:
+            raise UsageError(f"`--datamodule`={args.datamodule!r} needs a LightningModule to train on its batches; "
+                             f"`MODULE:CLASS`={args.target!r} is a plain torch.nn.Module.")  # fmt: skip
+        return None
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
+    try:
+        trainer = Trainer(accelerator="cpu", devices=1, max_epochs=-1, max_steps=ESTIMATE_TRAINER_STEPS, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0)  # fmt: skip
+    finally:
+        quiet.setLevel(level)
+    # what Trainer.fit does first: the model and the datamodule know the trainer, and it them
+    trainer._data_connector.attach_data(module, datamodule=datamodule)
+    trainer.strategy.connect(module)
+    if datamodule is not None:
+        from lightning.pytorch.trainer import call
+
+        call._call_lightning_datamodule_hook(trainer, "prepare_data")
+        call._call_lightning_datamodule_hook(trainer, "setup", stage="fit")
+    return trainer
+
+
+def _batch_size_of(batch: Any) -> int | None:
+    """The batch size, found as Lightning finds it (:func:`lightning.pytorch.utilities.data.extract_batch_size`:
+    the first dimension of the first tensor, through dicts, lists and tuples); ``None`` without a tensor."""
+    import warnings
+
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Trying to infer the batch_size from an ambiguous collection"
+            return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - no tensor with a dimension in it
+        return None
 
 
 def _signature(cls: type) -> str:
@@ -447,22 +559,25 @@ def _prepare_module(module: Any, device: "torch.device", precision: str) -> Any:
 # -- the batch and the loss
 
 
-def _batch_and_loss(module: Any, args: argparse.Namespace, device: "torch.device", setup: EstimateSetup) -> tuple:
-    """``(batch, loss_fn, forward_input)`` from --input-size, else the dataloader, else example_input_array;
-    fills ``setup``'s batch, loss and parameter fields."""
+def _batch_and_loss(
+    module: Any, args: argparse.Namespace, device: "torch.device", setup: EstimateSetup, datamodule: Any = None
+) -> tuple:
+    """``(batch, loss_fn, forward_input)`` from --input-size, else the datamodule's or the model's
+    dataloader, else example_input_array; fills ``setup``'s batch, loss and parameter fields."""
     setup.parameters = sum(p.numel() for p in module.parameters())
     if args.input_size:
         batch = _batch_of_sizes(module, args, device)
         setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
         return batch, _stand_in_loss_fn(module, setup), batch
-    found = _loader_batch(module, args.batch_size, device, setup)
+    found = _loader_batch(module, args.batch_size, device, setup, datamodule)
     if found is not None:
         return found
     example = getattr(module, "example_input_array", None)
     if example is None:
         raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
                          "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
-                         "--dtype long for token ids).")  # fmt: skip
+                         "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
+                         "LightningDataModule whose train_dataloader() gives the batches).")  # fmt: skip
     batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
     return batch, _stand_in_loss_fn(module, setup), batch
@@ -500,32 +615,44 @@ def _vocab(module: Any, vocab: int | None) -> int:
                      "give it with --vocab N, e.g. --vocab 32000.")  # fmt: skip
 
 
-def _loader_batch(module: Any, batch_size: int | None, device: "torch.device", setup: EstimateSetup) -> tuple | None:
-    """A batch from a LightningModule's own ``train_dataloader()``, with ``training_step`` as the loss."""
+def _loader_batch(
+    module: Any, batch_size: int | None, device: "torch.device", setup: EstimateSetup, datamodule: Any = None
+) -> tuple | None:
+    """A batch from the datamodule's or the LightningModule's own ``train_dataloader()`` (with the
+    Trainer attached), with ``training_step`` as the loss."""
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_gpuopt.callbacks.memory_estimator import _loss_function
-    from lightning_gpuopt.core.loader import batch_samples
 
-    if not isinstance(module, LightningModule) or not is_overridden("train_dataloader", module):
+    if datamodule is not None:
+        source, owner = "the datamodule's train_dataloader()", datamodule
+    elif isinstance(module, LightningModule) and is_overridden("train_dataloader", module):
+        source, owner = "the model's train_dataloader()", module
+    else:
         return None
-    if batch_size is not None and isinstance(getattr(module, "batch_size", None), int):
-        module.batch_size = batch_size
+    if batch_size is not None and isinstance(getattr(owner, "batch_size", None), int):
+        owner.batch_size = batch_size
     try:
-        batch = next(iter(module.train_dataloader()))
-    except Exception as error:  # noqa: BLE001 - e.g. it needs a Trainer or a datamodule
-        setup.notes.append(f"train_dataloader() failed outside a Trainer ({type(error).__name__}: {error}); "
+        batch = next(iter(owner.train_dataloader()))
+    except Exception as error:  # noqa: BLE001 - the user's loader failed: say where, and what else works
+        if datamodule is not None:
+            raise UsageError(f"{source} of `--datamodule`={type(datamodule).__name__} raised "
+                             f"{type(error).__name__}: {error}") from None  # fmt: skip
+        setup.notes.append(f"train_dataloader() failed with a Trainer attached ({type(error).__name__}: {error}); "
                            "using example_input_array or --input-size instead")  # fmt: skip
         return None
     batch = _to_device(batch, device, module)
-    loaded = batch_samples(batch)
+    loaded = _batch_size_of(batch)
     if batch_size is not None and loaded is not None and loaded != batch_size:
         batch = _resized(batch, batch_size)
         setup.notes.append(f"the dataloader gives batches of {loaded}; its samples are repeated to make {batch_size}")
-    setup.batch_source = "the model's train_dataloader()"
+    setup.batch_source = source
     example = getattr(module, "example_input_array", None)
     forward_input = _to_device(example, device, module) if example is not None else _first_tensor(batch)
+    if isinstance(forward_input, dict):
+        forward_input = None  # a dict batch is not forward's keyword arguments: no torchinfo summary without
+        setup.notes.append("no torchinfo summary: the batch is a dict and the model has no example_input_array")
     if is_overridden("training_step", module) and module.automatic_optimization:
         setup.loss = "the model's training_step()"
         return batch, _loss_function(module), forward_input
@@ -557,13 +684,12 @@ def _to_device(data: Any, device: "torch.device", module: Any) -> Any:
 
 
 def _resized(batch: Any, batch_size: int) -> Any:
-    """``batch`` with every tensor of its leading dimension repeated or cut to ``batch_size`` rows."""
+    """``batch`` with every tensor of its leading dimension repeated or cut to ``batch_size`` rows
+    (through dicts, lists and tuples)."""
     import torch
     from torch.utils._pytree import tree_map
 
-    from lightning_gpuopt.core.loader import batch_samples
-
-    current = batch_samples(batch)
+    current = _batch_size_of(batch)
     if current is None or current == batch_size:
         return batch
 
@@ -613,6 +739,11 @@ def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
     params = [p for p in module.parameters() if p.requires_grad]
     if choice == "auto":
         configured = _configured_optimizer(module, setup)
+        if configured is False:  # configure_optimizers() returned None: Lightning trains without one
+            return None
+        if isinstance(configured, list):
+            setup.optimizer = f"{', '.join(type(o).__name__ for o in configured)} (configure_optimizers())"
+            return configured
         if configured is not None:
             setup.optimizer = f"{type(configured).__name__} (configure_optimizers())"
             return configured
@@ -626,41 +757,37 @@ def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
 
 
 def _configured_optimizer(module: Any, setup: EstimateSetup) -> Any:
-    """The (first) optimizer of a LightningModule's ``configure_optimizers()``; ``None`` without one."""
-    import torch
+    """The optimizer of a LightningModule's ``configure_optimizers()``, built as ``Trainer.fit``
+    builds it (Lightning's ``_init_optimizers_and_lr_schedulers``: any return form -- an optimizer,
+    a list, ``([optimizers], [schedulers])``, a dict or a list of dicts -- with the Trainer attached);
+    ``None`` without one (then Adam).
+
+    Raises:
+        UsageError: ``configure_optimizers()`` raised, or Lightning refuses what it returned.
+    """
     from lightning.pytorch import LightningModule
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     if not isinstance(module, LightningModule) or not is_overridden("configure_optimizers", module):
         setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
         return None
     try:
-        configured = module.configure_optimizers()
-    except Exception as error:  # noqa: BLE001 - e.g. it reads self.trainer
-        setup.notes.append(f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); "
-                           "estimating with Adam")  # fmt: skip
-        return None
-    found = _optimizers_in(configured)
-    if not found:
-        setup.notes.append("configure_optimizers() returned no optimizer: estimating with Adam")
-        return None
-    if len(found) > 1:
-        setup.notes.append(f"configure_optimizers() returned {len(found)} optimizers: estimating with the first")
-    return found[0] if isinstance(found[0], torch.optim.Optimizer) else None
-
-
-def _optimizers_in(configured: Any) -> list[Any]:
-    import torch
-
-    if isinstance(configured, torch.optim.Optimizer):
-        return [configured]
-    if isinstance(configured, dict):
-        return _optimizers_in(configured.get("optimizer"))
-    if isinstance(configured, (list, tuple)):
-        if configured and isinstance(configured[0], (list, tuple)):  # ([optimizers], [schedulers])
-            return _optimizers_in(list(configured[0]))
-        return [found for item in configured for found in _optimizers_in(item)]
-    return []
+        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
+        raise UsageError(f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
+                         f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
+                         "with one of ours: --optimizer adam|adamw|sgd|none.") from None  # fmt: skip
+    optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, _MockOptimizer)]
+    if not optimizers:
+        setup.notes.append("configure_optimizers() returned no optimizer: estimating without optimizer state")
+        setup.optimizer = "none (configure_optimizers() returned None)"
+        return False
+    if len(optimizers) > 1:  # Lightning allows it only with manual optimization
+        setup.notes.append(f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step "
+                           "steps each of them")  # fmt: skip
+        return optimizers
+    return optimizers[0]
 
 
 def memory_argument(text: str) -> int | float | str:
@@ -731,6 +858,7 @@ def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
         ("device, precision", f"{setup.device}, {setup.precision}"),
         ("optimizer", setup.optimizer),
         ("batch", f"{setup.batch_size} samples from {setup.batch_source}"),
+        *([("datamodule", setup.datamodule)] if setup.datamodule else []),
         ("loss", setup.loss),
         ("method", estimate.method),
         ("parameters", format_bytes(estimate.params_bytes)),

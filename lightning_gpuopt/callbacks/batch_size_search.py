@@ -95,7 +95,6 @@ from lightning_gpuopt.core.estimate import (
     learn_workspaces,
     refine_near_capacity,
     trace_training_step,
-    with_accumulation,
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import TrialSampler, batch_samples, largest_samples_first
@@ -362,6 +361,7 @@ class BatchSizeSearch(Callback):
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
             # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
             trace["workspaces"] = learn_workspaces(pl_module, _loss_function(pl_module), batch,
@@ -372,9 +372,8 @@ class BatchSizeSearch(Callback):
             buckets = _ddp_bucket_bytes(trainer, pl_module)
             if buckets:
                 estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
-            accumulated = with_accumulation(estimate, trainer.accumulate_grad_batches)
-            extra = accumulated.untraced_bytes  # what no re-trace sees: buckets, cuBLAS, accumulated gradients
-            return _refined(accumulated, pl_module, batch, trace, budget, extra)
+            extra = estimate.untraced_bytes  # what no re-trace sees: buckets, cuBLAS
+            return _refined(estimate, pl_module, batch, trace, budget, extra)
         except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
             return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size"]
 

@@ -35,6 +35,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,11 +44,12 @@ from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.estimate import (
+    ManualStep,
     MemoryEstimate,
+    NotTraceable,
     estimate_memory,
     optimizer_state_rule_bytes,
     with_measured_optimizer_state,
-    with_accumulation,
     with_measured_peak,
     with_untraced_bytes,
 )
@@ -75,13 +78,18 @@ class MemoryEstimator(Callback):
     The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake
     tensors (no memory is allocated, the model is left untouched), in the precision the Trainer
     uses, at the current batch size and at twice it; the line through both gives the largest batch
-    size that fits ``max_memory``. A step that cannot be traced (``.item()`` or data-dependent
-    control flow in ``training_step``, manual optimization) falls back to torchinfo's figures with
-    a warning that says why. Each rank estimates its own step; there are no collectives. Under
+    size that fits ``max_memory``. Under manual optimization the whole ``training_step`` is traced,
+    its ``manual_backward`` calls and the steps of twins of every optimizer included. A step that
+    cannot be traced (``.item()`` or data-dependent control flow in ``training_step``, a
+    ``training_step(self, dataloader_iter)`` that pulls its own batches) falls back to torchinfo's
+    figures with a warning that says why (also in ``estimate.not_traced_reason``). Each rank estimates its own step; there are no collectives. Under
     DDP the prediction adds DDP's gradient buckets (a copy of the gradients, unless
     ``gradient_as_bucket_view=True``) and the measurement starts at the third step, after DDP
-    has rebuilt its buckets. The trace assumes an optimizer step every batch
-    (``accumulate_grad_batches=1``) and no gradient clipping temporaries.
+    has rebuilt its buckets. Under gradient accumulation (set by the user or by
+    :class:`MemoryFill`) the trace keeps the previous micro-batch's gradients alive, as the run
+    does; mixed precision and activation checkpointing are traced as they run (the precision
+    plugin's step context, the checkpointed blocks). Gradient clipping's temporaries (one norm per
+    parameter) are not counted.
 
     Example::
 
@@ -100,8 +108,8 @@ class MemoryEstimator(Callback):
             what the device has free when the estimate runs, plus what torch already holds there.
         measure_steps: how many real training steps to measure the peak over (the first step has
             no gradients or optimizer state yet, so measure at least 2 for the steady state). With
-            gradient accumulation, at least ``accumulate_grad_batches + 1`` batches are measured, so
-            that an optimizer step is among them.
+            gradient accumulation, at least ``2 * accumulate_grad_batches`` batches are measured:
+            the second group's micro-batches run with the optimizer state alive.
         verbose: log the estimate's table with ``rank_zero_info`` (the JSON report is written either way).
 
     Raises:
@@ -168,8 +176,9 @@ class MemoryEstimator(Callback):
             self._optimizer_needs_measuring = False
             self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
         # with gradient accumulation the optimizer first steps (and creates its state) at batch
-        # `accumulate_grad_batches`: measure until one batch after it
-        if len(self._peaks) >= max(self.measure_steps, trainer.accumulate_grad_batches + 1):
+        # `accumulate_grad_batches`; the worst micro-batch (earlier gradients and the optimizer state
+        # alive, then the step) is the last of the second group: measure until it
+        if len(self._peaks) >= max(self.measure_steps, 2 * trainer.accumulate_grad_batches):
             self._finish_measuring(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -191,7 +200,7 @@ class MemoryEstimator(Callback):
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MemoryEstimate:
         device = pl_module.device
-        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        optimizer = list(trainer.optimizers)
         if self.max_memory is not None:
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
@@ -205,8 +214,9 @@ class MemoryEstimator(Callback):
             forward_input=_forward_input(trainer, pl_module, batch),
             capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            manual_step=None if pl_module.automatic_optimization else manual_step(trainer, pl_module),
         )
-        estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
         # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
         say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
@@ -255,7 +265,10 @@ def render_estimate(estimate: MemoryEstimate) -> str:
     """The estimate as a text table (rich), for ``rank_zero_info``."""
     rows = [
         ("method", estimate.method),
+        *([("not traced because", estimate.not_traced_reason)] if estimate.not_traced_reason else []),
         ("batch size", str(estimate.batch_size)),
+        *([("micro-batches per optimizer step", str(estimate.accumulate_grad_batches))]
+          if estimate.accumulate_grad_batches > 1 else []),  # fmt: skip
         ("parameters", format_bytes(estimate.params_bytes)),
         ("gradients", format_bytes(estimate.grads_bytes)),
         ("optimizer state", format_bytes(estimate.optimizer_bytes)),
@@ -294,10 +307,20 @@ def _logging_disabled(pl_module: pl.LightningModule) -> Iterator[None]:
         del pl_module.log_dict
 
 
+def _check_one_batch_step(pl_module: pl.LightningModule) -> None:
+    """Raise :class:`NotTraceable` for a ``training_step(self, dataloader_iter)``: it pulls its own
+    batches, the trace gives it one."""
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise NotTraceable("training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
+                           "batch given to training_step")  # fmt: skip
+
+
 def _loss_function(pl_module: pl.LightningModule) -> Any:
     def loss_of(batch: Any) -> torch.Tensor:
+        _check_one_batch_step(pl_module)
         if not pl_module.automatic_optimization:
-            raise RuntimeError("manual optimization: training_step steps the optimizers itself")
+            raise NotTraceable("manual optimization: training_step steps the optimizers itself (trace it with "
+                               "manual_step)")  # fmt: skip
         with _logging_disabled(pl_module):
             output = pl_module.training_step(batch, 0)
         if isinstance(output, Mapping):
@@ -307,6 +330,73 @@ def _loss_function(pl_module: pl.LightningModule) -> Any:
         return output
 
     return loss_of
+
+
+def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualStep:
+    """The whole ``training_step`` of a module under manual optimization, as the trace runs it
+    (:func:`~lightning_gpuopt.core.estimate.trace_training_step`'s ``manual_step``): inside it
+    ``self.optimizers()`` (and ``self.trainer.optimizers``) are the twin optimizers it is given,
+    their ``step()`` steps them directly and ``self.manual_backward(loss)`` is ``loss.backward()``
+    -- no callback or module hook runs and no step is counted --, logging does nothing, and the LR
+    schedulers and the real optimizers' options are restored after it (``sch.step()`` moves them).
+
+    Example::
+
+        estimate_memory(model, None, batch, optimizer=trainer.optimizers, manual_step=manual_step(trainer, model))
+    """
+
+    def run(batch: Any, optimizers: list) -> None:
+        _check_one_batch_step(pl_module)
+        strategy = trainer.strategy
+        saved = strategy._optimizers, strategy._lightning_optimizers
+        strategy._optimizers = list(optimizers)
+        strategy._lightning_optimizers = [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
+        try:
+            with _logging_disabled(pl_module), _plain_manual_backward(pl_module), _schedulers_restored(trainer):
+                pl_module.training_step(batch, 0)
+        finally:
+            strategy._optimizers, strategy._lightning_optimizers = saved
+
+    return run
+
+
+def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> LightningOptimizer:
+    """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no step counting)."""
+    wrapper = LightningOptimizer._to_lightning_optimizer(optimizer, strategy)
+
+    def step(closure: Any = None, **kwargs: Any) -> Any:
+        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+
+    wrapper.step = step  # type: ignore[method-assign]
+    return wrapper
+
+
+@contextlib.contextmanager
+def _plain_manual_backward(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.manual_backward(loss)`` is ``loss.backward()`` inside (no precision or callback hooks)."""
+    pl_module.manual_backward = lambda loss, *args, **kwargs: loss.backward(*args, **kwargs)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.manual_backward
+
+
+@contextlib.contextmanager
+def _schedulers_restored(trainer: pl.Trainer) -> Iterator[None]:
+    """The LR schedulers' states and the real optimizers' param-group options as before the block."""
+    schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
+    states = [scheduler.state_dict() for scheduler in schedulers]
+    real = trainer.strategy._optimizers
+    options = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+               for optimizer in real]  # fmt: skip
+    try:
+        yield
+    finally:
+        for scheduler, state in zip(schedulers, states):
+            scheduler.load_state_dict(state)
+        for optimizer, groups in zip(real, options):
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

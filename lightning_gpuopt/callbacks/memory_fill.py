@@ -79,7 +79,7 @@ from lightning_gpuopt.core.checkpointing import (
 )
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, with_accumulation
+from lightning_gpuopt.core.estimate import estimate_memory, host_step_context
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
@@ -518,8 +518,8 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
             pl_module, _loss_function(pl_module), batch,
             optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
             batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )  # fmt: skip
-        estimate = with_accumulation(estimate, trainer.accumulate_grad_batches)
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

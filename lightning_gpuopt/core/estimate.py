@@ -62,7 +62,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import torch
 import torchinfo
@@ -75,6 +75,17 @@ from lightning_gpuopt.core.op_memory import learning_possible
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
 LossFn = Callable[[Any], torch.Tensor]
+#: a whole training step under manual optimization: ``(batch, optimizers)``, where the step runs its
+#: own backward passes and ``step()``/``zero_grad()`` calls on the optimizers it is given
+ManualStep = Callable[[Any, list], None]
+#: one optimizer, several (manual optimization), or none
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+class NotTraceable(Exception):
+    """A step that cannot be traced, for a reason known before trying (e.g. ``training_step`` takes
+    ``dataloader_iter``); its message is the reason, shown as it is in :attr:`MemoryEstimate.notes`
+    and :attr:`MemoryEstimate.not_traced_reason`."""
 
 
 @dataclass
@@ -141,6 +152,8 @@ class MemoryEstimate:
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
+    #: the gradient accumulation the step was traced with (the gradients of earlier micro-batches alive)
+    accumulate_grad_batches: int = 1
     param_dtype: str | None = None
     estimate_error: float | None = None
     torchinfo_error: float | None = None
@@ -149,6 +162,8 @@ class MemoryEstimate:
     torchinfo_mult_adds: int | None = None
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
+    #: why the step was not traced (``method`` is then a fallback): what the estimate did not model
+    not_traced_reason: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -239,6 +254,21 @@ def leading_dimension(batch: Any) -> int | None:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     return None
+
+
+def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list: ``[]`` for ``None``, ``[optimizer]`` for one.
+
+    Example::
+
+        >>> optimizer_list(None), len(optimizer_list(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)))
+        ([], 1)
+    """
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
 
 
 def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -332,6 +362,8 @@ def learn_workspaces(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     probe_batch_size: int = PROBE_BATCH_SIZE,
     device: torch.device | str | None = None,
+    manual_step: ManualStep | None = None,
+    optimizer: Optimizers = None,
 ) -> WorkspaceProfile | None:
     """What each op call of a training step allocates inside its kernel, from one real forward and
     backward pass on the host at ``min(batch_size, probe_batch_size)`` samples.
@@ -365,13 +397,17 @@ def learn_workspaces(
     start = time.perf_counter()
     small_batch = _sliced(batch, batch_size, probe_size)
     try:
-        with host_only(), _twinned_module(module, _host_copy), WorkspaceRecorder() as recorder:
-            with step_context():
-                loss = loss_fn(small_batch)
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-            loss.backward()
-            del loss
+        with host_only(), _twinned_module(module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
+            if manual_step is not None:  # the step's own backward passes and optimizer steps, on the copies
+                with step_context():
+                    manual_step(small_batch, [_twin_optimizer(o, twin_of) for o in optimizer_list(optimizer)])
+            else:
+                with step_context():
+                    loss = loss_fn(small_batch)
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+                loss.backward()
+                del loss
     except Exception as error:  # noqa: BLE001 - without a probe the trace counts no workspaces
         return WorkspaceProfile(batch_size=probe_size, seconds=time.perf_counter() - start, failure=_first_line(error))
     return WorkspaceProfile(tuple(recorder.calls), probe_size, time.perf_counter() - start)
@@ -382,13 +418,15 @@ def trace_training_step(
     loss_fn: LossFn,
     batch: Any,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     batch_size: int | None = None,
     trace_batch_size: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     steps: int = 2,
     workspaces: WorkspaceProfile | None = None,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
+    manual_step: ManualStep | None = None,
 ) -> TracedStep:
     """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
 
@@ -396,7 +434,8 @@ def trace_training_step(
         module: the model; ``loss_fn`` must reach its parameters through it.
         loss_fn: ``batch -> loss`` (the forward pass and the loss).
         batch: a real batch (tensors, or lists/tuples/dicts of them).
-        optimizer: the real optimizer; a twin of it steps the fake parameters. ``None``: no step.
+        optimizer: the real optimizer (or, under manual optimization, optimizers); a twin of each
+            steps the fake parameters. ``None``: no step.
         batch_size: the batch size of ``batch`` (tensors with that first dimension are resized).
         trace_batch_size: the batch size to trace at (default: ``batch_size``).
         step_context: a context manager factory the forward pass runs in (e.g. autocast).
@@ -410,6 +449,15 @@ def trace_training_step(
             runs where the module is; for a module still on the host, pass a ``step_context`` that
             acts on host tensors (e.g. a CPU autocast of the run's dtype, see
             :func:`host_step_context`).
+        accumulate_grad_batches: the run's gradient accumulation. Above 1, the gradients are set to
+            ``None`` only before the first traced backward: later steps accumulate onto the earlier
+            step's gradients, as micro-batches after the first of a group do (and as the first does
+            in its forward pass: Lightning zeroes the gradients after it), and the optimizer still
+            steps after each, so the trace's last step is the worst micro-batch of any group of any
+            length: gradients and optimizer state alive from its start, then the optimizer's step.
+        manual_step: for manual optimization, the whole step (``(batch, optimizers)``: it runs its own
+            backward passes and steps the twin optimizers it is given) in place of ``loss_fn``'s
+            forward, ``zero_grad``, backward and step.
 
     Raises:
         Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
@@ -432,18 +480,23 @@ def trace_training_step(
         params = list(module.parameters())
         learned = workspaces if workspaces is not None and workspaces.learned else None
         with mode, WorkspaceTracker(learned, existing=(module, fake_batch), granularity=granularity) as tracker:
-            twin_optimizer = None if optimizer is None else _twin_optimizer(optimizer, twin_of)
+            twin_optimizers = [_twin_optimizer(o, twin_of) for o in optimizer_list(optimizer)]
             for step in range(steps):
                 if step:
                     tracker.next_step()
+                if manual_step is not None:
+                    with step_context():
+                        manual_step(fake_batch, twin_optimizers)
+                    continue
                 with step_context():
                     loss = loss_fn(fake_batch)
                 if not isinstance(loss, torch.Tensor):
                     raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-                for param in params:
-                    param.grad = None
+                if step == 0 or accumulate_grad_batches <= 1:
+                    for param in params:
+                        param.grad = None
                 loss.backward()
-                if twin_optimizer is not None:
+                for twin_optimizer in twin_optimizers:
                     twin_optimizer.step()
                 del loss
             figures = TracedStep(
@@ -452,7 +505,7 @@ def trace_training_step(
                 params_bytes=storage_bytes(params, granularity=granularity),
                 buffers_bytes=storage_bytes(list(module.buffers()), granularity=granularity),
                 grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
-                optimizer_bytes=0 if twin_optimizer is None else storage_bytes(twin_optimizer, granularity=granularity),
+                optimizer_bytes=storage_bytes(*twin_optimizers, granularity=granularity),
                 batch_bytes=storage_bytes(fake_batch, granularity=granularity),
                 seconds=0.0,
                 workspace_bytes=tracker.workspace_bytes_at_peak,
@@ -524,9 +577,10 @@ def torchinfo_summary(
 # ----------------------------------------------------------------------------- the estimate
 
 
-def optimizer_state_rule_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
+def optimizer_state_rule_bytes(optimizer: Optimizers) -> int | None:
     """Optimizer state by rule: Adam/AdamW 2x trainable parameters (3x with amsgrad), SGD 1x with
-    momentum, 0 without; ``None`` for other optimizers (measure them after a real step).
+    momentum, 0 without; summed over several optimizers; ``None`` when one has no rule (measure
+    them after a real step).
 
     Example::
 
@@ -534,8 +588,9 @@ def optimizer_state_rule_bytes(optimizer: torch.optim.Optimizer | None) -> int |
         >>> optimizer_state_rule_bytes(torch.optim.Adam(model.parameters()))
         880
     """
-    if optimizer is None:
-        return 0
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        rules = [optimizer_state_rule_bytes(one) for one in optimizer_list(optimizer)]
+        return None if None in rules else sum(rules)  # type: ignore[arg-type]
     total = 0
     for group in optimizer.param_groups:
         trainable = storage_bytes([p for p in group["params"] if p.requires_grad])
@@ -657,28 +712,12 @@ def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: s
     )
 
 
-def with_accumulation(estimate: MemoryEstimate, accumulate_grad_batches: int) -> MemoryEstimate:
-    """Under gradient accumulation the gradients of earlier micro-batches stay alive through the
-    next backward pass (the traced step zeroes them first), and each new gradient is added to them:
-    up to one more set of gradients at the peak.
-
-    Example::
-
-        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
-        >>> with_accumulation(before, 4).predicted_peak_bytes, with_accumulation(before, 1).predicted_peak_bytes
-        (55, 45)
-    """
-    if accumulate_grad_batches <= 1 or not estimate.grads_bytes:
-        return estimate
-    return with_untraced_bytes(
-        estimate, estimate.grads_bytes, f"gradients kept across {accumulate_grad_batches} accumulated micro-batches"
-    )
-
-
 def _first_line(error: BaseException) -> str:
     """``"Type: first line"`` of the innermost cause of ``error`` (torchinfo wraps the real one)."""
     while error.__cause__ is not None:
         error = error.__cause__
+    if isinstance(error, NotTraceable):
+        return str(error)[:300]
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
@@ -687,14 +726,16 @@ def _traced_estimate(
     module: torch.nn.Module,
     loss_fn: LossFn,
     batch: Any,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers,
     batch_size: int | None,
     step_context: Callable[[], ContextManager[Any]],
     workspaces: WorkspaceProfile | None,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
+    manual_step: ManualStep | None = None,
 ) -> tuple[MemoryEstimate, float]:
     trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces,
-                 device=device)  # fmt: skip
+                 device=device, accumulate_grad_batches=accumulate_grad_batches, manual_step=manual_step)  # fmt: skip
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None
@@ -718,9 +759,26 @@ def _traced_estimate(
         workspace_bytes=at_batch.workspace_bytes,
         fixed_bytes=fixed,
         bytes_per_sample=per_sample,
-        notes=workspace_notes(workspaces, at_batch),
+        accumulate_grad_batches=accumulate_grad_batches,
+        notes=[*workspace_notes(workspaces, at_batch), *accumulation_notes(accumulate_grad_batches),
+               *(["manual optimization: traced the whole training_step, its backward passes and the steps of "
+                  f"its {len(optimizer_list(optimizer))} optimizer(s)"] if manual_step is not None else [])],
     )
     return estimate, seconds
+
+
+def accumulation_notes(accumulate_grad_batches: int) -> list[str]:
+    """What :attr:`MemoryEstimate.notes` says about gradient accumulation (nothing without it).
+
+    Example::
+
+        >>> accumulation_notes(1), accumulation_notes(4)[0][:52]
+        ([], 'traced accumulating 4 micro-batches per optimizer st')
+    """
+    if accumulate_grad_batches <= 1:
+        return []
+    return [f"traced accumulating {accumulate_grad_batches} micro-batches per optimizer step: the gradients of "
+            "earlier micro-batches are alive through the next forward and backward pass"]  # fmt: skip
 
 
 def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
@@ -747,7 +805,7 @@ def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> 
 def _fallback_estimate(
     module: torch.nn.Module,
     batch: Any,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers,
     batch_size: int | None,
     torchinfo_figures: TorchinfoFigures | None,
 ) -> MemoryEstimate:
@@ -757,7 +815,8 @@ def _fallback_estimate(
     optimizer_bytes = optimizer_state_rule_bytes(optimizer)
     notes = []
     if optimizer_bytes is None:
-        notes.append(f"no rule for {type(optimizer).__name__}: its state is measured after the first real step")
+        names = ", ".join(type(one).__name__ for one in optimizer_list(optimizer))
+        notes.append(f"no rule for {names}: its state is measured after the first real step")
         optimizer_bytes = 0
     buffers_bytes = storage_bytes(list(module.buffers()))
     batch_bytes = storage_bytes(batch)
@@ -785,13 +844,15 @@ def estimate_memory(
     loss_fn: LossFn,
     batch: Any,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     batch_size: int | None = None,
     forward_input: Any = None,
     capacity_bytes: int | None = None,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     workspaces: WorkspaceProfile | bool | None = True,
     device: torch.device | str | None = None,
+    accumulate_grad_batches: int = 1,
+    manual_step: ManualStep | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
 
@@ -803,7 +864,8 @@ def estimate_memory(
         module: the model.
         loss_fn: ``batch -> loss``.
         batch: a real batch.
-        optimizer: the real optimizer (its class and param-group options are reused).
+        optimizer: the real optimizer (its class and param-group options are reused); under manual
+            optimization a list of them.
         batch_size: the batch size of ``batch``; without it there is no line and no max batch size.
         forward_input: what ``module.forward`` takes, for torchinfo (``None``: no torchinfo figures);
             resized to ``batch_size`` along the first dimension of its tensors.
@@ -815,6 +877,11 @@ def estimate_memory(
         device: the device the step will run on (default: the module's; see
             :func:`trace_training_step`). On a CUDA card the cuBLAS workspace its matmuls keep is
             added (32 MiB from Hopper on, 8.1 MiB before).
+        accumulate_grad_batches: the run's gradient accumulation (``Trainer.accumulate_grad_batches``):
+            the trace keeps the gradients of the previous micro-batch (see :func:`trace_training_step`).
+        manual_step: for manual optimization: the whole step, ``(batch, optimizers) -> None``, run
+            on fake tensors with twins of ``optimizer`` in place of ``loss_fn`` (see
+            :func:`trace_training_step`).
 
     Example::
 
@@ -838,20 +905,24 @@ def estimate_memory(
             notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
     if workspaces is True:
         workspaces = learn_workspaces(module, loss_fn, batch, batch_size=batch_size, step_context=step_context,
-                                      device=device)  # fmt: skip
+                                      device=device, manual_step=manual_step, optimizer=optimizer)  # fmt: skip
     profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
     try:
         estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile,
-                                                   device)  # fmt: skip
+                                                   device, accumulate_grad_batches, manual_step)  # fmt: skip
         card = device_for(device if device is not None else _module_device(module))
         if card.is_cuda and card.capabilities.cublas_workspace_bytes:
             estimate = with_untraced_bytes(estimate, card.capabilities.cublas_workspace_bytes,
                                            "the cuBLAS workspace (kept by the caching allocator)")  # fmt: skip
         trace_seconds += 0.0 if profile is None else profile.seconds
     except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
-        notes.append(f"the training step could not be traced on fake tensors ({_first_line(error)}); "
-                     "the estimate uses torchinfo's figures and is less accurate")  # fmt: skip
+        reason = _first_line(error)
+        uses = ("torchinfo's figures" if torchinfo_figures is not None else
+                "parameters, gradients, optimizer state and the batch only (no torchinfo figures)")  # fmt: skip
+        notes.append(f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
+                     f"{uses} and is less accurate")  # fmt: skip
         estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
+        estimate = replace(estimate, not_traced_reason=reason)
     if torchinfo_figures is not None:
         estimate = replace(
             estimate,
@@ -866,6 +937,7 @@ def estimate_memory(
         estimate,
         capacity_bytes=capacity_bytes,
         max_batch_size=max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
+        accumulate_grad_batches=accumulate_grad_batches,
         param_dtype=str(params[0].dtype) if params else None,
         trace_seconds=trace_seconds,
         notes=[*notes, *estimate.notes],
