@@ -432,3 +432,32 @@ def test_a_signal_during_our_work_restores_everything_and_ends_fit_as_lightning_
     # SIGTERM: fit stops with Lightning's SIGTERMException before training; Ctrl+C: Lightning's exit(1)
     expected = "SIGTERMException" if signame == "SIGTERM" else "SystemExit(1)"
     assert result == dict(outcome=expected, trained=0, again=3)
+
+
+# ---------------------------------------------------------------------- the undo stack itself
+
+
+def test_undos_run_last_change_first_and_one_that_fails_skips_none():
+    from lightning_gpuopt.callbacks._changes import Changes
+
+    undone: list[str] = []
+
+    def failing() -> None:
+        undone.append("b")
+        raise OSError("cannot put b back")
+
+    changes = Changes()
+    changes.add("a", lambda: undone.append("a"))
+    changes.add("b", failing)
+    changes.add("kept", lambda: undone.append("kept"), lasting=True)
+    changes.add("c", lambda: undone.append("c"))
+    failed = changes.finish()  # a fit that ended well: the lasting change stays
+    assert undone == ["c", "b", "a"] and [f.change.description for f in failed] == ["b"]
+    assert len(changes) == 0
+
+    undone.clear()
+    changes.add("kept", lambda: undone.append("kept"), lasting=True)
+    changes.add("b", failing)
+    changes.add("SIGINT", lambda: undone.append("SIGINT"), undo_last=True)
+    assert [f.change.description for f in changes.undo()] == ["b"]  # a failed fit: everything
+    assert undone == ["b", "kept", "SIGINT"]

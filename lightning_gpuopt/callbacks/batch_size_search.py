@@ -20,9 +20,14 @@ out of memory and its peak stayed within ``max_memory * (1 - margin)``:
 
 Everything a trial changes is restored in memory afterwards (no checkpoint file): parameters and
 buffers, gradients, optimizer and LR-scheduler state, loop progress (global step, epoch), RNG
-states, module attributes and train/eval modes. During trials callbacks are detached, loggers
-replaced by a ``DummyLogger``, ``self.log`` is a no-op and validation is off, so nothing outside
-sees a trial step.
+states, module attributes (lists, dicts and sets nested in them included) and train/eval modes.
+During trials callbacks are detached, loggers replaced by a ``DummyLogger``, ``self.log`` is a
+no-op, validation is off and the module's ``on_train_start``/``on_train_end`` are not called
+(the user's code sees one fit; the step and epoch hooks run, as they may prepare the step), so
+nothing outside sees a trial step. The batch size found stays set after the fit; a fit that
+fails (an exception, Ctrl+C, SIGTERM) puts the user's back. A SIGTERM during the trials (before
+Lightning installs its own handler) stops the trial after its step, restores everything and
+ends ``fit`` with Lightning's ``SIGTERMException``, as a SIGTERM during training does.
 
 Under DDP every rank runs each trial and the ranks agree: a size fits only if it fitted on every
 rank (an all-gather of each rank's outcome), so all ranks train with the same batch size; the

@@ -11,7 +11,10 @@ see with the chosen setting written by hand. (PyTorch itself shuffles differentl
 without workers -- it draws the sampler's seed at ``iter()`` or at the first batch, and
 persistent workers skip the per-epoch draw -- but every epoch still sees each sample once.)
 Under DDP every rank times its loader at once (as they will load at
-once) and rank 0's choice is broadcast, so all ranks use the same setting.
+once) and rank 0's choice is broadcast, so all ranks use the same setting. Lightning gets its own
+loader source back at ``teardown`` and after a failed fit (``on_exception``), so a Trainer reused
+after an error trains the next model on that model's data. A SIGTERM during the timing stops it
+at once, and ``fit`` ends with Lightning's ``SIGTERMException`` as during training.
 
 It leaves the loader alone, and says why, when it cannot rebuild it: an ``IterableDataset``
 (more workers would each replay the stream unless it shards by ``get_worker_info()``), several

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -136,6 +137,8 @@ class GpuOpt(Callback):
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
+        #: what GpuOpt itself changed (the SIGINT handler after Ctrl+C in its parts' work); the parts keep their own
+        self._changes = Changes()
 
     @property
     def parts(self) -> list[Callback]:
@@ -146,13 +149,13 @@ class GpuOpt(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.report = None
-        with sigterm_stops_our_work(trainer):
+        with sigterm_stops_our_work(trainer, self._changes):
             for part in self.parts:
                 if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
                     part.setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with sigterm_stops_our_work(trainer):  # also between the parts' own work
+        with sigterm_stops_our_work(trainer, self._changes):  # also between the parts' own work
             for part in self.parts:
                 if part is self.tuner:
                     part.setup(trainer, pl_module, "fit")
@@ -161,10 +164,12 @@ class GpuOpt(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Each part undoes its changes, last part first; one that fails does not stop the others."""
         _each_part(reversed(self.parts), "on_exception", trainer, pl_module, exception)
+        warn_failed_undos("GpuOpt", self._changes.undo())
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Each part puts back what it changed, last part first; the first failure is raised after all ran."""
         _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
+        self._changes.finish()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:

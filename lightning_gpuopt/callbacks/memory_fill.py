@@ -27,9 +27,14 @@ optimizers and schedulers are built again (``configure_optimizers``), so schedul
 
 Levers that cannot apply are refused with the reason: accumulation under manual optimization,
 mixed precision and checkpointing under FSDP/DeepSpeed (they have their own), and a precision or
-accumulation the user set explicitly (respected, and said so). At ``teardown`` the Trainer and
-the model get their precision, accumulation, batch size and forward methods back; the plan stays
-in :attr:`MemoryFill.plan`.
+accumulation the user set explicitly (respected, and said so). At ``teardown``, and after an
+exception, Ctrl+C or SIGTERM (``on_exception``), the Trainer and the model get their precision,
+accumulation, batch size and forward methods back (every change is registered in one undo stack,
+:mod:`lightning_gpuopt.callbacks._changes`); the plan stays in :attr:`MemoryFill.plan`.
+Checkpoints saved during training keep the batch size the user set in their
+``hyper_parameters`` (a resume with MemoryFill plans the same global batch from it). The
+estimates in ``setup`` and ``on_fit_start`` draw nothing from the random generators training
+reads: a run equals its plan written by hand, bit for bit.
 
 Logged metrics, once when training starts (to every logger of the Trainer):
 
