@@ -83,9 +83,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, warn_failed_undos
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
@@ -229,6 +230,7 @@ class BatchSizeSearch(Callback):
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_trainer_namespace(trainer, type(self).__name__)
         self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result = None
         self._check_usable(trainer, pl_module)

@@ -49,9 +49,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.device import Device, device_for
@@ -135,6 +136,7 @@ class DataLoaderTuner(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer_namespace(trainer, type(self).__name__)
         self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result, self.message = None, ""
         with sigterm_stops_our_work(trainer, self._changes):
@@ -194,6 +196,11 @@ class DataLoaderTuner(Callback):
             )
         if self.verbose:
             rank_zero_info(loader_tune_table(self.result, self.message))
+        if not self.result.settled:
+            rank_zero_warn(
+                f"DataLoaderTuner: the choice is uncertain ({self.result.reason.rsplit('; ', 1)[-1]}); set"
+                " `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
+            )
         if trainer.strategy.root_device.type == "cpu":
             warning = oversubscription(
                 torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores

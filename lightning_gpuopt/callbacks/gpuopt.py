@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -148,6 +149,7 @@ class GpuOpt(Callback):
     # ------------------------------------------------------------------ hooks with an order of their own
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_trainer_namespace(trainer, type(self).__name__)
         self.report = None
         with sigterm_stops_our_work(trainer, self._changes):
             for part in self.parts:

@@ -66,6 +66,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.batch_size_search import (
@@ -206,6 +207,7 @@ class MemoryFill(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer_namespace(trainer, type(self).__name__)
         self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self._reset()
         self.plan = None
