@@ -46,12 +46,11 @@ def sigterm_stops_our_work(
         with sigterm_stops_our_work(trainer, self._changes):
             run_trials()          # a SIGTERM: the trial stops after its step, SIGTERMException leaves fit
     """
-    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
-        yield
-        return
-    connector = trainer._signal_connector
     previous_term, previous_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    received_before, connector.received_sigterm = connector.received_sigterm, False
+    # handlers belong to the main thread; one installed from C (``None``) could not be put back
+    installed = threading.current_thread() is threading.main_thread() and previous_term is not None
+    connector = trainer._signal_connector
+    received_before = connector.received_sigterm
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
@@ -66,7 +65,9 @@ def sigterm_stops_our_work(
         if raise_at_once and first:
             raise SIGTERMException()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    if installed:
+        connector.received_sigterm = False  # a SIGTERM of an earlier fit must not stop this one's trials
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     except KeyboardInterrupt:
@@ -74,9 +75,10 @@ def sigterm_stops_our_work(
             changes.add("the SIGINT handler", _handler_restored(signal.SIGINT, previous_int), undo_last=True)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
-        if not received:
-            connector.received_sigterm = received_before
+        if installed:
+            signal.signal(signal.SIGTERM, previous_term)
+            if not received:
+                connector.received_sigterm = received_before
     if received:  # our work ended before it saw the flag: stop as a training step would
         raise SIGTERMException()
 
