@@ -20,9 +20,14 @@ out of memory and its peak stayed within ``max_memory * (1 - margin)``:
 
 Everything a trial changes is restored in memory afterwards (no checkpoint file): parameters and
 buffers, gradients, optimizer and LR-scheduler state, loop progress (global step, epoch), RNG
-states, module attributes and train/eval modes. During trials callbacks are detached, loggers
-replaced by a ``DummyLogger``, ``self.log`` is a no-op and validation is off, so nothing outside
-sees a trial step.
+states, module attributes (lists, dicts and sets nested in them included) and train/eval modes.
+During trials callbacks are detached, loggers replaced by a ``DummyLogger``, ``self.log`` is a
+no-op, validation is off and the module's ``on_train_start``/``on_train_end`` are not called
+(the user's code sees one fit; the step and epoch hooks run, as they may prepare the step), so
+nothing outside sees a trial step. The batch size found stays set after the fit; a fit that
+fails (an exception, Ctrl+C, SIGTERM) puts the user's back. A SIGTERM during the trials (before
+Lightning installs its own handler) stops the trial after its step, restores everything and
+ends ``fit`` with Lightning's ``SIGTERMException``, as a SIGTERM during training does.
 
 Under DDP every rank runs each trial and the ranks agree: a size fits only if it fitted on every
 rank (an all-gather of each rank's outcome), so all ranks train with the same batch size; the
@@ -82,9 +87,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
+from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
@@ -220,14 +227,23 @@ class BatchSizeSearch(Callback):
         #: what the search found (the same on every rank); ``None`` before ``fit``
         self.result: Optional[BatchSizeSearchResult] = None
         self._memory_cap: Any = None
+        #: the batch size (kept after a fit that ended well) and the memory cap, undone on an exception
+        self._changes = Changes()
 
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer_namespace(trainer, type(self).__name__)
-        started = time.perf_counter()
+        self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result = None
         self._check_usable(trainer, pl_module)
+        initial, name = lightning_getattr(pl_module, self.batch_arg_name), self.batch_arg_name
+        self._changes.add("the batch size", lambda: lightning_setattr(pl_module, name, initial), lasting=True)
+        with sigterm_stops_our_work(trainer, self._changes):
+            self._search(trainer, pl_module)
+
+    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        started = time.perf_counter()
         device = pl_module.device
         capacity = self._capacity_bytes(device)  # asked once: free memory moves between two readings
         budget = int(capacity * (1.0 - self.margin))
@@ -285,9 +301,12 @@ class BatchSizeSearch(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.release_memory_cap()
+        if stage == "fit":
+            raise_failed_undos("BatchSizeSearch", self._changes.finish())
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.release_memory_cap()
+        warn_failed_undos("BatchSizeSearch", self._changes.undo())
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
         """On a CUDA card with an explicit ``max_memory``: training may reserve at most that much
@@ -299,6 +318,7 @@ class BatchSizeSearch(Callback):
             return
         self._memory_cap = card.memory_cap(self._capacity_bytes(pl_module.device))
         self._memory_cap.start()
+        self._changes.add("the memory cap", self.release_memory_cap)
 
     def release_memory_cap(self) -> None:
         """Lift the cap :meth:`hold_memory_cap` set (nothing to do without one)."""
@@ -866,11 +886,23 @@ class _TrialStopMessages(logging.Filter):
         return not str(record.msg).startswith("`Trainer.fit` stopped")
 
 
+#: the module's hooks a trial does not call: the user's code sees one fit, which trains once
+_RUN_HOOKS_NOT_IN_TRIALS = ("on_train_start", "on_train_end")
+
+
+def _no_hook(*_: Any, **__: Any) -> None:
+    return None
+
+
 @contextlib.contextmanager
 def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]:
-    """Callbacks detached, loggers swapped for a DummyLogger, no validation, ``steps_per_trial``
-    optimizer steps over as many epochs as that takes."""
-    fit_loop = trainer.fit_loop
+    """Callbacks detached, loggers swapped for a DummyLogger, no validation, the module's
+    ``on_train_start``/``on_train_end`` not called (the hooks of each step and epoch are: they may
+    prepare what the step needs), ``steps_per_trial`` optimizer steps over as many epochs as that takes."""
+    fit_loop, module = trainer.fit_loop, trainer.lightning_module
+    silenced = [name for name in _RUN_HOOKS_NOT_IN_TRIALS if name not in vars(module)]
+    for name in silenced:
+        setattr(module, name, _no_hook)
     saved = (trainer.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
              fit_loop.max_epochs, trainer.limit_train_batches)  # fmt: skip
     quiet = _TrialStopMessages()
@@ -893,6 +925,8 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
     try:
         yield
     finally:
+        for name in silenced:
+            vars(module).pop(name, None)
         logging.getLogger(_RANK_ZERO_LOGGER).removeFilter(quiet)
         trainer.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
         fit_loop.epoch_loop.max_steps, fit_loop.max_epochs, trainer.limit_train_batches = saved[3], saved[4], saved[5]

@@ -11,7 +11,10 @@ see with the chosen setting written by hand. (PyTorch itself shuffles differentl
 without workers -- it draws the sampler's seed at ``iter()`` or at the first batch, and
 persistent workers skip the per-epoch draw -- but every epoch still sees each sample once.)
 Under DDP every rank times its loader at once (as they will load at
-once) and rank 0's choice is broadcast, so all ranks use the same setting.
+once) and rank 0's choice is broadcast, so all ranks use the same setting. Lightning gets its own
+loader source back at ``teardown`` and after a failed fit (``on_exception``), so a Trainer reused
+after an error trains the next model on that model's data. A SIGTERM during the timing stops it
+at once, and ``fit`` ends with Lightning's ``SIGTERMException`` as during training.
 
 It leaves the loader alone, and says why, when it cannot rebuild it: an ``IterableDataset``
 (more workers would each replay the stream unless it shards by ``get_worker_info()``), several
@@ -37,21 +40,22 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
+from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number
-from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
+from lightning_gpuopt.core.device import Device, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
     LoaderTuneResult,
@@ -128,13 +132,19 @@ class DataLoaderTuner(Callback):
         self.result: Optional[LoaderTuneResult] = None
         #: what the tuner did, or why it left the loader alone
         self.message: str = ""
-        self._original_source: Optional[_DataLoaderSource] = None
+        #: the train-loader source swapped in, undone at teardown and on an exception
+        self._changes = Changes()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         check_trainer_namespace(trainer, type(self).__name__)
+        self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result, self.message = None, ""
+        with sigterm_stops_our_work(trainer, self._changes):
+            self._tune(trainer)
+
+    def _tune(self, trainer: Trainer) -> None:
         source = trainer.fit_loop._data_source
         if not source.is_defined():
             return
@@ -147,7 +157,7 @@ class DataLoaderTuner(Callback):
         card = device_for(trainer.strategy.root_device)
         on_gpu = card.is_cuda
         if on_gpu:
-            with _RngPreserved(loader):  # reading a sample may draw random augmentations
+            with rng_preserved(loader):  # reading a sample may draw random augmentations
                 refusal = samples_on_device(loader, card)
             if refusal is not None:
                 self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
@@ -156,7 +166,8 @@ class DataLoaderTuner(Callback):
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
         baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
-        with _RngPreserved(loader):
+        # a SIGTERM stops the timing at once (as it would stop a training step's loading)
+        with rng_preserved(loader), sigterm_stops_our_work(trainer, raise_at_once=True):
             result = tune_loader(
                 lambda setting: rebuild_loader(loader, setting),
                 usable_cpus=cores,
@@ -170,10 +181,8 @@ class DataLoaderTuner(Callback):
                 baseline=baseline,
             )
         self.result = trainer.strategy.broadcast(result, src=0)
-        self._original_source = source
-        trainer.fit_loop._data_source = RebuiltSource.around(
-            source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting)
-        )
+        rebuilt = RebuiltSource.around(source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting))
+        self._changes.set_attribute(trainer.fit_loop, "_data_source", rebuilt)
         changed = self.result.setting != baseline
         self.message = (
             f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
@@ -216,10 +225,12 @@ class DataLoaderTuner(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        warn_failed_undos("DataLoaderTuner", self._changes.undo())
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self._original_source is not None:
-            trainer.fit_loop._data_source = self._original_source
-            self._original_source = None
+        if stage == "fit":
+            raise_failed_undos("DataLoaderTuner", self._changes.finish())
 
 
 def _rebuilt_if_tunable(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
@@ -256,30 +267,6 @@ def rebuild_loader(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
         else:
             kwargs[name] = value
     return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
-
-
-class _RngPreserved:
-    """Restore global RNG states and the loader's own generators after timing candidates."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.generators = [
-            gen
-            for gen in (
-                loader.generator,
-                getattr(loader.sampler, "generator", None),
-                getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None),
-            )
-            if isinstance(gen, torch.Generator)
-        ]
-
-    def __enter__(self) -> None:
-        self.states = _collect_rng_states(include_cuda=cuda_rng_in_use())
-        self.generator_states = [gen.get_state() for gen in self.generators]
-
-    def __exit__(self, *exc_info: Any) -> None:
-        _set_rng_states(self.states)
-        for gen, state in zip(self.generators, self.generator_states):
-            gen.set_state(state)
 
 
 def samples_on_device(loader: Any, device: Device) -> Optional[str]:

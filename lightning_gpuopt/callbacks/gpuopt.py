@@ -28,10 +28,12 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -140,6 +142,8 @@ class GpuOpt(Callback):
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
+        #: what GpuOpt itself changed (the SIGINT handler after Ctrl+C in its parts' work); the parts keep their own
+        self._changes = Changes()
 
     @property
     def parts(self) -> list[Callback]:
@@ -151,15 +155,27 @@ class GpuOpt(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_trainer_namespace(trainer, type(self).__name__)
         self.report = None
-        for part in self.parts:
-            if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
-                part.setup(trainer, pl_module, stage)
+        with sigterm_stops_our_work(trainer, self._changes):
+            for part in self.parts:
+                if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
+                    part.setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for part in self.parts:
-            if part is self.tuner:
-                part.setup(trainer, pl_module, "fit")
-            part.on_fit_start(trainer, pl_module)
+        with sigterm_stops_our_work(trainer, self._changes):  # also between the parts' own work
+            for part in self.parts:
+                if part is self.tuner:
+                    part.setup(trainer, pl_module, "fit")
+                part.on_fit_start(trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Each part undoes its changes, last part first; one that fails does not stop the others."""
+        _each_part(reversed(self.parts), "on_exception", trainer, pl_module, exception)
+        warn_failed_undos("GpuOpt", self._changes.undo())
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Each part puts back what it changed, last part first; the first failure is raised after all ran."""
+        _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
+        self._changes.finish()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:
@@ -215,6 +231,23 @@ def check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
         if source is None:
             raise
         raise ValueError(f"in preset file {source}: {error}") from None
+
+
+def _each_part(parts: Any, name: str, *args: Any) -> None:
+    """``part.name(*args)`` for every part, even when an earlier one raised (the first error is raised
+    at the end; during ``on_exception`` a second error would hide the user's, so it is only warned)."""
+    errors: list[Exception] = []
+    for part in parts:
+        try:
+            getattr(part, name)(*args)
+        except Exception as error:  # noqa: BLE001 - the other parts must still undo their changes
+            errors.append(error)
+    if errors and name == "on_exception":
+        for error in errors:
+            rank_zero_warn(f"GpuOpt: a part failed to undo its changes after the failed fit: "
+                           f"{type(error).__name__}: {error}")  # fmt: skip
+    elif errors:
+        raise errors[0]
 
 
 def _delegate(name: str) -> Any:

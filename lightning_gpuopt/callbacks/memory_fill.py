@@ -27,9 +27,14 @@ optimizers and schedulers are built again (``configure_optimizers``), so schedul
 
 Levers that cannot apply are refused with the reason: accumulation under manual optimization,
 mixed precision and checkpointing under FSDP/DeepSpeed (they have their own), and a precision or
-accumulation the user set explicitly (respected, and said so). At ``teardown`` the Trainer and
-the model get their precision, accumulation, batch size and forward methods back; the plan stays
-in :attr:`MemoryFill.plan`.
+accumulation the user set explicitly (respected, and said so). At ``teardown``, and after an
+exception, Ctrl+C or SIGTERM (``on_exception``), the Trainer and the model get their precision,
+accumulation, batch size and forward methods back (every change is registered in one undo stack,
+:mod:`lightning_gpuopt.callbacks._changes`); the plan stays in :attr:`MemoryFill.plan`.
+Checkpoints saved during training keep the batch size the user set in their
+``hyper_parameters`` (a resume with MemoryFill plans the same global batch from it). The
+estimates in ``setup`` and ``on_fit_start`` draw nothing from the random generators training
+reads: a run equals its plan written by hand, bit for bit.
 
 Logged metrics, once when training starts (to every logger of the Trainer):
 
@@ -60,8 +65,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
@@ -179,7 +186,8 @@ class MemoryFill(Callback):
 
     def _reset(self) -> None:
         self._checkpointed: Optional[CheckpointedBlocks] = None
-        self._saved: Optional[dict[str, Any]] = None
+        #: every change made to the Trainer and the model, undone at teardown and on an exception
+        self._changes = Changes()
         self._reasons: list[str] = []
         self._started = 0.0
         self._fixed_accumulation: Optional[int] = None
@@ -194,6 +202,7 @@ class MemoryFill(Callback):
         if stage != "fit":
             return
         check_trainer_namespace(trainer, type(self).__name__)
+        self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self._reset()
         self.plan = None
         self._started = time.perf_counter()
@@ -202,10 +211,20 @@ class MemoryFill(Callback):
         initial_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
         self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
                              accumulate=trainer.accumulate_grad_batches)  # fmt: skip
-        self._saved = dict(precision_plugin=trainer.strategy.precision_plugin)
-        self._plan_batch(trainer, pl_module, initial_batch)
-        self._decide_precision(trainer)
-        self._decide_checkpointing_early(trainer, pl_module)
+        self._register_undos(trainer, pl_module)
+        with sigterm_stops_our_work(trainer, self._changes):
+            self._plan_batch(trainer, pl_module, initial_batch)
+            self._decide_precision(trainer)
+            self._decide_checkpointing_early(trainer, pl_module)
+
+    def _register_undos(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """What MemoryFill may change, registered before it changes anything: the batch size, the
+        accumulation and the precision plugin go back to the values they have now."""
+        name, batch_size = self.batch_arg_name, self._initial["batch_size"]
+        accumulate, plugin = self._initial["accumulate"], trainer.strategy.precision_plugin
+        self._changes.add("the batch size", lambda: lightning_setattr(pl_module, name, batch_size))
+        self._changes.add("accumulate_grad_batches", lambda: setattr(trainer, "accumulate_grad_batches", accumulate))
+        self._changes.add("the precision plugin", lambda: setattr(trainer.strategy, "precision_plugin", plugin))
 
     def _plan_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, initial_batch: int) -> None:
         world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
@@ -311,13 +330,18 @@ class MemoryFill(Callback):
         assert self.search is not None
         try:
             budget = self.search._budget_bytes(trainer.strategy.root_device)
-            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
-            optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
-            estimate = estimate_memory(
-                pl_module, _loss_function(pl_module), batch, optimizer=optimizers[0] if len(optimizers) == 1 else None,
-                batch_size=batch_samples(batch), capacity_bytes=budget,
-                step_context=_setup_step_context(trainer, pl_module), device=trainer.strategy.root_device,
-            )  # fmt: skip
+            loader = trainer.fit_loop._data_source.dataloader()
+            # an iterator draws its seeds from the global RNG and the loader's generators, and the
+            # traced step may draw from numpy and ``random``: training must not see either
+            with rng_preserved(loader):
+                batch = next(iter(loader))
+                optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
+                estimate = estimate_memory(
+                    pl_module, _loss_function(pl_module), batch,
+                    optimizer=optimizers[0] if len(optimizers) == 1 else None, batch_size=batch_samples(batch),
+                    capacity_bytes=budget, step_context=_setup_step_context(trainer, pl_module),
+                    device=trainer.strategy.root_device,
+                )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
             self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")
             return None
@@ -327,12 +351,17 @@ class MemoryFill(Callback):
 
     def _apply_checkpointing(self, blocks: list, reason: str) -> None:
         self._checkpointed = enable_checkpointing(blocks)
+        self._changes.add("activation checkpointing", self._checkpointed.remove)
         self._reasons.append(f"activation checkpointing on {len(self._checkpointed.names)} "
                              f"{'/'.join(self._checkpointed.classes)} blocks: {reason}")  # fmt: skip
 
     # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with sigterm_stops_our_work(trainer, self._changes):
+            self._fill(trainer, pl_module)
+
+    def _fill(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.search is not None
         self._check_enough_samples(trainer)
         wanted = self._wanted_micro()
@@ -475,22 +504,30 @@ class MemoryFill(Callback):
 
     # ------------------------------------------------------------------ undoing and reporting
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """Checkpoints keep the batch size the user set (in the model's and the datamodule's
+        hyperparameters), not the micro-batch: a model rebuilt from them, trained with MemoryFill
+        again, plans the same global batch (written by hand, the plan's micro-batch and
+        accumulation stand in the table MemoryFill logs)."""
+        if self.plan is None:
+            return
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            hparams = checkpoint.get(key)
+            if hparams is not None and self.batch_arg_name in hparams:
+                hparams[self.batch_arg_name] = self._initial["batch_size"]
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.search is not None:
-            self.search.release_memory_cap()
+        failed = self.search._changes.undo() if self.search is not None else []
+        warn_failed_undos("MemoryFill", failed + self._changes.undo())
+        self._checkpointed = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.search is not None:
-            self.search.release_memory_cap()
-        if stage != "fit" or self._saved is None:
+        if stage != "fit":
             return
-        if self._checkpointed is not None:
-            self._checkpointed.remove()
-        trainer.strategy.precision_plugin = self._saved["precision_plugin"]
-        trainer.accumulate_grad_batches = self._initial["accumulate"]
-        lightning_setattr(pl_module, self.batch_arg_name, self._initial["batch_size"])
-        self._saved = None
+        failed = self.search._changes.finish() if self.search is not None else []
+        failed += self._changes.finish()
         self._checkpointed = None
+        raise_failed_undos("MemoryFill", failed)
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None
@@ -513,13 +550,17 @@ def _setup_step_context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> A
 def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[int]:
     """The estimate's peak at the micro-batch now set, with every lever in place."""
     try:
-        batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
-        estimate = estimate_memory(
-            pl_module, _loss_function(pl_module), batch,
-            optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
-            batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-        )  # fmt: skip
+        # the loader as the source gives it: Lightning's own setup of it (``setup_data``) builds an
+        # iterator, which draws its seeds from the global RNG and the loader's generators
+        loader = trainer.fit_loop._data_source.dataloader()
+        with rng_preserved(loader):  # the traced step may draw from numpy and ``random`` too
+            batch = trainer.strategy.batch_to_device(next(iter(loader)))
+            estimate = estimate_memory(
+                pl_module, _loss_function(pl_module), batch,
+                optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+                batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+            )  # fmt: skip
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

@@ -58,8 +58,11 @@ Example::
 from __future__ import annotations
 
 import collections
+import copy
 import contextlib
 import math
+import random
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
@@ -178,22 +181,39 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict)
+
+
+def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
+    """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through
+    tuples too), each once: a step that appends to ``self.outputs["train"]`` changes a nested list."""
+    if id(value) in seen or type(value) not in (*_CONTAINERS, tuple):
+        return
+    seen.add(id(value))
+    if type(value) is not tuple:
+        yield value, copy.copy(value)
+    for item in value.values() if isinstance(value, dict) else value:
+        yield from _container_contents(item, seen)
+
+
 @contextlib.contextmanager
 def _restored_attributes(module: torch.nn.Module) -> Iterator[None]:
     """Undo what the block does to the attributes of ``module`` and its submodules: (re)bindings,
-    and changes to the contents of list and dict attributes (e.g. losses appended in a step)."""
+    and changes to the contents of list, dict and set attributes, nested ones included (e.g. losses
+    appended in a step to ``self.outputs["train"]``)."""
     saved = [(sub, dict(vars(sub))) for sub in module.modules()]
-    contents = [(value, type(value)(value)) for _, attributes in saved for value in attributes.values()
-                if type(value) in (list, dict, collections.OrderedDict)]  # fmt: skip
+    seen: set[int] = set()
+    contents = [kept for _, attributes in saved for value in attributes.values()
+                for kept in _container_contents(value, seen)]  # fmt: skip
     try:
         yield
     finally:
         for value, content in contents:
             value.clear()
-            if isinstance(value, dict):
-                value.update(content)
-            else:
+            if isinstance(value, list):
                 value.extend(content)
+            else:
+                value.update(content)
         for sub, attributes in saved:
             current = vars(sub)
             for name in [name for name in current if name not in attributes]:
@@ -296,8 +316,24 @@ def _twinned_module(
 
     device = _module_device(module)
     rng_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), _restored_attributes(module), _swapped_tensors(module, twin):
+    with torch.random.fork_rng(devices=rng_devices), _host_rngs_kept(), _restored_attributes(module), \
+            _swapped_tensors(module, twin):  # fmt: skip
         yield twin_of
+
+
+@contextlib.contextmanager
+def _host_rngs_kept() -> Iterator[None]:
+    """Python's ``random`` and NumPy's global generator are as they were after the block: a traced
+    step runs the user's code, which may draw from them (training must draw the same numbers)."""
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> ContextManager[dict[int, torch.Tensor]]:
