@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -150,6 +151,8 @@ class MemoryEstimate:
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: why the step could not be traced (``"Type: first line"`` of the error); ``None`` when it was
+    trace_failure: str | None = None
 
 
 # ----------------------------------------------------------------------------- fake twins
@@ -270,9 +273,31 @@ def _twinned_module(
         yield twin_of
 
 
-def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> ContextManager[dict[int, torch.Tensor]]:
-    """Inside the block ``module`` holds fake twins of its tensors; yields real id -> twin."""
-    return _twinned_module(module, mode.from_tensor)
+#: loggers that report, at error level and with a traceback, each op a fake kernel fails on
+#: before the error is raised (to the trace's caller, which reports it in one line)
+_FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
+
+
+@contextlib.contextmanager
+def _fake_kernel_errors_quiet() -> Iterator[None]:
+    """Inside the block torch does not log the fake kernels' failures (the error still propagates)."""
+    loggers = [logging.getLogger(name) for name in _FAKE_KERNEL_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block ``module`` holds fake twins of its tensors (and torch logs no fake kernel
+    failure: the caller reports it); yields real id -> twin."""
+    with _fake_kernel_errors_quiet(), _twinned_module(module, mode.from_tensor) as twin_of:
+        yield twin_of
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -852,6 +877,7 @@ def estimate_memory(
         notes.append(f"the training step could not be traced on fake tensors ({_first_line(error)}); "
                      "the estimate uses torchinfo's figures and is less accurate")  # fmt: skip
         estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
+        estimate = replace(estimate, trace_failure=_first_line(error))
     if torchinfo_figures is not None:
         estimate = replace(
             estimate,
