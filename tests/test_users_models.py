@@ -27,8 +27,16 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_gpuopt import GpuOpt, MemoryEstimator
 from lightning_gpuopt.callbacks.memory_fill import MemoryFill
+from lightning_gpuopt.core.checkpointing import (
+    check_recomputation,
+    enable_checkpointing,
+    enable_native_checkpointing,
+    find_repeated_blocks,
+    native_checkpointing_owners,
+)
 
 transformers = pytest.importorskip("transformers")
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
 
 BUDGET = "200MB"  # every model here fits it whole: the plans are driven by the settings, not the budget
 VOCAB = 100
@@ -147,6 +155,19 @@ def test_gpt2_low_memory_trains_checkpointed_and_equals_plain_training(tmp_path)
     assert_same_parameters(ours, plain, exact=False)  # recomputed activations: the same up to rounding
 
 
+def test_gpt2_blocks_named_by_the_user_are_checkpointed_by_us_with_the_cache_cleared(tmp_path):
+    # the user's class list: our torch.utils.checkpoint wrapper, not the model's switch; GPT2Model hands
+    # each block the cache positionally, and the recomputation must not see it grown by the first pass
+    fill = MemoryFill(checkpointing=["GPT2Block"], max_memory=BUDGET, global_batch_size=8)
+    ours = fit_gpt2(tmp_path / "ours", [fill], max_steps=2)
+    plan = fill.plan
+    assert plan.checkpointed_classes == ["GPT2Block"] and not ours.model.is_activation_checkpointing
+    assert any("(torch.utils.checkpoint; recomputation checked" in reason for reason in plan.reasons)
+    plain = fit_gpt2(tmp_path / "plain", [], batch_size=plan.micro_batch_size, max_steps=2,
+                     accumulate_grad_batches=plan.accumulate_grad_batches)  # fmt: skip
+    assert_same_parameters(ours, plain, exact=False)
+
+
 # ----------------------------------------------------------------------------- timm-style CNN, ResNet
 
 
@@ -260,6 +281,83 @@ def test_cnn_low_memory_checkpoints_blocks_and_equals_plain_training(tmp_path, n
     trainer_for(tmp_path / "plain", [], max_steps=2, accumulate_grad_batches=2).fit(plain)
     # BatchNorm statistics and drop-path masks included: the recomputation replays the same draws
     assert_same_parameters(model, plain, exact=False)
+
+
+class TinyConvConfig(transformers.PretrainedConfig):
+    model_type = "tiny-conv"
+
+    def __init__(self, channels: int = 8, num_layers: int = 2, num_labels: int = 10, **kwargs: Any) -> None:
+        super().__init__(num_labels=num_labels, **kwargs)
+        self.channels, self.num_layers = channels, num_layers
+
+
+class TinyConvLayer(GradientCheckpointingLayer):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+class TinyConvModel(transformers.PreTrainedModel):
+    """A HuggingFace model the way HF's vision models are written (MobileViT, ...): it checkpoints
+    itself through GradientCheckpointingLayers that hold BatchNorm."""
+
+    config_class = TinyConvConfig
+    supports_gradient_checkpointing = True
+    main_input_name = "pixel_values"
+
+    def __init__(self, config: TinyConvConfig) -> None:
+        super().__init__(config)
+        self.stem = nn.Conv2d(3, config.channels, 3, padding=1)
+        self.layers = nn.ModuleList([TinyConvLayer(config.channels) for _ in range(config.num_layers)])
+        self.head = nn.Linear(config.channels, config.num_labels)
+        self.post_init()
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.stem(pixel_values)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_hf_mobilevits_own_checkpointing_updates_batchnorm_twice_ours_does_not():
+    """The independent fact the next test builds on, on a real HF model: its own switch runs
+    BatchNorm again in the recomputation (running statistics updated twice); ours puts them back."""
+    torch.manual_seed(0)
+    config = transformers.MobileViTConfig(image_size=16, patch_size=2, hidden_sizes=[16, 16, 16], num_labels=3,
+                                          neck_hidden_sizes=[8, 8, 8, 16, 16, 16, 32], num_attention_heads=2)
+    model = transformers.MobileViTForImageClassification(config).train()
+    batch = (torch.randn(2, 3, 16, 16), torch.tensor([0, 2]))
+    loss = lambda b: model(pixel_values=b[0], labels=b[1]).loss  # noqa: E731
+    own = enable_native_checkpointing(native_checkpointing_owners(model))
+    assert own.classes == ["MobileViTLayer"]
+    assert "running_mean differs" in check_recomputation(model, loss, batch, own)
+    own.remove()
+    ours = enable_checkpointing(find_repeated_blocks(model))
+    assert check_recomputation(model, loss, batch, ours) is None
+    ours.remove()
+
+
+def test_a_models_own_checkpointing_that_updates_batchnorm_twice_is_replaced_by_ours(tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier(TinyConvModel(TinyConvConfig()))
+    plain = copy.deepcopy(model)
+    fill = MemoryFill(checkpointing=True, max_memory=BUDGET, global_batch_size=8)
+    torch.manual_seed(2)
+    trainer_for(tmp_path / "ours", [fill], max_steps=2).fit(model)
+    plan = fill.plan
+    replaced = [r for r in plan.reasons if r.startswith("TinyConvModel.activation_checkpointing_enable() refused")]
+    assert replaced and "running_mean differs" in replaced[0] and "torch.utils.checkpoint on its blocks" in replaced[0]
+    assert plan.checkpointed_classes == ["TinyConvLayer"]
+    assert any("(torch.utils.checkpoint; recomputation checked" in reason for reason in plan.reasons)
+    assert not model.network.is_activation_checkpointing
+    plain.batch_size = plan.micro_batch_size
+    torch.manual_seed(2)
+    trainer_for(tmp_path / "plain", [], max_steps=2, accumulate_grad_batches=plan.accumulate_grad_batches).fit(plain)
+    assert_same_parameters(model, plain, exact=False)  # running statistics included
 
 
 # ----------------------------------------------------------------------------- no repeated blocks

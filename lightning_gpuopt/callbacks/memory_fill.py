@@ -352,9 +352,14 @@ class MemoryFill(Callback):
         groups: list[tuple[CheckpointedBlocks, list]] = []
         for owner_name, owner in native:
             inside = [(n, m) for n, m in blocks if not owner_name or n.startswith(owner_name + ".")]
-            if inside:
-                groups.append((enable_native_checkpointing([(owner_name, owner)]), inside))
+            if not inside:
+                continue
+            handle = enable_native_checkpointing([(owner_name, owner)])
+            if handle.names:
+                groups.append((handle, inside))
                 blocks = [block for block in blocks if block not in inside]
+            else:  # its switch flagged no layer (an old-style model): ours on its blocks
+                handle.remove()
         by_class: dict[type, list] = {}
         for name, module in blocks:
             by_class.setdefault(type(module), []).append((name, module))
@@ -380,8 +385,9 @@ class MemoryFill(Callback):
             if problem is None:
                 kept.append(handle)
                 continue
+            own_switch = bool(handle._native)
             handle.remove()
-            if handle._native and fallback:  # the model's own switch failed: ours on the same blocks
+            if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
                 retry.append(enable_checkpointing(fallback))
                 self._reasons.append(f"{handle.method or type(pl_module).__name__ + ' own checkpointing'} refused: "
                                      f"{problem}; torch.utils.checkpoint on its blocks instead")  # fmt: skip

@@ -352,11 +352,13 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> Chec
         use_cache = getattr(config, "use_cache", _MISSING) if config is not None else _MISSING
         if use_cache is not _MISSING:
             config.use_cache = False  # what HF's own training scripts do under checkpointing
-        layers = [(name, module) for name, module in owner.named_modules()
-                  if module is not owner and not _checkpoints_itself(module)
-                  and getattr(module, "gradient_checkpointing", False) is True]  # fmt: skip
-        handle._native.append(_NativeSwitch(owner, [m for _, m in layers], use_cache, had_hooks))
-        for name, module in layers:
+        flagged = [(name, module) for name, module in owner.named_modules()
+                   if module is not owner and not _checkpoints_itself(module)
+                   and getattr(module, "gradient_checkpointing", False) is True]  # fmt: skip
+        handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
+        # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
+        layers = [(n, m) for n, m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        for name, module in layers or flagged:
             handle.names.append(".".join(part for part in (owner_name, name) if part))
             if type(module).__name__ not in handle.classes:
                 handle.classes.append(type(module).__name__)
