@@ -107,7 +107,15 @@ def _trains_an_epoch(pl: ModuleType, tmp_path: Any, batch_size: int, cap: str) -
             self.budget.__enter__()
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            self.budget.__exit__(None, None, None)
+            self._lift()
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            self._lift()  # an OOM ends fit without teardown: the cap must not outlive this test
+
+        def _lift(self) -> None:
+            budget, self.budget = getattr(self, "budget", None), None
+            if budget is not None:
+                budget.__exit__(None, None, None)
 
     model = module_class(pl)(batch_size=batch_size)
     try:
