@@ -388,7 +388,8 @@ class BatchSizeSearch(Callback):
                                                    batch_size=trace["batch_size"], step_context=trace["step_context"])
             estimate = estimate_memory(pl_module, _loss_function(pl_module), batch, capacity_bytes=budget, **trace)
             if estimate.method != "traced":
-                return None, None, [f"the step could not be traced ({estimate.method}); started at your batch size"]
+                return None, None, [f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); "
+                                    "started at your batch size"]  # fmt: skip
             buckets = _ddp_bucket_bytes(trainer, pl_module)
             if buckets:
                 estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")

@@ -12,7 +12,15 @@ this order and from measurements:
    always; with ``"auto"`` when the largest micro-batch that fits would be below
    ``min_micro_batch_size`` -- predicted in ``setup`` by the calibrated estimate (a traced step on
    fake tensors), or, when the estimate was wrong or unavailable, found by the trials in
-   ``on_fit_start`` (then the blocks are checkpointed there and searched again);
+   ``on_fit_start`` (then the blocks are checkpointed there and searched again). A HuggingFace
+   model (``supports_gradient_checkpointing``) is checkpointed with its own switch
+   (``activation_checkpointing_enable()``, ``use_cache`` off); other blocks with
+   ``torch.utils.checkpoint``, their key/value caches cleared. Before anything trains, each group
+   of blocks is checked: one step with it must give the plain step's loss, gradients and buffers
+   (same RNG state, a slice of a real batch); a group that does not is refused with the reason
+   (a model's own switch that fails is replaced by ours first). ``checkpointing=True`` on a model
+   without repeated blocks, or whose every group is refused, raises; ``"auto"`` (the presets)
+   goes on without and says so (a reason in the plan and a ``rank_zero_info`` line);
 3. **the largest micro-batch** that fits, with real training steps (:class:`BatchSizeSearch`'s
    search, capped at what each rank contributes to the global batch);
 4. **gradient accumulation**: ``accumulate_grad_batches = ceil(samples per rank / largest fit)``
@@ -52,6 +60,7 @@ Rank 0 logs the plan with ``rank_zero_info`` and writes it as the ``"memory_fill
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
@@ -75,18 +84,22 @@ from lightning_gpuopt.callbacks.batch_size_search import (
     _first_loader,
     _samples_per_rank,
     _reset_train_loader,
+    _TrainingStateRestored,
 )
 from lightning_gpuopt.callbacks.memory_estimator import _loss_function
 from lightning_gpuopt.core.checkpointing import (
     BlockSpec,
     CheckpointedBlocks,
+    check_recomputation,
     enable_checkpointing,
+    enable_native_checkpointing,
     find_repeated_blocks,
+    native_checkpointing_owners,
     select_blocks,
 )
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import estimate_memory, host_step_context
+from lightning_gpuopt.core.estimate import _sliced, estimate_memory, host_step_context
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
@@ -95,6 +108,8 @@ from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_t
 REPORT_SECTION = "memory_fill"
 OBJECTIVES = ("throughput", "memory")
 _SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+#: samples of the batch on which a checkpointed step is checked against a plain one
+CHECK_SAMPLES = 2
 
 
 class MemoryFill(Callback):
@@ -188,6 +203,9 @@ class MemoryFill(Callback):
         self._checkpointed: Optional[CheckpointedBlocks] = None
         #: every change made to the Trainer and the model, undone at teardown and on an exception
         self._changes = Changes()
+        self._unchecked: list[tuple[CheckpointedBlocks, list]] = []  # groups switched on, not checked yet
+        self._checkpoint_reason = ""
+        self._checkpoint_handles: list[CheckpointedBlocks] = []  # every group switched on, for the undo
         self._reasons: list[str] = []
         self._started = 0.0
         self._fixed_accumulation: Optional[int] = None
@@ -298,25 +316,22 @@ class MemoryFill(Callback):
             blocks = (find_repeated_blocks(pl_module) if self.checkpointing is True
                       else select_blocks(pl_module, self.checkpointing))  # fmt: skip
             if not blocks:
-                raise MisconfigurationException(
-                    f"MemoryFill: checkpointing=True found no repeated blocks in {type(pl_module).__name__} (same-class "
-                    "children of an nn.ModuleList/nn.Sequential with parameters and submodules); pass the classes "
-                    "to checkpoint, e.g. checkpointing=['MyBlock'], or checkpointing=False."
-                )
-            self._apply_checkpointing(blocks, f"checkpointing={self.checkpointing!r}")
+                raise MisconfigurationException(_no_blocks_message(pl_module))
+            self._apply_checkpointing(pl_module, blocks, f"checkpointing={self.checkpointing!r}")
             return
         blocks = find_repeated_blocks(pl_module)
         if not blocks:
-            self._reasons.append("no repeated blocks to checkpoint (pass checkpointing=[classes] to choose some)")
+            self._fall_back(f"no repeated blocks to checkpoint in {type(pl_module).__name__} (pass checkpointing="
+                            "[classes] to choose some)", loud=self.objective == "memory")  # fmt: skip
             return
         if self.objective == "memory":
-            self._apply_checkpointing(blocks, "objective='memory': the smallest footprint")
+            self._apply_checkpointing(pl_module, blocks, "objective='memory': the smallest footprint")
             return
         predicted = _smallest_over_ranks(trainer, self._predicted_largest_fit(trainer, pl_module))
         wanted = self._wanted_micro()
         if predicted is not None and predicted < wanted:  # every rank checkpoints, or none
             ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
-            self._apply_checkpointing(blocks, f"the estimate predicts a largest micro-batch of {predicted}{ranks} "
+            self._apply_checkpointing(pl_module, blocks, f"the estimate predicts a largest micro-batch of {predicted}{ranks} "
                                       f"< {wanted} without it")  # fmt: skip
 
     def _wanted_micro(self) -> int:
@@ -349,11 +364,140 @@ class MemoryFill(Callback):
             return None
         return estimate.max_batch_size or 0
 
-    def _apply_checkpointing(self, blocks: list, reason: str) -> None:
-        self._checkpointed = enable_checkpointing(blocks)
-        self._changes.add("activation checkpointing", self._checkpointed.remove)
+    def _apply_checkpointing(self, pl_module: pl.LightningModule, blocks: list, reason: str) -> None:
+        """Switch checkpointing on for ``blocks``, in groups :meth:`_check_checkpointing` checks before
+        anything trains: a model that checkpoints itself (HuggingFace) with its own switch, unless
+        the user named the blocks; the other blocks one group per class with ``torch.utils.checkpoint``."""
+        native = [] if isinstance(self.checkpointing, list) else native_checkpointing_owners(pl_module)
+        groups: list[tuple[CheckpointedBlocks, list]] = []
+        for owner_name, owner in native:
+            inside = [(n, m) for n, m in blocks if not owner_name or n.startswith(owner_name + ".")]
+            if not inside:
+                continue
+            handle = enable_native_checkpointing([(owner_name, owner)])
+            if handle.names:
+                groups.append((handle, inside))
+                blocks = [block for block in blocks if block not in inside]
+            else:  # its switch flagged no layer (an old-style model): ours on its blocks
+                handle.remove()
+        by_class: dict[type, list] = {}
+        for name, module in blocks:
+            by_class.setdefault(type(module), []).append((name, module))
+        groups.extend((enable_checkpointing(members), []) for members in by_class.values())
+        self._unchecked = [(handle, fallback) for handle, fallback in groups if handle.names or fallback]
+        if not self._checkpoint_handles:
+            self._changes.add("activation checkpointing", self._remove_checkpointing)
+        self._checkpoint_handles.extend(handle for handle, _ in groups)
+        self._checkpointed = CheckpointedBlocks.joined([handle for handle, _ in self._unchecked])
+        self._checkpoint_reason = reason
+
+    def _remove_checkpointing(self) -> None:
+        """Every group of checkpointed blocks switched on in this fit, off (removing one twice is harmless)."""
+        handles, self._checkpoint_handles, self._checkpointed = self._checkpoint_handles, [], None
+        for handle in reversed(handles):
+            handle.remove()
+
+    def _check_checkpointing(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep each group of checkpointed blocks only when a step with it gives the plain step's
+        loss and gradients (one step each on a slice of a real batch, same RNG state; every rank
+        must agree); a model's own checkpointing that fails is replaced by ours on its blocks."""
+        groups, self._unchecked = self._unchecked, []
+        if not groups:
+            return
+        if not pl_module.automatic_optimization:
+            self._keep_checked([handle for handle, _ in groups], "not checked: manual optimization steps the "
+                               "optimizers itself")  # fmt: skip
+            return
+        problems = self._recomputation_problems(trainer, pl_module, [handle for handle, _ in groups])
+        kept, refused, retry = [], [], []
+        for (handle, fallback), problem in zip(groups, problems):
+            if problem is None:
+                kept.append(handle)
+                continue
+            own_switch = bool(handle._native)
+            handle.remove()
+            if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
+                retry.append(enable_checkpointing(fallback))
+                self._checkpoint_handles.append(retry[-1])
+                self._reasons.append(f"{handle.method or type(pl_module).__name__ + ' own checkpointing'} refused: "
+                                     f"{problem}; torch.utils.checkpoint on its blocks instead")  # fmt: skip
+            else:
+                refused.append((handle, problem))
+        if retry:
+            others = [*kept, *retry]
+            for handle, problem in zip(retry, self._recomputation_problems(trainer, pl_module, retry, others)):
+                if problem is None:
+                    kept.append(handle)
+                else:
+                    handle.remove()
+                    refused.append((handle, problem))
+        self._keep_checked(kept, "recomputation checked: same loss and gradients as a plain step")
+        self._refuse(pl_module, refused, kept)
+
+    def _recomputation_problems(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, groups: list[CheckpointedBlocks],
+        switched_on: Optional[list[CheckpointedBlocks]] = None,
+    ) -> list[Optional[str]]:  # fmt: skip
+        """For each group, why a step with it alone differs from a plain step (``None``: it does not)."""
+        switched_on = groups if switched_on is None else switched_on
+        problems: list[Optional[str]] = []
+        # parameters, buffers, gradients, RNG states (the loader's draws among them) and attributes put back
+        with _TrainingStateRestored(trainer, pl_module):
+            try:
+                batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
+                batch = _sliced(batch, batch_samples(batch), CHECK_SAMPLES)
+                for group in groups:
+                    with contextlib.ExitStack() as others:
+                        for other in switched_on:
+                            if other is not group:
+                                others.enter_context(other.paused())
+                        problems.append(check_recomputation(
+                            pl_module, _loss_function(pl_module), batch, group,
+                            step_context=trainer.precision_plugin.train_step_context))  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
+                problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(groups)
+            finally:
+                _reset_train_loader(trainer)
+        # every rank keeps a group, or none
+        agreed = [trainer.strategy.reduce_boolean_decision(problem is None, all=True) for problem in problems]
+        return [problem if problem is not None or ok else "another rank's recomputation differs"
+                for problem, ok in zip(problems, agreed)]  # fmt: skip
+
+    def _keep_checked(self, kept: list[CheckpointedBlocks], check: str) -> None:
+        self._checkpointed = CheckpointedBlocks.joined(kept) if kept else None
+        if self._checkpointed is None:
+            return
         self._reasons.append(f"activation checkpointing on {len(self._checkpointed.names)} "
-                             f"{'/'.join(self._checkpointed.classes)} blocks: {reason}")  # fmt: skip
+                             f"{'/'.join(self._checkpointed.classes)} blocks ({self._checkpointed.method}; {check}): "
+                             f"{self._checkpoint_reason}")  # fmt: skip
+
+    def _refuse(self, pl_module: pl.LightningModule, refused: list, kept: list) -> None:
+        if not refused:
+            return
+        for handle, problem in refused:
+            self._reasons.append(f"activation checkpointing refused for {len(handle.names)} "
+                                 f"{'/'.join(handle.classes)} blocks: a checkpointed step differs from a plain one "
+                                 f"({problem})")  # fmt: skip
+        explicit = self.checkpointing is True or isinstance(self.checkpointing, list)
+        if explicit and not kept:
+            handle, problem = refused[0]
+            raise MisconfigurationException(
+                f"MemoryFill: checkpointing={self.checkpointing!r} on {type(pl_module).__name__}: a training step "
+                f"with its {'/'.join(handle.classes)} blocks checkpointed differs from the plain step ({problem}). "
+                "Pass checkpointing=[classes] naming blocks whose forward has no side effects, or "
+                "checkpointing=False."
+            )
+        if explicit:
+            rank_zero_warn(f"MemoryFill: {self._reasons[-1]}")
+        else:
+            rank_zero_info(f"MemoryFill: {self._reasons[-1]}")
+
+    def _fall_back(self, reason: str, loud: bool) -> None:
+        """A lever the settings asked for does not apply to this model: say so and go on without it."""
+        if loud:
+            reason = f"{reason}: the smallest footprint falls back to the smallest micro-batch and accumulation"
+            rank_zero_info(f"MemoryFill: {reason}")
+        self._reasons.append(reason)
 
     # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation
 
@@ -364,6 +508,7 @@ class MemoryFill(Callback):
     def _fill(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.search is not None
         self._check_enough_samples(trainer)
+        self._check_checkpointing(trainer, pl_module)
         wanted = self._wanted_micro()
         needed = self._samples_per_rank // (self._fixed_accumulation or 1)
         upper = wanted if self.objective == "memory" and self._fixed_accumulation is None else needed
@@ -372,8 +517,10 @@ class MemoryFill(Callback):
             blocks = find_repeated_blocks(pl_module)
             if blocks:
                 found = "no micro-batch" if largest is None else f"a largest micro-batch of {largest}"
-                self._apply_checkpointing(blocks, f"the trials found {found} < {wanted} without it")
-                largest = self._search_largest(trainer, pl_module, upper)
+                self._apply_checkpointing(pl_module, blocks, f"the trials found {found} < {wanted} without it")
+                self._check_checkpointing(trainer, pl_module)
+                if self._checkpointed is not None:
+                    largest = self._search_largest(trainer, pl_module, upper)
         if largest is not None and largest < needed and self._fixed_accumulation is None:
             largest = self._search_accumulating(trainer, pl_module, largest)
         if largest is None or (self._fixed_accumulation is not None and largest < needed):
@@ -596,6 +743,24 @@ def _checked_checkpointing(value: Any) -> Any:
     if not _is_block_list(value):
         raise ValueError(f"`checkpointing` must be {works}, got {value!r}.")
     return value
+
+
+def _no_blocks_message(pl_module: pl.LightningModule) -> str:
+    """The refusal of ``checkpointing=True`` on a model without repeated blocks, with the classes
+    that could be named instead (submodules with parameters and submodules of their own)."""
+    containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+    candidates = list(dict.fromkeys(
+        type(module).__name__ for name, module in pl_module.named_modules()
+        if name and not isinstance(module, containers) and next(module.parameters(), None) is not None
+        and next(module.children(), None) is not None
+    ))  # fmt: skip
+    instead = (f"Pass the module classes or qualified module names to checkpoint, e.g. checkpointing={candidates[:2]}, "
+               if candidates else "It has no submodule with parameters and submodules of its own to checkpoint: ")
+    return (
+        f"MemoryFill: checkpointing=True found no repeated blocks in {type(pl_module).__name__} (same-class children "
+        f"of an nn.ModuleList/nn.Sequential with parameters and submodules). {instead}or checkpointing='auto' "
+        "(checkpoints the blocks it finds, else goes on without and says so), or checkpointing=False."
+    )
 
 
 def _is_block_list(value: Any) -> bool:

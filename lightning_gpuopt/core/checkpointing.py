@@ -20,7 +20,22 @@ names and ``state_dict`` keys stay as they were, so checkpoints load with or wit
 * the recomputation in backward would update BatchNorm running statistics a second time; they
   are saved before and put back after each recomputation, so running stats equal those of an
   uncheckpointed run;
-* outside autograd (``torch.no_grad()``, validation) blocks run plainly.
+* outside autograd (``torch.no_grad()``, validation) blocks run plainly;
+* a key/value cache handed to a block (``past_key_values``, ``layer_past``, ``use_cache=True``,
+  as HuggingFace layers take them) would be grown by the first pass and seen grown by the
+  recomputation: checkpointed calls get ``use_cache=False`` and no cache, as HuggingFace's own
+  ``GradientCheckpointingLayer`` does.
+
+A model that checkpoints itself -- a HuggingFace ``PreTrainedModel`` with
+``supports_gradient_checkpointing`` -- is better served by its own switch:
+:func:`enable_native_checkpointing` calls its ``activation_checkpointing_enable()`` (or
+``gradient_checkpointing_enable()`` on older transformers) with ``use_reentrant=False``, turns its
+``config.use_cache`` off while it is on, and :meth:`CheckpointedBlocks.remove` puts both back.
+
+Whichever way a block is checkpointed, :func:`check_recomputation` runs one step with it and one
+without, from the same RNG state, and says where they differ (loss, a gradient, a buffer) or what
+the checkpointed step raised: a block is only kept when its recomputation gives the plain step's
+numbers.
 
 Example::
 
@@ -41,8 +56,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -51,6 +67,10 @@ from torch.utils.checkpoint import checkpoint
 
 #: what ``select_blocks`` accepts: module classes, class names or qualified module names
 BlockSpec = Union[type, str]
+#: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+#: how a recomputed step may differ from the plain one: relative to each tensor's norm
+RECOMPUTATION_RTOL = 1e-3
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -145,11 +165,44 @@ def _batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
                         current.copy_(kept)
 
 
+def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the key/value cache cleared and ``use_cache=False``, wherever the
+    block's signature puts them (HuggingFace models pass the cache positionally too)."""
+    if signature is None:
+        return args, kwargs
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    stores = [bound.arguments]
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in bound.arguments:
+            stores.append(bound.arguments[parameter.name])
+    changed = False
+    for store in stores:
+        for name in CACHE_ARGUMENTS:
+            if store.get(name) is not None:
+                store[name], changed = None, True
+        if store.get("use_cache"):
+            store["use_cache"], changed = False, True
+    return (bound.args, bound.kwargs) if changed else (args, kwargs)
+
+
+def _signature(forward: Any) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+
+
 def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
+    signature = _signature(forward)
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        args, kwargs = _without_caches(signature, args, kwargs)
         calls = 0
 
         def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
@@ -166,17 +219,74 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
 
 
 @dataclass
+class _NativeSwitch:
+    """A model's own checkpointing, switched on by :func:`enable_native_checkpointing`."""
+
+    owner: nn.Module
+    layers: list[nn.Module]
+    config_use_cache: Any
+    had_input_grad_hooks: bool
+
+    def pause(self) -> list[nn.Module]:
+        paused = [layer for layer in self.layers if getattr(layer, "gradient_checkpointing", False)]
+        for layer in paused:
+            layer.gradient_checkpointing = False
+        return paused
+
+    def remove(self) -> None:
+        disable = getattr(self.owner, "activation_checkpointing_disable", None) or \
+            self.owner.gradient_checkpointing_disable  # fmt: skip
+        disable()
+        if not self.had_input_grad_hooks and callable(getattr(self.owner, "disable_input_require_grads", None)):
+            self.owner.disable_input_require_grads()  # the hook gradient_checkpointing_enable() added
+        config = getattr(self.owner, "config", None)
+        if config is not None and self.config_use_cache is not _MISSING:
+            config.use_cache = self.config_use_cache
+
+
+_MISSING = object()
+
+
+@dataclass
 class CheckpointedBlocks:
-    """Handle on the blocks :func:`enable_checkpointing` changed; :meth:`remove` undoes it."""
+    """Handle on the blocks :func:`enable_checkpointing` (or :func:`enable_native_checkpointing`)
+    changed; :meth:`remove` undoes it, :meth:`paused` suspends it for a block of code."""
 
     names: list[str]
     classes: list[str]
+    #: how the blocks are checkpointed, for a report: ``"torch.utils.checkpoint"`` or the model's own method
+    method: str = "torch.utils.checkpoint"
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
+    _native: list[_NativeSwitch] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
         for module in self._modules:
             vars(module).pop("forward", None)
-        self._modules = []
+        for switch in reversed(self._native):  # last switched on, first put back
+            switch.remove()
+        self._modules, self._native = [], []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block the blocks run plainly (checkpointing stays set up)."""
+        forwards = [(module, vars(module).pop("forward")) for module in self._modules if "forward" in vars(module)]
+        layers = [layer for switch in self._native for layer in switch.pause()]
+        try:
+            yield
+        finally:
+            for module, forward in forwards:
+                module.forward = forward  # type: ignore[method-assign]
+            for layer in layers:
+                layer.gradient_checkpointing = True
+
+    @classmethod
+    def joined(cls, handles: Sequence["CheckpointedBlocks"]) -> "CheckpointedBlocks":
+        """One handle for all of ``handles`` (their methods joined, classes once)."""
+        methods = list(dict.fromkeys(handle.method for handle in handles))
+        classes = list(dict.fromkeys(name for handle in handles for name in handle.classes))
+        return cls(names=[n for h in handles for n in h.names], classes=classes, method=" + ".join(methods),
+                   _modules=[m for h in handles for m in h._modules],
+                   _native=[s for h in handles for s in h._native])  # fmt: skip
 
 
 def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
@@ -191,3 +301,186 @@ def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> Checkpointe
         if type(module).__name__ not in handle.classes:
             handle.classes.append(type(module).__name__)
     return handle
+
+
+# ----------------------------------------------------------------------------- a model's own checkpointing
+
+
+def _checkpoints_itself(module: nn.Module) -> bool:
+    """A HuggingFace-style model: ``supports_gradient_checkpointing`` and the methods to switch it."""
+    return getattr(type(module), "supports_gradient_checkpointing", False) is True and callable(
+        getattr(module, "gradient_checkpointing_enable", None)
+    )
+
+
+def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` (itself included) that checkpoint themselves.
+
+    Example::
+
+        >>> native_checkpointing_owners(torch.nn.Linear(2, 2))
+        []
+    """
+    if _checkpoints_itself(model):
+        return [("", model)]
+    return _outermost([(name, module) for name, module in model.named_modules() if _checkpoints_itself(module)])
+
+
+def _switch_on(owner: nn.Module) -> None:
+    enable = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5: the deprecation-free name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    try:
+        owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:  # transformers < 4.35 takes no arguments
+        owner.gradient_checkpointing_enable()
+
+
+def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
+    """Switch on each model's own activation checkpointing (see the module docstring).
+
+    ``owners`` as :func:`native_checkpointing_owners` gives them; the handle names the layers the
+    model checkpoints (those whose ``gradient_checkpointing`` flag it set).
+    """
+    handle = CheckpointedBlocks(names=[], classes=[], method="")
+    methods = []
+    for owner_name, owner in owners:
+        had_hooks = bool(getattr(owner, "_require_grads_hooks", None) or getattr(owner, "_require_grads_hook", None))
+        _switch_on(owner)
+        config = getattr(owner, "config", None)
+        use_cache = getattr(config, "use_cache", _MISSING) if config is not None else _MISSING
+        if use_cache is not _MISSING:
+            config.use_cache = False  # what HF's own training scripts do under checkpointing
+        flagged = [(name, module) for name, module in owner.named_modules()
+                   if module is not owner and not _checkpoints_itself(module)
+                   and getattr(module, "gradient_checkpointing", False) is True]  # fmt: skip
+        handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
+        # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
+        layers = [(n, m) for n, m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        for name, module in layers or flagged:
+            handle.names.append(".".join(part for part in (owner_name, name) if part))
+            if type(module).__name__ not in handle.classes:
+                handle.classes.append(type(module).__name__)
+        switch = "activation_checkpointing_enable" if hasattr(owner, "activation_checkpointing_enable") \
+            else "gradient_checkpointing_enable"  # fmt: skip
+        methods.append(f"{type(owner).__name__}.{switch}()")
+    handle.method = ", ".join(methods)
+    return handle
+
+
+# ----------------------------------------------------------------------------- checking a recomputation
+
+
+@dataclass
+class _StepResult:
+    loss: torch.Tensor
+    grads: list[Optional[torch.Tensor]]
+    buffers: list[torch.Tensor]
+
+
+def _run_step(
+    loss_fn: Callable[[Any], torch.Tensor], batch: Any, params: list[nn.Parameter], buffers: list[torch.Tensor],
+    step_context: Callable[[], ContextManager[Any]],
+) -> _StepResult:  # fmt: skip
+    for param in params:
+        param.grad = None
+    with step_context():
+        loss = loss_fn(batch)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    return _StepResult(loss.detach().clone(), grads, [b.detach().clone() for b in buffers])
+
+
+def _relative_gap(plain: Optional[torch.Tensor], recomputed: Optional[torch.Tensor]) -> float:
+    """``|recomputed - plain| / |plain|`` (norms); exact for integer tensors; inf where one is missing."""
+    if plain is None or recomputed is None:
+        return 0.0 if plain is recomputed else float("inf")
+    if plain.shape != recomputed.shape:
+        return float("inf")
+    if not plain.is_floating_point():
+        return 0.0 if torch.equal(plain, recomputed) else float("inf")
+    plain, recomputed = plain.double(), recomputed.double()
+    if torch.equal(plain, recomputed):
+        return 0.0
+    gap = float((recomputed - plain).norm())
+    scale = float(plain.norm())
+    return gap / scale if scale > 0 else float("inf")
+
+
+def _first_difference(
+    plain: _StepResult, recomputed: _StepResult, param_names: list[str], buffer_names: list[str], rtol: float
+) -> Optional[str]:
+    gap = _relative_gap(plain.loss, recomputed.loss)
+    if gap > rtol:
+        return f"the loss is {float(recomputed.loss):.6g} recomputed, {float(plain.loss):.6g} plain"
+    for name, a, b in zip(param_names, plain.grads, recomputed.grads):
+        gap = _relative_gap(a, b)
+        if gap > rtol:
+            return f"the gradient of {name} differs by {gap:.2g} (relative)"
+    for name, a, b in zip(buffer_names, plain.buffers, recomputed.buffers):
+        gap = _relative_gap(a, b)
+        if gap > rtol:
+            return f"the buffer {name} differs by {gap:.2g} after the step (updated again by the recomputation?)"
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def check_recomputation(
+    model: nn.Module,
+    loss_fn: Callable[[Any], torch.Tensor],
+    batch: Any,
+    handle: CheckpointedBlocks,
+    *,
+    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    rtol: float = RECOMPUTATION_RTOL,
+) -> Optional[str]:
+    """``None`` when a training step with ``handle``'s blocks checkpointed gives the plain step's
+    loss, gradients and buffers (within ``rtol`` of each tensor's norm); else why not (the first
+    difference, or what the checkpointed step raised).
+
+    Both steps start from the same RNG state (dropout and drop-path draw the same masks; the
+    non-reentrant checkpoint replays them in the recomputation). Gradients, buffers and the RNG
+    state are as before on return; the optimizer does not step. It costs two forward and backward
+    passes on ``batch`` and a copy of the gradients, so pass a small batch.
+
+    Example::
+
+        >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+        ...                                for _ in range(2)])
+        >>> handle = enable_checkpointing(find_repeated_blocks(blocks))
+        >>> check_recomputation(blocks, lambda x: blocks(x).sum(), torch.randn(3, 4), handle) is None
+        True
+    """
+    named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named_buffers = list(model.named_buffers())
+    params = [p for _, p in named_params]
+    buffers = [b for _, b in named_buffers]
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [b.detach().clone() for b in buffers]
+    devices = sorted({t.device.index or 0 for t in [*params, *buffers] if t.device.type == "cuda"})
+
+    def put_buffers_back() -> None:
+        with torch.no_grad():
+            for buffer, saved in zip(buffers, saved_buffers):
+                buffer.copy_(saved)
+
+    try:
+        with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), handle.paused():  # the plain step, RNG state put back
+                plain = _run_step(loss_fn, batch, params, buffers, step_context)
+            put_buffers_back()
+            recomputed = _run_step(loss_fn, batch, params, buffers, step_context)
+        return _first_difference(plain, recomputed, [n for n, _ in named_params], [n for n, _ in named_buffers], rtol)
+    except Exception as error:  # noqa: BLE001 - the reason to refuse
+        return _reason(error)
+    finally:
+        put_buffers_back()
+        for param, grad in zip(params, saved_grads):
+            param.grad = grad

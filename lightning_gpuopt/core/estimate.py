@@ -60,6 +60,7 @@ from __future__ import annotations
 import collections
 import copy
 import contextlib
+import logging
 import math
 import random
 import sys
@@ -336,9 +337,31 @@ def _host_rngs_kept() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
-def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> ContextManager[dict[int, torch.Tensor]]:
-    """Inside the block ``module`` holds fake twins of its tensors; yields real id -> twin."""
-    return _twinned_module(module, mode.from_tensor)
+#: loggers that report, at error level and with a traceback, each op a fake kernel fails on
+#: before the error is raised (to the trace's caller, which reports it in one line)
+_FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
+
+
+@contextlib.contextmanager
+def _fake_kernel_errors_quiet() -> Iterator[None]:
+    """Inside the block torch does not log the fake kernels' failures (the error still propagates)."""
+    loggers = [logging.getLogger(name) for name in _FAKE_KERNEL_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block ``module`` holds fake twins of its tensors (and torch logs no fake kernel
+    failure: the caller reports it); yields real id -> twin."""
+    with _fake_kernel_errors_quiet(), _twinned_module(module, mode.from_tensor) as twin_of:
+        yield twin_of
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
