@@ -167,7 +167,7 @@ class OomRecovery:
         done = False
         value = output = grads = None
         while True:
-            error = attempted = None
+            error = attempted = phase = None
             if not done:
                 limit = self.limits.limit_for(elements)
                 attempted = min(limit or batch_size, batch_size)
@@ -181,11 +181,12 @@ class OomRecovery:
                         _put_back(params, kept)
                         raise
                     error = f"{self._phase}: {_first_line(exc)}"
+                    phase = self._phase
                 _put_back(params, kept)
                 if error is not None:
                     value = output = grads = None
                     release_memory()
-            failures = self._agree(error, attempted, elements)
+            failures = self._agree(phase, attempted, elements)
             if not failures:
                 return value, output, grads
             done = error is None
@@ -221,22 +222,24 @@ class OomRecovery:
 
     # ------------------------------------------------------------------ deciding over the ranks
 
-    def _agree(self, error: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, int, int]]:
-        """``(rank, attempted, elements)`` of every rank whose try ran out of memory (one all-gather under DDP)."""
-        mine = (1 if error is not None else 0, attempted or 0, elements)
+    def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
+        """``(rank, phase, attempted, elements)`` of every rank whose try ran out of memory (one
+        all-gather under DDP: every rank gets the same list)."""
+        mine = (_PHASES.index(phase) + 1 if phase is not None else 0, attempted or 0, elements)
         if self.trainer.world_size <= 1:
-            return [(0, mine[1], mine[2])] if mine[0] else []
+            return [(0, str(phase), mine[1], mine[2])] if mine[0] else []
         gathered = self.trainer.strategy.all_gather(torch.tensor(mine, dtype=torch.int64, device=self.module.device))
         rows = gathered.reshape(-1, 3).tolist()
-        return [(rank, int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
+        return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
 
-    def _adapt(self, failures: list[tuple[int, int, int]], error: Optional[str], batch_idx: Any) -> None:
-        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest failed sample size."""
-        attempted = min(size for _, size, _ in failures)
-        elements = min(sample for _, _, sample in failures)
+    def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:
+        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest
+        failed sample size; under DDP the reason names the ranks and phases only (the same on every rank)."""
+        attempted = min(failure[2] for failure in failures)
+        elements = min(failure[3] for failure in failures)
         if self.trainer.world_size > 1:
-            ranks = ", ".join(str(rank) for rank, _, _ in failures)
-            reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {ranks}" + (f" ({error})" if error else "")
+            where = ", ".join(f"{rank} ({phase})" for rank, phase, _, _ in failures)
+            reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {where}"
         else:
             reason = error or "out of memory"
         adaptation = self.limits.adapt(step=self.trainer.global_step, attempted=attempted, elements=elements,
@@ -244,6 +247,9 @@ class OomRecovery:
         self.on_adapt(adaptation)
 
     _phase = "forward"
+
+
+_PHASES = ("forward", "backward")
 
 
 def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptation], None]:
