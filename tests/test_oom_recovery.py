@@ -15,10 +15,12 @@ import pytest
 import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt import GpuOpt, MemoryFill
 from lightning_gpuopt.core.oom import BatchSplitError, MicroBatchLimits, OutOfMemoryAtOneSampleError, split_batch
 from lightning_gpuopt.presets import load_preset
+from lightning_gpuopt.testing import SimulatedGpu
 from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad_collate, step_peak, train_by_hand
 
 LONG = (20, 21)  # two long samples: in the third batch of 8
@@ -152,6 +154,60 @@ def test_no_out_of_memory_error_leaves_the_run_bit_for_bit_as_without(dataset):
     for name, value in weights(adapt).items():
         assert torch.equal(value, weights(plain)[name]), name
     assert "training_step" not in vars(adapt)  # the wrapper is gone after fit
+
+
+# ---------------------------------------------------------------------- a simulated card
+
+
+class Stream(IterableDataset):
+    def __init__(self, dataset: VariableLengthDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset.items)
+
+
+class StreamModel(TokenModel):
+    """The samples as a stream: MemoryFill's trials see the first batches only."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Stream(self.dataset), batch_size=self.batch_size, collate_fn=pad_collate)
+
+
+def fit_on_card(tmp_path, memory: str, on_oom: str, amp: bool, watcher: CapDuringTraining):
+    dataset = VariableLengthDataset(40, long_at=LONG, long=1024)
+    model = StreamModel(dataset, batch_size=8, hidden=256)
+    with SimulatedGpu("T4", memory=memory) as gpu:
+        fill = MemoryFill(global_batch_size=8, checkpointing=False, amp=amp, on_oom=on_oom, verbose=False)
+        trainer = Trainer(accelerator="cpu", max_steps=4, callbacks=[fill, watcher], logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(model)
+    return model, fill, trainer, gpu
+
+
+def test_on_a_simulated_card_the_long_batch_the_plan_could_not_see_is_absorbed(tmp_path):
+    watcher = CapDuringTraining(10**12)  # no cap of its own: records the step an exception ended the run
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        fit_on_card(tmp_path, "28MiB", "raise", False, watcher)
+    assert watcher.died_at == 2
+    model, fill, trainer, gpu = fit_on_card(tmp_path, "28MiB", "adapt", False, CapDuringTraining(10**12))
+    assert fill.plan.micro_batch_size == 8 and trainer.global_step == 4
+    assert {a.step for a in fill.plan.oom_adaptations} == {2}
+    assert gpu.peak_reserved_bytes <= gpu.profile.total_bytes
+    dataset = VariableLengthDataset(40, long_at=LONG, long=1024)
+    assert_same_weights(weights(model), train_by_hand(TokenModel(dataset, hidden=256), 8, 4))
+
+
+def test_on_a_simulated_card_with_16_mixed_the_gradient_scaler_applies_once(tmp_path):
+    # 16-mixed (a T4 has no bfloat16) with its GradScaler: the split run equals the same run on a
+    # card large enough for the long batch (a gradient scaled twice, or not unscaled, would not)
+    model, fill, _, _ = fit_on_card(tmp_path, "28MiB", "adapt", True, CapDuringTraining(10**12))
+    assert fill.plan.precision == "16-mixed" and {a.step for a in fill.plan.oom_adaptations} == {2}
+    whole, fill_whole, _, _ = fit_on_card(tmp_path, "1GiB", "raise", True, CapDuringTraining(10**12))
+    assert fill_whole.plan.precision == "16-mixed" and not fill_whole.plan.oom_adaptations
+    for name, value in weights(whole).items():
+        torch.testing.assert_close(weights(model)[name], value, rtol=1e-3, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------------- options
