@@ -241,3 +241,18 @@ def test_manual_optimization_is_not_adapted_and_says_so(tmp_path, dataset):
         trainer.fit(Manual(dataset, batch_size=8))
     assert any("cannot adapt manual optimization" in str(w.message) for w in caught)
     assert any("needs automatic optimization" in reason for reason in fill.plan.reasons)
+
+
+def test_a_callback_calling_training_step_itself_gets_the_original(tmp_path, dataset):
+    from lightning import Callback
+
+    class CallsTrainingStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            loss = pl_module.training_step(batch, batch_idx)  # e.g. a tracer: its own forward and backward
+            self.has_graph = loss.grad_fn is not None and type(loss.grad_fn).__name__ != "_HandGradientsBackward"
+            pl_module.zero_grad()
+
+    caller = CallsTrainingStep()
+    model, fill, trainer = fit(dataset, caller, steps=2, default_root_dir=tmp_path)
+    assert caller.has_graph and trainer.global_step == 2
+    assert "training_step" not in vars(trainer.strategy)

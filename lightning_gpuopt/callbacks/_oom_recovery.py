@@ -1,7 +1,9 @@
 """Out-of-memory recovery inside a Lightning run: the adapter :class:`MemoryFill` installs with ``on_oom="adapt"``.
 
 For the duration of training (``on_train_start`` to ``teardown`` or ``on_exception``) the
-LightningModule's ``training_step`` is wrapped (an instance attribute, removed afterwards). Under
+LightningModule's ``training_step`` is wrapped (an instance attribute, removed afterwards), and
+the strategy's ``training_step`` marks the calls the fit loop makes: only those are real steps
+(a callback that calls ``training_step`` itself, e.g. to trace it, gets the original). Under
 automatic optimization Lightning runs, per batch: ``training_step`` → zero the gradients (first
 batch of an accumulation group) → ``backward`` of the returned loss → optimizer step (last batch
 of a group). The wrapper does the batch's forward *and* backward itself, inside ``training_step``:
@@ -104,6 +106,11 @@ class OomRecovery:
         self._had_own_attribute = "training_step" in vars(pl_module)
         self._previous = vars(pl_module).get("training_step")
         self._original = pl_module.training_step
+        strategy = trainer.strategy
+        self._strategy_had_own_attribute = "training_step" in vars(strategy)
+        self._strategy_previous = vars(strategy).get("training_step")
+        self._strategy_step = strategy.training_step
+        self._in_loop_step = False
         self._zeroed_expected = False
         self._zeroed_seen = False
 
@@ -111,15 +118,22 @@ class OomRecovery:
 
     def install(self) -> None:
         self.module.training_step = self._training_step  # type: ignore[method-assign]
+        self.trainer.strategy.training_step = self._loop_step  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        """Put ``training_step`` back as it was (idempotent)."""
-        if vars(self.module).get("training_step") != self._training_step:
-            return
-        if self._had_own_attribute:
-            self.module.training_step = self._previous  # type: ignore[method-assign]
-        else:
-            del self.module.training_step
+        """Put ``training_step`` back as it was on the module and the strategy (idempotent)."""
+        _restore(self.module, "training_step", self._training_step, self._had_own_attribute, self._previous)
+        _restore(self.trainer.strategy, "training_step", self._loop_step, self._strategy_had_own_attribute,
+                 self._strategy_previous)  # fmt: skip
+
+    def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
+        steps (other callbacks may call ``training_step`` themselves, e.g. to trace it)."""
+        self._in_loop_step = True
+        try:
+            return self._strategy_step(*args, **kwargs)
+        finally:
+            self._in_loop_step = False
 
     def zero_grad_called(self) -> None:
         """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
@@ -129,8 +143,9 @@ class OomRecovery:
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.trainer
-        if not trainer.training or not self.module.automatic_optimization:
+        if not self._in_loop_step or not trainer.training or not self.module.automatic_optimization:
             return self._original(*args, **kwargs)
+        self._in_loop_step = False  # the micro-batches below call the original directly
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         first_of_group = batch_idx is not None and batch_idx % trainer.accumulate_grad_batches == 0
@@ -269,6 +284,15 @@ def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptati
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     return report
+
+
+def _restore(owner: Any, name: str, installed: Any, had_own_attribute: bool, previous: Any) -> None:
+    if vars(owner).get(name) != installed:
+        return
+    if had_own_attribute:
+        setattr(owner, name, previous)
+    else:
+        delattr(owner, name)
 
 
 def _put_back(params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
