@@ -321,7 +321,9 @@ def notes(setting: Setting, figures: dict[str, Any], runs: list[Run], wall_s: fl
         f"long samples fits 90% of the cap, measured by hand, and accumulation for the rest. Adaptations: "
         f"{'; '.join(adapted.adaptations) or 'none'}. samples/s: samples trained / seconds from the first training step "
         f"to the end (recovery included; the truth is a plain loop without Lightning or a cap). Distance: final weights "
-        f"against the truth (float32; the split sums in another order). Wall time: {wall_s:.0f} s."
+        f"against the truth (float32; the split sums in another order). On CPU every op pays the MemoryBudget's "
+        f"bookkeeping (a dispatch mode), so more, smaller micro-batches cost more per sample than they would on a GPU: "
+        f"the samples/s ratio is this machine's. Wall time: {wall_s:.0f} s."
     )
 
 
