@@ -149,7 +149,10 @@ class OomRecovery:
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         first_of_group = batch_idx is not None and batch_idx % trainer.accumulate_grad_batches == 0
-        batch_size = extract_batch_size(batch)
+        try:
+            batch_size = extract_batch_size(batch)
+        except Exception:  # noqa: BLE001 - no tensor to count samples by: this batch is not recovered
+            return self._original(*args, **kwargs)
         elements = sample_elements(batch, batch_size)
         params = [p for p in self.module.parameters() if p.requires_grad]
         # a group's first batch: Lightning zeroes the gradients after this call; dropping them now
@@ -160,7 +163,8 @@ class OomRecovery:
                                                          args, kwargs)  # fmt: skip
         if value is None:  # training_step returned None: skipped, as Lightning would
             return None
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = _enabled_scaler(trainer)
+        # read without a host sync: the scale the micro-batches' losses were multiplied by
         expected = (scaler._scale if scaler is not None else 1.0) / trainer.accumulate_grad_batches
         box = _GradientBox(grads, expected, self._check_zeroed)
         loss = _HandGradients.apply(value, box, *params)
@@ -210,7 +214,7 @@ class OomRecovery:
     def _forward_backward(self, batch: Any, batch_size: int, size: int, args: tuple, kwargs: dict) -> tuple:
         """Each micro-batch's forward, then backward of its weighted loss as Lightning would backward it."""
         trainer = self.trainer
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = _enabled_scaler(trainer)
         autocast_device = getattr(trainer.precision_plugin, "device", self.module.device.type)
         total, output = None, None
         for part, weight in split_batch(batch, size, batch_size=batch_size) if size < batch_size else [(batch, 1.0)]:
@@ -284,6 +288,12 @@ def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptati
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     return report
+
+
+def _enabled_scaler(trainer: pl.Trainer) -> Any:
+    """The precision plugin's AMP gradient scaler when it scales (``None`` otherwise)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
 
 
 def _restore(owner: Any, name: str, installed: Any, had_own_attribute: bool, previous: Any) -> None:
