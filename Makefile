@@ -28,8 +28,9 @@ test: $(STAMP)
 
 GPU_BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks/dataloader.py \
                   benchmarks/estimate_accuracy.py benchmarks/memory_fill.py
-# the search comparison runs under a simulated budget, the same on any machine
-BENCHMARKS := $(GPU_BENCHMARKS) benchmarks/search_vs_lightning.py benchmarks/allocator_accuracy.py
+# the search comparison and the OOM recovery run under a simulated budget, the same on any machine
+BENCHMARKS := $(GPU_BENCHMARKS) benchmarks/search_vs_lightning.py benchmarks/allocator_accuracy.py \
+              benchmarks/oom_recovery.py
 
 bench: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done

@@ -12,6 +12,9 @@ writes its result and the batch size its training used to ``OUT/search<N>.json``
 fill: every rank runs MemoryFill for a global batch of 64 with its own budget (rank 0: 60 MB,
 rank 1: 7 MB, where micro-batches of 8 fit only with checkpointing) and writes its plan and
 what its training used to ``OUT/fill<N>.json``.
+oom: every rank trains TokenModel under the same MemoryBudget cap with MemoryFill(on_oom="adapt");
+only rank 1's third batch holds long samples, so only rank 1 runs out of memory; every rank writes
+its weights to ``OUT/oom<N>.pt`` and its adaptations and global step to ``OUT/oom<N>.json``.
 simulated: every rank trains on a simulated T4 of its own size (rank 0: 256 MiB, rank 1: 40 MiB)
 with MemoryFill for a global batch of 256 and writes its plan and its card's peak to
 ``OUT/simulated<N>.json``.
@@ -150,6 +153,38 @@ def simulated(out: Path) -> None:
     }))
 
 
+def oom_rank_indices(size: int = 64) -> list[list[int]]:
+    """The samples each rank trains, in order: Lightning's DistributedSampler (shuffled, seed 0, epoch 0)."""
+    from torch.utils.data import DistributedSampler
+
+    return [list(DistributedSampler(range(size), num_replicas=2, rank=rank, shuffle=True, seed=0)) for rank in (0, 1)]
+
+
+OOM_LONG = tuple(oom_rank_indices()[1][16:18])  # two long samples in rank 1's third batch only
+
+
+def oom(out: Path) -> None:
+    import torch
+    from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad_collate, step_peak
+
+    from lightning_gpuopt import MemoryFill
+    from lightning_gpuopt.core.report import to_dict
+
+    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=48)
+    # short batches fit with room (DDP adds its buckets and communication buffers), the long batch does not
+    cap = int(3 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
+    model = TokenModel(dataset, batch_size=8)
+    memory_fill = MemoryFill(global_batch_size=16, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, callbacks=[memory_fill,
+                      CapDuringTraining(cap)], default_root_dir=out, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(model)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"oom{trainer.global_rank}.pt")
+    (out / f"oom{trainer.global_rank}.json").write_text(json.dumps({
+        "adaptations": [to_dict(a) for a in memory_fill.plan.oom_adaptations], "global_step": trainer.global_step,
+    }))
+
+
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
     trainer = Trainer(
@@ -179,4 +214,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     {"tune": tune, "memory": memory, "search": search, "fill": fill, "simulated": simulated,
-     "nothing-fits": nothing_fits}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+     "nothing-fits": nothing_fits, "oom": oom}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

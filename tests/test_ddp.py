@@ -133,3 +133,34 @@ def test_ddp_nothing_fits_names_each_ranks_own_budget_and_cap(tmp_path):
             assert "its cap of" in sides[str(other)] and f"({cap} bytes)" in sides[str(other)], message
             assert f"({caps[1 - other]} bytes)" not in sides[str(other)].split(": CUDA")[0], message
         assert "max_memory='60KB'" not in message  # rank 0's setting is not set beside rank 1's budget
+
+
+def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_match_a_run_by_hand(tmp_path):
+    import torch
+    from ddp_script import OOM_LONG, oom_rank_indices
+    from oom_models import TokenModel, VariableLengthDataset, pad_collate
+    from torch.nn import functional as F
+
+    run_ddp(tmp_path, "oom")  # a hang would time out here
+    ranks = [json.loads((tmp_path / f"oom{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["global_step"] == 4
+    adaptations = ranks[0]["adaptations"]
+    assert adaptations and {a["step"] for a in adaptations} == {2}
+    assert all(a["reason"].startswith("out of memory on rank 1 (") for a in adaptations)
+    # the truth: each step, the mean of the two ranks' losses on their own (padded) batches, unsplit
+    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=48)
+    model = TokenModel(dataset)
+    optimizer = model.configure_optimizers()
+    indices = oom_rank_indices()
+    for step in range(4):
+        optimizer.zero_grad()
+        losses = []
+        for rank in (0, 1):
+            tokens, labels = pad_collate([dataset[i] for i in indices[rank][8 * step:8 * step + 8]])
+            losses.append(F.cross_entropy(model(tokens), labels))
+        (sum(losses) / 2).backward()
+        optimizer.step()
+    for rank in (0, 1):
+        trained = torch.load(tmp_path / f"oom{rank}.pt")
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-6, atol=1e-6, msg=f"rank {rank}: {name}")

@@ -57,7 +57,7 @@ from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 #: section of ``gpuopt_report.json`` GpuOpt writes
 REPORT_SECTION = "gpuopt"
 _FILL_KEYS = ("global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin",
-              "min_micro_batch_size", "objective", "batch_arg_name")  # fmt: skip
+              "min_micro_batch_size", "objective", "batch_arg_name", "on_oom")  # fmt: skip
 
 
 @dataclass
@@ -95,8 +95,8 @@ class GpuOpt(Callback):
         monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator,
             DataLoaderTuner, MemoryFill.
         max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
-            min_micro_batch_size, batch_arg_name: MemoryFill's arguments (``max_memory`` also
-            MemoryEstimator's).
+            min_micro_batch_size, batch_arg_name, on_oom: MemoryFill's arguments (``max_memory`` also
+            MemoryEstimator's; ``on_oom="adapt"`` in the fill-memory, max-throughput and low-memory presets).
         loader_max_seconds: DataLoaderTuner's time budget.
 
         Every setting left at ``None`` comes from the preset (or the part's own default).
@@ -123,6 +123,7 @@ class GpuOpt(Callback):
         min_micro_batch_size: Optional[int] = None,
         batch_arg_name: Optional[str] = None,
         loader_max_seconds: Optional[float] = None,
+        on_oom: Optional[str] = None,
     ) -> None:
         overrides = {key: value for key, value in locals().items() if key not in ("self", "preset", "__class__")}
         check_keys(overrides, source="GpuOpt's keyword arguments")

@@ -33,6 +33,15 @@ it had. When the batch size or the accumulation changed and the model has LR sch
 optimizers and schedulers are built again (``configure_optimizers``), so schedulers sized with
 ``trainer.estimated_stepping_batches`` count the real number of optimizer steps.
 
+With ``on_oom="adapt"`` an out-of-memory error in a real training step (a rare long sample,
+fragmentation after hours, a cap that shrinks) no longer ends the run: the same batch is trained
+again as smaller micro-batches accumulated inside the step, so the optimizer update, the global
+batch and the LR schedule stay the ones asked for, and that micro-batch is kept from then on for
+samples of that size (see :mod:`lightning_gpuopt.callbacks._oom_recovery` for how, what it costs
+and what it assumes: a loss that is a mean over the batch's samples). Each adaptation is in
+``plan.oom_adaptations``, logged with ``rank_zero_warn`` and as metrics. Manual optimization
+is not adapted (a warning says so; errors are raised as before).
+
 Levers that cannot apply are refused with the reason: accumulation under manual optimization,
 mixed precision and checkpointing under FSDP/DeepSpeed (they have their own), and a precision or
 accumulation the user set explicitly (respected, and said so). At ``teardown``, and after an
@@ -53,6 +62,12 @@ Logged metrics, once when training starts (to every logger of the Trainer):
 * ``gpuopt/checkpointed_blocks``: how many blocks are checkpointed.
 * ``gpuopt/fill_measured_peak_bytes``: the peak the trial of the largest fitting micro-batch measured.
 * ``gpuopt/fill_predicted_peak_bytes``: the estimate's peak at the micro-batch (when it could be traced).
+
+Logged at each out-of-memory adaptation (``on_oom="adapt"``), at the step it happened:
+
+* ``gpuopt/oom_adaptations``: how many out-of-memory errors were absorbed so far.
+* ``gpuopt/oom_micro_batch_size``: the micro-batch the failed batch was trained in (and samples of
+  its size are from then on).
 
 Rank 0 logs the plan with ``rank_zero_info`` and writes it as the ``"memory_fill"`` section of
 ``gpuopt_report.json`` (the search's trials go to ``"batch_size_search"``).
@@ -76,6 +91,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OomRecovery, adaptation_reporter
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.batch_size_search import (
@@ -149,6 +165,8 @@ class MemoryFill(Callback):
         steps_per_trial: real training steps per trial of the search.
         max_trials: at most this many trials per search.
         verbose: log the plan (and the search's trials) with ``rank_zero_info``.
+        on_oom: an out-of-memory error in a training step: ``"raise"`` (as without MemoryFill) or
+            ``"adapt"`` (train the batch again in smaller micro-batches, keep them; see the module docstring).
 
     Raises:
         ValueError: an argument out of range (the message names it, its value and what works).
@@ -170,6 +188,7 @@ class MemoryFill(Callback):
         steps_per_trial: int = 2,
         max_trials: int = 10,
         verbose: bool = True,
+        on_oom: str = "raise",
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None: your batch size "
                   "x accumulate_grad_batches x devices)", allow_none=True)  # fmt: skip
@@ -180,6 +199,8 @@ class MemoryFill(Callback):
         check_choice("objective", objective, OBJECTIVES, "objective='throughput' (largest micro-batch that fits) or "
                      "objective='memory' (smallest footprint)")  # fmt: skip
         check_bool("verbose", verbose, "verbose=False")
+        check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches after an out-of-memory error in "
+                     "training) or on_oom='raise'")  # fmt: skip
         self._search_options = dict(max_memory=max_memory, margin=margin, steps_per_trial=steps_per_trial,
                                     max_trials=max_trials, batch_arg_name=batch_arg_name)  # fmt: skip
         BatchSizeSearch(**self._search_options)
@@ -193,6 +214,7 @@ class MemoryFill(Callback):
         self.objective = objective
         self.batch_arg_name = batch_arg_name
         self.verbose = verbose
+        self.on_oom = on_oom
         #: what was decided and measured (the same on every rank); ``None`` before ``fit``
         self.plan: Optional[MemoryFillPlan] = None
         #: the search of the last ``fit`` (its ``.result`` has the trials)
@@ -213,6 +235,7 @@ class MemoryFill(Callback):
         self._initial: dict[str, Any] = {}
         self._micro_batches_in_group = 0
         self._correct_short_groups = False
+        self._oom_recovery: Optional[OomRecovery] = None
 
     # ------------------------------------------------------------------ setup: precision and checkpointing
 
@@ -252,6 +275,10 @@ class MemoryFill(Callback):
                              f"a multiple of {world}, e.g. {max(1, requested // world) * world}.")  # fmt: skip
         self._samples_per_rank = requested // world
         self._requested = requested
+        if not pl_module.automatic_optimization and self.on_oom == "adapt":
+            self._reasons.append("on_oom='adapt' needs automatic optimization: out-of-memory errors are raised as before")
+            rank_zero_warn("MemoryFill: on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
+                           "backward and the optimizer); out-of-memory errors are raised as before.")  # fmt: skip
         if not pl_module.automatic_optimization:
             self._fix_accumulation(1, "manual optimization: Lightning cannot accumulate gradients for it (accumulate "
                                    "in your training_step); the whole global batch must fit in one step")
@@ -614,6 +641,7 @@ class MemoryFill(Callback):
             predicted_peak_bytes=_predicted_peak(trainer, pl_module),
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
+            on_oom=self.on_oom,
         )
         if plan.global_batch_size != plan.requested_global_batch_size:
             plan.reasons.append(f"{self._samples_per_rank} samples per device do not split evenly into micro-batches "
@@ -641,6 +669,9 @@ class MemoryFill(Callback):
         self._micro_batches_in_group = 0
         if self.search is not None and self.plan is not None:
             self.search.hold_memory_cap(pl_module)  # training reserves no more than the trials could
+        if self.plan is not None and self.on_oom == "adapt" and pl_module.automatic_optimization:
+            self._oom_recovery = OomRecovery(trainer, pl_module, adaptation_reporter(trainer, self.plan))
+            self._oom_recovery.install()
         if self.plan is None or not trainer.loggers:
             return
         for logger in trainer.loggers:
@@ -648,6 +679,19 @@ class MemoryFill(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
+
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._oom_recovery is not None:
+            self._oom_recovery.zero_grad_called()
+
+    def _remove_oom_recovery(self, trainer: pl.Trainer) -> None:
+        recovery, self._oom_recovery = self._oom_recovery, None
+        if recovery is not None:
+            recovery.remove()
+            if self.plan is not None and self.plan.oom_adaptations:
+                path = report_dir(trainer) / REPORT_FILENAME
+                if trainer.is_global_zero:
+                    write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
     # ------------------------------------------------------------------ undoing and reporting
 
@@ -664,11 +708,15 @@ class MemoryFill(Callback):
                 hparams[self.batch_arg_name] = self._initial["batch_size"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._oom_recovery is not None:
+            self._oom_recovery.remove()  # no collective here: the other ranks may not be in this hook
+            self._oom_recovery = None
         failed = self.search._changes.undo() if self.search is not None else []
         warn_failed_undos("MemoryFill", failed + self._changes.undo())
         self._checkpointed = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_oom_recovery(trainer)
         if stage != "fit":
             return
         failed = self.search._changes.finish() if self.search is not None else []
@@ -799,4 +847,16 @@ def plan_table(plan: MemoryFillPlan) -> str:
         ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / "
          f"{format_bytes(plan.measured_peak_bytes)} (at {plan.largest_fit})"),
     ]  # fmt: skip
+    if plan.on_oom == "adapt" or plan.oom_adaptations:
+        rows.append(("on out of memory", oom_summary(plan)))
     return render_table("MemoryFill plan", rows, notes=plan.reasons)
+
+
+def oom_summary(plan: MemoryFillPlan) -> str:
+    """``on_oom`` and each adaptation as ``step S: old → new (why)``."""
+    if not plan.oom_adaptations:
+        return f"{plan.on_oom} (no out-of-memory error so far)"
+    steps = "; ".join(f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})"
+                      for a in plan.oom_adaptations)  # fmt: skip
+    return f"{plan.on_oom}: {len(plan.oom_adaptations)} adaptation(s): {steps}"
+

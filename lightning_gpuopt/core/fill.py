@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from lightning_gpuopt.core.oom import OomAdaptation
+
 #: what ``amp`` accepts
 AmpSetting = Union[str, bool]
 #: precisions MemoryFill may switch to
@@ -102,6 +104,10 @@ class MemoryFillPlan:
     #: why each lever was (not) used, in the order decided
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: what an out-of-memory error in a training step does: ``"adapt"`` (smaller micro-batches) or ``"raise"``
+    on_oom: str = "raise"
+    #: each out-of-memory error absorbed during training (step, old → new micro-batch, why)
+    oom_adaptations: list[OomAdaptation] = field(default_factory=list)
 
     @property
     def changes(self) -> list[str]:

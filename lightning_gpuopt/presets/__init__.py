@@ -49,6 +49,8 @@ PRESET_KEYS: dict[str, str] = {
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
     "batch_arg_name": "where the batch size lives: attribute of the model, its hparams or the datamodule",
     "loader_max_seconds": "time budget of DataLoaderTuner, in seconds",
+    "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, "
+    "keep them) or 'raise'",
 }
 
 _SUFFIXES = (".yaml", ".yml")

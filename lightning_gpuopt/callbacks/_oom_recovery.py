@@ -1,0 +1,316 @@
+"""Out-of-memory recovery inside a Lightning run: the adapter :class:`MemoryFill` installs with ``on_oom="adapt"``.
+
+For the duration of training (``on_train_start`` to ``teardown`` or ``on_exception``) the
+LightningModule's ``training_step`` is wrapped (an instance attribute, removed afterwards), and
+the strategy's ``training_step`` marks the calls the fit loop makes: only those are real steps
+(a callback that calls ``training_step`` itself, e.g. to trace it, gets the original). Under
+automatic optimization Lightning runs, per batch: ``training_step`` → zero the gradients (first
+batch of an accumulation group) → ``backward`` of the returned loss → optimizer step (last batch
+of a group). The wrapper does the batch's forward *and* backward itself, inside ``training_step``:
+
+1. the gradients accumulated so far are set aside (first batch of a group: dropped, as the zero
+   that follows would), so a failed try leaves them untouched;
+2. the batch runs whole, or, once a limit was learned for samples of its size, as micro-batches
+   of at most that many samples (:func:`~lightning_gpuopt.core.oom.split_batch`), each loss
+   weighted by its share of the samples, divided by ``accumulate_grad_batches`` and scaled by the
+   AMP gradient scaler, as Lightning's own backward would;
+3. on an out-of-memory error the try's gradients are dropped, memory is released
+   (:func:`~lightning_gpuopt.core.memory.release_memory`), the limit for that size of sample is
+   halved (:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and the same batch is tried
+   again; after a micro-batch of 1 the error is raised with what was tried;
+4. the new gradients are put aside and the wrapper returns the loss value through a small
+   autograd function whose backward hands them to the parameters: Lightning's own backward,
+   its zero_grad before it, the optimizer step and the LR schedule run as they would have. The
+   optimizer update is the one of the unsplit batch (float32: equal within summation order).
+
+Under DDP every rank does steps 1-3 with no gradient reduced (the backward inside
+``training_step`` is not seen by DDP's reducer), then the ranks exchange one small tensor (an
+all-gather: which rank ran out of memory, at which micro-batch, for which size of sample); if
+any did, every rank records the same new limit and the ranks that failed try again, so all ranks
+take the same decision in the same step and none waits in a collective another will not reach.
+The gradients are reduced by DDP during Lightning's backward of the returned value, after the
+exchange.
+
+Costs, only with ``on_oom="adapt"``: one elementwise pass over the gradients per step; with
+gradient accumulation, the new micro-batch's gradients are held apart from the accumulated ones
+until its backward ends (up to one gradient-sized buffer more at the end of a backward); under
+DDP one all-gather of 3 integers per step and the gradient reduction no longer overlaps the
+backward. The split assumes the loss is a **mean over the batch's samples** (see
+:mod:`lightning_gpuopt.core.oom`). Values a ``training_step`` logs with ``self.log`` in a split
+step are those of its micro-batches (the last one's for ``on_step``). A ``LightningModule.backward``
+override is not called for the backward inside ``training_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_gpuopt.core.memory import is_out_of_memory_error, release_memory
+from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_elements, split_batch
+
+#: what ``MemoryFill(on_oom=...)`` accepts
+ON_OOM = ("adapt", "raise")
+
+
+class _GradientBox:
+    """The gradients a wrapped ``training_step`` computed, waiting for Lightning's backward."""
+
+    def __init__(self, grads: list[Optional[torch.Tensor]], expected_grad: Any, check_zeroed: Callable[[], None]):
+        self.grads: Optional[list[Optional[torch.Tensor]]] = grads
+        self.expected_grad = expected_grad
+        self.check_zeroed = check_zeroed
+
+
+class _HandGradients(torch.autograd.Function):
+    """Returns the loss value; its backward gives each parameter the gradient kept in the box,
+    times the incoming gradient over the one the box was computed for (exactly 1 when Lightning
+    backwards the value as it does: divided by the accumulation, scaled by the AMP scaler)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, box: _GradientBox, *params: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        box, ctx.box = ctx.box, None
+        box.check_zeroed()
+        grads, box.grads = box.grads, None
+        assert grads is not None, "the gradients of a split step were handed out twice"
+        factor = grad_output / box.expected_grad
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(factor.to(grad.dtype))
+        return (None, None, *grads)
+
+
+class OomRecovery:
+    """Wraps ``pl_module.training_step`` so that out-of-memory errors are absorbed (see the module docstring).
+
+    Args:
+        trainer, pl_module: the run.
+        on_adapt: called with each :class:`~lightning_gpuopt.core.oom.OomAdaptation`, on every rank.
+        limits: the limits learned so far (default: none).
+    """
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                 on_adapt: Callable[[OomAdaptation], None], limits: Optional[MicroBatchLimits] = None) -> None:  # fmt: skip
+        self.trainer, self.module, self.on_adapt = trainer, pl_module, on_adapt
+        self.limits = limits if limits is not None else MicroBatchLimits()
+        self._had_own_attribute = "training_step" in vars(pl_module)
+        self._previous = vars(pl_module).get("training_step")
+        self._original = pl_module.training_step
+        strategy = trainer.strategy
+        self._strategy_had_own_attribute = "training_step" in vars(strategy)
+        self._strategy_previous = vars(strategy).get("training_step")
+        self._strategy_step = strategy.training_step
+        self._in_loop_step = False
+        self._zeroed_expected = False
+        self._zeroed_seen = False
+
+    # ------------------------------------------------------------------ install / remove
+
+    def install(self) -> None:
+        self.module.training_step = self._training_step  # type: ignore[method-assign]
+        self.trainer.strategy.training_step = self._loop_step  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Put ``training_step`` back as it was on the module and the strategy (idempotent)."""
+        _restore(self.module, "training_step", self._training_step, self._had_own_attribute, self._previous)
+        _restore(self.trainer.strategy, "training_step", self._loop_step, self._strategy_had_own_attribute,
+                 self._strategy_previous)  # fmt: skip
+
+    def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
+        steps (other callbacks may call ``training_step`` themselves, e.g. to trace it)."""
+        self._in_loop_step = True
+        try:
+            return self._strategy_step(*args, **kwargs)
+        finally:
+            self._in_loop_step = False
+
+    def zero_grad_called(self) -> None:
+        """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
+        self._zeroed_seen = True
+
+    # ------------------------------------------------------------------ the wrapped step
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        if not self._in_loop_step or not trainer.training or not self.module.automatic_optimization:
+            return self._original(*args, **kwargs)
+        self._in_loop_step = False  # the micro-batches below call the original directly
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        first_of_group = batch_idx is not None and batch_idx % trainer.accumulate_grad_batches == 0
+        try:
+            batch_size = extract_batch_size(batch)
+        except Exception:  # noqa: BLE001 - no tensor to count samples by: this batch is not recovered
+            return self._original(*args, **kwargs)
+        elements = sample_elements(batch, batch_size)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # a group's first batch: Lightning zeroes the gradients after this call; dropping them now
+        # frees their memory for the step (as the zero would) and keeps the new ones apart
+        kept = [None] * len(params) if first_of_group else [p.grad for p in params]
+        self._zeroed_expected, self._zeroed_seen = first_of_group, False
+        value, output, grads = self._train_until_it_fits(batch, batch_size, elements, batch_idx, params, kept,
+                                                         args, kwargs)  # fmt: skip
+        if value is None:  # training_step returned None: skipped, as Lightning would
+            return None
+        scaler = _enabled_scaler(trainer)
+        # read without a host sync: the scale the micro-batches' losses were multiplied by
+        expected = (scaler._scale if scaler is not None else 1.0) / trainer.accumulate_grad_batches
+        box = _GradientBox(grads, expected, self._check_zeroed)
+        loss = _HandGradients.apply(value, box, *params)
+        if isinstance(output, Mapping):
+            return {**{k: v for k, v in output.items() if k != "loss"}, "loss": loss}
+        return loss
+
+    def _check_zeroed(self) -> None:
+        if self._zeroed_expected and not self._zeroed_seen:
+            raise RuntimeError(
+                "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an accumulation "
+                "group as expected, so the gradients set aside cannot be combined correctly; use on_oom='raise'."
+            )
+
+    def _train_until_it_fits(self, batch: Any, batch_size: int, elements: int, batch_idx: Any,
+                             params: list[torch.Tensor], kept: list, args: tuple, kwargs: dict) -> tuple:  # fmt: skip
+        """Forward and backward of the batch in micro-batches, halving after each out-of-memory
+        error (agreed over the ranks), until every rank's try fitted."""
+        done = False
+        value = output = grads = None
+        while True:
+            error = attempted = phase = None
+            if not done:
+                limit = self.limits.limit_for(elements)
+                attempted = min(limit or batch_size, batch_size)
+                for param in params:
+                    param.grad = None
+                try:
+                    value, output = self._forward_backward(batch, batch_size, attempted, args, kwargs)
+                    grads = [p.grad for p in params]
+                except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+                    if not is_out_of_memory_error(exc):
+                        _put_back(params, kept)
+                        raise
+                    error = f"{self._phase}: {_first_line(exc)}"
+                    phase = self._phase
+                _put_back(params, kept)
+                if error is not None:
+                    value = output = grads = None
+                    release_memory()
+            failures = self._agree(phase, attempted, elements)
+            if not failures:
+                return value, output, grads
+            done = error is None
+            self._adapt(failures, error, batch_idx)
+
+    def _forward_backward(self, batch: Any, batch_size: int, size: int, args: tuple, kwargs: dict) -> tuple:
+        """Each micro-batch's forward, then backward of its weighted loss as Lightning would backward it."""
+        trainer = self.trainer
+        scaler = _enabled_scaler(trainer)
+        autocast_device = getattr(trainer.precision_plugin, "device", self.module.device.type)
+        total, output = None, None
+        for part, weight in split_batch(batch, size, batch_size=batch_size) if size < batch_size else [(batch, 1.0)]:
+            self._phase = "forward"
+            output = self._original(part, *args[1:], **kwargs) if args else self._original(**{**kwargs, "batch": part})
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if loss is None:
+                if size < batch_size:
+                    raise RuntimeError("MemoryFill(on_oom='adapt'): training_step returned None for a micro-batch "
+                                       "of a batch split after an out-of-memory error; it cannot be skipped in part.")  # fmt: skip
+                return None, None
+            weighted = loss if weight == 1.0 else loss * weight
+            scaled = weighted / trainer.accumulate_grad_batches
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            self._phase = "backward"
+            with torch.autocast(autocast_device, enabled=False):
+                scaled.backward()
+            total = weighted.detach() if total is None else total + weighted.detach()
+            del loss, weighted, scaled
+        if isinstance(output, Mapping):
+            output = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
+        return total, output
+
+    # ------------------------------------------------------------------ deciding over the ranks
+
+    def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
+        """``(rank, phase, attempted, elements)`` of every rank whose try ran out of memory (one
+        all-gather under DDP: every rank gets the same list)."""
+        mine = (_PHASES.index(phase) + 1 if phase is not None else 0, attempted or 0, elements)
+        if self.trainer.world_size <= 1:
+            return [(0, str(phase), mine[1], mine[2])] if mine[0] else []
+        gathered = self.trainer.strategy.all_gather(torch.tensor(mine, dtype=torch.int64, device=self.module.device))
+        rows = gathered.reshape(-1, 3).tolist()
+        return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
+
+    def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:
+        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest
+        failed sample size; under DDP the reason names the ranks and phases only (the same on every rank)."""
+        attempted = min(failure[2] for failure in failures)
+        elements = min(failure[3] for failure in failures)
+        if self.trainer.world_size > 1:
+            where = ", ".join(f"{rank} ({phase})" for rank, phase, _, _ in failures)
+            reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {where}"
+        else:
+            reason = error or "out of memory"
+        adaptation = self.limits.adapt(step=self.trainer.global_step, attempted=attempted, elements=elements,
+                                       reason=reason, batch_idx=int(batch_idx or 0))  # fmt: skip
+        self.on_adapt(adaptation)
+
+    _phase = "forward"
+
+
+_PHASES = ("forward", "backward")
+
+
+def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptation], None]:
+    """What to do with each adaptation: add it to ``plan.oom_adaptations``, warn (rank 0) and log
+    ``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size`` at the step."""
+
+    def report(adaptation: OomAdaptation) -> None:
+        plan.oom_adaptations.append(adaptation)
+        rank_zero_warn(
+            f"MemoryFill(on_oom='adapt'): out of memory at step {adaptation.step} (batch {adaptation.batch_idx}, "
+            f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
+            f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
+        )
+        metrics = {"gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
+                   "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size)}  # fmt: skip
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    return report
+
+
+def _enabled_scaler(trainer: pl.Trainer) -> Any:
+    """The precision plugin's AMP gradient scaler when it scales (``None`` otherwise)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _restore(owner: Any, name: str, installed: Any, had_own_attribute: bool, previous: Any) -> None:
+    if vars(owner).get(name) != installed:
+        return
+    if had_own_attribute:
+        setattr(owner, name, previous)
+    else:
+        delattr(owner, name)
+
+
+def _put_back(params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
+    for param, grad in zip(params, grads):
+        param.grad = grad
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 160 else line[:157] + "..."
