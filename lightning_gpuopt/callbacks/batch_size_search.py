@@ -77,6 +77,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
@@ -220,6 +221,7 @@ class BatchSizeSearch(Callback):
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_trainer_namespace(trainer, type(self).__name__)
         started = time.perf_counter()
         self.result = None
         self._check_usable(trainer, pl_module)

@@ -51,6 +51,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.core.checks import check_int, check_number
@@ -157,6 +158,7 @@ class DataWaitMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer_namespace(trainer, type(self).__name__)
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)

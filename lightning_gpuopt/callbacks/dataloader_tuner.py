@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -130,6 +131,7 @@ class DataLoaderTuner(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer_namespace(trainer, type(self).__name__)
         self.result, self.message = None, ""
         source = trainer.fit_loop._data_source
         if not source.is_defined():

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
@@ -144,6 +145,7 @@ class GpuOpt(Callback):
     # ------------------------------------------------------------------ hooks with an order of their own
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_trainer_namespace(trainer, type(self).__name__)
         self.report = None
         for part in self.parts:
             if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)

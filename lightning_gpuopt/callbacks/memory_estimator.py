@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.core.checks import check_int
 from lightning_gpuopt.core.estimate import (
@@ -131,6 +132,7 @@ class MemoryEstimator(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Each ``fit`` gets its own estimate and measurement."""
+        check_trainer_namespace(trainer, type(self).__name__)
         # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
         # end of fit: a collective right before the processes exit makes DDP teardown racy
         self._report_dir = report_dir(trainer)

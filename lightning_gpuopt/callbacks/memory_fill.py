@@ -60,6 +60,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
@@ -198,6 +199,7 @@ class MemoryFill(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer_namespace(trainer, type(self).__name__)
         self._reset()
         self.plan = None
         self._started = time.perf_counter()
