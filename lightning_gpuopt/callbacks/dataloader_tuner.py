@@ -17,7 +17,8 @@ It leaves the loader alone, and says why, when it cannot rebuild it: an ``Iterab
 (more workers would each replay the stream unless it shards by ``get_worker_info()``), several
 train loaders, or something that is not a ``torch.utils.data.DataLoader``.
 
-Logged metrics, once when training starts (to every logger of the Trainer):
+Logged metrics, once when training starts (to every logger of the Trainer, and to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 +-----------------------------------------+----------------------------------------------------------+
 | Key                                     | Meaning                                                  |
@@ -48,18 +49,26 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._progress import WorkProgress
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core.checks import check_int, check_number
 from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
+    LoaderTiming,
     LoaderTuneResult,
     oversubscription,
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import REPORT_FILENAME, loader_tune_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import (
+    REPORT_FILENAME,
+    format_seconds,
+    loader_tune_table,
+    to_dict,
+    update_json_section,
+)
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "dataloader"
@@ -122,6 +131,8 @@ class DataLoaderTuner(Callback):
         self.max_num_workers = max_num_workers
         self.persistent_workers = persistent_workers
         self.verbose = verbose
+        #: report each candidate as it is timed (a line, or a bar when the Trainer shows one); follows ``verbose``
+        self.progress = verbose
         #: the measurement and the choice (the same on every rank); ``None`` if not tuned
         self.result: Optional[LoaderTuneResult] = None
         #: what the tuner did, or why it left the loader alone
@@ -154,7 +165,7 @@ class DataLoaderTuner(Callback):
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
         baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
-        with _RngPreserved(loader):
+        with _RngPreserved(loader), WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress:
             result = tune_loader(
                 lambda setting: rebuild_loader(loader, setting),
                 usable_cpus=cores,
@@ -166,6 +177,7 @@ class DataLoaderTuner(Callback):
                 persistent_workers=persistent,
                 max_workers=self.max_num_workers,
                 baseline=baseline,
+                on_timed=lambda timing: progress.done(candidate_line(timing, baseline)),
             )
         self.result = trainer.strategy.broadcast(result, src=0)
         self._original_source = source
@@ -198,7 +210,7 @@ class DataLoaderTuner(Callback):
             update_json_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.result is None or not trainer.loggers:
+        if self.result is None:
             return
         metrics = {
             "gpuopt/loader_num_workers": float(self.result.num_workers),
@@ -206,8 +218,7 @@ class DataLoaderTuner(Callback):
         }
         if self.result.speedup is not None:
             metrics["gpuopt/loader_speedup"] = self.result.speedup
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_metrics(trainer, metrics)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._original_source is not None:
@@ -306,3 +317,18 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
         if report is not None and report.samples and report.wall_s > report.data_wait_s:
             return report.samples / report.world_size / (report.wall_s - report.data_wait_s)
     return None
+
+
+def candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = None) -> str:
+    """One timed loader setting in words, for progress reporting.
+
+    Example::
+
+        >>> timing = LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25)
+        >>> candidate_line(timing)
+        '2 workers, prefetch 2, persistent: 5,064 samples/s (start-up 210.0 ms)'
+    """
+    yours = " [yours]" if timing.setting == baseline else ""
+    early = ", stopped early: slower than the best" if timing.stopped_early else ""
+    return f"{timing.setting.short()}{yours}: {timing.samples_per_second:,.0f} samples/s " \
+           f"(start-up {format_seconds(timing.startup_s)}{early})"  # fmt: skip

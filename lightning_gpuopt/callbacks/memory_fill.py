@@ -31,7 +31,8 @@ accumulation the user set explicitly (respected, and said so). At ``teardown`` t
 the model get their precision, accumulation, batch size and forward methods back; the plan stays
 in :attr:`MemoryFill.plan`.
 
-Logged metrics, once when training starts (to every logger of the Trainer):
+Logged metrics, once when training starts (to every logger of the Trainer, and to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 * ``gpuopt/micro_batch_size``: the batch size each step trains on.
 * ``gpuopt/accumulate_grad_batches``: micro-batches per optimizer step.
@@ -61,7 +62,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
@@ -177,6 +178,8 @@ class MemoryFill(Callback):
         self.objective = objective
         self.batch_arg_name = batch_arg_name
         self.verbose = verbose
+        #: report each batch-size trial as it ends (a line, or a bar when the Trainer shows one); follows ``verbose``
+        self.progress = verbose
         #: what was decided and measured (the same on every rank); ``None`` before ``fit``
         self.plan: Optional[MemoryFillPlan] = None
         #: the search of the last ``fit`` (its ``.result`` has the trials)
@@ -204,6 +207,7 @@ class MemoryFill(Callback):
         self.plan = None
         self._started = time.perf_counter()
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
+        self.search.progress = self.progress
         self.search._check_usable(trainer, pl_module)
         initial_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
         self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
@@ -457,10 +461,8 @@ class MemoryFill(Callback):
         self._micro_batches_in_group = 0
         if self.search is not None and self.plan is not None:
             self.search.hold_memory_cap(pl_module)  # training reserves no more than the trials could
-        if self.plan is None or not trainer.loggers:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(logged_metrics(self.plan), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if self.plan is not None:
+            log_metrics(trainer, logged_metrics(self.plan))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
