@@ -36,24 +36,31 @@ class WorkProgress:
         title: what a unit is (``"BatchSizeSearch trial"``): the prefix of every line and the bar's label.
         total: how many units at most (``None``: unknown).
         enabled: ``False`` reports nothing.
+        bar: whether to show a bar; ``None`` asks :func:`shows_progress_bar` (ask before the trainer's
+            callbacks are swapped out, as for batch-size trials).
     """
 
-    def __init__(self, trainer: Trainer, title: str, total: Optional[int], enabled: bool) -> None:
+    def __init__(
+        self, trainer: Trainer, title: str, total: Optional[int], enabled: bool, bar: Optional[bool] = None
+    ) -> None:
         self.title = title
         self.total = total
         self.enabled = enabled and trainer.is_global_zero
         self.count = 0
         self._bar: Any = None
         self._task: Any = None
-        self._use_bar = self.enabled and shows_progress_bar(trainer)
+        self._use_bar = self.enabled and (shows_progress_bar(trainer) if bar is None else bar)
 
     def __enter__(self) -> "WorkProgress":
         if self._use_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.table import Column
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=False)  # fmt: skip
-            self._task = self._bar.add_task(self.title, total=self.total)
+            last = Column(no_wrap=True, overflow="ellipsis", ratio=1)  # the last unit's line takes what is left
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[last]}", table_column=last),
+                                 transient=False, expand=True)  # fmt: skip
+            self._task = self._bar.add_task(self.title, total=self.total, last="")
             self._bar.start()
         return self
 
@@ -63,7 +70,7 @@ class WorkProgress:
             return
         self.count += 1
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, description=f"{self.title}: {line}")
+            self._bar.update(self._task, advance=1, last=line)
         else:
             of = f"/{self.total}" if self.total else ""
             rank_zero_info(f"{self.title} {self.count}{of}: {line}")

@@ -80,7 +80,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks._progress import WorkProgress
+from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
@@ -234,6 +234,7 @@ class BatchSizeSearch(Callback):
         capacity = self._capacity_bytes(device)  # asked once: free memory moves between two readings
         budget = int(capacity * (1.0 - self.margin))
         initial = int(lightning_getattr(pl_module, self.batch_arg_name))
+        bar = shows_progress_bar(trainer)  # asked before the trials take the trainer's callbacks away
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
         with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
                 _largest_samples_first(trainer) as sizes_note:
@@ -247,7 +248,7 @@ class BatchSizeSearch(Callback):
             # every rank must try the same sizes: plan with the tightest rank's figures
             search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
             runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name, capacity)
-            with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress) as progress:
+            with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
                 result = search_largest_fit(
                     runner.fits,
                     budget_bytes=search_budget,
