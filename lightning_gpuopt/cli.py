@@ -1,4 +1,5 @@
-"""The ``gpuopt`` console command (``doctor``, ``presets``, ``estimate``, ``plot``) and :class:`GpuOptCLI` (``--gpuopt`` on LightningCLI).
+"""The ``gpuopt`` console command (``doctor``, ``presets``, ``estimate``, ``plot``) and :class:`GpuOptCLI`
+(``--gpuopt`` on LightningCLI).
 
 ::
 
@@ -227,7 +228,8 @@ def run_plot(args: argparse.Namespace) -> int:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as error:
         raise UsageError(f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the "
-                         "gpuopt_report.json in the trainer's log dir, e.g. lightning_logs/version_0/gpuopt_report.json")
+                         "gpuopt_report.json in the trainer's log dir, e.g. "
+                         "lightning_logs/version_0/gpuopt_report.json") from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
     try:

@@ -164,6 +164,17 @@ def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
     assert logger.images == [("gpuopt/step_time", [str(step_time)], 12)]
 
 
+def test_without_matplotlib_gpuopt_warns_and_the_run_finishes(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    gpuopt = GpuOpt("diagnose", estimate=False, plots=True)
+    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, default_root_dir=tmp_path, callbacks=[gpuopt],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"not drawn: .*pip install lightning-gpuopt\[plot\]"):
+        trainer.fit(MLP(), DataLoader(SlowDataset(48), batch_size=8))
+    assert gpuopt.report.data_wait is not None and (tmp_path / "gpuopt_report.json").exists()
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_plots_off_by_default_and_a_bad_value_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"`plots`='yes'"):
         GpuOpt(plots="yes")  # type: ignore[arg-type]

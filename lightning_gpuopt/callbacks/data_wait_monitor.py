@@ -7,7 +7,9 @@ recorded at step start and end (read lazily, never synchronising) give GPU busy 
 time, and an NVML thread samples the utilisation and memory of every GPU. At the end of
 ``fit`` the figures of all ranks are gathered; rank 0 logs a table with the verdict
 (``input-bound``, ``compute-bound``, ``host-bound`` or ``balanced``) and recommendations,
-and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir.
+and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir. Its
+``timeline`` keeps the split step by step over training (rank 0's steps, binned to at most 200
+points), which ``gpuopt plot`` draws.
 
 Logged metrics, every ``log_every_n_steps`` measured steps, each over the steps since the
 previous log (rank 0's figures; to every logger of the Trainer, and each rank's own to

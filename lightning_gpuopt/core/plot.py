@@ -12,8 +12,8 @@ Three figures, each drawn only when the report holds its section:
 * ``loader.png`` (section ``"dataloader"``) -- samples/s of every loader setting timed, the chosen
   one and the user's own marked.
 
-matplotlib is imported inside the functions, on the ``Agg`` backend (no display needed), so the
-package imports without it; drawing without it raises :class:`PlotUnavailableError`, which says
+matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (no display
+needed, pyplot's global backend untouched), so the package imports without it; drawing without it raises :class:`PlotUnavailableError`, which says
 ``pip install lightning-gpuopt[plot]``.
 
 Example::
@@ -52,35 +52,38 @@ class PlotUnavailableError(ImportError):
     """matplotlib is not installed: the message names the extra that brings it."""
 
 
-def _pyplot() -> Any:
-    """``matplotlib.pyplot`` on the Agg backend, or a clear error naming the ``[plot]`` extra."""
+def _require_matplotlib() -> None:
+    """Import matplotlib, or raise a clear error naming the ``[plot]`` extra."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError as error:
         raise PlotUnavailableError(
             "Drawing the gpuopt report needs matplotlib: `pip install lightning-gpuopt[plot]`"
             f" (or `pip install matplotlib`). ({error})"
         ) from None
-    matplotlib.use("Agg", force=False)  # leaves an interactive backend a user already chose
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
-def _new_figure(width: float = 8.0, height: float = 4.5) -> tuple["Figure", Any]:
-    _pyplot()
+def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple["Figure", Any]:
+    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas. pyplot is
+    never used: no global backend is switched (a notebook keeps its own) and no figure is kept alive."""
+    _require_matplotlib()
+    if axes is not None:
+        return axes.figure, axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")  # not kept by pyplot: no leak
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
     return figure, figure.add_subplot()
 
 
-def step_time_figure(report: DataWaitReport) -> "Figure":
-    """Milliseconds per step in data wait, transfer, compute and other, stacked, over training.
+def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
+    """Milliseconds per step in data wait, transfer, compute and other, stacked, over training
+    (into ``axes`` when given, else a new figure).
 
     A report without a timeline (written by an older version) is drawn as one bar of the totals.
     """
-    figure, axes = _new_figure()
+    figure, axes = _new_figure(axes)
     timeline = report.timeline
     title = f"Step time over training · {report.verdict}"
     if timeline is None or not timeline.step:
@@ -115,9 +118,12 @@ def step_time_figure(report: DataWaitReport) -> "Figure":
     return figure
 
 
-def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None) -> "Figure":
-    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size."""
-    figure, axes = _new_figure()
+def memory_figure(
+    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None
+) -> "Figure":
+    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
+    (into ``axes`` when given, else a new figure)."""
+    figure, axes = _new_figure(axes)
     fits = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
     misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
@@ -136,7 +142,8 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         axes.plot([0, right], [fixed / _MIB, (fixed + per_sample * right) / _MIB], linestyle="--", color="#555555",
                   label=label)  # fmt: skip
     if search.budget_bytes:
-        axes.axhline(search.budget_bytes / _MIB, color="#ff7f0e", label=f"budget ({search.budget_bytes / _MIB:,.1f} MiB)")
+        budget_mib = search.budget_bytes / _MIB
+        axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
     if estimate is not None and estimate.capacity_bytes:
         axes.axhline(estimate.capacity_bytes / _MIB, color="#000000", linewidth=0.8,
                      label=f"device capacity ({estimate.capacity_bytes / _MIB:,.1f} MiB)")  # fmt: skip
@@ -151,7 +158,9 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     return figure
 
 
-def _memory_line(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate]) -> Optional[tuple[float, float, str]]:
+def _memory_line(
+    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate]
+) -> Optional[tuple[float, float, str]]:
     """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line
     through the trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
@@ -170,14 +179,16 @@ def _memory_line(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimat
     return mean_y - slope * mean_x, slope, "line through the trials that fit"
 
 
-def loader_figure(result: LoaderTuneResult) -> "Figure":
-    """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked."""
+def loader_figure(result: LoaderTuneResult, axes: Any = None) -> "Figure":
+    """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked
+    (into ``axes`` when given, else a new figure)."""
     timings = sorted(result.candidates, key=lambda timing: timing.samples_per_second)
-    figure, axes = _new_figure(height=max(2.5, 1.2 + 0.4 * len(timings)))
+    figure, axes = _new_figure(axes, height=max(2.5, 1.2 + 0.4 * len(timings)))
     baseline = result.baseline.setting if result.baseline is not None else None
     labels, colours = [], []
     for timing in timings:
-        marks = [mark for mark, on in (("chosen", timing.setting == result.setting), ("yours", timing.setting == baseline),
+        marks = [mark for mark, on in (("chosen", timing.setting == result.setting),
+                                       ("yours", timing.setting == baseline),
                                        ("stopped early", timing.stopped_early)) if on]  # fmt: skip
         labels.append(timing.setting.short() + (f"  [{', '.join(marks)}]" if marks else ""))
         colours.append("#2ca02c" if timing.setting == result.setting else "#1f77b4" if timing.setting == baseline
