@@ -199,6 +199,11 @@ class DataLoaderTuner(Callback):
             )
         if self.verbose:
             rank_zero_info(loader_tune_table(self.result, self.message))
+        if not self.result.settled:
+            rank_zero_warn(
+                f"DataLoaderTuner: the choice is uncertain ({self.result.reason.rsplit('; ', 1)[-1]}); set"
+                " `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
+            )
         if trainer.strategy.root_device.type == "cpu":
             warning = oversubscription(
                 torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores

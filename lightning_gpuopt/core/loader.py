@@ -98,6 +98,9 @@ class LoaderTiming:
     samples_per_second: float
     worker_cpu_fraction: Optional[float]
     stopped_early: bool = False
+    #: without workers: the share of the loading time the main thread spent computing, run-queue
+    #: waits on a busy machine taken out (Linux); below 0.5 the loader mostly waits on I/O
+    loading_cpu_fraction: Optional[float] = None
 
     @property
     def batch_s(self) -> float:
@@ -120,6 +123,8 @@ class LoaderTuneResult:
     usable_cpus: int = 1
     seconds: float = 0.0
     reason: str = ""
+    #: False when repeated timings kept changing the choice (a busy machine): the choice is uncertain
+    settled: bool = True
 
     @property
     def setting(self) -> LoaderSetting:
@@ -142,6 +147,59 @@ def usable_cpu_count() -> int:
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _child_pids() -> Optional[set[int]]:
+    """This process's children, from ``/proc/<pid>/task/<tid>/children`` (Linux); None elsewhere."""
+    try:
+        pids: set[int] = set()
+        for task in os.scandir(f"/proc/{os.getpid()}/task"):
+            with open(os.path.join(task.path, "children")) as file:
+                pids.update(int(pid) for pid in file.read().split())
+        return pids
+    except (OSError, ValueError):
+        return None
+
+
+def _scheduled_seconds(pids: set[int]) -> Optional[tuple[float, float]]:
+    """(seconds on a CPU, seconds waiting in a run queue for one) summed over ``pids``, from
+    ``/proc/<pid>/schedstat`` (Linux); None when unreadable.
+
+    A worker that waits for a core on a busy machine is not waiting on I/O: the time it sat in a
+    run queue is taken out before its CPU share is judged, so other work on the machine does not
+    make a CPU-bound loader look I/O-bound.
+    """
+    on_cpu = waiting = 0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/schedstat") as file:
+                fields = file.read().split()
+            on_cpu, waiting = on_cpu + int(fields[0]), waiting + int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return on_cpu / 1e9, waiting / 1e9
+
+
+def _thread_scheduled_seconds() -> Optional[tuple[float, float]]:
+    """(seconds on a CPU, seconds waiting in a run queue) of the calling thread (Linux), else None."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as file:
+            fields = file.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def worker_cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
+    """The share of the time a worker could run that it spent computing, 0..1.
+
+    >>> worker_cpu_fraction(cpu_s=0.5, waiting_s=1.0, workers=2, elapsed_s=1.0)  # busy machine, CPU-bound
+    0.5
+    >>> worker_cpu_fraction(cpu_s=0.1, waiting_s=0.0, workers=2, elapsed_s=1.0)  # sleeping on I/O
+    0.05
+    """
+    runnable_or_sleeping = max(workers * elapsed_s - waiting_s, 1e-9)
+    return min(1.0, cpu_s / runnable_or_sleeping)
 
 
 def batch_samples(batch: object) -> Optional[int]:
@@ -208,8 +266,11 @@ def time_loader(
     wanted = max(batches, fill + 8)
     cpu_before = _children_cpu_s()
     threads_before = set(threading.enumerate())
+    children_before = _child_pids()
     started = time.perf_counter()
     iterator = iter(loader)
+    scheduled: Optional[tuple[float, float]] = None
+    main_thread_before = _thread_scheduled_seconds() if not setting.num_workers else None
     first_ready = fill_ready = started
     samples = steady_samples = fetched = 0
     stopped_early = False
@@ -229,11 +290,17 @@ def time_loader(
                 fetched >= fill + 2 and now - started > max_seconds
             ):
                 break
-            if give_up_after_s is not None and now - started > give_up_after_s(fetched):
+            # judged from the first batch on: a slow start (forking workers on a busy machine) is
+            # timed apart, and persistent workers pay it once
+            if give_up_after_s is not None and now - first_ready > give_up_after_s(fetched):
                 stopped_early = True
                 break
     finally:
         ended = time.perf_counter()
+        main_thread_after = _thread_scheduled_seconds() if main_thread_before is not None else None
+        children = _child_pids()
+        if setting.num_workers and children is not None and children_before is not None:
+            scheduled = _scheduled_seconds(children - children_before)
         _shutdown(iterator, threads_before)
         del iterator
     if fetched >= fill + 2 and ended > fill_ready:
@@ -241,9 +308,17 @@ def time_loader(
     else:  # too few batches to see a steady state: the overall rate
         rate = samples / max(ended - started, 1e-9)
     worker_cpu = None
-    if setting.num_workers > 0:
-        worker_cpu = min(1.0, (_children_cpu_s() - cpu_before) / (setting.num_workers * max(ended - started, 1e-9)))
-    return LoaderTiming(setting, fetched, samples, first_ready - started, ended - started, rate, worker_cpu, stopped_early)
+    if setting.num_workers > 0 and scheduled is not None:
+        worker_cpu = worker_cpu_fraction(scheduled[0], scheduled[1], setting.num_workers, ended - started)
+    elif setting.num_workers > 0:  # no /proc: CPU time of the reaped workers over their wall time
+        worker_cpu = worker_cpu_fraction(_children_cpu_s() - cpu_before, 0.0, setting.num_workers, ended - started)
+    loading_cpu = None
+    if main_thread_before is not None and main_thread_after is not None:
+        cpu_s, waiting_s = (after - before for after, before in zip(main_thread_after, main_thread_before))
+        loading_cpu = worker_cpu_fraction(cpu_s, waiting_s, 1, ended - started)
+    return LoaderTiming(
+        setting, fetched, samples, first_ready - started, ended - started, rate, worker_cpu, stopped_early, loading_cpu
+    )
 
 
 def worker_counts(usable_cpus: int) -> list[int]:
@@ -317,7 +392,8 @@ def tune_loader(
     while index < len(counts):
         workers = counts[index]
         index += 1
-        if workers > max_workers or time.perf_counter() - started > max_seconds:
+        out_of_time = timings and time.perf_counter() - started > WALK_SHARE * max_seconds  # one is always timed
+        if workers > max_workers or out_of_time:
             break
         setting = LoaderSetting(workers, 2 if workers else None, persistent_workers and workers > 0, pin_memory)
         timing = next((t for t in timings if t.setting == setting), None) or run(setting)
@@ -325,51 +401,110 @@ def tune_loader(
             break
         # one worker only moves loading off the main process (it overlaps compute, which this
         # loop does not run), so growth is judged from two workers on
-        grew = previous is None or timing.samples_per_second > previous.samples_per_second * (1 + tolerance)
+        grew = previous is None or _grew(previous, timing, tolerance)
+        if workers >= 2 and not grew and time.perf_counter() - started <= max_seconds:
+            # one disturbed timing must not end the walk: both timed once more, the faster kept
+            previous = _faster(previous, run(previous.setting))
+            timing = _faster(timing, run(setting))
+            grew = _grew(previous, timing, tolerance)
         if workers >= 2 and not grew:
             break
         previous = timing
-        io_bound = timing.worker_cpu_fraction is not None and timing.worker_cpu_fraction < 0.5
+        io_bound = _waits_on_io(timings, timing)
         if index == len(counts) and io_bound and workers * 2 <= max_workers:
             counts.append(workers * 2)  # workers wait on I/O: more of them than cores still help
     leader = best()
-    if leader is not None and leader.setting.num_workers > 0 and time.perf_counter() - started <= max_seconds:
+    if leader is not None and leader.setting.num_workers > 0 and time.perf_counter() - started <= WALK_SHARE * max_seconds:
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
-    timings = _timed_again(timings, run, started, max_seconds)
-    return _choose(timings, baseline_timing, tolerance, target_samples_per_second, usable_cpus,
-                   time.perf_counter() - started)
+    def choose(kept: list[LoaderTiming]) -> LoaderTuneResult:
+        return _choose(kept, baseline_timing, tolerance, target_samples_per_second, usable_cpus,
+                       time.perf_counter() - started)
+
+    return _settled(timings, run, choose, started, max_seconds)
 
 
-#: candidates at least this fraction of the best throughput are timed a second time
+#: candidates at least this fraction of the best throughput are timed again
 CONTENDER_FRACTION = 0.5
+#: rounds of repeated timings at most, while the choice keeps changing
+SETTLING_ROUNDS = 3
+#: no new candidate starts past this share of ``max_seconds``: the rest confirms the choice
+WALK_SHARE = 0.7
 
 
-def _timed_again(
-    timings: list[LoaderTiming], run: Callable[[LoaderSetting], LoaderTiming], started: float, max_seconds: float
-) -> list[LoaderTiming]:
-    """Every contender (a finished candidate within :data:`CONTENDER_FRACTION` of the best) timed
-    once more, in the reverse order, and each setting's faster timing kept: other work on a busy
-    machine only ever slows a timing down, so the faster of two is the less disturbed, and one
-    disturbed timing no longer decides the choice. Skipped past ``max_seconds``."""
-    finished = [t for t in timings if not t.stopped_early]
-    if not finished:
-        return timings
-    top = max(t.samples_per_second for t in finished)
-    contenders = [t.setting for t in finished if t.samples_per_second >= CONTENDER_FRACTION * top]
-    for setting in reversed(contenders):
-        if time.perf_counter() - started > max_seconds:
-            break
-        run(setting)  # appended to ``timings`` by ``run``
+def _waits_on_io(timings: list[LoaderTiming], timing: LoaderTiming) -> bool:
+    """Do the loader's samples mostly wait on I/O (so more workers than cores still help)?
+
+    Judged from the timing without workers when there is one: the main thread loads alone there,
+    so its CPU share is the loading's own. Workers' shares also drop when they wait for the main
+    process to take their batches (a full prefetch queue on a busy machine), which is not I/O.
+    """
+    alone = [t.loading_cpu_fraction for t in timings if t.loading_cpu_fraction is not None]
+    if alone:
+        return max(alone) < 0.5
+    return timing.worker_cpu_fraction is not None and timing.worker_cpu_fraction < 0.5
+
+
+def _grew(previous: LoaderTiming, timing: LoaderTiming, tolerance: float) -> bool:
+    return timing.samples_per_second > previous.samples_per_second * (1 + tolerance)
+
+
+def _faster(kept: LoaderTiming, timing: LoaderTiming) -> LoaderTiming:
+    """Of two timings of one setting, the less disturbed: a finished one over one stopped early,
+    then the faster (other work on a busy machine only ever slows a timing down)."""
+    if kept.stopped_early != timing.stopped_early:
+        return kept if timing.stopped_early else timing
+    return timing if timing.samples_per_second > kept.samples_per_second else kept
+
+
+def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
+    """Each setting once, with its least disturbed timing (see :func:`_faster`)."""
     fastest: dict[LoaderSetting, LoaderTiming] = {}
     for timing in timings:
-        kept = fastest.get(timing.setting)
-        if kept is None or (kept.stopped_early and not timing.stopped_early) or (
-            timing.stopped_early == kept.stopped_early and timing.samples_per_second > kept.samples_per_second
-        ):
-            fastest[timing.setting] = timing
+        fastest[timing.setting] = _faster(fastest[timing.setting], timing) if timing.setting in fastest else timing
     return list(fastest.values())
+
+
+def _settled(
+    timings: list[LoaderTiming],
+    run: Callable[[LoaderSetting], LoaderTiming],
+    choose: Callable[[list[LoaderTiming]], LoaderTuneResult],
+    started: float,
+    max_seconds: float,
+) -> LoaderTuneResult:
+    """Time every contender (a finished candidate within :data:`CONTENDER_FRACTION` of the best)
+    again, round after round in alternating order, until the choice made from each setting's least
+    disturbed timing is the same after a round as before it. One disturbed timing then no longer
+    decides; a choice that still changes after :data:`SETTLING_ROUNDS` rounds (or past
+    ``max_seconds``) is returned with ``settled=False`` and says so in its reason."""
+    result = choose(_fastest_each(timings))
+    changes = [result.setting]
+    for round_index in range(SETTLING_ROUNDS):
+        if time.perf_counter() - started > max_seconds:
+            break
+        finished = [t for t in _fastest_each(timings) if not t.stopped_early]
+        if not finished:
+            return result
+        top = max(t.samples_per_second for t in finished)
+        contenders = [t.setting for t in finished if t.samples_per_second >= CONTENDER_FRACTION * top]
+        for setting in (reversed(contenders) if round_index % 2 == 0 else contenders):
+            run(setting)  # appended to ``timings`` by ``run``
+        again = choose(_fastest_each(timings))
+        if again.setting == result.setting:
+            return again
+        result = again
+        changes.append(result.setting)
+    result.settled = False
+    if len(changes) > 1:
+        result.reason += (
+            "; uncertain: repeated timings kept changing the choice ("
+            + " → ".join(f"{setting.num_workers} workers" for setting in changes)
+            + "), the machine is busy"
+        )
+    else:
+        result.reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
+    return result
 
 
 def _choose(
