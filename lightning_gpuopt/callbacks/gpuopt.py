@@ -101,7 +101,8 @@ class GpuOpt(Callback):
         plots: at the end of ``fit``, draw the report's pictures (step time over training, memory vs
             batch size, loader settings) as PNGs beside ``gpuopt_report.json`` and log them to a
             TensorBoard or W&B logger of the Trainer; needs matplotlib (``pip install
-            lightning-gpuopt[plot]``), and warns instead of failing the run when it cannot draw.
+            lightning-gpuopt[plot]``), and warns instead of failing the run when it cannot draw. ``None``
+            (the default) is ``False``: drawing costs seconds (importing matplotlib), so it is asked for.
 
         Every setting left at ``None`` comes from the preset (or the part's own default).
 
@@ -127,14 +128,14 @@ class GpuOpt(Callback):
         min_micro_batch_size: Optional[int] = None,
         batch_arg_name: Optional[str] = None,
         loader_max_seconds: Optional[float] = None,
-        plots: bool = False,
+        plots: Optional[bool] = None,
     ) -> None:
         overrides = {key: value for key, value in locals().items()
                      if key not in ("self", "preset", "plots", "__class__")}  # fmt: skip
-        if not isinstance(plots, bool):
+        if plots is not None and not isinstance(plots, bool):
             raise ValueError(f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
-                             "or plots=False.")  # fmt: skip
-        self.plots = plots
+                             "or plots=False (the default).")  # fmt: skip
+        self.plots = bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         self.preset = preset
         from_preset = load_preset(preset) if preset is not None else {}
