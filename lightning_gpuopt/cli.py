@@ -827,10 +827,23 @@ class GpuOptCLI(LightningCLI):
     usage error (exit status 2) listing the valid ones.
     """
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        super().add_arguments_to_parser(parser)
-        parser.add_class_arguments(GpuOpt, GPUOPT_KEY, fail_untyped=False, instantiate=False, sub_configs=True)
-        parser.set_defaults({f"{GPUOPT_KEY}.preset": None})
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's parser, whose ``dump`` (``--print_config``, the saved ``config.yaml``) shows the
+        resolved ``gpuopt`` settings -- the preset's values with the overrides applied -- not nulls."""
+        parser = super().init_parser(**kwargs)
+        dump = parser.dump
+
+        def dump_resolved(namespace: Any, *args: Any, **dump_kwargs: Any) -> str:
+            return dump(self._with_resolved_gpuopt(parser, namespace), *args, **dump_kwargs)
+
+        parser.dump = dump_resolved  # type: ignore[method-assign]
+        return parser
+
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Lightning's default arguments, then ``--gpuopt`` and its settings. Added here rather than in
+        :meth:`add_arguments_to_parser`, so a subclass overriding that hook need not call ``super()``."""
+        super().add_default_arguments_to_parser(parser)
+        add_gpuopt_arguments(parser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         if args is None:
@@ -841,16 +854,10 @@ class GpuOptCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
-        settings = self._gpuopt_settings()
-        if settings is None:
+        group = self.config.get(str(self.subcommand), self.config).get(GPUOPT_KEY)
+        if group is None:
             return
-        try:
-            resolved = {**(load_preset(settings["preset"]) if settings.get("preset") else {}),
-                        **{k: v for k, v in settings.items() if v is not None}}  # fmt: skip
-            GpuOpt(**resolved)  # checks every value before the model and Trainer are built
-        except ValueError as error:
-            self._parser(self.subcommand).error(f"--{GPUOPT_KEY}: {error}")
-        group = self.config.get(str(self.subcommand), self.config)[GPUOPT_KEY]
+        resolved = self._resolved(self._parser(self.subcommand), group.as_dict())
         for key, value in resolved.items():
             group[key] = value  # the saved config.yaml holds every setting, not just the preset's name
 
@@ -868,6 +875,74 @@ class GpuOptCLI(LightningCLI):
         group = self.config.get(str(self.subcommand), self.config).get(GPUOPT_KEY)
         settings = group.as_dict() if group is not None else {}
         return settings if any(value is not None for value in settings.values()) else None
+
+    @staticmethod
+    def _resolved(parser: LightningArgumentParser, settings: dict[str, Any]) -> dict[str, Any]:
+        """``settings`` with the preset's values filled in (overrides win), checked by building a
+        GpuOpt before the model and Trainer are; a bad one ends the command with a usage error (exit 2)."""
+        if not any(value is not None for value in settings.values()):
+            return settings  # --gpuopt not used: nothing to resolve
+        try:
+            return resolved_gpuopt_settings(settings)
+        except ValueError as error:
+            parser.error(f"--{GPUOPT_KEY}: {error}")
+            raise  # parser.error exits; for type checkers
+
+    def _with_resolved_gpuopt(self, parser: LightningArgumentParser, namespace: Any) -> Any:
+        group = namespace.get(GPUOPT_KEY) if hasattr(namespace, "get") else None
+        if group is None or not hasattr(group, "as_dict"):
+            return namespace
+        namespace = namespace.clone()
+        for key, value in self._resolved(parser, group.as_dict()).items():
+            namespace[f"{GPUOPT_KEY}.{key}"] = value
+        return namespace
+
+
+def resolved_gpuopt_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``gpuopt`` group's settings with its preset's values filled in (the overrides win), checked
+    by building a :class:`GpuOpt` from them; a ``ValueError`` names a bad one.
+
+    Example::
+
+        >>> resolved = resolved_gpuopt_settings({"preset": "diagnose", "monitor": None, "estimate": False})
+        >>> resolved["preset"], resolved["monitor"], resolved["estimate"]
+        ('diagnose', True, False)
+    """
+    preset = settings.get("preset")
+    resolved = {**settings, **(load_preset(preset) if preset else {}),
+                **{key: value for key, value in settings.items() if value is not None}}  # fmt: skip
+    GpuOpt(**resolved)
+    return resolved
+
+
+def gpuopt_help() -> str:
+    """The help text of ``--gpuopt``: what it takes, and the shipped presets with what each does."""
+    from lightning_gpuopt.presets import available_presets, preset_description
+
+    def gist(name: str) -> str:  # the description's first clause
+        return re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0].rstrip(".")
+
+    presets = "; ".join(f"{name} ({gist(name)})" for name in available_presets())
+    return (f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend "
+            f"one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
+            "`gpuopt presets NAME` shows one's settings.")  # fmt: skip
+
+
+def add_gpuopt_arguments(parser: LightningArgumentParser) -> None:
+    """``--gpuopt`` and ``--gpuopt.<setting>`` (every key of a preset), each with its help text."""
+    from lightning_gpuopt.presets import PRESET_KEYS
+
+    if f"--{GPUOPT_KEY}.preset" in parser._option_string_actions:  # already added to this parser
+        return
+    parser.add_class_arguments(GpuOpt, GPUOPT_KEY, fail_untyped=False, instantiate=False, sub_configs=True)
+    parser.set_defaults({f"{GPUOPT_KEY}.preset": None})
+    actions = parser._option_string_actions
+    flag = actions.get(f"--{GPUOPT_KEY}")  # `--gpuopt X` is read as `--gpuopt.preset X` (preset_flag_as_key)
+    if flag is not None:
+        flag.help, flag.metavar = gpuopt_help(), "PRESET_OR_YAML"
+    actions[f"--{GPUOPT_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
+    for key, meaning in PRESET_KEYS.items():
+        actions[f"--{GPUOPT_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:

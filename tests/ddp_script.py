@@ -5,6 +5,8 @@ what its DataWaitMonitor concluded to ``OUT/rank<N>.json``; rank 0 also writes
 ``gpuopt_report.json``.
 tune: every rank runs DataLoaderTuner and writes its result and the loader its fit used.
 memory: every rank runs MemoryEstimator; rank 0 writes the report.
+nothing-fits: every rank runs BatchSizeSearch with its own budget, in which no batch size fits, and
+writes the error's message to ``OUT/nothing<N>.json``.
 search: every rank runs BatchSizeSearch with its own budget (rank 0: 20 MB, rank 1: 16 MB) and
 writes its result and the batch size its training used to ``OUT/search<N>.json``.
 fill: every rank runs MemoryFill for a global batch of 64 with its own budget (rank 0: 60 MB,
@@ -76,6 +78,25 @@ def search(out: Path) -> None:
     (out / f"search{trainer.global_rank}.json").write_text(json.dumps({
         "result": to_dict(searcher.result), "used": trainer.train_dataloader.batch_size, "global_step": trainer.global_step,
     }))
+
+
+NOTHING_FITS_BUDGETS = ("60KB", "30KB")  # by rank: the MLP's step at batch size 1 fits neither
+
+
+def nothing_fits(out: Path) -> None:
+    from models_memory import make_model
+
+    from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    searcher = BatchSizeSearch(max_memory=NOTHING_FITS_BUDGETS[rank], max_trials=3)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[searcher],
+                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    try:
+        trainer.fit(make_model("mlp", num_samples=256, batch_size=16))
+    except NoBatchSizeFitsError as error:
+        (out / f"nothing{rank}.json").write_text(json.dumps({"message": str(error)}))
 
 
 FILL_BUDGETS = ("60MB", "7MB")  # by rank
@@ -157,4 +178,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"tune": tune, "memory": memory, "search": search, "fill": fill, "simulated": simulated}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    {"tune": tune, "memory": memory, "search": search, "fill": fill, "simulated": simulated,
+     "nothing-fits": nothing_fits}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

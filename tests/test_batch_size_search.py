@@ -308,15 +308,15 @@ def test_cpu_without_max_memory_is_a_clear_value_error(tmp_path):
     "kwargs, match",
     [
         (dict(max_memory="lots"), r"`max_memory`='lots' is not a memory size"),
-        (dict(margin=1.0), r"`margin`=1.0 is not a fraction in \[0, 1\)"),
-        (dict(steps_per_trial=0), r"`steps_per_trial`=0 is not an int >= 1; expected e.g. 2"),
-        (dict(max_trials=2.5), r"`max_trials`=2.5 is not an int >= 1"),
-        (dict(min_batch_size=0), r"`min_batch_size`=0 is not an int >= 1"),
-        (dict(min_batch_size=64, max_batch_size=32), r"`max_batch_size`=32 is not an int >= 64"),
-        (dict(multiple_of=0), r"`multiple_of`=0 is not an int >= 1"),
+        (dict(margin=1.0), r"`margin` must be a number in \[0, 1\), got 1.0"),
+        (dict(steps_per_trial=0), r"`steps_per_trial` must be an integer >= 1, got 0; e.g. steps_per_trial=2"),
+        (dict(max_trials=2.5), r"`max_trials` must be an integer >= 1, got 2.5"),
+        (dict(min_batch_size=0), r"`min_batch_size` must be an integer >= 1, got 0"),
+        (dict(min_batch_size=64, max_batch_size=32), r"`max_batch_size` must be an integer >= 64, got 32"),
+        (dict(multiple_of=0), r"`multiple_of` must be an integer >= 1, got 0"),
         (dict(multiple_of=64, max_batch_size=32), r"`multiple_of`=64 is above `max_batch_size`=32"),
-        (dict(batch_arg_name=""), r"`batch_arg_name`='' is not a name"),
-        (dict(mode="power"), r"`mode`='power' is not one of \('fill', 'cap'\)"),
+        (dict(batch_arg_name=""), r"`batch_arg_name` must be a non-empty name \(a str\), got ''"),
+        (dict(mode="power"), r"`mode` must be one of 'fill', 'cap', got 'power'"),
     ],
 )
 def test_bad_arguments_name_the_argument_the_value_and_what_works(kwargs, match):

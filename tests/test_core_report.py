@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from typing import Optional
 
+import pytest
+
+from lightning_gpuopt.core import report
 from lightning_gpuopt.core.report import from_dict, read_json, render_table, to_dict, update_json_section
 
 
@@ -33,3 +40,42 @@ def test_nested_dataclasses_round_trip_through_json(tmp_path):
 def test_table_cells_are_plain_text_not_markup():
     text = render_table("title", [("setting", "1,000 samples/s  [yours]"), ("[bold]name[/bold]", "x")])
     assert "[yours]" in text and "[bold]name[/bold]" in text
+
+
+def test_report_file_mode_follows_the_umask_like_any_file_the_user_writes(tmp_path):
+    for umask in (0o022, 0o077, 0o002):
+        previous = os.umask(umask)
+        try:
+            written = update_json_section(tmp_path / f"report-{umask:o}.json", "s", {})
+            by_hand = tmp_path / f"by-hand-{umask:o}.json"
+            by_hand.write_text("{}")
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(by_hand.stat().st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("garbage", [b'{"memory": {"peak": 1', b"[1, 2]", b"\xff\xfe not text"])
+def test_unreadable_report_is_kept_aside_with_a_warning_never_dropped(tmp_path, garbage):
+    path = tmp_path / "gpuopt_report.json"
+    path.write_bytes(garbage)
+    with pytest.warns(UserWarning, match=re.escape(f"{path.name}.corrupt-1")) as caught:
+        update_json_section(path, "data_wait", {"steps": 3})
+    assert str(path) in str(caught[0].message)
+    assert (tmp_path / "gpuopt_report.json.corrupt-1").read_bytes() == garbage
+    assert read_json(path) == {"data_wait": {"steps": 3}}
+    path.write_bytes(garbage)  # a second one does not overwrite the first one kept aside
+    with pytest.warns(UserWarning, match="corrupt-2"):
+        update_json_section(path, "data_wait", {"steps": 4})
+    assert (tmp_path / "gpuopt_report.json.corrupt-2").read_bytes() == garbage
+
+
+def test_full_disk_raises_enospc_and_leaves_the_old_report_whole(tmp_path, monkeypatch):
+    path = update_json_section(tmp_path / "gpuopt_report.json", "memory", {"peak": 1})
+    before = path.read_bytes()
+    # the temporary file is /dev/full: the kernel answers every write with ENOSPC, as a full disk does
+    monkeypatch.setattr(report, "_create_sibling", lambda target: (os.open("/dev/full", os.O_WRONLY),
+                                                                   tmp_path / ".gpuopt_report.json.x.tmp"))
+    with pytest.raises(OSError) as raised:
+        update_json_section(path, "data_wait", {"steps": 3})
+    assert raised.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["gpuopt_report.json"]

@@ -113,3 +113,23 @@ def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(tmp_path):
     assert plans[0]["accumulate_grad_batches"] > 1  # rank 1's 40 MiB card decided; rank 0's fits 128 whole
     assert all(rank["global_step"] == 2 for rank in ranks)
     assert all(rank["peak_reserved"] <= rank["card"] for rank in ranks)  # no card ran out
+
+
+def test_ddp_nothing_fits_names_each_ranks_own_budget_and_cap(tmp_path):
+    import re
+
+    from ddp_script import NOTHING_FITS_BUDGETS
+
+    from lightning_gpuopt.core.memory import parse_memory
+
+    run_ddp(tmp_path, "nothing-fits")
+    caps = [int(parse_memory(budget) * (1 - 0.1)) for budget in NOTHING_FITS_BUDGETS]  # max_memory less margin
+    for rank in (0, 1):
+        message = json.loads((tmp_path / f"nothing{rank}.json").read_text())["message"]
+        assert f"the budget of the tightest rank, 26.4 KiB ({min(caps)} bytes)" in message
+        sides = dict(re.findall(r"rank (\d) (.*?)(?=; rank \d |\. Measured|\. Try)", message))
+        assert set(sides) == {"0", "1"}, message
+        for other, cap in enumerate(caps):  # each rank's figures are its own, on every rank's message
+            assert "its cap of" in sides[str(other)] and f"({cap} bytes)" in sides[str(other)], message
+            assert f"({caps[1 - other]} bytes)" not in sides[str(other)].split(": CUDA")[0], message
+        assert "max_memory='60KB'" not in message  # rank 0's setting is not set beside rank 1's budget

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from lightning import Trainer
 
 from lightning_gpuopt import GpuOpt, available_presets, load_preset
+from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.core import report as report_module
 from models_memory import make_model
 
 BUDGET = "40MB"  # the transformer at micro-batch 64 fits it; checkpointing lets 8 fit far below
@@ -111,3 +114,56 @@ def test_every_shipped_preset_loads_into_gpuopt():
         assert gpuopt.settings == {**load_preset(name), "max_memory": "1GB"}
         assert gpuopt.monitor is not None  # every preset measures
 
+
+
+def _unwritable_dir(tmp_path, how: str):
+    if how == "read-only":
+        directory = tmp_path / "read-only"
+        directory.mkdir()
+        directory.chmod(0o555)
+        if os.access(directory, os.W_OK):  # root: chmod cannot deny
+            pytest.skip("running as root: a read-only directory cannot be made with chmod")
+        return directory
+    blocker = tmp_path / "a-file"  # the log dir lies under a file: NotADirectoryError / FileExistsError
+    blocker.write_text("")
+    return blocker / "logs"
+
+
+@pytest.mark.parametrize("how", ["read-only", "under-a-file"])
+def test_a_report_that_cannot_be_written_never_costs_the_run(tmp_path, how):
+    directory = _unwritable_dir(tmp_path, how)
+    gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, global_batch_size=64)
+    with pytest.warns(UserWarning, match="could not write the .* section of the report") as caught:
+        trainer, _ = fit(directory, gpuopt, max_steps=3)
+    assert trainer.global_step == 3 and gpuopt.report.memory.batch_size == 64  # trained, at the batch it chose
+    assert gpuopt.report.changes == ["batch size: 16 → 64"]
+    messages = [str(w.message) for w in caught if "could not write" in str(w.message)]
+    assert all(str(directory / "gpuopt_report.json") in m and "training goes on" in m for m in messages)
+    assert {"batch_size_search", "memory_fill", "memory", "data_wait", "gpuopt"} <= {m.split("'")[1] for m in messages}
+
+
+def test_a_full_disk_at_the_end_of_fit_warns_and_the_run_ends_normally(tmp_path, monkeypatch):
+    # every write of the report goes to /dev/full: the kernel answers ENOSPC, as a full disk does
+    monkeypatch.setattr(report_module, "_create_sibling", lambda target: (os.open("/dev/full", os.O_WRONLY),
+                                                                          tmp_path / ".gpuopt_report.json.tmp"))
+    gpuopt = GpuOpt("diagnose")
+    with pytest.warns(UserWarning, match="No space left on device") as caught:
+        trainer, _ = fit(tmp_path, gpuopt, max_steps=3)
+    assert trainer.global_step == 3 and trainer.state.finished
+    assert gpuopt.report is not None and gpuopt.report.data_wait is not None and gpuopt.report.memory is not None
+    assert sum("No space left on device" in str(w.message) for w in caught) == 3  # memory, data_wait, gpuopt
+    assert not (tmp_path / "gpuopt_report.json").exists()
+
+
+def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path):
+    gpuopt = GpuOpt("diagnose", tune_loader=True, loader_max_seconds=2)
+    fit(tmp_path, gpuopt)
+    tuned = gpuopt.report.dataloader
+    text = render_report(gpuopt.report)
+    note = next(line.strip() for line in text.splitlines() if "your setting" in line)
+    assert not note.startswith(";")  # it read "; 1.00x your setting" with no sentence before it
+    if tuned.setting == tuned.baseline.setting:
+        assert note.startswith(f"kept your setting {tuned.baseline.setting.describe()}") and "1.00x" not in text
+    else:
+        assert note.startswith(f"{tuned.baseline.setting.describe()} → {tuned.setting.describe()}")
+        assert f"{tuned.samples_per_second / tuned.baseline.samples_per_second:.2f}x" in note

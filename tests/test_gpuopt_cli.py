@@ -86,3 +86,80 @@ def test_without_the_flag_nothing_is_added(tmp_path):
 def test_preset_flag_forms():
     assert preset_flag_as_key(["fit", "--gpuopt=low-memory", "--gpuopt.amp=false"]) == [
         "fit", "--gpuopt.preset=low-memory", "--gpuopt.amp=false"]  # fmt: skip
+
+
+def shipped_preset(name: str) -> dict:
+    """The preset's file read as plain YAML (not through load_preset)."""
+    return yaml.safe_load((ROOT / "lightning_gpuopt" / "presets" / f"{name}.yaml").read_text())
+
+
+def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path):
+    result = train(tmp_path, "--gpuopt", "fill-memory", "--gpuopt.amp", "true", "--gpuopt.max_memory", "40MB",
+                   "--print_config")  # fmt: skip
+    ran(result)
+    printed = yaml.safe_load(result.stdout)["gpuopt"]
+    expected = {**shipped_preset("fill-memory"), "amp": True, "max_memory": "40MB", "preset": "fill-memory"}
+    assert {key: printed[key] for key in expected} == expected
+    assert all(value is None for key, value in printed.items() if key not in expected)  # the parts' own defaults
+    assert not list(tmp_path.rglob("gpuopt_report.json"))  # printed, nothing ran
+
+
+def test_help_describes_the_gpuopt_flag_and_lists_the_presets(tmp_path):
+    result = train(tmp_path, "--help")
+    ran(result)
+    text = " ".join(result.stdout.split()).replace("- ", "-")  # argparse wraps lines at hyphens
+    usage = "[--gpuopt PRESET_OR_YAML]"
+    start = text.index("--gpuopt PRESET_OR_YAML", text.index(usage) + len(usage))  # the option's entry
+    described = text[start:text.index("--gpuopt.preset PRESET ", start)]
+    assert "configuration file" not in described and "preset name or the path of a YAML file" in described
+    assert all(name in described for name in ("diagnose", "fill-memory", "low-memory", "max-throughput"))
+    assert "run MemoryFill: largest micro-batch" in text  # each setting has its meaning
+
+
+SUBCLASS = '''
+import sys
+sys.path.insert(0, {examples!r})
+from models import TokenTransformer
+from lightning_gpuopt import GpuOptCLI
+
+
+class MyCLI(GpuOptCLI):
+    def add_arguments_to_parser(self, parser):  # no super(): it must not lose --gpuopt
+        parser.add_argument("--notes", type=str, default="")
+
+
+MyCLI(TokenTransformer, trainer_defaults={{"accelerator": "cpu", "devices": 1}})
+'''
+
+
+def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_gpuopt(tmp_path):
+    script = tmp_path / "my_train.py"
+    script.write_text(SUBCLASS.format(examples=str(SCRIPT.parent)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script), "fit", "--gpuopt", "diagnose", "--notes", "mine", *QUICK,
+                             "--trainer.default_root_dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    ran(result)
+    assert report(tmp_path)["gpuopt"]["preset"] == "diagnose"
+    assert saved_config(tmp_path)["notes"] == "mine"
+
+
+@pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("preset: ../{folder}/self.yaml\n", None)])
+def test_a_broken_preset_file_is_a_usage_error_naming_the_file(tmp_path, text, line):
+    path = tmp_path / "self.yaml"
+    path.write_text(text.format(folder=tmp_path.name))  # the second extends itself by another spelling
+    result = train(tmp_path, "--gpuopt", str(path), *QUICK)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(path) in result.stderr and (line is None or f"line {line}" in result.stderr)
+    assert line is not None or "cycle" in result.stderr
+    assert not list(tmp_path.rglob("gpuopt_report.json"))
+
+
+def test_gpuopt_presets_command_refuses_a_broken_file_with_exit_2(tmp_path, capsys):
+    from lightning_gpuopt.cli import main
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("monitor: true\n  estimate: false\n")
+    assert main(["presets", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert str(path) in error and "line 2" in error and "Traceback" not in error

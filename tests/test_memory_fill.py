@@ -286,12 +286,12 @@ def test_manual_optimization_refuses_accumulation_with_the_reason(tmp_path, mlp_
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(amp="yes"), "`amp`='yes' is not 'auto', True or False"),
-        (dict(accumulation=True), "`accumulation`=True is not 'auto' or False"),
-        (dict(objective="speed"), "`objective`='speed' is not one of"),
+        (dict(amp="yes"), "`amp` must be one of 'auto', True, False, got 'yes'"),
+        (dict(accumulation=True), "`accumulation` must be one of 'auto', False, got True"),
+        (dict(objective="speed"), "`objective` must be one of 'throughput', 'memory', got 'speed'"),
         (dict(global_batch_size=0), "`global_batch_size` must be an integer >= 1"),
-        (dict(checkpointing=[3]), "`checkpointing`=\\[3\\] is not 'auto'"),
-        (dict(margin=1.5), "`margin`=1.5 is not a fraction"),
+        (dict(checkpointing=[3]), "`checkpointing` must be 'auto', .*, got \\[3\\]"),
+        (dict(margin=1.5), "`margin` must be a number in \\[0, 1\\), got 1.5"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):

@@ -98,7 +98,7 @@ def _search(namespace: str, tmp_path: Any, cap: str) -> Any:
 
 
 def _trains_an_epoch(pl: ModuleType, tmp_path: Any, batch_size: int, cap: str) -> bool:
-    """One whole shuffled epoch at ``batch_size`` with a MemoryBudget of ``cap`` held from train start
+    """Two whole shuffled epochs at ``batch_size`` with a MemoryBudget of ``cap`` held from train start
     (the model and the optimizer counted, as the search counts them)."""
 
     class BudgetAroundTraining(pl.Callback):
@@ -106,12 +106,20 @@ def _trains_an_epoch(pl: ModuleType, tmp_path: Any, batch_size: int, cap: str) -
             self.budget = MemoryBudget(cap, existing=(pl_module, *trainer.optimizers), device="cpu")
             self.budget.__enter__()
 
+        def _leave(self) -> None:
+            budget, self.budget = getattr(self, "budget", None), None
+            if budget is not None:
+                budget.__exit__(None, None, None)
+
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            self.budget.__exit__(None, None, None)
+            self._leave()
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            self._leave()  # Lightning calls no callback's teardown after an exception
 
     model = module_class(pl)(batch_size=batch_size)
     try:
-        trainer(pl, tmp_path, [BudgetAroundTraining()], max_steps=-1, max_epochs=1).fit(model)
+        trainer(pl, tmp_path, [BudgetAroundTraining()], max_steps=-1, max_epochs=2).fit(model)
     except Exception as error:  # noqa: BLE001 - the OOM is the answer
         if is_out_of_memory_error(error):
             return False

@@ -60,6 +60,7 @@ import contextlib
 import functools
 import logging
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
@@ -72,17 +73,22 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.data import _update_dataloader
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.parsing import (
+    _lightning_get_all_attr_holders,
+    lightning_hasattr,
+    lightning_setattr,
+)
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
+from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
@@ -94,8 +100,9 @@ from lightning_gpuopt.core.estimate import (
     with_accumulation,
     with_untraced_bytes,
 )
-from lightning_gpuopt.core.loader import LargestSampleSampler, batch_samples, largest_samples_first
+from lightning_gpuopt.core.loader import TrialSampler, batch_samples, largest_samples_first
 from lightning_gpuopt.core.memory import (
+    MIN_MAX_MEMORY_BYTES,
     LiveTensorTracker,
     MemoryBudget,
     call_catching_oom,
@@ -109,7 +116,6 @@ from lightning_gpuopt.core.report import (
     format_bytes,
     format_seconds,
     to_dict,
-    update_json_section,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
 
@@ -189,24 +195,22 @@ class BatchSizeSearch(Callback):
         verbose: bool = True,
     ) -> None:
         if max_memory is not None:
-            parse_memory(max_memory, "cpu", name="max_memory")  # validates early; a fraction is resolved later
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(
-                f"`margin`={margin!r} is not a fraction in [0, 1); expected e.g. margin=0.1 (10% headroom)."
-            )
-        _check_int("steps_per_trial", steps_per_trial, 1, "e.g. 2, so that optimizer state exists in the trial")
-        _check_int("max_trials", max_trials, 1, "e.g. 10")
-        _check_int("min_batch_size", min_batch_size, 1, "e.g. 1")
-        _check_int("max_batch_size", max_batch_size, min_batch_size, f"at least min_batch_size={min_batch_size}")
-        _check_int("multiple_of", multiple_of, 1, "e.g. 1 or 8")
+            parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)  # validates early; a fraction is resolved later
+        check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
+        check_int("steps_per_trial", steps_per_trial, 1,
+                  "steps_per_trial=2, so that optimizer state exists in the trial")
+        check_int("max_trials", max_trials, 1, "max_trials=10")
+        check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
+        check_int("max_batch_size", max_batch_size, min_batch_size,
+                  f"max_batch_size=65536 (at least min_batch_size={min_batch_size})")
+        check_int("multiple_of", multiple_of, 1, "multiple_of=1 or multiple_of=8")
         if multiple_of > max_batch_size:
             raise ValueError(f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
                              "expected a multiple_of <= max_batch_size.")  # fmt: skip
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"`batch_arg_name`={batch_arg_name!r} is not a name; expected e.g. 'batch_size'.")
-        if mode not in MODES:
-            raise ValueError(f"`mode`={mode!r} is not one of {MODES}: 'fill' (as large as fits) or 'cap' "
-                             "(as large as fits, never above your batch size).")  # fmt: skip
+        check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
+        check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (as large as fits, never "
+                     "above your batch size)")  # fmt: skip
+        check_bool("verbose", verbose, "verbose=False")
         self.max_memory = max_memory
         self.margin = float(margin)
         self.steps_per_trial = steps_per_trial
@@ -233,12 +237,14 @@ class BatchSizeSearch(Callback):
         device = pl_module.device
         capacity = self._capacity_bytes(device)  # asked once: free memory moves between two readings
         budget = int(capacity * (1.0 - self.margin))
-        initial = int(lightning_getattr(pl_module, self.batch_arg_name))
+        holders = _batch_size_holders(pl_module, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials take the trainer's callbacks away
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
         with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
-                _largest_samples_first(trainer) as sizes_note:
-            upper, upper_note = self._upper_bound(trainer, initial)
+                contextlib.ExitStack() as trial_batches:
+            initial = _initial_batch_size(trainer, holders, self.batch_arg_name)
+            upper, upper_note = self._upper_bound(trainer, initial)  # before the trials' own sampler is in place
+            sizes_note = trial_batches.enter_context(_trial_batches(trainer, self.steps_per_trial))
             predicted, bytes_per_sample, notes = self._prediction(trainer, pl_module, budget)
             if sizes_note:
                 notes.append(sizes_note)
@@ -273,7 +279,7 @@ class BatchSizeSearch(Callback):
             notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else [])],
         )
         if result.batch_size is None:
-            lightning_setattr(pl_module, self.batch_arg_name, initial)
+            _put_back_batch_size(holders, self.batch_arg_name)
             raise NoBatchSizeFitsError(message, result)
         lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
         self.result = result
@@ -333,7 +339,7 @@ class BatchSizeSearch(Callback):
                     "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
                 )
             return device_usable_memory(device)
-        return parse_memory(self.max_memory, device, name="max_memory")
+        return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
     def _budget_bytes(self, device: torch.device) -> int:
         return int(self._capacity_bytes(device) * (1.0 - self.margin))
@@ -343,6 +349,11 @@ class BatchSizeSearch(Callback):
         if self.mode == "cap" and initial < upper:
             upper, note = initial, f"mode='cap': never above your batch size {initial}"
         samples = _samples_per_rank(trainer)
+        if samples == 0:
+            raise MisconfigurationException(
+                "BatchSizeSearch: the train loader holds no samples on this rank (an empty dataset, or fewer samples "
+                "than ranks): there is no batch to try. Check the dataset `train_dataloader()` returns."
+            )
         if samples is not None and samples < upper:
             upper, note = samples, f"each rank's loader holds {samples} samples"
         return max(upper, self.min_batch_size), note
@@ -387,15 +398,21 @@ class BatchSizeSearch(Callback):
             count = len(result.trials)
             headline = (f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
                         f"the smallest tried, {size}, does not fit")  # fmt: skip
-        why = _why_it_missed(smallest, runner.outcomes.get(size), runner.budget, runner.trainer.world_size)
+        trainer = runner.trainer
+        if trainer.world_size > 1:  # each rank's own budget, cap and peak: the ranks' figures differ
+            budget = f"the budget of the tightest rank, {_bytes(result.budget_bytes)}"
+            why = f"its trial, rank by rank: {_why_each_rank_missed(trainer, runner.outcomes.get(size), runner.budget)}"
+        else:
+            budget = f"the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} less margin={self.margin})"
+            why = f"its trial {_why_it_missed(smallest, runner.outcomes.get(size), runner.budget, 1)}"
         needs = ""
         if not device_for(runner.pl_module.device).is_cuda:  # a simulated cap: measure the step without it
             fitted, peak = runner.fits(size, capped=False)
+            where = "" if trainer.world_size == 1 else f" on rank {trainer.global_rank}"
             if fitted or peak is not None:
-                needs = f" Measured again without the cap, a step at batch size {size} needs {_bytes(peak)}."
+                needs = f" Measured again without the cap{where}, a step at batch size {size} needs {_bytes(peak)}."
         return (
-            f"BatchSizeSearch: {headline} the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} "
-            f"less margin={self.margin}): its trial {why}.{needs} Try MemoryFill (mixed precision, activation "
+            f"BatchSizeSearch: {headline} {budget}: {why}.{needs} Try MemoryFill (mixed precision, activation "
             "checkpointing and gradient accumulation), a smaller model, or more memory (a larger max_memory, a "
             "smaller margin, or a larger device)."
         )
@@ -406,7 +423,7 @@ class BatchSizeSearch(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(batch_search_table(self.result))
-            update_json_section(path, REPORT_SECTION, to_dict(self.result))
+            write_report_section(path, REPORT_SECTION, to_dict(self.result))
 
 
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
@@ -478,6 +495,7 @@ class _TrialRunner:
         else:
             meter = LiveTensorTracker(existing=existing, device=device, baseline_bytes=self.baseline)
         outcome = call_catching_oom(_run_steps, trainer, pl_module, meter)
+        _check_trial_batches(trainer, batch_size, self.batch_arg_name, outcome.out_of_memory)
         # on a card the memory taken is what the caching allocator reserved (blocks in use and cached):
         # a batch that fits by the allocated bytes can still run out of memory on the reserved ones
         reserved = meter.peak_reserved_bytes if card.is_cuda else None
@@ -487,6 +505,26 @@ class _TrialRunner:
             cap = meter.max_bytes if isinstance(meter, MemoryBudget) else None
             self.outcomes[batch_size] = _TrialOutcome(fitted, peak, cap, outcome.error_message)
         return _agree(trainer, fitted, peak, self.budget, self.search_budget)
+
+
+def _check_trial_batches(trainer: pl.Trainer, batch_size: int, name: str, out_of_memory: bool) -> None:
+    """Stop when the trial's steps did not receive batches of the size tried: the loader does not read
+    the batch size (a hard-coded ``batch_size=32``), and every figure the search would report is false."""
+    seen = [size for size in _LAST_TRIAL_BATCH_SIZES if size is not None]
+    if not seen or all(size == batch_size for size in seen):
+        return
+    if out_of_memory and seen[-1] == batch_size and all(size == batch_size for size in seen):
+        return
+    wrong = sorted({size for size in seen if size != batch_size})
+    model = type(trainer.lightning_module).__name__
+    datamodule = trainer.datamodule
+    source = f"{type(datamodule).__name__}.train_dataloader()" if datamodule is not None else f"{model}.train_dataloader()"
+    raise MisconfigurationException(
+        f"BatchSizeSearch set `{name}`={batch_size}, but the training steps received batches of {wrong} samples: "
+        f"{source} does not build its loader with that batch size. Build it with `batch_size=self.{name}` (the "
+        f"value the search sets on the model, its hparams or the datamodule), or pass `batch_arg_name=` with the "
+        f"name it reads."
+    )
 
 
 @dataclass
@@ -526,6 +564,46 @@ def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, 
     return f"peaked{where} at {_bytes(peak)}, above the budget of {_bytes(budget)}"
 
 
+def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[_TrialOutcome], budget: int) -> str:
+    """Under DDP: why the trial did not fit, on each rank in that rank's own figures (its budget, its
+    cap, its peak; one all-gather). The out-of-memory message is only known for this rank."""
+    figures = [budget, -1, -1, 0, 0, 0] if outcome is None else [
+        budget, -1 if outcome.cap_bytes is None else outcome.cap_bytes,
+        -1 if outcome.peak_bytes is None else outcome.peak_bytes, int(outcome.fitted),
+        int(outcome.oom_message is not None), 1]  # fmt: skip
+    mine = torch.tensor(figures, dtype=torch.int64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(mine).reshape(-1, len(figures)).cpu().tolist()
+    parts = []
+    for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gathered):
+        message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
+        parts.append(f"rank {rank} " + _rank_missed(rank_budget, None if cap < 0 else cap, None if peak < 0 else peak,
+                                                    bool(fitted), bool(oom), bool(known), message))  # fmt: skip
+    return "; ".join(parts)
+
+
+def _rank_missed(
+    budget: int, cap: Optional[int], peak: Optional[int], fitted: bool, oom: bool, known: bool, message: Optional[str]
+) -> str:
+    """One rank's side of a trial that did not fit on every rank, in that rank's own figures.
+
+    Example::
+
+        >>> _rank_missed(54_000, 54_000, 60_000, False, True, True, None)
+        'ran out of memory inside a training step, its peak until then 58.6 KiB (60000 bytes) under its cap of 52.7 KiB (54000 bytes)'
+    """
+    if not known:
+        return "ran no trial at this size"
+    if fitted:
+        return f"fitted (peak {_bytes(peak)}, its budget {_bytes(budget)})"
+    if oom:
+        where = "the device's memory" if cap is None else f"its cap of {_bytes(cap)}"
+        detail = f": {_first_sentences(message)}" if message else ""
+        return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
+    if peak is None:
+        return "measured no peak"
+    return f"peaked at {_bytes(peak)}, above its budget of {_bytes(budget)}"
+
+
 def _first_sentences(message: str) -> str:
     """An out-of-memory message without CUDA's advice on the allocator, on one line, no final period."""
     return " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".")
@@ -536,8 +614,12 @@ def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -
     optimizer state may not exist yet: the trial goes on until ``max_steps`` optimizer steps really
     ran (at most as many again), or the peak would miss the optimizer state training holds."""
     wanted = trainer.fit_loop.epoch_loop.max_steps
+    manual = not pl_module.automatic_optimization
+    batches = trainer.limit_train_batches // MANUAL_TRIAL_BATCHES_AT_MOST if manual else 0
     with _collectives_bypassed(trainer, pl_module), _logging_disabled(pl_module), meter, \
-            _optimizer_steps_counted(trainer.optimizers) as stepped:  # fmt: skip
+            _optimizer_steps_counted(trainer.optimizers) as stepped, \
+            _batch_sizes_seen(trainer, pl_module, stop_after=batches) as sizes:  # fmt: skip
+        sizes.clear()
         trainer.fit_loop.run()
         for _ in range(wanted):
             if stepped[0] >= wanted or trainer.fit_loop.epoch_loop.max_steps >= 2 * wanted:
@@ -545,6 +627,70 @@ def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -
             trainer.fit_loop.epoch_loop.max_steps += 1
             trainer.should_stop = False
             trainer.fit_loop.run()
+
+
+#: the batch sizes the last trial's steps received (``None`` where none could be read)
+_LAST_TRIAL_BATCH_SIZES: list[Optional[int]] = []
+#: a manual-optimization trial runs its batches once every optimizer has stepped, within this many times them
+MANUAL_TRIAL_BATCHES_AT_MOST = 8
+
+
+@contextlib.contextmanager
+def _batch_sizes_seen(trainer: pl.Trainer, pl_module: pl.LightningModule, stop_after: int = 0) -> Iterator[list[Optional[int]]]:
+    """Records the size of every batch the trial's steps receive (Lightning's ``extract_batch_size``,
+    read in the module's ``on_train_batch_start``), into :data:`_LAST_TRIAL_BATCH_SIZES`.
+
+    With ``stop_after`` (manual optimization), the trial stops once that many batches began with every
+    optimizer's state in place and every optimizer stepped in such a batch: an optimizer stepped every
+    few batches (a GAN's generator) allocates its state late, and training's peak is its forward,
+    backward and step in a batch where all the state exists."""
+    sizes = _LAST_TRIAL_BATCH_SIZES
+    hooks = {name: (getattr(pl_module, name), name in vars(pl_module)) for name in ("on_train_batch_start", "on_train_batch_end")}
+    stepped = [0] * len(trainer.optimizers)
+    handles = [optimizer.register_step_post_hook(functools.partial(_count_step, stepped, index))
+               for index, optimizer in enumerate(trainer.optimizers)] if stop_after else []  # fmt: skip
+    complete_batches = [0]
+    began_complete = [False]
+    stepped_when_complete = [False] * len(trainer.optimizers)
+    steps_at_start = list(stepped)
+
+    def recording_start(batch: Any, batch_idx: int, *args: Any) -> Any:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Trying to infer the batch_size from an ambiguous collection"
+                sizes.append(extract_batch_size(batch))
+        except Exception:  # noqa: BLE001 - no tensor in the batch: nothing to check
+            sizes.append(None)
+        began_complete[0] = all(stepped)
+        steps_at_start[:] = stepped
+        return hooks["on_train_batch_start"][0](batch, batch_idx, *args)
+
+    def stopping_end(outputs: Any, batch: Any, batch_idx: int, *args: Any) -> Any:
+        result = hooks["on_train_batch_end"][0](outputs, batch, batch_idx, *args)
+        if began_complete[0]:
+            complete_batches[0] += 1
+            for index, (now, before) in enumerate(zip(stepped, steps_at_start)):
+                stepped_when_complete[index] = stepped_when_complete[index] or now > before
+        if stop_after and complete_batches[0] >= stop_after and all(stepped_when_complete):
+            trainer.should_stop = True
+        return result
+
+    pl_module.on_train_batch_start = recording_start  # type: ignore[method-assign]
+    pl_module.on_train_batch_end = stopping_end  # type: ignore[method-assign]
+    try:
+        yield sizes
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, (hook, had_own) in hooks.items():
+            if had_own:
+                setattr(pl_module, name, hook)
+            else:
+                delattr(pl_module, name)
+
+
+def _count_step(counts: list[int], index: int, *_: Any) -> None:
+    counts[index] += 1
 
 
 @contextlib.contextmanager
@@ -746,44 +892,141 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
     optimizer steps over as many epochs as that takes."""
     fit_loop = trainer.fit_loop
     saved = (trainer.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
-             fit_loop.max_epochs)  # fmt: skip
+             fit_loop.max_epochs, trainer.limit_train_batches)  # fmt: skip
     quiet = _TrialStopMessages()
     logging.getLogger(_RANK_ZERO_LOGGER).addFilter(quiet)
     trainer.callbacks = []
     trainer.loggers = [DummyLogger()] if trainer.loggers else []
     trainer.limit_val_batches = 0
-    fit_loop.epoch_loop.max_steps = steps_per_trial
-    fit_loop.max_epochs = -1
+    minimums = (fit_loop.min_epochs, fit_loop.epoch_loop.min_steps)
+    if trainer.lightning_module.automatic_optimization:
+        fit_loop.epoch_loop.max_steps = steps_per_trial
+        fit_loop.max_epochs = -1
+    else:
+        # manual optimization: `global_step` counts every optimizer's steps (two optimizers: a 2-step
+        # trial was one batch), so the trial counts batches: one epoch of the trial's sampler, stopped
+        # by :func:`_run_steps` once the promised batches ran with every optimizer's state in place
+        fit_loop.epoch_loop.max_steps = -1
+        fit_loop.max_epochs = 1
+        trainer.limit_train_batches = MANUAL_TRIAL_BATCHES_AT_MOST * steps_per_trial
+        fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = None, None
     try:
         yield
     finally:
         logging.getLogger(_RANK_ZERO_LOGGER).removeFilter(quiet)
         trainer.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
-        fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = saved[3], saved[4]
+        fit_loop.epoch_loop.max_steps, fit_loop.max_epochs, trainer.limit_train_batches = saved[3], saved[4], saved[5]
+        fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = minimums
 
 
 @contextlib.contextmanager
-def _largest_samples_first(trainer: pl.Trainer) -> Iterator[Optional[str]]:
-    """When sample sizes vary (sequences of different lengths), the estimate and every trial step
-    use batches of the largest sample: the size found must fit the worst batch the data holds, at
-    a step where optimizer state already exists."""
+def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Optional[str]]:
+    """Every trial step gets a full batch of the size tried, and the worst one the data holds.
+
+    The trials' loaders draw from a :class:`TrialSampler`: the dataset's order over and over (so a
+    batch larger than half the data still makes full batches at every step; an epoch's short
+    leftover batch was the second step, the only one with optimizer state), or, when sample sizes
+    vary (sequences of different lengths), the largest sample at every place: a padded batch that
+    holds the longest sample is as large as copies of it. Every sample's size is looked at (within
+    a time bound, which the note then names). The estimate uses the same batches."""
     loader = _first_loader(trainer)
     _reset_train_loader(trainer)
     dataset = getattr(loader, "dataset", None)
-    probed = None if dataset is None or isinstance(dataset, IterableDataset) else largest_samples_first(dataset)
-    if probed is None:
+    refusal = _why_batch_size_is_not_the_loaders(loader)
+    if refusal:
+        raise MisconfigurationException(f"BatchSizeSearch: {refusal}")
+    if dataset is None or isinstance(dataset, IterableDataset) or not _sized(dataset):
         yield None
         return
+    probed = largest_samples_first(dataset)
+    order = probed.order[:1] if probed is not None else list(range(len(dataset)))
+    world = trainer.world_size
+    per_step = max(1, trainer.accumulate_grad_batches)
+
+    def with_trial_sampler(built: DataLoader) -> DataLoader:
+        # enough full batches for twice the trial's steps (a skipped scaler step runs more), or the batches a
+        # manual-optimization trial may take, on every rank
+        limit = trainer.limit_train_batches if isinstance(trainer.limit_train_batches, int) else 0
+        batches = max(per_step * 2 * steps_per_trial, limit)
+        length = max(len(dataset), (built.batch_size or 1) * batches * world)
+        return _update_dataloader(built, sampler=TrialSampler(order, length))
+
     source = trainer.fit_loop._data_source
-    sampler = LargestSampleSampler(probed.order[0], len(dataset))
-    trainer.fit_loop._data_source = RebuiltSource.around(source, functools.partial(_update_dataloader, sampler=sampler))
+    trainer.fit_loop._data_source = RebuiltSource.around(source, with_trial_sampler)
+    note = None
+    if probed is not None:
+        seen = f"over {probed.probed:,} of {probed.total:,} samples, all" if probed.complete else (
+            f"over the {probed.probed:,} of {probed.total:,} samples looked at in the time allowed; a larger one may"
+            " exist")
+        note = (f"sample sizes vary ({probed.smallest:,} to {probed.largest:,} elements {seen}): the estimate and the"
+                " trials used batches of the largest sample")
     try:
-        yield (
-            f"sample sizes vary ({probed.smallest:,} to {probed.largest:,} elements over {probed.probed:,} probed"
-            " samples): the estimate and the trials used batches of the largest sample"
-        )
+        yield note
     finally:
         trainer.fit_loop._data_source = source
+
+
+def _sized(dataset: Any) -> bool:
+    try:
+        return len(dataset) > 0
+    except TypeError:
+        return False
+
+
+def _why_batch_size_is_not_the_loaders(loader: Any) -> Optional[str]:
+    """Why setting the batch size cannot change this loader's batches, or None."""
+    if not isinstance(loader, DataLoader):
+        return None
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return (
+            f"the train loader's batches come from its `batch_sampler` ({type(batch_sampler).__name__}), which decides"
+            " their size, not `batch_size`: the batch sizes tried would not be the ones trained. Build the loader with"
+            " `batch_size=` (and a `sampler=`), or leave BatchSizeSearch out and size the batch sampler yourself."
+        )
+    return None
+
+
+def _batch_size_holders(pl_module: pl.LightningModule, name: str) -> list[tuple[Any, Any]]:
+    """Every place Lightning keeps ``name`` (the model, ``model.hparams``, the datamodule and its
+    hparams), each with the value it holds now."""
+    holders = _lightning_get_all_attr_holders(pl_module, name)
+    return [(holder, holder[name] if isinstance(holder, dict) else getattr(holder, name)) for holder in holders]
+
+
+def _initial_batch_size(trainer: pl.Trainer, holders: list[tuple[Any, Any]], name: str) -> int:
+    """The batch size the run would train at. When the places that hold ``name`` disagree (the
+    model's attribute 16, its hparams 32), the train loader's own batch size says which one it
+    reads; the search sets them all, as Lightning's tuner does, and warns."""
+    values = [value for _, value in holders]
+    if len(set(map(repr, values))) <= 1:
+        return int(values[-1])
+    places = ", ".join(f"{_holder_name(holder, name)}={value!r}" for holder, value in holders)
+    loader_size = getattr(_first_loader(trainer), "batch_size", None)
+    _reset_train_loader(trainer)
+    start = int(loader_size) if loader_size in values else int(values[-1])
+    rank_zero_warn(
+        f"BatchSizeSearch: the batch size is held in several places with different values ({places}); the train loader"
+        f" uses {loader_size}. The search starts from {start} and sets every place to the size it finds. Keep one."
+    )
+    return start
+
+
+def _holder_name(holder: Any, name: str) -> str:
+    if isinstance(holder, pl.LightningModule):
+        return f"`model.{name}`"
+    if isinstance(holder, pl.LightningDataModule):
+        return f"`datamodule.{name}`"
+    return f"`hparams.{name}`"
+
+
+def _put_back_batch_size(holders: list[tuple[Any, Any]], name: str) -> None:
+    """Each place that holds the batch size back to the value it held before the search."""
+    for holder, value in holders:
+        if isinstance(holder, dict):
+            holder[name] = value
+        else:
+            setattr(holder, name, value)
 
 
 def _reset_train_loader(trainer: pl.Trainer) -> None:
@@ -804,7 +1047,9 @@ def _first_loader(trainer: pl.Trainer) -> Any:
 
 
 def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
-    """Samples each rank's train loader draws in an epoch (its sampler's length), if known."""
+    """Samples each rank's train loader draws in an epoch (its sampler's length), if known. Building the
+    loader may draw from the global RNG: the RNG states are put back."""
+    rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
     try:
         loader = _first_loader(trainer)
         sampler = getattr(loader, "sampler", None)
@@ -813,11 +1058,7 @@ def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
         return None
     finally:
         _reset_train_loader(trainer)
-
-
-def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}`={value!r} is not an int >= {minimum}; expected {hint}.")
+        _set_rng_states(rng)
 
 
 def _bytes(num_bytes: Optional[int]) -> str:

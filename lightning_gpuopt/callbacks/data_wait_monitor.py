@@ -56,8 +56,8 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
-from lightning_gpuopt.core.checks import check_int, check_number
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
     RankFigures,
@@ -67,7 +67,7 @@ from lightning_gpuopt.core.diagnosis import (
 )
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
-from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
 
@@ -126,6 +126,9 @@ class DataWaitMonitor(Callback):
         check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
                   allow_none=True)
         check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
+        check_path("report_path", report_path, "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
+                   allow_none=True)
+        check_bool("verbose", verbose, "verbose=False")
         self.warmup_steps = warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)
@@ -328,8 +331,8 @@ class DataWaitMonitor(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(data_wait_table(self.report))
-            self.report_file = update_json_section(self._report_target, REPORT_SECTION, to_dict(self.report))
-            if self.verbose:
+            self.report_file = write_report_section(self._report_target, REPORT_SECTION, to_dict(self.report))
+            if self.verbose and self.report_file is not None:
                 rank_zero_info(f"gpuopt: report written to {self.report_file}")
 
 

@@ -50,9 +50,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._progress import WorkProgress
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
-from lightning_gpuopt.core.checks import check_int, check_number
+from lightning_gpuopt.core.checks import check_bool, check_int, check_number
 from lightning_gpuopt.core.device import Device, cuda_rng_in_use, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
@@ -62,13 +62,7 @@ from lightning_gpuopt.core.loader import (
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import (
-    REPORT_FILENAME,
-    format_seconds,
-    loader_tune_table,
-    to_dict,
-    update_json_section,
-)
+from lightning_gpuopt.core.report import REPORT_FILENAME, format_seconds, loader_tune_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "dataloader"
@@ -124,6 +118,8 @@ class DataLoaderTuner(Callback):
             check_number("target_samples_per_second", target_samples_per_second,
                          "target_samples_per_second=5000, or None to measure it", low=0, low_inclusive=False)
         check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
+        check_bool("persistent_workers", persistent_workers, "persistent_workers=False")
+        check_bool("verbose", verbose, "verbose=False")
         self.max_seconds = float(max_seconds)
         self.batches_per_candidate = batches_per_candidate
         self.tolerance = float(tolerance)
@@ -212,7 +208,7 @@ class DataLoaderTuner(Callback):
                 rank_zero_warn(f"DataLoaderTuner: {warning}")
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
-            update_json_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
+            write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.result is None:

@@ -26,6 +26,7 @@ Presets (``lightning_gpuopt/presets/*.yaml``; ``gpuopt presets`` lists them): ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -33,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir, save_report_plots
+from lightning_gpuopt.callbacks._reporting import report_dir, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -49,10 +50,10 @@ from lightning_gpuopt.core.report import (
     loader_tune_table,
     render_table,
     to_dict,
-    update_json_section,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import check_keys, load_preset
+from lightning_gpuopt.core.checks import check_bool, check_number
+from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
 #: section of ``gpuopt_report.json`` GpuOpt writes
 REPORT_SECTION = "gpuopt"
@@ -137,10 +138,13 @@ class GpuOpt(Callback):
                              "or plots=False (the default).")  # fmt: skip
         self.plots = bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
+        overrides = {key: value for key, value in overrides.items() if value is not None}
         self.preset = preset
-        from_preset = load_preset(preset) if preset is not None else {}
-        self.settings = {**from_preset, **{k: v for k, v in overrides.items() if v is not None}}
+        from_preset, sources = load_preset_with_sources(preset) if preset is not None else ({}, {})
+        self.settings = {**from_preset, **overrides}
         settings = self.settings
+        for key, value in settings.items():  # every setting, also of the parts that do not run
+            check_setting(key, value, source=None if key in overrides else sources.get(key))
         self.fill = MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False) \
             if settings.get("fill_memory") else None  # fmt: skip
         tuner_options = {"max_seconds": settings["loader_max_seconds"]} if "loader_max_seconds" in settings else {}
@@ -181,10 +185,10 @@ class GpuOpt(Callback):
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
-            update_json_section(path, REPORT_SECTION,
-                                {"preset": self.preset, "settings": self.settings, "changes": self.report.changes})
-            if self.plots:
-                save_report_plots(trainer, path)
+            written = write_report_section(path, REPORT_SECTION, {"preset": self.preset, "settings": self.settings,
+                                                                   "changes": self.report.changes})  # fmt: skip
+            if self.plots and written is not None:
+                save_report_plots(trainer, written)
 
     def _combined_report(self) -> GpuOptReport:
         changes = list(self.fill.plan.changes) if self.fill is not None and self.fill.plan is not None else []
@@ -201,6 +205,35 @@ class GpuOpt(Callback):
             memory=self.estimator.estimate if self.estimator is not None else None,
             data_wait=self.monitor.report if self.monitor is not None else None,
         )
+
+
+_SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
+
+
+def check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
+    """Refuse a bad value of one GpuOpt setting with the message of the part that takes it (which
+    names the setting and the value), prefixed by the preset file that set it, if one did.
+
+    Example::
+
+        >>> check_setting("fill_memory", "false")
+        Traceback (most recent call last):
+        ...
+        ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
+    """
+    try:
+        if key in _SWITCHES:
+            check_bool(key, value, f"{key}=False")
+        elif key == "loader_max_seconds":
+            check_number(key, value, "loader_max_seconds=10", low=0, low_inclusive=False)
+        elif key == "max_memory":
+            MemoryEstimator(max_memory=value, verbose=False)
+        elif key in _FILL_KEYS:
+            MemoryFill(**{key: value}, verbose=False)
+    except (TypeError, ValueError) as error:
+        if source is None:
+            raise
+        raise ValueError(f"in preset file {source}: {error}") from None
 
 
 def _delegate(name: str) -> Any:

@@ -40,8 +40,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
-from lightning_gpuopt.core.checks import check_int
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
     estimate_memory,
@@ -52,7 +52,7 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.memory import PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     format_bytes,
@@ -60,7 +60,6 @@ from lightning_gpuopt.core.report import (
     format_seconds,
     render_table,
     to_dict,
-    update_json_section,
 )
 
 #: prefix of every metric this callback logs
@@ -115,8 +114,9 @@ class MemoryEstimator(Callback):
     ) -> None:
         if max_memory is not None:
             # validates early; a fraction is resolved against the real device in the first step
-            parse_memory(max_memory, "cpu", name="max_memory")
+            parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
+        check_bool("verbose", verbose, "verbose=False")
         self.max_memory = max_memory
         self.measure_steps = measure_steps
         self.verbose = verbose
@@ -194,7 +194,7 @@ class MemoryEstimator(Callback):
         device = pl_module.device
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
         if self.max_memory is not None:
-            capacity = parse_memory(self.max_memory, device, name="max_memory")
+            capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
             capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
         estimate = estimate_memory(
@@ -248,7 +248,7 @@ class MemoryEstimator(Callback):
         assert self.estimate is not None
         if self.verbose:
             rank_zero_info(render_estimate(self.estimate))
-        update_json_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
+        write_report_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
 
 
 def render_estimate(estimate: MemoryEstimate) -> str:

@@ -62,11 +62,12 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
     _first_loader,
+    _samples_per_rank,
     _reset_train_loader,
 )
 from lightning_gpuopt.callbacks.memory_estimator import _loss_function
@@ -77,12 +78,12 @@ from lightning_gpuopt.core.checkpointing import (
     find_repeated_blocks,
     select_blocks,
 )
-from lightning_gpuopt.core.checks import check_int
+from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, with_accumulation
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict, update_json_section
+from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "memory_fill"
@@ -151,20 +152,13 @@ class MemoryFill(Callback):
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None: your batch size "
                   "x accumulate_grad_batches x devices)", allow_none=True)  # fmt: skip
-        if amp not in ("auto", True, False):
-            raise ValueError(f"`amp`={amp!r} is not 'auto', True or False.")
-        if accumulation not in ("auto", False):
-            raise ValueError(f"`accumulation`={accumulation!r} is not 'auto' or False.")
-        if isinstance(checkpointing, str) and checkpointing != "auto":
-            checkpointing = [checkpointing]  # one class or module name
-        if not (checkpointing in ("auto", True, False) or _is_block_list(checkpointing)):
-            raise ValueError(f"`checkpointing`={checkpointing!r} is not 'auto', True, False or a list of module "
-                             "classes / class names / module names, e.g. ['TransformerEncoderLayer'].")  # fmt: skip
+        check_choice("amp", amp, ("auto", True, False), "amp='auto' (bf16-mixed / 16-mixed on GPUs, off on CPU)")
+        check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
+        checkpointing = _checked_checkpointing(checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
-        if objective not in OBJECTIVES:
-            raise ValueError(f"`objective`={objective!r} is not one of {OBJECTIVES}: 'throughput' (largest "
-                             "micro-batch that fits) or 'memory' (smallest footprint).")  # fmt: skip
-        # the search validates max_memory, margin, batch_arg_name, steps_per_trial and max_trials
+        check_choice("objective", objective, OBJECTIVES, "objective='throughput' (largest micro-batch that fits) or "
+                     "objective='memory' (smallest footprint)")  # fmt: skip
+        check_bool("verbose", verbose, "verbose=False")
         self._search_options = dict(max_memory=max_memory, margin=margin, steps_per_trial=steps_per_trial,
                                     max_trials=max_trials, batch_arg_name=batch_arg_name)  # fmt: skip
         BatchSizeSearch(**self._search_options)
@@ -344,6 +338,7 @@ class MemoryFill(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.search is not None
+        self._check_enough_samples(trainer)
         wanted = self._wanted_micro()
         needed = self._samples_per_rank // (self._fixed_accumulation or 1)
         upper = wanted if self.objective == "memory" and self._fixed_accumulation is None else needed
@@ -372,6 +367,19 @@ class MemoryFill(Callback):
             self._reasons.append("optimizers and LR schedulers built again for the new steps per epoch")
         self.plan = self._make_plan(trainer, pl_module, micro, accumulate, largest)
         self._report(trainer)
+
+    def _check_enough_samples(self, trainer: pl.Trainer) -> None:
+        """Refuse a global batch larger than the data: every optimizer step would see fewer samples than
+        the plan says (5 samples a step under a "4 x 16 = 64" plan)."""
+        samples = _samples_per_rank(trainer)
+        if samples is not None and samples < self._samples_per_rank:
+            world = trainer.world_size
+            raise MisconfigurationException(
+                f"MemoryFill: global_batch_size={self._requested} asks {self._samples_per_rank} samples per device for "
+                f"each optimizer step, but the train loader holds {samples} per device"
+                f"{f' ({world} devices)' if world > 1 else ''}: every step would see {samples}. Pass a "
+                f"global_batch_size of at most {samples * world}, or train on more data."
+            )
 
     def _search_largest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, upper: int) -> Optional[int]:
         assert self.search is not None
@@ -492,7 +500,7 @@ class MemoryFill(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(plan_table(self.plan))
-            update_json_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+            write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
 
 def _setup_step_context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -530,8 +538,30 @@ def _smallest_over_ranks(trainer: pl.Trainer, predicted: Optional[int]) -> Optio
     return min(known) if known else None
 
 
+#: strings that mean a switch, not a module name: ``checkpointing: "true"`` is refused, not read as a class
+_SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1", "0")
+
+
+def _checked_checkpointing(value: Any) -> Any:
+    """``"auto"``, ``True``, ``False`` or a non-empty list of module classes / class names / module
+    names (one name alone becomes a list of one), else a ``ValueError`` naming the value."""
+    works = ("'auto', True, False or a list of module classes / class names / module names, "
+             "e.g. ['TransformerEncoderLayer']")  # fmt: skip
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        if not value.strip() or value.strip().lower() in _SWITCH_WORDS:
+            raise ValueError(f"`checkpointing` must be {works}, got {value!r} (a str, not a switch: write "
+                             "True or False without quotes).")  # fmt: skip
+        return [value]  # one class or module name
+    if not _is_block_list(value):
+        raise ValueError(f"`checkpointing` must be {works}, got {value!r}.")
+    return value
+
+
 def _is_block_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, (str, type)) for v in value)
+    return isinstance(value, (list, tuple)) and len(value) > 0 and \
+        all(isinstance(v, type) or isinstance(v, str) and v.strip() != "" for v in value)  # fmt: skip
 
 
 def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:

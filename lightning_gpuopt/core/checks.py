@@ -8,12 +8,16 @@ Example::
     >>> check_number("tolerance", 1.5, low=0, high=1, high_inclusive=False, example="tolerance=0.05")
     Traceback (most recent call last):
     ValueError: `tolerance` must be a number in [0, 1), got 1.5; e.g. tolerance=0.05.
+    >>> check_bool("fill_memory", "false", example="fill_memory=False")
+    Traceback (most recent call last):
+    ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import os
+from typing import Any, Optional, Sequence
 
 
 def _is_number(value: Any) -> bool:
@@ -56,3 +60,47 @@ def check_number(
             bounds = "(int or float)"
         raise ValueError(f"`{name}` must be a number {bounds}, got {value!r}; e.g. {example}.")
     return float(value)
+
+
+def check_bool(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[bool]:
+    """``value`` when it is ``True`` or ``False`` (or ``None`` when allowed), else a ``ValueError``.
+
+    Strings such as ``"false"`` or ``"no"`` and numbers are refused: ``bool("false")`` is ``True``,
+    and a switch read that way would run the very part the user meant to turn off.
+    """
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        none = " (or None)" if allow_none else ""
+        raise ValueError(f"`{name}` must be True or False{none}, got {value!r} (a {type(value).__name__}); "
+                         f"e.g. {example}.")  # fmt: skip
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any], example: str) -> Any:
+    """``value`` when it is one of ``choices`` (compared with its type: ``1`` is not ``True``), else a
+    ``ValueError`` listing them."""
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        listed = ", ".join(repr(choice) for choice in choices)
+        raise ValueError(f"`{name}` must be one of {listed}, got {value!r}; e.g. {example}.")
+    return value
+
+
+def check_name(name: str, value: Any, example: str) -> str:
+    """``value`` when it is a non-empty string (an attribute or class name), else a ``ValueError``."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"`{name}` must be a non-empty name (a str), got {value!r}; e.g. {example}.")
+    return value
+
+
+def check_path(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[str | os.PathLike]:
+    """``value`` when it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed), else a
+    ``ValueError``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, os.PathLike):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        none = " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be a path (a str or os.PathLike){none}, got {value!r}; e.g. {example}.")
+    return value

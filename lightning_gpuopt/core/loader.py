@@ -572,19 +572,32 @@ class ProbedSizes:
     smallest: int
     largest: int
     probed: int
+    #: samples in the dataset; all of them were looked at when ``probed == total``
+    total: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.probed >= self.total
 
 
 def largest_samples_first(
-    dataset: object, max_probe: int = 2048, max_seconds: float = 2.0, uniform_after: int = 256
+    dataset: object, max_probe: Optional[int] = None, max_seconds: float = 5.0
 ) -> Optional[ProbedSizes]:
-    """Probe up to ``max_probe`` random samples (own RNG, ``max_seconds`` at most) and order them
-    largest first; ``None`` when the dataset is not sized and indexable, or when the first
-    ``uniform_after`` probes are all the same size (fixed-size samples: every batch is alike).
+    """Look at every sample's size (in a random order of its own RNG, at most ``max_probe`` samples
+    and ``max_seconds``) and order them largest first; ``None`` when the dataset is not sized and
+    indexable, or when every sample looked at has the same size.
+
+    Every sample, not a sample of them: a rare long sequence decides what fits (4 long samples in
+    4,096 were missed when the probe concluded "uniform" after 256 samples of one size). When time
+    runs out first, :attr:`ProbedSizes.complete` is False and callers say how many were seen.
 
     >>> import torch
     >>> data = [torch.zeros(n) for n in (3, 9, 5)]
     >>> largest_samples_first(data).order
     [1, 2, 0]
+    >>> rare = [torch.zeros(4)] * 4095 + [torch.zeros(64)]
+    >>> largest_samples_first(rare).order[0]
+    4095
     """
     try:
         length = len(dataset)  # type: ignore[arg-type]
@@ -596,33 +609,35 @@ def largest_samples_first(
     random.Random(0).shuffle(indices)
     deadline = time.perf_counter() + max_seconds
     sizes: list[tuple[int, int]] = []
-    for index in indices[:max_probe]:
+    for index in indices[: max_probe or length]:
         sizes.append((sample_size(dataset[index]), index))  # type: ignore[index]
-        if len(sizes) == uniform_after and len({size for size, _ in sizes}) == 1:
-            return None
         if time.perf_counter() > deadline:
             break
     smallest, largest = min(size for size, _ in sizes), max(size for size, _ in sizes)
     if smallest == largest:
         return None
     order = [index for _, index in sorted(sizes, key=lambda pair: -pair[0])]
-    return ProbedSizes(order, smallest, largest, len(sizes))
+    return ProbedSizes(order, smallest, largest, len(sizes), length)
 
 
-class LargestSampleSampler(Sampler[int]):
-    """Yields the index of the largest sample, ``length`` times: every batch drawn from it is the
-    worst case at every step (a padded batch that holds the longest sample is as large as copies
-    of it, and the worst step is one where optimizer state already exists).
+class TrialSampler(Sampler[int]):
+    """Indices for trial batches: ``order`` over and over until ``length``, so every batch of a trial
+    is full, also when the batch is more than half the data (an epoch's short leftover batch was
+    the trial's second step, the only one with optimizer state).
 
-    >>> list(LargestSampleSampler(7, 3))
+    >>> list(TrialSampler([7], 3))  # the largest sample at every place: each batch is the worst case
     [7, 7, 7]
+    >>> list(TrialSampler([0, 1, 2], 5))
+    [0, 1, 2, 0, 1]
     """
 
-    def __init__(self, index: int, length: int) -> None:
-        self.index, self.length = index, length
+    def __init__(self, order: list[int], length: int) -> None:
+        if not order:
+            raise ValueError("TrialSampler needs at least one index")
+        self.order, self.length = list(order), length
 
     def __iter__(self) -> Iterator[int]:
-        return iter([self.index] * self.length)
+        return (self.order[position % len(self.order)] for position in range(self.length))
 
     def __len__(self) -> int:
         return self.length

@@ -74,6 +74,10 @@ OOM_MESSAGE_MARKERS = (
 #: the CUDA caching allocator hands out blocks in multiples of this many bytes
 CUDA_ALLOCATION_GRANULARITY = 512
 
+#: the fewest bytes a callback's ``max_memory`` accepts: ``max_memory=1`` (meant as "the whole
+#: device", which is the fraction ``1.0``) is refused rather than read as one byte
+MIN_MAX_MEMORY_BYTES = 1024
+
 _UNITS = {
     "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -163,6 +167,7 @@ def parse_memory(
     device: torch.device | str | int | None = None,
     *,
     name: str = "max_memory",
+    minimum: int = 1,
 ) -> int:
     """An amount of memory in bytes from bytes, a string with a unit, or a fraction of the device.
 
@@ -175,17 +180,24 @@ def parse_memory(
             or a fraction of the device such as ``0.9``.
         device: the device a fraction refers to.
         name: the argument's name, used in error messages.
+        minimum: the fewest bytes accepted (the callbacks' ``max_memory`` takes at least
+            :data:`MIN_MAX_MEMORY_BYTES`, so that ``max_memory=1`` -- meant as the whole device --
+            is refused rather than read as one byte).
 
     Raises:
-        ValueError: for anything else; the message names the argument, the value and what works.
+        ValueError: for anything else; the message names the argument, the value given and what works.
 
     Example::
 
         >>> parse_memory(4096), parse_memory("1.5KiB"), parse_memory("2 kb")
         (4096, 1536, 2000)
+        >>> parse_memory(1, minimum=MIN_MAX_MEMORY_BYTES)
+        Traceback (most recent call last):
+        ...
+        ValueError: `max_memory`=1 is 1 byte, below the minimum of 1024 bytes; for the whole device give the fraction 1.0. Expected an int of bytes >= 1024, a string such as "300MB" or "20GiB", or a float in (0, 1] (a fraction of the device).
     """
     works = (
-        'a positive int of bytes, a string such as "300MB" or "20GiB", '
+        f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", '
         "or a float in (0, 1] (a fraction of the device)"
     )
     if isinstance(value, bool):
@@ -193,6 +205,9 @@ def parse_memory(
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"`{name}`={value!r} is not positive; expected {works}.")
+        if value < minimum:
+            raise ValueError(f"`{name}`={value!r} is {value} byte{'s' if value != 1 else ''}, below the minimum of "
+                             f"{minimum} bytes; for the whole device give the fraction 1.0. Expected {works}.")  # fmt: skip
         return value
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
@@ -202,7 +217,12 @@ def parse_memory(
                 f"`{name}`={value!r} is a fraction of a device, but no device was given; "
                 "pass `device=` or give bytes / a string such as \"20GiB\"."
             )
-        return int(value * device_total_memory(device))
+        total = device_total_memory(device)
+        num_bytes = int(value * total)
+        if num_bytes < minimum:
+            raise ValueError(f"`{name}`={value!r} is {num_bytes} bytes of the device's {total}, below the minimum "
+                             f"of {minimum} bytes; expected {works}.")  # fmt: skip
+        return num_bytes
     if isinstance(value, str):
         match = _MEMORY_STRING.match(value)
         if match is None:
@@ -211,6 +231,9 @@ def parse_memory(
         num_bytes = int(number * _UNITS[unit])
         if num_bytes <= 0:
             raise ValueError(f"`{name}`={value!r} is zero bytes; expected {works}.")
+        if num_bytes < minimum:
+            raise ValueError(f"`{name}`={value!r} is {num_bytes} bytes, below the minimum of {minimum} bytes; "
+                             f"expected {works}.")  # fmt: skip
         return num_bytes
     raise ValueError(f"`{name}`={value!r} has type {type(value).__name__}; expected {works}.")
 

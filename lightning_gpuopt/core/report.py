@@ -3,7 +3,7 @@
 Results are plain dataclasses (``DataWaitReport``, ...). This module turns them into
 
 * JSON, written atomically (a temporary file renamed into place, so a crash never leaves a
-  half-written report), and read back into the same dataclass (:func:`from_dict`);
+  half-written report; an existing unreadable report is kept aside, never dropped), and read back into the same dataclass (:func:`from_dict`);
 * text tables rendered with ``rich`` into a string, which the callbacks hand to
   ``rank_zero_info`` (library code never prints).
 
@@ -21,15 +21,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
-import tempfile
 import textwrap
 import types
 import typing
+import uuid
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar, Union
 
 from rich.console import Console
 from rich.table import Table
@@ -85,10 +87,16 @@ def _convert(hint: Any, value: Any) -> Any:
 
 
 def write_json(data: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``data`` as indented JSON to ``path`` atomically; returns the path."""
+    """Write ``data`` as indented JSON to ``path`` atomically; returns the path.
+
+    The file gets the mode any file the user writes gets (``0o666`` less the umask, e.g. ``0o644``),
+    not the ``0o600`` of a private temporary file. Raises ``OSError`` when it cannot be written (a
+    read-only directory, a full disk): the callbacks turn that into a warning (see
+    :func:`update_json_section`).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = _create_sibling(path)
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=False, default=str)
@@ -100,20 +108,71 @@ def write_json(data: dict[str, Any], path: str | os.PathLike) -> Path:
     return path
 
 
-def update_json_section(path: str | os.PathLike, section: str, data: dict[str, Any]) -> Path:
+def _create_sibling(path: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``path``, opened for writing, with the umask-respecting mode."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:  # os.open applies the umask to 0o666, as open() does; mkstemp would give 0o600
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
+
+
+def update_json_section(
+    path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
+) -> Path:
     """Set ``section`` of the JSON object in ``path`` to ``data``, keeping other sections.
 
-    Several callbacks share one ``gpuopt_report.json``; each owns one top-level key.
+    Several callbacks share one ``gpuopt_report.json``; each owns one top-level key. An existing
+    file that is not a JSON object (a crash of another tool, a hand edit) is never dropped in
+    silence: it is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`)
+    says so; the new file then holds only ``section``. Raises ``OSError`` when the file cannot be
+    written.
+
+    Example::
+
+        >>> import tempfile
+        >>> report = Path(tempfile.mkdtemp()) / "gpuopt_report.json"
+        >>> _ = update_json_section(report, "a", {"x": 1})
+        >>> _ = update_json_section(report, "b", {"y": 2})
+        >>> read_json(report)
+        {'a': {'x': 1}, 'b': {'y': 2}}
     """
     path = Path(path)
     content: dict[str, Any] = {}
     if path.exists():
-        try:
-            content = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            content = {}
+        content = _existing_sections(path, warn or _warn)
     content[section] = data
     return write_json(content, path)
+
+
+def _existing_sections(path: Path, warn: Callable[[str], None]) -> dict[str, Any]:
+    """The sections already in ``path``; a file that is no JSON object is set aside, with a warning."""
+    try:
+        content = json.loads(path.read_bytes())
+        problem = None if isinstance(content, dict) else f"it holds a JSON {type(content).__name__}, not an object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        problem = f"it is not valid JSON ({error})"
+    if problem is None:
+        return content
+    aside = _free_name(path, "corrupt")
+    os.replace(path, aside)
+    warn(f"gpuopt: the existing report {path} could not be read: {problem}. It was kept as {aside}; "
+         "the new report starts empty.")  # fmt: skip
+    return {}
+
+
+def _free_name(path: Path, tag: str) -> Path:
+    """``<path>.<tag>-<n>`` with the smallest ``n`` >= 1 that names no file."""
+    number = 1
+    while path.with_name(f"{path.name}.{tag}-{number}").exists():
+        number += 1
+    return path.with_name(f"{path.name}.{tag}-{number}")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -230,9 +289,28 @@ def loader_tune_table(result: "LoaderTuneResult", message: str) -> str:
             f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
             + (f"  [{', '.join(marks)}]" if marks else ""),
         ))
-    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None else ""
-    notes = [f"  {message}{speedup}"]
+    kept = result.baseline is not None and result.setting == result.baseline.setting
+    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None and not kept else ""
+    notes = [f"  {message}{speedup}" if message else f"  {loader_tune_summary(result)}"]
     return render_table("gpuopt · DataLoaderTuner", rows, notes)
+
+
+def loader_tune_summary(result: "LoaderTuneResult") -> str:
+    """One line on what the tuner did: kept the user's setting, or changed it and by how much.
+
+    Example::
+
+        >>> from lightning_gpuopt.core.loader import LoaderSetting, LoaderTiming, LoaderTuneResult
+        >>> yours = LoaderTiming(LoaderSetting(2, 2), 8, 256, 0.1, 0.5, 512.0, None)
+        >>> loader_tune_summary(LoaderTuneResult(2, 2, False, False, 512.0, yours, [yours], reason="fastest"))
+        'kept your setting num_workers=2, prefetch_factor=2, persistent_workers=False, pin_memory=False (fastest)'
+    """
+    reason = f" ({result.reason})" if result.reason else ""
+    if result.baseline is not None and result.setting == result.baseline.setting:
+        return f"kept your setting {result.setting.describe()}{reason}"
+    before = f"{result.baseline.setting.describe()} → " if result.baseline is not None else ""
+    speedup = f": {result.speedup:.2f}x the samples/s of your setting" if result.speedup is not None else ""
+    return f"{before}{result.setting.describe()}{speedup}{reason}"
 
 
 def batch_search_table(result: "BatchSizeSearchResult") -> str:

@@ -65,15 +65,23 @@ def preset_path(name_or_path: str | os.PathLike) -> Path:
     Raises:
         ValueError: neither a shipped preset nor an existing YAML file (the message lists the presets).
     """
+    names = ", ".join(repr(name) for name in available_presets())
+    expected = f"expected one of {names}, or the path of a YAML file."
+    if isinstance(name_or_path, bool) or not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
     text = os.fspath(name_or_path)
+    if not isinstance(text, str):  # a PathLike of bytes
+        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
     if text in available_presets():
         return PRESET_DIR / f"{text}.yaml"
     path = Path(text).expanduser()
     if path.suffix in _SUFFIXES and path.is_file():
         return path
-    names = ", ".join(repr(name) for name in available_presets())
-    hint = f" (no such file: {path})" if path.suffix in _SUFFIXES else ""
-    raise ValueError(f"unknown preset {text!r}{hint}: expected one of {names}, or the path of a YAML file.")
+    if path.suffix in _SUFFIXES:
+        hint = f" (not a file: {path})" if path.exists() else f" (no such file: {path})"
+    else:
+        hint = f" (a file, but not .yaml or .yml: {path})" if path.is_file() else ""
+    raise ValueError(f"unknown preset {text!r}{hint}: {expected}")
 
 
 def preset_description(name_or_path: str | os.PathLike) -> str:
@@ -86,30 +94,65 @@ def preset_description(name_or_path: str | os.PathLike) -> str:
     return " ".join(lines)
 
 
-def load_preset(name_or_path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
     """The settings of a preset name or YAML file, with ``preset:`` extensions resolved.
 
     Raises:
-        ValueError: an unknown preset, a file that is not a mapping, an unknown key (the message
-            lists the valid ones), or a cycle of ``preset:`` references.
+        ValueError: an unknown preset, a file that is not valid YAML (the message names the file and
+            the line) or not a mapping, an unknown key (the message lists the valid ones), or a cycle
+            of ``preset:`` references (the message names the chain).
     """
-    path = preset_path(name_or_path)
-    if path in _seen:
-        chain = " -> ".join(str(p) for p in (*_seen, path))
-        raise ValueError(f"presets extend each other in a cycle: {chain}")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    return load_preset_with_sources(name_or_path)[0]
+
+
+def load_preset_with_sources(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Path]]:
+    """:func:`load_preset`'s settings, and for each key the file that set it (for error messages).
+
+    Example::
+
+        >>> settings, sources = load_preset_with_sources("diagnose")
+        >>> settings["monitor"], sources["monitor"].name
+        (True, 'diagnose.yaml')
+    """
+    return _load_chain(preset_path(name_or_path), ())
+
+
+def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dict[str, Path]]:
+    resolved = path.resolve()
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
+        raise ValueError(f"presets extend each other in a cycle: {chain}; remove one `preset:` line of the chain.")
+    settings = _read_settings(path)
+    base = settings.pop("preset", None)
+    check_keys(settings, source=str(path))
+    sources = {key: path for key in settings}
+    if base is None:
+        return settings, sources
+    if isinstance(base, bool) or not isinstance(base, str) or not base:
+        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
+                         f"{', '.join(repr(n) for n in available_presets())}, or the path of a YAML file.")  # fmt: skip
+    relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
+    base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
+    return {**base_settings, **settings}, {**base_sources, **sources}
+
+
+def _read_settings(path: Path) -> dict[str, Any]:
+    """The mapping in a preset file; a ``ValueError`` naming the file (and the line) for anything else."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"preset file {path} is not valid YAML: {problem}{where}.") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"preset file {path} cannot be read: {error}.") from None
+    if loaded is None:
+        return {}
     if not isinstance(loaded, dict):
         raise ValueError(f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings "
                          "such as `amp: auto`.")  # fmt: skip
-    settings = dict(loaded)
-    base = settings.pop("preset", None)
-    check_keys(settings, source=str(path))
-    if base is None:
-        return settings
-    if not isinstance(base, (str, os.PathLike)):
-        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path.")
-    base_path = Path(base) if Path(base).is_absolute() or base in available_presets() else path.parent / base
-    return {**load_preset(base if base in available_presets() else base_path, (*_seen, path)), **settings}
+    return dict(loaded)
 
 
 def check_keys(settings: dict[str, Any], source: str) -> None:
