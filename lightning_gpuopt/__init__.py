@@ -16,6 +16,7 @@ from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
 from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
+from lightning_gpuopt.core.plot import save_plots
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import available_presets, load_preset
 
@@ -40,5 +41,6 @@ __all__ = [
     "available_presets",
     "load_preset",
     "parse_memory",
+    "save_plots",
     "__version__",
 ]

@@ -1,4 +1,5 @@
-"""The ``gpuopt`` console command (``doctor``, ``presets``, ``estimate``) and :class:`GpuOptCLI` (``--gpuopt`` on LightningCLI).
+"""The ``gpuopt`` console command (``doctor``, ``presets``, ``estimate``, ``plot``) and :class:`GpuOptCLI`
+(``--gpuopt`` on LightningCLI).
 
 ::
 
@@ -8,6 +9,7 @@
                     [--input-size 3,224,224] [--batch-size N]
                     [--optimizer adam|adamw|sgd|none] [--precision 32-true|bf16-mixed|16-mixed|bf16-true]
                     [--max-memory 20GiB] [--device cpu|cuda] [--json]
+    gpuopt plot REPORT.json [--out DIR] [--json]
 
 Human output is a rich table on stdout; ``--json`` prints one JSON document instead. Exit status:
 0 on success, 2 on bad usage (the message names the argument, the value and what would work),
@@ -80,10 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,presets,estimate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,presets,estimate,plot}")
     _add_doctor_parser(commands, common)
     _add_presets_parser(commands, common)
     _add_estimate_parser(commands, common)
+    _add_plot_parser(commands, common)
     return parser
 
 
@@ -205,6 +208,49 @@ def run_presets(args: argparse.Namespace) -> int:
     console.print(Text(description))
     console.print(table)
     return 0
+
+
+# ----------------------------------------------------------------------------- gpuopt plot
+
+
+def _add_plot_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    plot = commands.add_parser(
+        "plot", parents=[common], help="draw a gpuopt_report.json as PNGs (needs the [plot] extra)",
+        description="Draw step time over training, memory vs batch size and the loader settings timed, "
+                    "each from its section of the report, as PNGs (lightning_gpuopt.core.plot.save_plots).",
+    )  # fmt: skip
+    plot.add_argument("report", metavar="REPORT", help="a gpuopt_report.json written by the callbacks")
+    plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: beside REPORT)")
+    plot.set_defaults(handler=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """``gpuopt plot REPORT [--out DIR]``: the PNGs written, one a line; exit 1 when nothing could be drawn."""
+    from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
+
+    report = Path(args.report)
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the "
+                         "gpuopt_report.json in the trainer's log dir, e.g. "
+                         "lightning_logs/version_0/gpuopt_report.json") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
+    try:
+        written = save_plots(data, args.out if args.out is not None else report.parent)
+    except PlotUnavailableError as error:
+        print(f"gpuopt plot: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json({"written": [str(path) for path in written]})
+    else:
+        for path in written:
+            sys.stdout.write(f"{path}\n")
+    if not written:
+        print(f"gpuopt plot: nothing to draw: {args.report} has none of the sections data_wait, batch_size_search, "
+              f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})", file=sys.stderr)  # fmt: skip
+    return 0 if written else 1
 
 
 # ----------------------------------------------------------------------------- gpuopt estimate

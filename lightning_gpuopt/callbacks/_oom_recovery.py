@@ -51,6 +51,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core.memory import is_out_of_memory_error, release_memory
 from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_elements, split_batch
 
@@ -284,8 +285,7 @@ def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptati
         )
         metrics = {"gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
                    "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size)}  # fmt: skip
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_metrics(trainer, metrics)
 
     return report
 

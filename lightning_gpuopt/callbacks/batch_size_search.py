@@ -38,7 +38,8 @@ rank that runs out of memory mid-step cannot leave the others waiting in a colle
 memory DDP holds for its gradient buckets is allocated already on CUDA and is counted as
 ``baseline_bytes`` under a simulated budget.
 
-Logged metrics, once when training starts (to every logger of the Trainer):
+Logged metrics, once when training starts (to every logger of the Trainer, and to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 * ``gpuopt/batch_size``: the batch size found and set.
 * ``gpuopt/batch_search_trials``: how many trials the search ran.
@@ -89,7 +90,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
@@ -118,6 +120,7 @@ from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     batch_search_table,
     format_bytes,
+    format_seconds,
     to_dict,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
@@ -224,6 +227,8 @@ class BatchSizeSearch(Callback):
         self.multiple_of = multiple_of
         self.mode = mode
         self.verbose = verbose
+        #: report each trial as it ends (a line, or a bar when the Trainer shows one); follows ``verbose``
+        self.progress = verbose
         #: what the search found (the same on every rank); ``None`` before ``fit``
         self.result: Optional[BatchSizeSearchResult] = None
         self._memory_cap: Any = None
@@ -248,6 +253,7 @@ class BatchSizeSearch(Callback):
         capacity = self._capacity_bytes(device)  # asked once: free memory moves between two readings
         budget = int(capacity * (1.0 - self.margin))
         holders = _batch_size_holders(pl_module, self.batch_arg_name)
+        bar = shows_progress_bar(trainer)  # asked before the trials take the trainer's callbacks away
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
         with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
                 contextlib.ExitStack() as trial_batches:
@@ -263,16 +269,18 @@ class BatchSizeSearch(Callback):
             # every rank must try the same sizes: plan with the tightest rank's figures
             search_budget, start, bytes_per_sample, upper = _agree_plan(trainer, budget, start, bytes_per_sample, upper)
             runner = _TrialRunner(trainer, pl_module, state, budget, search_budget, self.batch_arg_name, capacity)
-            result = search_largest_fit(
-                runner.fits,
-                budget_bytes=search_budget,
-                start=max(start, self.min_batch_size),
-                max_batch_size=upper,
-                min_batch_size=self.min_batch_size,
-                multiple_of=self.multiple_of,
-                max_trials=self.max_trials,
-                bytes_per_sample=bytes_per_sample,
-            )
+            with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
+                result = search_largest_fit(
+                    runner.fits,
+                    budget_bytes=search_budget,
+                    start=max(start, self.min_batch_size),
+                    max_batch_size=upper,
+                    min_batch_size=self.min_batch_size,
+                    multiple_of=self.multiple_of,
+                    max_trials=self.max_trials,
+                    bytes_per_sample=bytes_per_sample,
+                    on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
+                )
             if result.batch_size is None:
                 message = self._nothing_fits_message(runner, result)
         _reset_train_loader(trainer)
@@ -294,10 +302,8 @@ class BatchSizeSearch(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.hold_memory_cap(pl_module)
-        if self.result is None or not trainer.loggers:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(logged_metrics(self.result), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if self.result is not None:
+            log_metrics(trainer, logged_metrics(self.result))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.release_memory_cap()
@@ -869,6 +875,19 @@ class _TrainingStateRestored:
         _set_rng_states(self.rng)
         self.trainer._logger_connector.reset_results()
         self.trainer._logger_connector.reset_metrics()
+
+
+def trial_line(trial: Trial, budget_bytes: int) -> str:
+    """One trial in words, for progress reporting.
+
+    Example::
+
+        >>> trial_line(Trial(272, False, 65_011_712, 1.88), 59_257_651)
+        'batch size 272 does not fit: peak 62.0 MiB, budget 56.5 MiB (1.88 s)'
+    """
+    outcome = "fits" if trial.fits else "does not fit"
+    return f"batch size {trial.batch_size} {outcome}: peak {format_bytes(trial.peak_bytes)}, " \
+           f"budget {format_bytes(budget_bytes)} ({format_seconds(trial.seconds)})"  # fmt: skip
 
 
 def _trial_scaler(plugin: Any) -> torch.amp.GradScaler:

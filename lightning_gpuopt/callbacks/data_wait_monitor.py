@@ -7,10 +7,13 @@ recorded at step start and end (read lazily, never synchronising) give GPU busy 
 time, and an NVML thread samples the utilisation and memory of every GPU. At the end of
 ``fit`` the figures of all ranks are gathered; rank 0 logs a table with the verdict
 (``input-bound``, ``compute-bound``, ``host-bound`` or ``balanced``) and recommendations,
-and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir.
+and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir. Its
+``timeline`` keeps the split step by step over training (rank 0's steps, binned to at most 200
+points), which ``gpuopt plot`` draws.
 
 Logged metrics, every ``log_every_n_steps`` measured steps, each over the steps since the
-previous log (rank 0's figures; to every logger of the Trainer):
+previous log (rank 0's figures; to every logger of the Trainer, and each rank's own to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 +-------------------------------------+---------------------------------------------------------+
 | Key                                 | Meaning                                                 |
@@ -53,7 +56,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
@@ -267,7 +270,7 @@ class DataWaitMonitor(Callback):
         return batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0
 
     def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
-        if not window.steps or not trainer.loggers:
+        if not window.steps:
             return
         metrics = {
             "gpuopt/data_wait_fraction": window.fraction(window.data_wait_s),
@@ -286,10 +289,7 @@ class DataWaitMonitor(Callback):
             util, memory = self._sampler.take_window(self._nvml_uuid)
             metrics["gpuopt/gpu_util"] = util
             metrics["gpuopt/gpu_memory_used_fraction"] = memory
-        metrics = {key: float(value) for key, value in metrics.items() if value is not None}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
 
     # -- reporting -------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -321,6 +321,7 @@ class DataWaitMonitor(Callback):
         self.report = build_data_wait_report(
             ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=device_for(pl_module.device).describe()
         )
+        self.report.timeline = clock.timeline(self._gpu.idle_series if self._gpu is not None else None)
         if self.report.steps == 0:
             rank_zero_warn(
                 f"DataWaitMonitor measured no training step: the run had {clock.steps_seen} step(s), of which"

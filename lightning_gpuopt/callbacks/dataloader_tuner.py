@@ -20,7 +20,8 @@ It leaves the loader alone, and says why, when it cannot rebuild it: an ``Iterab
 (more workers would each replay the stream unless it shards by ``get_worker_info()``), several
 train loaders, or something that is not a ``torch.utils.data.DataLoader``.
 
-Logged metrics, once when training starts (to every logger of the Trainer):
+Logged metrics, once when training starts (to every logger of the Trainer, and to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 +-----------------------------------------+----------------------------------------------------------+
 | Key                                     | Meaning                                                  |
@@ -50,7 +51,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._progress import WorkProgress
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -58,12 +60,13 @@ from lightning_gpuopt.core.checks import check_bool, check_int, check_number
 from lightning_gpuopt.core.device import Device, device_for
 from lightning_gpuopt.core.loader import (
     LoaderSetting,
+    LoaderTiming,
     LoaderTuneResult,
     oversubscription,
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import REPORT_FILENAME, loader_tune_table, to_dict
+from lightning_gpuopt.core.report import REPORT_FILENAME, format_seconds, loader_tune_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "dataloader"
@@ -128,6 +131,8 @@ class DataLoaderTuner(Callback):
         self.max_num_workers = max_num_workers
         self.persistent_workers = persistent_workers
         self.verbose = verbose
+        #: report each candidate as it is timed (a line, or a bar when the Trainer shows one); follows ``verbose``
+        self.progress = verbose
         #: the measurement and the choice (the same on every rank); ``None`` if not tuned
         self.result: Optional[LoaderTuneResult] = None
         #: what the tuner did, or why it left the loader alone
@@ -167,7 +172,8 @@ class DataLoaderTuner(Callback):
         persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
         baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
         # a SIGTERM stops the timing at once (as it would stop a training step's loading)
-        with rng_preserved(loader), sigterm_stops_our_work(trainer, raise_at_once=True):
+        with rng_preserved(loader), sigterm_stops_our_work(trainer, raise_at_once=True), \
+                WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress:
             result = tune_loader(
                 lambda setting: rebuild_loader(loader, setting),
                 usable_cpus=cores,
@@ -179,6 +185,7 @@ class DataLoaderTuner(Callback):
                 persistent_workers=persistent,
                 max_workers=self.max_num_workers,
                 baseline=baseline,
+                on_timed=lambda timing: progress.done(candidate_line(timing, baseline)),
             )
         self.result = trainer.strategy.broadcast(result, src=0)
         rebuilt = RebuiltSource.around(source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting))
@@ -214,7 +221,7 @@ class DataLoaderTuner(Callback):
             write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.result is None or not trainer.loggers:
+        if self.result is None:
             return
         metrics = {
             "gpuopt/loader_num_workers": float(self.result.num_workers),
@@ -222,8 +229,7 @@ class DataLoaderTuner(Callback):
         }
         if self.result.speedup is not None:
             metrics["gpuopt/loader_speedup"] = self.result.speedup
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_metrics(trainer, metrics)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         warn_failed_undos("DataLoaderTuner", self._changes.undo())
@@ -300,3 +306,18 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
         if report is not None and report.samples and report.wall_s > report.data_wait_s:
             return report.samples / report.world_size / (report.wall_s - report.data_wait_s)
     return None
+
+
+def candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = None) -> str:
+    """One timed loader setting in words, for progress reporting.
+
+    Example::
+
+        >>> timing = LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25)
+        >>> candidate_line(timing)
+        '2 workers, prefetch 2, persistent: 5,064 samples/s (start-up 210.0 ms)'
+    """
+    yours = " [yours]" if timing.setting == baseline else ""
+    early = ", stopped early: slower than the best" if timing.stopped_early else ""
+    return f"{timing.setting.short()}{yours}: {timing.samples_per_second:,.0f} samples/s " \
+           f"(start-up {format_seconds(timing.startup_s)}{early})"  # fmt: skip

@@ -13,7 +13,10 @@ It runs, in the hooks where each belongs and in this order:
 The parts stay quiet (``verbose=False``); at the end of ``fit`` rank 0 logs one combined report
 -- what was changed, then each part's figures -- and writes the ``"gpuopt"`` section of
 ``gpuopt_report.json`` (preset, settings, changes) beside the parts' own sections. The combined
-result is :attr:`GpuOpt.report`. Metrics are logged by the parts under their documented
+result is :attr:`GpuOpt.report`. With ``plots=True`` it also draws the report's pictures as PNGs
+beside it (:mod:`lightning_gpuopt.core.plot`) and logs them to a TensorBoard or W&B logger. Batch-size
+trials and loader candidates are reported as they end (a line each, or a bar with the Trainer's
+progress bar). Metrics are logged by the parts under their documented
 ``gpuopt/…`` keys (see each callback's module docstring).
 
 Presets (``lightning_gpuopt/presets/*.yaml``; ``gpuopt presets`` lists them): ``diagnose``
@@ -32,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import report_dir, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
@@ -98,6 +101,11 @@ class GpuOpt(Callback):
             min_micro_batch_size, batch_arg_name, on_oom: MemoryFill's arguments (``max_memory`` also
             MemoryEstimator's; ``on_oom="adapt"`` in the fill-memory, max-throughput and low-memory presets).
         loader_max_seconds: DataLoaderTuner's time budget.
+        plots: at the end of ``fit``, draw the report's pictures (step time over training, memory vs
+            batch size, loader settings) as PNGs beside ``gpuopt_report.json`` and log them to a
+            TensorBoard or W&B logger of the Trainer; needs matplotlib (``pip install
+            lightning-gpuopt[plot]``), and warns instead of failing the run when it cannot draw. ``None``
+            (the default) is ``False``: drawing costs seconds (importing matplotlib), so it is asked for.
 
         Every setting left at ``None`` comes from the preset (or the part's own default).
 
@@ -124,8 +132,14 @@ class GpuOpt(Callback):
         batch_arg_name: Optional[str] = None,
         loader_max_seconds: Optional[float] = None,
         on_oom: Optional[str] = None,
+        plots: Optional[bool] = None,
     ) -> None:
-        overrides = {key: value for key, value in locals().items() if key not in ("self", "preset", "__class__")}
+        overrides = {key: value for key, value in locals().items()
+                     if key not in ("self", "preset", "plots", "__class__")}  # fmt: skip
+        if plots is not None and not isinstance(plots, bool):
+            raise ValueError(f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
+                             "or plots=False (the default).")  # fmt: skip
+        self.plots = bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
         self.preset = preset
@@ -141,6 +155,9 @@ class GpuOpt(Callback):
         self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) \
             if settings.get("estimate") else None  # fmt: skip
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
+        for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
+            if part is not None:
+                part.progress = True
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
         #: what GpuOpt itself changed (the SIGINT handler after Ctrl+C in its parts' work); the parts keep their own
@@ -185,8 +202,10 @@ class GpuOpt(Callback):
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
-            write_report_section(path, REPORT_SECTION,
-                                {"preset": self.preset, "settings": self.settings, "changes": self.report.changes})
+            written = write_report_section(path, REPORT_SECTION, {"preset": self.preset, "settings": self.settings,
+                                                                   "changes": self.report.changes})  # fmt: skip
+            if self.plots and written is not None:
+                save_report_plots(trainer, written)
 
     def _combined_report(self) -> GpuOptReport:
         changes = list(self.fill.plan.changes) if self.fill is not None and self.fill.plan is not None else []

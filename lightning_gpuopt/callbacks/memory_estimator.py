@@ -5,8 +5,9 @@ Before the first training step the callback traces one step of the model on fake
 ``measure_steps`` real steps it measures the peak (through the device layer: on
 CUDA the allocated peak, on the host what the allocator handed out, op workspaces included) and reports how far both predictions were.
 
-Logged metrics (to every logger of the Trainer, once, at the step where the measurement ends, or
-at the end of training if that comes first; a key whose value is unknown is not logged):
+Logged metrics (to every logger of the Trainer and to ``trainer.callback_metrics``, once, at the
+step where the measurement ends, or at the end of training if that comes first; a key whose value
+is unknown is not logged):
 
 * ``gpuopt/mem_predicted_peak_bytes``: our predicted peak of a training step at the current batch size.
 * ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
@@ -41,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.estimate import (
     ManualStep,
@@ -248,8 +249,7 @@ class MemoryEstimator(Callback):
             for name in _LOGGED_FIELDS
             if (value := getattr(self.estimate, name)) is not None
         }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_metrics(trainer, metrics)
 
     # ------------------------------------------------------------------ reporting
 

@@ -53,7 +53,8 @@ Checkpoints saved during training keep the batch size the user set in their
 estimates in ``setup`` and ``on_fit_start`` draw nothing from the random generators training
 reads: a run equals its plan written by hand, bit for bit.
 
-Logged metrics, once when training starts (to every logger of the Trainer):
+Logged metrics, once when training starts (to every logger of the Trainer, and to
+``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
 
 * ``gpuopt/micro_batch_size``: the batch size each step trains on.
 * ``gpuopt/accumulate_grad_batches``: micro-batches per optimizer step.
@@ -92,7 +93,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OomRecovery, adaptation_reporter
-from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
@@ -215,6 +216,8 @@ class MemoryFill(Callback):
         self.batch_arg_name = batch_arg_name
         self.verbose = verbose
         self.on_oom = on_oom
+        #: report each batch-size trial as it ends (a line, or a bar when the Trainer shows one); follows ``verbose``
+        self.progress = verbose
         #: what was decided and measured (the same on every rank); ``None`` before ``fit``
         self.plan: Optional[MemoryFillPlan] = None
         #: the search of the last ``fit`` (its ``.result`` has the trials)
@@ -248,6 +251,7 @@ class MemoryFill(Callback):
         self.plan = None
         self._started = time.perf_counter()
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
+        self.search.progress = self.progress
         self.search._check_usable(trainer, pl_module)
         initial_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
         self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
@@ -672,10 +676,8 @@ class MemoryFill(Callback):
         if self.plan is not None and self.on_oom == "adapt" and pl_module.automatic_optimization:
             self._oom_recovery = OomRecovery(trainer, pl_module, adaptation_reporter(trainer, self.plan))
             self._oom_recovery.install()
-        if self.plan is None or not trainer.loggers:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(logged_metrics(self.plan), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if self.plan is not None:
+            log_metrics(trainer, logged_metrics(self.plan))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0

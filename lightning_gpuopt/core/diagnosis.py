@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 from lightning_gpuopt.core.checks import check_number
 from lightning_gpuopt.core.loader import IO_BOUND_WORKERS_PER_CORE
 from lightning_gpuopt.core.nvml import GpuUsage
+from lightning_gpuopt.core.timing import StepTimeline
 
 VERDICTS = ("input-bound", "compute-bound", "host-bound", "balanced")
 
@@ -434,6 +435,8 @@ class DataWaitReport:
     ranks: list[RankFigures] = field(default_factory=list)
     rank_spread: dict[str, Spread] = field(default_factory=dict)
     straggler_rank: Optional[int] = None
+    #: this rank's measured steps over training, binned (rank 0's in the JSON report); ``None``: not measured
+    timeline: Optional[StepTimeline] = None
 
 
 def _mean(values: Sequence[float]) -> float:

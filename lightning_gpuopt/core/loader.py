@@ -342,6 +342,7 @@ def tune_loader(
     persistent_workers: bool = True,
     max_workers: Optional[int] = None,
     baseline: Optional[LoaderSetting] = None,
+    on_timed: Optional[Callable[[LoaderTiming], None]] = None,
 ) -> LoaderTuneResult:
     """Time candidate settings of one loader and choose one.
 
@@ -358,6 +359,7 @@ def tune_loader(
         max_workers: never more workers than this (default ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``; past
             ``usable_cpus`` only while workers are measured waiting on I/O).
         baseline: the user's own setting, timed first for comparison.
+        on_timed: called with each candidate's timing as it ends (progress reporting).
     """
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
@@ -379,6 +381,8 @@ def tune_loader(
             warnings.filterwarnings("ignore", message="This DataLoader will create")
             timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
         timings.append(timing)
+        if on_timed is not None:
+            on_timed(timing)
         return timing
 
     baseline_timing = run(baseline) if baseline is not None else None

@@ -246,6 +246,7 @@ def search_largest_fit(
     max_trials: int = 10,
     bytes_per_sample: Optional[float] = None,
     max_growth: float = 4.0,
+    on_trial: Optional[Callable[[Trial], None]] = None,
 ) -> BatchSizeSearchResult:
     """The largest batch size in ``[min_batch_size, max_batch_size]`` (a multiple of ``multiple_of``)
     for which ``fits`` says yes, found with few calls (see the module docstring).
@@ -260,6 +261,7 @@ def search_largest_fit(
         max_trials: at most this many calls of ``fits``.
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
         max_growth: a guess is at most this many times the largest fit.
+        on_trial: called with each trial as it ends (progress reporting).
 
     Raises:
         ValueError: when no multiple of ``multiple_of`` lies in the range, or an argument is out of range.
@@ -285,6 +287,8 @@ def search_largest_fit(
         started = time.perf_counter()
         fitted, peak = fits(size)
         trials.append(Trial(size, bool(fitted), None if peak is None else int(peak), time.perf_counter() - started))
+        if on_trial is not None:
+            on_trial(trials[-1])
         if fitted:
             state.best = size if state.best is None else max(state.best, size)
             if peak is not None:

@@ -12,6 +12,8 @@ Validation and checkpoint saving that happen between two steps are *excluded* fr
 step and totalled apart, and the first step of every epoch is not measured: the time from
 the epoch start to its first batch (dataloader worker start-up) is totalled as
 ``worker_startup_s``. The first ``warmup_steps`` steps of the run are not measured either.
+:attr:`StepClock.series` keeps the same split per measured step, binned to at most
+:data:`TIMELINE_POINTS` points (:class:`StepTimeline`, for the "step time over training" plot).
 
 :class:`CudaStepTimer` records a CUDA event at the start and end of every measured step and
 reads them lazily with ``Event.query()``, so it never synchronises the device during
@@ -33,8 +35,8 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Optional, Protocol, Sequence
 
 from lightning_gpuopt.core.checks import check_int
 
@@ -74,6 +76,79 @@ class StepTotals:
     @property
     def step_time_s(self) -> Optional[float]:
         return self.wall_s / self.steps if self.steps else None
+
+
+#: at most this many points in a :class:`StepTimeline` (pairs of points merge when a run has more)
+TIMELINE_POINTS = 200
+
+
+@dataclass
+class StepTimeline:
+    """Where step time went over training: measured steps binned into consecutive groups of
+    ``steps_per_point`` steps, each column the mean per step of its group (seconds).
+
+    ``step`` is the training step (0-based, every step of the run counted, warm-up included) at
+    which each group starts; ``gpu_idle_s`` is filled on CUDA only (``None`` elsewhere).
+
+    Example::
+
+        >>> series = BinnedSeries(("wall_s",), max_points=2)
+        >>> for step in range(4):
+        ...     series.add(step, (float(step),))
+        >>> series.points(), series.steps_per_point
+        ([[0.5], [2.5]], 2)
+    """
+
+    steps_per_point: int = 1
+    step: list[int] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    transfer_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    other_s: list[float] = field(default_factory=list)
+    gpu_idle_s: Optional[list[float]] = None
+
+
+class BinnedSeries:
+    """Per-step values summed into at most ``max_points`` bins of ``steps_per_point`` consecutive
+    steps; when a new step would make one bin too many, neighbouring bins merge in pairs and
+    ``steps_per_point`` doubles. Memory stays ``O(max_points)`` however long the run."""
+
+    def __init__(self, columns: Sequence[str], max_points: int = TIMELINE_POINTS) -> None:
+        self.columns = tuple(columns)
+        self.max_points = check_int("max_points", max_points, 2, f"max_points={TIMELINE_POINTS}")
+        self.steps_per_point = 1
+        self.first_step: list[int] = []
+        self._sums: list[list[float]] = []
+        self._counts: list[int] = []
+
+    @property
+    def steps(self) -> int:
+        return sum(self._counts)
+
+    def add(self, step: int, values: Sequence[float]) -> None:
+        if not self._counts or self._counts[-1] >= self.steps_per_point:
+            if len(self._counts) == self.max_points:
+                self._merge_pairs()
+        if self._counts and self._counts[-1] < self.steps_per_point:
+            self._counts[-1] += 1
+            self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
+        else:
+            self.first_step.append(step)
+            self._counts.append(1)
+            self._sums.append([float(value) for value in values])
+
+    def _merge_pairs(self) -> None:
+        self.steps_per_point *= 2
+        pairs = range(0, len(self._counts), 2)
+        self.first_step = [self.first_step[i] for i in pairs]
+        self._sums = [[a + b for a, b in zip(*self._sums[i : i + 2])] if i + 1 < len(self._sums) else self._sums[i]
+                      for i in pairs]  # fmt: skip
+        self._counts = [sum(self._counts[i : i + 2]) for i in pairs]
+
+    def points(self) -> list[list[float]]:
+        """Each bin's values as means per step, in step order."""
+        return [[total / count for total in sums] for sums, count in zip(self._sums, self._counts)]
 
 
 @dataclass
@@ -120,6 +195,8 @@ class StepClock:
         self.epochs_seen = 0
         self.worker_startup_s: list[float] = []
         self.excluded_s: dict[str, float] = collections.defaultdict(float)
+        #: every measured step's wall, data wait, transfer and compute seconds, binned
+        self.series = BinnedSeries(("wall_s", "data_wait_s", "transfer_s", "compute_s"))
         self._pending = _PendingStep()
         self._epoch_started_at: Optional[float] = None
         self._last_end: Optional[float] = None
@@ -175,10 +252,28 @@ class StepClock:
                 totals.transfer_s += step.transfer_s
                 totals.compute_s += compute_s
                 totals.forward_s += step.forward_s
+            self.series.add(self.steps_seen, (wall_s, step.fetch_s, step.transfer_s, compute_s))
         self.steps_seen += 1
         self._last_end = now
         self._step_started_at = None
         self._pending = _PendingStep()
+
+    def timeline(self, gpu_idle: Optional[BinnedSeries] = None) -> StepTimeline:
+        """The measured steps binned (:class:`StepTimeline`); ``gpu_idle`` (one value a measured
+        step, from :attr:`CudaStepTimer.idle_series`) is kept only when it covers the same steps."""
+        points = self.series.points()
+        wall, wait, transfer, compute = (list(column) for column in zip(*points)) if points else ([], [], [], [])
+        same_steps = gpu_idle is not None and gpu_idle.steps == self.series.steps and points
+        return StepTimeline(
+            steps_per_point=self.series.steps_per_point,
+            step=list(self.series.first_step),
+            wall_s=wall,
+            data_wait_s=wait,
+            transfer_s=transfer,
+            compute_s=compute,
+            other_s=[max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)],
+            gpu_idle_s=[point[0] for point in gpu_idle.points()] if same_steps else None,  # type: ignore[union-attr]
+        )
 
     def take_window(self) -> StepTotals:
         """The totals since the last call (for periodic logging), and start a new window."""
@@ -248,6 +343,8 @@ class CudaStepTimer:
         self._start: Optional[Event] = None
         self._clean_gap = False
         self._previous_end: Optional[Event] = None
+        #: GPU idle seconds before each resolved measured step (0 after an unclean gap), binned
+        self.idle_series = BinnedSeries(("gpu_idle_s",))
 
     def before_transfer(self) -> None:
         """The batch is fetched: the step's device work begins with its copy to the device."""
@@ -273,8 +370,11 @@ class CudaStepTimer:
             step = self._pending.popleft()
             self.totals.steps += 1
             self.totals.busy_s += step.start.elapsed_time(step.end) / 1e3
+            idle_s = 0.0
             if step.previous_end is not None:
-                self.totals.idle_s += max(0.0, step.previous_end.elapsed_time(step.start) / 1e3)
+                idle_s = max(0.0, step.previous_end.elapsed_time(step.start) / 1e3)
+                self.totals.idle_s += idle_s
+            self.idle_series.add(self.totals.steps - 1, (idle_s,))
         return self.totals
 
     def finish(self) -> GpuTotals:

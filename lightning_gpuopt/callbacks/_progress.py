@@ -1,0 +1,85 @@
+"""Progress of long work before training (batch-size trials, loader candidates), on rank 0.
+
+Each finished unit of work is one line through ``rank_zero_info`` -- or, when the Trainer shows a
+progress bar (its ``TQDMProgressBar`` or ``RichProgressBar`` is present and enabled), a rich
+progress bar that advances once a unit and shows the last line. Nothing at all when the callback
+is quiet (``verbose=False``, or ``progress=False``).
+
+Example::
+
+    with WorkProgress(trainer, "BatchSizeSearch trial", total=10, enabled=True) as progress:
+        for size in (64, 128, 96):
+            ...
+            progress.done(f"trial: batch size {size} fits")
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def shows_progress_bar(trainer: Trainer) -> bool:
+    """Whether the Trainer has an enabled progress bar callback (TQDM or rich)."""
+    bar = trainer.progress_bar_callback
+    return bar is not None and bool(getattr(bar, "is_enabled", False))
+
+
+class WorkProgress:
+    """Reports units of work as they end: a line each (``rank_zero_info``), or a rich bar.
+
+    Args:
+        trainer: whose progress bar setting is followed (and whose rank decides who reports).
+        title: what a unit is (``"BatchSizeSearch trial"``): the prefix of every line and the bar's label.
+        total: how many units at most (``None``: unknown).
+        enabled: ``False`` reports nothing.
+        bar: whether to show a bar; ``None`` asks :func:`shows_progress_bar` (ask before the trainer's
+            callbacks are swapped out, as for batch-size trials).
+    """
+
+    def __init__(
+        self, trainer: Trainer, title: str, total: Optional[int], enabled: bool, bar: Optional[bool] = None
+    ) -> None:
+        self.title = title
+        self.total = total
+        self.enabled = enabled and trainer.is_global_zero
+        self.count = 0
+        self._bar: Any = None
+        self._task: Any = None
+        self._use_bar = self.enabled and (shows_progress_bar(trainer) if bar is None else bar)
+
+    def __enter__(self) -> "WorkProgress":
+        if self._use_bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.table import Column
+
+            last = Column(no_wrap=True, overflow="ellipsis", ratio=1)  # the last unit's line takes what is left
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[last]}", table_column=last),
+                                 transient=False, expand=True)  # fmt: skip
+            self._task = self._bar.add_task(self.title, total=self.total, last="")
+            self._bar.start()
+        return self
+
+    def done(self, line: str) -> None:
+        """One unit ended; ``line`` says what it measured."""
+        if not self.enabled:
+            return
+        self.count += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, last=line)
+        else:
+            of = f"/{self.total}" if self.total else ""
+            rank_zero_info(f"{self.title} {self.count}{of}: {line}")
+
+    def __exit__(
+        self, kind: Optional[type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
+    ) -> None:
+        if self._bar is not None:
+            if self.total is not None:  # the search stopped early: the bar shows how many ran
+                self._bar.update(self._task, total=self.count)
+            self._bar.stop()
+            self._bar = None

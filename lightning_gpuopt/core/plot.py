@@ -1,0 +1,252 @@
+"""Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra).
+
+Three figures, each drawn only when the report holds its section:
+
+* ``step_time.png`` (section ``"data_wait"``) -- where each training step's time went over
+  training: data wait, batch transfer, compute and other host work, stacked, in ms per step,
+  with the GPU's idle time between steps where it was measured (CUDA);
+* ``memory.png`` (section ``"batch_size_search"``, with ``"memory"`` when present) -- peak memory
+  of every trial against its batch size (fits / out of memory), the estimate's line
+  (``fixed + per-sample x batch``) or a line through the trials that fitted, the budget the
+  search planned with, the device's capacity, and the batch size chosen;
+* ``loader.png`` (section ``"dataloader"``) -- samples/s of every loader setting timed, the chosen
+  one and the user's own marked.
+
+matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (no display
+needed, pyplot's global backend untouched), so the package imports without it; drawing without it raises :class:`PlotUnavailableError`, which says
+``pip install lightning-gpuopt[plot]``.
+
+Example::
+
+    from lightning_gpuopt.core.plot import save_plots
+
+    save_plots("lightning_logs/version_0/gpuopt_report.json")   # PNGs beside the report
+    # [PosixPath('lightning_logs/version_0/step_time.png'), ...memory.png, ...loader.png]
+
+From the shell: ``gpuopt plot lightning_logs/version_0/gpuopt_report.json --out plots/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+from lightning_gpuopt.core.diagnosis import DataWaitReport
+from lightning_gpuopt.core.estimate import MemoryEstimate
+from lightning_gpuopt.core.loader import LoaderTuneResult
+from lightning_gpuopt.core.report import from_dict, read_json
+from lightning_gpuopt.core.search import BatchSizeSearchResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: the figures :func:`report_figures` can draw, by name (the PNG is ``NAME.png``)
+PLOT_NAMES = ("step_time", "memory", "loader")
+_MIB = 2**20
+_COLOURS = {"data wait": "#d62728", "transfer": "#ff7f0e", "compute": "#2ca02c", "other": "#9e9e9e",
+            "gpu idle": "#1f77b4"}  # fmt: skip
+
+
+class PlotUnavailableError(ImportError):
+    """matplotlib is not installed: the message names the extra that brings it."""
+
+
+def _require_matplotlib() -> None:
+    """Import matplotlib, or raise a clear error naming the ``[plot]`` extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise PlotUnavailableError(
+            "Drawing the gpuopt report needs matplotlib: `pip install lightning-gpuopt[plot]`"
+            f" (or `pip install matplotlib`). ({error})"
+        ) from None
+
+
+def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple["Figure", Any]:
+    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas. pyplot is
+    never used: no global backend is switched (a notebook keeps its own) and no figure is kept alive."""
+    _require_matplotlib()
+    if axes is not None:
+        return axes.figure, axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot()
+
+
+def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
+    """Milliseconds per step in data wait, transfer, compute and other, stacked, over training
+    (into ``axes`` when given, else a new figure).
+
+    A report without a timeline (written by an older version) is drawn as one bar of the totals.
+    """
+    figure, axes = _new_figure(axes)
+    timeline = report.timeline
+    title = f"Step time over training · {report.verdict}"
+    if timeline is None or not timeline.step:
+        shares = [("data wait", report.data_wait_s), ("transfer", report.transfer_s),
+                  ("compute", report.compute_s), ("other", report.other_s)]  # fmt: skip
+        left = 0.0
+        for name, seconds in shares:
+            per_step_ms = 1e3 * seconds / report.steps if report.steps else 0.0
+            axes.barh(["mean step"], [per_step_ms], left=left, label=name, color=_COLOURS[name])
+            left += per_step_ms
+        axes.set_xlabel("ms per step")
+    else:
+        steps = timeline.step
+        columns = [("data wait", timeline.data_wait_s), ("transfer", timeline.transfer_s),
+                   ("compute", timeline.compute_s), ("other", timeline.other_s)]  # fmt: skip
+        axes.stackplot(steps, *[[1e3 * value for value in values] for _, values in columns],
+                       labels=[name for name, _ in columns], colors=[_COLOURS[name] for name, _ in columns],
+                       step="post", alpha=0.85)  # fmt: skip
+        if timeline.gpu_idle_s is not None:
+            axes.step(steps, [1e3 * value for value in timeline.gpu_idle_s], where="post", color=_COLOURS["gpu idle"],
+                      linewidth=1.5, label="GPU idle before the step")  # fmt: skip
+        axes.set_xlabel("training step" + (f" (mean of {timeline.steps_per_point} steps a point)"
+                                           if timeline.steps_per_point > 1 else ""))  # fmt: skip
+        axes.set_ylabel("ms per step")
+        axes.set_xlim(steps[0], steps[-1] + timeline.steps_per_point)
+        axes.set_ylim(bottom=0)
+    shares = ", ".join(f"{name} {fraction:.0%}" for name, fraction in (
+        ("data wait", report.data_wait_fraction), ("compute", report.compute_fraction),
+        ("GPU idle", report.gpu_idle_fraction)) if fraction is not None)  # fmt: skip
+    axes.set_title(f"{title}\n{shares}", fontsize=10)
+    axes.legend(loc="upper right", fontsize=8)
+    return figure
+
+
+def memory_figure(
+    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None
+) -> "Figure":
+    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
+    (into ``axes`` when given, else a new figure)."""
+    figure, axes = _new_figure(axes)
+    fits = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
+    misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
+    sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
+    right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
+    axes.scatter([t.batch_size for t in fits], [t.peak_bytes / _MIB for t in fits], color="#2ca02c", zorder=3,
+                 label="trial: fits (peak)")  # fmt: skip
+    axes.scatter([t.batch_size for t in misses], [t.peak_bytes / _MIB for t in misses], color="#d62728", marker="x",
+                 zorder=3, label="trial: out of memory (peak when it failed)")  # fmt: skip
+    for number, trial in enumerate(search.trials, 1):
+        if trial.peak_bytes is not None:
+            axes.annotate(str(number), (trial.batch_size, trial.peak_bytes / _MIB), textcoords="offset points",
+                          xytext=(4, 4), fontsize=7, color="#555555")  # fmt: skip
+    line = _memory_line(search, estimate)
+    if line is not None:
+        fixed, per_sample, label = line
+        axes.plot([0, right], [fixed / _MIB, (fixed + per_sample * right) / _MIB], linestyle="--", color="#555555",
+                  label=label)  # fmt: skip
+    if search.budget_bytes:
+        budget_mib = search.budget_bytes / _MIB
+        axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
+    if estimate is not None and estimate.capacity_bytes:
+        axes.axhline(estimate.capacity_bytes / _MIB, color="#000000", linewidth=0.8,
+                     label=f"device capacity ({estimate.capacity_bytes / _MIB:,.1f} MiB)")  # fmt: skip
+    if search.batch_size is not None:
+        axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
+    axes.set_xlim(0, right)
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("batch size (per rank)")
+    axes.set_ylabel("peak memory (MiB)")
+    axes.set_title(f"Memory vs batch size · {len(search.trials)} trials, stopped: {search.stop_reason}", fontsize=10)
+    axes.legend(loc="lower right", fontsize=8)
+    return figure
+
+
+def _memory_line(
+    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate]
+) -> Optional[tuple[float, float, str]]:
+    """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line
+    through the trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
+    if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
+        per_sample = estimate.bytes_per_sample
+        return estimate.fixed_bytes, per_sample, f"estimate: {estimate.fixed_bytes / _MIB:,.1f} MiB + " \
+                                                 f"{per_sample / 1024:,.1f} KiB x batch"  # fmt: skip
+    points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
+    if len(points) < 2:
+        return None
+    mean_x = sum(points) / len(points)
+    mean_y = sum(points.values()) / len(points)
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in points.items())
+    slope = covariance / sum((x - mean_x) ** 2 for x in points)
+    if slope <= 0:
+        return None
+    return mean_y - slope * mean_x, slope, "line through the trials that fit"
+
+
+def loader_figure(result: LoaderTuneResult, axes: Any = None) -> "Figure":
+    """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked
+    (into ``axes`` when given, else a new figure)."""
+    timings = sorted(result.candidates, key=lambda timing: timing.samples_per_second)
+    figure, axes = _new_figure(axes, height=max(2.5, 1.2 + 0.4 * len(timings)))
+    baseline = result.baseline.setting if result.baseline is not None else None
+    labels, colours = [], []
+    for timing in timings:
+        marks = [mark for mark, on in (("chosen", timing.setting == result.setting),
+                                       ("yours", timing.setting == baseline),
+                                       ("stopped early", timing.stopped_early)) if on]  # fmt: skip
+        labels.append(timing.setting.short() + (f"  [{', '.join(marks)}]" if marks else ""))
+        colours.append("#2ca02c" if timing.setting == result.setting else "#1f77b4" if timing.setting == baseline
+                       else "#9e9e9e")  # fmt: skip
+    bars = axes.barh(range(len(timings)), [timing.samples_per_second for timing in timings], color=colours)
+    axes.bar_label(bars, labels=[f"{timing.samples_per_second:,.0f}" for timing in timings], padding=3, fontsize=8)
+    axes.set_yticks(range(len(timings)), labels, fontsize=8)
+    axes.set_xlabel("samples / s (loader alone, steady state)")
+    axes.margins(x=0.15)
+    speedup = f" · {result.speedup:.2f}x your setting" if result.speedup is not None else ""
+    axes.set_title(f"DataLoader settings timed · {len(timings)} in {result.seconds:.1f} s{speedup}", fontsize=10)
+    return figure
+
+
+def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, "Figure"]:
+    """Every figure the report has data for, by name (:data:`PLOT_NAMES`); ``report`` is the
+    ``gpuopt_report.json`` content or its path."""
+    data = read_json(report) if isinstance(report, (str, os.PathLike)) else report
+    drawers: dict[str, Callable[[], Optional["Figure"]]] = {
+        "step_time": lambda: step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
+        if data.get("data_wait") and data["data_wait"].get("steps") else None,
+        "memory": lambda: memory_figure(
+            from_dict(BatchSizeSearchResult, data["batch_size_search"]),
+            from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None,
+        ) if data.get("batch_size_search") and data["batch_size_search"].get("trials") else None,
+        "loader": lambda: loader_figure(from_dict(LoaderTuneResult, data["dataloader"]))
+        if data.get("dataloader") and data["dataloader"].get("candidates") else None,
+    }  # fmt: skip
+    figures = {name: draw() for name, draw in drawers.items()}
+    return {name: figure for name, figure in figures.items() if figure is not None}
+
+
+def save_plots(
+    report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
+) -> list[Path]:
+    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``.
+
+    Args:
+        report: the path of a ``gpuopt_report.json``, or its content.
+        out_dir: where the PNGs go; ``None``: beside the report (required when ``report`` is a dict).
+
+    Returns:
+        The paths written, in :data:`PLOT_NAMES` order (empty when the report holds none of the sections).
+
+    Raises:
+        PlotUnavailableError: matplotlib is not installed.
+        ValueError: ``out_dir`` is ``None`` and ``report`` is not a path.
+    """
+    if out_dir is None:
+        if not isinstance(report, (str, os.PathLike)):
+            raise ValueError("`out_dir`=None needs `report` to be a path (the PNGs go beside it); "
+                             "pass out_dir='plots/' with a report given as a dict.")  # fmt: skip
+        out_dir = Path(report).parent
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, figure in report_figures(report).items():
+        path = out / f"{name}.png"
+        figure.savefig(path)
+        written.append(path)
+    return written
