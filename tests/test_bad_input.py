@@ -75,6 +75,7 @@ CASES: dict[type, dict[str, list[Any]]] = {
         "margin": ["0.1", True, NAN, -0.1, 1, None],
         "min_micro_batch_size": ints(1),
         "objective": ["speed", "Throughput", 1, None],
+        "on_oom": ["Adapt", "retry", 1, None, True],
         "batch_arg_name": ["", 1, None],
         "steps_per_trial": ints(1),
         "max_trials": ints(1),
@@ -106,6 +107,7 @@ GPUOPT_CASES: dict[str, list[Any]] = {
     "min_micro_batch_size": [v for v in ints(1) if v is not None],
     "batch_arg_name": ["", 1],
     "loader_max_seconds": [v for v in positive_numbers() if v is not None],
+    "on_oom": ["Adapt", "retry", 1, True],
 }
 
 
@@ -125,7 +127,15 @@ def test_every_constructor_argument_and_preset_key_is_covered():
 
     for cls, table in CASES.items():
         assert set(inspect.signature(cls).parameters) == set(table), cls.__name__
-    assert set(GPUOPT_CASES) == set(PRESET_KEYS) == set(inspect.signature(GpuOpt).parameters) - {"preset"}
+    # ``plots`` is GpuOpt's own (what to draw at the end of fit), not a preset key
+    assert set(GPUOPT_CASES) == set(PRESET_KEYS) == set(inspect.signature(GpuOpt).parameters) - {"preset", "plots"}
+
+
+@pytest.mark.parametrize("value", ["yes", "false", 1, 0], ids=shown)
+def test_gpuopt_refuses_a_plots_value_that_is_not_a_bool(value):
+    with pytest.raises(ValueError) as error:
+        GpuOpt("diagnose", plots=value)
+    assert_names(error, "plots", value)
 
 
 @pytest.mark.parametrize(

@@ -242,8 +242,8 @@ class BatchSizeSearch(Callback):
         self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result = None
         self._check_usable(trainer, pl_module)
-        initial, name = lightning_getattr(pl_module, self.batch_arg_name), self.batch_arg_name
-        self._changes.add("the batch size", lambda: lightning_setattr(pl_module, name, initial), lasting=True)
+        holders, name = _batch_size_holders(pl_module, self.batch_arg_name), self.batch_arg_name
+        self._changes.add("the batch size", lambda: _put_back_batch_size(holders, name), lasting=True)
         with sigterm_stops_our_work(trainer, self._changes):
             self._search(trainer, pl_module)
 
