@@ -170,9 +170,11 @@ def oom(out: Path) -> None:
     from lightning_gpuopt import MemoryFill
     from lightning_gpuopt.core.report import to_dict
 
-    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=48)
-    # short batches fit with room (DDP adds its buckets and communication buffers), the long batch does not
-    cap = int(3 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
+    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=128)
+    # short batches fit with a wide room (DDP adds its buckets, and gloo's communication buffers are
+    # freed late on a loaded machine: 3x a short step was once not enough), the long batch (9.5x a
+    # short step's peak) does not
+    cap = int(5 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
     model = TokenModel(dataset, batch_size=8)
     memory_fill = MemoryFill(global_batch_size=16, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, callbacks=[memory_fill,

@@ -148,7 +148,7 @@ def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_
     assert adaptations and {a["step"] for a in adaptations} == {2}
     assert all(a["reason"].startswith("out of memory on rank 1 (") for a in adaptations)
     # the truth: each step, the mean of the two ranks' losses on their own (padded) batches, unsplit
-    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=48)
+    dataset = VariableLengthDataset(64, long_at=OOM_LONG, long=128)
     model = TokenModel(dataset)
     optimizer = model.configure_optimizers()
     indices = oom_rank_indices()

@@ -214,7 +214,7 @@ def test_on_a_simulated_card_with_16_mixed_the_gradient_scaler_applies_once(tmp_
 
 
 def test_on_oom_option_presets_and_gpuopt_override():
-    with pytest.raises(ValueError, match=r"`on_oom`='skip' is not one of \('adapt', 'raise'\)"):
+    with pytest.raises(ValueError, match=r"`on_oom` must be one of 'adapt', 'raise', got 'skip'"):
         MemoryFill(on_oom="skip")
     assert all(load_preset(name)["on_oom"] == "adapt" for name in ("fill-memory", "max-throughput", "low-memory"))
     assert GpuOpt("fill-memory").fill.on_oom == "adapt"

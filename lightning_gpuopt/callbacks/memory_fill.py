@@ -475,9 +475,13 @@ class MemoryFill(Callback):
         # parameters, buffers, gradients, RNG states (the loader's draws among them) and attributes put back
         with _TrainingStateRestored(trainer, pl_module):
             try:
-                batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
-                batch = _sliced(batch, batch_samples(batch), CHECK_SAMPLES)
-                for group in groups:
+                try:
+                    batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
+                    batch = _sliced(batch, batch_samples(batch), CHECK_SAMPLES)
+                except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
+                    problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(groups)
+                    batch = None
+                for group in groups if batch is not None else []:
                     with contextlib.ExitStack() as others:
                         for other in switched_on:
                             if other is not group:
@@ -485,8 +489,6 @@ class MemoryFill(Callback):
                         problems.append(check_recomputation(
                             pl_module, _loss_function(pl_module), batch, group,
                             step_context=trainer.precision_plugin.train_step_context))  # fmt: skip
-            except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
-                problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(groups)
             finally:
                 _reset_train_loader(trainer)
         # every rank keeps a group, or none

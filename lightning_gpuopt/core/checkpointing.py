@@ -473,13 +473,16 @@ def check_recomputation(
 
     try:
         with torch.random.fork_rng(devices=devices):
-            with torch.random.fork_rng(devices=devices), handle.paused():  # the plain step, RNG state put back
+            # the plain step, RNG state put back; what it raises is the user's step failing, not the
+            # checkpointing: it propagates as it is
+            with torch.random.fork_rng(devices=devices), handle.paused():
                 plain = _run_step(loss_fn, batch, params, buffers, step_context)
             put_buffers_back()
-            recomputed = _run_step(loss_fn, batch, params, buffers, step_context)
+            try:
+                recomputed = _run_step(loss_fn, batch, params, buffers, step_context)
+            except Exception as error:  # noqa: BLE001 - the reason to refuse
+                return _reason(error)
         return _first_difference(plain, recomputed, [n for n, _ in named_params], [n for n, _ in named_buffers], rtol)
-    except Exception as error:  # noqa: BLE001 - the reason to refuse
-        return _reason(error)
     finally:
         put_buffers_back()
         for param, grad in zip(params, saved_grads):
