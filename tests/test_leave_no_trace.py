@@ -375,6 +375,8 @@ def test_the_users_hooks_and_attributes_see_one_fit_and_checkpoints_keep_the_use
 _CHILD = textwrap.dedent(
     """
     import json, os, signal, sys
+    # Ctrl+C as in a terminal: a process started in the background inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tests!r})
     from test_leave_no_trace import CALLBACKS, Net, fresh_model, make_trainer, state_before, assert_as_before
     from lightning.pytorch.utilities.exceptions import SIGTERMException
