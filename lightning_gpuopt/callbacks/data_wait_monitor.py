@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._detectors import Probe, make_probes, run_probe_findings, stop_probes
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.diagnosis import (
@@ -67,6 +68,7 @@ from lightning_gpuopt.core.diagnosis import (
 )
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
+from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
@@ -107,6 +109,8 @@ class DataWaitMonitor(Callback):
         report_path: where to write the JSON report; ``None`` writes
             ``gpuopt_report.json`` into ``trainer.log_dir`` (or ``default_root_dir``).
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
+        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``,
+            see :mod:`lightning_gpuopt.core.findings`).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class DataWaitMonitor(Callback):
         straggler_slowdown: float = 0.2,
         report_path: Optional[str | os.PathLike] = None,
         verbose: bool = True,
+        find_patterns: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
         check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
@@ -129,6 +134,7 @@ class DataWaitMonitor(Callback):
         check_path("report_path", report_path, "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
                    allow_none=True)
         check_bool("verbose", verbose, "verbose=False")
+        check_bool("find_patterns", find_patterns, "find_patterns=False")
         self.warmup_steps = warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)
@@ -141,6 +147,7 @@ class DataWaitMonitor(Callback):
         )
         self.report_path = report_path
         self.verbose = verbose
+        self.find_patterns = find_patterns
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
         #: where the JSON report was written (rank 0)
@@ -159,6 +166,8 @@ class DataWaitMonitor(Callback):
         self._in_validation = False
         self._validation_wrapper: Any = None
         self._report_target: Optional[Path] = None
+        self._probes: list[Probe] = []
+        self._steps_started = 0
 
     # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -168,6 +177,7 @@ class DataWaitMonitor(Callback):
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)
+        self._probes = make_probes() if self.find_patterns else []
         strategy = type(trainer.strategy).__name__
         self._tap = _profiler_tap.install(
             trainer,
@@ -218,6 +228,7 @@ class DataWaitMonitor(Callback):
         self._validation_wrapper = None
         if self._sampler is not None:
             self._sampler.stop()
+        stop_probes(self._probes)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -242,6 +253,17 @@ class DataWaitMonitor(Callback):
             self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig else None)
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
+        self._call_probes("fit_start", trainer, pl_module)
+
+    def _call_probes(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every probe; one that fails is dropped with a warning (advice never costs the run)."""
+        for probe in list(self._probes):
+            try:
+                getattr(probe, hook)(*args)
+            except Exception as error:  # noqa: BLE001
+                probe.stop()
+                self._probes.remove(probe)
+                rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
@@ -250,6 +272,7 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
+        self._call_probes("step_start", trainer, pl_module, batch, self._steps_started)
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -262,6 +285,8 @@ class DataWaitMonitor(Callback):
         self._clock.step_end(self._batch_size(batch))
         if self._gpu is not None:
             self._gpu.step_end()
+        self._call_probes("step_end", trainer, pl_module, batch, self._steps_started)
+        self._steps_started += 1
         if self._clock.window.steps >= self._log_every:
             self._log_window(trainer, self._clock.take_window())
 
@@ -322,6 +347,10 @@ class DataWaitMonitor(Callback):
             ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=device_for(pl_module.device).describe()
         )
         self.report.timeline = clock.timeline(self._gpu.idle_series if self._gpu is not None else None)
+        stop_probes(self._probes)
+        self.report.findings = run_probe_findings(self._probes, trainer, pl_module, rank_zero_warn)
+        if self.report.findings:
+            log_metrics(trainer, findings_metrics(self.report.findings))
         if self.report.steps == 0:
             rank_zero_warn(
                 f"DataWaitMonitor measured no training step: the run had {clock.steps_seen} step(s), of which"

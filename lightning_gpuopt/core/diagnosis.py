@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_gpuopt.core.checks import check_number
+from lightning_gpuopt.core.findings import Finding
 from lightning_gpuopt.core.loader import IO_BOUND_WORKERS_PER_CORE
 from lightning_gpuopt.core.nvml import GpuUsage
 from lightning_gpuopt.core.timing import StepTimeline
@@ -437,6 +438,8 @@ class DataWaitReport:
     straggler_rank: Optional[int] = None
     #: this rank's measured steps over training, binned (rank 0's in the JSON report); ``None``: not measured
     timeline: Optional[StepTimeline] = None
+    #: known slow patterns found on this rank's sampled steps (rank 0's in the JSON report)
+    findings: list[Finding] = field(default_factory=list)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from lightning_gpuopt.core.loader import LoaderTuneResult
     from lightning_gpuopt.core.search import BatchSizeSearchResult
 
+from lightning_gpuopt.core.findings import finding_lines
+
 T = TypeVar("T")
 
 #: file name of the combined report written into the trainer's log dir
@@ -265,6 +267,8 @@ def data_wait_table(report: "DataWaitReport") -> str:
         memory = f"{format_bytes(gpu.memory_used_max_bytes)} / {format_bytes(gpu.memory_total_bytes)}"
         rows.append((f"GPU {gpu.index} {gpu.name}", f"{util}; memory {memory}{flag}"))
     notes = [f"  • {advice}" for advice in report.recommendations] or ["  • nothing to change in the input pipeline"]
+    if report.findings:
+        notes += [f"Slow patterns found ({len(report.findings)}):", *finding_lines(report.findings)]
     if report.loader_cpu_fraction is not None:
         rows.insert(4, ("main thread busy while waiting", format_fraction(report.loader_cpu_fraction)))
     return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
