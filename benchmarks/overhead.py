@@ -1,5 +1,5 @@
-"""Overhead of DataWaitMonitor: step time with no callback, with DataWaitMonitor, and with
-Lightning's SimpleProfiler, interleaved in one run.
+"""Overhead of DataWaitMonitor: step time with no callback, with DataWaitMonitor (with and
+without its slow-pattern findings), and with Lightning's SimpleProfiler, interleaved in one run.
 
 Each round trains every variant once, in a shuffled order, on the same model and data; a
 step is timed from the start of step ``--warmup`` to the end of the last step by the same
@@ -34,7 +34,7 @@ from _common import MLP, Stopwatch, append  # noqa: E402
 
 from lightning_gpuopt import DataWaitMonitor  # noqa: E402
 
-VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "SimpleProfiler")
+VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "DataWaitMonitor(find_patterns=False)", "SimpleProfiler")
 
 
 def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> float:
@@ -44,6 +44,8 @@ def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: P
     profiler = None
     if variant == "DataWaitMonitor":
         callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup))
+    if variant == "DataWaitMonitor(find_patterns=False)":  # the findings' share of the overhead
+        callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup, find_patterns=False))
     if variant == "empty Callback":  # what Lightning charges for dispatching hooks to any callback
         callbacks.insert(0, Callback())
     if variant == "SimpleProfiler":

@@ -48,6 +48,7 @@ CASES: dict[type, dict[str, list[Any]]] = {
         "straggler_slowdown": fractions(),
         "report_path": [123, "", b"report.json", 1.5, ["a.json"]],
         "verbose": NOT_A_BOOL,
+        "find_patterns": NOT_A_BOOL,
     },
     MemoryEstimator: {
         "max_memory": MEMORY,
