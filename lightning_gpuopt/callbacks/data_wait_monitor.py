@@ -38,6 +38,18 @@ previous log (rank 0's figures; to every logger of the Trainer, and each rank's 
 +-------------------------------------+---------------------------------------------------------+
 | ``gpuopt/gpu_memory_used_fraction`` | NVML only: peak memory used / total of this rank's GPU  |
 +-------------------------------------+---------------------------------------------------------+
+
+Once, at the end of ``fit``, when slow patterns were found (``report.findings``, see
+:mod:`lightning_gpuopt.core.findings` for the kinds and their figures):
+
++----------------------------------------+------------------------------------------------------+
+| Key                                    | Meaning                                              |
++========================================+======================================================+
+| ``gpuopt/findings``                    | number of slow patterns found on this rank           |
++----------------------------------------+------------------------------------------------------+
+| ``gpuopt/finding/<kind>/<figure>``     | each finding's measured figures (``-`` in the kind   |
+|                                        | becomes ``_``: ``gpuopt/finding/host_sync/...``)     |
++----------------------------------------+------------------------------------------------------+
 """
 
 from __future__ import annotations
