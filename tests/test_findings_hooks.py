@@ -131,7 +131,7 @@ def test_a_slow_callback_hook_is_found_with_its_numbers_and_the_interval(tmp_pat
     assert finding.where == "SlowHook.on_train_batch_end"
     assert finding.figures["calls"] == 12
     assert finding.figures["seconds"] >= 12 * 0.05 and finding.figures["ms_per_call"] >= 50
-    assert 0.3 <= finding.figures["share"] <= 1.0
+    assert 0.2 <= finding.figures["share"] <= 1.0
     every = int(finding.figures["suggested_every_n"])
     assert every >= 10 and f"`if trainer.global_step % {every} == 0:`" in finding.fix
     assert "SlowHook.on_train_batch_end took" in finding.message and "12 call(s)" in finding.message
@@ -155,15 +155,16 @@ def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
 
 def test_fast_hooks_lightnings_own_callbacks_and_compute_are_no_finding(tmp_path):
     # the step itself is slow (training_step sleeps); the progress bar and model summary run; a hook is fast
-    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), loader(), callbacks=[SlowHook(0.0)], max_steps=10,
+    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), loader(640), callbacks=[SlowHook(0.0)], max_steps=30,
                      enable_progress_bar=True, enable_model_summary=True, enable_checkpointing=True)  # fmt: skip
     assert of_kind(monitor, "slow-hook") == []
 
 
 def test_a_hook_slow_only_inside_validation_is_no_finding(tmp_path):
     val = DataLoader(preloaded_dataset(64, 32), batch_size=16)
-    monitor, _ = fit(tmp_path, MLP(), loader(), callbacks=[SlowInValidation()], val_loader=val, max_steps=12,
-                     val_check_interval=4)  # fmt: skip
+    # training steps of 30 ms: a hiccup of a trivial hook on a loaded machine stays far under 10% of training
+    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), loader(), callbacks=[SlowInValidation()], val_loader=val,
+                     max_steps=12, val_check_interval=4)  # fmt: skip
     assert monitor.report.validation_s >= 2 * 4 * 0.05  # the hook did run, inside validation
     assert of_kind(monitor, "slow-hook") == []
 
@@ -307,6 +308,7 @@ def test_a_slow_read_of_an_input_bound_run_is_found(tmp_path, monkeypatch):
     assert finding.figures["read_mb_s"] == pytest.approx(0.1)
     assert finding.figures["data_wait_fraction"] >= 0.2
     assert f"cp -r {tmp_path / 'data'} /dev/shm/" in finding.fix
+    assert "65.5 kB a sample x" in finding.message
 
 
 class SlowDatasetFiles(Dataset):

@@ -265,6 +265,8 @@ class DatasetDisk(Probe):
             measured.files,
             measured.bytes / 1e6,
             filesystem_type(files.directory),
+            bytes_per_sample=files.bytes_per_sample,
+            samples_per_second=report.samples_per_second * host_share,
         )
         return [finding] if finding is not None else []
 

@@ -492,10 +492,12 @@ def slow_disk(
     mb_read: float,
     filesystem: Optional[str] = None,
     margin: float = DISK_MARGIN,
+    bytes_per_sample: Optional[float] = None,
+    samples_per_second: Optional[float] = None,
 ) -> Optional[Finding]:
     """The dataset's files (under ``directory``) read at ``read_mb_s`` (``files_read`` of them,
     ``mb_read`` MB, page cache dropped first) against ``needed_mb_s``, the rate training consumes
-    them (bytes per sample x samples per second).
+    them (``bytes_per_sample`` x ``samples_per_second``, both optional: only shown).
 
     Found when the read is slower than ``margin`` (1.5) x the needed rate -- a disk barely faster
     than training leaves no headroom for seeks, other readers or the next, faster epoch -- and the
@@ -519,11 +521,14 @@ def slow_disk(
     )
     if in_memory:
         fix = "the files are already in memory: read them in more DataLoader workers (raise num_workers)"
+    rate = ""
+    if bytes_per_sample and samples_per_second:
+        rate = f" ({bytes_per_sample / 1e3:.1f} kB a sample x {samples_per_second:.0f} samples/s)"
     return Finding(
         "slow-disk",
         f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
-        f" {mb_read:.1f} MB, page cache dropped first) while training consumes {needed_mb_s:.1f} MB/s and waits for"
-        f" data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
+        f" {mb_read:.1f} MB, page cache dropped first) while training consumes {needed_mb_s:.1f} MB/s{rate} and"
+        f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
         fix,
         where=directory,
         figures={
