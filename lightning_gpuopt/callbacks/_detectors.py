@@ -4,12 +4,14 @@ Each probe looks at a few sampled training steps, never at every one, and undoes
 installed in :meth:`Probe.stop` (called from ``teardown`` and ``on_exception``). The monitor
 calls, in order: ``fit_start`` (from ``on_train_start``), ``step_start``/``step_end`` around
 each training step with the step's index since the start of ``fit`` (0-based, warm-up
-included), ``stop``, then ``findings``.
+included), ``stop``, then ``findings`` with :attr:`Probe.report` set to the run's report. A
+probe that overrides :meth:`Probe.action_timed` is also called with every action the trainer's
+profiler times (every hook call, ``save_checkpoint``, ...), from ``setup`` on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -18,12 +20,18 @@ from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.findings import Finding, channels_last, cudnn_benchmark_off, data_parallel, oversubscription, tf32_off
 from lightning_gpuopt.core.loader import usable_cpu_count
 
+if TYPE_CHECKING:
+    from lightning_gpuopt.core.diagnosis import DataWaitReport
+
 #: training steps (0-based from the start of ``fit``) on which the probes look at the batch
 SAMPLED_STEPS = (1, 2, 3)
 
 
 class Probe:
     """Base class: every hook does nothing."""
+
+    #: the run's report (numbers as ``samples_per_second``, ``data_wait_fraction``), set before :meth:`findings`
+    report: Optional["DataWaitReport"] = None
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Called once the loaders and the model are on their device (``on_train_start``)."""
@@ -33,6 +41,10 @@ class Probe:
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         """Called after training step ``step``."""
+
+    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
+        """Called with every profiled action's name and wall-clock seconds, and whether it ran in a
+        validation run inside ``fit`` (only for probes that override it: it runs on every hook call)."""
 
     def stop(self) -> None:
         """Undo everything installed; called on every exit path, perhaps more than once."""
@@ -114,7 +126,14 @@ class ModuleAndDeviceChecks(Probe):
 
 def make_probes() -> list[Probe]:
     """One probe of each kind, fresh for a ``fit``."""
-    return [ModuleAndDeviceChecks()]
+    from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
+
+    return [ModuleAndDeviceChecks(), HookTimes(), DatasetDisk()]
+
+
+def listens_to_actions(probe: Probe) -> bool:
+    """Whether ``probe`` overrides :meth:`Probe.action_timed`."""
+    return type(probe).action_timed is not Probe.action_timed
 
 
 def run_probe_findings(probes: list[Probe], trainer: Any, pl_module: Any, warn: Any) -> list[Finding]:

@@ -7,6 +7,12 @@ and ``training_step`` in ``profiler.profile("[Strategy]<Strategy>.<hook>")``, an
 :class:`ProfilerTap` in a callback's ``setup()`` (after Lightning set its profiler up) gives
 the exact duration of each of those calls; actions nobody listens to go straight to the
 wrapped profiler, so the user's profiler (``SimpleProfiler``, ...) sees exactly what it saw.
+
+Lightning also profiles every hook call, as ``[Callback]<state_key>.<hook>``,
+``[LightningModule]<Class>.<hook>``, ``[LightningDataModule]<Class>.<hook>`` and
+``[Strategy]<Class>.<hook>``. An optional catch-all listener (``any_action``) is called with
+the name and wall-clock seconds of every action (``perf_counter`` only: it runs on every hook
+call, dozens per step), the listened-to ones included.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any, Callable, Optional
 Listener = Callable[[float, float], None]
 """Called with an action's wall-clock seconds and the CPU seconds of the calling (main) thread meanwhile."""
 
+AnyListener = Callable[[str, float], None]
+"""Called with every action's name and wall-clock seconds."""
+
 
 class ProfilerTap:
     """Times the listened-to actions and forwards every call to the wrapped profiler.
@@ -24,32 +33,43 @@ class ProfilerTap:
     Args:
         inner: the profiler being wrapped (``trainer.profiler``).
         listeners: action name -> function called with the action's wall-clock and CPU seconds.
+        any_action: called with the name and wall-clock seconds of every action (optional).
     """
 
-    def __init__(self, inner: Any, listeners: dict[str, Listener]) -> None:
+    def __init__(self, inner: Any, listeners: dict[str, Listener], any_action: Optional[AnyListener] = None) -> None:
         self.inner = inner
         self.listeners = dict(listeners)
+        self.any_action = any_action
         self._started: dict[str, tuple[float, float]] = {}
+        self._any_started: dict[str, float] = {}
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
         if action_name in self.listeners:
             self._started[action_name] = (time.perf_counter(), time.thread_time())
+        if self.any_action is not None:
+            self._any_started[action_name] = time.perf_counter()
 
     def stop(self, action_name: str) -> None:
+        now = time.perf_counter()
         started = self._started.pop(action_name, None)
         if started is not None and action_name in self.listeners:
-            self.listeners[action_name](time.perf_counter() - started[0], time.thread_time() - started[1])
+            self.listeners[action_name](now - started[0], time.thread_time() - started[1])
+        any_started = self._any_started.pop(action_name, None)
+        if any_started is not None and self.any_action is not None:
+            self.any_action(action_name, now - any_started)
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
         listener = self.listeners.get(action_name)
-        if listener is None:
-            return self.inner.profile(action_name)
-        return _Timed(self.inner.profile(action_name), listener)
+        if listener is not None:
+            return _Timed(self.inner.profile(action_name), listener, action_name, self.any_action)
+        if self.any_action is not None:
+            return _TimedName(self.inner.profile(action_name), action_name, self.any_action)
+        return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "listeners", "_started"):  # not set yet (e.g. while unpickling)
+        if name in ("inner", "listeners", "any_action", "_started", "_any_started"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -58,24 +78,51 @@ class _Timed:
     """Context manager timing the body inside the wrapped profiler's own context (a class, not a
     generator: it runs on every step, so it is kept cheap)."""
 
-    __slots__ = ("inner", "listener", "wall", "cpu")
+    __slots__ = ("inner", "listener", "name", "any_action", "wall", "cpu")
 
-    def __init__(self, inner: Any, listener: Listener) -> None:
+    def __init__(
+        self, inner: Any, listener: Listener, name: str = "", any_action: Optional[AnyListener] = None
+    ) -> None:
         self.inner = inner
         self.listener = listener
+        self.name = name
+        self.any_action = any_action
 
     def __enter__(self) -> None:
         self.inner.__enter__()
         self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc_info: Any) -> Any:
-        self.listener(time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+        wall = time.perf_counter() - self.wall
+        self.listener(wall, time.thread_time() - self.cpu)
+        if self.any_action is not None:
+            self.any_action(self.name, wall)
         return self.inner.__exit__(*exc_info)
 
 
-def install(trainer: Any, listeners: dict[str, Listener]) -> ProfilerTap:
-    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` listening to ``listeners``."""
-    tap = ProfilerTap(trainer.profiler, listeners)
+class _TimedName:
+    """The catch-all's context manager: wall-clock time only, inside the wrapped profiler's context."""
+
+    __slots__ = ("inner", "name", "any_action", "wall")
+
+    def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
+        self.inner = inner
+        self.name = name
+        self.any_action = any_action
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        self.wall = time.perf_counter()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        self.any_action(self.name, time.perf_counter() - self.wall)
+        return self.inner.__exit__(*exc_info)
+
+
+def install(trainer: Any, listeners: dict[str, Listener], any_action: Optional[AnyListener] = None) -> ProfilerTap:
+    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` listening to ``listeners`` (and to every
+    action through ``any_action``)."""
+    tap = ProfilerTap(trainer.profiler, listeners, any_action)
     trainer.profiler = tap
     return tap
 
@@ -85,6 +132,7 @@ def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
     if tap is None:
         return
     tap.listeners.clear()
+    tap.any_action = None
     if trainer.profiler is tap:
         trainer.profiler = tap.inner
         return

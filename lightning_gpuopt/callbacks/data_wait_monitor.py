@@ -39,7 +39,7 @@ previous log (rank 0's figures; to every logger of the Trainer, and each rank's 
 | ``gpuopt/gpu_memory_used_fraction`` | NVML only: peak memory used / total of this rank's GPU  |
 +-------------------------------------+---------------------------------------------------------+
 
-Once, at the end of ``fit``, when slow patterns were found (``report.findings``, see
+Once, at the end of ``fit`` (``find_patterns=True``), when slow patterns were found (``report.findings``, see
 :mod:`lightning_gpuopt.core.findings` for the kinds and their figures):
 
 +----------------------------------------+------------------------------------------------------+
@@ -49,6 +49,13 @@ Once, at the end of ``fit``, when slow patterns were found (``report.findings``,
 +----------------------------------------+------------------------------------------------------+
 | ``gpuopt/finding/<kind>/<figure>``     | each finding's measured figures (``-`` in the kind   |
 |                                        | becomes ``_``: ``gpuopt/finding/host_sync/...``)     |
++----------------------------------------+------------------------------------------------------+
+| ``gpuopt/dataset_read_mb_s``           | MB/s reading a sample of the training dataset's      |
+|                                        | files, page cache dropped first (at most 32 files,   |
+|                                        | 64 MiB, 2 s; each host's first process; logged       |
+|                                        | whenever the dataset names files)                    |
++----------------------------------------+------------------------------------------------------+
+| ``gpuopt/dataset_needed_mb_s``         | MB/s training consumed those files at                |
 +----------------------------------------+------------------------------------------------------+
 """
 
@@ -68,7 +75,13 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
-from lightning_gpuopt.callbacks._detectors import Probe, make_probes, run_probe_findings, stop_probes
+from lightning_gpuopt.callbacks._detectors import (
+    Probe,
+    listens_to_actions,
+    make_probes,
+    run_probe_findings,
+    stop_probes,
+)
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.diagnosis import (
@@ -179,6 +192,7 @@ class DataWaitMonitor(Callback):
         self._validation_wrapper: Any = None
         self._report_target: Optional[Path] = None
         self._probes: list[Probe] = []
+        self._action_probes: list[Probe] = []
         self._steps_started = 0
 
     # -- set up and tear down -------------------------------------------------------------
@@ -190,6 +204,7 @@ class DataWaitMonitor(Callback):
         self.report = None
         self._clock = StepClock(self.warmup_steps)
         self._probes = make_probes() if self.find_patterns else []
+        self._action_probes = [probe for probe in self._probes if listens_to_actions(probe)]
         strategy = type(trainer.strategy).__name__
         self._tap = _profiler_tap.install(
             trainer,
@@ -199,6 +214,7 @@ class DataWaitMonitor(Callback):
                 f"[Strategy]{strategy}.training_step": self._clock.add_forward,
                 "save_checkpoint": self._on_checkpoint_saved,
             },
+            any_action=self._on_action if self._action_probes else None,
         )
         self._time_validation(trainer)
 
@@ -211,6 +227,22 @@ class DataWaitMonitor(Callback):
     def _on_checkpoint_saved(self, seconds: float, cpu_seconds: float) -> None:
         if self._clock is not None and not self._in_validation:
             self._clock.add_excluded("checkpoint", seconds)
+
+    def _on_action(self, action: str, seconds: float) -> None:
+        """Every profiled action (each hook call): to the probes that listen (advice never costs the run)."""
+        for probe in self._action_probes:
+            try:
+                probe.action_timed(action, seconds, self._in_validation)
+            except Exception as error:  # noqa: BLE001
+                self._drop_probe(probe, error)
+
+    def _drop_probe(self, probe: Probe, error: BaseException) -> None:
+        probe.stop()
+        if probe in self._probes:
+            self._probes.remove(probe)
+        if probe in self._action_probes:
+            self._action_probes.remove(probe)
+        rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _time_validation(self, trainer: Trainer) -> None:
         """Time whole validation runs inside fit (loader start-up included), sanity check excluded."""
@@ -273,9 +305,7 @@ class DataWaitMonitor(Callback):
             try:
                 getattr(probe, hook)(*args)
             except Exception as error:  # noqa: BLE001
-                probe.stop()
-                self._probes.remove(probe)
-                rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
+                self._drop_probe(probe, error)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
@@ -360,6 +390,8 @@ class DataWaitMonitor(Callback):
         )
         self.report.timeline = clock.timeline(self._gpu.idle_series if self._gpu is not None else None)
         stop_probes(self._probes)
+        for probe in self._probes:
+            probe.report = self.report
         self.report.findings = run_probe_findings(self._probes, trainer, pl_module, rank_zero_warn)
         if self.report.findings:
             log_metrics(trainer, findings_metrics(self.report.findings))

@@ -28,6 +28,22 @@ Example::
     >>> finding = oversubscription(threads_per_process=8, processes=4, cores=16)
     >>> finding.kind, finding.fix
     ('oversubscribed', 'torch.set_num_threads(4) in each process (or OMP_NUM_THREADS=4): 4 processes x 4 threads = 16 cores')
+
+Figures of the hook, checkpoint and disk findings, each logged as ``gpuopt/finding/<kind>/<figure>``
+(``-`` in the kind becomes ``_``):
+
+* ``slow_hook/seconds``, ``calls``, ``ms_per_call`` -- the hook's total wall time over the run (its
+  calls inside validation not counted, checkpoint saves it made taken out), its calls, and the mean
+  per call; ``share`` -- seconds / training time (train start to end, validation excluded);
+  ``suggested_every_n`` -- the interval (steps, or epochs for a hook run once an epoch) of the fix.
+  With several slow hooks, the figures are the last one's (each is a finding in ``report.findings``).
+* ``checkpoint_time/saves``, ``seconds``, ``ms_per_save`` -- ``trainer.save_checkpoint`` calls and
+  their time (validation included); ``share`` -- seconds / the fit's time from train start to end;
+  ``suggested_interval`` -- the first saver's new interval (steps, epochs or seconds, as it is set);
+  ``checkpoint_mb`` -- the size of the last file a ``ModelCheckpoint`` wrote (when there is one).
+* ``slow_disk/read_mb_s`` -- MB/s reading a sample of the dataset's files (page cache dropped first);
+  ``needed_mb_s`` -- MB/s training consumed them (bytes per sample x samples per second, this host's
+  processes); ``data_wait_fraction`` -- the run's data wait share of a step; ``files_read``.
 """
 
 from __future__ import annotations
@@ -229,4 +245,296 @@ def channels_last(precision: str, not_channels_last: Sequence[str], inputs_not_c
         " x = x.to(memory_format=torch.channels_last) for 4-D inputs in training_step",
         where=shown or None,
         figures={"convolutions_nchw": float(len(not_channels_last)), "input_nchw": float(inputs_not_channels_last)},
+    )
+
+
+# ----------------------------------------------------------------- hooks, checkpoints, disk
+
+#: share of training time from which one hook is a ``"slow-hook"`` finding
+SLOW_HOOK_SHARE = 0.10
+#: share of the fit's time from which saving checkpoints is a ``"checkpoint-time"`` finding
+CHECKPOINT_SHARE = 0.10
+#: the share the suggested setting brings a slow hook or checkpoint saving down to
+TARGET_SHARE = 0.02
+#: the dataset's files are slow when their read throughput is below this many times the rate training needs
+DISK_MARGIN = 1.5
+
+
+def nice_ceil(value: float) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... not below ``value`` (an interval a user would write).
+
+    >>> [nice_ceil(v) for v in (0.3, 1, 1.2, 3, 7.5, 11, 49, 51)]
+    [1, 1, 2, 5, 10, 20, 50, 100]
+    """
+    if value != value or value == float("inf"):
+        raise ValueError(f"nice_ceil({value}) needs a finite number")
+    nice = 1
+    while nice < value:
+        nice = _next_nice(nice)
+    return nice
+
+
+def _next_nice(nice: int) -> int:
+    digits = str(nice)
+    lead, zeros = int(digits[0]), 10 ** (len(digits) - 1)
+    return {1: 2, 2: 5, 5: 10}[lead] * zeros
+
+
+def reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
+    """How many times fewer calls bring ``seconds`` out of ``total_s`` down to ``target`` of the (shorter) total.
+
+    >>> round(reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
+    5.4
+    """
+    rest = total_s - seconds
+    if seconds <= 0:
+        return 1.0
+    if rest <= 0:
+        return float("inf")
+    return seconds * (1 - target) / (target * rest)
+
+
+def _share_after(seconds: float, total_s: float, factor: float) -> float:
+    rest = max(0.0, total_s - seconds)
+    after = seconds / factor
+    return after / (rest + after) if rest + after > 0 else 0.0
+
+
+def slow_hook(
+    hook: str,
+    total_s: float,
+    calls: int,
+    train_s: float,
+    epochs: int = 1,
+    in_module: bool = False,
+    threshold: float = SLOW_HOOK_SHARE,
+    target: float = TARGET_SHARE,
+) -> Optional[Finding]:
+    """One hook (``hook``: ``"<Callback or module class>.<hook name>"``) that ran ``calls`` times for
+    ``total_s`` seconds of ``train_s`` seconds of training (from ``on_train_start`` to ``on_train_end``,
+    validation excluded, the hook's own calls inside validation not counted).
+
+    Found from ``threshold`` (10%: a tenth of the run in one piece of bookkeeping is worth a line of
+    code; below it the step itself is the better lever). Called more often than once an epoch, the fix
+    runs it every ``N`` steps, ``N`` (1, 2, 5, 10, ...) bringing it to about ``target`` (2%) of training
+    time; once an epoch or less, every ``N`` epochs.
+
+    >>> finding = slow_hook("SlowHook.on_train_batch_end", total_s=5.0, calls=100, train_s=10.0)
+    >>> finding.figures["share"], finding.figures["suggested_every_n"]
+    (0.5, 50.0)
+    >>> slow_hook("SlowHook.on_train_batch_end", total_s=0.5, calls=100, train_s=10.0) is None
+    True
+    """
+    if calls < 1 or train_s <= 0 or total_s <= 0:
+        return None
+    share = total_s / train_s
+    if share < threshold:
+        return None
+    per_call = total_s / calls
+    every = nice_ceil(reduction_factor(total_s, train_s, target)) if total_s < train_s else max(2, nice_ceil(calls))
+    every = max(2, every)
+    after = _share_after(total_s, train_s, every)
+    owner = "self" if in_module else "trainer"
+    name = hook.rsplit(".", 1)[-1]
+    if calls > max(1, epochs):
+        fix = (
+            f"run it every {every} steps: `if {owner}.global_step % {every} == 0:` around its work in `{name}`"
+            f" (about {after:.1%} of training time)"
+        )
+        if name != "on_train_epoch_end":
+            fix += ", or move the work to on_train_epoch_end"
+    else:
+        fix = (
+            f"run it every {every} epochs: `if {owner}.current_epoch % {every} == 0:` around its work in `{name}`"
+            f" (about {after:.1%} of training time)"
+        )
+    return Finding(
+        "slow-hook",
+        f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of training"
+        f" time ({train_s:.2f} s from train start to end, validation excluded)",
+        fix,
+        where=hook,
+        figures={
+            "seconds": float(total_s),
+            "calls": float(calls),
+            "ms_per_call": per_call * 1e3,
+            "share": float(share),
+            "suggested_every_n": float(every),
+        },
+    )
+
+
+@dataclass
+class CheckpointSaver:
+    """What saved checkpoints in a run: a ``ModelCheckpoint`` (its settings) or a hook calling
+    ``trainer.save_checkpoint`` (``model_checkpoint=False``)."""
+
+    #: ``"ModelCheckpoint(every_n_train_steps=1)"``, or the hook: ``"MyCallback.on_train_batch_end"``
+    name: str
+    #: ``trainer.save_checkpoint`` calls and their total seconds
+    saves: int
+    seconds: float
+    model_checkpoint: bool = True
+    every_n_train_steps: Optional[int] = None
+    every_n_epochs: Optional[int] = None
+    train_time_interval_s: Optional[float] = None
+    save_last: Optional[object] = None
+    save_weights_only: bool = False
+
+
+def checkpoint_time(
+    savers: Sequence[CheckpointSaver],
+    fit_s: float,
+    steps: int,
+    checkpoint_bytes: Optional[int] = None,
+    optimizer_bytes: int = 0,
+    parameter_bytes: int = 0,
+    threshold: float = CHECKPOINT_SHARE,
+    target: float = TARGET_SHARE,
+) -> Optional[Finding]:
+    """Checkpoint saving (every ``trainer.save_checkpoint`` of ``savers``) against ``fit_s``, the fit's
+    time from ``on_train_start`` to ``on_train_end`` (validation included: saves also happen there),
+    over ``steps`` training steps.
+
+    Found from ``threshold`` (10%, as a slow hook). The fix scales each saver's interval
+    (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``; for a hook, a step
+    interval) up to a 1-2-5 value bringing saving to about ``target`` (2%); with ``save_last=True``
+    it also names ``save_last="link"`` (the last checkpoint as a link, not a second file), and with an
+    optimizer state at least as large as the weights (``optimizer_bytes`` >= ``parameter_bytes``),
+    ``save_weights_only=True`` (when resuming the optimizer is not needed).
+
+    >>> saver = CheckpointSaver("ModelCheckpoint(every_n_train_steps=1)", saves=100, seconds=5.0, every_n_train_steps=1)
+    >>> checkpoint_time([saver], fit_s=10.0, steps=100).fix
+    'ModelCheckpoint(every_n_train_steps=1 → 50) (about 2.0% of training time)'
+    """
+    saves = sum(saver.saves for saver in savers)
+    seconds = sum(saver.seconds for saver in savers)
+    if saves < 1 or fit_s <= 0 or seconds <= 0:
+        return None
+    share = seconds / fit_s
+    if share < threshold:
+        return None
+    factor = reduction_factor(seconds, fit_s, target) if seconds < fit_s else float(max(2, saves))
+    changes: list[str] = []
+    suggested: Optional[int] = None
+    scales: list[float] = []
+    for saver in savers:
+        if saver.saves < 1:
+            continue
+        if saver.model_checkpoint:
+            if saver.every_n_train_steps:
+                new = nice_ceil(saver.every_n_train_steps * factor)
+                setting = f"every_n_train_steps={saver.every_n_train_steps} → {new}"
+                scales.append(new / saver.every_n_train_steps)
+                suggested = suggested or new
+            elif saver.train_time_interval_s:
+                new = nice_ceil(saver.train_time_interval_s * factor)
+                setting = (
+                    f"train_time_interval=timedelta(seconds={saver.train_time_interval_s:g})"
+                    f" → timedelta(seconds={new})"
+                )
+                scales.append(new / saver.train_time_interval_s)
+                suggested = suggested or new
+            else:
+                current = saver.every_n_epochs or 1
+                new = nice_ceil(current * factor)
+                setting = f"every_n_epochs={current} → {new}"
+                scales.append(new / current)
+                suggested = suggested or new
+            extras = []
+            if saver.save_last is True:
+                extras.append('save_last=True → "link"')
+            if not saver.save_weights_only and parameter_bytes > 0 and optimizer_bytes >= parameter_bytes:
+                extras.append("save_weights_only=True")
+            changes.append(f"ModelCheckpoint({', '.join([setting, *extras])})")
+        else:
+            interval = max(1.0, steps / saver.saves) if steps else 1.0
+            new = nice_ceil(interval * factor)
+            changes.append(f"in {saver.name}, save every {new} steps: `if trainer.global_step % {new} == 0:`"
+                           " around trainer.save_checkpoint(...)")  # fmt: skip
+            scales.append(new / interval)
+            suggested = suggested or new
+    after = _share_after(seconds, fit_s, max(1.0, min(scales, default=1.0)))
+    fix = "; ".join(changes) + f" (about {after:.1%} of training time)"
+    if any("save_weights_only" in change for change in changes):
+        fix += (
+            f"; the optimizer state is {optimizer_bytes / 1e6:.1f} MB against {parameter_bytes / 1e6:.1f} MB of"
+            " weights, and a weights-only checkpoint cannot resume the optimizer"
+        )
+    size = f", {checkpoint_bytes / 1e6:.1f} MB each" if checkpoint_bytes else ""
+    figures = {
+        "saves": float(saves),
+        "seconds": float(seconds),
+        "ms_per_save": 1e3 * seconds / saves,
+        "share": float(share),
+    }
+    if suggested is not None:
+        figures["suggested_interval"] = float(suggested)
+    if checkpoint_bytes:
+        figures["checkpoint_mb"] = checkpoint_bytes / 1e6
+    return Finding(
+        "checkpoint-time",
+        f"{saves} checkpoint save(s) took {seconds:.2f} s ({1e3 * seconds / saves:.0f} ms each{size}), {share:.0%} of"
+        f" the fit's time from train start to end ({fit_s:.2f} s, {steps} steps)",
+        fix,
+        where=", ".join(saver.name for saver in savers if saver.saves) or None,
+        figures=figures,
+    )
+
+
+def slow_disk(
+    read_mb_s: float,
+    needed_mb_s: float,
+    data_wait_fraction: Optional[float],
+    data_wait_high: float,
+    directory: str,
+    files_read: int,
+    mb_read: float,
+    filesystem: Optional[str] = None,
+    margin: float = DISK_MARGIN,
+    bytes_per_sample: Optional[float] = None,
+    samples_per_second: Optional[float] = None,
+) -> Optional[Finding]:
+    """The dataset's files (under ``directory``) read at ``read_mb_s`` (``files_read`` of them,
+    ``mb_read`` MB, page cache dropped first) against ``needed_mb_s``, the rate training consumes
+    them (``bytes_per_sample`` x ``samples_per_second``, both optional: only shown).
+
+    Found when the read is slower than ``margin`` (1.5) x the needed rate -- a disk barely faster
+    than training leaves no headroom for seeks, other readers or the next, faster epoch -- and the
+    run waits for data at least ``data_wait_high`` of each step (an input-bound run: otherwise a
+    slow disk costs nothing).
+
+    >>> slow_disk(80.0, 100.0, 0.6, 0.2, "/data/imagenet", files_read=32, mb_read=64.0).fix.split(":")[0]
+    'copy the dataset to a local SSD or to /dev/shm (RAM)'
+    >>> slow_disk(80.0, 100.0, 0.05, 0.2, "/data/imagenet", 32, 64.0) is None  # not input-bound
+    True
+    """
+    if read_mb_s <= 0 or needed_mb_s <= 0 or data_wait_fraction is None:
+        return None
+    if read_mb_s >= margin * needed_mb_s or data_wait_fraction < data_wait_high:
+        return None
+    in_memory = filesystem in ("tmpfs", "ramfs")
+    where_from = f" ({filesystem}: already in memory)" if in_memory else (f" ({filesystem})" if filesystem else "")
+    fix = (
+        f"copy the dataset to a local SSD or to /dev/shm (RAM): `cp -r {directory} /dev/shm/` (if it fits) and point"
+        " the dataset there"
+    )
+    if in_memory:
+        fix = "the files are already in memory: read them in more DataLoader workers (raise num_workers)"
+    rate = ""
+    if bytes_per_sample and samples_per_second:
+        rate = f" ({bytes_per_sample / 1e3:.1f} kB a sample x {samples_per_second:.0f} samples/s)"
+    return Finding(
+        "slow-disk",
+        f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
+        f" {mb_read:.1f} MB, page cache dropped first) while training consumes {needed_mb_s:.1f} MB/s{rate} and"
+        f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
+        fix,
+        where=directory,
+        figures={
+            "read_mb_s": float(read_mb_s),
+            "needed_mb_s": float(needed_mb_s),
+            "data_wait_fraction": float(data_wait_fraction),
+            "files_read": float(files_read),
+        },
     )

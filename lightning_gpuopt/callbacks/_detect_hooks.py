@@ -1,0 +1,467 @@
+"""The measuring side of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings
+(:mod:`lightning_gpuopt.core.findings` decides).
+
+* :class:`HookTimes` totals every hook call and every ``trainer.save_checkpoint`` from the
+  profiler tap's catch-all listener (one ``perf_counter`` pair a call, no per-step work of its
+  own), from ``on_train_start`` to ``on_train_end``.
+* :class:`DatasetDisk` finds the files the training dataset names and, once at train end, reads a
+  sample of them with the page cache dropped (at most :data:`READ_FILES` files,
+  :data:`READ_BYTES` bytes, :data:`READ_SECONDS` seconds), against the rate training consumed
+  them. It logs ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s`` whenever it
+  measured them, found or not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
+from torch.utils.data import ConcatDataset, Subset
+
+from lightning_gpuopt.callbacks._detectors import Probe
+from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_time, slow_disk, slow_hook
+
+#: hooks that are the step's compute or data path (already split by the monitor), run once per fit, or run
+#: inside a checkpoint save (counted by ``"checkpoint-time"``): never a ``"slow-hook"``
+NOT_USER_WORK = frozenset(
+    {
+        "training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping",
+        "clip_gradients", "lr_scheduler_step", "transfer_batch_to_device", "on_before_batch_transfer",
+        "on_after_batch_transfer", "batch_to_device", "forward",
+        "setup", "teardown", "prepare_data", "configure_optimizers", "configure_model", "configure_callbacks",
+        "configure_sharded_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_exception",
+        "train_dataloader", "val_dataloader", "on_sanity_check_start", "on_sanity_check_end",
+        "on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict",
+    }
+)  # fmt: skip
+_OWNERS = ("[Callback]", "[LightningModule]", "[LightningDataModule]")
+
+
+class HookTimes(Probe):
+    """``"slow-hook"`` and ``"checkpoint-time"``: every hook's total time and calls (training part),
+    every checkpoint save, and the one hook each save ran in."""
+
+    def __init__(self) -> None:
+        self._listening = False
+        self._started_at: Optional[float] = None
+        self._ended_at: Optional[float] = None
+        self._steps = 0
+        self._callbacks: dict[str, Any] = {}
+        #: action name -> [seconds outside checkpoint saves, calls], validation excluded
+        self._hooks: dict[str, list[float]] = {}
+        #: action name of the hook the saves ran in ("" when none) -> [saves, seconds], validation included
+        self._saves: dict[str, list[float]] = {}
+        self._pending_saves = [0, 0.0]
+
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        callbacks = {}
+        for callback in trainer.callbacks:
+            try:
+                callbacks[callback.state_key] = callback
+            except Exception:  # noqa: BLE001 - a state_key that fails only loses the callback's class name
+                continue
+        self._callbacks = callbacks
+        self._started_at = time.perf_counter()
+        self._listening = True
+
+    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+        self._steps += 1
+
+    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
+        if not self._listening:
+            return
+        pending = self._pending_saves
+        if action == "save_checkpoint":
+            pending[0] += 1
+            pending[1] += seconds
+            return
+        if not action.startswith(_OWNERS):
+            return
+        if pending[0] and not action.endswith((".on_save_checkpoint", ".state_dict")):
+            # the first hook to end after a save is the one it ran in (its own on_save_checkpoint hooks end inside)
+            saved = self._saves.setdefault(action, [0, 0.0])
+            saved[0] += pending[0]
+            saved[1] += pending[1]
+            seconds = max(0.0, seconds - pending[1])
+            pending[0], pending[1] = 0, 0.0
+        if in_validation:
+            return
+        totals = self._hooks.get(action)
+        if totals is None:
+            self._hooks[action] = [seconds, 1]
+        else:
+            totals[0] += seconds
+            totals[1] += 1
+
+    def stop(self) -> None:
+        if self._listening:
+            self._ended_at = time.perf_counter()
+            self._listening = False
+
+    def _owner(self, action: str) -> tuple[Optional[Any], str, str, bool]:
+        """(the callback or ``None``, its shown name, the hook name, whether a LightningModule hook)."""
+        prefix = action[: action.index("]") + 1]
+        owner, _, hook = action[len(prefix):].rpartition(".")
+        if prefix == "[Callback]":
+            callback = self._callbacks.get(owner)
+            return callback, (type(callback).__name__ if callback is not None else owner), hook, False
+        return None, owner, hook, prefix == "[LightningModule]"
+
+    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
+        if self._started_at is None or self._ended_at is None:
+            return []
+        fit_s = self._ended_at - self._started_at
+        report = self.report
+        validation_s = report.validation_s if report is not None else 0.0
+        epochs = max(1, report.epochs if report is not None else 1)
+        train_s = max(0.0, fit_s - validation_s)
+        found: list[Optional[Finding]] = []
+        for action, (seconds, calls) in self._hooks.items():
+            callback, owner, hook, in_module = self._owner(action)
+            if hook in NOT_USER_WORK or _ours_or_builtin(callback):
+                continue
+            found.append(slow_hook(f"{owner}.{hook}", seconds, int(calls), train_s, epochs=epochs, in_module=in_module))
+        found.append(self._checkpoint_finding(trainer, pl_module, fit_s))
+        return [finding for finding in found if finding is not None]
+
+    def _checkpoint_finding(self, trainer: Any, pl_module: Any, fit_s: float) -> Optional[Finding]:
+        if self._pending_saves[0]:
+            self._saves.setdefault("", [0, 0.0])
+            self._saves[""][0] += self._pending_saves[0]
+            self._saves[""][1] += self._pending_saves[1]
+        if not self._saves:
+            return None
+        by_checkpoint: dict[int, CheckpointSaver] = {}
+        savers: list[CheckpointSaver] = []
+        sizes: list[int] = []
+        for action, (saves, seconds) in self._saves.items():
+            callback, owner, hook, _ = self._owner(action) if action else (None, "trainer.save_checkpoint", "", False)
+            if isinstance(callback, ModelCheckpoint):
+                saver = by_checkpoint.get(id(callback))
+                if saver is None:
+                    saver = by_checkpoint[id(callback)] = _model_checkpoint_saver(callback)
+                    savers.append(saver)
+                    sizes.append(_last_saved_bytes(callback))
+                saver.saves += int(saves)
+                saver.seconds += seconds
+            else:
+                name = f"{owner}.{hook}" if hook else owner
+                savers.append(CheckpointSaver(name, int(saves), seconds, model_checkpoint=False))
+        optimizer_bytes = sum(_optimizer_state_bytes(optimizer) for optimizer in trainer.optimizers)
+        parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
+        checkpoint_bytes = max(sizes, default=0) or None
+        return checkpoint_time(savers, fit_s, self._steps, checkpoint_bytes, optimizer_bytes, parameter_bytes)
+
+
+def _ours_or_builtin(callback: Any) -> bool:
+    """lightning_gpuopt's callbacks, Lightning's progress bars and model summaries, and ModelCheckpoint
+    (its saves are ``"checkpoint-time"``)."""
+    if callback is None:
+        return False
+    if type(callback).__module__.startswith("lightning_gpuopt"):
+        return True
+    return isinstance(callback, (ProgressBar, ModelSummary, ModelCheckpoint))
+
+
+def _model_checkpoint_saver(callback: ModelCheckpoint) -> CheckpointSaver:
+    every_steps = getattr(callback, "_every_n_train_steps", 0) or None
+    every_epochs = getattr(callback, "_every_n_epochs", 0) or None
+    interval = getattr(callback, "_train_time_interval", None)
+    settings = [
+        f"every_n_train_steps={every_steps}" if every_steps else None,
+        f"train_time_interval={interval}" if interval else None,
+        f"every_n_epochs={every_epochs}" if every_epochs and not every_steps and not interval else None,
+    ]
+    return CheckpointSaver(
+        f"ModelCheckpoint({', '.join(setting for setting in settings if setting)})",
+        saves=0,
+        seconds=0.0,
+        every_n_train_steps=every_steps,
+        every_n_epochs=every_epochs,
+        train_time_interval_s=interval.total_seconds() if interval else None,
+        save_last=callback.save_last,
+        save_weights_only=bool(callback.save_weights_only),
+    )
+
+
+def _last_saved_bytes(callback: ModelCheckpoint) -> int:
+    for path in (getattr(callback, "_last_checkpoint_saved", ""), callback.last_model_path, callback.best_model_path):
+        try:
+            if path and os.path.isfile(path):
+                return os.path.getsize(path)
+        except (OSError, TypeError):
+            continue
+    return 0
+
+
+def _optimizer_state_bytes(optimizer: Any) -> int:
+    import torch
+
+    total = 0
+    for state in getattr(optimizer, "state", {}).values():
+        for value in state.values() if isinstance(state, dict) else ():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- the dataset's disk
+
+#: the most files read, bytes read and seconds spent reading at train end
+READ_FILES = 32
+READ_BYTES = 64 * 2**20
+READ_SECONDS = 2.0
+#: the most entries looked at in one list attribute, files walked in a directory (in at most a second), files
+#: stat-ed for their size
+_MAX_LISTED = 1_000_000
+_MAX_WALKED = 20_000
+_MAX_STAT = 256
+_CHUNK = 2**20
+
+
+class DatasetDisk(Probe):
+    """``"slow-disk"``: read throughput of a sample of the training dataset's files against the rate
+    training consumed them, decided only when the run was input-bound-ish."""
+
+    def __init__(self) -> None:
+        self._dataset: Any = None
+        #: what was measured at train end (``None``: no files found, or not measured)
+        self.measured: Optional[DiskRead] = None
+
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from lightning_gpuopt.callbacks.data_wait_monitor import first_dataloader
+
+        loader = first_dataloader(trainer.train_dataloader)
+        self._dataset = loader.dataset if loader is not None else None
+
+    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
+        report = self.report
+        if self._dataset is None or report is None or not report.samples_per_second or trainer.local_rank != 0:
+            return []
+        files = dataset_files(self._dataset)
+        if files is None:
+            return []
+        measured = read_sample(files.sample)
+        if measured is None:
+            return []
+        # samples_per_second is every rank's together; this host's disk feeds this host's processes
+        host_share = trainer.num_devices / max(1, trainer.world_size)
+        needed_mb_s = files.bytes_per_sample * report.samples_per_second * host_share / 1e6
+        measured.needed_mb_s = needed_mb_s
+        self.measured = measured
+        from lightning_gpuopt.callbacks._reporting import log_metrics
+
+        log_metrics(
+            trainer, {"gpuopt/dataset_read_mb_s": measured.read_mb_s, "gpuopt/dataset_needed_mb_s": needed_mb_s}
+        )
+        finding = slow_disk(
+            measured.read_mb_s,
+            needed_mb_s,
+            report.data_wait_fraction,
+            report.thresholds.data_wait_high,
+            files.directory,
+            measured.files,
+            measured.bytes / 1e6,
+            filesystem_type(files.directory),
+            bytes_per_sample=files.bytes_per_sample,
+            samples_per_second=report.samples_per_second * host_share,
+        )
+        return [finding] if finding is not None else []
+
+
+class DatasetFiles:
+    """The files a dataset names: a spread sample of them, their directory and bytes per sample."""
+
+    def __init__(self, sample: list[str], directory: str, bytes_per_sample: float) -> None:
+        self.sample, self.directory, self.bytes_per_sample = sample, directory, bytes_per_sample
+
+
+class DiskRead:
+    """Files and bytes read, seconds, MB/s (and the MB/s training needed, once known)."""
+
+    def __init__(self, files: int, num_bytes: int, seconds: float) -> None:
+        self.files, self.bytes, self.seconds = files, num_bytes, seconds
+        self.read_mb_s = num_bytes / seconds / 1e6 if seconds > 0 else 0.0
+        self.needed_mb_s: Optional[float] = None
+
+
+def _leaves(dataset: Any, depth: int = 0) -> list[Any]:
+    """The datasets under ``Subset`` and ``ConcatDataset`` wrappers."""
+    if depth > 8:
+        return []
+    if isinstance(dataset, Subset):
+        return _leaves(dataset.dataset, depth + 1)
+    if isinstance(dataset, ConcatDataset):
+        return [leaf for part in dataset.datasets for leaf in _leaves(part, depth + 1)]
+    return [dataset]
+
+
+def _as_path(value: Any) -> Optional[str]:
+    if isinstance(value, (list, tuple)) and value:  # (path, label) entries of ImageFolder's samples/imgs
+        value = value[0]
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        return path if isinstance(path, str) and path else None
+    return None
+
+
+def _isfile(path: Optional[str]) -> bool:
+    try:
+        return path is not None and os.path.isfile(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _named_files(dataset: Any) -> tuple[list[str], list[str]]:
+    """Files named by ``dataset``'s attributes (paths, lists of paths or of (path, label)), and directories."""
+    files: dict[str, None] = {}
+    directories: list[str] = []
+    try:
+        attributes = list(vars(dataset).items())
+    except TypeError:
+        return [], []
+    for _, value in attributes:
+        path = _as_path(value) if not isinstance(value, (list, tuple)) else None
+        if path is not None:
+            if _isfile(path):
+                files[path] = None
+            elif os.path.isdir(path):
+                directories.append(path)
+        elif isinstance(value, (list, tuple)) and value:
+            entries = value[:_MAX_LISTED]
+            if not (_isfile(_as_path(entries[0])) and _isfile(_as_path(entries[-1]))):
+                continue
+            for entry in entries:
+                path = _as_path(entry)
+                if path is not None:
+                    files[path] = None
+    return list(files), directories
+
+
+def _walk(directories: Iterable[str], max_seconds: float = 1.0) -> list[str]:
+    found: list[str] = []
+    stack = list(directories)
+    started = time.perf_counter()
+    while stack and len(found) < _MAX_WALKED and time.perf_counter() - started < max_seconds:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file():
+                        found.append(entry.path)
+                        if len(found) >= _MAX_WALKED:
+                            break
+        except OSError:
+            continue
+    return found
+
+
+def _spread(items: list[str], count: int) -> list[str]:
+    if len(items) <= count:
+        return list(items)
+    return [items[(index * len(items)) // count] for index in range(count)]
+
+
+def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
+    """The regular files ``dataset`` names (in its attributes, under ``Subset``/``ConcatDataset``; a
+    directory attribute such as ``root`` is walked when it names no file), or ``None``."""
+    total_bytes = 0.0
+    samples = 0
+    every: list[str] = []
+    for leaf in _leaves(dataset):
+        files, directories = _named_files(leaf)
+        if not files:
+            files = _walk(directories)
+        if not files:
+            continue
+        sizes = []
+        for path in _spread(files, _MAX_STAT):
+            try:
+                sizes.append(os.stat(path).st_size)
+            except OSError:
+                continue
+        if not sizes:
+            continue
+        leaf_bytes = sum(sizes) / len(sizes) * len(files)
+        try:
+            leaf_samples = len(leaf)
+        except TypeError:
+            leaf_samples = len(files)  # an iterable dataset: a file a sample
+        total_bytes += leaf_bytes
+        samples += max(1, leaf_samples)
+        every.extend(files)
+    if not every or samples == 0:
+        return None
+    sample = _spread(every, READ_FILES)
+    try:
+        directory = os.path.commonpath([os.path.abspath(path) for path in sample])
+    except ValueError:
+        directory = os.path.dirname(os.path.abspath(sample[0]))
+    if os.path.isfile(directory):
+        directory = os.path.dirname(directory)
+    return DatasetFiles(sample, directory, total_bytes / samples)
+
+
+def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: float = READ_SECONDS) -> Optional[DiskRead]:
+    """Read ``paths`` (up to ``max_bytes`` in all, shared evenly, for at most about ``max_seconds``),
+    each after dropping its pages from the page cache where the OS allows (``posix_fadvise``
+    ``DONTNEED``; pages not yet written back stay cached), and time it from the first open."""
+    if not paths:
+        return None
+    per_file = max(_CHUNK, max_bytes // len(paths))
+    drop = getattr(os, "posix_fadvise", None)
+    read = files = 0
+    started = time.perf_counter()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if drop is not None:
+                try:
+                    drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+            left = per_file
+            while left > 0:
+                chunk = os.read(fd, min(_CHUNK, left))
+                if not chunk:
+                    break
+                read += len(chunk)
+                left -= len(chunk)
+            files += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        if time.perf_counter() - started > max_seconds:
+            break
+    seconds = time.perf_counter() - started
+    if not files or not read:
+        return None
+    return DiskRead(files, read, seconds)
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path``, from
+    ``/proc/mounts`` (``None`` where there is none)."""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = parts[1].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, best_type = mount_point, parts[2]
+    return best_type
