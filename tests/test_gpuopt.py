@@ -167,3 +167,21 @@ def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path)
     else:
         assert note.startswith(f"{tuned.baseline.setting.describe()} → {tuned.setting.describe()}")
         assert f"{tuned.samples_per_second / tuned.baseline.samples_per_second:.2f}x" in note
+
+
+def test_every_hook_a_part_overrides_is_written_out_in_gpuopt():
+    """GpuOpt forwards hooks in its class body; a hook a part gains must be forwarded too, or the
+    part silently stops seeing it inside GpuOpt."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, MemoryEstimator, MemoryFill
+
+    hooks = {name for name, value in vars(Callback).items() if callable(value) and not name.startswith("_")}
+    overridden = set()
+    for part in (MemoryFill, DataLoaderTuner, MemoryEstimator, DataWaitMonitor):
+        for klass in part.__mro__[: part.__mro__.index(Callback)]:
+            overridden |= hooks & set(vars(klass))
+    assert overridden, "the parts override no hook: the check would pass for nothing"
+    assert overridden <= set(vars(GpuOpt)), sorted(overridden - set(vars(GpuOpt)))
+    for name in overridden:
+        assert getattr(vars(GpuOpt)[name], "__override__", False), f"GpuOpt.{name} lacks @override"

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
@@ -170,6 +172,7 @@ class GpuOpt(Callback):
 
     # ------------------------------------------------------------------ hooks with an order of their own
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_trainer_namespace(trainer, type(self).__name__)
         self.report = None
@@ -178,6 +181,7 @@ class GpuOpt(Callback):
                 if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
                     part.setup(trainer, pl_module, stage)
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with sigterm_stops_our_work(trainer, self._changes):  # also between the parts' own work
             for part in self.parts:
@@ -185,16 +189,19 @@ class GpuOpt(Callback):
                     part.setup(trainer, pl_module, "fit")
                 part.on_fit_start(trainer, pl_module)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Each part undoes its changes, last part first; one that fails does not stop the others."""
         _each_part(reversed(self.parts), "on_exception", trainer, pl_module, exception)
         warn_failed_undos("GpuOpt", self._changes.undo())
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Each part puts back what it changed, last part first; the first failure is raised after all ran."""
         _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
         self._changes.finish()
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:
             part.on_fit_end(trainer, pl_module)
@@ -206,6 +213,53 @@ class GpuOpt(Callback):
                                                                    "changes": self.report.changes})  # fmt: skip
             if self.plots and written is not None:
                 save_report_plots(trainer, written)
+
+    # ------------------------------------------------------------------ hooks each part gets in turn
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for part in self.parts:
+            part.on_train_start(trainer, pl_module)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for part in self.parts:
+            part.on_train_epoch_start(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:  # fmt: skip
+        for part in self.parts:
+            part.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                            optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+        for part in self.parts:
+            part.on_before_zero_grad(trainer, pl_module, optimizer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+        for part in self.parts:
+            part.on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        for part in self.parts:
+            part.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:  # fmt: skip
+        for part in self.parts:
+            part.on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for part in self.parts:
+            part.on_train_end(trainer, pl_module)
 
     def _combined_report(self) -> GpuOptReport:
         changes = list(self.fill.plan.changes) if self.fill is not None and self.fill.plan is not None else []
@@ -268,21 +322,6 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
                            f"{type(error).__name__}: {error}")  # fmt: skip
     elif errors:
         raise errors[0]
-
-
-def _delegate(name: str) -> Any:
-    def hook(self: GpuOpt, *args: Any, **kwargs: Any) -> None:
-        for part in self.parts:
-            getattr(part, name)(*args, **kwargs)
-
-    hook.__name__ = name
-    hook.__doc__ = f"Runs each part's ``{name}``."
-    return hook
-
-
-for _name in [n for n in vars(Callback) if (n.startswith("on_") or n == "teardown") and callable(vars(Callback)[n])]:
-    if _name not in vars(GpuOpt):
-        setattr(GpuOpt, _name, _delegate(_name))
 
 
 def render_report(report: GpuOptReport) -> str:
