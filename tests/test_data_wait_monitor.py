@@ -58,7 +58,10 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
 
 
 def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
-    loader = DataLoader(preloaded_batches(24, 64, 256), batch_size=None)
+    # whole batches of 512: the fetch of a preloaded batch costs the same ~0.5-1.2 ms a step on a
+    # loaded machine whatever its size, so the step must be long by construction (batches of 64
+    # made ~15 ms steps whose data wait share reached 5-8% beside two CPU hogs)
+    loader = DataLoader(preloaded_batches(24, 512, 256), batch_size=None)
     monitor = DataWaitMonitor(warmup_steps=2)
     make_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
 
