@@ -58,7 +58,10 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
 
 
 def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
-    loader = DataLoader(preloaded_batches(24, 64, 256), batch_size=None)
+    # whole batches of 512: the fetch of a preloaded batch costs the same ~0.5-1.2 ms a step on a
+    # loaded machine whatever its size, so the step must be long by construction (batches of 64
+    # made ~15 ms steps whose data wait share reached 5-8% beside two CPU hogs)
+    loader = DataLoader(preloaded_batches(24, 512, 256), batch_size=None)
     monitor = DataWaitMonitor(warmup_steps=2)
     make_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
 
@@ -70,15 +73,23 @@ def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
 
 
 def test_slow_host_hook_is_host_bound(tmp_path):
+    # the hook's share is large by construction: 50 ms of sleep against a step of ~1 ms and a fetch
+    # of ~0.5 ms (with a 10 ms hook a loaded machine's few ms of preemption in the fetches alone
+    # took the data wait share from ~3% past 5%)
+    hook_s = 0.05
     loader = DataLoader(preloaded_dataset(1024, 32), batch_size=32)
     monitor = DataWaitMonitor(warmup_steps=1)
-    make_trainer(tmp_path, [monitor, SlowHook(0.01)], max_steps=20).fit(MLP(), loader)
+    make_trainer(tmp_path, [monitor, SlowHook(hook_s)], max_steps=20).fit(MLP(), loader)
 
     report = monitor.report
-    assert report.verdict == "host-bound", report.verdict_reason
-    assert report.other_fraction > 0.5
-    assert report.other_s / report.steps >= 0.0095  # the hook's 10 ms land in "other", not in data wait
-    assert report.data_wait_fraction < 0.05
+    figures = (report.steps, report.wall_s, report.data_wait_s, report.compute_s, report.other_s)
+    assert report.verdict == "host-bound", (report.verdict_reason, figures)
+    assert report.other_fraction > 0.5, figures
+    # a sleep never returns early: the hook's 50 ms a step land in "other" on any machine ...
+    assert report.other_s / report.steps >= 0.95 * hook_s, figures
+    # ... and not in data wait, which would then hold at least 50 ms a step (and half the wall time)
+    assert report.data_wait_s / report.steps < hook_s / 5, figures
+    assert report.data_wait_fraction < 0.1, figures
     assert any(advice.startswith("batch_size=32 → 64") for advice in report.recommendations)
 
 

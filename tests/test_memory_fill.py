@@ -109,6 +109,16 @@ def mlp_budget_for_8(tmp_path_factory) -> int:
     return budget_between(*(measured_peak(root, "mlp", size, accumulate_grad_batches=2) for size in (15, 16)))
 
 
+@pytest.fixture(scope="module")
+def mlp_bf16_budget_for_8(tmp_path_factory) -> int:
+    """The same in bf16-mixed, measured in bf16-mixed: on a CPU without native bf16 (no
+    avx512_bf16/AMX) oneDNN's bf16 matmul allocates an fp32 buffer of its output's size (1 MiB for
+    a 512x512 weight gradient), so a float32 budget says nothing about what bf16 micro-batches fit."""
+    root = tmp_path_factory.mktemp("mlp-bf16")
+    peaks = (measured_peak(root, "mlp", size, accumulate_grad_batches=2, precision="bf16-mixed") for size in (15, 16))
+    return budget_between(*peaks)
+
+
 def test_accumulation_equals_one_large_batch_and_steps_once_per_group(tmp_path, mlp_budget_for_8):
     recorder = GradientRecorder()
     fill, model, trainer = fill_fit(tmp_path, "mlp", 64, 32, recorder, global_batch_size=32, max_memory=mlp_budget_for_8,
@@ -247,8 +257,8 @@ def test_bf16_mixed_on_cpu_when_asked_grows_the_micro_batch(tmp_path):
     assert trainer.precision == "32-true"  # put back at teardown
 
 
-def test_explicit_precision_and_accumulation_are_respected(tmp_path, mlp_budget_for_8):
-    fill, _, trainer = fill_fit(tmp_path, "mlp", 64, 8, amp=True, max_memory=mlp_budget_for_8,
+def test_explicit_precision_and_accumulation_are_respected(tmp_path, mlp_bf16_budget_for_8):
+    fill, _, trainer = fill_fit(tmp_path, "mlp", 64, 8, amp=True, max_memory=mlp_bf16_budget_for_8,
                                 trainer_kwargs=dict(precision="bf16-mixed", accumulate_grad_batches=4))  # fmt: skip
     plan = fill.plan
     assert (plan.precision, plan.micro_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == \
