@@ -427,7 +427,8 @@ class BatchSizeSearch(Callback):
             why = f"its trial {_why_it_missed(smallest, runner.outcomes.get(size), runner.budget, 1)}"
         needs = ""
         if not device_for(runner.pl_module.device).is_cuda:  # a simulated cap: measure the step without it
-            fitted, peak = runner.fits(size, capped=False)
+            runner.fits(size, capped=False)  # on every rank (collectives); the figures told are this rank's own
+            fitted, peak = runner.uncapped  # the agreed peak is relative to the tightest rank's budget
             where = "" if trainer.world_size == 1 else f" on rank {trainer.global_rank}"
             if fitted or peak is not None:
                 needs = f" Measured again without the cap{where}, a step at batch size {size} needs {_bytes(peak)}."
@@ -496,6 +497,8 @@ class _TrialRunner:
         self.baseline = _ddp_bucket_bytes(trainer, pl_module)
         #: this rank's outcome of the trial at each batch size (capped trials)
         self.outcomes: dict[int, _TrialOutcome] = {}
+        #: this rank's own (fitted, peak) of the last uncapped run (``fits`` returns the ranks' agreed figures)
+        self.uncapped: tuple[bool, Optional[int]] = (False, None)
 
     def fits(self, batch_size: int, capped: bool = True) -> tuple[bool, Optional[int]]:
         trainer, pl_module = self.trainer, self.pl_module
@@ -524,6 +527,8 @@ class _TrialRunner:
         if capped:
             cap = meter.max_bytes if isinstance(meter, MemoryBudget) else None
             self.outcomes[batch_size] = _TrialOutcome(fitted, peak, cap, outcome.error_message)
+        else:
+            self.uncapped = (fitted, None if peak is None else int(peak))
         return _agree(trainer, fitted, peak, self.budget, self.search_budget)
 
 
