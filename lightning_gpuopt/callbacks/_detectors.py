@@ -114,7 +114,9 @@ class ModuleAndDeviceChecks(Probe):
 
 def make_probes() -> list[Probe]:
     """One probe of each kind, fresh for a ``fit``."""
-    return [ModuleAndDeviceChecks()]
+    from lightning_gpuopt.callbacks._detect_steps import HostSyncProbe, KeptGraphProbe  # imports Probe from here
+
+    return [ModuleAndDeviceChecks(), KeptGraphProbe(), HostSyncProbe()]
 
 
 def run_probe_findings(probes: list[Probe], trainer: Any, pl_module: Any, warn: Any) -> list[Finding]:
