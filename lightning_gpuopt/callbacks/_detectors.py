@@ -127,8 +127,9 @@ class ModuleAndDeviceChecks(Probe):
 def make_probes() -> list[Probe]:
     """One probe of each kind, fresh for a ``fit``."""
     from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
+    from lightning_gpuopt.callbacks._detect_steps import HostSyncProbe, KeptGraphProbe  # imports Probe from here
 
-    return [ModuleAndDeviceChecks(), HookTimes(), DatasetDisk()]
+    return [ModuleAndDeviceChecks(), HookTimes(), DatasetDisk(), KeptGraphProbe(), HostSyncProbe()]
 
 
 def listens_to_actions(probe: Probe) -> bool:

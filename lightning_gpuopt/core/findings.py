@@ -10,9 +10,18 @@ real run with and without the pattern.
 Kinds (:data:`FINDING_KINDS`):
 
 * ``"graph-kept"`` -- a module attribute holds a tensor with ``grad_fn`` between steps and its
-  autograd graph grows step over step (``self.total_loss += loss``);
-* ``"host-sync"`` -- ``.item()``, ``.cpu()``, ``bool(tensor)``, ``print(loss)``: device-to-host
-  reads per step;
+  autograd graph grows step over step (``self.total_loss += loss``, ``self.outputs.append(loss)``),
+  scanned at the starts of steps 2, 4, 8, 16, ... and after the last step. Figures: ``attributes``
+  (how many attributes do it), ``graph_nodes`` (autograd nodes held at the last sample, of the
+  attribute growing most), ``graph_nodes_per_step`` (its growth per step), and where the device
+  tells live memory (CUDA, the simulated card) ``memory_growth_bytes`` and
+  ``memory_growth_bytes_per_step`` (memory handed out at step start, first to last sample);
+* ``"host-sync"`` -- ``.item()``, ``float(t)``, ``.cpu()``, ``bool(t)``, ``if loss > 0:``: reads from
+  the card to the host per step, counted on a CUDA device (real or simulated) in warm-up steps 1
+  and 2 and named by the user's ``file:line``; a host-only run has none. Figures:
+  ``syncs_per_step`` (all reads), ``user_syncs_per_step`` (from the user's code; found from 1),
+  ``lightning_syncs_per_step`` (Lightning's own, 0 for a plain module with step logging, the
+  progress bar and a logger), ``lines`` (distinct source lines);
 * ``"slow-hook"`` -- a callback or module hook takes a large share of training time;
 * ``"checkpoint-time"`` -- saving checkpoints takes a large share of training time;
 * ``"data-parallel"`` -- ``nn.DataParallel`` inside the module;
@@ -49,7 +58,7 @@ Figures of the hook, checkpoint and disk findings, each logged as ``gpuopt/findi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 FINDING_KINDS = (
     "graph-kept",
@@ -125,6 +134,125 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
         lines.append(f"  • {finding.kind}{where}: {finding.message}")
         lines.append(f"      fix: {finding.fix}")
     return lines
+
+
+# ------------------------------------------------------------------- inside the steps
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def graph_kept(
+    steps: Sequence[int],
+    graph_nodes: Mapping[str, Sequence[int]],
+    live_bytes: Sequence[Optional[int]] = (),
+    containers: Sequence[str] = (),
+) -> Optional[Finding]:
+    """Module attributes that hold an autograd graph between steps, and whether it grows.
+
+    ``steps`` are the sampled step starts; ``graph_nodes[path][i]`` the autograd nodes reachable
+    from what attribute ``path`` held at the start of ``steps[i]`` (0: no graph);
+    ``live_bytes[i]`` the memory the device had handed out then (``None`` where it cannot tell,
+    the host); ``containers`` the paths that are lists, tuples or dicts. An attribute is found
+    when it holds a graph at two or more sampled steps and that graph grows from the first of
+    them to the last (live memory alone is no evidence: the optimizer, caches and the data
+    move it too; its growth over those steps is reported where known).
+
+    >>> graph_kept([2, 4, 8], {"total_loss": [9, 17, 33]}).where
+    'total_loss'
+    >>> graph_kept([2, 4, 8], {"last_loss": [9, 9, 9]}) is None  # one step's graph, not growing
+    True
+    """
+    found: list[tuple[str, list[int], list[int], Optional[int]]] = []
+    for path, nodes in graph_nodes.items():
+        held = [i for i, count in enumerate(nodes) if count > 0]
+        if len(held) < 2:
+            continue
+        first, last = held[0], held[-1]
+        known = [i for i in held if i < len(live_bytes) and live_bytes[i] is not None]
+        growth = live_bytes[known[-1]] - live_bytes[known[0]] if len(known) >= 2 else None  # type: ignore[operator]
+        if nodes[last] > nodes[first]:
+            found.append((path, [steps[i] for i in held], [nodes[i] for i in held], growth))
+    if not found:
+        return None
+    found.sort(key=lambda item: item[2][-1] - item[2][0], reverse=True)
+    path, held_steps, nodes, growth = found[0]
+    span = max(1, held_steps[-1] - held_steps[0])
+    shown = " → ".join(str(count) for count in nodes)
+    memory = f"; live memory at step start grew by {_mib(growth)} over those steps" if growth is not None else ""
+    others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
+    name = path.rsplit(".", 1)[-1]
+    owner = "self." + path.rsplit(".", 1)[0] + "." if "." in path else "self."
+    if path in containers:
+        example = f"`{owner}{name}.append(loss.detach())`"
+    else:
+        example = f"`{owner}{name} += loss.detach()`"
+    figures = {
+        "attributes": float(len(found)),
+        "graph_nodes": float(nodes[-1]),
+        "graph_nodes_per_step": (nodes[-1] - nodes[0]) / span,
+    }
+    if growth is not None:
+        figures["memory_growth_bytes"] = float(growth)
+        figures["memory_growth_bytes_per_step"] = growth / span
+    return Finding(
+        "graph-kept",
+        f"`{path}`{others} holds a tensor with an autograd graph (grad_fn) between steps, and the graph grows:"
+        f" {shown} autograd nodes at the starts of steps {', '.join(map(str, held_steps))}{memory}. Every step's"
+        " graph stays reachable from the module, so memory and the time of a backward through it grow over the run",
+        f"keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
+        f" {example}",
+        where=", ".join(item[0] for item in found),
+        figures=figures,
+    )
+
+
+def host_sync(
+    steps: Sequence[int],
+    user_reads: Sequence[int],
+    lightning_reads: Sequence[int],
+    lines: Mapping[str, int],
+) -> Optional[Finding]:
+    """Reads from the card to the host (each waits for the card to finish its queue) per step.
+
+    ``user_reads[i]``/``lightning_reads[i]`` are the reads counted in step ``steps[i]`` made from
+    the user's code and from Lightning's own; ``lines`` the user's ``file:line`` with their
+    counts over those steps. Found when the user's code reads at least once per step on average:
+    Lightning's own reads are the baseline every run has.
+
+    >>> host_sync([1, 2], [2, 2], [0, 0], {"train.py:41": 4}).where
+    'train.py:41'
+    >>> host_sync([1, 2], [0, 0], [1, 1], {}) is None
+    True
+    """
+    if not steps:
+        return None
+    user = sum(user_reads) / len(steps)
+    lightning = sum(lightning_reads) / len(steps)
+    if user < 1:
+        return None
+    per_line = sorted(lines.items(), key=lambda item: item[1], reverse=True)
+    shown = ", ".join(f"{line} ({count / len(steps):g}/step)" for line, count in per_line)
+    where = ", ".join(line for line, _ in per_line) or None
+    lightning_note = f" (and {lightning:g} by Lightning itself)" if lightning else ""
+    return Finding(
+        "host-sync",
+        f"{user:g} read(s) from the GPU to the host per step in your code{lightning_note}, over steps"
+        f" {', '.join(map(str, steps))}: each (`.item()`, `float(t)`, `.cpu()`, `bool(t)`, `if loss > 0:`)"
+        f" waits until the GPU has finished every queued kernel, so the host cannot queue ahead"
+        + (f"; at {shown}" if shown else ""),
+        f"at {where or 'those lines'}: keep the values as tensors on the GPU; log them with"
+        " `self.log(name, value, on_step=True)` (read once every log_every_n_steps), take `.item()` only every N"
+        " steps or at epoch end, and branch with tensor ops (`torch.where`) instead of `if tensor:`",
+        where=where,
+        figures={
+            "syncs_per_step": user + lightning,
+            "user_syncs_per_step": user,
+            "lightning_syncs_per_step": lightning,
+            "lines": float(len(lines)),
+        },
+    )
 
 
 # ------------------------------------------------------------------- the module and the host
