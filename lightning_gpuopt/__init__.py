@@ -1,26 +1,41 @@
-"""lightning-gpuopt: Lightning callbacks that measure why a GPU waits and keep it busy and its memory full."""
+"""lightning-gpuopt: Lightning callbacks that measure why a GPU waits and keep it busy and its memory full.
 
-from lightning_gpuopt.callbacks import (
-    BatchSizeSearch,
-    DataLoaderTuner,
-    DataWaitMonitor,
-    GpuOpt,
-    GpuOptReport,
-    MemoryEstimator,
-    MemoryFill,
-    NoBatchSizeFitsError,
-)
-from lightning_gpuopt.cli import GpuOptCLI
-from lightning_gpuopt.core.diagnosis import DataWaitReport
-from lightning_gpuopt.core.estimate import MemoryEstimate
-from lightning_gpuopt.core.fill import MemoryFillPlan
-from lightning_gpuopt.core.loader import LoaderTuneResult
-from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
-from lightning_gpuopt.core.plot import save_plots
-from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import available_presets, load_preset
+The public names below are imported on first use (PEP 562 module ``__getattr__``), so that importing
+a light part of the package -- ``lightning_gpuopt.cli`` for the ``gpuopt`` command, ``presets``,
+``core`` -- does not import Lightning. ``from lightning_gpuopt import GpuOpt`` works as with eager
+imports; ``dir()`` and ``__all__`` list every name.
+"""
+
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module it is defined in
+_PUBLIC = {
+    "BatchSizeSearch": "lightning_gpuopt.callbacks",
+    "DataLoaderTuner": "lightning_gpuopt.callbacks",
+    "DataWaitMonitor": "lightning_gpuopt.callbacks",
+    "GpuOpt": "lightning_gpuopt.callbacks",
+    "GpuOptReport": "lightning_gpuopt.callbacks",
+    "MemoryEstimator": "lightning_gpuopt.callbacks",
+    "MemoryFill": "lightning_gpuopt.callbacks",
+    "NoBatchSizeFitsError": "lightning_gpuopt.callbacks",
+    "GpuOptCLI": "lightning_gpuopt.cli.lightning_cli",
+    "DataWaitReport": "lightning_gpuopt.core.diagnosis",
+    "MemoryEstimate": "lightning_gpuopt.core.estimate",
+    "MemoryFillPlan": "lightning_gpuopt.core.fill",
+    "LoaderTuneResult": "lightning_gpuopt.core.loader",
+    "MemoryBudget": "lightning_gpuopt.core.memory",
+    "parse_memory": "lightning_gpuopt.core.memory",
+    "save_plots": "lightning_gpuopt.core.plot",
+    "BatchSizeSearchResult": "lightning_gpuopt.core.search",
+    "available_presets": "lightning_gpuopt.presets",
+    "load_preset": "lightning_gpuopt.presets",
+}
+#: subpackages that ``import lightning_gpuopt`` used to import, reachable as attributes (imported on first use)
+_SUBMODULES = ("callbacks", "cli", "core", "presets")
 
 __all__ = [
     "BatchSizeSearch",
@@ -44,3 +59,41 @@ __all__ = [
     "save_plots",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _PUBLIC:
+        value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBMODULES:
+        value = _importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    names = {name for name in globals() if not name.startswith("_") or name.startswith("__")}
+    return sorted((names - {"__getattr__", "__dir__"}) | set(_PUBLIC) | set(_SUBMODULES))
+
+
+if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
+    from lightning_gpuopt.callbacks import (
+        BatchSizeSearch,
+        DataLoaderTuner,
+        DataWaitMonitor,
+        GpuOpt,
+        GpuOptReport,
+        MemoryEstimator,
+        MemoryFill,
+        NoBatchSizeFitsError,
+    )
+    from lightning_gpuopt.cli.lightning_cli import GpuOptCLI
+    from lightning_gpuopt.core.diagnosis import DataWaitReport
+    from lightning_gpuopt.core.estimate import MemoryEstimate
+    from lightning_gpuopt.core.fill import MemoryFillPlan
+    from lightning_gpuopt.core.loader import LoaderTuneResult
+    from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
+    from lightning_gpuopt.core.plot import save_plots
+    from lightning_gpuopt.core.search import BatchSizeSearchResult
+    from lightning_gpuopt.presets import available_presets, load_preset

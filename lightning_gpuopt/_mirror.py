@@ -50,6 +50,8 @@ def original_name(mirror_name: str) -> Optional[str]:
 
     >>> original_name("lightning_gpuopt.pytorch_lightning.callbacks.gpuopt")
     'lightning_gpuopt.callbacks.gpuopt'
+    >>> original_name("lightning_gpuopt.pytorch_lightning.cli.lightning_cli")
+    'lightning_gpuopt.cli.lightning_cli'
     >>> original_name("lightning_gpuopt.pytorch_lightning") is None
     True
     """

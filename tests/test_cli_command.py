@@ -44,6 +44,51 @@ def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+# --------------------------------------------------------------------------- a light command
+
+
+@pytest.mark.parametrize("args", [["--help"], ["presets"], ["presets", "fill-memory", "--json"]])
+def test_help_and_presets_do_not_import_torch_or_lightning(args):
+    # what makes `gpuopt --help` take seconds is importing torch and Lightning; what the command imports
+    # is a fact that does not depend on the machine's load, unlike a time limit
+    code = ("import sys\n"
+            "from lightning_gpuopt.cli import main\n"
+            f"sys.argv = ['gpuopt', *{args!r}]\n"
+            "status = main()\n"
+            "print('IMPORTED', status, 'torch' in sys.modules, 'lightning' in sys.modules, "
+            "'pytorch_lightning' in sys.modules)")  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False", result.stdout[-2000:]
+
+
+def test_the_package_and_its_cli_import_without_torch_and_keep_their_names():
+    code = ("import sys, lightning_gpuopt, lightning_gpuopt.cli\n"
+            "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
+            "from lightning_gpuopt import GpuOpt, GpuOptCLI, DataWaitMonitor, cli\n"
+            "from lightning_gpuopt.cli import preset_flag_as_key, main, import_class\n"
+            "print('torch' in sys.modules, GpuOptCLI is lightning_gpuopt.cli.GpuOptCLI, cli is lightning_gpuopt.cli)")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "True", "True", "True"]
+
+
+def test_the_package_lists_its_public_names():
+    import lightning_gpuopt
+
+    assert set(lightning_gpuopt.__all__) <= set(dir(lightning_gpuopt))
+    assert {"callbacks", "cli", "core", "presets"} <= set(dir(lightning_gpuopt))
+    for name in lightning_gpuopt.__all__:
+        assert getattr(lightning_gpuopt, name) is not None
+    assert lightning_gpuopt.GpuOpt is lightning_gpuopt.callbacks.GpuOpt
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        lightning_gpuopt.NotAName  # noqa: B018
+
+
 # --------------------------------------------------------------------------- gpuopt doctor
 
 
