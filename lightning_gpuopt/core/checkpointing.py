@@ -21,8 +21,9 @@ names and ``state_dict`` keys stay as they were, so checkpoints load with or wit
   are saved before and put back after each recomputation, so running stats equal those of an
   uncheckpointed run;
 * outside autograd (``torch.no_grad()``, validation) blocks run plainly;
-* a key/value cache handed to a block (``past_key_values``, ``layer_past``, ``use_cache=True``,
-  as HuggingFace layers take them) would be grown by the first pass and seen grown by the
+* a key/value cache handed to a block (``past_key_values``, ``layer_past``, ``cache`` -- the name
+  transformers 5.24 gives it -- or any argument holding a cache object, ``use_cache=True``, as
+  HuggingFace layers take them) would be grown by the first pass and seen grown by the
   recomputation: checkpointed calls get ``use_cache=False`` and no cache, as HuggingFace's own
   ``GradientCheckpointingLayer`` does.
 
@@ -69,6 +70,17 @@ from torch.utils.checkpoint import checkpoint
 BlockSpec = Union[type, str]
 #: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def is_key_value_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache object (HuggingFace's ``Cache`` and its subclasses:
+    ``update`` and ``get_seq_length``), whatever the argument holding it is called -- transformers
+    5.24 renamed GPT-2's ``past_key_values`` to ``cache``.
+
+    >>> is_key_value_cache(None), is_key_value_cache(torch.zeros(2))
+    (False, False)
+    """
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 #: how a recomputed step may differ from the plain one: relative to each tensor's norm
 RECOMPUTATION_RTOL = 1e-3
 
@@ -180,8 +192,8 @@ def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs:
             stores.append(bound.arguments[parameter.name])
     changed = False
     for store in stores:
-        for name in CACHE_ARGUMENTS:
-            if store.get(name) is not None:
+        for name, value in list(store.items()):
+            if value is not None and (name in CACHE_ARGUMENTS or is_key_value_cache(value)):
                 store[name], changed = None, True
         if store.get("use_cache"):
             store["use_cache"], changed = False, True
