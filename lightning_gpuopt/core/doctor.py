@@ -415,6 +415,10 @@ class CardPeaks:
 # Ada whitepaper (RTX 4090): FP32 82.6, TF32 82.6, BF16 with FP32 accumulate 165.2.
 # Ampere GA102 whitepaper (RTX 3090): FP32 35.6, TF32 35.6, BF16 with FP32 accumulate 71.
 # T4 datasheet: FP32 8.1; no TF32, no BF16 (FP16 65).
+# Not Lightning's `lightning.fabric.utilities.throughput.get_available_flops`: it reads the card through
+# torch.cuda itself (so neither our device layer nor a simulated card can answer it), does not match a card
+# named "NVIDIA H200" (None, checked with Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or
+# two-card figures (TF32 990 and 989.4 TFLOPS against the dense 494.7 and 417.5 a matmul can reach).
 #: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),

@@ -209,6 +209,10 @@ def batch_samples(batch: object) -> Optional[int]:
     >>> import torch
     >>> batch_samples(({"x": torch.zeros(8, 3)}, torch.zeros(8)))
     8
+
+    Not Lightning's ``extract_batch_size`` (the callbacks use it where a batch must have a size): this
+    module has no Lightning import, and here a batch without a sized tensor is ``None`` ("unknown":
+    no line is fitted), where Lightning raises, or counts a 0-dim tensor as one sample.
     """
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else None
