@@ -12,7 +12,7 @@ PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 # repo on PYTHONPATH (carry wheels for what its image lacks, e.g. torchinfo).
 BENCH_PY   ?= python3
 
-.PHONY: demo test test-gpu bench bench-gpu clean
+.PHONY: demo test lint test-gpu bench bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+LINT_PATHS := lightning_gpuopt tests examples benchmarks
+
+# ruff and mypy are in the [dev] extra; their settings are in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
 
 GPU_BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks/dataloader.py \
                   benchmarks/estimate_accuracy.py benchmarks/memory_fill.py

@@ -44,7 +44,7 @@ override is not called for the backward inside ``training_step``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -57,6 +57,7 @@ from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_el
 
 #: what ``MemoryFill(on_oom=...)`` accepts
 ON_OOM = ("adapt", "raise")
+OnOom = Literal["adapt", "raise"]
 
 
 class _GradientBox:
@@ -155,7 +156,7 @@ class OomRecovery:
         except Exception:  # noqa: BLE001 - no tensor to count samples by: this batch is not recovered
             return self._original(*args, **kwargs)
         elements = sample_elements(batch, batch_size)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params: list[torch.Tensor] = [p for p in self.module.parameters() if p.requires_grad]
         # a group's first batch: Lightning zeroes the gradients after this call; dropping them now
         # frees their memory for the step (as the zero would) and keeps the new ones apart
         kept = [None] * len(params) if first_of_group else [p.grad for p in params]

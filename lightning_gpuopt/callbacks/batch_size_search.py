@@ -67,7 +67,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -128,6 +128,7 @@ from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_la
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "batch_size_search"
 MODES = ("fill", "cap")
+Mode = Literal["fill", "cap"]
 
 
 class NoBatchSizeFitsError(RuntimeError):
@@ -197,7 +198,7 @@ class BatchSizeSearch(Callback):
         max_batch_size: int = 2**16,
         batch_arg_name: str = "batch_size",
         multiple_of: int = 1,
-        mode: str = "fill",
+        mode: Mode = "fill",
         verbose: bool = True,
     ) -> None:
         if max_memory is not None:
@@ -383,7 +384,7 @@ class BatchSizeSearch(Callback):
         """The estimate's largest batch for ``budget`` and its bytes per sample, from traced steps."""
         try:
             batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
-            trace = dict(
+            trace: dict[str, Any] = dict(
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
@@ -542,7 +543,7 @@ def _check_trial_batches(trainer: pl.Trainer, batch_size: int, name: str, out_of
         return
     wrong = sorted({size for size in seen if size != batch_size})
     model = type(trainer.lightning_module).__name__
-    datamodule = trainer.datamodule
+    datamodule = cast(Any, trainer).datamodule  # set by Lightning's data connector, not declared on Trainer
     source = f"{type(datamodule).__name__}.train_dataloader()" if datamodule is not None else f"{model}.train_dataloader()"
     raise MisconfigurationException(
         f"BatchSizeSearch set `{name}`={batch_size}, but the training steps received batches of {wrong} samples: "
@@ -661,7 +662,7 @@ MANUAL_TRIAL_BATCHES_AT_MOST = 8
 
 
 @contextlib.contextmanager
-def _batch_sizes_seen(trainer: pl.Trainer, pl_module: pl.LightningModule, stop_after: int = 0) -> Iterator[list[Optional[int]]]:
+def _batch_sizes_seen(trainer: pl.Trainer, pl_module: pl.LightningModule, stop_after: float = 0) -> Iterator[list[Optional[int]]]:
     """Records the size of every batch the trial's steps receive (Lightning's ``extract_batch_size``,
     read in the module's ``on_train_batch_start``), into :data:`_LAST_TRIAL_BATCH_SIZES`.
 
@@ -854,7 +855,8 @@ class _TrainingStateRestored:
         self.trainer.fit_loop.epoch_loop._batches_that_stepped = 0
         self.trainer.should_stop = False
         if self.scaler is not None:
-            self.trainer.strategy.precision_plugin.scaler = _trial_scaler(self.trainer.strategy.precision_plugin)
+            plugin: Any = self.trainer.strategy.precision_plugin  # a plugin with a scaler (16-mixed)
+            plugin.scaler = _trial_scaler(plugin)
 
     def _restore_weights_and_optimizers(self) -> None:
         with torch.no_grad():
@@ -870,7 +872,8 @@ class _TrainingStateRestored:
     def __exit__(self, *exc_info: Any) -> None:
         self.attributes.__exit__(*exc_info)
         if self.scaler is not None:
-            self.trainer.strategy.precision_plugin.scaler = self.scaler
+            plugin: Any = self.trainer.strategy.precision_plugin
+            plugin.scaler = self.scaler
             self.scaler.load_state_dict(self.scaler_state)
         self._restore_weights_and_optimizers()
         for progress, state in self.progress:
@@ -925,14 +928,15 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
     ``on_train_start``/``on_train_end`` not called (the hooks of each step and epoch are: they may
     prepare what the step needs), ``steps_per_trial`` optimizer steps over as many epochs as that takes."""
     fit_loop, module = trainer.fit_loop, trainer.lightning_module
+    connected: Any = trainer  # ``callbacks``: set by Lightning's callback connector, not declared on Trainer
     silenced = [name for name in _RUN_HOOKS_NOT_IN_TRIALS if name not in vars(module)]
     for name in silenced:
         setattr(module, name, _no_hook)
-    saved = (trainer.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
+    saved = (connected.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
              fit_loop.max_epochs, trainer.limit_train_batches)  # fmt: skip
     quiet = _TrialStopMessages()
     logging.getLogger(_RANK_ZERO_LOGGER).addFilter(quiet)
-    trainer.callbacks = []
+    connected.callbacks = []
     trainer.loggers = [DummyLogger()] if trainer.loggers else []
     trainer.limit_val_batches = 0
     minimums = (fit_loop.min_epochs, fit_loop.epoch_loop.min_steps)
@@ -953,7 +957,7 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
         for name in silenced:
             vars(module).pop(name, None)
         logging.getLogger(_RANK_ZERO_LOGGER).removeFilter(quiet)
-        trainer.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
+        connected.callbacks, trainer.loggers, trainer.limit_val_batches = saved[0], saved[1], saved[2]
         fit_loop.epoch_loop.max_steps, fit_loop.max_epochs, trainer.limit_train_batches = saved[3], saved[4], saved[5]
         fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = minimums
 
@@ -1041,7 +1045,7 @@ def _initial_batch_size(trainer: pl.Trainer, holders: list[tuple[Any, Any]], nam
     if len(set(map(repr, values))) <= 1:
         return int(values[-1])
     places = ", ".join(f"{_holder_name(holder, name)}={value!r}" for holder, value in holders)
-    loader_size = getattr(_first_loader(trainer), "batch_size", None)
+    loader_size: Any = getattr(_first_loader(trainer), "batch_size", None)
     _reset_train_loader(trainer)
     start = int(loader_size) if loader_size in values else int(values[-1])
     rank_zero_warn(

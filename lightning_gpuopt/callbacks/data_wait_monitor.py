@@ -65,7 +65,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -260,7 +260,7 @@ class DataWaitMonitor(Callback):
                 self._in_validation = False
                 self._clock.add_excluded("validation", time.perf_counter() - started)
 
-        val_loop.run = timed_run
+        val_loop.run = timed_run  # type: ignore[method-assign]  # on the instance, for this fit; _restore deletes it
         self._validation_wrapper = timed_run
 
     def _restore(self, trainer: Trainer) -> None:
@@ -288,13 +288,14 @@ class DataWaitMonitor(Callback):
         self._settings = read_run_settings(trainer)
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = Path(self.report_path) if self.report_path else report_dir(trainer) / REPORT_FILENAME
-        self._log_every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
+        self._log_every = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
         card = device_for(pl_module.device)
         if card.is_cuda:
             self._gpu = CudaStepTimer(card.new_event)  # type: ignore[arg-type]
             # every GPU (the report names idle ones); a MIG instance is only sampled when asked for by UUID
             mig = card.capabilities.mig and card.uuid
-            self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig else None)
+            self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig and card.uuid else None)
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
         self._call_probes("fit_start", trainer, pl_module)
@@ -404,7 +405,8 @@ class DataWaitMonitor(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(data_wait_table(self.report))
-            self.report_file = write_report_section(self._report_target, REPORT_SECTION, to_dict(self.report))
+            target = cast(Path, self._report_target)  # set in on_train_start
+            self.report_file = write_report_section(target, REPORT_SECTION, to_dict(self.report))
             if self.verbose and self.report_file is not None:
                 rank_zero_info(f"gpuopt: report written to {self.report_file}")
 

@@ -37,7 +37,7 @@ Logged metrics, once when training starts (to every logger of the Trainer, and t
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -169,7 +169,8 @@ class DataLoaderTuner(Callback):
                 rank_zero_warn(self.message)
                 return
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
-        persistent = self.persistent_workers and not (on_gpu and trainer.reload_dataloaders_every_n_epochs > 0)
+        reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
+        persistent = self.persistent_workers and not (on_gpu and reloads > 0)
         baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
         # a SIGTERM stops the timing at once (as it would stop a training step's loading)
         with rng_preserved(loader), sigterm_stops_our_work(trainer, raise_at_once=True), \
@@ -266,13 +267,13 @@ def rebuild_loader(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
     worker arguments, re-instantiated the way Lightning re-instantiates loaders."""
     args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
     positional = list(getattr(loader, "__pl_saved_arg_names", ()))
-    args = list(args)
+    values = list(args)
     for name, value in setting.loader_kwargs().items():
-        if name in positional and positional.index(name) < len(args):
-            args[positional.index(name)] = value
+        if name in positional and positional.index(name) < len(values):
+            values[positional.index(name)] = value
         else:
             kwargs[name] = value
-    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+    return _reinstantiate_wrapped_cls(loader, *values, **kwargs)
 
 
 def samples_on_device(loader: Any, device: Device) -> Optional[str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -37,12 +37,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._oom_recovery import OnOom
 from lightning_gpuopt.callbacks._reporting import report_dir, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
-from lightning_gpuopt.callbacks.memory_fill import MemoryFill, plan_table
+from lightning_gpuopt.callbacks.memory_fill import MemoryFill, Objective, plan_table
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
@@ -126,14 +127,14 @@ class GpuOpt(Callback):
         max_memory: Optional[Union[int, float, str]] = None,
         margin: Optional[float] = None,
         global_batch_size: Optional[int] = None,
-        amp: Optional[Union[bool, str]] = None,
+        amp: Optional[Union[bool, Literal["auto"]]] = None,
         checkpointing: Optional[Union[bool, str, list[str]]] = None,
-        accumulation: Optional[Union[bool, str]] = None,
-        objective: Optional[str] = None,
+        accumulation: Optional[Literal["auto", False]] = None,
+        objective: Optional[Objective] = None,
         min_micro_batch_size: Optional[int] = None,
         batch_arg_name: Optional[str] = None,
         loader_max_seconds: Optional[float] = None,
-        on_oom: Optional[str] = None,
+        on_oom: Optional[OnOom] = None,
         plots: Optional[bool] = None,
     ) -> None:
         overrides = {key: value for key, value in locals().items()
@@ -317,9 +318,9 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
         except Exception as error:  # noqa: BLE001 - the other parts must still undo their changes
             errors.append(error)
     if errors and name == "on_exception":
-        for error in errors:
+        for failure in errors:
             rank_zero_warn(f"GpuOpt: a part failed to undo its changes after the failed fit: "
-                           f"{type(error).__name__}: {error}")  # fmt: skip
+                           f"{type(failure).__name__}: {failure}")  # fmt: skip
     elif errors:
         raise errors[0]
 

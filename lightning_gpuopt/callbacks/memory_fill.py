@@ -79,7 +79,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -92,7 +92,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OomRecovery, adaptation_reporter
+from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OnOom, OomRecovery, adaptation_reporter
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.batch_size_search import (
@@ -124,6 +124,7 @@ from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_t
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "memory_fill"
 OBJECTIVES = ("throughput", "memory")
+Objective = Literal["throughput", "memory"]
 _SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 #: samples of the batch on which a checkpointed step is checked against a plain one
 CHECK_SAMPLES = 2
@@ -178,18 +179,18 @@ class MemoryFill(Callback):
     def __init__(
         self,
         global_batch_size: Optional[int] = None,
-        amp: Union[str, bool] = "auto",
+        amp: Union[Literal["auto"], bool] = "auto",
         checkpointing: Union[str, bool, Sequence[BlockSpec]] = "auto",
-        accumulation: Union[str, bool] = "auto",
+        accumulation: Literal["auto", False] = "auto",
         max_memory: Optional[Union[int, float, str]] = None,
         margin: float = 0.1,
         min_micro_batch_size: int = 8,
-        objective: str = "throughput",
+        objective: Objective = "throughput",
         batch_arg_name: str = "batch_size",
         steps_per_trial: int = 2,
         max_trials: int = 10,
         verbose: bool = True,
-        on_oom: str = "raise",
+        on_oom: OnOom = "raise",
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None: your batch size "
                   "x accumulate_grad_batches x devices)", allow_none=True)  # fmt: skip
@@ -202,8 +203,9 @@ class MemoryFill(Callback):
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches after an out-of-memory error in "
                      "training) or on_oom='raise'")  # fmt: skip
-        self._search_options = dict(max_memory=max_memory, margin=margin, steps_per_trial=steps_per_trial,
-                                    max_trials=max_trials, batch_arg_name=batch_arg_name)  # fmt: skip
+        self._search_options: dict[str, Any] = dict(max_memory=max_memory, margin=margin,
+                                                    steps_per_trial=steps_per_trial, max_trials=max_trials,
+                                                    batch_arg_name=batch_arg_name)  # fmt: skip
         BatchSizeSearch(**self._search_options)
         self.global_batch_size = global_batch_size
         self.amp = amp
@@ -253,7 +255,7 @@ class MemoryFill(Callback):
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
         self.search.progress = self.progress
         self.search._check_usable(trainer, pl_module)
-        initial_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
+        initial_batch = int(cast(Any, lightning_getattr(pl_module, self.batch_arg_name)))  # checked usable above
         self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
                              accumulate=trainer.accumulate_grad_batches)  # fmt: skip
         self._register_undos(trainer, pl_module)

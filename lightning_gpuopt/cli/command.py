@@ -34,7 +34,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 if TYPE_CHECKING:
     import torch
@@ -453,7 +453,8 @@ def _import_file(path_text: str, label: str) -> ModuleType:
         raise UsageError(f"{label}: the file {path_text!r} does not exist (looked for {path}); give an existing "
                          "path/to/file.py or a dotted module.")  # fmt: skip
     for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path:
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve() == path:
             return module
     name = path.stem if path.stem not in sys.modules else f"_gpuopt_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -768,7 +769,7 @@ def _stand_in_loss_fn(
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]  # fmt: skip
         if not leaves:
             raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
-        return sum(leaf.float().mean() for leaf in leaves)
+        return cast(torch.Tensor, sum(leaf.float().mean() for leaf in leaves))  # leaves is not empty: no 0
 
     return loss_of
 

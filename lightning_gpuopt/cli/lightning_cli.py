@@ -51,7 +51,7 @@ class GpuOptCLI(LightningCLI):
         def dump_resolved(namespace: Any, *args: Any, **dump_kwargs: Any) -> str:
             return dump(self._with_resolved_gpuopt(parser, namespace), *args, **dump_kwargs)
 
-        parser.dump = dump_resolved  # type: ignore[method-assign]
+        parser.dump = dump_resolved
         return parser
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -133,7 +133,7 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
     chosen: list[tuple[str, nn.Module]] = []
     for entry in spec:
         if isinstance(entry, type):
-            matches = [(n, m) for n, m in modules if isinstance(m, entry) and m is not model]
+            matches = [pair for pair in modules if isinstance(pair[1], entry) and pair[1] is not model]
         elif isinstance(entry, str) and entry in names and entry:
             matches = [(n, m) for n, m in modules if n == entry]
         elif isinstance(entry, str):
@@ -234,12 +234,13 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
 class _NativeSwitch:
     """A model's own checkpointing, switched on by :func:`enable_native_checkpointing`."""
 
-    owner: nn.Module
-    layers: list[nn.Module]
+    #: a transformers model: its checkpointing methods and flags are not on ``nn.Module``'s type
+    owner: Any
+    layers: list[Any]
     config_use_cache: Any
     had_input_grad_hooks: bool
 
-    def pause(self) -> list[nn.Module]:
+    def pause(self) -> list[Any]:
         paused = [layer for layer in self.layers if getattr(layer, "gradient_checkpointing", False)]
         for layer in paused:
             layer.gradient_checkpointing = False
@@ -287,7 +288,7 @@ class CheckpointedBlocks:
             yield
         finally:
             for module, forward in forwards:
-                module.forward = forward  # type: ignore[method-assign]
+                module.forward = forward
             for layer in layers:
                 layer.gradient_checkpointing = True
 
@@ -307,7 +308,7 @@ def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> Checkpointe
     for name, module in blocks:
         if "forward" in vars(module):  # checkpointed already, or a forward the user patched: leave it
             continue
-        module.forward = _checkpointed_forward(module, module.forward)  # type: ignore[method-assign]
+        module.forward = _checkpointed_forward(module, module.forward)
         handle.names.append(name)
         handle._modules.append(module)
         if type(module).__name__ not in handle.classes:
@@ -338,7 +339,7 @@ def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]
     return _outermost([(name, module) for name, module in model.named_modules() if _checkpoints_itself(module)])
 
 
-def _switch_on(owner: nn.Module) -> None:
+def _switch_on(owner: Any) -> None:  # a transformers model (see _NativeSwitch.owner)
     enable = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5: the deprecation-free name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -362,7 +363,7 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> Chec
         _switch_on(owner)
         config = getattr(owner, "config", None)
         use_cache = getattr(config, "use_cache", _MISSING) if config is not None else _MISSING
-        if use_cache is not _MISSING:
+        if config is not None and use_cache is not _MISSING:
             config.use_cache = False  # what HF's own training scripts do under checkpointing
         flagged = [(name, module) for name, module in owner.named_modules()
                    if module is not owner and not _checkpoints_itself(module)

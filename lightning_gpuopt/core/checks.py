@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, overload
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+@overload
+def check_int(name: str, value: Any, minimum: int, example: str, allow_none: Literal[False] = False) -> int: ...
+@overload
+def check_int(name: str, value: Any, minimum: int, example: str, allow_none: bool) -> Optional[int]: ...
 def check_int(name: str, value: Any, minimum: int, example: str, allow_none: bool = False) -> Optional[int]:
     """``value`` as an int >= ``minimum`` (or ``None`` when allowed), else a ``ValueError``."""
     if value is None and allow_none:

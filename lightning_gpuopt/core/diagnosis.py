@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from lightning_gpuopt.core.checks import check_number
 from lightning_gpuopt.core.findings import Finding
@@ -147,7 +147,7 @@ def classify(shares: StepShares, thresholds: Thresholds) -> tuple[str, str]:
     if shares.data_wait >= thresholds.data_wait_high and (shares.gpu_idle is None or gpu_starved):
         idle = f"; the GPU is idle {_pct(shares.gpu_idle)} of the time" if shares.gpu_idle is not None else ""
         return "input-bound", f"{wait}{idle}"
-    if gpu_starved:
+    if gpu_starved and shares.gpu_idle is not None:  # (gpu_starved implies it; said again for mypy)
         return "host-bound", (
             f"the GPU is idle {_pct(shares.gpu_idle)} of the time while {wait}: the host does not"
             " enqueue work fast enough (Python overhead, synchronisations such as .item(), small kernels)"
@@ -209,7 +209,7 @@ def _workers_advice(shares: StepShares, run: RunSettings, core_text: str) -> str
         f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'}"
         f" {core_text} and {wait}: if loading computes (decoding,"
         " augmentation), make it cheaper (cache decoded samples, augment on the GPU) or add cores; if it waits"
-        f" on storage or network, more workers help: try num_workers={2 * run.num_workers}."
+        f" on storage or network, more workers help: try num_workers={2 * (run.num_workers or 0)}."
     )
 
 
@@ -253,9 +253,10 @@ def recommend(shares: StepShares, verdict: str, run: RunSettings, thresholds: Th
 def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int]:
     """Visible GPUs that sat idle while another visible GPU worked (NVML indices)."""
     visible = [gpu for gpu in gpus if gpu.visible and gpu.util_mean is not None]
-    if not any(gpu.util_mean >= thresholds.busy_gpu_util for gpu in visible):  # type: ignore[operator]
+    if not any((gpu.util_mean or 0.0) >= thresholds.busy_gpu_util for gpu in visible):  # (never None here)
         return []
-    return [gpu.index for gpu in visible if gpu.util_mean < thresholds.idle_gpu_util]  # type: ignore[operator]
+    # a whole GPU (the only kind with utilisation) has an NVML index
+    return [cast(int, gpu.index) for gpu in visible if (gpu.util_mean or 0.0) < thresholds.idle_gpu_util]
 
 
 def idle_gpu_advice(gpus: Sequence[GpuUsage], idle: Sequence[int], run: RunSettings) -> Optional[str]:
@@ -363,7 +364,7 @@ class RankFigures:
     @classmethod
     def from_vector(cls, vector: Sequence[float]) -> "RankFigures":
         names = list(cls.__dataclass_fields__)
-        values = dict(zip(names, vector))
+        values: dict[str, Any] = dict(zip(names, vector))
         for name in ("rank", "steps", "samples"):
             values[name] = int(round(values[name]))
         values["gpu_util_mean"] = None if math.isnan(values["gpu_util_mean"]) else values["gpu_util_mean"]

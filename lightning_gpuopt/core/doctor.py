@@ -514,8 +514,8 @@ def _gpu_matmul_check(seconds: float, size: int) -> Check:
                 low.append(kind)
         else:
             parts.append(f"{kind} {tflops:.1f} TFLOP/s")
-    card = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
-    value = f"cuda:0 {name} ({card}): {', '.join(parts)}; {size}x{size}"
+    datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
+    value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
     details = {"device": name, "card": None if peaks is None else peaks.card, "size": size,
                "tflops": achieved, "peak_tflops": None if peaks is None else
                {kind: getattr(peaks, kind) for kind in achieved}}  # fmt: skip
@@ -530,7 +530,7 @@ def _gpu_matmul_check(seconds: float, size: int) -> Check:
 
 
 def _cpu_matmul_check(seconds: float, size: int) -> Check:
-    achieved = {"fp32": None, "bf16": None}
+    achieved: dict[str, Optional[float]] = {"fp32": None, "bf16": None}
     with _float32_matmul_precision("highest"):
         achieved["fp32"] = matmul_flops(size, torch.float32, "cpu", seconds / 2) / 1e9
     try:

@@ -177,8 +177,8 @@ class MemoryEstimate:
 def _module_device(module: torch.nn.Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -225,7 +225,8 @@ def _restored_attributes(module: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _swapped_tensors(module: torch.nn.Module, twin: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Replace every parameter and buffer of ``module`` by ``twin(tensor)`` inside the block."""
-    swapped = []
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    store: dict[str, Any]  # parameters or buffers; a parameter's twin is a plain tensor
     for sub in module.modules():
         for store in (sub._parameters, sub._buffers):
             for name, tensor in store.items():
@@ -298,7 +299,9 @@ def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.T
     for group in optimizer.param_groups:
         options = {key: value for key, value in group.items() if key != "params"}
         groups.append({**options, "params": [twin_of[id(param)] for param in group["params"]]})
-    return type(optimizer)(groups)
+    # a subclass of Optimizer: its __init__ takes the groups alone (Optimizer's own also wants defaults)
+    optimizer_class: Callable[..., torch.optim.Optimizer] = type(optimizer)
+    return optimizer_class(groups)
 
 
 @contextlib.contextmanager
@@ -793,8 +796,9 @@ def _traced_estimate(
     accumulate_grad_batches: int = 1,
     manual_step: ManualStep | None = None,
 ) -> tuple[MemoryEstimate, float]:
-    trace = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context, workspaces=workspaces,
-                 device=device, accumulate_grad_batches=accumulate_grad_batches, manual_step=manual_step)  # fmt: skip
+    trace: dict[str, Any] = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context,
+                                 workspaces=workspaces, device=device, accumulate_grad_batches=accumulate_grad_batches,
+                                 manual_step=manual_step)  # fmt: skip
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None

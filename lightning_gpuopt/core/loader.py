@@ -406,7 +406,7 @@ def tune_loader(
         # one worker only moves loading off the main process (it overlaps compute, which this
         # loop does not run), so growth is judged from two workers on
         grew = previous is None or _grew(previous, timing, tolerance)
-        if workers >= 2 and not grew and time.perf_counter() - started <= max_seconds:
+        if workers >= 2 and not grew and previous is not None and time.perf_counter() - started <= max_seconds:
             # one disturbed timing must not end the walk: both timed once more, the faster kept
             previous = _faster(previous, run(previous.setting))
             timing = _faster(timing, run(setting))
@@ -563,7 +563,7 @@ def sample_size(sample: object) -> int:
     if isinstance(sample, torch.Tensor):
         return sample.numel()
     if hasattr(sample, "size") and hasattr(sample, "shape") and not callable(sample.size):  # numpy arrays
-        return int(sample.size)  # type: ignore[attr-defined]
+        return int(sample.size)
     items = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (list, tuple)) else ()
     return sum(sample_size(item) for item in items)
 

@@ -87,10 +87,10 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
     timeline = report.timeline
     title = f"Step time over training · {report.verdict}"
     if timeline is None or not timeline.step:
-        shares = [("data wait", report.data_wait_s), ("transfer", report.transfer_s),
-                  ("compute", report.compute_s), ("other", report.other_s)]  # fmt: skip
+        segments = [("data wait", report.data_wait_s), ("transfer", report.transfer_s),
+                    ("compute", report.compute_s), ("other", report.other_s)]  # fmt: skip
         left = 0.0
-        for name, seconds in shares:
+        for name, seconds in segments:
             per_step_ms = 1e3 * seconds / report.steps if report.steps else 0.0
             axes.barh(["mean step"], [per_step_ms], left=left, label=name, color=_COLOURS[name])
             left += per_step_ms
@@ -128,10 +128,10 @@ def memory_figure(
     misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    axes.scatter([t.batch_size for t in fits], [t.peak_bytes / _MIB for t in fits], color="#2ca02c", zorder=3,
+    axes.scatter([t.batch_size for t in fits], [(t.peak_bytes or 0) / _MIB for t in fits], color="#2ca02c", zorder=3,
                  label="trial: fits (peak)")  # fmt: skip
-    axes.scatter([t.batch_size for t in misses], [t.peak_bytes / _MIB for t in misses], color="#d62728", marker="x",
-                 zorder=3, label="trial: out of memory (peak when it failed)")  # fmt: skip
+    axes.scatter([t.batch_size for t in misses], [(t.peak_bytes or 0) / _MIB for t in misses], color="#d62728",
+                 marker="x", zorder=3, label="trial: out of memory (peak when it failed)")  # fmt: skip
     for number, trial in enumerate(search.trials, 1):
         if trial.peak_bytes is not None:
             axes.annotate(str(number), (trial.batch_size, trial.peak_bytes / _MIB), textcoords="offset points",

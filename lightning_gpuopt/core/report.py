@@ -78,7 +78,7 @@ def _convert(hint: Any, value: Any) -> Any:
             if arg is not type(None):
                 return _convert(arg, value)
     if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        return from_dict(hint, value)
+        return from_dict(typing.cast(type, hint), value)  # a dataclass hint is a class
     if origin in (list, Sequence) and args:
         return [_convert(args[0], item) for item in value]
     if origin is tuple and args:

@@ -279,8 +279,8 @@ def search_largest_fit(
         )
     state = _State()
     trials: list[Trial] = []
-    guess = _Guess(_clamp(round_down(start, multiple_of), lo, hi))
-    first = guess.batch_size
+    first = _clamp(round_down(start, multiple_of), lo, hi)
+    guess = _Guess(first)
     reason = "max trials"
     while guess.batch_size is not None and len(trials) < max_trials:
         size = guess.batch_size
