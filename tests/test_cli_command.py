@@ -17,6 +17,7 @@ import torch
 
 from lightning_gpuopt import cli
 from lightning_gpuopt.core import doctor
+from lightning_gpuopt.core.loader import usable_cpu_count
 from lightning_gpuopt.core.memory import LiveTensorTracker
 from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description
 
@@ -273,7 +274,7 @@ def test_bad_estimate_arguments_exit_2_with_what_would_work(capsys, args, expect
 
 
 def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch):
-    cores = doctor.usable_cores()
+    cores = usable_cpu_count(within_quota=True)
     assert 1 <= cores <= len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     try:
@@ -316,6 +317,17 @@ def test_cpu_cores_check_against_a_cgroup_quota():
     assert limited.status == "warn" and "num_workers" in limited.fix
 
 
+def test_one_core_count_the_affinity_and_within_quota_the_cgroup_limit_too(monkeypatch):
+    from lightning_gpuopt.core import loader
+
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 0.5)
+    assert usable_cpu_count() == affinity  # the loader tuner and the data-wait monitor: the affinity
+    assert usable_cpu_count(within_quota=True) == 1  # the doctor's thread check: half a core, rounded up
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: affinity + 1.5)
+    assert usable_cpu_count(within_quota=True) == affinity
+
+
 @pytest.mark.parametrize(
     ("build", "driver", "status"),
     [("12.4", 12040, "ok"), ("12.1", 12080, "ok"), ("12.8", 12020, "warn"), ("12.4", 11080, "fail"),
@@ -345,9 +357,9 @@ def test_blas_of_the_installed_torch():
 
 
 def test_a_check_that_raises_becomes_a_warning_naming_the_error(monkeypatch):
-    def broken() -> int:
+    def broken(within_quota: bool = False) -> int:
         raise PermissionError("sched_getaffinity denied")
 
-    monkeypatch.setattr(doctor, "usable_cores", broken)
+    monkeypatch.setattr(doctor, "usable_cpu_count", broken)
     check = doctor.check_torch_threads()
     assert check.status == "warn" and "PermissionError: sched_getaffinity denied" in check.value

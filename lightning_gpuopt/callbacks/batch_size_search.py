@@ -88,21 +88,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, warn_failed_undos
+from lightning_gpuopt.callbacks._changes import Changes, FailedUndo, raise_failed_undos, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
-from lightning_gpuopt.callbacks.memory_estimator import _logging_disabled, _loss_function
+from lightning_gpuopt.callbacks._training_step import logging_disabled, loss_function
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
 from lightning_gpuopt.core.estimate import (
     MemoryEstimate,
-    _restored_attributes,
     estimate_memory,
     learn_workspaces,
     refine_near_capacity,
+    restored_attributes,
     trace_training_step,
     with_untraced_bytes,
 )
@@ -239,14 +239,37 @@ class BatchSizeSearch(Callback):
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.find_batch_size(trainer, pl_module)
+
+    def find_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BatchSizeSearchResult:
+        """Run the search now, set the largest batch size that fits, and return :attr:`result`.
+
+        What ``on_fit_start`` does; a callback that drives the search itself calls it instead of the
+        hook (:class:`~lightning_gpuopt.callbacks.memory_fill.MemoryFill` searches its micro-batch
+        with it, between ``min_batch_size`` and the ``max_batch_size`` it sets). It needs what
+        ``on_fit_start`` has: a Trainer in ``fit`` whose strategy set the model and the optimizers up.
+        Each call first undoes what an earlier call left, and registers the batch size it sets
+        (kept by :meth:`finish_changes`, put back by :meth:`undo_changes`).
+
+        Example::
+
+            search = BatchSizeSearch(max_memory="20GiB", max_batch_size=64)
+            search.find_batch_size(trainer, pl_module).batch_size   # in a hook from on_fit_start on
+
+        Raises:
+            MisconfigurationException: see :meth:`check_usable`.
+            NoBatchSizeFitsError: when not even ``min_batch_size`` fits (see the class docstring).
+        """
         check_trainer_namespace(trainer, type(self).__name__)
         self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
         self.result = None
-        self._check_usable(trainer, pl_module)
+        self.check_usable(trainer, pl_module)
         holders, name = _batch_size_holders(pl_module, self.batch_arg_name), self.batch_arg_name
         self._changes.add("the batch size", lambda: _put_back_batch_size(holders, name), lasting=True)
         with sigterm_stops_our_work(trainer, self._changes):
             self._search(trainer, pl_module)
+        assert self.result is not None
+        return self.result
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.perf_counter()
@@ -256,7 +279,7 @@ class BatchSizeSearch(Callback):
         holders = _batch_size_holders(pl_module, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials take the trainer's callbacks away
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
-        with _TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
+        with TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
                 contextlib.ExitStack() as trial_batches:
             initial = _initial_batch_size(trainer, holders, self.batch_arg_name)
             upper, upper_note = self._upper_bound(trainer, initial)  # before the trials' own sampler is in place
@@ -284,7 +307,7 @@ class BatchSizeSearch(Callback):
                 )
             if result.batch_size is None:
                 message = self._nothing_fits_message(runner, result)
-        _reset_train_loader(trainer)
+        reset_train_loader(trainer)
         result = replace(
             result,
             initial_batch_size=initial,
@@ -309,11 +332,21 @@ class BatchSizeSearch(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.release_memory_cap()
         if stage == "fit":
-            raise_failed_undos("BatchSizeSearch", self._changes.finish())
+            raise_failed_undos("BatchSizeSearch", self.finish_changes())
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.release_memory_cap()
-        warn_failed_undos("BatchSizeSearch", self._changes.undo())
+        warn_failed_undos("BatchSizeSearch", self.undo_changes())
+
+    def finish_changes(self) -> list[FailedUndo]:
+        """The fit ended well: keep the batch size found, put back everything else the search changed
+        (the memory cap). Returns the undos that raised (``teardown`` raises them)."""
+        return self._changes.finish()
+
+    def undo_changes(self) -> list[FailedUndo]:
+        """The fit failed (an exception, Ctrl+C, SIGTERM): put back everything the search changed, the
+        user's batch size included. Returns the undos that raised (``on_exception`` warns of them)."""
+        return self._changes.undo()
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
         """On a CUDA card with an explicit ``max_memory``: training may reserve at most that much
@@ -335,7 +368,11 @@ class BatchSizeSearch(Callback):
 
     # ------------------------------------------------------------------ preparing
 
-    def _check_usable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def check_usable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Raise ``MisconfigurationException`` when the search cannot resize this fit's batches: no
+        ``batch_arg_name`` on the model, its hparams or the datamodule, or a DataLoader passed to
+        ``fit()`` directly. :meth:`find_batch_size` checks it first; a callback that will search later
+        (:class:`~lightning_gpuopt.callbacks.memory_fill.MemoryFill`, in ``setup``) can fail early with it."""
         name = self.batch_arg_name
         if not lightning_hasattr(pl_module, name):
             raise MisconfigurationException(
@@ -361,14 +398,23 @@ class BatchSizeSearch(Callback):
             return device_usable_memory(device)
         return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
-    def _budget_bytes(self, device: torch.device) -> int:
+    def budget_bytes(self, device: torch.device) -> int:
+        """The bytes a trial's peak may reach on ``device``: ``max_memory`` less ``margin`` (without a
+        ``max_memory``: what a CUDA card has free plus what torch holds, less ``margin``). Raises
+        ``ValueError`` on a non-CUDA device without ``max_memory``.
+
+        Example::
+
+            >>> BatchSizeSearch(max_memory="100MB", margin=0.1).budget_bytes(torch.device("cpu"))
+            90000000
+        """
         return int(self._capacity_bytes(device) * (1.0 - self.margin))
 
     def _upper_bound(self, trainer: pl.Trainer, initial: int) -> tuple[int, str]:
         upper, note = self.max_batch_size, f"max_batch_size={self.max_batch_size}"
         if self.mode == "cap" and initial < upper:
             upper, note = initial, f"mode='cap': never above your batch size {initial}"
-        samples = _samples_per_rank(trainer)
+        samples = samples_per_rank(trainer)
         if samples == 0:
             raise MisconfigurationException(
                 "BatchSizeSearch: the train loader holds no samples on this rank (an empty dataset, or fewer samples "
@@ -383,7 +429,7 @@ class BatchSizeSearch(Callback):
     ) -> tuple[Optional[int], Optional[float], list[str]]:
         """The estimate's largest batch for ``budget`` and its bytes per sample, from traced steps."""
         try:
-            batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
+            batch = trainer.strategy.batch_to_device(next(iter(first_train_loader(trainer))))
             trace: dict[str, Any] = dict(
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
                 batch_size=batch_samples(batch),
@@ -391,9 +437,9 @@ class BatchSizeSearch(Callback):
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
             # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
-            trace["workspaces"] = learn_workspaces(pl_module, _loss_function(pl_module), batch,
+            trace["workspaces"] = learn_workspaces(pl_module, loss_function(pl_module), batch,
                                                    batch_size=trace["batch_size"], step_context=trace["step_context"])
-            estimate = estimate_memory(pl_module, _loss_function(pl_module), batch, capacity_bytes=budget, **trace)
+            estimate = estimate_memory(pl_module, loss_function(pl_module), batch, capacity_bytes=budget, **trace)
             if estimate.method != "traced":
                 return None, None, [f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); "
                                     "started at your batch size"]  # fmt: skip
@@ -472,7 +518,7 @@ def _refined(
     predicted = estimate.max_batch_size
     if not predicted or trace["batch_size"] is None:
         return predicted, estimate.bytes_per_sample, []
-    loss_fn = _loss_function(pl_module)
+    loss_fn = loss_function(pl_module)
     refined = refine_near_capacity(
         lambda size: trace_training_step(pl_module, loss_fn, batch, trace_batch_size=size, **trace),
         predicted, budget, extra_bytes,
@@ -488,7 +534,7 @@ class _TrialRunner:
     """Runs one trial at a batch size on every rank and returns what all ranks agree on."""
 
     def __init__(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "_TrainingStateRestored", budget: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "TrainingStateRestored", budget: int,
         search_budget: int, batch_arg_name: str, capacity: int,
     ) -> None:
         self.trainer, self.pl_module, self.state, self.budget = trainer, pl_module, state, budget
@@ -504,7 +550,7 @@ class _TrialRunner:
     def fits(self, batch_size: int, capped: bool = True) -> tuple[bool, Optional[int]]:
         trainer, pl_module = self.trainer, self.pl_module
         lightning_setattr(pl_module, self.batch_arg_name, batch_size)
-        _reset_train_loader(trainer)
+        reset_train_loader(trainer)
         trainer.fit_loop.setup_data()  # collectives (barrier, length checks): outside the trial, on every rank
         self.state.reset_for_trial()
         device = pl_module.device
@@ -642,7 +688,7 @@ def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -
     wanted = trainer.fit_loop.epoch_loop.max_steps
     manual = not pl_module.automatic_optimization
     batches = trainer.limit_train_batches // MANUAL_TRIAL_BATCHES_AT_MOST if manual else 0
-    with _collectives_bypassed(trainer, pl_module), _logging_disabled(pl_module), meter, \
+    with _collectives_bypassed(trainer, pl_module), logging_disabled(pl_module), meter, \
             _optimizer_steps_counted(trainer.optimizers) as stepped, \
             _batch_sizes_seen(trainer, pl_module, stop_after=batches) as sizes:  # fmt: skip
         sizes.clear()
@@ -818,15 +864,22 @@ def _progress_objects(loop: Any, seen: Optional[set] = None) -> Iterator[_BasePr
             yield from _progress_objects(value, seen)
 
 
-class _TrainingStateRestored:
+class TrainingStateRestored:
     """Keeps, in host memory, everything a trial changes and puts it back on exit: parameters and
     buffers, gradients, optimizer and LR-scheduler state, loop progress, RNG states, module
-    attributes (train/eval modes included) and ``trainer.should_stop``."""
+    attributes (train/eval modes included) and ``trainer.should_stop``.
+
+    Example::
+
+        with TrainingStateRestored(trainer, pl_module) as state:
+            state.reset_for_trial()       # counters at zero: a trial's steps run from the start
+            trainer.fit_loop.run()        # real steps; afterwards nothing of them is left
+    """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.pl_module = trainer, pl_module
 
-    def __enter__(self) -> "_TrainingStateRestored":
+    def __enter__(self) -> "TrainingStateRestored":
         trainer, module = self.trainer, self.pl_module
         tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
         self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
@@ -843,7 +896,7 @@ class _TrainingStateRestored:
         plugin = trainer.strategy.precision_plugin
         self.scaler = getattr(plugin, "scaler", None)
         self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
-        self.attributes = _restored_attributes(module)
+        self.attributes = restored_attributes(module)
         self.attributes.__enter__()
         return self
 
@@ -972,8 +1025,8 @@ def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Option
     vary (sequences of different lengths), the largest sample at every place: a padded batch that
     holds the longest sample is as large as copies of it. Every sample's size is looked at (within
     a time bound, which the note then names). The estimate uses the same batches."""
-    loader = _first_loader(trainer)
-    _reset_train_loader(trainer)
+    loader = first_train_loader(trainer)
+    reset_train_loader(trainer)
     dataset = getattr(loader, "dataset", None)
     refusal = _why_batch_size_is_not_the_loaders(loader)
     if refusal:
@@ -1045,8 +1098,8 @@ def _initial_batch_size(trainer: pl.Trainer, holders: list[tuple[Any, Any]], nam
     if len(set(map(repr, values))) <= 1:
         return int(values[-1])
     places = ", ".join(f"{_holder_name(holder, name)}={value!r}" for holder, value in holders)
-    loader_size: Any = getattr(_first_loader(trainer), "batch_size", None)
-    _reset_train_loader(trainer)
+    loader_size: Any = getattr(first_train_loader(trainer), "batch_size", None)
+    reset_train_loader(trainer)
     start = int(loader_size) if loader_size in values else int(values[-1])
     rank_zero_warn(
         f"BatchSizeSearch: the batch size is held in several places with different values ({places}); the train loader"
@@ -1072,8 +1125,9 @@ def _put_back_batch_size(holders: list[tuple[Any, Any]], name: str) -> None:
             setattr(holder, name, value)
 
 
-def _reset_train_loader(trainer: pl.Trainer) -> None:
-    """Make the fit loop build the train loader again (at the batch size now set)."""
+def reset_train_loader(trainer: pl.Trainer) -> None:
+    """Make the fit loop build the train loader again (at the batch size now set): call it after
+    changing the batch size, and after :func:`first_train_loader` so training gets a fresh loader."""
     loop = trainer.fit_loop
     if loop._data_fetcher is not None:
         loop._data_fetcher.teardown()
@@ -1081,26 +1135,34 @@ def _reset_train_loader(trainer: pl.Trainer) -> None:
     loop._combined_loader = None
 
 
-def _first_loader(trainer: pl.Trainer) -> Any:
+def first_train_loader(trainer: pl.Trainer) -> Any:
+    """The fit's (first) train loader, built now from ``train_dataloader()`` at the batch size now set,
+    as the fit loop builds it; :func:`reset_train_loader` afterwards, so training builds its own.
+
+    Example::
+
+        batch = next(iter(first_train_loader(trainer)))
+        reset_train_loader(trainer)
+    """
     loop = trainer.fit_loop
-    _reset_train_loader(trainer)
+    reset_train_loader(trainer)
     loop.setup_data()
     assert loop._combined_loader is not None
     return loop._combined_loader.flattened[0]
 
 
-def _samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
+def samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
     """Samples each rank's train loader draws in an epoch (its sampler's length), if known. Building the
     loader may draw from the global RNG: the RNG states are put back."""
     rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
     try:
-        loader = _first_loader(trainer)
+        loader = first_train_loader(trainer)
         sampler = getattr(loader, "sampler", None)
         return len(sampler) if sampler is not None else len(loader.dataset)
     except (TypeError, AttributeError, NotImplementedError):
         return None
     finally:
-        _reset_train_loader(trainer)
+        reset_train_loader(trainer)
         _set_rng_states(rng)
 
 

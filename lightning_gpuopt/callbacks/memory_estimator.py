@@ -30,24 +30,23 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._training_step import check_one_batch_step, logging_disabled, loss_function
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.estimate import (
     ManualStep,
     MemoryEstimate,
-    NotTraceable,
     estimate_memory,
     optimizer_state_rule_bytes,
     with_measured_optimizer_state,
@@ -208,7 +207,7 @@ class MemoryEstimator(Callback):
             capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
         estimate = estimate_memory(
             pl_module,
-            _loss_function(pl_module),
+            loss_function(pl_module),
             batch,
             optimizer=optimizer,
             batch_size=batch_samples(batch),  # unknown (None): no line, no max batch size
@@ -291,47 +290,6 @@ def render_estimate(estimate: MemoryEstimate) -> str:
 # ---------------------------------------------------------------------- helpers
 
 
-def _ignore_log(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-@contextlib.contextmanager
-def _logging_disabled(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing inside (a traced step must not log fake values)."""
-    pl_module.log = _ignore_log  # type: ignore[method-assign]
-    pl_module.log_dict = _ignore_log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log
-        del pl_module.log_dict
-
-
-def _check_one_batch_step(pl_module: pl.LightningModule) -> None:
-    """Raise :class:`NotTraceable` for a ``training_step(self, dataloader_iter)``: it pulls its own
-    batches, the trace gives it one."""
-    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-        raise NotTraceable("training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
-                           "batch given to training_step")  # fmt: skip
-
-
-def _loss_function(pl_module: pl.LightningModule) -> Any:
-    def loss_of(batch: Any) -> torch.Tensor:
-        _check_one_batch_step(pl_module)
-        if not pl_module.automatic_optimization:
-            raise NotTraceable("manual optimization: training_step steps the optimizers itself (trace it with "
-                               "manual_step)")  # fmt: skip
-        with _logging_disabled(pl_module):
-            output = pl_module.training_step(batch, 0)
-        if isinstance(output, Mapping):
-            output = output.get("loss")
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"training_step returned {type(output).__name__}, not a loss tensor")
-        return output
-
-    return loss_of
-
-
 def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualStep:
     """The whole ``training_step`` of a module under manual optimization, as the trace runs it
     (:func:`~lightning_gpuopt.core.estimate.trace_training_step`'s ``manual_step``): inside it
@@ -346,13 +304,13 @@ def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualSte
     """
 
     def run(batch: Any, optimizers: list) -> None:
-        _check_one_batch_step(pl_module)
+        check_one_batch_step(pl_module)
         strategy = trainer.strategy
         saved = strategy._optimizers, strategy._lightning_optimizers
         strategy._optimizers = list(optimizers)
         strategy._lightning_optimizers = [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
         try:
-            with _logging_disabled(pl_module), _plain_manual_backward(pl_module), _schedulers_restored(trainer):
+            with logging_disabled(pl_module), _plain_manual_backward(pl_module), _schedulers_restored(trainer):
                 pl_module.training_step(batch, 0)
         finally:
             strategy._optimizers, strategy._lightning_optimizers = saved

@@ -95,15 +95,15 @@ from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OnOom, OomRecovery, adaptation_reporter
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
+from lightning_gpuopt.callbacks._training_step import loss_function
 from lightning_gpuopt.callbacks.batch_size_search import (
     BatchSizeSearch,
     NoBatchSizeFitsError,
-    _first_loader,
-    _samples_per_rank,
-    _reset_train_loader,
-    _TrainingStateRestored,
+    TrainingStateRestored,
+    first_train_loader,
+    reset_train_loader,
+    samples_per_rank,
 )
-from lightning_gpuopt.callbacks.memory_estimator import _loss_function
 from lightning_gpuopt.core.checkpointing import (
     BlockSpec,
     CheckpointedBlocks,
@@ -116,7 +116,7 @@ from lightning_gpuopt.core.checkpointing import (
 )
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import _sliced, estimate_memory, host_step_context
+from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, sliced_batch
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
@@ -254,7 +254,7 @@ class MemoryFill(Callback):
         self._started = time.perf_counter()
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
         self.search.progress = self.progress
-        self.search._check_usable(trainer, pl_module)
+        self.search.check_usable(trainer, pl_module)
         initial_batch = int(cast(Any, lightning_getattr(pl_module, self.batch_arg_name)))  # checked usable above
         self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
                              accumulate=trainer.accumulate_grad_batches)  # fmt: skip
@@ -377,7 +377,7 @@ class MemoryFill(Callback):
         when the step cannot be traced: the trials decide then)."""
         assert self.search is not None
         try:
-            budget = self.search._budget_bytes(trainer.strategy.root_device)
+            budget = self.search.budget_bytes(trainer.strategy.root_device)
             loader = trainer.fit_loop._data_source.dataloader()
             # an iterator draws its seeds from the global RNG and the loader's generators, and the
             # traced step may draw from numpy and ``random``: training must not see either
@@ -385,7 +385,7 @@ class MemoryFill(Callback):
                 batch = next(iter(loader))
                 optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
                 estimate = estimate_memory(
-                    pl_module, _loss_function(pl_module), batch,
+                    pl_module, loss_function(pl_module), batch,
                     optimizer=optimizers[0] if len(optimizers) == 1 else None, batch_size=batch_samples(batch),
                     capacity_bytes=budget, step_context=_setup_step_context(trainer, pl_module),
                     device=trainer.strategy.root_device,
@@ -447,7 +447,7 @@ class MemoryFill(Callback):
             if problem is None:
                 kept.append(handle)
                 continue
-            own_switch = bool(handle._native)
+            own_switch = handle.native
             handle.remove()
             if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
                 retry.append(enable_checkpointing(fallback))
@@ -475,11 +475,11 @@ class MemoryFill(Callback):
         switched_on = groups if switched_on is None else switched_on
         problems: list[Optional[str]] = []
         # parameters, buffers, gradients, RNG states (the loader's draws among them) and attributes put back
-        with _TrainingStateRestored(trainer, pl_module):
+        with TrainingStateRestored(trainer, pl_module):
             try:
                 try:
-                    batch = trainer.strategy.batch_to_device(next(iter(_first_loader(trainer))))
-                    batch = _sliced(batch, batch_samples(batch), CHECK_SAMPLES)
+                    batch = trainer.strategy.batch_to_device(next(iter(first_train_loader(trainer))))
+                    batch = sliced_batch(batch, batch_samples(batch), CHECK_SAMPLES)
                 except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
                     problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(groups)
                     batch = None
@@ -489,10 +489,10 @@ class MemoryFill(Callback):
                             if other is not group:
                                 others.enter_context(other.paused())
                         problems.append(check_recomputation(
-                            pl_module, _loss_function(pl_module), batch, group,
+                            pl_module, loss_function(pl_module), batch, group,
                             step_context=trainer.precision_plugin.train_step_context))  # fmt: skip
             finally:
-                _reset_train_loader(trainer)
+                reset_train_loader(trainer)
         # every rank keeps a group, or none
         agreed = [trainer.strategy.reduce_boolean_decision(problem is None, all=True) for problem in problems]
         return [problem if problem is not None or ok else "another rank's recomputation differs"
@@ -567,7 +567,7 @@ class MemoryFill(Callback):
         lightning_setattr(pl_module, self.batch_arg_name, micro)
         trainer.accumulate_grad_batches = accumulate
         self._correct_short_groups = accumulate > 1 and self._fixed_accumulation is None
-        _reset_train_loader(trainer)
+        reset_train_loader(trainer)
         if trainer.lr_scheduler_configs and (micro, accumulate) != (self._initial["batch_size"],
                                                                      self._initial["accumulate"]):  # fmt: skip
             trainer.strategy.setup_optimizers(trainer)  # schedulers sized by estimated_stepping_batches
@@ -578,7 +578,7 @@ class MemoryFill(Callback):
     def _check_enough_samples(self, trainer: pl.Trainer) -> None:
         """Refuse a global batch larger than the data: every optimizer step would see fewer samples than
         the plan says (5 samples a step under a "4 x 16 = 64" plan)."""
-        samples = _samples_per_rank(trainer)
+        samples = samples_per_rank(trainer)
         if samples is not None and samples < self._samples_per_rank:
             world = trainer.world_size
             raise MisconfigurationException(
@@ -594,11 +594,9 @@ class MemoryFill(Callback):
         self.search.min_batch_size = 1
         lightning_setattr(pl_module, self.batch_arg_name, self._initial["batch_size"])
         try:
-            self.search.on_fit_start(trainer, pl_module)
+            return self.search.find_batch_size(trainer, pl_module).batch_size
         except NoBatchSizeFitsError:
             return None
-        assert self.search.result is not None
-        return self.search.result.batch_size
 
     def _search_accumulating(self, trainer: pl.Trainer, pl_module: pl.LightningModule, largest: int) -> Optional[int]:
         """The trials again, now accumulating: training will keep the gradients of earlier
@@ -717,7 +715,7 @@ class MemoryFill(Callback):
         if self._oom_recovery is not None:
             self._oom_recovery.remove()  # no collective here: the other ranks may not be in this hook
             self._oom_recovery = None
-        failed = self.search._changes.undo() if self.search is not None else []
+        failed = self.search.undo_changes() if self.search is not None else []
         warn_failed_undos("MemoryFill", failed + self._changes.undo())
         self._checkpointed = None
 
@@ -725,7 +723,7 @@ class MemoryFill(Callback):
         self._remove_oom_recovery(trainer)
         if stage != "fit":
             return
-        failed = self.search._changes.finish() if self.search is not None else []
+        failed = self.search.finish_changes() if self.search is not None else []
         failed += self._changes.finish()
         self._checkpointed = None
         raise_failed_undos("MemoryFill", failed)
@@ -757,7 +755,7 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
         with rng_preserved(loader):  # the traced step may draw from numpy and ``random`` too
             batch = trainer.strategy.batch_to_device(next(iter(loader)))
             estimate = estimate_memory(
-                pl_module, _loss_function(pl_module), batch,
+                pl_module, loss_function(pl_module), batch,
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
                 batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
@@ -766,7 +764,7 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None
     finally:
-        _reset_train_loader(trainer)
+        reset_train_loader(trainer)
 
 
 def _smallest_over_ranks(trainer: pl.Trainer, predicted: Optional[int]) -> Optional[int]:

@@ -667,7 +667,7 @@ def _loader_batch(
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_gpuopt.callbacks.memory_estimator import _loss_function
+    from lightning_gpuopt.callbacks._training_step import loss_function
 
     if datamodule is not None:
         source, owner = "the datamodule's train_dataloader()", datamodule
@@ -699,7 +699,7 @@ def _loader_batch(
         setup.notes.append("no torchinfo summary: the batch is a dict and the model has no example_input_array")
     if is_overridden("training_step", module) and module.automatic_optimization:
         setup.loss = "the model's training_step()"
-        return batch, _loss_function(module), forward_input
+        return batch, loss_function(module), forward_input
     return batch, _stand_in_loss_fn(module, setup, forward_of=_first_tensor), forward_input
 
 

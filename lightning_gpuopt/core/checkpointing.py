@@ -272,6 +272,12 @@ class CheckpointedBlocks:
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _native: list[_NativeSwitch] = field(default_factory=list, repr=False)
 
+    @property
+    def native(self) -> bool:
+        """Whether some of the blocks are checkpointed by the model's own switch
+        (:func:`enable_native_checkpointing`), not by ``torch.utils.checkpoint``."""
+        return bool(self._native)
+
     def remove(self) -> None:
         for module in self._modules:
             vars(module).pop("forward", None)

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 
-from lightning_gpuopt.core.memory import LiveTensorTracker, MemoryBudget, _host_memory_bytes, storage_bytes
+from lightning_gpuopt.core.memory import LiveTensorTracker, MemoryBudget, host_memory_bytes, storage_bytes
 from lightning_gpuopt.core.op_memory import AllocationWindow
 
 #: cuBLAS keeps one workspace per handle and stream, allocated through the caching allocator:
@@ -196,11 +196,11 @@ class Device:
     # -- memory
     def total_memory(self) -> int:
         """Bytes the device holds (host: physical RAM, cgroup limit applied)."""
-        return _host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+        return host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
 
     def free_memory(self) -> int:
         """Bytes free now (host: ``MemAvailable``, at most the cgroup limit)."""
-        return _host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
+        return host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
 
     def allocated_memory(self) -> Optional[int]:
         """Bytes the allocator has handed out now (``None`` where unknown: the host)."""

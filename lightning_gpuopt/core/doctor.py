@@ -61,11 +61,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from lightning_gpuopt.core import device as device_layer
+from lightning_gpuopt.core.loader import cgroup_cpu_quota, usable_cpu_count
 from lightning_gpuopt.core.nvml import (
     NvmlDevice,
-    _error_text,
     compute_processes,
     driver_versions,
+    error_text,
     memory_info,
     nvml_devices,
     nvml_session,
@@ -292,7 +293,7 @@ def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
         try:
             memory = memory_info(lib, gpu.handle)
         except lib.NVMLError as failure:
-            error = _error_text(failure)
+            error = error_text(failure)
         else:
             util = utilisation_percent(lib, gpu.handle)
             detail.update(memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
@@ -367,7 +368,7 @@ def check_gpu_processes() -> Check:
                 if gpu.error is None:
                     others.extend(_gpu_processes(lib, gpu))
             except lib.NVMLError as error:
-                gpu.error = _error_text(error)
+                gpu.error = error_text(error)
             if gpu.error is not None:
                 unreadable.append(f"GPU {gpu.index}: {gpu.error}")
     gap = f"processes not readable on {'; '.join(unreadable)}"
@@ -564,42 +565,6 @@ def check_matmul(seconds: float = 2.0) -> Check:
 # ----------------------------------------------------------------------------- CPU
 
 
-def cgroup_cpu_quota() -> Optional[float]:
-    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as handle:
-            quota, period = handle.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as quota_file, open(
-            "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
-        ) as period_file:
-            quota_us, period_us = int(quota_file.read()), int(period_file.read())
-        return None if quota_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
-        return None
-
-
-def _affinity_cores() -> int:
-    getter = getattr(os, "sched_getaffinity", None)
-    return len(getter(0)) if getter is not None else (os.cpu_count() or 1)
-
-
-def usable_cores() -> int:
-    """Cores this process can use: its CPU affinity, capped by the cgroup quota (rounded up).
-
-    Example::
-
-        >>> 1 <= usable_cores() <= (os.cpu_count() or 1)
-        True
-    """
-    quota = cgroup_cpu_quota()
-    affinity = _affinity_cores()
-    return affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
-
-
 def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
     """Compare the machine's cores, the process's affinity and the cgroup quota.
 
@@ -626,7 +591,7 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
 @_guarded("cpu_cores")
 def check_cpu_cores() -> Check:
     """``os.cpu_count()`` against the CPU affinity and the cgroup quota."""
-    return cpu_cores_check(os.cpu_count() or 1, _affinity_cores(), cgroup_cpu_quota())
+    return cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(), cgroup_cpu_quota())
 
 
 def local_processes() -> int:
@@ -668,8 +633,9 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
 
 @_guarded("torch_threads")
 def check_torch_threads() -> Check:
-    """``torch.get_num_threads()`` x local processes against :func:`usable_cores`."""
-    return torch_threads_check(torch.get_num_threads(), usable_cores(), local_processes())
+    """``torch.get_num_threads()`` x local processes against the usable cores: the affinity within the
+    cgroup quota (:func:`~lightning_gpuopt.core.loader.usable_cpu_count` with ``within_quota=True``)."""
+    return torch_threads_check(torch.get_num_threads(), usable_cpu_count(within_quota=True), local_processes())
 
 
 # ----------------------------------------------------------------------------- BLAS

@@ -198,10 +198,22 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 
 
 @contextlib.contextmanager
-def _restored_attributes(module: torch.nn.Module) -> Iterator[None]:
+def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
     """Undo what the block does to the attributes of ``module`` and its submodules: (re)bindings,
     and changes to the contents of list, dict and set attributes, nested ones included (e.g. losses
-    appended in a step to ``self.outputs["train"]``)."""
+    appended in a step to ``self.outputs["train"]``). Traced steps run inside it, and so do the
+    callbacks' trial steps.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.outputs = {"train": []}
+        >>> with restored_attributes(model):
+        ...     model.outputs["train"].append(1.0)
+        ...     model.step_count = 1
+        >>> model.outputs, hasattr(model, "step_count")
+        ({'train': []}, False)
+    """
     saved = [(sub, dict(vars(sub))) for sub in module.modules()]
     seen: set[int] = set()
     contents = [kept for _, attributes in saved for value in attributes.values()
@@ -320,7 +332,7 @@ def _twinned_module(
 
     device = _module_device(module)
     rng_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), _host_rngs_kept(), _restored_attributes(module), \
+    with torch.random.fork_rng(devices=rng_devices), _host_rngs_kept(), restored_attributes(module), \
             _swapped_tensors(module, twin):  # fmt: skip
         yield twin_of
 
@@ -375,15 +387,23 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return copy.requires_grad_(tensor.requires_grad)
 
 
-def _sliced(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
+def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
     """``batch`` with each tensor whose first dimension is ``batch_size`` cut to its first
-    ``new_batch_size`` rows (views of the real data)."""
+    ``new_batch_size`` rows (views of the real data); other values as they are, and the whole batch
+    as it is when ``new_batch_size`` is ``None``.
 
-    def sliced(value: Any) -> Any:
+    Example::
+
+        >>> small = sliced_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}, 8, 2)
+        >>> {key: tuple(value.shape) for key, value in small.items()}
+        {'x': (2, 3), 'y': (2,), 'w': (3,)}
+    """
+
+    def cut(value: Any) -> Any:
         is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
         return value[:new_batch_size] if new_batch_size is not None and is_batched else value
 
-    return tree_map(sliced, batch)
+    return tree_map(cut, batch)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -457,7 +477,7 @@ def learn_workspaces(
     if not learning_possible():
         return WorkspaceProfile(batch_size=probe_size, failure="another profiler is running")
     start = time.perf_counter()
-    small_batch = _sliced(batch, batch_size, probe_size)
+    small_batch = sliced_batch(batch, batch_size, probe_size)
     try:
         with host_only(), _twinned_module(module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
             if manual_step is not None:  # the step's own backward passes and optimizer steps, on the copies
@@ -631,7 +651,7 @@ def torchinfo_summary(
         pass
     start = time.perf_counter()
     real_input = _rebatched(forward_input, batch_size, trace_batch_size, keep=lambda value: value)
-    with _restored_attributes(module), step_context():
+    with restored_attributes(module), step_context():
         statistics = torchinfo.summary(module, input_data=real_input, device=device, verbose=0)
     return _figures_from(statistics, False, time.perf_counter() - start)
 

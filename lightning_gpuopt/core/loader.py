@@ -137,11 +137,42 @@ class LoaderTuneResult:
         return self.samples_per_second / self.baseline.samples_per_second
 
 
-def usable_cpu_count() -> int:
-    """CPU cores this process may run on (its affinity, not just ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def cgroup_cpu_quota() -> Optional[float]:
+    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as handle:
+            quota, period = handle.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as quota_file, open(
+            "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
+        ) as period_file:
+            quota_us, period_us = int(quota_file.read()), int(period_file.read())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpu_count(within_quota: bool = False) -> int:
+    """CPU cores this process may run on: its CPU affinity (``len(os.sched_getaffinity(0))``, not
+    ``os.cpu_count()``: a scheduler or ``taskset`` may give it fewer); with ``within_quota=True``
+    also at most the cgroup CPU quota (:func:`cgroup_cpu_quota`, rounded up), past which the process
+    is throttled. The one core count of the package: the loader tuner, the data-wait monitor and
+    its oversubscription finding count the affinity; the doctor's thread check counts the quota too.
+
+    Example::
+
+        >>> 1 <= usable_cpu_count(within_quota=True) <= usable_cpu_count() <= (os.cpu_count() or 1)
+        True
+    """
+    getter = getattr(os, "sched_getaffinity", None)
+    affinity = len(getter(0)) if getter is not None else (os.cpu_count() or 1)
+    if not within_quota:
+        return affinity
+    quota = cgroup_cpu_quota()
+    return affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
 
 
 def _children_cpu_s() -> float:

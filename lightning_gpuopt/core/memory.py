@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_gpuopt.core.op_memory import call_learning_allocations
+from lightning_gpuopt.core.search import round_up
 
 #: markers of out-of-memory errors in exception messages (CUDA, MPS, XPU, cuBLAS, cuDNN, CPU allocator)
 OOM_MESSAGE_MARKERS = (
@@ -109,8 +110,16 @@ def _cgroup_limit_bytes() -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
-    """A ``/proc/meminfo`` figure (``os.sysconf`` pages without it), capped by the cgroup limit."""
+def host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
+    """A ``/proc/meminfo`` figure (``os.sysconf`` pages without it), capped by the cgroup limit: what the
+    device layer reports as a CPU host's total (``"MemTotal", "SC_PHYS_PAGES"``) and free memory
+    (``"MemAvailable", "SC_AVPHYS_PAGES"``).
+
+    Example::
+
+        >>> 0 < host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES") <= host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+        True
+    """
     num_bytes = _meminfo_bytes(meminfo_field)
     if num_bytes is None:
         num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf(sysconf_pages)
@@ -263,15 +272,20 @@ def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
             yield from (leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor))
 
 
-def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The untyped storage behind ``tensor`` (shared by its views), or ``None`` for a tensor without
+    one (sparse, nested and other storage-less tensors).
+
+    Example::
+
+        >>> base = torch.zeros(4)
+        >>> storage_of(base[2:])._cdata == storage_of(base)._cdata, storage_of(base).nbytes()
+        (True, 16)
+    """
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
         return None
-
-
-def _round_up(num_bytes: int, granularity: int) -> int:
-    return -(-num_bytes // granularity) * granularity
 
 
 def storage_bytes(*objects: Any, granularity: int = 1) -> int:
@@ -285,9 +299,9 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
     """
     seen: dict[int, int] = {}
     for tensor in collect_tensors(*objects):
-        storage = _storage_of(tensor)
+        storage = storage_of(tensor)
         if storage is not None:
-            seen[storage._cdata] = _round_up(storage.nbytes(), granularity)
+            seen[storage._cdata] = round_up(storage.nbytes(), granularity)
     return sum(seen.values())
 
 
@@ -391,13 +405,13 @@ class LiveTensorTracker(TorchDispatchMode):
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor) or not self._counts(tensor):
                 continue
-            storage = _storage_of(tensor)
+            storage = storage_of(tensor)
             if storage is None:
                 continue
             key = storage._cdata
             if key in self._live or key in exclude or key in found:
                 continue
-            num_bytes = _round_up(storage.nbytes(), self.granularity)
+            num_bytes = round_up(storage.nbytes(), self.granularity)
             if num_bytes > 0:
                 found[key] = (key, storage, num_bytes)
         return list(found.values())
@@ -418,11 +432,11 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         allocations = None
-        if self.workspaces and self._counts_host() and _real_host_call((args, kwargs)):
+        if self.workspaces and self._counts_host() and is_real_host_call((args, kwargs)):
             out, allocations = call_learning_allocations(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        inputs = {storage._cdata for storage in map(_storage_of, _tensor_leaves((args, kwargs))) if storage is not None}
+        inputs = {storage._cdata for storage in map(storage_of, _tensor_leaves((args, kwargs))) if storage is not None}
         new = self._new_storages(tree_leaves(out), exclude=inputs)
         added = sum(num_bytes for _, _, num_bytes in new)
         # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
@@ -445,8 +459,16 @@ class LiveTensorTracker(TorchDispatchMode):
         )
 
 
-def _real_host_call(tree: Any) -> bool:
-    """Whether an op call runs on real host tensors (no fake, meta or device tensors, no other device)."""
+def is_real_host_call(tree: Any) -> bool:
+    """Whether an op call, given as the tree of its ``(args, kwargs)``, runs on real host tensors (no
+    fake tensors, no tensor or ``torch.device`` of another device, meta included): only such a call
+    can be run to learn its workspace.
+
+    Example::
+
+        >>> is_real_host_call(((torch.zeros(2), 3), {})), is_real_host_call(((torch.zeros(2, device="meta"),), {}))
+        (True, False)
+    """
     for leaf in tree_leaves(tree):
         if isinstance(leaf, FakeTensor):
             return False

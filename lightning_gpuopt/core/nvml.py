@@ -146,8 +146,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _error_text(error: BaseException) -> str:
-    """``"NVMLError_NoPermission: Insufficient Permissions"``."""
+def error_text(error: BaseException) -> str:
+    """An error as one line naming its type, as a device's ``error`` and the doctor's checks show it.
+
+    Example::
+
+        >>> error_text(PermissionError("Insufficient Permissions"))
+        'PermissionError: Insufficient Permissions'
+    """
     return f"{type(error).__name__}: {error}"
 
 
@@ -279,7 +285,7 @@ def _open_gpu(lib: Any, index: int) -> NvmlDevice:
         device.uuid = _text(lib.nvmlDeviceGetUUID(device.handle))
         device.name = _text(lib.nvmlDeviceGetName(device.handle))
     except lib.NVMLError as error:
-        device.error = _error_text(error)
+        device.error = error_text(error)
     return device
 
 
@@ -294,7 +300,7 @@ def _open_uuid(lib: Any, uuid: str, gpus: Sequence[NvmlDevice]) -> NvmlDevice:
         device.index = next((gpu.index for gpu in gpus if gpu.uuid == parent_uuid), None)
         device.name = _text(lib.nvmlDeviceGetName(device.handle))
     except lib.NVMLError as error:
-        device.error = _error_text(error)
+        device.error = error_text(error)
     return device
 
 
@@ -461,7 +467,7 @@ class NvmlSampler:
             try:
                 memory = lib.nvmlDeviceGetMemoryInfo(device.handle)
             except lib.NVMLError as error:
-                device.error = _error_text(error)
+                device.error = error_text(error)
                 continue
             try:
                 util: Optional[float] = float(lib.nvmlDeviceGetUtilizationRates(device.handle).gpu)

@@ -128,7 +128,16 @@ def round_down(value: float, multiple_of: int) -> int:
 
 
 def round_up(value: float, multiple_of: int) -> int:
-    """The smallest multiple of ``multiple_of`` at least ``value``."""
+    """The smallest multiple of ``multiple_of`` at least ``value`` (in integer arithmetic for an int,
+    so exact for byte counts of any size, as the memory trackers use it).
+
+    Example::
+
+        >>> round_up(1003.7, 8), round_up(1000, 8), round_up(1, 512), round_up(0, 512)
+        (1008, 1000, 512, 0)
+    """
+    if isinstance(value, int):
+        return -(-value // multiple_of) * multiple_of
     return int(math.ceil(value / multiple_of)) * multiple_of
 
 

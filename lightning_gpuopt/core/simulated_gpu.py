@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_gpuopt.core.allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent, SpanMeter
-from lightning_gpuopt.core.memory import _real_host_call, _storage_of, collect_tensors
+from lightning_gpuopt.core.memory import collect_tensors, is_real_host_call, storage_of
 from lightning_gpuopt.core.op_memory import OpAllocations, call_learning_allocations
 
 #: ops that use cuBLAS on a real card (its workspace is allocated on the first of them)
@@ -100,7 +100,7 @@ class SimulatedMemory(TorchDispatchMode):
 
     # -- tensors that reach the card
     def holds(self, tensor: torch.Tensor) -> bool:
-        storage = _storage_of(tensor)
+        storage = storage_of(tensor)
         return storage is not None and storage._cdata in self._blocks
 
     def adopt(self, *objects: Any) -> None:
@@ -136,7 +136,7 @@ class SimulatedMemory(TorchDispatchMode):
     # -- ops
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        on_card = not self.paused and _real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
+        on_card = not self.paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
         started = time.perf_counter()
         allocations = None
         if on_card:
@@ -151,7 +151,7 @@ class SimulatedMemory(TorchDispatchMode):
                 self._cublas = self._malloc(self.cublas_workspace_bytes, [])
             except AllocatorOutOfMemory as error:
                 raise torch.OutOfMemoryError(error.message) from None
-        inputs = {s._cdata for s in map(_storage_of, _tensors((args, kwargs))) if s is not None}
+        inputs = {s._cdata for s in map(storage_of, _tensors((args, kwargs))) if s is not None}
         outputs: dict[int, torch.UntypedStorage] = {}
         for tensor in _tensors(out):
             storage = self._countable_storage(tensor)
@@ -248,7 +248,7 @@ class SimulatedMemory(TorchDispatchMode):
     def _countable_storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
         if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
             return None
-        storage = _storage_of(tensor)
+        storage = storage_of(tensor)
         if storage is None or storage.nbytes() == 0:
             return None
         return storage

@@ -51,8 +51,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_gpuopt.core.memory import LiveTensorTracker, _real_host_call, _round_up, _storage_of
+from lightning_gpuopt.core.memory import LiveTensorTracker, is_real_host_call, storage_of
 from lightning_gpuopt.core.op_memory import call_learning_allocations
+from lightning_gpuopt.core.search import round_up
 
 #: the largest batch a probe step runs at. PyTorch and oneDNN pick kernels by batch size below it
 #: (a 1x1 convolution on one thread goes to oneDNN from 16 samples on), so at 16 the probe's
@@ -160,7 +161,7 @@ class WorkspaceRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if not _real_host_call((args, kwargs)):
+        if not is_real_host_call((args, kwargs)):
             return func(*args, **kwargs)
         out, allocations = call_learning_allocations(func, args, kwargs)
         inputs = list(_tensors((args, kwargs)))
@@ -174,10 +175,10 @@ class WorkspaceRecorder(TorchDispatchMode):
 
 def _new_storage_bytes(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[int]:
     """Per output: the bytes of its storage if new (shared with no input and no earlier output), else 0."""
-    seen = {storage._cdata for storage in map(_storage_of, inputs) if storage is not None}
+    seen = {storage._cdata for storage in map(storage_of, inputs) if storage is not None}
     sizes = []
     for output in outputs:
-        storage = _storage_of(output)
+        storage = storage_of(output)
         if storage is None or storage._cdata in seen:
             sizes.append(0)
             continue
@@ -259,14 +260,14 @@ class WorkspaceTracker(LiveTensorTracker):
         def scaled(num_bytes: int) -> int:
             return 0 if partner is None else scaled_bytes(num_bytes, partner.input_bytes, traced_inputs)
 
-        exclude = {storage._cdata for storage in map(_storage_of, inputs) if storage is not None}
+        exclude = {storage._cdata for storage in map(storage_of, inputs) if storage is not None}
         new: list[tuple[int, torch.UntypedStorage, int, int]] = []  # key, storage, bytes, of which surplus
         for index, output in enumerate(outputs):
-            storage = _storage_of(output)
+            storage = storage_of(output)
             if storage is None or not self._counts(output) or storage._cdata in exclude or storage._cdata in self._live:
                 continue
             exclude.add(storage._cdata)
-            fake_bytes = _round_up(storage.nbytes(), self.granularity)
+            fake_bytes = round_up(storage.nbytes(), self.granularity)
             surplus = scaled(partner.surplus_bytes[index]) if partner and index < len(partner.surplus_bytes) else 0
             if fake_bytes + surplus > 0:
                 new.append((storage._cdata, storage, fake_bytes + surplus, surplus))
