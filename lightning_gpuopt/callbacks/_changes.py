@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.core.device import cuda_rng_in_use
 
 
@@ -137,11 +137,11 @@ def rng_preserved(loader: Optional[Any] = None) -> Iterator[None]:
         True
     """
     generators = loader_generators(loader) if loader is not None else []
-    states = _collect_rng_states(include_cuda=cuda_rng_in_use())
+    states = compat.collect_rng_states(include_cuda=cuda_rng_in_use())
     generator_states = [gen.get_state() for gen in generators]
     try:
         yield
     finally:
-        _set_rng_states(states)
+        compat.set_rng_states(states)
         for gen, state in zip(generators, generator_states):
             gen.set_state(state)

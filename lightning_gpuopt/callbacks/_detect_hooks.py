@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from torch.utils.data import ConcatDataset, Subset
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._detectors import Probe
 from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_time, slow_disk, slow_hook
 
@@ -36,7 +37,7 @@ NOT_USER_WORK = frozenset(
         "on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict",
     }
 )  # fmt: skip
-_OWNERS = ("[Callback]", "[LightningModule]", "[LightningDataModule]")
+_OWNERS = compat.HOOK_ACTION_PREFIXES
 
 
 class HookTimes(Probe):
@@ -73,7 +74,7 @@ class HookTimes(Probe):
         if not self._listening:
             return
         pending = self._pending_saves
-        if action == "save_checkpoint":
+        if action == compat.SAVE_CHECKPOINT_ACTION:
             pending[0] += 1
             pending[1] += seconds
             return
@@ -104,10 +105,10 @@ class HookTimes(Probe):
         """(the callback or ``None``, its shown name, the hook name, whether a LightningModule hook)."""
         prefix = action[: action.index("]") + 1]
         owner, _, hook = action[len(prefix):].rpartition(".")
-        if prefix == "[Callback]":
+        if prefix == compat.CALLBACK_ACTION:
             callback = self._callbacks.get(owner)
             return callback, (type(callback).__name__ if callback is not None else owner), hook, False
-        return None, owner, hook, prefix == "[LightningModule]"
+        return None, owner, hook, prefix == compat.MODULE_ACTION
 
     def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
         if self._started_at is None or self._ended_at is None:
@@ -166,9 +167,7 @@ def _ours_or_builtin(callback: Any) -> bool:
 
 
 def _model_checkpoint_saver(callback: ModelCheckpoint) -> CheckpointSaver:
-    every_steps = getattr(callback, "_every_n_train_steps", 0) or None
-    every_epochs = getattr(callback, "_every_n_epochs", 0) or None
-    interval = getattr(callback, "_train_time_interval", None)
+    every_steps, every_epochs, interval = compat.checkpoint_schedule(callback)
     settings = [
         f"every_n_train_steps={every_steps}" if every_steps else None,
         f"train_time_interval={interval}" if interval else None,
@@ -187,7 +186,7 @@ def _model_checkpoint_saver(callback: ModelCheckpoint) -> CheckpointSaver:
 
 
 def _last_saved_bytes(callback: ModelCheckpoint) -> int:
-    for path in (getattr(callback, "_last_checkpoint_saved", ""), callback.last_model_path, callback.best_model_path):
+    for path in (compat.last_checkpoint_saved(callback), callback.last_model_path, callback.best_model_path):
         try:
             if path and os.path.isfile(path):
                 return os.path.getsize(path)

@@ -19,6 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.core.report import update_json_section
 
 
@@ -39,7 +40,7 @@ def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
         trainer.callback_metrics["gpuopt/batch_size"]       # tensor(256.)
     """
     values = {key: float(value) for key, value in metrics.items()}
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
     trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
@@ -58,7 +59,7 @@ def save_report_plots(trainer: Trainer, report_path: Path) -> list[Path]:
     except Exception as error:  # matplotlib missing (the message names the extra), or a figure failed
         rank_zero_warn(f"gpuopt: the plots of {report_path} were not drawn: {error}")
         return []
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         try:
             _log_pngs(logger, paths, step)

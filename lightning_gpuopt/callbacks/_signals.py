@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def sigterm_stops_our_work(
     previous_term, previous_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     # handlers belong to the main thread; one installed from C (``None``) could not be put back
     installed = threading.current_thread() is threading.main_thread() and previous_term is not None
-    connector = trainer._signal_connector
+    connector = compat.signal_connector(trainer)
     received_before = connector.received_sigterm
     received: list[int] = []
 

@@ -1,6 +1,6 @@
 """A stand-in for Lightning's train-loader source that rebuilds the loader it returns.
 
-Lightning asks ``trainer.fit_loop._data_source`` for the train loader whenever it (re)builds it
+Lightning asks the fit loop's source (:func:`~lightning_gpuopt.callbacks._lightning_compat.train_source`) for the train loader whenever it (re)builds it
 (``_request_dataloader`` records the loader's arguments meanwhile, so Lightning can still inject
 its distributed sampler). :class:`RebuiltSource` asks the source it wraps -- the user's
 datamodule, model hook or loader, or another ``RebuiltSource`` -- and passes the loader through
@@ -13,19 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from torch.utils.data import DataLoader
+
+from lightning_gpuopt.callbacks._lightning_compat import DataLoaderSource
 
 
 @dataclass
-class RebuiltSource(_DataLoaderSource):
+class RebuiltSource(DataLoaderSource):
     """``inner``'s loader, passed through ``rebuild`` when it is a single ``DataLoader``."""
 
-    inner: Optional[_DataLoaderSource] = None
+    inner: Optional[DataLoaderSource] = None
     rebuild: Optional[Callable[[DataLoader], Any]] = None
 
     @classmethod
-    def around(cls, source: _DataLoaderSource, rebuild: Callable[[DataLoader], Any]) -> "RebuiltSource":
+    def around(cls, source: DataLoaderSource, rebuild: Callable[[DataLoader], Any]) -> "RebuiltSource":
         return cls(source.instance, source.name, inner=source, rebuild=rebuild)
 
     def dataloader(self) -> Any:

@@ -72,22 +72,16 @@ from typing import Any, Iterator, Literal, Optional, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
-from lightning.pytorch.utilities.parsing import (
-    _lightning_get_all_attr_holders,
-    lightning_hasattr,
-    lightning_setattr,
-)
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, FailedUndo, raise_failed_undos, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
@@ -381,7 +375,7 @@ class BatchSizeSearch(Callback):
                 f"LightningModule's or LightningDataModule's `__init__` (or `self.save_hyperparameters()` with a "
                 f"`{name}` argument), or pass `batch_arg_name=` with the name you use."
             )
-        if not trainer.fit_loop._data_source.is_module():
+        if not compat.train_source(trainer).is_module():
             raise MisconfigurationException(
                 "BatchSizeSearch cannot resize a DataLoader passed to `fit()` directly: build it in the model's or "
                 f"the datamodule's `train_dataloader()` with `batch_size=self.{name}`."
@@ -554,7 +548,7 @@ class _TrialRunner:
         trainer.fit_loop.setup_data()  # collectives (barrier, length checks): outside the trial, on every rank
         self.state.reset_for_trial()
         device = pl_module.device
-        prefetched = getattr(trainer.fit_loop._data_fetcher, "batches", [])
+        prefetched = getattr(compat.data_fetcher(trainer), "batches", [])
         existing = (pl_module, *trainer.optimizers, prefetched)
         card = device_for(device)
         if card.is_cuda:  # the allocator's own OOM; reserved memory kept within max_memory
@@ -819,7 +813,7 @@ def _collectives_bypassed(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     strategy, epoch_loop = trainer.strategy, trainer.fit_loop.epoch_loop
     wrapped = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
     if trainer.world_size > 1:
-        epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+        compat.skip_sigterm_broadcast(epoch_loop)
     if wrapped is not None:
         strategy.model = pl_module
     try:
@@ -827,8 +821,7 @@ def _collectives_bypassed(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     finally:
         if wrapped is not None:
             strategy.model = wrapped
-        if "_broadcast_sigterm_tensor" in vars(epoch_loop):
-            del epoch_loop._broadcast_sigterm_tensor
+        compat.restore_sigterm_broadcast(epoch_loop)
 
 
 def _ddp_bucket_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
@@ -853,14 +846,14 @@ def _clone(collection: Any) -> Any:
     return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
 
 
-def _progress_objects(loop: Any, seen: Optional[set] = None) -> Iterator[_BaseProgress]:
+def _progress_objects(loop: Any, seen: Optional[set] = None) -> Iterator[compat.BaseProgress]:
     """Every progress counter of ``loop`` and its child loops."""
     seen = set() if seen is None else seen
     for value in list(vars(loop).values()):
-        if isinstance(value, _BaseProgress) and id(value) not in seen:
+        if isinstance(value, compat.BaseProgress) and id(value) not in seen:
             seen.add(id(value))
             yield value
-        elif isinstance(value, _Loop):
+        elif isinstance(value, compat.Loop):
             yield from _progress_objects(value, seen)
 
 
@@ -888,9 +881,9 @@ class TrainingStateRestored:
         self.optimizers = [_cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_cpu_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _cpu_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop)]
-        self.batches_that_stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.batches_that_stepped = compat.batches_that_stepped(trainer)
         self.should_stop = trainer.should_stop
-        self.rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
+        self.rng = compat.collect_rng_states(include_cuda=cuda_rng_in_use())
         # 16-mixed: the trials step with scalers of their own, so an OOM inside optimizer.step() (after
         # unscale_) cannot leave the run's scaler mid-step, and its scale and growth tracker stay as they are
         plugin = trainer.strategy.precision_plugin
@@ -905,7 +898,7 @@ class TrainingStateRestored:
         self._restore_weights_and_optimizers()
         for progress in _progress_objects(self.trainer.fit_loop):
             progress.reset()
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = 0
+        compat.set_batches_that_stepped(self.trainer, 0)
         self.trainer.should_stop = False
         if self.scaler is not None:
             plugin: Any = self.trainer.strategy.precision_plugin  # a plugin with a scaler (16-mixed)
@@ -931,11 +924,10 @@ class TrainingStateRestored:
         self._restore_weights_and_optimizers()
         for progress, state in self.progress:
             progress.load_state_dict(_clone(state))
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
+        compat.set_batches_that_stepped(self.trainer, self.batches_that_stepped)
         self.trainer.should_stop = self.should_stop
-        _set_rng_states(self.rng)
-        self.trainer._logger_connector.reset_results()
-        self.trainer._logger_connector.reset_metrics()
+        compat.set_rng_states(self.rng)
+        compat.reset_logged_results(self.trainer)
 
 
 def trial_line(trial: Trial, budget_bytes: int) -> str:
@@ -1045,10 +1037,10 @@ def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Option
         limit = trainer.limit_train_batches if isinstance(trainer.limit_train_batches, int) else 0
         batches = max(per_step * 2 * steps_per_trial, limit)
         length = max(len(dataset), (built.batch_size or 1) * batches * world)
-        return _update_dataloader(built, sampler=TrialSampler(order, length))
+        return compat.update_dataloader(built, sampler=TrialSampler(order, length))
 
-    source = trainer.fit_loop._data_source
-    trainer.fit_loop._data_source = RebuiltSource.around(source, with_trial_sampler)
+    source = compat.train_source(trainer)
+    compat.set_train_source(trainer, RebuiltSource.around(source, with_trial_sampler))
     note = None
     if probed is not None:
         seen = f"over {probed.probed:,} of {probed.total:,} samples, all" if probed.complete else (
@@ -1059,7 +1051,7 @@ def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Option
     try:
         yield note
     finally:
-        trainer.fit_loop._data_source = source
+        compat.set_train_source(trainer, source)
 
 
 def _sized(dataset: Any) -> bool:
@@ -1086,7 +1078,7 @@ def _why_batch_size_is_not_the_loaders(loader: Any) -> Optional[str]:
 def _batch_size_holders(pl_module: pl.LightningModule, name: str) -> list[tuple[Any, Any]]:
     """Every place Lightning keeps ``name`` (the model, ``model.hparams``, the datamodule and its
     hparams), each with the value it holds now."""
-    holders = _lightning_get_all_attr_holders(pl_module, name)
+    holders = compat.attribute_holders(pl_module, name)
     return [(holder, holder[name] if isinstance(holder, dict) else getattr(holder, name)) for holder in holders]
 
 
@@ -1128,11 +1120,7 @@ def _put_back_batch_size(holders: list[tuple[Any, Any]], name: str) -> None:
 def reset_train_loader(trainer: pl.Trainer) -> None:
     """Make the fit loop build the train loader again (at the batch size now set): call it after
     changing the batch size, and after :func:`first_train_loader` so training gets a fresh loader."""
-    loop = trainer.fit_loop
-    if loop._data_fetcher is not None:
-        loop._data_fetcher.teardown()
-        loop._data_fetcher = None
-    loop._combined_loader = None
+    compat.reset_train_loader(trainer)
 
 
 def first_train_loader(trainer: pl.Trainer) -> Any:
@@ -1144,17 +1132,15 @@ def first_train_loader(trainer: pl.Trainer) -> Any:
         batch = next(iter(first_train_loader(trainer)))
         reset_train_loader(trainer)
     """
-    loop = trainer.fit_loop
     reset_train_loader(trainer)
-    loop.setup_data()
-    assert loop._combined_loader is not None
-    return loop._combined_loader.flattened[0]
+    trainer.fit_loop.setup_data()
+    return compat.first_train_loader(trainer)
 
 
 def samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
     """Samples each rank's train loader draws in an epoch (its sampler's length), if known. Building the
     loader may draw from the global RNG: the RNG states are put back."""
-    rng = _collect_rng_states(include_cuda=cuda_rng_in_use())
+    rng = compat.collect_rng_states(include_cuda=cuda_rng_in_use())
     try:
         loader = first_train_loader(trainer)
         sampler = getattr(loader, "sampler", None)
@@ -1163,7 +1149,7 @@ def samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
         return None
     finally:
         reset_train_loader(trainer)
-        _set_rng_states(rng)
+        compat.set_rng_states(rng)
 
 
 def _bytes(num_bytes: Optional[int]) -> str:

@@ -73,6 +73,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detectors import (
@@ -205,14 +206,13 @@ class DataWaitMonitor(Callback):
         self._clock = StepClock(self.warmup_steps)
         self._probes = make_probes() if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if listens_to_actions(probe)]
-        strategy = type(trainer.strategy).__name__
         self._tap = _profiler_tap.install(
             trainer,
             {
-                f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next": self._on_fetched,
-                f"[Strategy]{strategy}.batch_to_device": self._clock.add_transfer,
-                f"[Strategy]{strategy}.training_step": self._clock.add_forward,
-                "save_checkpoint": self._on_checkpoint_saved,
+                compat.fetch_action(trainer): self._on_fetched,
+                compat.strategy_action(trainer, "batch_to_device"): self._clock.add_transfer,
+                compat.strategy_action(trainer, "training_step"): self._clock.add_forward,
+                compat.SAVE_CHECKPOINT_ACTION: self._on_checkpoint_saved,
             },
             any_action=self._on_action if self._action_probes else None,
         )

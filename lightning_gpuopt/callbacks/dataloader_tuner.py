@@ -40,15 +40,13 @@ import functools
 from typing import Any, Optional, cast
 
 import torch
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._progress import WorkProgress
@@ -150,10 +148,10 @@ class DataLoaderTuner(Callback):
             self._tune(trainer)
 
     def _tune(self, trainer: Trainer) -> None:
-        source = trainer.fit_loop._data_source
+        source = compat.train_source(trainer)
         if not source.is_defined():
             return
-        loader = _request_dataloader(source)
+        loader = compat.request_dataloader(source)
         refusal = why_not_tunable(loader)
         if refusal is not None:
             self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
@@ -190,7 +188,7 @@ class DataLoaderTuner(Callback):
             )
         self.result = trainer.strategy.broadcast(result, src=0)
         rebuilt = RebuiltSource.around(source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting))
-        self._changes.set_attribute(trainer.fit_loop, "_data_source", rebuilt)
+        self._changes.set_attribute(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, rebuilt)
         changed = self.result.setting != baseline
         self.message = (
             f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
@@ -265,15 +263,15 @@ def why_not_tunable(loader: Any) -> Optional[str]:
 def rebuild_loader(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
     """A copy of ``loader`` (same dataset, sampler, collate_fn, batch size) with ``setting``'s
     worker arguments, re-instantiated the way Lightning re-instantiates loaders."""
-    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
-    positional = list(getattr(loader, "__pl_saved_arg_names", ()))
+    args, kwargs = compat.dataloader_init_args_and_kwargs(loader, loader.sampler)
+    positional = compat.saved_arg_names(loader)
     values = list(args)
     for name, value in setting.loader_kwargs().items():
         if name in positional and positional.index(name) < len(values):
             values[positional.index(name)] = value
         else:
             kwargs[name] = value
-    return _reinstantiate_wrapped_cls(loader, *values, **kwargs)
+    return compat.reinstantiate_wrapped_cls(loader, *values, **kwargs)
 
 
 def samples_on_device(loader: Any, device: Device) -> Optional[str]:

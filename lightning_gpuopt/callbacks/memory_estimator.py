@@ -40,6 +40,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._training_step import check_one_batch_step, logging_disabled, loss_function
@@ -306,21 +307,22 @@ def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualSte
     def run(batch: Any, optimizers: list) -> None:
         check_one_batch_step(pl_module)
         strategy = trainer.strategy
-        saved = strategy._optimizers, strategy._lightning_optimizers
-        strategy._optimizers = list(optimizers)
-        strategy._lightning_optimizers = [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
+        saved = compat.strategy_optimizer_lists(strategy)
+        compat.set_strategy_optimizer_lists(
+            strategy, list(optimizers), [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
+        )
         try:
             with logging_disabled(pl_module), _plain_manual_backward(pl_module), _schedulers_restored(trainer):
                 pl_module.training_step(batch, 0)
         finally:
-            strategy._optimizers, strategy._lightning_optimizers = saved
+            compat.set_strategy_optimizer_lists(strategy, *saved)
 
     return run
 
 
 def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> LightningOptimizer:
     """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no step counting)."""
-    wrapper = LightningOptimizer._to_lightning_optimizer(optimizer, strategy)
+    wrapper = compat.to_lightning_optimizer(optimizer, strategy)
 
     def step(closure: Any = None, **kwargs: Any) -> Any:
         return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
@@ -344,7 +346,7 @@ def _schedulers_restored(trainer: pl.Trainer) -> Iterator[None]:
     """The LR schedulers' states and the real optimizers' param-group options as before the block."""
     schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
     states = [scheduler.state_dict() for scheduler in schedulers]
-    real = trainer.strategy._optimizers
+    real = trainer.strategy.optimizers  # the same list object as strategy._optimizers
     options = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                for optimizer in real]  # fmt: skip
     try:

@@ -84,12 +84,12 @@ from typing import Any, Literal, Optional, Sequence, Union, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OnOom, OomRecovery, adaptation_reporter
@@ -378,12 +378,12 @@ class MemoryFill(Callback):
         assert self.search is not None
         try:
             budget = self.search.budget_bytes(trainer.strategy.root_device)
-            loader = trainer.fit_loop._data_source.dataloader()
+            loader = compat.train_source(trainer).dataloader()
             # an iterator draws its seeds from the global RNG and the loader's generators, and the
             # traced step may draw from numpy and ``random``: training must not see either
             with rng_preserved(loader):
                 batch = next(iter(loader))
-                optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
+                optimizers, _ = compat.init_optimizers_and_lr_schedulers(pl_module)
                 estimate = estimate_memory(
                     pl_module, loss_function(pl_module), batch,
                     optimizer=optimizers[0] if len(optimizers) == 1 else None, batch_size=batch_samples(batch),
@@ -751,7 +751,7 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
     try:
         # the loader as the source gives it: Lightning's own setup of it (``setup_data``) builds an
         # iterator, which draws its seeds from the global RNG and the loader's generators
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = compat.train_source(trainer).dataloader()
         with rng_preserved(loader):  # the traced step may draw from numpy and ``random`` too
             batch = trainer.strategy.batch_to_device(next(iter(loader)))
             estimate = estimate_memory(

@@ -543,14 +543,14 @@ def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setu
                           num_sanity_val_steps=0)  # fmt: skip
     finally:
         quiet.setLevel(level)
+    from lightning_gpuopt.callbacks import _lightning_compat as compat
+
     # what Trainer.fit does first: the model and the datamodule know the trainer, and it them
-    trainer._data_connector.attach_data(module, datamodule=datamodule)
+    compat.attach_data(trainer, module, datamodule=datamodule)
     trainer.strategy.connect(module)
     if datamodule is not None:
-        from lightning.pytorch.trainer import call
-
-        call._call_lightning_datamodule_hook(trainer, "prepare_data")
-        call._call_lightning_datamodule_hook(trainer, "setup", stage="fit")
+        compat.call_datamodule_hook(trainer, "prepare_data")
+        compat.call_datamodule_hook(trainer, "setup", stage="fit")
     return trainer
 
 
@@ -810,19 +810,20 @@ def _configured_optimizer(module: Any, setup: EstimateSetup) -> Any:
         UsageError: ``configure_optimizers()`` raised, or Lightning refuses what it returned.
     """
     from lightning.pytorch import LightningModule
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     if not isinstance(module, LightningModule) or not is_overridden("configure_optimizers", module):
         setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
         return None
+    from lightning_gpuopt.callbacks import _lightning_compat as compat
+
     try:
-        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+        optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
     except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
         raise UsageError(f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
                          f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
                          "with one of ours: --optimizer adam|adamw|sgd|none.") from None  # fmt: skip
-    optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, _MockOptimizer)]
+    optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
     if not optimizers:
         setup.notes.append("configure_optimizers() returned no optimizer: estimating without optimizer state")
         setup.optimizer = "none (configure_optimizers() returned None)"

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks.gpuopt import GpuOpt
 from lightning_gpuopt.presets import load_preset
 
@@ -72,7 +73,7 @@ class GpuOptCLI(LightningCLI):
         group = self.config.get(str(self.subcommand), self.config).get(GPUOPT_KEY)
         if group is None:
             return
-        resolved = self._resolved(self._parser(self.subcommand), group.as_dict())
+        resolved = self._resolved(compat.cli_parser(self, self.subcommand), group.as_dict())
         for key, value in resolved.items():
             group[key] = value  # the saved config.yaml holds every setting, not just the preset's name
 
@@ -80,7 +81,7 @@ class GpuOptCLI(LightningCLI):
         settings = self._gpuopt_settings()
         if settings is None:
             return super().instantiate_trainer(**kwargs)
-        callbacks = kwargs.pop("callbacks", self._get(self.config_init, "trainer", default={}).get("callbacks"))
+        callbacks = kwargs.pop("callbacks", compat.cli_config_value(self, self.config_init, "trainer", default={}).get("callbacks"))
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
         gpuopt = GpuOpt(**{k: v for k, v in settings.items() if v is not None})
         return super().instantiate_trainer(callbacks=[*callbacks, gpuopt], **kwargs)
@@ -147,11 +148,11 @@ def add_gpuopt_arguments(parser: LightningArgumentParser) -> None:
     """``--gpuopt`` and ``--gpuopt.<setting>`` (every key of a preset), each with its help text."""
     from lightning_gpuopt.presets import PRESET_KEYS
 
-    if f"--{GPUOPT_KEY}.preset" in parser._option_string_actions:  # already added to this parser
+    if f"--{GPUOPT_KEY}.preset" in compat.parser_option_actions(parser):  # already added to this parser
         return
     parser.add_class_arguments(GpuOpt, GPUOPT_KEY, fail_untyped=False, instantiate=False, sub_configs=True)
     parser.set_defaults({f"{GPUOPT_KEY}.preset": None})
-    actions = parser._option_string_actions
+    actions = compat.parser_option_actions(parser)
     flag = actions.get(f"--{GPUOPT_KEY}")  # `--gpuopt X` is read as `--gpuopt.preset X` (preset_flag_as_key)
     if flag is not None:
         flag.help, flag.metavar = gpuopt_help(), "PRESET_OR_YAML"

@@ -1,0 +1,455 @@
+"""Every Lightning internal that :mod:`lightning_gpuopt.callbacks._lightning_compat` relies on, checked
+against the installed Lightning, under both namespaces (``lightning.pytorch`` and, through the mirror,
+``pytorch_lightning``).
+
+A release that moves, renames or retypes one fails here with a message naming the attribute or import
+and the installed version, rather than somewhere deep inside a callback. The attributes are read on
+the real objects of a short CPU fit, in the middle of it (``on_train_batch_start``), where the
+callbacks read them; the profiler action names are checked against what the Trainer records.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+import lightning
+import lightning.pytorch
+import pytest
+import pytorch_lightning
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+from lightning_gpuopt._mirror import rewritten
+
+COMPAT = "lightning_gpuopt/callbacks/_lightning_compat.py"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    name: str  # "lightning.pytorch" or "pytorch_lightning"
+    pl: ModuleType
+    version: str
+    compat_module: str
+
+    @property
+    def compat(self) -> ModuleType:
+        return importlib.import_module(self.compat_module)
+
+    def module_path(self, path: str) -> str:
+        """A ``lightning.pytorch``/``lightning.fabric`` module path in this namespace."""
+        return _renamed(path, self.name)
+
+
+def _renamed(path: str, namespace: str) -> str:
+    """As the mirror renames imports (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` ->
+    ``lightning_fabric``)."""
+    return path if namespace == "lightning.pytorch" else rewritten(path)
+
+
+NAMESPACES = [
+    Namespace("lightning.pytorch", lightning.pytorch, lightning.__version__, "lightning_gpuopt.callbacks._lightning_compat"),
+    Namespace(
+        "pytorch_lightning",
+        pytorch_lightning,
+        pytorch_lightning.__version__,
+        "lightning_gpuopt.pytorch_lightning.callbacks._lightning_compat",
+    ),
+]
+
+
+@pytest.fixture(params=NAMESPACES, ids=[ns.name for ns in NAMESPACES], scope="module")
+def ns(request: Any) -> Namespace:
+    if request.param.name == "pytorch_lightning":
+        import lightning_gpuopt.pytorch_lightning  # noqa: F401 - installs the mirror
+    return request.param
+
+
+def moved(ns: Namespace, what: str, expected: str, found: str = "") -> None:
+    """Fail loudly: ``what`` is gone or changed in the installed Lightning."""
+    pytest.fail(
+        f"{ns.name} {ns.version}: {what} is not what {COMPAT} relies on (expected {expected}"
+        f"{'; found ' + found if found else ''}). This Lightning release moved, renamed or changed it: update "
+        f"the compat module's function for it and its docstring (or pin lightning below this version).",
+        pytrace=False,
+    )
+
+
+# -- private imports --------------------------------------------------------------------------------
+
+#: (module, name, compat's name for it, a call signature it must accept: (args, kwargs) of placeholders)
+PRIVATE_IMPORTS = [
+    ("lightning.fabric.utilities.seed", "_collect_rng_states", "collect_rng_states", ((), {"include_cuda": False})),
+    ("lightning.fabric.utilities.seed", "_set_rng_states", "set_rng_states", (("states",), {})),
+    ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls", "reinstantiate_wrapped_cls", (("loader", 1), {"x": 2})),
+    ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "init_optimizers_and_lr_schedulers", (("model",), {})),
+    ("lightning.pytorch.core.optimizer", "_MockOptimizer", "MockOptimizer", None),
+    ("lightning.pytorch.loops.loop", "_Loop", "Loop", None),
+    ("lightning.pytorch.loops.progress", "_BaseProgress", "BaseProgress", None),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource", "DataLoaderSource", None),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_request_dataloader", "request_dataloader", (("source",), {})),
+    ("lightning.pytorch.utilities.data", "_update_dataloader", "update_dataloader", (("loader",), {"sampler": "s"})),
+    ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs", "dataloader_init_args_and_kwargs", (("loader", "sampler"), {})),
+    ("lightning.pytorch.trainer.call", "_call_lightning_datamodule_hook", None, (("trainer", "setup"), {"stage": "fit"})),
+    ("lightning.pytorch.utilities.parsing", "_lightning_get_all_attr_holders", "attribute_holders", (("model", "batch_size"), {})),
+]
+
+
+@pytest.mark.parametrize(("module", "name", "ours", "call"), PRIVATE_IMPORTS, ids=[f"{m}.{n}" for m, n, _, _ in PRIVATE_IMPORTS])
+def test_private_import_exists_and_takes_our_arguments(ns, module, name, ours, call):
+    path = ns.module_path(module)
+    try:
+        found = getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError) as error:
+        moved(ns, f"`from {path} import {name}`", "it to import", f"{type(error).__name__}: {error}")
+    if call is None:
+        if not inspect.isclass(found):
+            moved(ns, f"`{path}.{name}`", "a class", repr(found))
+    else:
+        args, kwargs = call
+        try:
+            inspect.signature(found).bind(*args, **kwargs)
+        except TypeError as error:
+            moved(ns, f"`{path}.{name}`", f"a callable taking {args} and {sorted(kwargs)}", f"{inspect.signature(found)}: {error}")
+    if ours is not None and getattr(ns.compat, ours) is not found:
+        moved(ns, f"`{path}.{name}`", f"the object the compat module calls `{ours}`")
+
+
+def test_lightning_optimizer_to_lightning_optimizer(ns):
+    from_module = importlib.import_module(ns.module_path("lightning.pytorch.core.optimizer"))
+    method = getattr(from_module.LightningOptimizer, "_to_lightning_optimizer", None)
+    if not callable(method):
+        moved(ns, "`LightningOptimizer._to_lightning_optimizer`", "a classmethod (optimizer, strategy)", repr(method))
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    strategy = ns.pl.Trainer(accelerator="cpu", logger=False).strategy
+    wrapped = ns.compat.to_lightning_optimizer(optimizer, strategy)
+    if not isinstance(wrapped, from_module.LightningOptimizer) or wrapped.optimizer is not optimizer:
+        moved(ns, "`LightningOptimizer._to_lightning_optimizer(optimizer, strategy)`",
+              "a LightningOptimizer wrapping the optimizer", repr(wrapped))  # fmt: skip
+
+
+# -- attributes of a real Trainer, read mid-fit ------------------------------------------------------------
+
+
+def _is_source(value: Any, c: ModuleType) -> bool:
+    return (isinstance(value, c.DataLoaderSource) and hasattr(value, "instance") and hasattr(value, "name")
+            and all(callable(getattr(value, m, None)) for m in ("dataloader", "is_module", "is_defined")))  # fmt: skip
+
+
+def _progress(trainer: Any, c: ModuleType) -> list:
+    """What BatchSizeSearch saves and resets: its walk over the loops (of this namespace's build)."""
+    search = importlib.import_module(c.__name__.replace("_lightning_compat", "batch_size_search"))
+    return list(search._progress_objects(trainer.fit_loop))
+
+
+#: attribute -> (how it is read, what it must be, the check); each read in on_train_batch_start
+ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any, Any, ModuleType], bool]]] = {
+    "trainer.fit_loop._data_source": (
+        lambda t, c: t.fit_loop._data_source,
+        "a _DataLoaderSource with instance, name, dataloader(), is_module(), is_defined()",
+        lambda v, t, c: _is_source(v, c) and c.train_source(t) is v and v.is_module() and v.is_defined(),
+    ),
+    "trainer.fit_loop._data_fetcher": (
+        lambda t, c: t.fit_loop._data_fetcher,
+        "the fit loop's data fetcher, with teardown() and a `batches` list (the prefetched batches)",
+        lambda v, t, c: callable(getattr(v, "teardown", None)) and isinstance(getattr(v, "batches", None), list)
+        and c.data_fetcher(t) is v,
+    ),
+    "trainer.fit_loop._combined_loader": (
+        lambda t, c: t.fit_loop._combined_loader,
+        "a CombinedLoader whose .flattened[0] is the train DataLoader",
+        lambda v, t, c: isinstance(v.flattened[0], DataLoader) and c.first_train_loader(t) is v.flattened[0],
+    ),
+    "trainer.fit_loop.epoch_loop._batches_that_stepped": (
+        lambda t, c: t.fit_loop.epoch_loop._batches_that_stepped,
+        "an int (the step loggers get)",
+        lambda v, t, c: type(v) is int and c.batches_that_stepped(t) == v,
+    ),
+    "trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor": (
+        lambda t, c: t.fit_loop.epoch_loop._broadcast_sigterm_tensor,
+        "a method of the epoch loop, called each step",
+        lambda v, t, c: inspect.ismethod(v) and "_broadcast_sigterm_tensor" in dir(type(t.fit_loop.epoch_loop)),
+    ),
+    "trainer._logger_connector.reset_results/reset_metrics": (
+        lambda t, c: t._logger_connector,
+        "a connector with reset_results() and reset_metrics()",
+        lambda v, t, c: callable(getattr(v, "reset_results", None)) and callable(getattr(v, "reset_metrics", None)),
+    ),
+    "trainer._signal_connector.received_sigterm": (
+        lambda t, c: t._signal_connector,
+        "a connector with a bool received_sigterm that trainer.received_sigterm reads",
+        lambda v, t, c: type(v.received_sigterm) is bool and c.signal_connector(t) is v
+        and t.received_sigterm is v.received_sigterm,
+    ),
+    "trainer.strategy._optimizers": (
+        lambda t, c: t.strategy._optimizers,
+        "the list of torch optimizers, the same object the public strategy.optimizers returns",
+        lambda v, t, c: isinstance(v, list) and len(v) == 1 and isinstance(v[0], torch.optim.Optimizer)
+        and t.strategy.optimizers is v,
+    ),
+    "trainer.strategy._lightning_optimizers": (
+        lambda t, c: t.strategy._lightning_optimizers,
+        "a list of LightningOptimizer, one per optimizer",
+        lambda v, t, c: isinstance(v, list) and len(v) == 1 and isinstance(v[0], c.LightningOptimizer)
+        and v[0].optimizer is t.strategy._optimizers[0] and c.strategy_optimizer_lists(t.strategy)[1] is v,
+    ),
+    "fit loop progress counters (_Loop / _BaseProgress)": (
+        lambda t, c: _progress(t, c),
+        "the fit loop and its epoch loop being _Loop instances holding _BaseProgress counters",
+        lambda v, t, c: isinstance(t.fit_loop, c.Loop) and isinstance(t.fit_loop.epoch_loop, c.Loop) and len(v) >= 3
+        and all(isinstance(p, c.BaseProgress) and callable(p.reset) for p in v),
+    ),
+    "trainer._data_connector.attach_data": (
+        lambda t, c: t._data_connector.attach_data,
+        "a method (model, datamodule=...)",
+        lambda v, t, c: callable(v) and "datamodule" in inspect.signature(v).parameters,
+    ),
+    "ModelCheckpoint._every_n_train_steps/_every_n_epochs/_train_time_interval": (
+        lambda t, c: [vars(t.checkpoint_callback)[k] for k in ("_every_n_train_steps", "_every_n_epochs", "_train_time_interval")],
+        "the schedule ModelCheckpoint(every_n_train_steps=1, train_time_interval=None) keeps: 1, 0, None",
+        lambda v, t, c: v == [1, 0, None] and c.checkpoint_schedule(t.checkpoint_callback) == (1, None, None),
+    ),
+    "ModelCheckpoint._last_checkpoint_saved": (
+        lambda t, c: vars(t.checkpoint_callback)["_last_checkpoint_saved"],
+        "a str: the path last saved",
+        lambda v, t, c: isinstance(v, str) and c.last_checkpoint_saved(t.checkpoint_callback) == v,
+    ),
+}
+
+
+def _model_class(pl: ModuleType) -> type:
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Tiny
+
+
+def _datamodule_class(pl: ModuleType) -> type:
+    class TinyData(pl.LightningDataModule):
+        def setup(self, stage: str) -> None:
+            generator = torch.Generator().manual_seed(0)
+            self.data = TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.data, 4)  # batch_size positional: recorded in __pl_saved_arg_names
+
+    return TinyData
+
+
+def _recording_profiler(pl: ModuleType) -> Any:
+    class Recording(pl.profilers.PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.actions: list[str] = []
+
+        def start(self, action_name: str) -> None:
+            self.actions.append(action_name)
+
+    return Recording()
+
+
+@pytest.fixture(scope="module")
+def fitted(ns, tmp_path_factory) -> dict:
+    """One short CPU fit per namespace: each attribute read mid-fit, the profiler's actions, the trainer."""
+    pl, c = ns.pl, ns.compat
+    results: dict[str, tuple[bool, str]] = {}
+    seen: dict[str, Any] = {}
+
+    class Reader(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx != 1:  # the second step: a checkpoint was saved after the first
+                return
+            seen["loader"] = c.request_dataloader(c.train_source(trainer))
+            for name, (read, _, check) in ATTRIBUTES.items():
+                try:
+                    value = read(trainer, c)
+                except Exception as error:  # noqa: BLE001 - reported by the test of this attribute
+                    results[name] = (False, f"{type(error).__name__}: {error}")
+                    continue
+                try:
+                    results[name] = (bool(check(value, trainer, c)), repr(value)[:200])
+                except Exception as error:  # noqa: BLE001
+                    results[name] = (False, f"{repr(value)[:200]} ({type(error).__name__}: {error})")
+
+    reader = Reader()
+    profiler = _recording_profiler(pl)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt"), every_n_train_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[reader, checkpoint], profiler=profiler,
+                         default_root_dir=tmp_path_factory.mktemp("root"))  # fmt: skip
+    model, data = _model_class(pl)(), _datamodule_class(pl)()
+    trainer.fit(model, datamodule=data)
+    return {"results": results, "actions": profiler.actions, "trainer": trainer, "model": model, "data": data,
+            "reader": reader, "loader": seen.get("loader")}  # fmt: skip
+
+
+@pytest.mark.parametrize("attribute", list(ATTRIBUTES))
+def test_trainer_attribute_is_where_we_read_it(ns, fitted, attribute):
+    expected = ATTRIBUTES[attribute][1]
+    if attribute not in fitted["results"]:
+        moved(ns, f"`{attribute}`", expected, "the fit never reached its second training step")
+    ok, found = fitted["results"][attribute]
+    if not ok:
+        moved(ns, f"`{attribute}`", expected, found)
+
+
+def test_profiler_action_names_are_what_lightning_records(ns, fitted):
+    c, trainer, actions = ns.compat, fitted["trainer"], set(fitted["actions"])
+    expected = {
+        "the train fetch (fetch_action)": c.fetch_action(trainer),
+        "the strategy's batch_to_device (strategy_action)": c.strategy_action(trainer, "batch_to_device"),
+        "the strategy's training_step (strategy_action)": c.strategy_action(trainer, "training_step"),
+        "trainer.save_checkpoint (SAVE_CHECKPOINT_ACTION)": c.SAVE_CHECKPOINT_ACTION,
+        "a callback hook (CALLBACK_ACTION)": f"{c.CALLBACK_ACTION}{fitted['reader'].state_key}.on_train_batch_start",
+        "a LightningModule hook (MODULE_ACTION)": f"{c.MODULE_ACTION}{type(fitted['model']).__name__}.on_before_backward",
+        "a LightningDataModule hook (DATAMODULE_ACTION)": f"{c.DATAMODULE_ACTION}{type(fitted['data']).__name__}.setup",
+    }
+    for what, name in expected.items():
+        if name not in actions:
+            near = sorted(a for a in actions if name.split("]")[0].split(".")[0] in a or name.split(".")[-1] in a)[:8]
+            moved(ns, f"the profiler action for {what}, {name!r}", "the Trainer to record it", f"similar: {near}")
+    for action in actions:  # every hook action parses as "<prefix><owner>.<hook>" (HookTimes._owner)
+        if action.startswith(c.HOOK_ACTION_PREFIXES) and "." not in action[action.index("]") + 1 :]:
+            moved(ns, f"the profiler action {action!r}", "'<prefix><owner>.<hook>'")
+
+
+# -- functions of the compat module, exercised -----------------------------------------------------------
+
+
+def test_train_loader_reset_and_rebuild(ns, fitted):
+    c, trainer = ns.compat, fitted["trainer"]
+    c.reset_train_loader(trainer)
+    if trainer.fit_loop._data_fetcher is not None or trainer.fit_loop._combined_loader is not None:
+        moved(ns, "fit_loop._data_fetcher/_combined_loader", "both None after reset_train_loader")
+    trainer.fit_loop.setup_data()
+    if not isinstance(c.first_train_loader(trainer), DataLoader):
+        moved(ns, "fit_loop.setup_data() then _combined_loader.flattened[0]", "a rebuilt DataLoader")
+    c.reset_train_loader(trainer)
+    source = c.train_source(trainer)
+    c.set_train_source(trainer, source)
+    if trainer.fit_loop._data_source is not source:
+        moved(ns, "fit_loop._data_source", "settable")
+
+
+def test_loader_recreated_from_its_recorded_arguments(ns, fitted):
+    c, loader = ns.compat, fitted["loader"]
+    if c.saved_arg_names(loader)[:2] != ["dataset", "batch_size"]:
+        moved(ns, "a train loader's `__pl_saved_arg_names`", "the positional names ['dataset', 'batch_size']",
+              repr(getattr(loader, "__pl_saved_arg_names", None)))  # fmt: skip
+    args, kwargs = c.dataloader_init_args_and_kwargs(loader, loader.sampler)
+    rebuilt = c.reinstantiate_wrapped_cls(loader, *args, **{**kwargs, "num_workers": 0})
+    resampled = c.update_dataloader(loader, sampler=SequentialSampler(loader.dataset))
+    for copy in (rebuilt, resampled):
+        if type(copy) is not type(loader) or copy.batch_size != loader.batch_size or copy.dataset is not loader.dataset:
+            moved(ns, "_get_dataloader_init_args_and_kwargs/_reinstantiate_wrapped_cls/_update_dataloader",
+                  "a copy of the loader (same class, dataset, batch size)", repr(copy))  # fmt: skip
+
+
+def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
+    c, trainer = ns.compat, fitted["trainer"]
+    steps = c.batches_that_stepped(trainer)
+    c.set_batches_that_stepped(trainer, steps + 5)
+    if trainer.fit_loop.epoch_loop._batches_that_stepped != steps + 5:
+        moved(ns, "epoch_loop._batches_that_stepped", "settable")
+    c.set_batches_that_stepped(trainer, steps)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    c.skip_sigterm_broadcast(epoch_loop)
+    if epoch_loop._broadcast_sigterm_tensor() is not None:
+        moved(ns, "epoch_loop._broadcast_sigterm_tensor", "replaced by a no-op")
+    c.restore_sigterm_broadcast(epoch_loop)
+    if "_broadcast_sigterm_tensor" in vars(epoch_loop) or not inspect.ismethod(epoch_loop._broadcast_sigterm_tensor):
+        moved(ns, "epoch_loop._broadcast_sigterm_tensor", "the class's method back after restore_sigterm_broadcast")
+    c.reset_logged_results(trainer)
+
+
+def test_attach_data_datamodule_hook_and_configure_optimizers(ns, tmp_path):
+    pl, c = ns.pl, ns.compat
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         default_root_dir=tmp_path)  # fmt: skip
+    model, data = _model_class(pl)(), _datamodule_class(pl)()
+    c.attach_data(trainer, model, datamodule=data)
+    trainer.strategy.connect(model)
+    if trainer.datamodule is not data or data.trainer is not trainer:
+        moved(ns, "trainer._data_connector.attach_data(model, datamodule=...)", "the datamodule attached")
+    c.call_datamodule_hook(trainer, "setup", stage="fit")
+    model.batch_size, data.batch_size = 4, 8
+    holders = c.attribute_holders(model, "batch_size")
+    if len(holders) != 2 or holders[0] is not model or holders[1] is not data:
+        moved(ns, "_lightning_get_all_attr_holders(model, 'batch_size')", "[the model, the datamodule]", repr(holders))
+    if not hasattr(data, "data"):
+        moved(ns, "trainer.call._call_lightning_datamodule_hook(trainer, 'setup', stage=...)", "the datamodule's setup run")
+    optimizers, schedulers = c.init_optimizers_and_lr_schedulers(model)
+    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.SGD) or schedulers:
+        moved(ns, "_init_optimizers_and_lr_schedulers(model)", "([the SGD of configure_optimizers()], [])",
+              repr((optimizers, schedulers)))  # fmt: skip
+    model.configure_optimizers = lambda: None  # type: ignore[method-assign]
+    with pytest.warns(UserWarning):  # Lightning: "configure_optimizers returned None, this fit will run with no optimizer"
+        optimizers, _ = c.init_optimizers_and_lr_schedulers(model)
+    if not (len(optimizers) == 1 and isinstance(optimizers[0], c.MockOptimizer)):
+        moved(ns, "_init_optimizers_and_lr_schedulers for configure_optimizers() -> None", "[_MockOptimizer()]",
+              repr(optimizers))  # fmt: skip
+
+
+def test_strategy_optimizer_lists_round_trip(ns, fitted):
+    c, strategy = ns.compat, fitted["trainer"].strategy
+    saved = c.strategy_optimizer_lists(strategy)
+    c.set_strategy_optimizer_lists(strategy, [], [])
+    if strategy.optimizers != [] or strategy._lightning_optimizers != []:
+        moved(ns, "strategy._optimizers/_lightning_optimizers", "settable, and read by strategy.optimizers")
+    c.set_strategy_optimizer_lists(strategy, *saved)
+    if c.strategy_optimizer_lists(strategy)[0] is not saved[0] or strategy._lightning_optimizers is not saved[1]:
+        moved(ns, "strategy._optimizers/_lightning_optimizers", "the very lists put back")
+
+
+def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    pl, c = ns.pl, ns.compat
+    cli_module = importlib.import_module(ns.module_path("lightning.pytorch.cli"))
+    for name, args, kwargs in (("_parser", (None, "fit"), {}), ("_get", (None, "config", "key"), {"default": {}})):
+        method = getattr(cli_module.LightningCLI, name, None)
+        try:
+            inspect.signature(method).bind(*args, **kwargs)
+        except (TypeError, ValueError) as error:
+            moved(ns, f"`LightningCLI.{name}`", f"a method taking {args[1:]} and {sorted(kwargs)}", f"{method}: {error}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    cli = cli_module.LightningCLI(
+        _model_class(pl), run=False, save_config_callback=None, seed_everything_default=False,
+        args=["--trainer.logger=false", "--trainer.accelerator=cpu", "--trainer.enable_checkpointing=false"],
+    )  # fmt: skip
+    if c.cli_parser(cli, None) is not cli.parser:
+        moved(ns, "`LightningCLI._parser(None)`", "the CLI's parser")
+    trainer_config = c.cli_config_value(cli, cli.config_init, "trainer", default={})
+    if not hasattr(trainer_config, "get") or "callbacks" not in trainer_config:
+        moved(ns, "`LightningCLI._get(config, 'trainer', default={})`", "the trainer's settings", repr(trainer_config)[:200])
+    actions = c.parser_option_actions(cli.parser)
+    if not isinstance(actions, dict) or "--trainer.max_steps" not in actions or not hasattr(actions["--trainer.max_steps"], "help"):
+        moved(ns, "`LightningArgumentParser._option_string_actions`", "argparse's flag -> action dict", repr(type(actions)))
+
+
+def test_module_docstring_names_every_internal(ns):
+    doc = ns.compat.__doc__ or ""
+    names = [name for _, name, _, _ in PRIVATE_IMPORTS] + [
+        "_data_source", "_data_fetcher", "_combined_loader", "_batches_that_stepped", "_broadcast_sigterm_tensor",
+        "_logger_connector", "_signal_connector", "_optimizers", "_lightning_optimizers", "_to_lightning_optimizer",
+        "__pl_saved_arg_names", "_every_n_train_steps", "_last_checkpoint_saved", "_data_connector", "_parser", "_get",
+        "_option_string_actions", "train_dataloader_next", "[Strategy]", "[Callback]", "[LightningModule]",
+        "[LightningDataModule]", "save_checkpoint",
+    ]  # fmt: skip
+    missing = [name for name in names if name not in doc]
+    assert not missing, f"{COMPAT}'s docstring does not list {missing}"
