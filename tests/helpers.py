@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from lightning import Callback, LightningModule
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 class SlowDataset(Dataset):
@@ -119,7 +119,8 @@ class SlowHook(Callback):
         self.seconds = seconds
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        time.sleep(self.seconds)
+        if self.seconds > 0:  # sleep(0) yields the CPU: on a loaded machine the hook would wait for it again
+            time.sleep(self.seconds)
 
 
 class CpuHeavyDataset(Dataset):
@@ -244,3 +245,33 @@ def profiler_peak_bytes(fn: Callable[[], Any], existing: Iterable[Any] = ()) -> 
         # address the profiler saw earlier, reused since); ``existing`` blocks are counted by marker
         peak = max(peak, live)
     return peak
+
+
+class TimedLoader(DataLoader):
+    """A ``DataLoader`` whose iterators time every ``next()`` with their own stopwatch: the whole
+    fetch (sampler, every ``__getitem__``, collate, and any wait for a core on a loaded machine),
+    independent of what the library measures. ``fetch_s[i]`` is batch ``i``'s fetch time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetch_s: list[float] = []
+
+    def __iter__(self) -> Any:
+        inner = super().__iter__()
+        loader = self
+
+        class Timed:
+            def __iter__(self) -> Any:
+                return self
+
+            def __next__(self) -> Any:
+                started = time.perf_counter()
+                try:
+                    return next(inner)
+                finally:
+                    loader.fetch_s.append(time.perf_counter() - started)
+
+            def __len__(self) -> int:
+                return len(inner)
+
+        return Timed()

@@ -155,7 +155,7 @@ def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
 
 def test_fast_hooks_lightnings_own_callbacks_and_compute_are_no_finding(tmp_path):
     # the step itself is slow (training_step sleeps); the progress bar and model summary run; a hook is fast
-    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), loader(640), callbacks=[SlowHook(0.0)], max_steps=30,
+    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.05), loader(640), callbacks=[SlowHook(0.0)], max_steps=30,
                      enable_progress_bar=True, enable_model_summary=True, enable_checkpointing=True)  # fmt: skip
     assert of_kind(monitor, "slow-hook") == []
 

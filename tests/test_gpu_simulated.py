@@ -124,7 +124,7 @@ class SlowTransfer(MLP):
     """A model whose host-to-device copy is slow (a large batch, pageable memory)."""
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        time.sleep(0.02)
+        time.sleep(0.05)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
 
