@@ -2,7 +2,7 @@
 
 The rest of the package reaches Lightning's private attributes, private functions and profiler
 action names only through the names below; ``tests/test_lightning_compat.py`` checks each against the
-installed Lightning (``lightning>=2.4``; written against 2.6.6), so a release that moves or renames
+installed Lightning (``lightning>=2.6``, the floor ``make test-min`` runs; written against 2.6.6), so a release that moves or renames
 one fails there, naming it, rather than deep inside a callback. Built on ``lightning.pytorch``; under
 ``lightning_gpuopt.pytorch_lightning`` the same source is built on ``pytorch_lightning`` and
 ``lightning_fabric`` (see :mod:`lightning_gpuopt._mirror`).
