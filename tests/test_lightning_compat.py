@@ -162,7 +162,7 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
     "trainer.fit_loop._combined_loader": (
         lambda t, c: t.fit_loop._combined_loader,
         "a CombinedLoader whose .flattened[0] is the train DataLoader",
-        lambda v, t, c: isinstance(v.flattened[0], DataLoader) and c.first_train_loader(t) is v.flattened[0],
+        lambda v, t, c: isinstance(v.flattened[0], DataLoader) and c.built_train_loader(t) is v.flattened[0],
     ),
     "trainer.fit_loop.epoch_loop._batches_that_stepped": (
         lambda t, c: t.fit_loop.epoch_loop._batches_that_stepped,
@@ -337,7 +337,7 @@ def test_train_loader_reset_and_rebuild(ns, fitted):
     if trainer.fit_loop._data_fetcher is not None or trainer.fit_loop._combined_loader is not None:
         moved(ns, "fit_loop._data_fetcher/_combined_loader", "both None after reset_train_loader")
     trainer.fit_loop.setup_data()
-    if not isinstance(c.first_train_loader(trainer), DataLoader):
+    if not isinstance(c.built_train_loader(trainer), DataLoader):
         moved(ns, "fit_loop.setup_data() then _combined_loader.flattened[0]", "a rebuilt DataLoader")
     c.reset_train_loader(trainer)
     source = c.train_source(trainer)

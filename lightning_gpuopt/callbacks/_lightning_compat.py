@@ -20,7 +20,7 @@ Train data (the fit loop)
       source for its loader as Lightning does (recording the loader's arguments).
     * ``trainer.fit_loop._data_fetcher`` (:func:`data_fetcher`) and its ``teardown()``/``batches``:
       no public API; the fetcher holding the prefetched batches.
-    * ``trainer.fit_loop._combined_loader`` (:func:`reset_train_loader`, :func:`first_train_loader`):
+    * ``trainer.fit_loop._combined_loader`` (:func:`reset_train_loader`, :func:`built_train_loader`):
       ``trainer.train_dataloader`` reads it, but gives ``.iterables`` (the user's structure), not
       ``.flattened[0]``, and nothing public makes the loop build the loader again.
 
@@ -144,7 +144,7 @@ def reset_train_loader(trainer: Any) -> None:
     loop._combined_loader = None
 
 
-def first_train_loader(trainer: Any) -> Any:
+def built_train_loader(trainer: Any) -> Any:
     """The fit loop's first train loader, ``_combined_loader.flattened[0]`` (``trainer.train_dataloader``
     gives the user's structure, ``.iterables``, not the flattened loaders)."""
     combined = trainer.fit_loop._combined_loader

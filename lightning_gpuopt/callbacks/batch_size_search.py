@@ -301,7 +301,7 @@ class BatchSizeSearch(Callback):
                 )
             if result.batch_size is None:
                 message = self._nothing_fits_message(runner, result)
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
         result = replace(
             result,
             initial_batch_size=initial,
@@ -544,7 +544,7 @@ class _TrialRunner:
     def fits(self, batch_size: int, capped: bool = True) -> tuple[bool, Optional[int]]:
         trainer, pl_module = self.trainer, self.pl_module
         lightning_setattr(pl_module, self.batch_arg_name, batch_size)
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
         trainer.fit_loop.setup_data()  # collectives (barrier, length checks): outside the trial, on every rank
         self.state.reset_for_trial()
         device = pl_module.device
@@ -1018,7 +1018,7 @@ def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Option
     holds the longest sample is as large as copies of it. Every sample's size is looked at (within
     a time bound, which the note then names). The estimate uses the same batches."""
     loader = first_train_loader(trainer)
-    reset_train_loader(trainer)
+    compat.reset_train_loader(trainer)
     dataset = getattr(loader, "dataset", None)
     refusal = _why_batch_size_is_not_the_loaders(loader)
     if refusal:
@@ -1091,7 +1091,7 @@ def _initial_batch_size(trainer: pl.Trainer, holders: list[tuple[Any, Any]], nam
         return int(values[-1])
     places = ", ".join(f"{_holder_name(holder, name)}={value!r}" for holder, value in holders)
     loader_size: Any = getattr(first_train_loader(trainer), "batch_size", None)
-    reset_train_loader(trainer)
+    compat.reset_train_loader(trainer)
     start = int(loader_size) if loader_size in values else int(values[-1])
     rank_zero_warn(
         f"BatchSizeSearch: the batch size is held in several places with different values ({places}); the train loader"
@@ -1117,24 +1117,18 @@ def _put_back_batch_size(holders: list[tuple[Any, Any]], name: str) -> None:
             setattr(holder, name, value)
 
 
-def reset_train_loader(trainer: pl.Trainer) -> None:
-    """Make the fit loop build the train loader again (at the batch size now set): call it after
-    changing the batch size, and after :func:`first_train_loader` so training gets a fresh loader."""
-    compat.reset_train_loader(trainer)
-
-
 def first_train_loader(trainer: pl.Trainer) -> Any:
     """The fit's (first) train loader, built now from ``train_dataloader()`` at the batch size now set,
-    as the fit loop builds it; :func:`reset_train_loader` afterwards, so training builds its own.
+    as the fit loop builds it; `compat.reset_train_loader(trainer)` afterwards, so training builds its own.
 
     Example::
 
         batch = next(iter(first_train_loader(trainer)))
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
     """
-    reset_train_loader(trainer)
+    compat.reset_train_loader(trainer)
     trainer.fit_loop.setup_data()
-    return compat.first_train_loader(trainer)
+    return compat.built_train_loader(trainer)
 
 
 def samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
@@ -1148,7 +1142,7 @@ def samples_per_rank(trainer: pl.Trainer) -> Optional[int]:
     except (TypeError, AttributeError, NotImplementedError):
         return None
     finally:
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
         compat.set_rng_states(rng)
 
 

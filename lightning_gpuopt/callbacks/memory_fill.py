@@ -101,7 +101,6 @@ from lightning_gpuopt.callbacks.batch_size_search import (
     NoBatchSizeFitsError,
     TrainingStateRestored,
     first_train_loader,
-    reset_train_loader,
     samples_per_rank,
 )
 from lightning_gpuopt.core.checkpointing import (
@@ -492,7 +491,7 @@ class MemoryFill(Callback):
                             pl_module, loss_function(pl_module), batch, group,
                             step_context=trainer.precision_plugin.train_step_context))  # fmt: skip
             finally:
-                reset_train_loader(trainer)
+                compat.reset_train_loader(trainer)
         # every rank keeps a group, or none
         agreed = [trainer.strategy.reduce_boolean_decision(problem is None, all=True) for problem in problems]
         return [problem if problem is not None or ok else "another rank's recomputation differs"
@@ -567,7 +566,7 @@ class MemoryFill(Callback):
         lightning_setattr(pl_module, self.batch_arg_name, micro)
         trainer.accumulate_grad_batches = accumulate
         self._correct_short_groups = accumulate > 1 and self._fixed_accumulation is None
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
         if trainer.lr_scheduler_configs and (micro, accumulate) != (self._initial["batch_size"],
                                                                      self._initial["accumulate"]):  # fmt: skip
             trainer.strategy.setup_optimizers(trainer)  # schedulers sized by estimated_stepping_batches
@@ -764,7 +763,7 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None
     finally:
-        reset_train_loader(trainer)
+        compat.reset_train_loader(trainer)
 
 
 def _smallest_over_ranks(trainer: pl.Trainer, predicted: Optional[int]) -> Optional[int]:
