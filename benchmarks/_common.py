@@ -8,9 +8,8 @@ import os
 import platform
 import shlex
 import sys
-from pathlib import Path
-
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -86,8 +85,9 @@ class MLP(LightningModule):
     def __init__(self, features: int, hidden: int, log_loss: bool = True) -> None:
         super().__init__()
         self.log_loss = log_loss
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, 10))
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -35,31 +35,52 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import append  # noqa: E402
-from helpers import profiler_peak_bytes  # noqa: E402
-from lightning_gpuopt.core.memory import LiveTensorTracker  # noqa: E402
-from lightning_gpuopt.testing import SimulatedGpu  # noqa: E402
-from models_memory import Decoder, UNet  # noqa: E402
+from _common import append
+from helpers import profiler_peak_bytes
+from models_memory import Decoder, UNet
+
+from lightning_gpuopt.core.memory import LiveTensorTracker
+from lightning_gpuopt.testing import SimulatedGpu
 
 
 def models(batch_size: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    mha = nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 256, batch_first=True), 2,
-                                enable_nested_tensor=False)  # fmt: skip
+    mha = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(128, 4, 256, batch_first=True), 2, enable_nested_tensor=False
+    )
     return {
-        "MLP": (nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)),
-                torch.randn(batch_size, 512, generator=g), lambda out, x: out.pow(2).mean()),
-        "CNN + BatchNorm": (nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)),
-                            torch.randn(batch_size, 3, 32, 32, generator=g), lambda out, x: out.pow(2).mean()),
+        "MLP": (
+            nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)),
+            torch.randn(batch_size, 512, generator=g),
+            lambda out, x: out.pow(2).mean(),
+        ),
+        "CNN + BatchNorm": (
+            nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.Conv2d(32, 32, 3, padding=1),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(32, 10),
+            ),
+            torch.randn(batch_size, 3, 32, 32, generator=g),
+            lambda out, x: out.pow(2).mean(),
+        ),
         "Transformer (MHA)": (mha, torch.randn(batch_size, 64, 128, generator=g), lambda out, x: out.pow(2).mean()),
-        "decoder (SDPA), held out": (Decoder(width=128, layers=4, tokens=128),
-                                     torch.randint(0, 512, (batch_size, 128), generator=g),
-                                     lambda out, x: F.cross_entropy(out.flatten(0, 1), x.flatten())),
-        "U-Net, held out": (UNet(), torch.randn(batch_size, 3, 64, 64, generator=g),
-                            lambda out, x: out.float().pow(2).mean()),
-    }  # fmt: skip
+        "decoder (SDPA), held out": (
+            Decoder(width=128, layers=4, tokens=128),
+            torch.randint(0, 512, (batch_size, 128), generator=g),
+            lambda out, x: F.cross_entropy(out.flatten(0, 1), x.flatten()),
+        ),
+        "U-Net, held out": (
+            UNet(),
+            torch.randn(batch_size, 3, 64, 64, generator=g),
+            lambda out, x: out.float().pow(2).mean(),
+        ),
+    }
 
 
 def measure(name: str, network: nn.Module, x: torch.Tensor, loss_fn) -> dict:
@@ -82,8 +103,13 @@ def measure(name: str, network: nn.Module, x: torch.Tensor, loss_fn) -> dict:
         gpu.place(*existing)
         with gpu.device.peak_meter() as card:
             step()
-    return {"truth": truth, "storages": storages.peak_bytes, "allocator": allocator.peak_bytes,
-            "card": card.peak_bytes, "reserved": card.peak_reserved_bytes}  # fmt: skip
+    return {
+        "truth": truth,
+        "storages": storages.peak_bytes,
+        "allocator": allocator.peak_bytes,
+        "card": card.peak_bytes,
+        "reserved": card.peak_reserved_bytes,
+    }
 
 
 def main() -> None:
@@ -92,19 +118,26 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    rows = ["| model | batch | truth (profiler) | storages only | allocator level | simulated H100 allocated | "
-            "simulated H100 reserved |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| model | batch | truth (profiler) | storages only | allocator level | simulated H100 allocated | "
+        "simulated H100 reserved |",
+        "|---|---|---|---|---|---|---|",
+    ]
     worst = 0.0
     for batch_size in args.batch_sizes:
         for name, (network, x, loss_fn) in models(batch_size).items():
             m = measure(name, network, x, loss_fn)
             err = {key: (m[key] - m["truth"]) / m["truth"] for key in ("storages", "allocator", "card", "reserved")}
             worst = max(worst, abs(err["allocator"]))
-            rows.append(f"| {name} | {batch_size} | {m['truth'] / 2**20:.2f} MiB | {err['storages']:+.2%} | "
-                        f"{err['allocator']:+.2%} | {err['card']:+.2%} | {err['reserved']:+.2%} |")  # fmt: skip
+            rows.append(
+                f"| {name} | {batch_size} | {m['truth'] / 2**20:.2f} MiB | {err['storages']:+.2%} | "
+                f"{err['allocator']:+.2%} | {err['card']:+.2%} | {err['reserved']:+.2%} |"
+            )
     table = "\n".join(rows)
-    notes = (f"Errors are (meter - truth) / truth over one steady-state step (Adam). Worst allocator-level error: "
-             f"{worst:.2%}. Wall time: {time.perf_counter() - started:.0f} s.")  # fmt: skip
+    notes = (
+        f"Errors are (meter - truth) / truth over one steady-state step (Adam). Worst allocator-level error: "
+        f"{worst:.2%}. Wall time: {time.perf_counter() - started:.0f} s."
+    )
     print(table)
     print(notes)
     if not args.no_write:

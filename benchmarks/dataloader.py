@@ -34,9 +34,9 @@ from rich.table import Table
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MLP, Stopwatch, append  # noqa: E402
+from _common import MLP, Stopwatch, append
 
-from lightning_gpuopt import DataLoaderTuner  # noqa: E402
+from lightning_gpuopt import DataLoaderTuner
 
 
 class LatencyDataset(Dataset):
@@ -51,8 +51,9 @@ class LatencyDataset(Dataset):
         return self.features[index], self.labels[index]
 
 
-def train(args: argparse.Namespace, dataset: Dataset, root: Path, num_workers: int = 0,
-          tuner: bool = False) -> tuple[float, float, int]:
+def train(
+    args: argparse.Namespace, dataset: Dataset, root: Path, num_workers: int = 0, tuner: bool = False
+) -> tuple[float, float, int]:
     """Samples/s of training, the tuner's seconds, and the num_workers the fit used."""
     seed_everything(0, verbose=False)
     stopwatch = Stopwatch(args.warmup)
@@ -60,11 +61,20 @@ def train(args: argparse.Namespace, dataset: Dataset, root: Path, num_workers: i
     tuning = DataLoaderTuner(max_seconds=args.tune_seconds) if tuner else None
     if tuning is not None:
         callbacks.insert(0, tuning)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=num_workers,
-                        persistent_workers=num_workers > 0)
-    trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.warmup + args.steps, callbacks=callbacks,
-                      default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=False)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
+    trainer = Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        callbacks=callbacks,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(MLP(args.features, args.hidden, log_loss=False), loader)
     used = tuning.result.num_workers if tuning is not None and tuning.result is not None else num_workers
     return stopwatch.samples_per_second, (tuning.result.seconds if tuning and tuning.result else 0.0), used
@@ -94,7 +104,9 @@ def main() -> None:
     lightning_workers = suggested_max_num_workers(1)
     variants = {
         "num_workers=0 (PyTorch default)": lambda root: train(args, slow, root, 0),
-        f"num_workers={lightning_workers} (Lightning's suggestion)": lambda root: train(args, slow, root, lightning_workers),
+        f"num_workers={lightning_workers} (Lightning's suggestion)": lambda root: train(
+            args, slow, root, lightning_workers
+        ),
         "DataLoaderTuner": lambda root: train(args, slow, root, 0, tuner=True),
         "ceiling: preloaded in memory": lambda root: train(args, TensorDataset(features, labels), root, 0),
         # the same preloaded data through the tuner's worker count: what passing batches between
@@ -114,8 +126,11 @@ def main() -> None:
                 if name == "DataLoaderTuner":
                     tune_seconds.append(seconds)
                     chosen.append(workers)
-            print(f"round {round_index + 1}/{args.rounds}: "
-                  + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items()), flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds}: "
+                + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items()),
+                flush=True,
+            )
 
     ceiling = statistics.median(rates["ceiling: preloaded in memory"])
     table = Table(title=f"Training samples/s, {args.delay_ms} ms per-sample latency, batch {args.batch_size}")
@@ -128,13 +143,17 @@ def main() -> None:
         table.add_row(label, f"{median:,.0f}", f"{median / ceiling:.2f}")
         lines.append(f"| {label} | {median:,.0f} | {median / ceiling:.2f} |")
     Console().print(table)
-    note = (f"Workload: MLP {args.features}-{args.hidden}-{args.hidden}-10 on {args.accelerator}"
-            f"{' (1 intra-op thread)' if args.accelerator == 'cpu' else ''}, {args.steps} timed steps, "
-            f"{args.rounds} interleaved rounds; tuning took {statistics.median(tune_seconds):.1f} s (median) before "
-            "training and is not in samples/s. Goal: DataLoaderTuner >= 0.9 of the ceiling.")
+    note = (
+        f"Workload: MLP {args.features}-{args.hidden}-{args.hidden}-10 on {args.accelerator}"
+        f"{' (1 intra-op thread)' if args.accelerator == 'cpu' else ''}, {args.steps} timed steps, "
+        f"{args.rounds} interleaved rounds; tuning took {statistics.median(tune_seconds):.1f} s (median) before "
+        "training and is not in samples/s. Goal: DataLoaderTuner >= 0.9 of the ceiling."
+    )
     print(note)
     if not args.no_record:
-        print(f"appended to {append('dataloader.py: DataLoaderTuner vs defaults vs the ceiling', chr(10).join(lines), note)}")
+        print(
+            f"appended to {append('dataloader.py: DataLoaderTuner vs defaults vs the ceiling', chr(10).join(lines), note)}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,17 +35,30 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append  # noqa: E402
-from helpers import profiler_peak_bytes  # noqa: E402
-from models_memory import MODELS, make_model  # noqa: E402
+from _common import append
+from helpers import profiler_peak_bytes
+from models_memory import MODELS, make_model
 
-from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator  # noqa: E402
-from lightning_gpuopt.core.estimate import MemoryEstimate, relative_error  # noqa: E402
-from lightning_gpuopt.core.report import format_bytes, format_seconds  # noqa: E402
+from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
+from lightning_gpuopt.core.estimate import MemoryEstimate, relative_error
+from lightning_gpuopt.core.report import format_bytes, format_seconds
 
 RUNS = Path(__file__).with_name("_runs")  # the trainers' reports (git-ignored)
-COLUMNS = ("model", "batch", "method", "measured peak", "ours", "our error", "torchinfo", "torchinfo error",
-           "allocator peak (CPU)", "our error vs allocator", "our seconds", "torchinfo seconds", "max batch")  # fmt: skip
+COLUMNS = (
+    "model",
+    "batch",
+    "method",
+    "measured peak",
+    "ours",
+    "our error",
+    "torchinfo",
+    "torchinfo error",
+    "allocator peak (CPU)",
+    "our error vs allocator",
+    "our seconds",
+    "torchinfo seconds",
+    "max batch",
+)
 
 
 def run(name: str, batch_size: int, accelerator: str, measure_steps: int) -> tuple[MemoryEstimate, int | None]:
@@ -53,9 +66,16 @@ def run(name: str, batch_size: int, accelerator: str, measure_steps: int) -> tup
     model = make_model(name, num_samples=batch_size * (measure_steps + 1))
     estimator = MemoryEstimator(measure_steps=measure_steps)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=1, max_steps=measure_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[estimator], default_root_dir=RUNS,
-    )  # fmt: skip
+        accelerator=accelerator,
+        devices=1,
+        max_steps=measure_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[estimator],
+        default_root_dir=RUNS,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning is in estimate.notes
         trainer.fit(model, model.loader(batch_size))
@@ -92,12 +112,20 @@ def signed_percent(fraction: float | None) -> str:
 
 def row(name: str, batch_size: int, estimate: MemoryEstimate, allocator_peak: int | None) -> tuple[str, ...]:
     return (
-        name, str(batch_size), estimate.method, format_bytes(estimate.measured_peak_bytes),
-        format_bytes(estimate.predicted_peak_bytes), signed_percent(estimate.estimate_error),
-        format_bytes(estimate.torchinfo_total_bytes), signed_percent(estimate.torchinfo_error),
-        format_bytes(allocator_peak), signed_percent(relative_error(estimate.predicted_peak_bytes, allocator_peak)),
-        format_seconds(estimate.trace_seconds), format_seconds(estimate.torchinfo_seconds), str(estimate.max_batch_size),
-    )  # fmt: skip
+        name,
+        str(batch_size),
+        estimate.method,
+        format_bytes(estimate.measured_peak_bytes),
+        format_bytes(estimate.predicted_peak_bytes),
+        signed_percent(estimate.estimate_error),
+        format_bytes(estimate.torchinfo_total_bytes),
+        signed_percent(estimate.torchinfo_error),
+        format_bytes(allocator_peak),
+        signed_percent(relative_error(estimate.predicted_peak_bytes, allocator_peak)),
+        format_seconds(estimate.trace_seconds),
+        format_seconds(estimate.torchinfo_seconds),
+        str(estimate.max_batch_size),
+    )
 
 
 def main() -> None:
@@ -133,8 +161,10 @@ def main() -> None:
         "trace. 'decoder' and 'unet' are held out (the estimate was not tuned on them).",
     ]
     if not args.no_write:
-        markdown = "\n".join(["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-                             + ["| " + " | ".join(cells) + " |" for cells in rows])
+        markdown = "\n".join(
+            ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+            + ["| " + " | ".join(cells) + " |" for cells in rows]
+        )
         append("Memory estimate accuracy", markdown, "\n".join(notes))
 
 

@@ -69,13 +69,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append  # noqa: E402
+from _common import append
 
-from lightning_gpuopt.callbacks.batch_size_search import NoBatchSizeFitsError  # noqa: E402
-from lightning_gpuopt.callbacks.memory_fill import MemoryFill  # noqa: E402
-from lightning_gpuopt.core.fill import MemoryFillPlan  # noqa: E402
-from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error, parse_memory  # noqa: E402
-from lightning_gpuopt.core.report import format_bytes  # noqa: E402
+from lightning_gpuopt.callbacks.batch_size_search import NoBatchSizeFitsError
+from lightning_gpuopt.callbacks.memory_fill import MemoryFill
+from lightning_gpuopt.core.fill import MemoryFillPlan
+from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error, parse_memory
+from lightning_gpuopt.core.report import format_bytes
 
 #: variant -> MemoryFill arguments (None: no MemoryFill, the user's own config)
 VARIANTS: dict[str, Optional[dict[str, Any]]] = {
@@ -143,9 +143,12 @@ class ResidualBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
-        )  # fmt: skip
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.body(x) + x)
@@ -281,20 +284,29 @@ def run_one(name: str, variant: str, args: argparse.Namespace, max_memory: Any, 
     cap = parse_memory(max_memory, "cpu") if verify and not cuda else None
     meter = Meter(args.warmup, args.steps, cap)
     fill_arguments = VARIANTS[variant]
-    fill = None if fill_arguments is None else MemoryFill(
-        global_batch_size=args.batch_size, max_memory=max_memory, verbose=False, **fill_arguments)  # fmt: skip
+    fill = (
+        None
+        if fill_arguments is None
+        else MemoryFill(global_batch_size=args.batch_size, max_memory=max_memory, verbose=False, **fill_arguments)
+    )
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=1, max_epochs=1,
+        accelerator=args.accelerator,
+        devices=1,
+        max_epochs=1,
         max_steps=-1 if verify else args.warmup + args.steps,
-        callbacks=[*([fill] if fill else []), meter], default_root_dir=root, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        callbacks=[*([fill] if fill else []), meter],
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     oom, error = (False if verify else None), ""
     try:
         trainer.fit(model)
     except NoBatchSizeFitsError as raised:
         error = f"nothing fits: {raised}"
-    except Exception as raised:  # noqa: BLE001
+    except Exception as raised:
         if not is_out_of_memory_error(raised):
             raise
         oom = True
@@ -322,13 +334,22 @@ def measure_model(name: str, args: argparse.Namespace, max_memory: Any) -> dict[
                 run = run_one(name, variant, args, max_memory, verify, root)
                 runs[variant].append(run)
                 plan = run.plan
-                described = "" if plan is None else (f"{plan.precision}, {len(plan.checkpointed_modules)} ckpt, "
-                                                     f"largest {plan.largest_fit}, {plan.micro_batch_size} x "
-                                                     f"{plan.accumulate_grad_batches}, ")  # fmt: skip
+                described = (
+                    ""
+                    if plan is None
+                    else (
+                        f"{plan.precision}, {len(plan.checkpointed_modules)} ckpt, "
+                        f"largest {plan.largest_fit}, {plan.micro_batch_size} x "
+                        f"{plan.accumulate_grad_batches}, "
+                    )
+                )
                 speed = "n/a" if run.samples_per_second is None else f"{run.samples_per_second:,.0f} samples/s"
-                print(f"  {name} round {round_index + 1}/{args.rounds} {variant}: {described}{speed}"
-                      f"{', OOM' if run.oom else ''}{', ' + run.error[:80] if run.error else ''} "
-                      f"({time.perf_counter() - started:.1f} s)", flush=True)  # fmt: skip
+                print(
+                    f"  {name} round {round_index + 1}/{args.rounds} {variant}: {described}{speed}"
+                    f"{', OOM' if run.oom else ''}{', ' + run.error[:80] if run.error else ''} "
+                    f"({time.perf_counter() - started:.1f} s)",
+                    flush=True,
+                )
     return runs
 
 
@@ -339,15 +360,26 @@ def _median(values: list[Optional[float]]) -> Optional[float]:
 
 def _ratios(runs: list[Run], reference: list[Run]) -> Optional[float]:
     """Median over rounds of samples/s relative to the reference variant in the same round."""
-    return _median([None if r.samples_per_second is None or not ref.samples_per_second else
-                    r.samples_per_second / ref.samples_per_second for r, ref in zip(runs, reference)])  # fmt: skip
+    return _median(
+        [
+            None
+            if r.samples_per_second is None or not ref.samples_per_second
+            else r.samples_per_second / ref.samples_per_second
+            for r, ref in zip(runs, reference)
+        ]
+    )
 
 
 def _plan_key(plan: Optional[MemoryFillPlan]) -> Optional[tuple]:
     if plan is None:
         return None
-    return (plan.precision, len(plan.checkpointed_modules), plan.largest_fit, plan.micro_batch_size,
-            plan.accumulate_grad_batches)  # fmt: skip
+    return (
+        plan.precision,
+        len(plan.checkpointed_modules),
+        plan.largest_fit,
+        plan.micro_batch_size,
+        plan.accumulate_grad_batches,
+    )
 
 
 def table_rows(
@@ -369,46 +401,68 @@ def table_rows(
         peaks = [run.peak_bytes for run in verified if run.peak_bytes is not None and not run.oom]
         peak_share = "" if not peaks or oom else f"{max(peaks) / capacity:.2f}"
         if plan is not None and not cuda and peaks and not oom and max(peaks) > plan.budget_bytes:
-            notes.append(f"{name} {variant}: training at {plan.micro_batch_size} x {plan.accumulate_grad_batches} "
-                         f"peaked at {format_bytes(max(peaks))}, above the {format_bytes(plan.budget_bytes)} "
-                         f"(max_memory less the margin) that its trial of {plan.largest_fit} kept to "
-                         f"({format_bytes(plan.measured_peak_bytes)}).")  # fmt: skip
+            notes.append(
+                f"{name} {variant}: training at {plan.micro_batch_size} x {plan.accumulate_grad_batches} "
+                f"peaked at {format_bytes(max(peaks))}, above the {format_bytes(plan.budget_bytes)} "
+                f"(max_memory less the margin) that its trial of {plan.largest_fit} kept to "
+                f"({format_bytes(plan.measured_peak_bytes)})."
+            )
         speed_cell = "n/a" if speed is None else f"{speed:,.0f}"
         if plan is None and not cuda and speed is not None:
             speed_cell += " (no budget)"
         largest = "—"
         if plan is not None and plan.largest_fit is not None:
-            largest = str(plan.largest_fit) + (" (= global batch: the cap)" if plan.largest_fit >= args.batch_size else "")
+            largest = str(plan.largest_fit) + (
+                " (= global batch: the cap)" if plan.largest_fit >= args.batch_size else ""
+            )
         largest_ratio = "—"
         if plan is not None and plain_plan is not None and plan.largest_fit and plain_plan.largest_fit:
             largest_ratio = f"{plan.largest_fit / plain_plan.largest_fit:.2f}x"
         vs_plain, vs_user = _ratios(variant_runs, runs["plain"]), _ratios(variant_runs, runs["user's default"])
-        rows.append([
-            name, variant,
-            plan.precision if plan else "32-true",
-            str(len(plan.checkpointed_modules)) if plan else "0",
-            largest,
-            f"{plan.micro_batch_size} × {plan.accumulate_grad_batches}" if plan else f"{args.batch_size} × 1",
-            format_bytes(plan.measured_peak_bytes) if plan else "—",
-            format_bytes(plan.predicted_peak_bytes) if plan else "—",
-            f"{statistics.median(run.plan.seconds for run in variant_runs if run.plan):.1f}" if plan else "—",
-            speed_cell,
-            "n/a" if vs_plain is None else f"{vs_plain:.2f}x",
-            "n/a" if vs_user is None else f"{vs_user:.2f}x",
-            largest_ratio,
-            peak_share,
-            first.error[:60] if first.error else ("OOM" if oom else ("no" if verified else "not checked")),
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                variant,
+                plan.precision if plan else "32-true",
+                str(len(plan.checkpointed_modules)) if plan else "0",
+                largest,
+                f"{plan.micro_batch_size} × {plan.accumulate_grad_batches}" if plan else f"{args.batch_size} × 1",
+                format_bytes(plan.measured_peak_bytes) if plan else "—",
+                format_bytes(plan.predicted_peak_bytes) if plan else "—",
+                f"{statistics.median(run.plan.seconds for run in variant_runs if run.plan):.1f}" if plan else "—",
+                speed_cell,
+                "n/a" if vs_plain is None else f"{vs_plain:.2f}x",
+                "n/a" if vs_user is None else f"{vs_user:.2f}x",
+                largest_ratio,
+                peak_share,
+                first.error[:60] if first.error else ("OOM" if oom else ("no" if verified else "not checked")),
+            ]
+        )
     return rows, notes
 
 
-HEADERS = ["model", "variant", "precision", "ckpt blocks", "largest micro-batch", "micro × accum",
-           "trial peak (at largest)", "predicted peak (at micro)", "search s", "samples/s", "÷ plain",
-           "÷ user's default", "largest ÷ plain", "peak / capacity", "OOM"]  # fmt: skip
+HEADERS = [
+    "model",
+    "variant",
+    "precision",
+    "ckpt blocks",
+    "largest micro-batch",
+    "micro × accum",
+    "trial peak (at largest)",
+    "predicted peak (at micro)",
+    "search s",
+    "samples/s",
+    "÷ plain",
+    "÷ user's default",
+    "largest ÷ plain",
+    "peak / capacity",
+    "OOM",
+]
 
 
-def print_and_record(rows: list[list[str]], notes: list[str], args: argparse.Namespace, budgets: dict[str, Any],
-                     seconds: float) -> None:  # fmt: skip
+def print_and_record(
+    rows: list[list[str]], notes: list[str], args: argparse.Namespace, budgets: dict[str, Any], seconds: float
+) -> None:
     cuda = args.accelerator != "cpu"
     table = Table(title=f"MemoryFill: levers under a fixed budget ({args.accelerator}), global batch {args.batch_size}")
     for header in HEADERS:
@@ -418,18 +472,19 @@ def print_and_record(rows: list[list[str]], notes: list[str], args: argparse.Nam
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=240).print(table)
-    budget_text = ", ".join(f"{name} {budget if budget is not None else 'free GPU memory'}"
-                            for name, budget in budgets.items())  # fmt: skip
+    budget_text = ", ".join(
+        f"{name} {budget if budget is not None else 'free GPU memory'}" for name, budget in budgets.items()
+    )
     memory_note = (
         "peak / capacity: `torch.cuda.max_memory_allocated()` over an epoch of real training after the plan "
         "/ the GPU's total memory (goal >= 0.85); OOM: a real CUDA OOM in that epoch."
-        if cuda else
-        f"max_memory is simulated (MemoryBudget in MemoryFill's trials, margin 0.1). peak / capacity: in round 1, "
+        if cuda
+        else f"max_memory is simulated (MemoryBudget in MemoryFill's trials, margin 0.1). peak / capacity: in round 1, "
         f"the {args.verify_steps} optimizer steps after the timed ones trained inside `MemoryBudget(max_memory)`; its "
         "peak / max_memory (MemoryFill's trials keep to 0.90 of it: max_memory less the margin); OOM: that budget raised. The user's default is "
         "checked the same way, but its samples/s (and so every '÷ user's default') is timed before, without a "
         "budget: a reference, not a run that fits."
-    )  # fmt: skip
+    )
     summary = (
         f"Models (--scale {args.scale}): Transformer 6 x TransformerEncoderLayer(width {64 * args.scale}, "
         f"{32 * args.scale} tokens, no dropout); CNN 8 residual conv-bn-relu-conv-bn blocks, 16 channels, "
@@ -438,16 +493,19 @@ def print_and_record(rows: list[list[str]], notes: list[str], args: argparse.Nam
         f"global_batch_size={args.batch_size}. samples/s: median of {args.rounds} interleaved rounds over "
         f"{args.steps} optimizer steps after {args.warmup} (search excluded; 'search s' is MemoryFill's estimate + "
         f"trials); ratios: medians of per-round ratios. {memory_note} Wall time: {seconds:.0f} s."
-    )  # fmt: skip
+    )
     for note in [summary, *notes]:
         print(note)
     if not args.no_write:
-        path = append(f"memory_fill.py: MemoryFill levers under a fixed budget ({args.accelerator})",
-                      "\n".join(lines), "\n\n".join([summary, *notes]))  # fmt: skip
+        path = append(
+            f"memory_fill.py: MemoryFill levers under a fixed budget ({args.accelerator})",
+            "\n".join(lines),
+            "\n\n".join([summary, *notes]),
+        )
         print(f"appended to {path}")
 
 
-def _memory_argument(text: Optional[str]) -> Union[None, float, str]:
+def _memory_argument(text: Optional[str]) -> Union[float, str, None]:
     if text is None:
         return None
     try:
@@ -461,14 +519,19 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", help="cpu (simulated budget) or gpu")
     parser.add_argument("--models", default="transformer,cnn")
     parser.add_argument("--batch-size", type=int, help="the user's batch, also every variant's global batch")
-    parser.add_argument("--max-memory", help="bytes, '20GiB' or a fraction; default: per-model budgets on CPU, "
-                        "the free memory on a GPU")  # fmt: skip
+    parser.add_argument(
+        "--max-memory", help="bytes, '20GiB' or a fraction; default: per-model budgets on CPU, the free memory on a GPU"
+    )
     parser.add_argument("--scale", type=int, help="model size factor (width and sequence length / image side)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, help="optimizer steps before timing")
     parser.add_argument("--steps", type=int, help="timed optimizer steps")
-    parser.add_argument("--verify-steps", type=int, help="optimizer steps after the timed ones (CPU: trained "
-                        "inside MemoryBudget(max_memory) in round 1; GPU: the rest of the epoch)")  # fmt: skip
+    parser.add_argument(
+        "--verify-steps",
+        type=int,
+        help="optimizer steps after the timed ones (CPU: trained "
+        "inside MemoryBudget(max_memory) in round 1; GPU: the rest of the epoch)",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     cuda = args.accelerator != "cpu"
@@ -492,9 +555,11 @@ def main() -> None:
         budgets[name] = max_memory
         capacity = torch.cuda.get_device_properties(0).total_memory if cuda else parse_memory(max_memory, "cpu")
         parameters = sum(p.numel() for p in make_model(name, args.scale, samples=1, batch_size=1).parameters())
-        notes.append(f"{name}: {parameters:,} parameters; float32 weights + gradients + Adam's two moments = "
-                     f"{format_bytes(16 * parameters)}, {16 * parameters / capacity:.0%} of the "
-                     f"{'GPU' if cuda else 'max_memory'} before any activation.")  # fmt: skip
+        notes.append(
+            f"{name}: {parameters:,} parameters; float32 weights + gradients + Adam's two moments = "
+            f"{format_bytes(16 * parameters)}, {16 * parameters / capacity:.0%} of the "
+            f"{'GPU' if cuda else 'max_memory'} before any activation."
+        )
         model_rows, model_notes = table_rows(name, measure_model(name, args, max_memory), args, capacity)
         rows += model_rows
         notes += model_notes

@@ -26,6 +26,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -40,10 +41,11 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append  # noqa: E402
-from lightning_gpuopt import MemoryFill  # noqa: E402
-from lightning_gpuopt.core.memory import MemoryBudget  # noqa: E402
-from lightning_gpuopt.core.report import format_bytes  # noqa: E402
+from _common import append
+
+from lightning_gpuopt import MemoryFill
+from lightning_gpuopt.core.memory import MemoryBudget
+from lightning_gpuopt.core.report import format_bytes
 
 
 @dataclass
@@ -69,8 +71,13 @@ def make_samples(setting: Setting, seed: int = 0) -> list[tuple[torch.Tensor, in
     generator = torch.Generator().manual_seed(seed)
     step = setting.samples // 2 // max(1, setting.long_samples)
     long_at = {setting.samples // 2 + 3 + k * step for k in range(setting.long_samples)}
-    return [(torch.randn(setting.long if index in long_at else setting.short, setting.features, generator=generator),
-             int(torch.randint(0, 10, (), generator=generator))) for index in range(setting.samples)]  # fmt: skip
+    return [
+        (
+            torch.randn(setting.long if index in long_at else setting.short, setting.features, generator=generator),
+            int(torch.randint(0, 10, (), generator=generator)),
+        )
+        for index in range(setting.samples)
+    ]
 
 
 class Samples(Dataset):
@@ -107,8 +114,9 @@ class TokenModel(LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.data, self.batch_size = data, batch_size
-        self.tokens = nn.Sequential(nn.Linear(setting.features, setting.hidden), nn.Tanh(),
-                                    nn.Linear(setting.hidden, setting.hidden), nn.Tanh())  # fmt: skip
+        self.tokens = nn.Sequential(
+            nn.Linear(setting.features, setting.hidden), nn.Tanh(), nn.Linear(setting.hidden, setting.hidden), nn.Tanh()
+        )
         self.head = nn.Linear(setting.hidden, 10)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -190,23 +198,37 @@ def peak_of_plain_step(setting: Setting, batch: Any) -> int:
 
 def run_fill(name: str, setting: Setting, data: Dataset, cap: int, on_oom: str, steps: int, root: str) -> Run:
     model = TokenModel(setting, data, setting.batch_size)
-    fill = MemoryFill(global_batch_size=setting.batch_size, max_memory=cap, margin=0.1, checkpointing=False,
-                      on_oom=on_oom, verbose=False)  # fmt: skip
+    fill = MemoryFill(
+        global_batch_size=setting.batch_size,
+        max_memory=cap,
+        margin=0.1,
+        checkpointing=False,
+        on_oom=on_oom,
+        verbose=False,
+    )
     clock = CapAndClock(cap)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[fill, clock], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, default_root_dir=root)  # fmt: skip
-    try:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[fill, clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+    with contextlib.suppress(torch.OutOfMemoryError):
         trainer.fit(model)
-    except torch.OutOfMemoryError:
-        pass
     plan = fill.plan
     run = Run(name, finished=clock.died_at is None, died_at=clock.died_at, steps=trainer.global_step)
     if plan is not None:
         run.plan = f"micro-batch {plan.micro_batch_size} x {plan.accumulate_grad_batches}"
         run.adapted_steps = sorted({a.step for a in plan.oom_adaptations})
-        run.adaptations = [f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size}"
-                           for a in plan.oom_adaptations]  # fmt: skip
+        run.adaptations = [
+            f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size}" for a in plan.oom_adaptations
+        ]
     if run.finished:
         run.samples_per_second = clock.samples / (clock.ended - clock.started)
         run.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -217,7 +239,7 @@ def largest_micro_batch_for_the_longest(setting: Setting, items: list, cap: int)
     """The largest divisor of the batch whose plain step, on micro-batches holding a long sample, fits 90% of ``cap``."""
     long_index = next(i for i, (tokens, _) in enumerate(items) if len(tokens) == setting.long)
     for size in sorted((d for d in range(1, setting.batch_size + 1) if setting.batch_size % d == 0), reverse=True):
-        if peak_of_plain_step(setting, pad_collate(items[long_index:long_index + size])) <= 0.9 * cap:
+        if peak_of_plain_step(setting, pad_collate(items[long_index : long_index + size])) <= 0.9 * cap:
             return size
     raise RuntimeError("not even one long sample fits the cap: choose a larger cap")
 
@@ -227,15 +249,28 @@ def run_planned(setting: Setting, items: list, cap: int, steps: int, micro: int,
     model = TokenModel(setting, Samples(items), micro)
     clock = CapAndClock(cap)
     accumulate = setting.batch_size // micro
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[clock], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, default_root_dir=root, accumulate_grad_batches=accumulate)  # fmt: skip
-    try:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        accumulate_grad_batches=accumulate,
+    )
+    with contextlib.suppress(torch.OutOfMemoryError):
         trainer.fit(model)
-    except torch.OutOfMemoryError:
-        pass
-    run = Run("planned on the longest sample from the start", finished=clock.died_at is None, died_at=clock.died_at,
-              steps=trainer.global_step, plan=f"micro-batch {micro} x {accumulate}")  # fmt: skip
+    run = Run(
+        "planned on the longest sample from the start",
+        finished=clock.died_at is None,
+        died_at=clock.died_at,
+        steps=trainer.global_step,
+        plan=f"micro-batch {micro} x {accumulate}",
+    )
     if run.finished:
         run.samples_per_second = clock.samples / (clock.ended - clock.started)
         run.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -253,8 +288,13 @@ def run_truth(setting: Setting, items: list, steps: int) -> Run:
         F.cross_entropy(model(tokens), labels).backward()
         optimizer.step()
     seconds = time.perf_counter() - started
-    return Run("truth: unsplit by hand, no cap", True, steps=steps, samples_per_second=steps * setting.batch_size / seconds,
-               weights={k: v.detach().clone() for k, v in model.state_dict().items()})  # fmt: skip
+    return Run(
+        "truth: unsplit by hand, no cap",
+        True,
+        steps=steps,
+        samples_per_second=steps * setting.batch_size / seconds,
+        weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+    )
 
 
 def distance(weights: Optional[dict], truth: dict) -> tuple[Optional[float], Optional[float]]:
@@ -271,7 +311,7 @@ def measure(setting: Setting, root: str) -> tuple[list[Run], dict[str, Any]]:
     steps = setting.samples // setting.batch_size
     short = pad_collate(items[: setting.batch_size])
     long_index = next(i for i, (tokens, _) in enumerate(items) if len(tokens) == setting.long)
-    long = pad_collate(items[long_index - long_index % setting.batch_size:][: setting.batch_size])
+    long = pad_collate(items[long_index - long_index % setting.batch_size :][: setting.batch_size])
     short_peak, long_peak = peak_of_plain_step(setting, short), peak_of_plain_step(setting, long)
     # a cap (less MemoryFill's 10% margin) that holds the short batches with room to spare, not a long one
     cap = int(min(2 * short_peak, (short_peak + long_peak) / 2) / 0.9)
@@ -282,8 +322,14 @@ def measure(setting: Setting, root: str) -> tuple[list[Run], dict[str, Any]]:
         run_planned(setting, items, cap, steps, largest_micro_batch_for_the_longest(setting, items, cap), root),
         truth,
     ]
-    figures = dict(cap=cap, short_peak=short_peak, long_peak=long_peak, steps=steps, long_index=long_index,
-                   long_step=long_index // setting.batch_size)  # fmt: skip
+    figures = dict(
+        cap=cap,
+        short_peak=short_peak,
+        long_peak=long_peak,
+        steps=steps,
+        long_index=long_index,
+        long_step=long_index // setting.batch_size,
+    )
     return runs, figures
 
 
@@ -292,17 +338,25 @@ def measure(setting: Setting, root: str) -> tuple[list[Run], dict[str, Any]]:
 
 def table(runs: list[Run], truth: Run) -> str:
     longest = next((run for run in runs if "longest" in run.name), None)
-    lines = ["| run | finished | steps | plan | steps adapted | samples/s | vs planned on the longest | "
-             "max abs distance to truth | max relative distance |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | finished | steps | plan | steps adapted | samples/s | vs planned on the longest | "
+        "max abs distance to truth | max relative distance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         absolute, relative = distance(run.weights, truth.weights) if run is not truth else (None, None)
         speed = f"{run.samples_per_second:.0f}" if run.samples_per_second else "—"
-        ratio = (f"{run.samples_per_second / longest.samples_per_second:.2f}x"
-                 if run.samples_per_second and longest and longest.samples_per_second and run is not truth else "")  # fmt: skip
+        ratio = (
+            f"{run.samples_per_second / longest.samples_per_second:.2f}x"
+            if run.samples_per_second and longest and longest.samples_per_second and run is not truth
+            else ""
+        )
         finished = "yes" if run.finished else f"no: OOM at step {run.died_at}"
-        lines.append(f"| {run.name} | {finished} | {run.steps} | {run.plan or '—'} | "
-                     f"{', '.join(map(str, run.adapted_steps)) or '—'} | {speed} | {ratio} | "
-                     f"{'' if absolute is None else f'{absolute:.1e}'} | {'' if relative is None else f'{relative:.1e}'} |")  # fmt: skip
+        lines.append(
+            f"| {run.name} | {finished} | {run.steps} | {run.plan or '—'} | "
+            f"{', '.join(map(str, run.adapted_steps)) or '—'} | {speed} | {ratio} | "
+            f"{'' if absolute is None else f'{absolute:.1e}'} | {'' if relative is None else f'{relative:.1e}'} |"
+        )
     return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning import Callback, Trainer, seed_everything
@@ -30,9 +29,9 @@ from rich.table import Table
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MLP, Stopwatch, append  # noqa: E402
+from _common import MLP, Stopwatch, append
 
-from lightning_gpuopt import DataWaitMonitor  # noqa: E402
+from lightning_gpuopt import DataWaitMonitor
 
 VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "DataWaitMonitor(find_patterns=False)", "SimpleProfiler")
 
@@ -79,8 +78,9 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(0)
     samples = args.batch_size * (args.warmup + args.steps)
-    dataset = TensorDataset(torch.randn(samples, args.features, generator=generator),
-                            torch.randint(0, 10, (samples,), generator=generator))
+    dataset = TensorDataset(
+        torch.randn(samples, args.features, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
@@ -94,8 +94,11 @@ def main() -> None:
             for variant in VARIANTS:
                 times[variant].append(measured[variant])
                 ratios[variant].append(measured[variant] / measured["bare"])
-            print(f"round {round_index + 1}/{args.rounds}: "
-                  + ", ".join(f"{v} {measured[v] * 1e3:.3f} ms" for v in VARIANTS), flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds}: "
+                + ", ".join(f"{v} {measured[v] * 1e3:.3f} ms" for v in VARIANTS),
+                flush=True,
+            )
 
     table = Table(title=f"Step-time overhead, {args.rounds} interleaved rounds × {args.steps} steps")
     lines = ["| variant | median step time | ratio to bare (median of rounds) | min–max ratio |", "|---|---|---|---|"]
@@ -109,10 +112,15 @@ def main() -> None:
         lines.append(f"| {variant} | {step:.3f} ms | {ratio:.3f}x | {spread} |")
     Console().print(table)
     if not args.no_record:
-        workload = (f"MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, preloaded data, "
-                    f"{args.accelerator}, CSVLogger in every variant")
-        path = append("overhead.py: DataWaitMonitor vs SimpleProfiler vs bare", "\n".join(lines),
-                      f"Workload: {workload}. Goal: DataWaitMonitor <= 1.01x.")
+        workload = (
+            f"MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, preloaded data, "
+            f"{args.accelerator}, CSVLogger in every variant"
+        )
+        path = append(
+            "overhead.py: DataWaitMonitor vs SimpleProfiler vs bare",
+            "\n".join(lines),
+            f"Workload: {workload}. Goal: DataWaitMonitor <= 1.01x.",
+        )
         print(f"appended to {path}")
 
 

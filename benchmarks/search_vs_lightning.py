@@ -42,8 +42,8 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -57,23 +57,35 @@ from torch._subclasses.fake_tensor import FakeTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append  # noqa: E402
-from models import ResidualConvNet, TokenTransformer  # noqa: E402
-from models_memory import make_model  # noqa: E402
+from _common import append
+from models import ResidualConvNet, TokenTransformer
+from models_memory import make_model
 
-from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch  # noqa: E402
-from lightning_gpuopt.core.memory import MemoryBudget, parse_memory  # noqa: E402
-from lightning_gpuopt.core.memory import is_out_of_memory_error  # noqa: E402
-from lightning_gpuopt.core.report import format_bytes  # noqa: E402
-from lightning_gpuopt.testing import SimulatedGpu  # noqa: E402
+from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch
+from lightning_gpuopt.core.memory import (
+    MemoryBudget,
+    is_out_of_memory_error,
+    parse_memory,
+)
+from lightning_gpuopt.core.report import format_bytes
+from lightning_gpuopt.testing import SimulatedGpu
 
 #: model -> (cap, training samples): caps chosen so the largest fit is tens to a thousand or more
 WORKLOADS = {"mlp": ("16MB", 8192), "cnn": ("60MB", 2048), "transformer": ("60MB", 2048)}
 
 
 def trainer(root: str, callbacks: list, max_steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, default_root_dir=root,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def counting_steps(model: L.LightningModule) -> list[int]:
@@ -112,7 +124,7 @@ def fits(name: str, samples: int, cap: int, batch_size: int) -> bool:
     with tempfile.TemporaryDirectory() as root:
         try:
             trainer(root, [BudgetAroundTraining(cap)], max_steps=2).fit(make_model(name, samples, batch_size))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             if is_out_of_memory_error(error):
                 return False
             raise
@@ -195,17 +207,32 @@ class SimulatedWorkload:
 #: examples/models.py, scaled to a few MB of parameters (x4 with gradients and Adam's two moments), so
 #: that the 32 MiB cuBLAS workspace is not everything, and a largest fit of a few hundred samples
 SIMULATED_WORKLOADS = [
-    SimulatedWorkload("transformer", functools.partial(TokenTransformer, width=128, depth=4), "320MiB", 2048,
-                      "TokenTransformer(width=128, depth=4, seq_len=32), AdamW"),
-    SimulatedWorkload("cnn", functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8), "192MiB", 2048,
-                      "ResidualConvNet(channels=128, depth=2, image_size=8), Adam"),
-]  # fmt: skip
+    SimulatedWorkload(
+        "transformer",
+        functools.partial(TokenTransformer, width=128, depth=4),
+        "320MiB",
+        2048,
+        "TokenTransformer(width=128, depth=4, seq_len=32), AdamW",
+    ),
+    SimulatedWorkload(
+        "cnn",
+        functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8),
+        "192MiB",
+        2048,
+        "ResidualConvNet(channels=128, depth=2, image_size=8), Adam",
+    ),
+]
 
 #: the smallest setting (``--smoke``, and the test of this script): the cuBLAS workspace is most of the card
 SMOKE_WORKLOADS = [
-    SimulatedWorkload("tiny-transformer", functools.partial(TokenTransformer, width=32, depth=1, seq_len=16), "40MiB",
-                      1024, "TokenTransformer(width=32, depth=1, seq_len=16), AdamW"),
-]  # fmt: skip
+    SimulatedWorkload(
+        "tiny-transformer",
+        functools.partial(TokenTransformer, width=32, depth=1, seq_len=16),
+        "40MiB",
+        1024,
+        "TokenTransformer(width=32, depth=1, seq_len=16), AdamW",
+    ),
+]
 
 
 @dataclass
@@ -239,12 +266,18 @@ class EpochChecker:
             with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=self.workload.memory) as gpu:
                 try:
                     epoch_trainer(root).fit(model)  # the model's train_dataloader() shuffles
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:
                     if not is_out_of_memory_error(error):
                         raise
                     trains = False
-            result = EpochCheck(batch_size, trains, steps[0], time.perf_counter() - started,
-                                gpu.peak_reserved_bytes, gpu.peak_allocated_bytes)  # fmt: skip
+            result = EpochCheck(
+                batch_size,
+                trains,
+                steps[0],
+                time.perf_counter() - started,
+                gpu.peak_reserved_bytes,
+                gpu.peak_allocated_bytes,
+            )
             self.cache[batch_size] = result
             self.checks.append(result)
         return self.cache[batch_size]
@@ -278,8 +311,16 @@ class EpochChecker:
 
 
 def epoch_trainer(root: str) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=root, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def run_ours_simulated(workload: SimulatedWorkload, **search_args: Any) -> dict:
@@ -291,9 +332,15 @@ def run_ours_simulated(workload: SimulatedWorkload, **search_args: Any) -> dict:
         trainer(root, [search], max_steps=1).fit(model)
         seconds = time.perf_counter() - started
     result = search.result
-    return dict(trials=len(result.trials), steps=steps[0] - 1, seconds=seconds, batch=result.batch_size,
-                log=[(t.batch_size, t.fits, t.peak_bytes) for t in result.trials], budget=result.budget_bytes,
-                predicted=result.predicted_batch_size)  # fmt: skip
+    return dict(
+        trials=len(result.trials),
+        steps=steps[0] - 1,
+        seconds=seconds,
+        batch=result.batch_size,
+        log=[(t.batch_size, t.fits, t.peak_bytes) for t in result.trials],
+        budget=result.budget_bytes,
+        predicted=result.predicted_batch_size,
+    )
 
 
 def run_lightning_simulated(workload: SimulatedWorkload, mode: str) -> dict:
@@ -338,29 +385,62 @@ def run_simulated(workloads: list[SimulatedWorkload], echo: Callable[[str], None
             rows.append((workload, method, figures, truth))
             echo(f"{workload.name} {method}: trials {figures['log']}")
         ours, binsearch = methods["BatchSizeSearch()"], methods["Lightning binsearch"]
-        rows.append((workload, "ours() / binsearch", dict(
-            trials=ours["trials"] / binsearch["trials"], steps=ours["steps"] / binsearch["steps"],
-            seconds=ours["seconds"] / binsearch["seconds"], batch=None), truth))  # fmt: skip
-        rows.append((workload, "truth: epochs bisected", dict(
-            trials=len(checker.checks), steps=sum(c.steps for c in checker.checks),
-            seconds=sum(c.seconds for c in checker.checks),
-            batch=truth, check=truth_check), truth))  # fmt: skip
+        rows.append(
+            (
+                workload,
+                "ours() / binsearch",
+                dict(
+                    trials=ours["trials"] / binsearch["trials"],
+                    steps=ours["steps"] / binsearch["steps"],
+                    seconds=ours["seconds"] / binsearch["seconds"],
+                    batch=None,
+                ),
+                truth,
+            )
+        )
+        rows.append(
+            (
+                workload,
+                "truth: epochs bisected",
+                dict(
+                    trials=len(checker.checks),
+                    steps=sum(c.steps for c in checker.checks),
+                    seconds=sum(c.seconds for c in checker.checks),
+                    batch=truth,
+                    check=truth_check,
+                ),
+                truth,
+            )
+        )
         extra = len(checker.checks) - verifying
         parameters = sum(p.numel() for p in workload.make(num_samples=2, batch_size=2).parameters())
-        notes.append(f"{workload.name}: {workload.description}, {parameters / 1e6:.2f}M parameters "
-                     f"({format_bytes(4 * parameters)} in float32), card memory {workload.memory}; truth {truth} from "
-                     f"{len(checker.checks)} epochs ({verifying} checking the found sizes, {extra} more bisecting): "
-                     + ", ".join(f"{c.batch_size} {'trains' if c.trains else 'OOM'}" for c in checker.checks)
-                     + f". Ours (default) trials (size, fits, peak allocated): "
-                     + ", ".join(f"({b}, {'yes' if f else 'no'}, {format_bytes(p) if p else '-'})"
-                                 for b, f, p in ours["log"])
-                     + f", budget {format_bytes(ours['budget'])}, predicted {ours['predicted']}.")  # fmt: skip
+        notes.append(
+            f"{workload.name}: {workload.description}, {parameters / 1e6:.2f}M parameters "
+            f"({format_bytes(4 * parameters)} in float32), card memory {workload.memory}; truth {truth} from "
+            f"{len(checker.checks)} epochs ({verifying} checking the found sizes, {extra} more bisecting): "
+            + ", ".join(f"{c.batch_size} {'trains' if c.trains else 'OOM'}" for c in checker.checks)
+            + ". Ours (default) trials (size, fits, peak allocated): "
+            + ", ".join(f"({b}, {'yes' if f else 'no'}, {format_bytes(p) if p else '-'})" for b, f, p in ours["log"])
+            + f", budget {format_bytes(ours['budget'])}, predicted {ours['predicted']}."
+        )
     return rows, notes
 
 
 def print_and_record_simulated(rows: list, notes: list[str], no_write: bool, wall_seconds: float) -> None:
-    headers = ["model", "card", "method", "trials", "training steps", "seconds", "batch found", "true largest fit",
-               "found / true", "trains a shuffled epoch", "epoch peak reserved", "epoch peak allocated"]  # fmt: skip
+    headers = [
+        "model",
+        "card",
+        "method",
+        "trials",
+        "training steps",
+        "seconds",
+        "batch found",
+        "true largest fit",
+        "found / true",
+        "trains a shuffled epoch",
+        "epoch peak reserved",
+        "epoch peak allocated",
+    ]
     table = Table(title=f"BatchSizeSearch vs Lightning BatchSizeFinder on a simulated {CARD} (CPU)")
     for header in headers:
         table.add_column(header)
@@ -369,43 +449,58 @@ def print_and_record_simulated(rows: list, notes: list[str], no_write: bool, wal
         ratio = "/" in method
         batch, check = figures["batch"], figures.get("check")
         share = "" if batch is None else f"{batch / truth:.0%}" if truth else "n/a"
-        cells = [workload.name, f"{CARD} {workload.memory}", method, _cell(figures["trials"], ratio),
-                 _cell(figures["steps"], ratio),
-                 f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
-                 "" if batch is None else str(batch), "" if ratio else str(truth), share,
-                 "" if check is None else ("yes" if check.trains else "NO: OOM"),
-                 "" if check is None else format_bytes(check.peak_reserved),
-                 "" if check is None else format_bytes(check.peak_allocated)]  # fmt: skip
+        cells = [
+            workload.name,
+            f"{CARD} {workload.memory}",
+            method,
+            _cell(figures["trials"], ratio),
+            _cell(figures["steps"], ratio),
+            f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
+            "" if batch is None else str(batch),
+            "" if ratio else str(truth),
+            share,
+            "" if check is None else ("yes" if check.trains else "NO: OOM"),
+            "" if check is None else format_bytes(check.peak_reserved),
+            "" if check is None else format_bytes(check.peak_allocated),
+        ]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=200).print(table)
     for note in notes:
         print(note)
     if not no_write:
-        text = (f"Every method in an identical fresh `SimulatedGpu(\"{CARD}\", memory=M)` on a CPU Trainer (memory "
-                "counted at the simulated caching allocator, cuBLAS workspace 32 MiB, CUDA's OOM). Ours with its "
-                "defaults (`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 0.1) and with "
-                "`margin=0`; Lightning's `BatchSizeFinder` with its defaults (power; init_val=2, steps_per_trial=3) "
-                "and binsearch (margin 5%). 'trains a shuffled epoch': a fresh model and Trainer on a fresh card of "
-                "the same memory train one whole shuffled epoch at the found size (`max_epochs=1`, 3.5x the size in "
-                "samples: three full batches and a short last one) without OOM; the epoch's peak reserved and "
-                "allocated bytes on that card ('truth' row: at the true largest fit). True largest fit: the largest "
-                "size that trains such an epoch, by bisection over the same cached check, seeded with the found "
-                "sizes' checks ('truth' row: the epochs it ran, found sizes' checks included). Training steps: "
-                "`training_step` calls on real tensors, failed trials included. Wall time of this table: "
-                f"{wall_seconds:.0f} s.\n\n" + "\n\n".join(notes))  # fmt: skip
-        path = append(f"search_vs_lightning.py: BatchSizeSearch vs BatchSizeFinder on a simulated {CARD}",
-                      "\n".join(lines), text)  # fmt: skip
+        text = (
+            f'Every method in an identical fresh `SimulatedGpu("{CARD}", memory=M)` on a CPU Trainer (memory '
+            "counted at the simulated caching allocator, cuBLAS workspace 32 MiB, CUDA's OOM). Ours with its "
+            "defaults (`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 0.1) and with "
+            "`margin=0`; Lightning's `BatchSizeFinder` with its defaults (power; init_val=2, steps_per_trial=3) "
+            "and binsearch (margin 5%). 'trains a shuffled epoch': a fresh model and Trainer on a fresh card of "
+            "the same memory train one whole shuffled epoch at the found size (`max_epochs=1`, 3.5x the size in "
+            "samples: three full batches and a short last one) without OOM; the epoch's peak reserved and "
+            "allocated bytes on that card ('truth' row: at the true largest fit). True largest fit: the largest "
+            "size that trains such an epoch, by bisection over the same cached check, seeded with the found "
+            "sizes' checks ('truth' row: the epochs it ran, found sizes' checks included). Training steps: "
+            "`training_step` calls on real tensors, failed trials included. Wall time of this table: "
+            f"{wall_seconds:.0f} s.\n\n" + "\n\n".join(notes)
+        )
+        path = append(
+            f"search_vs_lightning.py: BatchSizeSearch vs BatchSizeFinder on a simulated {CARD}", "\n".join(lines), text
+        )
         print(f"appended to {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="do not append to benchmarks/RESULTS.md")
-    parser.add_argument("--device", choices=("cpu", "simulated-h100", "all"), default="all",
-                        help="cpu: MemoryBudget caps; simulated-h100: a simulated H100 card; all: both tables")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the simulated table on one tiny model only (seconds; never written)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "simulated-h100", "all"),
+        default="all",
+        help="cpu: MemoryBudget caps; simulated-h100: a simulated H100 card; all: both tables",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="the simulated table on one tiny model only (seconds; never written)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -430,12 +525,27 @@ def run_cpu(no_write: bool) -> None:
         ours = run_ours(name, samples, cap)
         power = run_lightning(name, samples, cap, "power")
         binsearch = run_lightning(name, samples, cap, "binsearch")
-        truth, measured = true_largest_fit(name, samples, cap, ours["batch"])
-        for method, figures in (("BatchSizeSearch", ours), ("Lightning power", power), ("Lightning binsearch", binsearch)):
+        truth, _measured = true_largest_fit(name, samples, cap, ours["batch"])
+        for method, figures in (
+            ("BatchSizeSearch", ours),
+            ("Lightning power", power),
+            ("Lightning binsearch", binsearch),
+        ):
             rows.append((name, cap_text, method, figures, truth))
-        rows.append((name, cap_text, "ours / binsearch", dict(
-            trials=ours["trials"] / binsearch["trials"], steps=ours["steps"] / binsearch["steps"],
-            seconds=ours["seconds"] / binsearch["seconds"], batch=None), truth))  # fmt: skip
+        rows.append(
+            (
+                name,
+                cap_text,
+                "ours / binsearch",
+                dict(
+                    trials=ours["trials"] / binsearch["trials"],
+                    steps=ours["steps"] / binsearch["steps"],
+                    seconds=ours["seconds"] / binsearch["seconds"],
+                    batch=None,
+                ),
+                truth,
+            )
+        )
     print_and_record(rows, no_write)
 
 
@@ -446,8 +556,17 @@ def _cell(value: Optional[float], ratio: bool) -> str:
 
 
 def print_and_record(rows: list, no_write: bool) -> None:
-    headers = ["model", "cap", "method", "trials", "training steps", "seconds", "batch found", "true largest fit",
-               "found / true"]  # fmt: skip
+    headers = [
+        "model",
+        "cap",
+        "method",
+        "trials",
+        "training steps",
+        "seconds",
+        "batch found",
+        "true largest fit",
+        "found / true",
+    ]
     table = Table(title="BatchSizeSearch vs Lightning BatchSizeFinder (same simulated budget, CPU)")
     for header in headers:
         table.add_column(header)
@@ -455,18 +574,30 @@ def print_and_record(rows: list, no_write: bool) -> None:
     for name, cap, method, figures, truth in rows:
         ratio = method.startswith("ours /")
         batch = figures["batch"]
-        share = "" if batch is None else f"{batch / truth:.0%}" + (" (OVER: untested or fails)" if batch > truth else "")
-        cells = [name, cap, method, _cell(figures["trials"], ratio), _cell(figures["steps"], ratio),
-                 f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
-                 "" if batch is None else str(batch), "" if ratio else str(truth), share]  # fmt: skip
+        share = (
+            "" if batch is None else f"{batch / truth:.0%}" + (" (OVER: untested or fails)" if batch > truth else "")
+        )
+        cells = [
+            name,
+            cap,
+            method,
+            _cell(figures["trials"], ratio),
+            _cell(figures["steps"], ratio),
+            f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
+            "" if batch is None else str(batch),
+            "" if ratio else str(truth),
+            share,
+        ]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=160).print(table)
     if not no_write:
-        notes = ("Budget: the same `MemoryBudget(cap)` around every trial of every method (ours with `margin=0`); "
-                 "Lightning with its defaults (init_val=2, steps_per_trial=3, binsearch margin 5%). True largest fit: "
-                 "bisection over an independent 2-step measurement in a fresh Trainer. Goal: ours <= 1/4 of "
-                 "Lightning's training steps and within 90-100% of the true largest fit.")  # fmt: skip
+        notes = (
+            "Budget: the same `MemoryBudget(cap)` around every trial of every method (ours with `margin=0`); "
+            "Lightning with its defaults (init_val=2, steps_per_trial=3, binsearch margin 5%). True largest fit: "
+            "bisection over an independent 2-step measurement in a fresh Trainer. Goal: ours <= 1/4 of "
+            "Lightning's training steps and within 90-100% of the true largest fit."
+        )
         path = append("search_vs_lightning.py: BatchSizeSearch vs BatchSizeFinder", "\n".join(lines), notes)
         print(f"appended to {path}")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import TokenTransformer  # noqa: E402
+from models import TokenTransformer
 
-from lightning_gpuopt import GpuOptCLI  # noqa: E402
+from lightning_gpuopt import GpuOptCLI
 
 
 def main() -> None:

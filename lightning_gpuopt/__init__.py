@@ -53,11 +53,11 @@ __all__ = [
     "MemoryFill",
     "MemoryFillPlan",
     "NoBatchSizeFitsError",
+    "__version__",
     "available_presets",
     "load_preset",
     "parse_memory",
     "save_plots",
-    "__version__",
 ]
 
 

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from helpers import MLP, BatchRecorder, SlowDataset
 from lightning import Trainer
 from torch.utils.data import DataLoader
 
-from helpers import MLP, BatchRecorder, SlowDataset
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor
 
 
@@ -39,15 +39,30 @@ def rank_delay() -> float:
 
 def tune(out: Path) -> None:
     tuner, recorder = DataLoaderTuner(max_seconds=3), BatchRecorder()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[tuner, recorder],
-                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=5,
+        callbacks=[tuner, recorder],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     # 2 ms a sample: workers clearly help each rank even on a busy machine
     trainer.fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.002), batch_size=8))
-    (out / f"tune{trainer.global_rank}.json").write_text(json.dumps({
-        "chosen": list(vars(tuner.result.setting).values()), "used": list(recorder.loader_settings),
-        "usable_cpus": tuner.result.usable_cpus, "sampler": type(trainer.train_dataloader.sampler).__name__,
-    }))
+    (out / f"tune{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "chosen": list(vars(tuner.result.setting).values()),
+                "used": list(recorder.loader_settings),
+                "usable_cpus": tuner.result.usable_cpus,
+                "sampler": type(trainer.train_dataloader.sampler).__name__,
+            }
+        )
+    )
 
 
 def memory(out: Path) -> None:
@@ -56,9 +71,19 @@ def memory(out: Path) -> None:
     from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
 
     model = make_model("mlp")
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, callbacks=[MemoryEstimator(measure_steps=2)],
-                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, log_every_n_steps=1)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        callbacks=[MemoryEstimator(measure_steps=2)],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(model, model.loader(8))
 
 
@@ -74,13 +99,28 @@ def search(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # known before the processes join: budgets differ by rank
     searcher = BatchSizeSearch(max_memory=SEARCH_BUDGETS[rank])
     model = make_model("mlp", num_samples=4096, batch_size=16)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[searcher],
-                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=2,
+        callbacks=[searcher],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
-    (out / f"search{trainer.global_rank}.json").write_text(json.dumps({
-        "result": to_dict(searcher.result), "used": trainer.train_dataloader.batch_size, "global_step": trainer.global_step,
-    }))
+    (out / f"search{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "result": to_dict(searcher.result),
+                "used": trainer.train_dataloader.batch_size,
+                "global_step": trainer.global_step,
+            }
+        )
+    )
 
 
 NOTHING_FITS_BUDGETS = ("60KB", "30KB")  # by rank: the MLP's step at batch size 1 fits neither
@@ -93,9 +133,18 @@ def nothing_fits(out: Path) -> None:
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     searcher = BatchSizeSearch(max_memory=NOTHING_FITS_BUDGETS[rank], max_trials=3)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[searcher],
-                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=2,
+        callbacks=[searcher],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(make_model("mlp", num_samples=256, batch_size=16))
     except NoBatchSizeFitsError as error:
@@ -114,19 +163,37 @@ def fill(out: Path) -> None:
 
     class Used(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.seen = (len(batch[0]), trainer.accumulate_grad_batches,
-                         "forward" in vars(pl_module.network.encoder.layers[0]))
+            self.seen = (
+                len(batch[0]),
+                trainer.accumulate_grad_batches,
+                "forward" in vars(pl_module.network.encoder.layers[0]),
+            )
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     memory_fill, used = MemoryFill(global_batch_size=64, max_memory=FILL_BUDGETS[rank]), Used()
     model = make_model("transformer", num_samples=512, batch_size=16)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[memory_fill, used],
-                      default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=2,
+        callbacks=[memory_fill, used],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
-    (out / f"fill{trainer.global_rank}.json").write_text(json.dumps({
-        "plan": to_dict(memory_fill.plan), "used": used.seen, "global_step": trainer.global_step,
-    }))
+    (out / f"fill{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "plan": to_dict(memory_fill.plan),
+                "used": used.seen,
+                "global_step": trainer.global_step,
+            }
+        )
+    )
 
 
 SIMULATED_CARDS = ("256MiB", "40MiB")  # by rank: a simulated T4 of this size in each process
@@ -143,14 +210,29 @@ def simulated(out: Path) -> None:
     model = make_model("cnn", num_samples=1024, batch_size=8)
     with SimulatedGpu("T4", memory=SIMULATED_CARDS[rank]) as gpu:
         memory_fill = MemoryFill(global_batch_size=256, checkpointing=False)  # max_memory: each rank's card
-        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[memory_fill],
-                          default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=2,
+            callbacks=[memory_fill],
+            default_root_dir=out,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(model)
-    (out / f"simulated{trainer.global_rank}.json").write_text(json.dumps({
-        "plan": to_dict(memory_fill.plan), "global_step": trainer.global_step,
-        "peak_reserved": gpu.peak_reserved_bytes, "card": gpu.profile.total_bytes,
-    }))
+    (out / f"simulated{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "plan": to_dict(memory_fill.plan),
+                "global_step": trainer.global_step,
+                "peak_reserved": gpu.peak_reserved_bytes,
+                "card": gpu.profile.total_bytes,
+            }
+        )
+    )
 
 
 def oom_rank_indices(size: int = 64) -> list[list[int]]:
@@ -177,14 +259,29 @@ def oom(out: Path) -> None:
     cap = int(5 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
     model = TokenModel(dataset, batch_size=8)
     memory_fill = MemoryFill(global_batch_size=16, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, callbacks=[memory_fill,
-                      CapDuringTraining(cap)], default_root_dir=out, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        callbacks=[memory_fill, CapDuringTraining(cap)],
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"oom{trainer.global_rank}.pt")
-    (out / f"oom{trainer.global_rank}.json").write_text(json.dumps({
-        "adaptations": [to_dict(a) for a in memory_fill.plan.oom_adaptations], "global_step": trainer.global_step,
-    }))
+    (out / f"oom{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "adaptations": [to_dict(a) for a in memory_fill.plan.oom_adaptations],
+                "global_step": trainer.global_step,
+            }
+        )
+    )
 
 
 def main(out: Path) -> None:
@@ -208,12 +305,25 @@ def main(out: Path) -> None:
     # machine oversleeps), per measured step
     loading_per_step_s = dataset.loading_time(2 * 8) / (len(dataset.durations) // 8 - 2)
     (out / f"rank{trainer.global_rank}.json").write_text(
-        json.dumps({"verdict": report.verdict, "straggler_rank": report.straggler_rank,
-                    "world_size": report.world_size, "recommendations": report.recommendations,
-                    "loading_per_step_s": loading_per_step_s})
+        json.dumps(
+            {
+                "verdict": report.verdict,
+                "straggler_rank": report.straggler_rank,
+                "world_size": report.world_size,
+                "recommendations": report.recommendations,
+                "loading_per_step_s": loading_per_step_s,
+            }
+        )
     )
 
 
 if __name__ == "__main__":
-    {"tune": tune, "memory": memory, "search": search, "fill": fill, "simulated": simulated,
-     "nothing-fits": nothing_fits, "oom": oom}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    {
+        "tune": tune,
+        "memory": memory,
+        "search": search,
+        "fill": fill,
+        "simulated": simulated,
+        "nothing-fits": nothing_fits,
+        "oom": oom,
+    }.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))

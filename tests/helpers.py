@@ -19,8 +19,9 @@ class SlowDataset(Dataset):
     loaded machine oversleeps): the ground truth the tests compare against.
     """
 
-    def __init__(self, size: int, features: int = 32, delay_s: float = 0.0,
-                 delay_for: Optional[Callable[[], float]] = None) -> None:
+    def __init__(
+        self, size: int, features: int = 32, delay_s: float = 0.0, delay_for: Optional[Callable[[], float]] = None
+    ) -> None:
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(size, features, generator=generator)
         self.y = torch.randint(0, 10, (size,), generator=generator)
@@ -47,14 +48,19 @@ class SlowDataset(Dataset):
 
 def preloaded_dataset(size: int, features: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(size, features, generator=generator), torch.randint(0, 10, (size,), generator=generator))
+    return TensorDataset(
+        torch.randn(size, features, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+    )
 
 
 def preloaded_batches(batches: int, batch_size: int, features: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Whole batches already in memory: use with ``DataLoader(..., batch_size=None)``."""
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(batch_size, features, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator))
+        (
+            torch.randn(batch_size, features, generator=generator),
+            torch.randint(0, 10, (batch_size,), generator=generator),
+        )
         for _ in range(batches)
     ]
 
@@ -160,7 +166,12 @@ class BatchRecorder(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         loader = trainer.train_dataloader
-        self.loader_settings = (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+        self.loader_settings = (
+            loader.num_workers,
+            loader.prefetch_factor,
+            loader.persistent_workers,
+            loader.pin_memory,
+        )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.first_values.extend(batch[0][:, 0].tolist())

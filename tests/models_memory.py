@@ -182,14 +182,22 @@ def make_model(name: str, num_samples: int = NUM_SAMPLES, batch_size: int = 32) 
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "mlp":
-        network = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, NUM_CLASSES))
+        network = nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, NUM_CLASSES)
+        )
         inputs = torch.randn(num_samples, 256, generator=generator)
     elif name == "cnn":
         network = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, NUM_CLASSES),
-        )  # fmt: skip
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, NUM_CLASSES),
+        )
         inputs = torch.randn(num_samples, 3, 32, 32, generator=generator)
     elif name == "transformer":
         network = TokenClassifier()

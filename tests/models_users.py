@@ -60,9 +60,11 @@ class ResNetModule(L.LightningModule):
         self.batch_size = batch_size
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
         self.layers = nn.Sequential(
-            BasicBlock(width, width), BasicBlock(width, 2 * width, 2),
-            BasicBlock(2 * width, 4 * width, 2), BasicBlock(4 * width, 4 * width),
-        )  # fmt: skip
+            BasicBlock(width, width),
+            BasicBlock(width, 2 * width, 2),
+            BasicBlock(2 * width, 4 * width, 2),
+            BasicBlock(4 * width, 4 * width),
+        )
         self.head = nn.Linear(4 * width, NUM_CLASSES)
         self.example_input_array = torch.zeros(2, 3, size, size)
         # made here, not in train_dataloader(): a budget entered at train start counts batches, not the data set
@@ -97,10 +99,12 @@ class GanModule(L.LightningModule):
         self.automatic_optimization = False
         self.batch_size = batch_size
         self.latent, self.features = latent, features
-        self.generator = nn.Sequential(nn.Linear(latent, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                       nn.Linear(hidden, features))  # fmt: skip
-        self.discriminator = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                                           nn.ReLU(), nn.Linear(hidden, 1))  # fmt: skip
+        self.generator = nn.Sequential(
+            nn.Linear(latent, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, features)
+        )
+        self.discriminator = nn.Sequential(
+            nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.generator(z)
@@ -122,8 +126,10 @@ class GanModule(L.LightningModule):
         d_opt.step()
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.Adam(self.generator.parameters(), lr=2e-4),
-                torch.optim.Adam(self.discriminator.parameters(), lr=2e-4)]  # fmt: skip
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=2e-4),
+            torch.optim.Adam(self.discriminator.parameters(), lr=2e-4),
+        ]
 
     def train_dataloader(self) -> DataLoader:
         data = torch.randn(256, self.features, generator=_generator())

@@ -19,14 +19,16 @@ from lightning_gpuopt.core.memory import MemoryBudget
 class VariableLengthDataset(Dataset):
     """``size`` sequences of ``features``-dim tokens: ``short`` tokens long, ``long`` for the indices in ``long_at``."""
 
-    def __init__(self, size: int, long_at: Sequence[int] = (), short: int = 8, long: int = 96,
-                 features: int = 16, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, size: int, long_at: Sequence[int] = (), short: int = 8, long: int = 96, features: int = 16, seed: int = 0
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.items = []
         for index in range(size):
             length = long if index in set(long_at) else short
-            self.items.append((torch.randn(length, features, generator=generator),
-                               int(torch.randint(0, 10, (), generator=generator))))  # fmt: skip
+            self.items.append(
+                (torch.randn(length, features, generator=generator), int(torch.randint(0, 10, (), generator=generator)))
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -44,8 +46,15 @@ def pad_collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, 
 class TokenModel(LightningModule):
     """A per-token MLP, mean over tokens, a classifier; memory grows with batch x length."""
 
-    def __init__(self, dataset: Optional[Dataset] = None, batch_size: int = 16, features: int = 16,
-                 hidden: int = 64, lr: float = 0.05, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset: Optional[Dataset] = None,
+        batch_size: int = 16,
+        features: int = 16,
+        hidden: int = 64,
+        lr: float = 0.05,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.dataset = dataset

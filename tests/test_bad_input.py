@@ -177,7 +177,7 @@ def test_preset_file_with_a_bad_value_names_the_key_the_value_and_the_file(tmp_p
     assert str(path) in str(error.value)
 
 
-@pytest.mark.parametrize("text", ["fill_memory: \"false\"", "tune_loader: no_thanks", "monitor: 'off'"])
+@pytest.mark.parametrize("text", ['fill_memory: "false"', "tune_loader: no_thanks", "monitor: 'off'"])
 def test_string_booleans_in_a_preset_file_do_not_turn_a_part_on(tmp_path, text):
     path = tmp_path / "mine.yaml"
     path.write_text(f"preset: diagnose\n{text}\n")
@@ -208,9 +208,8 @@ def test_a_fraction_too_small_for_the_device_is_refused_naming_the_fraction():
     from lightning_gpuopt.core.memory import parse_memory
     from lightning_gpuopt.testing import SimulatedGpu
 
-    with SimulatedGpu("T4", memory="64MiB"):
-        with pytest.raises(ValueError) as error:
-            parse_memory(1e-9, "cuda", name="max_memory", minimum=1024)
+    with SimulatedGpu("T4", memory="64MiB"), pytest.raises(ValueError) as error:
+        parse_memory(1e-9, "cuda", name="max_memory", minimum=1024)
     assert "`max_memory`=1e-09" in str(error.value) and "1024" in str(error.value)
 
 
@@ -236,8 +235,14 @@ def test_presets_extending_each_other_name_the_whole_chain(tmp_path):
     assert message.index("a.yaml") < message.index("b.yaml") < message.index("c.yaml") < message.rindex("a.yaml")
 
 
-@pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("monitor: true\n  estimate: false\n", 2),
-                                        ("monitor: true\nmonitor: : x\n", 2)])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("amp: [auto\nmonitor: true\n", 2),
+        ("monitor: true\n  estimate: false\n", 2),
+        ("monitor: true\nmonitor: : x\n", 2),
+    ],
+)
 def test_malformed_preset_yaml_names_the_file_and_line(tmp_path, text, line):
     path = tmp_path / "broken.yaml"
     path.write_text(text)

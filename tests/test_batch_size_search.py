@@ -15,6 +15,7 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models_memory import make_model
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -22,15 +23,22 @@ from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
 from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
 from lightning_gpuopt.core.report import format_bytes
-from models_memory import make_model
 
 BUDGET = "20MB"
 SAMPLES = 4096
 
 
 def trainer_for(tmp_path, callbacks, max_steps: int = 1, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -58,13 +66,15 @@ class BudgetAroundTraining(Callback):
         self._leave()
 
 
-def fits_independently(tmp_path, name: str, batch_size: int, cap_bytes: int, steps: int = 2, samples: int = SAMPLES) -> bool:
+def fits_independently(
+    tmp_path, name: str, batch_size: int, cap_bytes: int, steps: int = 2, samples: int = SAMPLES
+) -> bool:
     """Do ``steps`` real training steps of a fresh model at ``batch_size`` fit in ``cap_bytes``?"""
     model = make_model(name, num_samples=samples, batch_size=batch_size)
     trainer = trainer_for(tmp_path / f"check{batch_size}", [BudgetAroundTraining(cap_bytes)], max_steps=steps)
     try:
         trainer.fit(model)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         if is_out_of_memory_error(error):
             return False
         raise
@@ -139,11 +149,15 @@ def test_nothing_fits_message_gives_the_failed_trials_own_figures(tmp_path):
     message = str(info.value)
     assert "even min_batch_size=1 does not fit" in message
     # why it failed, in the trial's own figures: out of memory under the cap, its recorded peak
-    assert (f"ran out of memory inside a training step, its peak until then {format_bytes(trial.peak_bytes)} "
-            f"({trial.peak_bytes} bytes) under the cap of {format_bytes(result.budget_bytes)} "
-            f"({result.budget_bytes} bytes)") in message  # fmt: skip
-    allocated, live, cap = map(int, re.search(
-        r"tried to allocate (\d+) bytes with (\d+) bytes live and a cap of (\d+) bytes", message).groups())
+    assert (
+        f"ran out of memory inside a training step, its peak until then {format_bytes(trial.peak_bytes)} "
+        f"({trial.peak_bytes} bytes) under the cap of {format_bytes(result.budget_bytes)} "
+        f"({result.budget_bytes} bytes)"
+    ) in message
+    allocated, live, cap = map(
+        int,
+        re.search(r"tried to allocate (\d+) bytes with (\d+) bytes live and a cap of (\d+) bytes", message).groups(),
+    )
     assert cap == result.budget_bytes and live <= trial.peak_bytes < cap < live + allocated
     needs = int(re.search(r"needs [^(]*\((\d+) bytes\)", message).group(1))  # measured again without the cap
     assert needs > cap
@@ -192,8 +206,11 @@ class StateAfter(Callback):
         assert all(torch.equal(p.grad, before.grads[n]) for n, p in pl_module.named_parameters())
         _assert_equal_trees(trainer.optimizers[0].state_dict(), before.optimizer)
         _assert_equal_trees(trainer.lr_scheduler_configs[0].scheduler.state_dict(), before.scheduler)
-        assert (trainer.global_step, trainer.current_epoch,
-                trainer.fit_loop.epoch_loop._batches_that_stepped) == before.counters  # fmt: skip
+        assert (
+            trainer.global_step,
+            trainer.current_epoch,
+            trainer.fit_loop.epoch_loop._batches_that_stepped,
+        ) == before.counters
         assert torch.equal(torch.get_rng_state(), before.rng)
         assert [m.training for m in pl_module.modules()] == before.training
         assert not trainer.callback_metrics  # no trial step logged anything
@@ -258,8 +275,9 @@ def test_state_is_restored_bit_for_bit_and_loggers_see_no_trial(tmp_path):
     after = StateAfter(before)
     searcher = BatchSizeSearch(max_memory=BUDGET)
     logger = RecordingLogger()
-    trainer = trainer_for(tmp_path, [before, searcher, after], max_steps=2, logger=logger, log_every_n_steps=1,
-                          enable_checkpointing=True)  # fmt: skip
+    trainer = trainer_for(
+        tmp_path, [before, searcher, after], max_steps=2, logger=logger, log_every_n_steps=1, enable_checkpointing=True
+    )
     trainer.fit(model)
     assert after.checked and len(searcher.result.trials) >= 2
     assert trainer.global_step == 2  # training ran its own 2 steps after the search
@@ -373,17 +391,18 @@ class SequenceClassifier(LightningModule):
             # the worst case, built independently of the callback: the longest sequences in the
             # second step, when Adam's state exists
             by_length = sorted(range(len(self.data)), key=lambda i: len(self.data.items[i][0]))
-            order = by_length[: self.batch_size] + by_length[-self.batch_size:]
+            order = by_length[: self.batch_size] + by_length[-self.batch_size :]
             return DataLoader(self.data, batch_size=self.batch_size, sampler=order, collate_fn=pad_batch)
         return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, collate_fn=pad_batch)
 
 
 def fits_sequences(tmp_path, cap_bytes: int, **kwargs: Any) -> bool:
-    trainer = trainer_for(tmp_path, [BudgetAroundTraining(cap_bytes)], max_steps=kwargs.pop("max_steps", -1),
-                          max_epochs=1)
+    trainer = trainer_for(
+        tmp_path, [BudgetAroundTraining(cap_bytes)], max_steps=kwargs.pop("max_steps", -1), max_epochs=1
+    )
     try:
         trainer.fit(SequenceClassifier(**kwargs))
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         if is_out_of_memory_error(error):
             return False
         raise

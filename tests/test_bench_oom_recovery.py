@@ -27,7 +27,7 @@ def test_smoke_setting_dies_without_recovery_and_finishes_equal_to_the_truth_wit
     assert adapted.finished and adapted.adapted_steps == [figures["long_step"]]
     assert longest.finished and not longest.adapted_steps
     for run in (adapted, longest):
-        absolute, relative = bench.distance(run.weights, truth.weights)
+        _absolute, relative = bench.distance(run.weights, truth.weights)
         assert relative < 1e-5, run.name
     print(bench.table(runs, truth))
     assert "no: OOM at step" in capsys.readouterr().out

@@ -24,8 +24,19 @@ from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_MODELS = REPO / "examples" / "models.py"
 TOLERANCE = 0.10
-CHECK_NAMES = ["torch_build", "cuda_driver", "gpu_arch", "gpus", "gpu_processes", "matmul", "cpu_cores",
-               "torch_threads", "blas", "pinned_memory", "shm"]  # fmt: skip
+CHECK_NAMES = [
+    "torch_build",
+    "cuda_driver",
+    "gpu_arch",
+    "gpus",
+    "gpu_processes",
+    "matmul",
+    "cpu_cores",
+    "torch_threads",
+    "blas",
+    "pinned_memory",
+    "shm",
+]
 
 
 def run_gpuopt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -34,8 +45,12 @@ def run_gpuopt(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "lightning_gpuopt.cli", *args],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
@@ -52,28 +67,34 @@ def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 def test_help_and_presets_do_not_import_torch_or_lightning(args):
     # what makes `gpuopt --help` take seconds is importing torch and Lightning; what the command imports
     # is a fact that does not depend on the machine's load, unlike a time limit
-    code = ("import sys\n"
-            "from lightning_gpuopt.cli import main\n"
-            f"sys.argv = ['gpuopt', *{args!r}]\n"
-            "status = main()\n"
-            "print('IMPORTED', status, 'torch' in sys.modules, 'lightning' in sys.modules, "
-            "'pytorch_lightning' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys\n"
+        "from lightning_gpuopt.cli import main\n"
+        f"sys.argv = ['gpuopt', *{args!r}]\n"
+        "status = main()\n"
+        "print('IMPORTED', status, 'torch' in sys.modules, 'lightning' in sys.modules, "
+        "'pytorch_lightning' in sys.modules)"
+    )
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False", result.stdout[-2000:]
 
 
 def test_the_package_and_its_cli_import_without_torch_and_keep_their_names():
-    code = ("import sys, lightning_gpuopt, lightning_gpuopt.cli\n"
-            "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
-            "from lightning_gpuopt import GpuOpt, GpuOptCLI, DataWaitMonitor, cli\n"
-            "from lightning_gpuopt.cli import preset_flag_as_key, main, import_class\n"
-            "print('torch' in sys.modules, GpuOptCLI is lightning_gpuopt.cli.GpuOptCLI, cli is lightning_gpuopt.cli)")
+    code = (
+        "import sys, lightning_gpuopt, lightning_gpuopt.cli\n"
+        "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
+        "from lightning_gpuopt import GpuOpt, GpuOptCLI, DataWaitMonitor, cli\n"
+        "from lightning_gpuopt.cli import preset_flag_as_key, main, import_class\n"
+        "print('torch' in sys.modules, GpuOptCLI is lightning_gpuopt.cli.GpuOptCLI, cli is lightning_gpuopt.cli)"
+    )
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False", "True", "True", "True"]
 
@@ -179,9 +200,16 @@ def example_model(name: str, **kwargs):
 
 def test_estimate_of_an_example_model_matches_real_steps():
     result = run_gpuopt(
-        "estimate", "examples/models.py:TokenTransformer", "--batch-size", "8", "--max-memory", "200MB",
-        "--device", "cpu", "--json",
-    )  # fmt: skip
+        "estimate",
+        "examples/models.py:TokenTransformer",
+        "--batch-size",
+        "8",
+        "--max-memory",
+        "200MB",
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     estimate = json.loads(result.stdout)
     assert estimate["method"] == "traced" and estimate["batch_size"] == 8
@@ -196,8 +224,9 @@ def test_estimate_of_an_example_model_matches_real_steps():
 
     measured = real_step_peak(model, next(iter(model.train_dataloader())))
     error = (estimate["predicted_peak_bytes"] - measured) / measured
-    print(f"\nTokenTransformer B=8: predicted {estimate['predicted_peak_bytes']} measured {measured} "
-          f"error {error:+.4f}")
+    print(
+        f"\nTokenTransformer B=8: predicted {estimate['predicted_peak_bytes']} measured {measured} error {error:+.4f}"
+    )
     assert abs(error) <= TOLERANCE
 
     # the largest batch for 200 MB: a real step at that size fits and fills the memory
@@ -214,16 +243,40 @@ def test_estimate_of_an_example_model_matches_real_steps():
 
 
 def test_estimate_table_and_other_batch_sources_in_process(capsys):
-    status, out, err = run_main(capsys, "estimate", f"{EXAMPLE_MODELS}:ResidualConvNet", "--batch-size", "16",
-                                "--max-memory", "1GiB", "--device", "cpu", "--precision", "bf16-mixed")  # fmt: skip
+    status, out, err = run_main(
+        capsys,
+        "estimate",
+        f"{EXAMPLE_MODELS}:ResidualConvNet",
+        "--batch-size",
+        "16",
+        "--max-memory",
+        "1GiB",
+        "--device",
+        "cpu",
+        "--precision",
+        "bf16-mixed",
+    )
     assert status == 0, err
     for row in ("predicted peak at batch size 16", "largest batch that fits", "torchinfo total", "bf16-mixed"):
         assert row in out
 
     # --input-size: random inputs and a stand-in loss, said in a note
-    status, out, err = run_main(capsys, "estimate", "torch.nn:Linear", "--init-args", '{"in_features": 100, '
-                                '"out_features": 10}', "--input-size", "100", "--batch-size", "32", "--optimizer",
-                                "sgd", "--device", "cpu", "--json")  # fmt: skip
+    status, out, err = run_main(
+        capsys,
+        "estimate",
+        "torch.nn:Linear",
+        "--init-args",
+        '{"in_features": 100, "out_features": 10}',
+        "--input-size",
+        "100",
+        "--batch-size",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert status == 0, err
     estimate = json.loads(out)
     assert estimate["batch_size"] == 32 and estimate["params_bytes"] == 1010 * 4
@@ -232,9 +285,22 @@ def test_estimate_table_and_other_batch_sources_in_process(capsys):
     assert any("stand-in" in note for note in estimate["notes"])
 
     # token ids for a model without a dataloader: --dtype long, the vocabulary from its nn.Embedding
-    status, out, err = run_main(capsys, "estimate", "torch.nn:Embedding", "--init-args", '{"num_embeddings": 50, '
-                                '"embedding_dim": 8}', "--input-size", "12", "--dtype", "long", "--device", "cpu",
-                                "--optimizer", "none", "--json")  # fmt: skip
+    status, out, err = run_main(
+        capsys,
+        "estimate",
+        "torch.nn:Embedding",
+        "--init-args",
+        '{"num_embeddings": 50, "embedding_dim": 8}',
+        "--input-size",
+        "12",
+        "--dtype",
+        "long",
+        "--device",
+        "cpu",
+        "--optimizer",
+        "none",
+        "--json",
+    )
     assert status == 0, err
     estimate = json.loads(out)
     assert estimate["batch_size"] == cli.DEFAULT_BATCH_SIZE and estimate["optimizer_bytes"] == 0
@@ -311,8 +377,11 @@ def test_shm_check_reads_a_real_statvfs(tmp_path):
 
 def test_cpu_cores_check_against_a_cgroup_quota():
     count, affinity = os.cpu_count(), len(os.sched_getaffinity(0))
-    assert doctor.check_cpu_cores().details == {"cpu_count": count, "affinity": affinity,
-                                                "cgroup_quota": doctor.cgroup_cpu_quota()}  # fmt: skip
+    assert doctor.check_cpu_cores().details == {
+        "cpu_count": count,
+        "affinity": affinity,
+        "cgroup_quota": doctor.cgroup_cpu_quota(),
+    }
     limited = doctor.cpu_cores_check(count, affinity, quota=affinity / 2)
     assert limited.status == "warn" and "num_workers" in limited.fix
 
@@ -330,9 +399,15 @@ def test_one_core_count_the_affinity_and_within_quota_the_cgroup_limit_too(monke
 
 @pytest.mark.parametrize(
     ("build", "driver", "status"),
-    [("12.4", 12040, "ok"), ("12.1", 12080, "ok"), ("12.8", 12020, "warn"), ("12.4", 11080, "fail"),
-     (None, 12040, "info"), ("12.4", None, "info")],
-)  # fmt: skip
+    [
+        ("12.4", 12040, "ok"),
+        ("12.1", 12080, "ok"),
+        ("12.8", 12020, "warn"),
+        ("12.4", 11080, "fail"),
+        (None, 12040, "info"),
+        ("12.4", None, "info"),
+    ],
+)
 def test_cuda_driver_versus_build(build, driver, status):
     assert doctor.cuda_driver_check(build, driver).status == status
 
@@ -342,10 +417,19 @@ def test_architecture_support_and_card_peaks():
     assert doctor.arch_support((8, 9), ["sm_80", "sm_86"]) == "native"  # same major, earlier minor
     assert doctor.arch_support((10, 0), ["sm_90", "compute_90"]) == "ptx"
     assert doctor.arch_support((7, 0), ["sm_80", "sm_90"]) == "none"
-    names = {"NVIDIA A100-SXM4-40GB": "A100", "NVIDIA A10": "A10", "NVIDIA L4": "L4", "NVIDIA L40S": "L40S",
-             "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H200": "H200 SXM",
-             "Tesla V100-SXM2-16GB": "V100 SXM2", "Tesla T4": "T4", "NVIDIA GeForce RTX 4090": "RTX 4090",
-             "NVIDIA GeForce RTX 3090": "RTX 3090"}  # fmt: skip
+    names = {
+        "NVIDIA A100-SXM4-40GB": "A100",
+        "NVIDIA A10": "A10",
+        "NVIDIA L4": "L4",
+        "NVIDIA L40S": "L40S",
+        "NVIDIA H100 PCIe": "H100 PCIe",
+        "NVIDIA H100 80GB HBM3": "H100 SXM",
+        "NVIDIA H200": "H200 SXM",
+        "Tesla V100-SXM2-16GB": "V100 SXM2",
+        "Tesla T4": "T4",
+        "NVIDIA GeForce RTX 4090": "RTX 4090",
+        "NVIDIA GeForce RTX 3090": "RTX 3090",
+    }
     assert {name: doctor.card_peaks(name).card for name in names} == names
     assert doctor.card_peaks("NVIDIA GeForce GTX 1080") is None
 

@@ -21,8 +21,16 @@ from lightning_gpuopt.core.nvml import GpuUsage, NvmlSampler, visible_gpu_indice
 
 
 def shares(wait: float, gpu_idle=None, other: float = 0.01, step: float = 0.1, loader_cpu=None) -> StepShares:
-    return StepShares(data_wait=wait, transfer=0.0, compute=1 - wait - other, other=other, gpu_idle=gpu_idle,
-                      step_time_s=step, data_wait_per_step_s=wait * step, loader_cpu=loader_cpu)
+    return StepShares(
+        data_wait=wait,
+        transfer=0.0,
+        compute=1 - wait - other,
+        other=other,
+        gpu_idle=gpu_idle,
+        step_time_s=step,
+        data_wait_per_step_s=wait * step,
+        loader_cpu=loader_cpu,
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +89,9 @@ def test_three_idle_gpus_beside_a_working_one_are_flagged():
     gpus = [usage(0, 56.0), usage(1, 0.0), usage(2, 0.0), usage(3, 0.0)]
     assert find_idle_gpus(gpus, Thresholds()) == [1, 2, 3]
     advice = diagnose(shares(0.01), RunSettings(device_type="cuda", num_devices=1), Thresholds(), gpus).recommendations
-    assert any(text.startswith("devices=1 → 4: GPUs 1, 2, 3 are visible but idle while GPU 0 at 56%") for text in advice)
+    assert any(
+        text.startswith("devices=1 → 4: GPUs 1, 2, 3 are visible but idle while GPU 0 at 56%") for text in advice
+    )
     # all idle (nothing works) or hidden GPUs: nothing to flag
     assert find_idle_gpus([usage(0, 1.0), usage(1, 0.0)], Thresholds()) == []
     assert find_idle_gpus([usage(0, 90.0), usage(1, 0.0, visible=False)], Thresholds()) == []
@@ -97,12 +107,27 @@ def test_straggler_needs_a_real_gap():
 
 def test_report_aggregates_ranks_into_means_and_global_throughput():
     def rank(r: int, wait: float) -> RankFigures:
-        return RankFigures(rank=r, steps=10, samples=80, wall_s=1.0, data_wait_s=wait, data_wait_cpu_s=0.0,
-                           transfer_s=0.0, compute_s=0.5, forward_s=0.1, validation_s=0.0, checkpoint_s=0.0,
-                           worker_startup_s=0.0, gpu_busy_s=0.0, gpu_idle_s=0.0, gpu_util_mean=None)
+        return RankFigures(
+            rank=r,
+            steps=10,
+            samples=80,
+            wall_s=1.0,
+            data_wait_s=wait,
+            data_wait_cpu_s=0.0,
+            transfer_s=0.0,
+            compute_s=0.5,
+            forward_s=0.1,
+            validation_s=0.0,
+            checkpoint_s=0.0,
+            worker_startup_s=0.0,
+            gpu_busy_s=0.0,
+            gpu_idle_s=0.0,
+            gpu_util_mean=None,
+        )
 
-    report = build_data_wait_report([rank(1, 0.4), rank(0, 0.1)], RunSettings(device_type="cpu", num_workers=0),
-                                    Thresholds())
+    report = build_data_wait_report(
+        [rank(1, 0.4), rank(0, 0.1)], RunSettings(device_type="cpu", num_workers=0), Thresholds()
+    )
     assert [figures.rank for figures in report.ranks] == [0, 1]
     assert report.data_wait_s == pytest.approx(0.25)
     assert report.samples_per_second == pytest.approx(160.0)

@@ -73,8 +73,11 @@ def test_full_disk_raises_enospc_and_leaves_the_old_report_whole(tmp_path, monke
     path = update_json_section(tmp_path / "gpuopt_report.json", "memory", {"peak": 1})
     before = path.read_bytes()
     # the temporary file is /dev/full: the kernel answers every write with ENOSPC, as a full disk does
-    monkeypatch.setattr(report, "_create_sibling", lambda target: (os.open("/dev/full", os.O_WRONLY),
-                                                                   tmp_path / ".gpuopt_report.json.x.tmp"))
+    monkeypatch.setattr(
+        report,
+        "_create_sibling",
+        lambda target: (os.open("/dev/full", os.O_WRONLY), tmp_path / ".gpuopt_report.json.x.tmp"),
+    )
     with pytest.raises(OSError) as raised:
         update_json_section(path, "data_wait", {"steps": 3})
     assert raised.value.errno == errno.ENOSPC

@@ -52,8 +52,9 @@ def test_limit_near_1000_found_in_at_most_8_trials_from_an_imperfect_estimate(st
 def test_a_wrong_estimated_slope_costs_trials_but_not_correctness(slope_error):
     fixed, per_sample, cap = 3_000_000, 10_000, 13_000_000
     fits = linear_oracle(fixed, per_sample, cap)
-    result = search_largest_fit(fits, budget_bytes=cap, start=900, max_batch_size=8192,
-                                bytes_per_sample=per_sample * slope_error)
+    result = search_largest_fit(
+        fits, budget_bytes=cap, start=900, max_batch_size=8192, bytes_per_sample=per_sample * slope_error
+    )
     check(result, fits, 1000, 1, 8192, 1)
     assert len(result.trials) <= 8
 
@@ -63,7 +64,7 @@ def test_without_an_estimate_it_grows_at_most_4x_a_trial():
     result = search_largest_fit(fits, budget_bytes=13_000_000, start=2, max_batch_size=8192)
     check(result, fits, 1000, 1, 8192, 1)
     sizes = [t.batch_size for t in result.trials]
-    assert all(b <= 4 * a for a, b in zip(sizes, sizes[1:]))
+    assert all(b <= 4 * a for a, b in itertools.pairwise(sizes))
     assert len(result.trials) <= 8
 
 
@@ -191,8 +192,9 @@ def test_an_under_reporting_peak_reaches_95_of_100_in_10_trials_like_lightnings_
     assert budget == real_cap
     assert predicted_largest_fit([], budget, per_sample / 1.3) is None
     assert predicted_largest_fit([(62, int(62 * per_sample / 1.3))], budget) >= 125  # the line says 125 fits
-    result = search_largest_fit(fits, budget_bytes=budget, start=125, max_batch_size=8192, max_trials=10,
-                                bytes_per_sample=per_sample / 1.3)  # fmt: skip
+    result = search_largest_fit(
+        fits, budget_bytes=budget, start=125, max_batch_size=8192, max_trials=10, bytes_per_sample=per_sample / 1.3
+    )
     check_wrong_model(result, fits, 100, 1)
     assert len(result.trials) <= 10
     assert result.batch_size >= 95, [(t.batch_size, t.fits) for t in result.trials]
@@ -211,13 +213,27 @@ def test_wrong_models_get_within_5_percent_of_the_limit_in_10_trials(limit):
     for kind, start_factor, multiple_of, fixed_share, estimated in grid:
         fits, budget = wrong_model_oracle(limit, kind, per_sample, int(fixed_share * per_sample * limit))
         slope = per_sample * (1.0 if kind == "hidden" else kind) if estimated else None
-        result = search_largest_fit(fits, budget_bytes=budget, start=max(1, int(limit * start_factor)),
-                                    max_batch_size=8192, multiple_of=multiple_of, max_trials=10,
-                                    bytes_per_sample=slope)  # fmt: skip
+        result = search_largest_fit(
+            fits,
+            budget_bytes=budget,
+            start=max(1, int(limit * start_factor)),
+            max_batch_size=8192,
+            multiple_of=multiple_of,
+            max_trials=10,
+            bytes_per_sample=slope,
+        )
         check_wrong_model(result, fits, limit, multiple_of)
         if (result.batch_size or 0) < 0.95 * round_down(limit, multiple_of):
-            failures.append((kind, start_factor, multiple_of, fixed_share, estimated,
-                             [(t.batch_size, int(t.fits)) for t in result.trials]))  # fmt: skip
+            failures.append(
+                (
+                    kind,
+                    start_factor,
+                    multiple_of,
+                    fixed_share,
+                    estimated,
+                    [(t.batch_size, int(t.fits)) for t in result.trials],
+                )
+            )
     assert not failures, failures
 
 

@@ -18,8 +18,9 @@ class ScriptedClock:
         self.now += seconds
 
 
-def run_step(clock: StepClock, time: ScriptedClock, fetch: float, compute: float, other: float = 0.0,
-             samples: int = 4) -> None:
+def run_step(
+    clock: StepClock, time: ScriptedClock, fetch: float, compute: float, other: float = 0.0, samples: int = 4
+) -> None:
     time.advance(fetch)
     clock.add_fetch(fetch, cpu_seconds=fetch / 2)
     time.advance(other)

@@ -6,13 +6,13 @@ import csv
 import json
 
 import pytest
+from helpers import MLP, SlowDataset, SlowHook, TimedLoader, TrainingWallClock, preloaded_batches, preloaded_dataset
 from lightning import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset, SlowHook, TimedLoader, TrainingWallClock, preloaded_batches, preloaded_dataset
 from lightning_gpuopt import DataWaitMonitor, DataWaitReport
 from lightning_gpuopt.core.report import from_dict
 
@@ -108,8 +108,9 @@ def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
         num_sanity_val_steps=0,
         enable_checkpointing=True,
     )
-    trainer.fit(MLP(step_sleep_s=0.002), DataLoader(train_data, batch_size=batch_size),
-                DataLoader(val_data, batch_size=16))
+    trainer.fit(
+        MLP(step_sleep_s=0.002), DataLoader(train_data, batch_size=batch_size), DataLoader(val_data, batch_size=16)
+    )
 
     report = monitor.report
     loading = train_data.loading_time(1 * batch_size)  # the batches of the measured steps
@@ -189,7 +190,7 @@ def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):
 def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name) as error:
         DataWaitMonitor(**kwargs)
-    assert repr(list(kwargs.values())[0]) in str(error.value)
+    assert repr(next(iter(kwargs.values()))) in str(error.value)
 
 
 def test_report_is_none_until_a_fit_ends_and_validate_alone_is_ignored(tmp_path):

@@ -8,18 +8,25 @@ import time
 
 import pytest
 import torch
+from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset
 from lightning import LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
 from lightning_gpuopt.core.loader import LoaderSetting, time_loader, tune_loader
 from lightning_gpuopt.core.report import from_dict
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -104,8 +111,10 @@ def test_an_iterable_that_is_not_a_dataloader_is_left_alone(tmp_path):
     class Batches:
         def __init__(self):
             generator = torch.Generator().manual_seed(0)
-            self.items = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-                          for _ in range(10)]
+            self.items = [
+                (torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+                for _ in range(10)
+            ]
 
         def __iter__(self):
             return iter(self.items)
@@ -174,6 +183,7 @@ def test_workers_that_start_slowly_are_judged_on_their_loading_not_their_start(t
     assert result.num_workers == 2, result.reason
     two = next(t for t in result.candidates if t.setting == result.setting)
     assert two.startup_s >= 1.0 and not two.stopped_early
+
     # independently: the chosen loader, past its start-up, against no workers (sleeps, so other work
     # on the machine barely matters; the faster of two timings each)
     def rate(setting: LoaderSetting) -> float:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-
-import pytest
 import os
 import subprocess
 import sys
@@ -18,13 +16,20 @@ HERE = Path(__file__).parent
 
 def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
     # Lightning's own variables (PL_GLOBAL_SEED, MASTER_PORT, ...) set by earlier in-process runs stay out
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))
+    }
     # the ranks import this checkout's package, as the tests do (not an install of another checkout)
     paths = [str(HERE), str(HERE.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**inherited, "PYTHONPATH": os.pathsep.join(paths)}
     result = subprocess.run(
         [sys.executable, str(HERE / "ddp_script.py"), str(out), mode],
-        env=env, capture_output=True, text=True, timeout=150,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -87,7 +92,9 @@ def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
     ranks = [json.loads((tmp_path / f"search{rank}.json").read_text()) for rank in (0, 1)]
     size = ranks[0]["result"]["batch_size"]
     assert ranks[1]["result"]["batch_size"] == size and [r["used"] for r in ranks] == [size, size]
-    assert [t["batch_size"] for t in ranks[0]["result"]["trials"]] == [t["batch_size"] for t in ranks[1]["result"]["trials"]]
+    assert [t["batch_size"] for t in ranks[0]["result"]["trials"]] == [
+        t["batch_size"] for t in ranks[1]["result"]["trials"]
+    ]
     assert all(r["global_step"] == 2 for r in ranks) and len(ranks[0]["result"]["trials"]) <= 8
     # independent check: a single process with rank 1's cap, less DDP's gradient buckets (a copy of
     # the gradients, which the trials count as a baseline), fits `size` but not `size + 1`, while
@@ -107,8 +114,9 @@ def test_ddp_memory_fill_ranks_agree_on_one_plan(tmp_path):
     assert first["checkpointing"] and first["checkpointed_classes"] == ["TransformerEncoderLayer"]
     for seen in plans:
         plan = seen["plan"]
-        assert {k: plan[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")} == \
-            {k: first[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")}
+        assert {
+            k: plan[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")
+        } == {k: first[k] for k in ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "largest_fit")}
         assert plan["global_batch_size"] == 64 == plan["micro_batch_size"] * plan["accumulate_grad_batches"] * 2
         assert seen["used"] == [plan["micro_batch_size"], plan["accumulate_grad_batches"], True]
         assert seen["global_step"] == 2
@@ -172,7 +180,7 @@ def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_
         optimizer.zero_grad()
         losses = []
         for rank in (0, 1):
-            tokens, labels = pad_collate([dataset[i] for i in indices[rank][8 * step:8 * step + 8]])
+            tokens, labels = pad_collate([dataset[i] for i in indices[rank][8 * step : 8 * step + 8]])
             losses.append(F.cross_entropy(model(tokens), labels))
         (sum(losses) / 2).backward()
         optimizer.step()

@@ -41,9 +41,15 @@ def _run_in_tmp_path(tmp_path, monkeypatch):
 
 def fit(model: L.LightningModule, batch_size: int, estimator: MemoryEstimator, **trainer_kwargs) -> L.Trainer:
     options = dict(
-        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
     options.update(trainer_kwargs)
     trainer = L.Trainer(callbacks=[estimator], **options)
     trainer.fit(model, model.loader(batch_size))
@@ -112,8 +118,10 @@ def test_predicted_peak_is_within_five_percent_of_the_profilers_allocator_peak(n
     step(), step()  # the steady state: the previous step's gradients and optimizer state are alive
     truth = profiler_peak_bytes(step, existing=(model, optimizer, batch))
     error = (estimate.predicted_peak_bytes - truth) / truth
-    print(f"\n{name} B={batch_size}: predicted {estimate.predicted_peak_bytes} profiler {truth} error {error:+.4f} "
-          f"(workspaces {estimate.workspace_bytes})")
+    print(
+        f"\n{name} B={batch_size}: predicted {estimate.predicted_peak_bytes} profiler {truth} error {error:+.4f} "
+        f"(workspaces {estimate.workspace_bytes})"
+    )
     assert abs(error) <= ALLOCATOR_TOLERANCE
     if name in ("cnn", "unet"):  # oneDNN convolutions and BatchNorm's backward allocate inside their kernels
         assert estimate.workspace_bytes > 0.05 * truth
@@ -173,8 +181,13 @@ def test_a_profile_learned_once_serves_every_traced_batch_size():
     assert plain.workspace_bytes == 0 and with_workspaces.workspace_bytes > 0
     assert plain.peak_bytes < with_workspaces.peak_bytes <= plain.peak_bytes + with_workspaces.workspace_bytes
     estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=profile)
-    assert estimate.workspace_bytes > 0 and estimate.predicted_peak_bytes > estimate_memory(
-        model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=False).predicted_peak_bytes
+    assert (
+        estimate.workspace_bytes > 0
+        and estimate.predicted_peak_bytes
+        > estimate_memory(
+            model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=False
+        ).predicted_peak_bytes
+    )
 
 
 class LstmClassifier(torch.nn.Module):
@@ -218,7 +231,9 @@ def test_workspaces_are_not_counted_under_another_profiler_and_the_notes_say_so(
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8)
     assert estimate.method == "traced" and estimate.workspace_bytes == 0
-    assert any(note.startswith("kernel workspaces not counted (another profiler is running)") for note in estimate.notes)
+    assert any(
+        note.startswith("kernel workspaces not counted (another profiler is running)") for note in estimate.notes
+    )
 
 
 def test_no_workspace_probe_off_the_host():
@@ -306,9 +321,13 @@ def test_estimating_leaves_model_optimizer_and_rng_untouched():
 
     model.log = lambda *args, **kwargs: None  # outside a Trainer there is nothing to log to
     estimate = estimate_memory(
-        model, lambda b: model.training_step(b, 0), batch, optimizer=optimizer, batch_size=16,
+        model,
+        lambda b: model.training_step(b, 0),
+        batch,
+        optimizer=optimizer,
+        batch_size=16,
         forward_input=model.example_input_array,
-    )  # fmt: skip
+    )
     del model.log
 
     assert estimate.method == "traced" and estimate.optimizer_bytes > 0
@@ -348,7 +367,9 @@ def test_the_trace_leaves_no_fake_tensors_in_module_containers():
 def test_fit_fills_the_estimate_logs_metrics_and_writes_the_report(tmp_path, caplog):
     estimator = MemoryEstimator(max_memory="1GB", measure_steps=2)
     with caplog.at_level(logging.INFO):
-        trainer = fit(make_model("mlp"), 16, estimator, max_steps=4, logger=CSVLogger(tmp_path), default_root_dir=tmp_path)
+        trainer = fit(
+            make_model("mlp"), 16, estimator, max_steps=4, logger=CSVLogger(tmp_path), default_root_dir=tmp_path
+        )
     estimate = estimator.estimate
     assert estimate.measured_peak_bytes > 0 and estimate.capacity_bytes == 10**9
     assert estimate.max_batch_size > 16
@@ -356,9 +377,18 @@ def test_fit_fills_the_estimate_logs_metrics_and_writes_the_report(tmp_path, cap
     with open(Path(trainer.log_dir) / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get(METRIC_PREFIX + "measured_peak_bytes")]
     assert len(rows) == 1
-    for name in ("predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes",
-                 "torchinfo_error", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
-                 "max_batch_size"):  # fmt: skip
+    for name in (
+        "predicted_peak_bytes",
+        "measured_peak_bytes",
+        "estimate_error",
+        "torchinfo_total_bytes",
+        "torchinfo_error",
+        "params_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activation_bytes",
+        "max_batch_size",
+    ):
         assert float(rows[0][METRIC_PREFIX + name]) == pytest.approx(getattr(estimate, name)), name
     assert int(rows[0]["step"]) == 1  # logged at the end of the second measured step (0-based steps)
 
@@ -373,9 +403,14 @@ def test_each_fit_gets_its_own_estimate():
     fit(model, 8, estimator, max_steps=2)
     first = estimator.estimate
     L.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[estimator],
-    ).fit(model, model.loader(32))  # fmt: skip
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[estimator],
+    ).fit(model, model.loader(32))
     second = estimator.estimate
     assert (first.batch_size, second.batch_size) == (8, 32)
     assert second.measured_peak_bytes > 0 and abs(second.estimate_error) <= TOLERANCE

@@ -34,8 +34,15 @@ def _run_in_tmp_path(tmp_path, monkeypatch):
 
 
 def trainer_for(callbacks: list, **kwargs: Any) -> L.Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return L.Trainer(callbacks=callbacks, **options)
 
@@ -74,8 +81,9 @@ def test_an_accumulating_step_is_traced_as_it_runs_and_matches_the_profiler(accu
     # a ResNet with many parameters for its activations: its peak is at the optimizer step, where
     # the gradients already live; adding a set of gradients on top overshot by 18%
     truth, (model, optimizer, batch, loss_fn) = resnet_group_peak(16, accumulate)
-    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=16,
-                               accumulate_grad_batches=accumulate)  # fmt: skip
+    estimate = estimate_memory(
+        model, loss_fn, batch, optimizer=optimizer, batch_size=16, accumulate_grad_batches=accumulate
+    )
     assert estimate.method == "traced" and estimate.accumulate_grad_batches == accumulate
     error = (estimate.predicted_peak_bytes - truth) / truth
     assert abs(error) <= ALLOCATOR_TOLERANCE, (estimate.predicted_peak_bytes, truth)
@@ -114,8 +122,9 @@ def test_gpuopt_report_under_accumulation_agrees_with_the_plan_and_the_real_peak
     # a plan whose trials fitted 25 (a budget 10% below the estimator's capacity)
     # on_oom="raise": OOM recovery holds a micro-batch's new gradients apart from the accumulated ones
     # until its backward ends (one gradient-sized buffer more), which the estimate does not model
-    gpuopt = GpuOpt("fill-memory", max_memory="12MB", global_batch_size=40, monitor=False, tune_loader=False,
-                    on_oom="raise")
+    gpuopt = GpuOpt(
+        "fill-memory", max_memory="12MB", global_batch_size=40, monitor=False, tune_loader=False, on_oom="raise"
+    )
     model = ResNetModule(width=32, size=8, num_samples=160, batch_size=8)
     trainer_for([gpuopt], gradient_clip_val=1.0).fit(model)
     plan, memory = gpuopt.report.memory_fill, gpuopt.report.memory
@@ -145,7 +154,7 @@ def fits_under(cap_bytes: int, model: L.LightningModule, datamodule: Any = None,
     """Do three real training steps fit ``cap_bytes`` (a MemoryBudget from train start)?"""
     try:
         trainer_for([PeakUnderBudget(cap_bytes)], max_steps=3, **trainer_kwargs).fit(model, datamodule=datamodule)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         if is_out_of_memory_error(error):
             return False
         raise
@@ -155,8 +164,16 @@ def fits_under(cap_bytes: int, model: L.LightningModule, datamodule: Any = None,
 def test_estimate_builds_configure_optimizers_with_a_trainer_and_its_largest_batch_trains(capsys):
     # configure_optimizers() reads self.trainer.estimated_stepping_batches (OneCycleLR): the command
     # fell back to Adam, whose state is twice SGD-with-momentum's, and reported a smaller largest batch
-    estimate = cli_estimate(capsys, f"{USERS_MODELS}:ResNetModule", "--init-args", '{"width": 32, "size": 8}',
-                            "--batch-size", "16", "--max-memory", "12MB")  # fmt: skip
+    estimate = cli_estimate(
+        capsys,
+        f"{USERS_MODELS}:ResNetModule",
+        "--init-args",
+        '{"width": 32, "size": 8}',
+        "--batch-size",
+        "16",
+        "--max-memory",
+        "12MB",
+    )
     assert estimate["setup"]["optimizer"] == "SGD (configure_optimizers())"
     assert estimate["optimizer_bytes"] == estimate["params_bytes"]  # the momentum buffers
     largest = estimate["max_batch_size"]
@@ -165,8 +182,16 @@ def test_estimate_builds_configure_optimizers_with_a_trainer_and_its_largest_bat
 
 
 def test_estimate_takes_a_datamodule_with_dict_batches_and_its_largest_batch_is_the_real_one(capsys):
-    estimate = cli_estimate(capsys, f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
-                            "--datamodule-init-args", '{"batch_size": 16}', "--max-memory", "30MB")  # fmt: skip
+    estimate = cli_estimate(
+        capsys,
+        f"{USERS_MODELS}:DictBatchModule",
+        "--datamodule",
+        f"{USERS_MODELS}:DictDataModule",
+        "--datamodule-init-args",
+        '{"batch_size": 16}',
+        "--max-memory",
+        "30MB",
+    )
     setup = estimate["setup"]
     assert setup["batch_source"] == "the datamodule's train_dataloader()" and setup["batch_size"] == 16
     assert setup["datamodule"] == "models_users.DictDataModule" and setup["optimizer"].startswith("AdamW")
@@ -174,19 +199,39 @@ def test_estimate_takes_a_datamodule_with_dict_batches_and_its_largest_batch_is_
     largest = estimate["max_batch_size"]
     # the independent truth: real training in that memory at the reported batch, and one more
     assert fits_under(30_000_000, DictBatchModule(), DictDataModule(num_samples=3 * largest, batch_size=largest))
-    assert not fits_under(30_000_000, DictBatchModule(), DictDataModule(num_samples=3 * largest, batch_size=largest + 1))
+    assert not fits_under(
+        30_000_000, DictBatchModule(), DictDataModule(num_samples=3 * largest, batch_size=largest + 1)
+    )
 
 
 def test_estimate_batch_size_sets_the_datamodules_and_bad_datamodule_arguments_are_named(capsys):
-    estimate = cli_estimate(capsys, f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
-                            "--batch-size", "24", "--max-memory", "30MB")  # fmt: skip
+    estimate = cli_estimate(
+        capsys,
+        f"{USERS_MODELS}:DictBatchModule",
+        "--datamodule",
+        f"{USERS_MODELS}:DictDataModule",
+        "--batch-size",
+        "24",
+        "--max-memory",
+        "30MB",
+    )
     assert estimate["batch_size"] == 24 and estimate["batch_bytes"] == 24 * (256 * 4 + 8)
-    status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictBatchModule"])
+    status = cli.main(
+        ["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictBatchModule"]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "`--datamodule`=" in err and "not a lightning.pytorch.LightningDataModule class" in err
     assert "DictDataModule" in err  # the classes that would work
-    status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule",
-                       "--datamodule-init-args", '{"batch": 3}'])  # fmt: skip
+    status = cli.main(
+        [
+            "estimate",
+            f"{USERS_MODELS}:DictBatchModule",
+            "--datamodule",
+            f"{USERS_MODELS}:DictDataModule",
+            "--datamodule-init-args",
+            '{"batch": 3}',
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "`--datamodule-init-args`" in err and "DictDataModule(" in err
     status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule"])

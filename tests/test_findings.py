@@ -7,19 +7,27 @@ import json
 
 import pytest
 import torch
+from helpers import MLP, preloaded_dataset
 from lightning import Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import MLP, preloaded_dataset
 from lightning_gpuopt import DataWaitMonitor
 from lightning_gpuopt.core.findings import FINDING_KINDS, Finding, oversubscription
 from lightning_gpuopt.testing import SimulatedGpu
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False, max_steps=8)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        max_steps=8,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -47,8 +55,9 @@ class SmallConvNet(MLP):
     def __init__(self, channels_last: bool = False) -> None:
         super().__init__()
         self.channels_last = channels_last
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                 nn.Linear(8, 2))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)
+        )
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
 
@@ -179,8 +188,12 @@ def test_cudnn_benchmark_on_or_varying_shapes_or_no_convolution_is_no_finding(tm
         on = fit(tmp_path, SmallConvNet(), DataLoader(images(), batch_size=16), benchmark=True)
         # batches of 16, 24, 40 and 48 images: four shapes over the sampled steps
         sizes = iter([16, 24, 40, 48] * 8)
-        varying = fit(tmp_path, SmallConvNet(), DataLoader(images(512), batch_sampler=_VaryingBatches(512, sizes)),
-                      benchmark=False)  # fmt: skip
+        varying = fit(
+            tmp_path,
+            SmallConvNet(),
+            DataLoader(images(512), batch_sampler=_VaryingBatches(512, sizes)),
+            benchmark=False,
+        )
         no_conv = fit(tmp_path, MLP(), DataLoader(preloaded_dataset(256, 32), batch_size=16), benchmark=False)
     assert "cudnn-benchmark-off" not in kinds(on) + kinds(varying) + kinds(no_conv)
 
@@ -212,8 +225,9 @@ def test_nchw_convolutions_under_mixed_precision_are_found_with_the_layer(tmp_pa
 
 def test_channels_last_model_and_inputs_or_full_precision_is_no_finding(tmp_path):
     with SimulatedGpu("A100", memory="1GiB"):
-        converted = fit(tmp_path, SmallConvNet(channels_last=True), DataLoader(images(), batch_size=16),
-                        precision="bf16-mixed")  # fmt: skip
+        converted = fit(
+            tmp_path, SmallConvNet(channels_last=True), DataLoader(images(), batch_size=16), precision="bf16-mixed"
+        )
         full = fit(tmp_path, SmallConvNet(), DataLoader(images(), batch_size=16))
     assert "channels-last" not in kinds(converted) + kinds(full)
 
@@ -252,5 +266,7 @@ def test_find_patterns_false_looks_for_nothing(tmp_path, threads):
 
     torch.set_num_threads(4 * usable_cpu_count())
     monitor = DataWaitMonitor(warmup_steps=2, find_patterns=False)
-    make_trainer(tmp_path, [monitor]).fit(WrappedInDataParallel(), DataLoader(preloaded_dataset(256, 32), batch_size=16))
+    make_trainer(tmp_path, [monitor]).fit(
+        WrappedInDataParallel(), DataLoader(preloaded_dataset(256, 32), batch_size=16)
+    )
     assert monitor.report.findings == []

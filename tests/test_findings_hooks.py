@@ -13,12 +13,12 @@ from datetime import timedelta
 
 import pytest
 import torch
+from helpers import MLP, SlowHook, preloaded_dataset
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.profilers import SimpleProfiler
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
-from helpers import MLP, SlowHook, preloaded_dataset
 from lightning_gpuopt import DataWaitMonitor
 from lightning_gpuopt.callbacks import _detect_hooks, _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import DiskRead, dataset_files, filesystem_type, read_sample
@@ -26,8 +26,16 @@ from lightning_gpuopt.core.findings import CheckpointSaver, checkpoint_time, nic
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False, max_steps=12)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        max_steps=12,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -64,15 +72,21 @@ def test_the_catch_all_listener_sees_every_action_and_the_users_profiler_sees_wh
             _profiler_tap.uninstall(trainer, self.tap)
 
     profiler = SimpleProfiler()
-    trainer = make_trainer(tmp_path, [Tap(), SlowHook(0.02), ModelCheckpoint(every_n_train_steps=4)], max_steps=8,
-                           profiler=profiler, enable_checkpointing=True)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        [Tap(), SlowHook(0.02), ModelCheckpoint(every_n_train_steps=4)],
+        max_steps=8,
+        profiler=profiler,
+        enable_checkpointing=True,
+    )
     trainer.fit(MLP(), loader())
     assert trainer.profiler is profiler
     hook = "[Callback]SlowHook.on_train_batch_end"
     assert len(seen[hook]) == 8 and min(seen[hook]) >= 0.02
     assert len(seen["save_checkpoint"]) == 2  # an exact-name listener's action reaches the catch-all too
     assert len(seen["[_TrainingEpochLoop].train_dataloader_next"]) == len(
-        profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"])  # fmt: skip
+        profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]
+    )
     # every action the tap saw, the user's profiler recorded, as often
     for name, walls in seen.items():
         assert len(profiler.recorded_durations[name]) == len(walls), name
@@ -146,8 +160,14 @@ def test_a_slow_module_hook_is_found_and_the_fix_uses_self(tmp_path):
 
 
 def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
-    monitor, _ = fit(tmp_path, MLP(), DataLoader(preloaded_dataset(64, 32), batch_size=16), callbacks=[SlowEpochEnd()],
-                     max_steps=-1, max_epochs=3)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path,
+        MLP(),
+        DataLoader(preloaded_dataset(64, 32), batch_size=16),
+        callbacks=[SlowEpochEnd()],
+        max_steps=-1,
+        max_epochs=3,
+    )
     (finding,) = of_kind(monitor, "slow-hook")
     assert finding.where == "SlowEpochEnd.on_train_epoch_end" and finding.figures["calls"] == 3
     assert "`if trainer.current_epoch %" in finding.fix and "every" in finding.fix
@@ -155,16 +175,31 @@ def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
 
 def test_fast_hooks_lightnings_own_callbacks_and_compute_are_no_finding(tmp_path):
     # the step itself is slow (training_step sleeps); the progress bar and model summary run; a hook is fast
-    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.05), loader(640), callbacks=[SlowHook(0.0)], max_steps=30,
-                     enable_progress_bar=True, enable_model_summary=True, enable_checkpointing=True)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path,
+        MLP(step_sleep_s=0.05),
+        loader(640),
+        callbacks=[SlowHook(0.0)],
+        max_steps=30,
+        enable_progress_bar=True,
+        enable_model_summary=True,
+        enable_checkpointing=True,
+    )
     assert of_kind(monitor, "slow-hook") == []
 
 
 def test_a_hook_slow_only_inside_validation_is_no_finding(tmp_path):
     val = DataLoader(preloaded_dataset(64, 32), batch_size=16)
     # training steps of 30 ms: a hiccup of a trivial hook on a loaded machine stays far under 10% of training
-    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), loader(), callbacks=[SlowInValidation()], val_loader=val,
-                     max_steps=12, val_check_interval=4)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path,
+        MLP(step_sleep_s=0.03),
+        loader(),
+        callbacks=[SlowInValidation()],
+        val_loader=val,
+        max_steps=12,
+        val_check_interval=4,
+    )
     assert monitor.report.validation_s >= 2 * 4 * 0.05  # the hook did run, inside validation
     assert of_kind(monitor, "slow-hook") == []
 
@@ -196,8 +231,9 @@ class BigCheckpoint(MLP):
 
 def test_saving_every_step_a_large_checkpoint_is_found_with_the_setting_to_change(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)
-    monitor, _ = fit(tmp_path, BigCheckpoint(), loader(), callbacks=[checkpoint], max_steps=10,
-                     enable_checkpointing=True)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path, BigCheckpoint(), loader(), callbacks=[checkpoint], max_steps=10, enable_checkpointing=True
+    )
     (finding,) = of_kind(monitor, "checkpoint-time")
     assert finding.figures["saves"] == 10
     assert finding.figures["share"] >= 0.2
@@ -213,8 +249,14 @@ def test_saving_every_step_a_large_checkpoint_is_found_with_the_setting_to_chang
 
 
 def test_saving_once_an_epoch_over_many_steps_is_no_finding(tmp_path):
-    monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.01), DataLoader(preloaded_dataset(1600, 32), batch_size=16),
-                     max_steps=-1, max_epochs=1, enable_checkpointing=True)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path,
+        MLP(step_sleep_s=0.01),
+        DataLoader(preloaded_dataset(1600, 32), batch_size=16),
+        max_steps=-1,
+        max_epochs=1,
+        enable_checkpointing=True,
+    )
     assert monitor.report.checkpoint_s > 0  # the default ModelCheckpoint saved once
     assert of_kind(monitor, "checkpoint-time") == []
 
@@ -228,8 +270,7 @@ class SavesEveryStep(Callback):
 
 
 def test_a_hook_calling_save_checkpoint_is_named_and_not_a_slow_hook(tmp_path):
-    monitor, _ = fit(tmp_path, BigCheckpoint(), loader(), callbacks=[SavesEveryStep(tmp_path / "x.ckpt")],
-                     max_steps=8)  # fmt: skip
+    monitor, _ = fit(tmp_path, BigCheckpoint(), loader(), callbacks=[SavesEveryStep(tmp_path / "x.ckpt")], max_steps=8)
     (finding,) = of_kind(monitor, "checkpoint-time")
     assert finding.where == "SavesEveryStep.on_train_batch_end" and finding.figures["saves"] == 8
     assert "in SavesEveryStep.on_train_batch_end, save every" in finding.fix
@@ -244,10 +285,14 @@ def test_checkpoint_time_decision_on_numbers():
     assert "ModelCheckpoint(every_n_train_steps=10 → 200)" in found.fix and found.figures["suggested_interval"] == 200
     epochs = CheckpointSaver("ModelCheckpoint(every_n_epochs=1)", 4, 3.0, every_n_epochs=1, save_last=True)
     fix = checkpoint_time([epochs], fit_s=10.0, steps=400, optimizer_bytes=200, parameter_bytes=100).fix
-    assert 'every_n_epochs=1 → ' in fix and 'save_last=True → "link"' in fix and "save_weights_only=True" in fix
+    assert "every_n_epochs=1 → " in fix and 'save_last=True → "link"' in fix and "save_weights_only=True" in fix
     assert "cannot resume the optimizer" in fix
-    timed = CheckpointSaver("ModelCheckpoint(train_time_interval=0:00:01)", 10, 5.0,
-                            train_time_interval_s=timedelta(seconds=1).total_seconds())  # fmt: skip
+    timed = CheckpointSaver(
+        "ModelCheckpoint(train_time_interval=0:00:01)",
+        10,
+        5.0,
+        train_time_interval_s=timedelta(seconds=1).total_seconds(),
+    )
     fix = checkpoint_time([timed], fit_s=10.0, steps=100).fix
     assert "train_time_interval=timedelta(seconds=1) → timedelta(seconds=50)" in fix
     # two savers under the threshold each, over it together
@@ -301,8 +346,12 @@ def test_a_slow_read_of_an_input_bound_run_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(_detect_hooks, "read_sample", lambda paths: DiskRead(len(paths), 100_000, 1.0))
     monitor, _ = fit(tmp_path, MLP(step_sleep_s=0.03), DataLoader(dataset, batch_size=4), max_steps=12)
     assert of_kind(monitor, "slow-disk") == []  # the same slow read, but the run is not input-bound
-    monitor, _ = fit(tmp_path, MLP(), DataLoader(Subset(ConcatDataset([SlowDatasetFiles(dataset)]), range(64)),
-                                                 batch_size=4), max_steps=12)  # fmt: skip
+    monitor, _ = fit(
+        tmp_path,
+        MLP(),
+        DataLoader(Subset(ConcatDataset([SlowDatasetFiles(dataset)]), range(64)), batch_size=4),
+        max_steps=12,
+    )
     (finding,) = of_kind(monitor, "slow-disk")
     assert finding.where == str(tmp_path / "data")
     assert finding.figures["read_mb_s"] == pytest.approx(0.1)

@@ -7,12 +7,12 @@ import inspect
 
 import pytest
 import torch
+from helpers import MLP, preloaded_dataset
 from lightning import Trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from helpers import MLP, preloaded_dataset
 from lightning_gpuopt import DataWaitMonitor
 from lightning_gpuopt.callbacks._detect_steps import GRAPH_STEPS, SYNC_STEPS, HostSyncProbe, KeptGraphProbe
 from lightning_gpuopt.core.findings import graph_kept, host_sync
@@ -21,8 +21,16 @@ from lightning_gpuopt.testing import SimulatedGpu
 
 def fit(tmp_path, model, max_steps: int = 8, **kwargs) -> DataWaitMonitor:
     monitor = DataWaitMonitor(warmup_steps=3, verbose=False)
-    options = dict(accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False, max_steps=max_steps)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        max_steps=max_steps,
+    )
     options.update(kwargs)
     Trainer(callbacks=[monitor], **options).fit(model, DataLoader(preloaded_dataset(256, 32), batch_size=16))
     return monitor
@@ -116,7 +124,7 @@ def test_an_accumulated_loss_keeps_a_growing_graph_and_is_named(tmp_path, simula
     expected = [model.nodes_at_start[step] for step in sampled] + [reachable_nodes(model.total_loss)]
     assert expected == sorted(expected) and expected[0] < expected[-1]
     shown = " → ".join(map(str, expected))
-    assert f"{shown} autograd nodes at the starts of steps {', '.join(map(str, sampled + [10]))}" in finding.message
+    assert f"{shown} autograd nodes at the starts of steps {', '.join(map(str, [*sampled, 10]))}" in finding.message
     assert finding.figures["graph_nodes"] == expected[-1]
     assert finding.figures["graph_nodes_per_step"] == (expected[-1] - expected[0]) / (10 - sampled[0])
     assert ("memory_growth_bytes" in finding.figures) is simulated  # the host cannot tell live memory
@@ -282,10 +290,17 @@ def test_host_sync_composes_with_activation_checkpointing(tmp_path):
     assert finding is not None and finding.figures["syncs_per_step"] == 1 + baseline
     # the counting mode changes nothing the steps compute: same weights as a run without findings
     with SimulatedGpu("A100", memory="1GiB"):
-        Trainer(callbacks=[DataWaitMonitor(warmup_steps=3, verbose=False, find_patterns=False)], accelerator="cpu",
-                devices=1, default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
-                enable_checkpointing=False, logger=False, max_steps=8,
-                ).fit(reference, DataLoader(preloaded_dataset(256, 32), batch_size=16))  # fmt: skip
+        Trainer(
+            callbacks=[DataWaitMonitor(warmup_steps=3, verbose=False, find_patterns=False)],
+            accelerator="cpu",
+            devices=1,
+            default_root_dir=tmp_path,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            max_steps=8,
+        ).fit(reference, DataLoader(preloaded_dataset(256, 32), batch_size=16))
     for mine, theirs in zip(plain.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
 
@@ -301,9 +316,17 @@ def test_the_counting_mode_is_off_after_an_exception_in_training_step(tmp_path):
     with SimulatedGpu("A100", memory="1GiB"):
         modes_before = torch._C._len_torch_dispatch_stack()
         monitor = DataWaitMonitor(warmup_steps=3, verbose=False)
-        trainer = Trainer(callbacks=[monitor], accelerator="cpu", devices=1, default_root_dir=tmp_path,
-                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                          logger=False, max_steps=8)  # fmt: skip
+        trainer = Trainer(
+            callbacks=[monitor],
+            accelerator="cpu",
+            devices=1,
+            default_root_dir=tmp_path,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            max_steps=8,
+        )
         with pytest.raises(RuntimeError, match="boom at step 2"):
             trainer.fit(FailsAtStep(items=1), DataLoader(preloaded_dataset(256, 32), batch_size=16))
         assert torch._C._len_torch_dispatch_stack() == modes_before
@@ -317,6 +340,10 @@ def test_the_counting_mode_is_off_after_an_exception_in_training_step(tmp_path):
 def test_host_sync_decides_on_the_users_reads_per_step():
     assert host_sync([1, 2], [1, 0], [3, 3], {"a.py:1": 1}) is None  # once in two steps
     finding = host_sync([1, 2], [2, 2], [1, 1], {"a.py:1": 2, "a.py:9": 2})
-    assert finding.figures == {"syncs_per_step": 3.0, "user_syncs_per_step": 2.0, "lightning_syncs_per_step": 1.0,
-                               "lines": 2.0}  # fmt: skip
+    assert finding.figures == {
+        "syncs_per_step": 3.0,
+        "user_syncs_per_step": 2.0,
+        "lightning_syncs_per_step": 1.0,
+        "lines": 2.0,
+    }
     assert "a.py:1 (1/step)" in finding.message and "and 1 by Lightning itself" in finding.message

@@ -11,15 +11,15 @@ import time
 
 import pytest
 import torch
+from helpers import MLP, SlowDataset, preloaded_batches
 from lightning import Callback, Trainer
+from models_memory import make_model
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset, preloaded_batches
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, MemoryEstimator
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.timing import CudaStepTimer, StepStart
-from models_memory import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,8 +31,15 @@ def busy_kernels(device: torch.device, size: int = 2048, repeats: int = 20) -> N
 
 
 def gpu_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(accelerator="gpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False)
+    options = dict(
+        accelerator="gpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -78,7 +85,9 @@ def test_monitor_on_gpu_input_bound_with_an_idle_gpu_and_compute_bound_with_a_bu
     # far above Lightning's per-step host overhead
     busy = DataWaitMonitor(warmup_steps=3)
     model = MLP(features=1024, hidden=8192, layers=4)
-    gpu_trainer(tmp_path, [busy], max_steps=30).fit(model, DataLoader(preloaded_batches(30, 4096, 1024), batch_size=None))
+    gpu_trainer(tmp_path, [busy], max_steps=30).fit(
+        model, DataLoader(preloaded_batches(30, 4096, 1024), batch_size=None)
+    )
     assert busy.report.verdict == "compute-bound", busy.report.verdict_reason
     assert busy.report.gpu_idle_fraction < 0.15
 

@@ -14,19 +14,19 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from models_memory import make_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset
 from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt, MemoryFill, NoBatchSizeFitsError
 from lightning_gpuopt.core.device import HostEvent, device_for
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.op_memory import AllocationWindow
 from lightning_gpuopt.core.timing import CudaStepTimer, StepStart
 from lightning_gpuopt.testing import SimulatedGpu
-from models_memory import make_model
 
 MIB = 2**20
 #: two cards in every twin: one with native bfloat16 (Hopper), one without (Turing)
@@ -34,14 +34,22 @@ PROFILES = ["H100", "T4"]
 
 
 def cpu_trainer(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, logger=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
 
-def trains_a_shuffled_epoch(tmp_path, profile: str, memory: str, name: str, batch_size: int, samples: int,
-                            **trainer_kwargs: Any) -> bool:
+def trains_a_shuffled_epoch(
+    tmp_path, profile: str, memory: str, name: str, batch_size: int, samples: int, **trainer_kwargs: Any
+) -> bool:
     """The independent check: does a fresh model train one whole shuffled epoch at ``batch_size`` on
     a fresh card of that size?"""
     model = make_model(name, num_samples=samples, batch_size=batch_size)
@@ -107,12 +115,14 @@ def test_nvml_on_a_mig_instance_reads_memory_without_utilisation():
 def test_monitor_on_a_card_input_bound_with_an_idle_gpu_and_compute_bound_with_a_busy_one(tmp_path, profile):
     with SimulatedGpu(profile, memory="1GiB"):
         slow = DataWaitMonitor(warmup_steps=2)
-        cpu_trainer(tmp_path, [slow], max_steps=20).fit(MLP(), DataLoader(SlowDataset(960, delay_s=0.002),
-                                                                          batch_size=16))  # fmt: skip
+        cpu_trainer(tmp_path, [slow], max_steps=20).fit(
+            MLP(), DataLoader(SlowDataset(960, delay_s=0.002), batch_size=16)
+        )
         busy = DataWaitMonitor(warmup_steps=2)
         model = MLP(features=256, hidden=1024, layers=3)
-        cpu_trainer(tmp_path, [busy], max_steps=20).fit(model, DataLoader(preloaded_batches(20, 512, 256),
-                                                                          batch_size=None))  # fmt: skip
+        cpu_trainer(tmp_path, [busy], max_steps=20).fit(
+            model, DataLoader(preloaded_batches(20, 512, 256), batch_size=None)
+        )
     assert slow.report.verdict == "input-bound", slow.report.verdict_reason
     assert slow.report.gpu_idle_fraction > 0.5 and slow.report.gpu_util_mean is not None
     assert busy.report.verdict == "compute-bound", busy.report.verdict_reason
@@ -131,8 +141,9 @@ class SlowTransfer(MLP):
 def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
     with SimulatedGpu("H100", memory="1GiB"):
         monitor = DataWaitMonitor(warmup_steps=2)
-        cpu_trainer(tmp_path, [monitor], max_steps=15).fit(SlowTransfer(), DataLoader(preloaded_batches(15, 16, 32),
-                                                                                      batch_size=None))  # fmt: skip
+        cpu_trainer(tmp_path, [monitor], max_steps=15).fit(
+            SlowTransfer(), DataLoader(preloaded_batches(15, 16, 32), batch_size=None)
+        )
     report = monitor.report
     assert report.transfer_fraction > 0.5  # the copies dominate the step...
     assert report.gpu_idle_fraction < 0.3  # ...and the card is busy with them, not waiting
@@ -144,8 +155,9 @@ def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
 def test_tuner_pins_memory_on_a_card(tmp_path):
     with SimulatedGpu("T4", memory="1GiB"):
         tuner = DataLoaderTuner(max_seconds=3)
-        cpu_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.0005),
-                                                                          batch_size=16))  # fmt: skip
+        cpu_trainer(tmp_path, [tuner], max_steps=3).fit(
+            MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=16)
+        )
     assert tuner.result is not None and tuner.result.pin_memory is True
 
 
@@ -163,8 +175,9 @@ def test_tuner_leaves_a_dataset_already_on_the_card_alone(tmp_path):
 # ----------------------------------------------------------------------------- precision
 
 
-@pytest.mark.parametrize(("profile", "expected"), [("H100", "bf16-mixed"), ("A100", "bf16-mixed"),
-                                                   ("V100", "16-mixed"), ("T4", "16-mixed")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("profile", "expected"), [("H100", "bf16-mixed"), ("A100", "bf16-mixed"), ("V100", "16-mixed"), ("T4", "16-mixed")]
+)
 def test_amp_auto_picks_bf16_only_on_cards_with_native_bfloat16(tmp_path, profile, expected):
     model = make_model("mlp", num_samples=256, batch_size=16)
     with SimulatedGpu(profile, memory="256MiB"):
@@ -317,9 +330,15 @@ def test_the_readme_example_gpuopt_fits_a_simulated_t4(tmp_path):
     """README, "SimulatedGpu": a user's test of their own GpuOpt setup in CPU CI."""
     model = make_model("mlp", num_samples=512, batch_size=16)
     with SimulatedGpu("T4", memory="256MiB") as gpu:
-        trainer = Trainer(accelerator="cpu", max_steps=5, default_root_dir=tmp_path, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False,
-                          callbacks=[GpuOpt("fill-memory", amp="auto")])  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=5,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            callbacks=[GpuOpt("fill-memory", amp="auto")],
+        )
         trainer.fit(model)
     plan = trainer.callbacks[0].report.memory_fill
     assert plan.precision == "16-mixed"

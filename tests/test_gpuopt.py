@@ -7,20 +7,28 @@ import os
 
 import pytest
 from lightning import Trainer
+from models_memory import make_model
 
 from lightning_gpuopt import GpuOpt, available_presets, load_preset
-from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.core import report as report_module
-from models_memory import make_model
 
 BUDGET = "40MB"  # the transformer at micro-batch 64 fits it; checkpointing lets 8 fit far below
 
 
 def fit(tmp_path, gpuopt: GpuOpt, initial: int = 16, max_steps: int = 2, **kwargs) -> tuple[Trainer, object]:
     model = make_model("transformer", num_samples=256, batch_size=initial)
-    options = dict(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     trainer = Trainer(callbacks=[gpuopt], **options)
     trainer.fit(model)
@@ -68,7 +76,7 @@ def test_max_throughput_with_amp_on_cpu_and_a_tuned_loader(tmp_path):
 
 def test_low_memory_checkpoints_and_accumulates_at_the_smallest_micro_batch(tmp_path):
     gpuopt = GpuOpt("low-memory", max_memory=BUDGET, global_batch_size=64)
-    trainer, model = fit(tmp_path, gpuopt)
+    _trainer, _model = fit(tmp_path, gpuopt)
     plan = gpuopt.report.memory_fill
     assert plan.checkpointing and plan.checkpointed_classes == ["TransformerEncoderLayer"]
     assert (plan.micro_batch_size, plan.accumulate_grad_batches) == (8, 8)
@@ -96,11 +104,13 @@ def test_a_users_yaml_extends_a_preset_and_keywords_override_it(tmp_path):
 
 
 def test_unknown_preset_and_key_list_the_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match="unknown preset 'fast'.*'diagnose', 'fill-memory', 'low-memory', 'max-throughput'"):
+    with pytest.raises(
+        ValueError, match=r"unknown preset 'fast'.*'diagnose', 'fill-memory', 'low-memory', 'max-throughput'"
+    ):
         GpuOpt("fast")
     path = tmp_path / "typo.yaml"
     path.write_text("preset: diagnose\nampp: true\n")
-    with pytest.raises(ValueError, match="unknown key\\(s\\) 'ampp' in .*typo.yaml: valid keys are monitor, estimate"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'ampp' in .*typo.yaml: valid keys are monitor, estimate"):
         GpuOpt(str(path))
     cycle = tmp_path / "cycle.yaml"
     cycle.write_text("preset: cycle.yaml\n")
@@ -113,7 +123,6 @@ def test_every_shipped_preset_loads_into_gpuopt():
         gpuopt = GpuOpt(name, max_memory="1GB")
         assert gpuopt.settings == {**load_preset(name), "max_memory": "1GB"}
         assert gpuopt.monitor is not None  # every preset measures
-
 
 
 def _unwritable_dir(tmp_path, how: str):
@@ -144,8 +153,11 @@ def test_a_report_that_cannot_be_written_never_costs_the_run(tmp_path, how):
 
 def test_a_full_disk_at_the_end_of_fit_warns_and_the_run_ends_normally(tmp_path, monkeypatch):
     # every write of the report goes to /dev/full: the kernel answers ENOSPC, as a full disk does
-    monkeypatch.setattr(report_module, "_create_sibling", lambda target: (os.open("/dev/full", os.O_WRONLY),
-                                                                          tmp_path / ".gpuopt_report.json.tmp"))
+    monkeypatch.setattr(
+        report_module,
+        "_create_sibling",
+        lambda target: (os.open("/dev/full", os.O_WRONLY), tmp_path / ".gpuopt_report.json.tmp"),
+    )
     gpuopt = GpuOpt("diagnose")
     with pytest.warns(UserWarning, match="No space left on device") as caught:
         trainer, _ = fit(tmp_path, gpuopt, max_steps=3)

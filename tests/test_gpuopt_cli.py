@@ -21,8 +21,14 @@ QUICK = ["--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", "
 
 def train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), "fit", *args, "--trainer.default_root_dir", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "fit", *args, "--trainer.default_root_dir", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def ran(result: subprocess.CompletedProcess) -> None:
@@ -72,8 +78,10 @@ def test_fit_config_file_with_a_preset(tmp_path, config):
 def test_unknown_preset_fails_with_the_valid_ones(tmp_path):
     result = train(tmp_path, "--gpuopt", "fast", *QUICK)
     assert result.returncode == 2
-    assert "unknown preset 'fast': expected one of 'diagnose', 'fill-memory', 'low-memory', 'max-throughput'" in \
-        result.stderr  # fmt: skip
+    assert (
+        "unknown preset 'fast': expected one of 'diagnose', 'fill-memory', 'low-memory', 'max-throughput'"
+        in result.stderr
+    )
     assert not list(tmp_path.rglob("gpuopt_report.json"))  # nothing ran
 
 
@@ -85,7 +93,10 @@ def test_without_the_flag_nothing_is_added(tmp_path):
 
 def test_preset_flag_forms():
     assert preset_flag_as_key(["fit", "--gpuopt=low-memory", "--gpuopt.amp=false"]) == [
-        "fit", "--gpuopt.preset=low-memory", "--gpuopt.amp=false"]  # fmt: skip
+        "fit",
+        "--gpuopt.preset=low-memory",
+        "--gpuopt.amp=false",
+    ]
 
 
 def shipped_preset(name: str) -> dict:
@@ -94,8 +105,9 @@ def shipped_preset(name: str) -> dict:
 
 
 def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path):
-    result = train(tmp_path, "--gpuopt", "fill-memory", "--gpuopt.amp", "true", "--gpuopt.max_memory", "40MB",
-                   "--print_config")  # fmt: skip
+    result = train(
+        tmp_path, "--gpuopt", "fill-memory", "--gpuopt.amp", "true", "--gpuopt.max_memory", "40MB", "--print_config"
+    )
     ran(result)
     printed = yaml.safe_load(result.stdout)["gpuopt"]
     expected = {**shipped_preset("fill-memory"), "amp": True, "max_memory": "40MB", "preset": "fill-memory"}
@@ -110,13 +122,13 @@ def test_help_describes_the_gpuopt_flag_and_lists_the_presets(tmp_path):
     text = " ".join(result.stdout.split()).replace("- ", "-")  # argparse wraps lines at hyphens
     usage = "[--gpuopt PRESET_OR_YAML]"
     start = text.index("--gpuopt PRESET_OR_YAML", text.index(usage) + len(usage))  # the option's entry
-    described = text[start:text.index("--gpuopt.preset PRESET ", start)]
+    described = text[start : text.index("--gpuopt.preset PRESET ", start)]
     assert "configuration file" not in described and "preset name or the path of a YAML file" in described
     assert all(name in described for name in ("diagnose", "fill-memory", "low-memory", "max-throughput"))
     assert "run MemoryFill: largest micro-batch" in text  # each setting has its meaning
 
 
-SUBCLASS = '''
+SUBCLASS = """
 import sys
 sys.path.insert(0, {examples!r})
 from models import TokenTransformer
@@ -129,16 +141,32 @@ class MyCLI(GpuOptCLI):
 
 
 MyCLI(TokenTransformer, trainer_defaults={{"accelerator": "cpu", "devices": 1}})
-'''
+"""
 
 
 def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_gpuopt(tmp_path):
     script = tmp_path / "my_train.py"
     script.write_text(SUBCLASS.format(examples=str(SCRIPT.parent)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(script), "fit", "--gpuopt", "diagnose", "--notes", "mine", *QUICK,
-                             "--trainer.default_root_dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "fit",
+            "--gpuopt",
+            "diagnose",
+            "--notes",
+            "mine",
+            *QUICK,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     ran(result)
     assert report(tmp_path)["gpuopt"]["preset"] == "diagnose"
     assert saved_config(tmp_path)["notes"] == "mine"

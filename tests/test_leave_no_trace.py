@@ -74,8 +74,13 @@ class Net(LightningModule):
     """Dropout (torch RNG), a numpy and a ``random`` draw per step, a shuffled loader: every RNG
     a trial, an estimate or a loader timing could disturb is one training reads."""
 
-    def __init__(self, batch_size: int = 16, tag: float = 0.0, loader_kwargs: Optional[dict] = None,
-                 fail_in: Optional[str] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        batch_size: int = 16,
+        tag: float = 0.0,
+        loader_kwargs: Optional[dict] = None,
+        fail_in: Optional[str] = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["loader_kwargs", "fail_in"])
         self.embed = nn.Linear(FEATURES, 16)
@@ -152,7 +157,9 @@ class Rows(Logger):
         pass
 
     def without_ours(self) -> list[tuple[Optional[int], dict]]:
-        rows = [(step, {k: v for k, v in metrics.items() if not k.startswith("gpuopt/")}) for step, metrics in self.rows]
+        rows = [
+            (step, {k: v for k, v in metrics.items() if not k.startswith("gpuopt/")}) for step, metrics in self.rows
+        ]
         return [(step, metrics) for step, metrics in rows if metrics]
 
 
@@ -190,9 +197,17 @@ class Outcome:
 
 
 def make_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=3, default_root_dir=tmp_path, logger=Rows(),
-                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        default_root_dir=tmp_path,
+        logger=Rows(),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -214,8 +229,9 @@ def by_hand(tmp_path: Path, settings: Settings) -> Outcome:
     model = fresh_model(batch_size=settings.batch_size, loader_kwargs=settings.loader_kwargs)
     if settings.checkpointed:
         enable_checkpointing(select_blocks(model, settings.checkpointed))
-    trainer = make_trainer(tmp_path / "by_hand", [], accumulate_grad_batches=settings.accumulate_grad_batches,
-                           precision=settings.precision)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path / "by_hand", [], accumulate_grad_batches=settings.accumulate_grad_batches, precision=settings.precision
+    )
     return fit(trainer, model)
 
 
@@ -241,20 +257,32 @@ def assert_same(run: Outcome, hand: Outcome) -> None:
     for name in run.weights:
         assert torch.equal(run.weights[name], hand.weights[name]), name
     assert torch.equal(run.rng[0], hand.rng[0])
-    assert run.rng[1][0] == hand.rng[1][0] and np.array_equal(run.rng[1][1], hand.rng[1][1]) and run.rng[1][2:] == hand.rng[1][2:]
+    assert (
+        run.rng[1][0] == hand.rng[1][0]
+        and np.array_equal(run.rng[1][1], hand.rng[1][1])
+        and run.rng[1][2:] == hand.rng[1][2:]
+    )
     assert run.rng[2] == hand.rng[2]
     assert run.rows == hand.rows and run.rows
 
 
 CALLBACKS: dict[str, Callable[[], Callback]] = {
     "BatchSizeSearch": lambda: BatchSizeSearch(max_memory=MAX_MEMORY, max_batch_size=32, verbose=False),
-    "MemoryFill": lambda: MemoryFill(global_batch_size=32, max_memory=MAX_MEMORY, amp=True, checkpointing=True,
-                                     min_micro_batch_size=8, objective="memory", verbose=False),
+    "MemoryFill": lambda: MemoryFill(
+        global_batch_size=32,
+        max_memory=MAX_MEMORY,
+        amp=True,
+        checkpointing=True,
+        min_micro_batch_size=8,
+        objective="memory",
+        verbose=False,
+    ),
     "DataLoaderTuner": lambda: DataLoaderTuner(max_seconds=0.5, batches_per_candidate=2, verbose=False),
     "GpuOpt-diagnose": lambda: GpuOpt("diagnose"),
     "GpuOpt-fill-memory": lambda: GpuOpt("fill-memory", global_batch_size=32, max_memory=MAX_MEMORY),
-    "GpuOpt-max-throughput": lambda: GpuOpt("max-throughput", global_batch_size=32, max_memory=MAX_MEMORY,
-                                            amp=True, loader_max_seconds=0.5),
+    "GpuOpt-max-throughput": lambda: GpuOpt(
+        "max-throughput", global_batch_size=32, max_memory=MAX_MEMORY, amp=True, loader_max_seconds=0.5
+    ),
     "GpuOpt-low-memory": lambda: GpuOpt("low-memory", global_batch_size=32, max_memory=MAX_MEMORY, amp=True),
 }
 
@@ -293,8 +321,12 @@ class Before:
 
 
 def state_before(trainer: Trainer, model: Net) -> Before:
-    return Before(trainer.strategy.precision_plugin, trainer.fit_loop._data_source,
-                  (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)), list(model.state_dict()))  # fmt: skip
+    return Before(
+        trainer.strategy.precision_plugin,
+        trainer.fit_loop._data_source,
+        (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)),
+        list(model.state_dict()),
+    )
 
 
 def assert_as_before(trainer: Trainer, model: Net, before: Before) -> None:
@@ -329,8 +361,10 @@ def test_a_fit_failing_at_any_phase_leaves_no_trace_and_the_next_fit_is_a_fresh_
 
 
 def test_a_trainer_reused_after_a_failed_fit_trains_the_next_model_on_its_own_data(tmp_path):
-    for callback in (DataLoaderTuner(max_seconds=0.3, batches_per_candidate=2, verbose=False),
-                     GpuOpt(None, tune_loader=True, loader_max_seconds=0.3)):  # fmt: skip
+    for callback in (
+        DataLoaderTuner(max_seconds=0.3, batches_per_candidate=2, verbose=False),
+        GpuOpt(None, tune_loader=True, loader_max_seconds=0.3),
+    ):
         failing = FailsInTraining()
         trainer = make_trainer(tmp_path, [callback, failing])
         with pytest.raises(RuntimeError, match="the user's callback failed"):
@@ -367,7 +401,9 @@ def test_the_users_hooks_and_attributes_see_one_fit_and_checkpoints_keep_the_use
     resumed_trainer.fit(resumed, ckpt_path=checkpoint_path)
     assert resumed_trainer.global_step == 5
     assert (resumed_fill.plan.micro_batch_size, resumed_fill.plan.accumulate_grad_batches) == (
-        fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches)  # fmt: skip
+        fill.plan.micro_batch_size,
+        fill.plan.accumulate_grad_batches,
+    )
 
 
 # ---------------------------------------------------------------------- SIGTERM and Ctrl+C during our work
@@ -418,19 +454,26 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("name,signame,where", [
-    ("BatchSizeSearch", "SIGTERM", "trials"),
-    ("DataLoaderTuner", "SIGTERM", "tuning"),
-    ("GpuOpt-max-throughput", "SIGTERM", "tuning"),
-    ("MemoryFill", "SIGINT", "trials"),
-    ("DataLoaderTuner", "SIGINT", "tuning"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,signame,where",
+    [
+        ("BatchSizeSearch", "SIGTERM", "trials"),
+        ("DataLoaderTuner", "SIGTERM", "tuning"),
+        ("GpuOpt-max-throughput", "SIGTERM", "tuning"),
+        ("MemoryFill", "SIGINT", "trials"),
+        ("DataLoaderTuner", "SIGINT", "tuning"),
+    ],
+)
 def test_a_signal_during_our_work_restores_everything_and_ends_fit_as_lightning_does(tmp_path, name, signame, where):
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=str(Path(__file__).parent), root=str(tmp_path)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, str(script), name, signame, where], capture_output=True, text=True,
-                           env=env, timeout=600)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.run(
+        [sys.executable, str(script), name, signame, where], capture_output=True, text=True, env=env, timeout=600
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     # SIGTERM: fit stops with Lightning's SIGTERMException before training; Ctrl+C: Lightning's exit(1)

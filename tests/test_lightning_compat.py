@@ -52,7 +52,9 @@ def _renamed(path: str, namespace: str) -> str:
 
 
 NAMESPACES = [
-    Namespace("lightning.pytorch", lightning.pytorch, lightning.__version__, "lightning_gpuopt.callbacks._lightning_compat"),
+    Namespace(
+        "lightning.pytorch", lightning.pytorch, lightning.__version__, "lightning_gpuopt.callbacks._lightning_compat"
+    ),
     Namespace(
         "pytorch_lightning",
         pytorch_lightning,
@@ -85,21 +87,53 @@ def moved(ns: Namespace, what: str, expected: str, found: str = "") -> None:
 PRIVATE_IMPORTS = [
     ("lightning.fabric.utilities.seed", "_collect_rng_states", "collect_rng_states", ((), {"include_cuda": False})),
     ("lightning.fabric.utilities.seed", "_set_rng_states", "set_rng_states", (("states",), {})),
-    ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls", "reinstantiate_wrapped_cls", (("loader", 1), {"x": 2})),
-    ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "init_optimizers_and_lr_schedulers", (("model",), {})),
+    (
+        "lightning.fabric.utilities.data",
+        "_reinstantiate_wrapped_cls",
+        "reinstantiate_wrapped_cls",
+        (("loader", 1), {"x": 2}),
+    ),
+    (
+        "lightning.pytorch.core.optimizer",
+        "_init_optimizers_and_lr_schedulers",
+        "init_optimizers_and_lr_schedulers",
+        (("model",), {}),
+    ),
     ("lightning.pytorch.core.optimizer", "_MockOptimizer", "MockOptimizer", None),
     ("lightning.pytorch.loops.loop", "_Loop", "Loop", None),
     ("lightning.pytorch.loops.progress", "_BaseProgress", "BaseProgress", None),
     ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource", "DataLoaderSource", None),
-    ("lightning.pytorch.trainer.connectors.data_connector", "_request_dataloader", "request_dataloader", (("source",), {})),
+    (
+        "lightning.pytorch.trainer.connectors.data_connector",
+        "_request_dataloader",
+        "request_dataloader",
+        (("source",), {}),
+    ),
     ("lightning.pytorch.utilities.data", "_update_dataloader", "update_dataloader", (("loader",), {"sampler": "s"})),
-    ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs", "dataloader_init_args_and_kwargs", (("loader", "sampler"), {})),
-    ("lightning.pytorch.trainer.call", "_call_lightning_datamodule_hook", None, (("trainer", "setup"), {"stage": "fit"})),
-    ("lightning.pytorch.utilities.parsing", "_lightning_get_all_attr_holders", "attribute_holders", (("model", "batch_size"), {})),
+    (
+        "lightning.pytorch.utilities.data",
+        "_get_dataloader_init_args_and_kwargs",
+        "dataloader_init_args_and_kwargs",
+        (("loader", "sampler"), {}),
+    ),
+    (
+        "lightning.pytorch.trainer.call",
+        "_call_lightning_datamodule_hook",
+        None,
+        (("trainer", "setup"), {"stage": "fit"}),
+    ),
+    (
+        "lightning.pytorch.utilities.parsing",
+        "_lightning_get_all_attr_holders",
+        "attribute_holders",
+        (("model", "batch_size"), {}),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("module", "name", "ours", "call"), PRIVATE_IMPORTS, ids=[f"{m}.{n}" for m, n, _, _ in PRIVATE_IMPORTS])
+@pytest.mark.parametrize(
+    ("module", "name", "ours", "call"), PRIVATE_IMPORTS, ids=[f"{m}.{n}" for m, n, _, _ in PRIVATE_IMPORTS]
+)
 def test_private_import_exists_and_takes_our_arguments(ns, module, name, ours, call):
     path = ns.module_path(module)
     try:
@@ -114,7 +148,12 @@ def test_private_import_exists_and_takes_our_arguments(ns, module, name, ours, c
         try:
             inspect.signature(found).bind(*args, **kwargs)
         except TypeError as error:
-            moved(ns, f"`{path}.{name}`", f"a callable taking {args} and {sorted(kwargs)}", f"{inspect.signature(found)}: {error}")
+            moved(
+                ns,
+                f"`{path}.{name}`",
+                f"a callable taking {args} and {sorted(kwargs)}",
+                f"{inspect.signature(found)}: {error}",
+            )
     if ours is not None and getattr(ns.compat, ours) is not found:
         moved(ns, f"`{path}.{name}`", f"the object the compat module calls `{ours}`")
 
@@ -128,16 +167,24 @@ def test_lightning_optimizer_to_lightning_optimizer(ns):
     strategy = ns.pl.Trainer(accelerator="cpu", logger=False).strategy
     wrapped = ns.compat.to_lightning_optimizer(optimizer, strategy)
     if not isinstance(wrapped, from_module.LightningOptimizer) or wrapped.optimizer is not optimizer:
-        moved(ns, "`LightningOptimizer._to_lightning_optimizer(optimizer, strategy)`",
-              "a LightningOptimizer wrapping the optimizer", repr(wrapped))  # fmt: skip
+        moved(
+            ns,
+            "`LightningOptimizer._to_lightning_optimizer(optimizer, strategy)`",
+            "a LightningOptimizer wrapping the optimizer",
+            repr(wrapped),
+        )
 
 
 # -- attributes of a real Trainer, read mid-fit ------------------------------------------------------------
 
 
 def _is_source(value: Any, c: ModuleType) -> bool:
-    return (isinstance(value, c.DataLoaderSource) and hasattr(value, "instance") and hasattr(value, "name")
-            and all(callable(getattr(value, m, None)) for m in ("dataloader", "is_module", "is_defined")))  # fmt: skip
+    return (
+        isinstance(value, c.DataLoaderSource)
+        and hasattr(value, "instance")
+        and hasattr(value, "name")
+        and all(callable(getattr(value, m, None)) for m in ("dataloader", "is_module", "is_defined"))
+    )
 
 
 def _progress(trainer: Any, c: ModuleType) -> list:
@@ -156,8 +203,11 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
     "trainer.fit_loop._data_fetcher": (
         lambda t, c: t.fit_loop._data_fetcher,
         "the fit loop's data fetcher, with teardown() and a `batches` list (the prefetched batches)",
-        lambda v, t, c: callable(getattr(v, "teardown", None)) and isinstance(getattr(v, "batches", None), list)
-        and c.data_fetcher(t) is v,
+        lambda v, t, c: (
+            callable(getattr(v, "teardown", None))
+            and isinstance(getattr(v, "batches", None), list)
+            and c.data_fetcher(t) is v
+        ),
     ),
     "trainer.fit_loop._combined_loader": (
         lambda t, c: t.fit_loop._combined_loader,
@@ -182,26 +232,40 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
     "trainer._signal_connector.received_sigterm": (
         lambda t, c: t._signal_connector,
         "a connector with a bool received_sigterm that trainer.received_sigterm reads",
-        lambda v, t, c: type(v.received_sigterm) is bool and c.signal_connector(t) is v
-        and t.received_sigterm is v.received_sigterm,
+        lambda v, t, c: (
+            type(v.received_sigterm) is bool and c.signal_connector(t) is v and t.received_sigterm is v.received_sigterm
+        ),
     ),
     "trainer.strategy._optimizers": (
         lambda t, c: t.strategy._optimizers,
         "the list of torch optimizers, the same object the public strategy.optimizers returns",
-        lambda v, t, c: isinstance(v, list) and len(v) == 1 and isinstance(v[0], torch.optim.Optimizer)
-        and t.strategy.optimizers is v,
+        lambda v, t, c: (
+            isinstance(v, list)
+            and len(v) == 1
+            and isinstance(v[0], torch.optim.Optimizer)
+            and t.strategy.optimizers is v
+        ),
     ),
     "trainer.strategy._lightning_optimizers": (
         lambda t, c: t.strategy._lightning_optimizers,
         "a list of LightningOptimizer, one per optimizer",
-        lambda v, t, c: isinstance(v, list) and len(v) == 1 and isinstance(v[0], c.LightningOptimizer)
-        and v[0].optimizer is t.strategy._optimizers[0] and c.strategy_optimizer_lists(t.strategy)[1] is v,
+        lambda v, t, c: (
+            isinstance(v, list)
+            and len(v) == 1
+            and isinstance(v[0], c.LightningOptimizer)
+            and v[0].optimizer is t.strategy._optimizers[0]
+            and c.strategy_optimizer_lists(t.strategy)[1] is v
+        ),
     ),
     "fit loop progress counters (_Loop / _BaseProgress)": (
         lambda t, c: _progress(t, c),
         "the fit loop and its epoch loop being _Loop instances holding _BaseProgress counters",
-        lambda v, t, c: isinstance(t.fit_loop, c.Loop) and isinstance(t.fit_loop.epoch_loop, c.Loop) and len(v) >= 3
-        and all(isinstance(p, c.BaseProgress) and callable(p.reset) for p in v),
+        lambda v, t, c: (
+            isinstance(t.fit_loop, c.Loop)
+            and isinstance(t.fit_loop.epoch_loop, c.Loop)
+            and len(v) >= 3
+            and all(isinstance(p, c.BaseProgress) and callable(p.reset) for p in v)
+        ),
     ),
     "trainer._data_connector.attach_data": (
         lambda t, c: t._data_connector.attach_data,
@@ -209,7 +273,9 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
         lambda v, t, c: callable(v) and "datamodule" in inspect.signature(v).parameters,
     ),
     "ModelCheckpoint._every_n_train_steps/_every_n_epochs/_train_time_interval": (
-        lambda t, c: [vars(t.checkpoint_callback)[k] for k in ("_every_n_train_steps", "_every_n_epochs", "_train_time_interval")],
+        lambda t, c: [
+            vars(t.checkpoint_callback)[k] for k in ("_every_n_train_steps", "_every_n_epochs", "_train_time_interval")
+        ],
         "the schedule ModelCheckpoint(every_n_train_steps=1, train_time_interval=None) keeps: 1, 0, None",
         lambda v, t, c: v == [1, 0, None] and c.checkpoint_schedule(t.checkpoint_callback) == (1, None, None),
     ),
@@ -289,13 +355,28 @@ def fitted(ns, tmp_path_factory) -> dict:
     reader = Reader()
     profiler = _recording_profiler(pl)
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt"), every_n_train_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[reader, checkpoint], profiler=profiler,
-                         default_root_dir=tmp_path_factory.mktemp("root"))  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[reader, checkpoint],
+        profiler=profiler,
+        default_root_dir=tmp_path_factory.mktemp("root"),
+    )
     model, data = _model_class(pl)(), _datamodule_class(pl)()
     trainer.fit(model, datamodule=data)
-    return {"results": results, "actions": profiler.actions, "trainer": trainer, "model": model, "data": data,
-            "reader": reader, "loader": seen.get("loader")}  # fmt: skip
+    return {
+        "results": results,
+        "actions": profiler.actions,
+        "trainer": trainer,
+        "model": model,
+        "data": data,
+        "reader": reader,
+        "loader": seen.get("loader"),
+    }
 
 
 @pytest.mark.parametrize("attribute", list(ATTRIBUTES))
@@ -349,15 +430,23 @@ def test_train_loader_reset_and_rebuild(ns, fitted):
 def test_loader_recreated_from_its_recorded_arguments(ns, fitted):
     c, loader = ns.compat, fitted["loader"]
     if c.saved_arg_names(loader)[:2] != ["dataset", "batch_size"]:
-        moved(ns, "a train loader's `__pl_saved_arg_names`", "the positional names ['dataset', 'batch_size']",
-              repr(getattr(loader, "__pl_saved_arg_names", None)))  # fmt: skip
+        moved(
+            ns,
+            "a train loader's `__pl_saved_arg_names`",
+            "the positional names ['dataset', 'batch_size']",
+            repr(getattr(loader, "__pl_saved_arg_names", None)),
+        )
     args, kwargs = c.dataloader_init_args_and_kwargs(loader, loader.sampler)
     rebuilt = c.reinstantiate_wrapped_cls(loader, *args, **{**kwargs, "num_workers": 0})
     resampled = c.update_dataloader(loader, sampler=SequentialSampler(loader.dataset))
     for copy in (rebuilt, resampled):
         if type(copy) is not type(loader) or copy.batch_size != loader.batch_size or copy.dataset is not loader.dataset:
-            moved(ns, "_get_dataloader_init_args_and_kwargs/_reinstantiate_wrapped_cls/_update_dataloader",
-                  "a copy of the loader (same class, dataset, batch size)", repr(copy))  # fmt: skip
+            moved(
+                ns,
+                "_get_dataloader_init_args_and_kwargs/_reinstantiate_wrapped_cls/_update_dataloader",
+                "a copy of the loader (same class, dataset, batch size)",
+                repr(copy),
+            )
 
 
 def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
@@ -379,8 +468,9 @@ def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
 
 def test_attach_data_datamodule_hook_and_configure_optimizers(ns, tmp_path):
     pl, c = ns.pl, ns.compat
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path
+    )
     model, data = _model_class(pl)(), _datamodule_class(pl)()
     c.attach_data(trainer, model, datamodule=data)
     trainer.strategy.connect(model)
@@ -392,17 +482,31 @@ def test_attach_data_datamodule_hook_and_configure_optimizers(ns, tmp_path):
     if len(holders) != 2 or holders[0] is not model or holders[1] is not data:
         moved(ns, "_lightning_get_all_attr_holders(model, 'batch_size')", "[the model, the datamodule]", repr(holders))
     if not hasattr(data, "data"):
-        moved(ns, "trainer.call._call_lightning_datamodule_hook(trainer, 'setup', stage=...)", "the datamodule's setup run")
+        moved(
+            ns,
+            "trainer.call._call_lightning_datamodule_hook(trainer, 'setup', stage=...)",
+            "the datamodule's setup run",
+        )
     optimizers, schedulers = c.init_optimizers_and_lr_schedulers(model)
     if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.SGD) or schedulers:
-        moved(ns, "_init_optimizers_and_lr_schedulers(model)", "([the SGD of configure_optimizers()], [])",
-              repr((optimizers, schedulers)))  # fmt: skip
+        moved(
+            ns,
+            "_init_optimizers_and_lr_schedulers(model)",
+            "([the SGD of configure_optimizers()], [])",
+            repr((optimizers, schedulers)),
+        )
     model.configure_optimizers = lambda: None  # type: ignore[method-assign]
-    with pytest.warns(UserWarning):  # Lightning: "configure_optimizers returned None, this fit will run with no optimizer"
+    with pytest.warns(
+        UserWarning
+    ):  # Lightning: "configure_optimizers returned None, this fit will run with no optimizer"
         optimizers, _ = c.init_optimizers_and_lr_schedulers(model)
     if not (len(optimizers) == 1 and isinstance(optimizers[0], c.MockOptimizer)):
-        moved(ns, "_init_optimizers_and_lr_schedulers for configure_optimizers() -> None", "[_MockOptimizer()]",
-              repr(optimizers))  # fmt: skip
+        moved(
+            ns,
+            "_init_optimizers_and_lr_schedulers for configure_optimizers() -> None",
+            "[_MockOptimizer()]",
+            repr(optimizers),
+        )
 
 
 def test_strategy_optimizer_lists_round_trip(ns, fitted):
@@ -425,31 +529,68 @@ def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
         try:
             inspect.signature(method).bind(*args, **kwargs)
         except (TypeError, ValueError) as error:
-            moved(ns, f"`LightningCLI.{name}`", f"a method taking {args[1:]} and {sorted(kwargs)}", f"{method}: {error}")
+            moved(
+                ns, f"`LightningCLI.{name}`", f"a method taking {args[1:]} and {sorted(kwargs)}", f"{method}: {error}"
+            )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["train.py"])
     cli = cli_module.LightningCLI(
-        _model_class(pl), run=False, save_config_callback=None, seed_everything_default=False,
+        _model_class(pl),
+        run=False,
+        save_config_callback=None,
+        seed_everything_default=False,
         args=["--trainer.logger=false", "--trainer.accelerator=cpu", "--trainer.enable_checkpointing=false"],
-    )  # fmt: skip
+    )
     if c.cli_parser(cli, None) is not cli.parser:
         moved(ns, "`LightningCLI._parser(None)`", "the CLI's parser")
     trainer_config = c.cli_config_value(cli, cli.config_init, "trainer", default={})
     if not hasattr(trainer_config, "get") or "callbacks" not in trainer_config:
-        moved(ns, "`LightningCLI._get(config, 'trainer', default={})`", "the trainer's settings", repr(trainer_config)[:200])
+        moved(
+            ns,
+            "`LightningCLI._get(config, 'trainer', default={})`",
+            "the trainer's settings",
+            repr(trainer_config)[:200],
+        )
     actions = c.parser_option_actions(cli.parser)
-    if not isinstance(actions, dict) or "--trainer.max_steps" not in actions or not hasattr(actions["--trainer.max_steps"], "help"):
-        moved(ns, "`LightningArgumentParser._option_string_actions`", "argparse's flag -> action dict", repr(type(actions)))
+    if (
+        not isinstance(actions, dict)
+        or "--trainer.max_steps" not in actions
+        or not hasattr(actions["--trainer.max_steps"], "help")
+    ):
+        moved(
+            ns,
+            "`LightningArgumentParser._option_string_actions`",
+            "argparse's flag -> action dict",
+            repr(type(actions)),
+        )
 
 
 def test_module_docstring_names_every_internal(ns):
     doc = ns.compat.__doc__ or ""
     names = [name for _, name, _, _ in PRIVATE_IMPORTS] + [
-        "_data_source", "_data_fetcher", "_combined_loader", "_batches_that_stepped", "_broadcast_sigterm_tensor",
-        "_logger_connector", "_signal_connector", "_optimizers", "_lightning_optimizers", "_to_lightning_optimizer",
-        "__pl_saved_arg_names", "_every_n_train_steps", "_last_checkpoint_saved", "_data_connector", "_parser", "_get",
-        "_option_string_actions", "train_dataloader_next", "[Strategy]", "[Callback]", "[LightningModule]",
-        "[LightningDataModule]", "save_checkpoint",
-    ]  # fmt: skip
+        "_data_source",
+        "_data_fetcher",
+        "_combined_loader",
+        "_batches_that_stepped",
+        "_broadcast_sigterm_tensor",
+        "_logger_connector",
+        "_signal_connector",
+        "_optimizers",
+        "_lightning_optimizers",
+        "_to_lightning_optimizer",
+        "__pl_saved_arg_names",
+        "_every_n_train_steps",
+        "_last_checkpoint_saved",
+        "_data_connector",
+        "_parser",
+        "_get",
+        "_option_string_actions",
+        "train_dataloader_next",
+        "[Strategy]",
+        "[Callback]",
+        "[LightningModule]",
+        "[LightningDataModule]",
+        "save_checkpoint",
+    ]
     missing = [name for name in names if name not in doc]
     assert not missing, f"{COMPAT}'s docstring does not list {missing}"

@@ -66,9 +66,8 @@ def test_budget_allows_up_to_the_cap_and_raises_past_it():
 
 
 def test_budget_error_is_recognised_by_lightning_and_by_us():
-    with MemoryBudget("1KB"):
-        with pytest.raises(torch.OutOfMemoryError) as caught:
-            torch.ones(1000)
+    with MemoryBudget("1KB"), pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.ones(1000)
     assert is_oom_error(caught.value)
     assert is_out_of_memory_error(caught.value)
     assert "1000" in str(caught.value)  # the cap in bytes is in the message
@@ -86,9 +85,8 @@ def test_budget_caps_a_whole_training_step_at_its_measured_peak():
         training_step(model, optimizer, batch)
     assert budget.peak_bytes == peak
 
-    with pytest.raises(torch.OutOfMemoryError):
-        with MemoryBudget(peak - 1, existing=(model, optimizer, batch)):
-            training_step(model, optimizer, batch)
+    with pytest.raises(torch.OutOfMemoryError), MemoryBudget(peak - 1, existing=(model, optimizer, batch)):
+        training_step(model, optimizer, batch)
 
 
 def test_existing_tensors_count_until_freed_inside():
@@ -253,8 +251,12 @@ def test_parse_memory_fraction_needs_a_device():
     [
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."),
-        RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."),
+        RuntimeError(
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+        ),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."
+        ),
         RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
         MemoryError(),
     ],

@@ -15,18 +15,26 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models_memory import make_model
 from torch.nn import functional as F
 
 from lightning_gpuopt.callbacks.batch_size_search import NoBatchSizeFitsError
 from lightning_gpuopt.callbacks.memory_fill import MemoryFill
 from lightning_gpuopt.core.checkpointing import enable_checkpointing, find_repeated_blocks
 from lightning_gpuopt.core.memory import LiveTensorTracker
-from models_memory import make_model
 
 
 def trainer_for(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -121,8 +129,16 @@ def mlp_bf16_budget_for_8(tmp_path_factory) -> int:
 
 def test_accumulation_equals_one_large_batch_and_steps_once_per_group(tmp_path, mlp_budget_for_8):
     recorder = GradientRecorder()
-    fill, model, trainer = fill_fit(tmp_path, "mlp", 64, 32, recorder, global_batch_size=32, max_memory=mlp_budget_for_8,
-                                    trainer_kwargs=dict(max_steps=-1, max_epochs=1))  # fmt: skip
+    fill, model, trainer = fill_fit(
+        tmp_path,
+        "mlp",
+        64,
+        32,
+        recorder,
+        global_batch_size=32,
+        max_memory=mlp_budget_for_8,
+        trainer_kwargs=dict(max_steps=-1, max_epochs=1),
+    )
     plan = fill.plan
     assert (plan.largest_fit, plan.micro_batch_size, plan.accumulate_grad_batches) == (15, 8, 4)
     assert plan.global_batch_size == plan.requested_global_batch_size == 32
@@ -136,8 +152,16 @@ def test_accumulation_equals_one_large_batch_and_steps_once_per_group(tmp_path, 
 
 def test_a_short_last_group_is_a_mean_over_its_micro_batches(tmp_path, mlp_budget_for_8):
     recorder = GradientRecorder()
-    fill, model, trainer = fill_fit(tmp_path, "mlp", 40, 32, recorder, global_batch_size=32, max_memory=mlp_budget_for_8,
-                                    trainer_kwargs=dict(max_steps=-1, max_epochs=1))  # fmt: skip
+    fill, model, trainer = fill_fit(
+        tmp_path,
+        "mlp",
+        40,
+        32,
+        recorder,
+        global_batch_size=32,
+        max_memory=mlp_budget_for_8,
+        trainer_kwargs=dict(max_steps=-1, max_epochs=1),
+    )
     assert (fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches) == (8, 4)
     assert trainer.global_step == 2  # groups of 4 and 1 micro-batches
     inputs, targets = model.loader(40).dataset.tensors
@@ -203,7 +227,10 @@ def test_checkpointing_keeps_loss_and_gradients_lowers_the_peak():
 
 def test_checkpointed_batchnorm_blocks_update_running_stats_once():
     torch.manual_seed(0)
-    block = lambda: torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+
+    def block():
+        return torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+
     plain = torch.nn.Sequential(block(), block())
     checkpointed = copy.deepcopy(plain)
     enable_checkpointing(find_repeated_blocks(checkpointed))
@@ -218,8 +245,10 @@ def test_checkpointed_batchnorm_blocks_update_running_stats_once():
 def transformer_budget_needing_checkpointing(tmp_path_factory) -> int:
     """Micro-batches of 8 fit with checkpointing when accumulating, not without checkpointing."""
     root = tmp_path_factory.mktemp("transformer")
-    return budget_between(measured_peak(root, "transformer", 8, checkpointing=True, accumulate_grad_batches=2),
-                          measured_peak(root, "transformer", 8))  # fmt: skip
+    return budget_between(
+        measured_peak(root, "transformer", 8, checkpointing=True, accumulate_grad_batches=2),
+        measured_peak(root, "transformer", 8),
+    )
 
 
 def test_a_budget_that_fits_only_with_checkpointing_turns_it_on(tmp_path, transformer_budget_needing_checkpointing):
@@ -230,8 +259,9 @@ def test_a_budget_that_fits_only_with_checkpointing_turns_it_on(tmp_path, transf
     assert plan.micro_batch_size >= 8 and plan.global_batch_size == 32
     assert "forward" not in vars(model.network.encoder.layers[0])  # undone at teardown
     # the same budget without the lever: the largest fit is below 8
-    off, _, _ = fill_fit(tmp_path / "off", "transformer", 256, 32, global_batch_size=32, max_memory=budget,
-                         checkpointing=False)  # fmt: skip
+    off, _, _ = fill_fit(
+        tmp_path / "off", "transformer", 256, 32, global_batch_size=32, max_memory=budget, checkpointing=False
+    )
     assert not off.plan.checkpointing and off.plan.largest_fit < 8 <= plan.largest_fit
 
 
@@ -258,11 +288,22 @@ def test_bf16_mixed_on_cpu_when_asked_grows_the_micro_batch(tmp_path):
 
 
 def test_explicit_precision_and_accumulation_are_respected(tmp_path, mlp_bf16_budget_for_8):
-    fill, _, trainer = fill_fit(tmp_path, "mlp", 64, 8, amp=True, max_memory=mlp_bf16_budget_for_8,
-                                trainer_kwargs=dict(precision="bf16-mixed", accumulate_grad_batches=4))  # fmt: skip
+    fill, _, _trainer = fill_fit(
+        tmp_path,
+        "mlp",
+        64,
+        8,
+        amp=True,
+        max_memory=mlp_bf16_budget_for_8,
+        trainer_kwargs=dict(precision="bf16-mixed", accumulate_grad_batches=4),
+    )
     plan = fill.plan
-    assert (plan.precision, plan.micro_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == \
-        ("bf16-mixed", 8, 4, 32)  # fmt: skip
+    assert (plan.precision, plan.micro_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == (
+        "bf16-mixed",
+        8,
+        4,
+        32,
+    )
     assert any("set explicitly" in reason for reason in plan.reasons)
     assert plan.changes == []
 
@@ -289,7 +330,10 @@ class ManualModel(LightningModule):
 
 def test_manual_optimization_refuses_accumulation_with_the_reason(tmp_path, mlp_budget_for_8):
     trainer = trainer_for(tmp_path, [MemoryFill(max_memory=mlp_budget_for_8, checkpointing=False)])
-    with pytest.raises(NoBatchSizeFitsError, match="largest micro-batch that fits is 1[5-9], but 32 .*manual optimization: Lightning cannot accumulate"):
+    with pytest.raises(
+        NoBatchSizeFitsError,
+        match=r"largest micro-batch that fits is 1[5-9], but 32 .*manual optimization: Lightning cannot accumulate",
+    ):
         trainer.fit(ManualModel())
 
 
@@ -311,13 +355,13 @@ def test_bad_arguments_are_named(kwargs, match):
 
 def test_checkpointing_classes_that_match_nothing_list_the_blocks(tmp_path):
     trainer = trainer_for(tmp_path, [MemoryFill(max_memory="200MB", checkpointing=["NoSuchBlock"])])
-    with pytest.raises(ValueError, match="'NoSuchBlock' matches no module.*TransformerEncoderLayer"):
+    with pytest.raises(ValueError, match=r"'NoSuchBlock' matches no module.*TransformerEncoderLayer"):
         trainer.fit(make_model("transformer", num_samples=64, batch_size=8))
 
 
 def test_global_batch_must_divide_over_accumulation_set_by_the_user(tmp_path):
     trainer = trainer_for(tmp_path, [MemoryFill(max_memory="200MB", global_batch_size=30)], accumulate_grad_batches=4)
-    with pytest.raises(MisconfigurationException, match="global_batch_size=30 .* accumulate_grad_batches=4"):
+    with pytest.raises(MisconfigurationException, match=r"global_batch_size=30 .* accumulate_grad_batches=4"):
         trainer.fit(make_model("mlp", num_samples=64, batch_size=8))
 
 
@@ -339,7 +383,6 @@ def test_without_an_estimate_the_trials_turn_checkpointing_on(tmp_path, transfor
     assert plan.checkpointing and plan.micro_batch_size >= 8
     assert any("the trials found a largest micro-batch of" in reason for reason in plan.reasons), plan.reasons
     assert plan.predicted_peak_bytes is None  # nothing could be traced
-
 
 
 def test_accumulating_training_stays_within_the_budget_the_trials_kept(tmp_path):

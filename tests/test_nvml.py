@@ -35,14 +35,34 @@ def readings(*values):
 def machine(gpu0_error=None, gpu1_error=None, devices=None, **kwargs) -> FakeNvml:
     if devices is None:
         devices = [
-            FakeNvmlDevice("NVIDIA A100-SXM4-80GB", GPU0, 80 * GIB, memory_used=readings(1 * GIB, 3 * GIB),
-                           utilization=readings(30, 70), error=gpu0_error,
-                           processes=[(os.getpid(), GIB), (OTHER_PID, 2 * GIB)]),
-            FakeNvmlDevice("NVIDIA A100-SXM4-40GB", GPU1, 40 * GIB, memory_used=readings(6 * GIB, 4 * GIB),
-                           utilization=None, error=gpu1_error),
-            FakeNvmlDevice("NVIDIA A100-SXM4-40GB MIG 1g.5gb", MIG, 5 * GIB, memory_used=readings(2 * GIB, 1 * GIB),
-                           utilization=None, mig=True, parent=GPU1, processes=[(MIG_PID, GIB)]),
-        ]  # fmt: skip
+            FakeNvmlDevice(
+                "NVIDIA A100-SXM4-80GB",
+                GPU0,
+                80 * GIB,
+                memory_used=readings(1 * GIB, 3 * GIB),
+                utilization=readings(30, 70),
+                error=gpu0_error,
+                processes=[(os.getpid(), GIB), (OTHER_PID, 2 * GIB)],
+            ),
+            FakeNvmlDevice(
+                "NVIDIA A100-SXM4-40GB",
+                GPU1,
+                40 * GIB,
+                memory_used=readings(6 * GIB, 4 * GIB),
+                utilization=None,
+                error=gpu1_error,
+            ),
+            FakeNvmlDevice(
+                "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+                MIG,
+                5 * GIB,
+                memory_used=readings(2 * GIB, 1 * GIB),
+                utilization=None,
+                mig=True,
+                parent=GPU1,
+                processes=[(MIG_PID, GIB)],
+            ),
+        ]
     kwargs.setdefault("process_names", {OTHER_PID: "/usr/bin/python3", MIG_PID: "/opt/bin/trainer"})
     return FakeNvml(devices, **kwargs)
 
@@ -118,7 +138,9 @@ def test_sampler_on_every_gpu_reports_what_nvml_reports():
         usage = sampler.stop()
         assert sampler.stop() == usage  # safe twice, no second shutdown
     assert [(gpu.index, gpu.uuid, gpu.name, gpu.visible) for gpu in usage] == [
-        (0, GPU0, "NVIDIA A100-SXM4-80GB", True), (1, GPU1, "NVIDIA A100-SXM4-40GB", True)]  # fmt: skip
+        (0, GPU0, "NVIDIA A100-SXM4-80GB", True),
+        (1, GPU1, "NVIDIA A100-SXM4-40GB", True),
+    ]
     gpu0, gpu1 = usage
     assert (gpu0.samples, gpu0.util_mean, gpu0.util_max) == (2, 50.0, 70.0)
     assert (gpu0.memory_used_max_bytes, gpu0.memory_total_bytes) == (3 * GIB, 80 * GIB)
@@ -141,7 +163,12 @@ def test_sampler_by_uuid_maps_torch_uuids_and_reads_mig_memory_without_utilisati
     assert [(gpu.index, gpu.uuid, gpu.mig, gpu.samples) for gpu in usage] == [(0, GPU0, False, 2), (1, MIG, True, 2)]
     mig = usage[1]
     assert mig.name == "NVIDIA A100-SXM4-40GB MIG 1g.5gb" and mig.error is None
-    assert (mig.util_mean, mig.util_max, mig.memory_used_max_bytes, mig.memory_total_bytes) == (None, None, 2 * GIB, 5 * GIB)
+    assert (mig.util_mean, mig.util_max, mig.memory_used_max_bytes, mig.memory_total_bytes) == (
+        None,
+        None,
+        2 * GIB,
+        5 * GIB,
+    )
     assert_balanced(nvml, 1)
 
 
@@ -199,9 +226,18 @@ def unknown_error():
         ({}, [], False, 1),  # a driver without GPUs
         ({"nvmlShutdown": unknown_error()}, None, True, 1),
     ],
-    ids=["ok", "init-fails", "no-library", "count-fails", "count-raises", "every-handle-fails", "interrupted",
-         "no-gpu", "shutdown-fails"],
-)  # fmt: skip
+    ids=[
+        "ok",
+        "init-fails",
+        "no-library",
+        "count-fails",
+        "count-raises",
+        "every-handle-fails",
+        "interrupted",
+        "no-gpu",
+        "shutdown-fails",
+    ],
+)
 def test_every_successful_init_is_shut_down_once(failures, devices, started, inits):
     failures = dict(failures)
     nvml = machine(devices=devices, failures=failures)
@@ -257,8 +293,9 @@ def test_cuda_visible_devices_maps_indices_gpu_uuids_and_mig_uuids(env, expected
     assert visible_gpu_indices([GPU0, GPU1], env, mig_parents={MIG: GPU1}) == expected
 
 
-@pytest.mark.parametrize("env, visible", [(MIG, [False, True, True]), (f"MIG-{GPU1}/1/0", [False, True, True]),
-                                          ("0", [True, False, False])])  # fmt: skip
+@pytest.mark.parametrize(
+    "env, visible", [(MIG, [False, True, True]), (f"MIG-{GPU1}/1/0", [False, True, True]), ("0", [True, False, False])]
+)
 def test_sampler_resolves_mig_uuids_in_cuda_visible_devices(monkeypatch, env, visible):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
     nvml = machine()
@@ -284,7 +321,11 @@ def test_doctor_gpus_reads_every_gpu_and_mig_mode_has_no_utilisation():
     check = run_doctor_check(nvml, doctor.check_gpus)
     gpus = check.details["gpus"]
     assert [(gpu["index"], gpu["uuid"], gpu["visible"]) for gpu in gpus] == [(0, GPU0, True), (1, GPU1, True)]
-    assert (gpus[0]["memory_used_bytes"], gpus[0]["memory_total_bytes"], gpus[0]["utilization_percent"]) == (GIB, 80 * GIB, 30)
+    assert (gpus[0]["memory_used_bytes"], gpus[0]["memory_total_bytes"], gpus[0]["utilization_percent"]) == (
+        GIB,
+        80 * GIB,
+        30,
+    )
     assert (gpus[1]["memory_used_bytes"], gpus[1]["utilization_percent"]) == (6 * GIB, None)
     assert check.status == "warn" and "0: NVIDIA A100-SXM4-80GB, 1.0/80.0 GiB used, 30% busy" in check.value
     assert "1: NVIDIA A100-SXM4-40GB, 6.0/40.0 GiB used, n/a% busy" in check.value

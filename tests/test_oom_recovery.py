@@ -15,13 +15,13 @@ import pytest
 import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
+from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad_collate, step_peak, train_by_hand
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt import GpuOpt, MemoryFill
 from lightning_gpuopt.core.oom import BatchSplitError, MicroBatchLimits, OutOfMemoryAtOneSampleError, split_batch
 from lightning_gpuopt.presets import load_preset
 from lightning_gpuopt.testing import SimulatedGpu
-from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad_collate, step_peak, train_by_hand
 
 LONG = (20, 21)  # two long samples: in the third batch of 8
 
@@ -42,14 +42,30 @@ def caps(dataset) -> dict[str, int]:
     return {"short": int(1.5 * short8), "short4": (short4 + short8) // 2}
 
 
-def fit(dataset, cap: CapDuringTraining, on_oom: str = "adapt", steps: int = 4, accumulate: int = 1,
-        batch_size: int = 8, **trainer_kwargs: Any):  # fmt: skip
+def fit(
+    dataset,
+    cap: CapDuringTraining,
+    on_oom: str = "adapt",
+    steps: int = 4,
+    accumulate: int = 1,
+    batch_size: int = 8,
+    **trainer_kwargs: Any,
+):
     model = TokenModel(dataset, batch_size=batch_size)
-    fill = MemoryFill(global_batch_size=batch_size * accumulate, max_memory="1GB", checkpointing=False,
-                      on_oom=on_oom, verbose=False)  # fmt: skip
-    options = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                   accumulate_grad_batches=accumulate)  # fmt: skip
+    fill = MemoryFill(
+        global_batch_size=batch_size * accumulate, max_memory="1GB", checkpointing=False, on_oom=on_oom, verbose=False
+    )
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
+    )
     options.update(trainer_kwargs)
     trainer = Trainer(callbacks=[fill, cap], **options)
     trainer.fit(model)
@@ -84,7 +100,12 @@ def test_limits_hold_for_samples_at_least_as_large_and_stop_at_one():
     limits = MicroBatchLimits()
     limits.adapt(step=3, attempted=16, elements=1000, reason="r")
     limits.adapt(step=9, attempted=5, elements=100, reason="r")
-    assert (limits.limit_for(99), limits.limit_for(100), limits.limit_for(999), limits.limit_for(5000)) == (None, 2, 2, 2)
+    assert (limits.limit_for(99), limits.limit_for(100), limits.limit_for(999), limits.limit_for(5000)) == (
+        None,
+        2,
+        2,
+        2,
+    )
     limits = MicroBatchLimits()
     limits.adapt(step=1, attempted=2, elements=10, reason="r")
     with pytest.raises(OutOfMemoryAtOneSampleError, match=r"micro-batch of 1 sample.*2 → 1 \(step 1\)"):
@@ -120,11 +141,14 @@ def test_accumulation_groups_keep_their_gradients_when_a_later_micro_batch_runs_
     model, fill, trainer = fit(dataset, CapDuringTraining(caps["short"]), steps=2, accumulate=2)
     assert trainer.global_step == 2 and {a.batch_idx for a in fill.plan.oom_adaptations} == {2}
     assert_same_weights(weights(model), train_by_hand(TokenModel(dataset), 8, 2, accumulate=2))
-    model, fill, trainer = fit(VariableLengthDataset(40, long_at=(28, 29), long=48), CapDuringTraining(caps["short"]),
-                               steps=2, accumulate=2)  # fmt: skip
+    model, fill, trainer = fit(
+        VariableLengthDataset(40, long_at=(28, 29), long=48), CapDuringTraining(caps["short"]), steps=2, accumulate=2
+    )
     assert {a.batch_idx for a in fill.plan.oom_adaptations} == {3}  # the second of its group
-    assert_same_weights(weights(model), train_by_hand(TokenModel(VariableLengthDataset(40, long_at=(28, 29), long=48)), 8, 2,
-                                                      accumulate=2))  # fmt: skip
+    assert_same_weights(
+        weights(model),
+        train_by_hand(TokenModel(VariableLengthDataset(40, long_at=(28, 29), long=48)), 8, 2, accumulate=2),
+    )
 
 
 def test_a_cap_that_shrinks_keeps_the_smaller_micro_batch_from_then_on(tmp_path, dataset, caps):
@@ -179,9 +203,17 @@ def fit_on_card(tmp_path, memory: str, on_oom: str, amp: bool, watcher: CapDurin
     model = StreamModel(dataset, batch_size=8, hidden=256)
     with SimulatedGpu("T4", memory=memory) as gpu:
         fill = MemoryFill(global_batch_size=8, checkpointing=False, amp=amp, on_oom=on_oom, verbose=False)
-        trainer = Trainer(accelerator="cpu", max_steps=4, callbacks=[fill, watcher], logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            callbacks=[fill, watcher],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model)
     return model, fill, trainer, gpu
 
@@ -234,8 +266,16 @@ def test_manual_optimization_is_not_adapted_and_says_so(tmp_path, dataset):
             optimizer.step()
 
     fill = MemoryFill(global_batch_size=8, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
-    trainer = Trainer(accelerator="cpu", max_steps=1, callbacks=[fill], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[fill],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Manual(dataset, batch_size=8))
@@ -253,6 +293,6 @@ def test_a_callback_calling_training_step_itself_gets_the_original(tmp_path, dat
             pl_module.zero_grad()
 
     caller = CallsTrainingStep()
-    model, fill, trainer = fit(dataset, caller, steps=2, default_root_dir=tmp_path)
+    _model, _fill, trainer = fit(dataset, caller, steps=2, default_root_dir=tmp_path)
     assert caller.has_graph and trainer.global_step == 2
     assert "training_step" not in vars(trainer.strategy)

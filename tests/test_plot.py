@@ -13,13 +13,13 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
+from helpers import MLP, SlowDataset
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.image import imread
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset
 from lightning_gpuopt import DataWaitMonitor, GpuOpt
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.core.plot import PlotUnavailableError, report_figures, save_plots
@@ -55,8 +55,12 @@ def test_step_time_stack_is_the_timeline_in_the_report(stored):
     layers = [collection for collection in axes.collections if isinstance(collection, PolyCollection)]
     assert len(layers) == 4  # data wait, transfer, compute, other
     top = layers[-1].get_paths()[0].vertices[:, 1].max()
-    tallest = max(1e3 * (w + t + c + o) for w, t, c, o in zip(timeline["data_wait_s"], timeline["transfer_s"],
-                                                               timeline["compute_s"], timeline["other_s"]))  # fmt: skip
+    tallest = max(
+        1e3 * (w + t + c + o)
+        for w, t, c, o in zip(
+            timeline["data_wait_s"], timeline["transfer_s"], timeline["compute_s"], timeline["other_s"]
+        )
+    )
     assert top == pytest.approx(tallest)
     idle_line = [line for line in axes.lines if line.get_label() == "GPU idle before the step"]
     assert idle_line and max(idle_line[0].get_ydata()) == pytest.approx(1e3 * max(timeline["gpu_idle_s"]))
@@ -65,8 +69,12 @@ def test_step_time_stack_is_the_timeline_in_the_report(stored):
 def test_memory_figure_shows_every_trial_the_budget_and_the_chosen_size(stored):
     search = stored["batch_size_search"]
     axes = report_figures(stored)["memory"].axes[0]
-    points = {(round(x), round(y * 2**20)) for c in axes.collections if isinstance(c, PathCollection)
-              for x, y in c.get_offsets()}  # fmt: skip
+    points = {
+        (round(x), round(y * 2**20))
+        for c in axes.collections
+        if isinstance(c, PathCollection)
+        for x, y in c.get_offsets()
+    }
     assert points == {(t["batch_size"], t["peak_bytes"]) for t in search["trials"]}
     labels = {line.get_label(): line for line in axes.lines}
     chosen = labels[f"chosen batch size {search['batch_size']}"]
@@ -154,9 +162,16 @@ class ImageLogger(Logger):
 
 def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
     logger = ImageLogger()
-    trainer = Trainer(accelerator="cpu", max_steps=12, logger=logger, default_root_dir=tmp_path,
-                      callbacks=[GpuOpt("diagnose", estimate=False, plots=True)], enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=logger,
+        default_root_dir=tmp_path,
+        callbacks=[GpuOpt("diagnose", estimate=False, plots=True)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(MLP(), DataLoader(SlowDataset(96), batch_size=8))
     step_time = tmp_path / "step_time.png"  # beside gpuopt_report.json (the logger has no log_dir)
     assert (tmp_path / "gpuopt_report.json").exists()
@@ -167,8 +182,16 @@ def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
 def test_without_matplotlib_gpuopt_warns_and_the_run_finishes(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     gpuopt = GpuOpt("diagnose", estimate=False, plots=True)
-    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, default_root_dir=tmp_path, callbacks=[gpuopt],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=[gpuopt],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match=r"not drawn: .*pip install lightning-gpuopt\[plot\]"):
         trainer.fit(MLP(), DataLoader(SlowDataset(48), batch_size=8))
     assert gpuopt.report.data_wait is not None and (tmp_path / "gpuopt_report.json").exists()
@@ -200,8 +223,16 @@ def test_timeline_data_wait_follows_the_loading_time_of_each_batch(tmp_path):
     delays = iter([0.0] * 48 + [0.004] * 48)
     dataset = SlowDataset(96, delay_for=lambda: next(delays))
     monitor = DataWaitMonitor(warmup_steps=2, verbose=False)
-    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, default_root_dir=tmp_path, callbacks=[monitor],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(MLP(), DataLoader(dataset, batch_size=8))  # 12 steps, num_workers=0: fetched as trained
     timeline = monitor.report.timeline
     assert timeline.steps_per_point == 1 and timeline.step == list(range(2, 12))  # warm-up not measured

@@ -11,21 +11,29 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import MLP, SlowDataset
 from lightning import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from models_memory import make_model
 from torch.utils.data import DataLoader
 
-from helpers import MLP, SlowDataset
 from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt
-from models_memory import make_model
 
 BUDGET = "20MB"
 
 
 def make_trainer(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -103,7 +111,7 @@ def test_with_the_trainers_progress_bar_the_trials_advance_a_bar_instead(tmp_pat
     shown = capsys.readouterr().out
     last = search.result.trials[-1]
     trials = len(search.result.trials)
-    assert f"BatchSizeSearch trial" in shown and f" {trials}/{trials} " in shown  # the bar ends full
+    assert "BatchSizeSearch trial" in shown and f" {trials}/{trials} " in shown  # the bar ends full
     assert f"batch size {last.batch_size}" in shown  # and shows the last trial
 
 

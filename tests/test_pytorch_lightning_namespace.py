@@ -48,7 +48,9 @@ def module_class(pl: ModuleType) -> type:
 
         def train_dataloader(self) -> DataLoader:
             generator = torch.Generator().manual_seed(1)
-            data = TensorDataset(torch.randn(self.samples, 64, generator=generator), torch.randn(self.samples, 1, generator=generator))
+            data = TensorDataset(
+                torch.randn(self.samples, 64, generator=generator), torch.randn(self.samples, 1, generator=generator)
+            )
             return DataLoader(data, batch_size=self.batch_size, shuffle=True)
 
     return Regressor
@@ -69,11 +71,18 @@ def trainer(pl: ModuleType, tmp_path: Any, callbacks: list, **kwargs: Any) -> An
 
 
 @pytest.mark.parametrize("callback_name", CALLBACKS)
-@pytest.mark.parametrize(("trainer_namespace", "callback_namespace"), [("pytorch_lightning", "lightning.pytorch"), ("lightning.pytorch", "pytorch_lightning")])
-def test_a_callback_refuses_the_other_namespaces_trainer_and_names_the_import(tmp_path, callback_name, trainer_namespace, callback_namespace):
+@pytest.mark.parametrize(
+    ("trainer_namespace", "callback_namespace"),
+    [("pytorch_lightning", "lightning.pytorch"), ("lightning.pytorch", "pytorch_lightning")],
+)
+def test_a_callback_refuses_the_other_namespaces_trainer_and_names_the_import(
+    tmp_path, callback_name, trainer_namespace, callback_namespace
+):
     pl, _ = NAMESPACES[trainer_namespace]
     _, package = NAMESPACES[callback_namespace]
-    callback = getattr(package, callback_name)("diagnose") if callback_name == "GpuOpt" else getattr(package, callback_name)()
+    callback = (
+        getattr(package, callback_name)("diagnose") if callback_name == "GpuOpt" else getattr(package, callback_name)()
+    )
     model = module_class(pl)()
     with pytest.raises(TypeError) as raised:
         trainer(pl, tmp_path, [callback]).fit(model)
@@ -120,7 +129,7 @@ def _trains_an_epoch(pl: ModuleType, tmp_path: Any, batch_size: int, cap: str) -
     model = module_class(pl)(batch_size=batch_size)
     try:
         trainer(pl, tmp_path, [BudgetAroundTraining()], max_steps=-1, max_epochs=2).fit(model)
-    except Exception as error:  # noqa: BLE001 - the OOM is the answer
+    except Exception as error:
         if is_out_of_memory_error(error):
             return False
         raise
@@ -168,7 +177,15 @@ def test_gpuopt_cli_under_pytorch_lightning_takes_the_flag(tmp_path):
     model_class = module_class(pytorch_lightning)
     cli = gpuopt_pl.GpuOptCLI(
         model_class,
-        args=["fit", "--gpuopt", "diagnose", "--trainer.max_steps=8", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
+        args=[
+            "fit",
+            "--gpuopt",
+            "diagnose",
+            "--trainer.max_steps=8",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ],
         save_config_kwargs={"overwrite": True},
     )
     parts = [callback for callback in cli.trainer.callbacks if isinstance(callback, gpuopt_pl.GpuOpt)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import profiler_peak_bytes
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
-from helpers import profiler_peak_bytes
 from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.memory import storage_bytes
@@ -51,7 +51,7 @@ def test_fragmentation_runs_out_of_memory_with_enough_free_bytes_in_total():
         allocator.free(block)  # 9 MiB free, in three 3 MiB holes, and 2 MiB at the end
     free_in_total = allocator.reserved_bytes - allocator.allocated_bytes
     assert free_in_total == 11 * MIB
-    with pytest.raises(AllocatorOutOfMemory, match="CUDA out of memory. Tried to allocate 5.00 MiB") as error:
+    with pytest.raises(AllocatorOutOfMemory, match=r"CUDA out of memory\. Tried to allocate 5\.00 MiB") as error:
         allocator.malloc(5 * MIB)
     assert "11.00 MiB is reserved by PyTorch but unallocated" in error.value.message
     assert allocator.stats.num_ooms == 1 and allocator.stats.num_alloc_retries == 1
@@ -86,9 +86,17 @@ def mlp():
 
 
 def cnn():
-    network = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                            nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+    network = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
     return network, torch.randn(32, 3, 32, 32)
 
 
@@ -127,8 +135,9 @@ def test_an_allocation_past_the_card_raises_cudas_out_of_memory_and_takes_nothin
         with pytest.raises(torch.OutOfMemoryError) as error:
             x.repeat(20_000)  # 80 MB
         assert is_oom_error(error.value)
-        assert str(error.value).startswith("CUDA out of memory. Tried to allocate 76.29 MiB. GPU 0 has a total "
-                                           "capacity of 32.00 MiB")  # fmt: skip
+        assert str(error.value).startswith(
+            "CUDA out of memory. Tried to allocate 76.29 MiB. GPU 0 has a total capacity of 32.00 MiB"
+        )
         assert gpu.allocated_bytes == held and gpu.allocator.stats.num_ooms == 1
 
 
@@ -176,10 +185,9 @@ def test_leaving_the_card_by_an_exception_puts_everything_back():
 
     before = nvml_library()
     network, x = mlp()
-    with pytest.raises(ValueError, match="user code failed"):
-        with SimulatedGpu("T4", memory="64MiB") as first:
-            network(x)
-            raise ValueError("user code failed")
+    with pytest.raises(ValueError, match="user code failed"), SimulatedGpu("T4", memory="64MiB") as first:
+        network(x)
+        raise ValueError("user code failed")
     assert not device_for("cpu").is_cuda and not _get_current_dispatch_mode_stack()
     assert nvml_library() is before
     held, ops = first.allocated_bytes, first.device.memory.busy_s
@@ -191,17 +199,24 @@ def test_leaving_the_card_by_an_exception_puts_everything_back():
 
 
 def test_a_card_whose_nvml_refuses_still_trains_and_reports_no_utilisation(tmp_path):
+    from helpers import MLP, preloaded_batches
     from lightning import Trainer
     from torch.utils.data import DataLoader
 
-    from helpers import MLP, preloaded_batches
     from lightning_gpuopt import DataWaitMonitor
 
     monitor = DataWaitMonitor(warmup_steps=1)
     with SimulatedGpu("A100", memory="256MiB", nvml_error="no-permission") as gpu:
-        Trainer(accelerator="cpu", max_steps=6, default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
-                ).fit(MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None))  # fmt: skip
+        Trainer(
+            accelerator="cpu",
+            max_steps=6,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[monitor],
+        ).fit(MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None))
     assert gpu.nvml.initialised == 0
     assert monitor.report.steps == 5 and monitor.report.gpu_util_mean is None
     assert monitor.report.gpu_idle_fraction is not None  # the card's events still time it

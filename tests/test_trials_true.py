@@ -43,8 +43,15 @@ class BudgetAroundTraining(Callback):
 
 
 def make_trainer(tmp_path: Any, callbacks: list, **kwargs: Any) -> Trainer:
-    settings = dict(default_root_dir=tmp_path, max_steps=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")  # fmt: skip
+    settings = dict(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     settings.update(kwargs)
     return Trainer(callbacks=callbacks, **settings)
 
@@ -53,7 +60,7 @@ def trains_epochs(tmp_path: Any, model: LightningModule, cap: int, epochs: int =
     """Whole shuffled epochs of ``model`` under ``cap``: True, or False on an out-of-memory error."""
     try:
         make_trainer(tmp_path, [BudgetAroundTraining(cap)], max_steps=-1, max_epochs=epochs).fit(model)
-    except Exception as error:  # noqa: BLE001 - the OOM is the answer
+    except Exception as error:
         if is_out_of_memory_error(error):
             return False
         raise
@@ -75,7 +82,9 @@ class Regressor(LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(self.samples, 64, generator=generator), torch.randn(self.samples, 1, generator=generator))
+        data = TensorDataset(
+            torch.randn(self.samples, 64, generator=generator), torch.randn(self.samples, 1, generator=generator)
+        )
         return DataLoader(data, batch_size=self.batch_size, shuffle=True)
 
 
@@ -103,8 +112,9 @@ class Sequences(torch.utils.data.Dataset):
     def __init__(self, count: int = 4096, long_count: int = 4) -> None:
         generator = torch.Generator().manual_seed(0)
         long_at = set(torch.randperm(count, generator=generator)[:long_count].tolist())
-        self.items = [torch.randint(0, 100, (256 if index in long_at else 8,), generator=generator)
-                      for index in range(count)]  # fmt: skip
+        self.items = [
+            torch.randint(0, 100, (256 if index in long_at else 8,), generator=generator) for index in range(count)
+        ]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -139,7 +149,9 @@ def test_four_long_samples_in_4096_decide_the_batch(tmp_path):
     cap = 12_000_000
     search = BatchSizeSearch(max_memory=cap, margin=0.0, verbose=False)
     make_trainer(tmp_path / "search", [search]).fit(TokenModel())
-    assert any("sample sizes vary (8 to 256 elements over 4,096 of 4,096 samples" in note for note in search.result.notes)
+    assert any(
+        "sample sizes vary (8 to 256 elements over 4,096 of 4,096 samples" in note for note in search.result.notes
+    )
     found = search.result.batch_size
     # a whole shuffled epoch holds all four long samples, each padding its batch to 256 tokens
     assert trains_epochs(tmp_path / "fits", TokenModel(batch_size=found), cap, epochs=1)
@@ -213,7 +225,9 @@ class FixedBatchLoader(Regressor):
 
 def test_a_loader_that_ignores_the_batch_size_is_named(tmp_path):
     search = BatchSizeSearch(max_memory=50_000_000, verbose=False)
-    with pytest.raises(MisconfigurationException, match=r"batches of \[32\] samples: FixedBatchLoader.train_dataloader\(\)"):
+    with pytest.raises(
+        MisconfigurationException, match=r"batches of \[32\] samples: FixedBatchLoader.train_dataloader\(\)"
+    ):
         make_trainer(tmp_path, [search]).fit(FixedBatchLoader(samples=2048))
     fill = MemoryFill(max_memory=50_000_000, global_batch_size=256, verbose=False)
     with pytest.raises(MisconfigurationException, match="does not build its loader with that batch size"):
@@ -232,12 +246,16 @@ class BatchSamplerLoader(Regressor):
 
 def test_a_loader_whose_batch_sampler_decides_the_size_is_refused(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"`batch_sampler` \(OwnBatchSampler\), which decides"):
-        make_trainer(tmp_path, [BatchSizeSearch(max_memory=50_000_000, verbose=False)]).fit(BatchSamplerLoader(samples=2048))
+        make_trainer(tmp_path, [BatchSizeSearch(max_memory=50_000_000, verbose=False)]).fit(
+            BatchSamplerLoader(samples=2048)
+        )
 
 
 class InOrder(Regressor):
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(self.samples, 64), torch.randn(self.samples, 1)), batch_size=self.batch_size)
+        return DataLoader(
+            TensorDataset(torch.randn(self.samples, 64), torch.randn(self.samples, 1)), batch_size=self.batch_size
+        )
 
 
 def test_an_empty_dataset_is_refused(tmp_path):
@@ -267,7 +285,10 @@ class TwoPlaces(Regressor):
 def test_batch_size_in_two_places_warns_sets_both_and_puts_both_back_on_failure(tmp_path):
     model = TwoPlaces()
     search = BatchSizeSearch(max_memory=50_000_000, verbose=False)
-    with pytest.warns(UserWarning, match=r"several places with different values \(`model.batch_size`=16, `hparams.batch_size`=32\); the train loader uses 32"):
+    with pytest.warns(
+        UserWarning,
+        match=r"several places with different values \(`model.batch_size`=16, `hparams.batch_size`=32\); the train loader uses 32",
+    ):
         make_trainer(tmp_path / "ok", [search]).fit(model)
     assert search.result.initial_batch_size == 32
     assert model.batch_size == model.hparams.batch_size == search.result.batch_size

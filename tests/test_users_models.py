@@ -43,8 +43,16 @@ VOCAB = 100
 
 
 def trainer_for(tmp_path, callbacks: list, **kwargs: Any) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=4, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -89,8 +97,11 @@ def pad_tokens(sequences: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     for row, sequence in enumerate(sequences):
         input_ids[row, : len(sequence)] = sequence
         attention_mask[row, : len(sequence)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "labels": input_ids.masked_fill(attention_mask == 0, -100)}  # fmt: skip
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": input_ids.masked_fill(attention_mask == 0, -100),
+    }
 
 
 class TokenData(LightningDataModule):
@@ -108,8 +119,9 @@ class GPT2Module(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)  # fmt: skip
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
         self.model = transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -136,13 +148,19 @@ def test_gpt2_checkpointing_uses_the_models_own_switch_and_equals_it_by_hand(tmp
     plan = fill.plan
     assert plan.checkpointing and plan.checkpointed_classes == ["GPT2Block"]
     assert plan.checkpointed_modules == ["model.transformer.h.0", "model.transformer.h.1"]
-    assert any("GPT2LMHeadModel.activation_checkpointing_enable()" in r and "recomputation checked" in r
-               for r in plan.reasons)  # fmt: skip
+    assert any(
+        "GPT2LMHeadModel.activation_checkpointing_enable()" in r and "recomputation checked" in r for r in plan.reasons
+    )
     # teardown put the model back: no checkpointing flag, its cache setting and no input-grad hook
     assert not ours.model.is_activation_checkpointing and ours.model.config.use_cache is True
     assert not getattr(ours.model, "_require_grads_hooks", None)
-    by_hand = fit_gpt2(tmp_path / "hand", [], batch_size=plan.micro_batch_size, own_checkpointing=True,
-                       accumulate_grad_batches=plan.accumulate_grad_batches)  # fmt: skip
+    by_hand = fit_gpt2(
+        tmp_path / "hand",
+        [],
+        batch_size=plan.micro_batch_size,
+        own_checkpointing=True,
+        accumulate_grad_batches=plan.accumulate_grad_batches,
+    )
     assert_same_parameters(ours, by_hand)
 
 
@@ -163,8 +181,13 @@ def test_gpt2_blocks_named_by_the_user_are_checkpointed_by_us_with_the_cache_cle
     plan = fill.plan
     assert plan.checkpointed_classes == ["GPT2Block"] and not ours.model.is_activation_checkpointing
     assert any("(torch.utils.checkpoint; recomputation checked" in reason for reason in plan.reasons)
-    plain = fit_gpt2(tmp_path / "plain", [], batch_size=plan.micro_batch_size, max_steps=2,
-                     accumulate_grad_batches=plan.accumulate_grad_batches)  # fmt: skip
+    plain = fit_gpt2(
+        tmp_path / "plain",
+        [],
+        batch_size=plan.micro_batch_size,
+        max_steps=2,
+        accumulate_grad_batches=plan.accumulate_grad_batches,
+    )
     assert_same_parameters(ours, plain, exact=False)
 
 
@@ -221,8 +244,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = None
         if stride != 1 or inplanes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(planes))  # fmt: skip
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -250,8 +274,9 @@ class ImageClassifier(LightningModule):
         self.network = network
         self.batch_size = batch_size
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(64, 3, 16, 16, generator=generator),
-                                  torch.randint(0, 10, (64,), generator=generator))  # fmt: skip
+        self.data = TensorDataset(
+            torch.randn(64, 3, 16, 16, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -327,8 +352,14 @@ def test_hf_mobilevits_own_checkpointing_updates_batchnorm_twice_ours_does_not()
     """The independent fact the next test builds on, on a real HF model: its own switch runs
     BatchNorm again in the recomputation (running statistics updated twice); ours puts them back."""
     torch.manual_seed(0)
-    config = transformers.MobileViTConfig(image_size=16, patch_size=2, hidden_sizes=[16, 16, 16], num_labels=3,
-                                          neck_hidden_sizes=[8, 8, 8, 16, 16, 16, 32], num_attention_heads=2)
+    config = transformers.MobileViTConfig(
+        image_size=16,
+        patch_size=2,
+        hidden_sizes=[16, 16, 16],
+        num_labels=3,
+        neck_hidden_sizes=[8, 8, 8, 16, 16, 16, 32],
+        num_attention_heads=2,
+    )
     model = transformers.MobileViTForImageClassification(config).train()
     batch = (torch.randn(2, 3, 16, 16), torch.tensor([0, 2]))
     loss = lambda b: model(pixel_values=b[0], labels=b[1]).loss  # noqa: E731
@@ -397,7 +428,9 @@ class MLPClassifier(LightningModule):
         self.batch_size = batch_size
         self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -438,8 +471,10 @@ class GAN(LightningModule):
         opt_d.step()
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.Adam(self.generator.parameters(), lr=1e-3),
-                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3)]  # fmt: skip
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
+        ]
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size)
@@ -449,9 +484,14 @@ def info_records(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "MemoryFill" in r.getMessage()]
 
 
-@pytest.mark.parametrize("make, micro, accumulate", [
-    (PaddedSequences, 8, 2), (MLPClassifier, 8, 2), (GAN, 16, 1),  # manual optimization: no accumulation
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, micro, accumulate",
+    [
+        (PaddedSequences, 8, 2),
+        (MLPClassifier, 8, 2),
+        (GAN, 16, 1),  # manual optimization: no accumulation
+    ],
+)
 def test_low_memory_without_repeated_blocks_falls_back_and_says_so(tmp_path, caplog, make, micro, accumulate):
     torch.manual_seed(0)
     model = make()
@@ -474,8 +514,11 @@ def test_low_memory_without_repeated_blocks_falls_back_and_says_so(tmp_path, cap
 
 def test_explicit_checkpointing_on_a_model_without_blocks_refuses_naming_it(tmp_path):
     fill = MemoryFill(checkpointing=True, max_memory=BUDGET, global_batch_size=16)
-    with pytest.raises(MisconfigurationException, match=r"no repeated blocks in PaddedSequences .* no submodule with "
-                                                        r"parameters .* checkpointing='auto'"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"no repeated blocks in PaddedSequences .* no submodule with "
+        r"parameters .* checkpointing='auto'",
+    ):
         trainer_for(tmp_path, [fill]).fit(PaddedSequences())
     # a model with blocks of its own, just not repeated ones: they are named
     model = ImageClassifier(nn.Sequential(ConvBlock(3), nn.Flatten(), nn.Linear(3 * 16 * 16, 10)))
@@ -520,8 +563,11 @@ def test_a_block_whose_recomputation_differs_is_refused_with_the_reason(tmp_path
     assert any(refused[0] in message for message in info_records(caplog))
     # the check left no trace: each training step called each block once, as plain training does
     assert [float(block.calls) for block in model.net[:2]] == [4.0, 4.0]  # 2 steps x 2 micro-batches
-    with pytest.raises(MisconfigurationException, match=r"checkpointing=True on CountingModel: a training step "
-                                                        r"with its CountingBlock blocks checkpointed differs"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"checkpointing=True on CountingModel: a training step "
+        r"with its CountingBlock blocks checkpointed differs",
+    ):
         trainer_for(tmp_path, [MemoryFill(checkpointing=True, max_memory=BUDGET)]).fit(CountingModel())
 
 
@@ -541,10 +587,13 @@ class PerSampleBias(MLPClassifier):
         return F.cross_entropy(self.net(x) + self.per_sample, y)
 
 
-@pytest.mark.parametrize("callback", [
-    lambda: MemoryEstimator(max_memory=BUDGET),
-    lambda: MemoryFill(max_memory=BUDGET, global_batch_size=8, checkpointing=False),  # the search's estimate
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "callback",
+    [
+        lambda: MemoryEstimator(max_memory=BUDGET),
+        lambda: MemoryFill(max_memory=BUDGET, global_batch_size=8, checkpointing=False),  # the search's estimate
+    ],
+)
 def test_an_estimate_that_cannot_trace_is_one_warning_and_no_error_log(tmp_path, caplog, callback):
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG):
         warnings.simplefilter("always")

@@ -99,8 +99,10 @@ class Changes:
 def warn_failed_undos(owner: str, failed: list[FailedUndo]) -> None:
     """After an exception: say which changes could not be undone (raising would hide the exception)."""
     for item in failed:
-        rank_zero_warn(f"{owner}: could not undo the change of {item.change.description} after the failed fit "
-                       f"({type(item.error).__name__}: {item.error}).")  # fmt: skip
+        rank_zero_warn(
+            f"{owner}: could not undo the change of {item.change.description} after the failed fit "
+            f"({type(item.error).__name__}: {item.error})."
+        )
 
 
 def raise_failed_undos(owner: str, failed: list[FailedUndo]) -> None:
@@ -108,8 +110,10 @@ def raise_failed_undos(owner: str, failed: list[FailedUndo]) -> None:
     if not failed:
         return
     names = ", ".join(item.change.description for item in failed)
-    raise RuntimeError(f"{owner}: could not undo the change of {names} at teardown: "
-                       f"{type(failed[0].error).__name__}: {failed[0].error}") from failed[0].error  # fmt: skip
+    raise RuntimeError(
+        f"{owner}: could not undo the change of {names} at teardown: "
+        f"{type(failed[0].error).__name__}: {failed[0].error}"
+    ) from failed[0].error
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Iterable, Optional
@@ -28,15 +29,40 @@ from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_
 #: inside a checkpoint save (counted by ``"checkpoint-time"``): never a ``"slow-hook"``
 NOT_USER_WORK = frozenset(
     {
-        "training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping",
-        "clip_gradients", "lr_scheduler_step", "transfer_batch_to_device", "on_before_batch_transfer",
-        "on_after_batch_transfer", "batch_to_device", "forward",
-        "setup", "teardown", "prepare_data", "configure_optimizers", "configure_model", "configure_callbacks",
-        "configure_sharded_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_exception",
-        "train_dataloader", "val_dataloader", "on_sanity_check_start", "on_sanity_check_end",
-        "on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict",
+        "training_step",
+        "backward",
+        "optimizer_step",
+        "optimizer_zero_grad",
+        "configure_gradient_clipping",
+        "clip_gradients",
+        "lr_scheduler_step",
+        "transfer_batch_to_device",
+        "on_before_batch_transfer",
+        "on_after_batch_transfer",
+        "batch_to_device",
+        "forward",
+        "setup",
+        "teardown",
+        "prepare_data",
+        "configure_optimizers",
+        "configure_model",
+        "configure_callbacks",
+        "configure_sharded_model",
+        "on_fit_start",
+        "on_fit_end",
+        "on_train_start",
+        "on_train_end",
+        "on_exception",
+        "train_dataloader",
+        "val_dataloader",
+        "on_sanity_check_start",
+        "on_sanity_check_end",
+        "on_save_checkpoint",
+        "on_load_checkpoint",
+        "state_dict",
+        "load_state_dict",
     }
-)  # fmt: skip
+)
 _OWNERS = compat.HOOK_ACTION_PREFIXES
 
 
@@ -104,7 +130,7 @@ class HookTimes(Probe):
     def _owner(self, action: str) -> tuple[Optional[Any], str, str, bool]:
         """(the callback or ``None``, its shown name, the hook name, whether a LightningModule hook)."""
         prefix = action[: action.index("]") + 1]
-        owner, _, hook = action[len(prefix):].rpartition(".")
+        owner, _, hook = action[len(prefix) :].rpartition(".")
         if prefix == compat.CALLBACK_ACTION:
             callback = self._callbacks.get(owner)
             return callback, (type(callback).__name__ if callback is not None else owner), hook, False
@@ -421,10 +447,8 @@ def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: floa
             continue
         try:
             if drop is not None:
-                try:
+                with contextlib.suppress(OSError):
                     drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                except OSError:
-                    pass
             left = per_file
             while left > 0:
                 chunk = os.read(fd, min(_CHUNK, left))

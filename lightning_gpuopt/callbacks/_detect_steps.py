@@ -83,9 +83,13 @@ def graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
     tensor with a ``grad_fn``, itself or one level into a list, tuple or dict."""
     held: dict[str, tuple[int, bool]] = {}
     for prefix, module in pl_module.named_modules():
-        attributes = [(name, value) for name, value in vars(module).items()
-                      if name not in ("_parameters", "_buffers", "_modules") and not name.startswith("_forward")
-                      and not name.startswith("_backward")]  # fmt: skip
+        attributes = [
+            (name, value)
+            for name, value in vars(module).items()
+            if name not in ("_parameters", "_buffers", "_modules")
+            and not name.startswith("_forward")
+            and not name.startswith("_backward")
+        ]
         attributes += list(module._buffers.items())
         for name, value in attributes:
             tensors = [tensor for tensor in _held_tensors(value) if tensor.grad_fn is not None]
@@ -147,12 +151,16 @@ def _package_dir(name: str) -> Optional[str]:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    return os.path.join(os.path.realpath(list(spec.submodule_search_locations)[0]), "")
+    return os.path.join(os.path.realpath(next(iter(spec.submodule_search_locations))), "")
 
 
-_LIGHTNING_DIRS = tuple(path for path in map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric")) if path)
+_LIGHTNING_DIRS = tuple(
+    path for path in map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric")) if path
+)
 _LIBRARY_DIRS = tuple(path for path in map(_package_dir, ("torch", "lightning_gpuopt")) if path)
-_STDLIB_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")})
+_STDLIB_DIRS = tuple(
+    {os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")}
+)
 
 
 def _where(filename: str, cache: dict[str, str]) -> str:
@@ -162,8 +170,11 @@ def _where(filename: str, cache: dict[str, str]) -> str:
         path = os.path.realpath(filename) if not filename.startswith("<") else filename
         if path.startswith(_LIGHTNING_DIRS):
             kind = "lightning"
-        elif (path.startswith("<") or path.startswith(_LIBRARY_DIRS)
-              or (path.startswith(_STDLIB_DIRS) and "-packages" not in path)):  # fmt: skip
+        elif (
+            path.startswith("<")
+            or path.startswith(_LIBRARY_DIRS)
+            or (path.startswith(_STDLIB_DIRS) and "-packages" not in path)
+        ):
             kind = "library"
         else:
             kind = "user"
@@ -194,11 +205,19 @@ class _HostReadCounter(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return isinstance(args[0], torch.Tensor) and self.device.holds(args[0])
         if func is torch.ops.aten._to_copy.default:
-            return (isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)
-                    and self.device.holds(args[0]) and not self.device.holds(out))  # fmt: skip
+            return (
+                isinstance(args[0], torch.Tensor)
+                and isinstance(out, torch.Tensor)
+                and self.device.holds(args[0])
+                and not self.device.holds(out)
+            )
         if func is torch.ops.aten.copy_.default:
-            return (len(args) > 1 and isinstance(args[1], torch.Tensor) and self.device.holds(args[1])
-                    and not self.device.holds(args[0]))  # fmt: skip
+            return (
+                len(args) > 1
+                and isinstance(args[1], torch.Tensor)
+                and self.device.holds(args[1])
+                and not self.device.holds(args[0])
+            )
         return False
 
     def _count(self) -> None:

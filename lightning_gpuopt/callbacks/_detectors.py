@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.findings import Finding, channels_last, cudnn_benchmark_off, data_parallel, oversubscription, tf32_off
+from lightning_gpuopt.core.findings import (
+    Finding,
+    channels_last,
+    cudnn_benchmark_off,
+    data_parallel,
+    oversubscription,
+    tf32_off,
+)
 from lightning_gpuopt.core.loader import usable_cpu_count
 
 if TYPE_CHECKING:
@@ -31,7 +38,7 @@ class Probe:
     """Base class: every hook does nothing."""
 
     #: the run's report (numbers as ``samples_per_second``, ``data_wait_fraction``), set before :meth:`findings`
-    report: Optional["DataWaitReport"] = None
+    report: Optional[DataWaitReport] = None
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Called once the loaders and the model are on their device (``on_train_start``)."""
@@ -86,13 +93,20 @@ class ModuleAndDeviceChecks(Probe):
             return
         self._shapes.add(tuple(tuple(tensor.shape) for tensor in _tensors(batch)))
         if self._on_cuda:  # what the convolutions are given, after any conversion in training_step
-            self._hooks = [module.register_forward_pre_hook(self._see_conv_input)
-                           for module in pl_module.modules() if isinstance(module, nn.Conv2d)]  # fmt: skip
+            self._hooks = [
+                module.register_forward_pre_hook(self._see_conv_input)
+                for module in pl_module.modules()
+                if isinstance(module, nn.Conv2d)
+            ]
 
     def _see_conv_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
-            if not args[0].is_contiguous(memory_format=torch.channels_last):
-                self._inputs_nchw = True
+        if (
+            args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dim() == 4
+            and not args[0].is_contiguous(memory_format=torch.channels_last)
+        ):
+            self._inputs_nchw = True
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self.stop()
@@ -111,10 +125,16 @@ class ModuleAndDeviceChecks(Probe):
         if self._on_cuda:
             card = device_for(pl_module.device)
             precision = str(trainer.precision)
-            convolutions = [(name, module) for name, module in pl_module.named_modules()
-                            if isinstance(module, nn.modules.conv._ConvNd)]  # fmt: skip
-            conv2d_nchw = [name for name, module in convolutions if isinstance(module, nn.Conv2d)
-                           and not module.weight.is_contiguous(memory_format=torch.channels_last)]  # fmt: skip
+            convolutions = [
+                (name, module)
+                for name, module in pl_module.named_modules()
+                if isinstance(module, nn.modules.conv._ConvNd)
+            ]
+            conv2d_nchw = [
+                name
+                for name, module in convolutions
+                if isinstance(module, nn.Conv2d) and not module.weight.is_contiguous(memory_format=torch.channels_last)
+            ]
             has_conv2d = any(isinstance(module, nn.Conv2d) for _, module in convolutions)
             found += [
                 tf32_off(card.capabilities.compute_capability, torch.get_float32_matmul_precision(), precision),

@@ -101,8 +101,13 @@ class OomRecovery:
         limits: the limits learned so far (default: none).
     """
 
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                 on_adapt: Callable[[OomAdaptation], None], limits: Optional[MicroBatchLimits] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        on_adapt: Callable[[OomAdaptation], None],
+        limits: Optional[MicroBatchLimits] = None,
+    ) -> None:
         self.trainer, self.module, self.on_adapt = trainer, pl_module, on_adapt
         self.limits = limits if limits is not None else MicroBatchLimits()
         self._had_own_attribute = "training_step" in vars(pl_module)
@@ -125,8 +130,13 @@ class OomRecovery:
     def remove(self) -> None:
         """Put ``training_step`` back as it was on the module and the strategy (idempotent)."""
         _restore(self.module, "training_step", self._training_step, self._had_own_attribute, self._previous)
-        _restore(self.trainer.strategy, "training_step", self._loop_step, self._strategy_had_own_attribute,
-                 self._strategy_previous)  # fmt: skip
+        _restore(
+            self.trainer.strategy,
+            "training_step",
+            self._loop_step,
+            self._strategy_had_own_attribute,
+            self._strategy_previous,
+        )
 
     def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
@@ -161,8 +171,9 @@ class OomRecovery:
         # frees their memory for the step (as the zero would) and keeps the new ones apart
         kept = [None] * len(params) if first_of_group else [p.grad for p in params]
         self._zeroed_expected, self._zeroed_seen = first_of_group, False
-        value, output, grads = self._train_until_it_fits(batch, batch_size, elements, batch_idx, params, kept,
-                                                         args, kwargs)  # fmt: skip
+        value, output, grads = self._train_until_it_fits(
+            batch, batch_size, elements, batch_idx, params, kept, args, kwargs
+        )
         if value is None:  # training_step returned None: skipped, as Lightning would
             return None
         scaler = _enabled_scaler(trainer)
@@ -181,8 +192,17 @@ class OomRecovery:
                 "group as expected, so the gradients set aside cannot be combined correctly; use on_oom='raise'."
             )
 
-    def _train_until_it_fits(self, batch: Any, batch_size: int, elements: int, batch_idx: Any,
-                             params: list[torch.Tensor], kept: list, args: tuple, kwargs: dict) -> tuple:  # fmt: skip
+    def _train_until_it_fits(
+        self,
+        batch: Any,
+        batch_size: int,
+        elements: int,
+        batch_idx: Any,
+        params: list[torch.Tensor],
+        kept: list,
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple:
         """Forward and backward of the batch in micro-batches, halving after each out-of-memory
         error (agreed over the ranks), until every rank's try fitted."""
         done = False
@@ -197,7 +217,7 @@ class OomRecovery:
                 try:
                     value, output = self._forward_backward(batch, batch_size, attempted, args, kwargs)
                     grads = [p.grad for p in params]
-                except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+                except BaseException as exc:
                     if not is_out_of_memory_error(exc):
                         _put_back(params, kept)
                         raise
@@ -225,8 +245,10 @@ class OomRecovery:
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if loss is None:
                 if size < batch_size:
-                    raise RuntimeError("MemoryFill(on_oom='adapt'): training_step returned None for a micro-batch "
-                                       "of a batch split after an out-of-memory error; it cannot be skipped in part.")  # fmt: skip
+                    raise RuntimeError(
+                        "MemoryFill(on_oom='adapt'): training_step returned None for a micro-batch "
+                        "of a batch split after an out-of-memory error; it cannot be skipped in part."
+                    )
                 return None, None
             weighted = loss if weight == 1.0 else loss * weight
             scaled = weighted / trainer.accumulate_grad_batches
@@ -263,8 +285,13 @@ class OomRecovery:
             reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {where}"
         else:
             reason = error or "out of memory"
-        adaptation = self.limits.adapt(step=self.trainer.global_step, attempted=attempted, elements=elements,
-                                       reason=reason, batch_idx=int(batch_idx or 0))  # fmt: skip
+        adaptation = self.limits.adapt(
+            step=self.trainer.global_step,
+            attempted=attempted,
+            elements=elements,
+            reason=reason,
+            batch_idx=int(batch_idx or 0),
+        )
         self.on_adapt(adaptation)
 
     _phase = "forward"
@@ -284,8 +311,10 @@ def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptati
             f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
             f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
         )
-        metrics = {"gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
-                   "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size)}  # fmt: skip
+        metrics = {
+            "gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
+            "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size),
+        }
         log_metrics(trainer, metrics)
 
     return report

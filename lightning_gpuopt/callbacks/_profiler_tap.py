@@ -78,7 +78,7 @@ class _Timed:
     """Context manager timing the body inside the wrapped profiler's own context (a class, not a
     generator: it runs on every step, so it is kept cheap)."""
 
-    __slots__ = ("inner", "listener", "name", "any_action", "wall", "cpu")
+    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "wall")
 
     def __init__(
         self, inner: Any, listener: Listener, name: str = "", any_action: Optional[AnyListener] = None
@@ -103,7 +103,7 @@ class _Timed:
 class _TimedName:
     """The catch-all's context manager: wall-clock time only, inside the wrapped profiler's context."""
 
-    __slots__ = ("inner", "name", "any_action", "wall")
+    __slots__ = ("any_action", "inner", "name", "wall")
 
     def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
         self.inner = inner

@@ -51,15 +51,21 @@ class WorkProgress:
         self._task: Any = None
         self._use_bar = self.enabled and (shows_progress_bar(trainer) if bar is None else bar)
 
-    def __enter__(self) -> "WorkProgress":
+    def __enter__(self) -> WorkProgress:
         if self._use_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
             from rich.table import Column
 
             last = Column(no_wrap=True, overflow="ellipsis", ratio=1)  # the last unit's line takes what is left
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[last]}", table_column=last),
-                                 transient=False, expand=True)  # fmt: skip
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[last]}", table_column=last),
+                transient=False,
+                expand=True,
+            )
             self._task = self._bar.add_task(self.title, total=self.total, last="")
             self._bar.start()
         return self

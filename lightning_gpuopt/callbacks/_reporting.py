@@ -56,16 +56,18 @@ def save_report_plots(trainer: Trainer, report_path: Path) -> list[Path]:
         from lightning_gpuopt.core.plot import save_plots
 
         paths = save_plots(report_path)
-    except Exception as error:  # matplotlib missing (the message names the extra), or a figure failed
+    except Exception as error:  # noqa: BLE001 - never fails the run: matplotlib missing (the message names the extra), or a figure failed
         rank_zero_warn(f"gpuopt: the plots of {report_path} were not drawn: {error}")
         return []
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         try:
             _log_pngs(logger, paths, step)
-        except Exception as error:
-            rank_zero_warn(f"gpuopt: the plots were drawn to {report_path.parent} but not logged to "
-                           f"{type(logger).__name__}: {error}")  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a logger that cannot take images never fails the run
+            rank_zero_warn(
+                f"gpuopt: the plots were drawn to {report_path.parent} but not logged to "
+                f"{type(logger).__name__}: {error}"
+            )
     return paths
 
 
@@ -93,6 +95,8 @@ def write_report_section(path: str | os.PathLike, section: str, data: dict[str, 
         return update_json_section(path, section, data, warn=rank_zero_warn)
     except OSError as error:
         reason = error.strerror or str(error)
-        rank_zero_warn(f"gpuopt: could not write the {section!r} section of the report {path}: {reason} "
-                       f"[errno {error.errno}]; training goes on without it.")  # fmt: skip
+        rank_zero_warn(
+            f"gpuopt: could not write the {section!r} section of the report {path}: {reason} "
+            f"[errno {error.errno}]; training goes on without it."
+        )
         return None

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def sigterm_stops_our_work(
-    trainer: "pl.Trainer", changes: Optional[Changes] = None, raise_at_once: bool = False
+    trainer: pl.Trainer, changes: Optional[Changes] = None, raise_at_once: bool = False
 ) -> Iterator[None]:
     """Inside the block a SIGTERM stops our work and ends ``fit`` as Lightning does (see the module
     docstring); a ``KeyboardInterrupt`` passing through registers the SIGINT handler in ``changes``.

@@ -26,7 +26,7 @@ class RebuiltSource(DataLoaderSource):
     rebuild: Optional[Callable[[DataLoader], Any]] = None
 
     @classmethod
-    def around(cls, source: DataLoaderSource, rebuild: Callable[[DataLoader], Any]) -> "RebuiltSource":
+    def around(cls, source: DataLoaderSource, rebuild: Callable[[DataLoader], Any]) -> RebuiltSource:
         return cls(source.instance, source.name, inner=source, rebuild=rebuild)
 
     def dataloader(self) -> Any:

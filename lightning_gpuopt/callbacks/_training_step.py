@@ -53,8 +53,10 @@ def check_one_batch_step(pl_module: pl.LightningModule) -> None:
     """Raise :class:`~lightning_gpuopt.core.estimate.NotTraceable` for a
     ``training_step(self, dataloader_iter)``: it pulls its own batches, the trace gives it one."""
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-        raise NotTraceable("training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
-                           "batch given to training_step")  # fmt: skip
+        raise NotTraceable(
+            "training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
+            "batch given to training_step"
+        )
 
 
 def loss_function(pl_module: pl.LightningModule) -> Any:
@@ -73,8 +75,9 @@ def loss_function(pl_module: pl.LightningModule) -> Any:
     def loss_of(batch: Any) -> torch.Tensor:
         check_one_batch_step(pl_module)
         if not pl_module.automatic_optimization:
-            raise NotTraceable("manual optimization: training_step steps the optimizers itself (trace it with "
-                               "manual_step)")  # fmt: skip
+            raise NotTraceable(
+                "manual optimization: training_step steps the optimizers itself (trace it with manual_step)"
+            )
         with logging_disabled(pl_module):
             output = pl_module.training_step(batch, 0)
         if isinstance(output, Mapping):

@@ -74,8 +74,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -196,21 +196,34 @@ class BatchSizeSearch(Callback):
         verbose: bool = True,
     ) -> None:
         if max_memory is not None:
-            parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)  # validates early; a fraction is resolved later
+            parse_memory(
+                max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES
+            )  # validates early; a fraction is resolved later
         check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
-        check_int("steps_per_trial", steps_per_trial, 1,
-                  "steps_per_trial=2, so that optimizer state exists in the trial")
+        check_int(
+            "steps_per_trial", steps_per_trial, 1, "steps_per_trial=2, so that optimizer state exists in the trial"
+        )
         check_int("max_trials", max_trials, 1, "max_trials=10")
         check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
-        check_int("max_batch_size", max_batch_size, min_batch_size,
-                  f"max_batch_size=65536 (at least min_batch_size={min_batch_size})")
+        check_int(
+            "max_batch_size",
+            max_batch_size,
+            min_batch_size,
+            f"max_batch_size=65536 (at least min_batch_size={min_batch_size})",
+        )
         check_int("multiple_of", multiple_of, 1, "multiple_of=1 or multiple_of=8")
         if multiple_of > max_batch_size:
-            raise ValueError(f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
-                             "expected a multiple_of <= max_batch_size.")  # fmt: skip
+            raise ValueError(
+                f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
+                "expected a multiple_of <= max_batch_size."
+            )
         check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
-        check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (as large as fits, never "
-                     "above your batch size)")  # fmt: skip
+        check_choice(
+            "mode",
+            mode,
+            MODES,
+            "mode='fill' (as large as fits) or mode='cap' (as large as fits, never above your batch size)",
+        )
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory = max_memory
         self.margin = float(margin)
@@ -273,8 +286,11 @@ class BatchSizeSearch(Callback):
         holders = _batch_size_holders(pl_module, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials take the trainer's callbacks away
         # the state is kept before anything runs: building a loader iterator draws from the global RNG
-        with TrainingStateRestored(trainer, pl_module) as state, _trial_settings(trainer, self.steps_per_trial), \
-                contextlib.ExitStack() as trial_batches:
+        with (
+            TrainingStateRestored(trainer, pl_module) as state,
+            _trial_settings(trainer, self.steps_per_trial),
+            contextlib.ExitStack() as trial_batches,
+        ):
             initial = _initial_batch_size(trainer, holders, self.batch_arg_name)
             upper, upper_note = self._upper_bound(trainer, initial)  # before the trials' own sampler is in place
             sizes_note = trial_batches.enter_context(_trial_batches(trainer, self.steps_per_trial))
@@ -387,7 +403,7 @@ class BatchSizeSearch(Callback):
             if not device_for(device).is_cuda:
                 raise ValueError(
                     f"`max_memory`=None on a {device.type} device: there is no device memory to fill; pass "
-                    "max_memory (e.g. max_memory=\"300MB\") to search under a simulated budget."
+                    'max_memory (e.g. max_memory="300MB") to search under a simulated budget.'
                 )
             return device_usable_memory(device)
         return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
@@ -431,12 +447,23 @@ class BatchSizeSearch(Callback):
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
             # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
-            trace["workspaces"] = learn_workspaces(pl_module, loss_function(pl_module), batch,
-                                                   batch_size=trace["batch_size"], step_context=trace["step_context"])
+            trace["workspaces"] = learn_workspaces(
+                pl_module,
+                loss_function(pl_module),
+                batch,
+                batch_size=trace["batch_size"],
+                step_context=trace["step_context"],
+            )
             estimate = estimate_memory(pl_module, loss_function(pl_module), batch, capacity_bytes=budget, **trace)
             if estimate.method != "traced":
-                return None, None, [f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); "
-                                    "started at your batch size"]  # fmt: skip
+                return (
+                    None,
+                    None,
+                    [
+                        f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); "
+                        "started at your batch size"
+                    ],
+                )
             buckets = _ddp_bucket_bytes(trainer, pl_module)
             if buckets:
                 estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
@@ -447,7 +474,7 @@ class BatchSizeSearch(Callback):
 
     # ------------------------------------------------------------------ reporting
 
-    def _nothing_fits_message(self, runner: "_TrialRunner", result: BatchSizeSearchResult) -> str:
+    def _nothing_fits_message(self, runner: _TrialRunner, result: BatchSizeSearchResult) -> str:
         """Why no size fitted: the smallest size tried, and why its trial failed in that trial's own
         figures (the ones the table of trials shows); on a simulated cap, also what a step at that
         size needs, measured again without the cap."""
@@ -457,8 +484,10 @@ class BatchSizeSearch(Callback):
             headline = f"even min_batch_size={size} does not fit"
         else:
             count = len(result.trials)
-            headline = (f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
-                        f"the smallest tried, {size}, does not fit")  # fmt: skip
+            headline = (
+                f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
+                f"the smallest tried, {size}, does not fit"
+            )
         trainer = runner.trainer
         if trainer.world_size > 1:  # each rank's own budget, cap and peak: the ranks' figures differ
             budget = f"the budget of the tightest rank, {_bytes(result.budget_bytes)}"
@@ -515,8 +544,10 @@ def _refined(
     loss_fn = loss_function(pl_module)
     refined = refine_near_capacity(
         lambda size: trace_training_step(pl_module, loss_fn, batch, trace_batch_size=size, **trace),
-        predicted, budget, extra_bytes,
-    )  # fmt: skip
+        predicted,
+        budget,
+        extra_bytes,
+    )
     per_sample = refined.bytes_per_sample if refined.bytes_per_sample is not None else estimate.bytes_per_sample
     return refined.max_batch_size, per_sample, []
 
@@ -528,8 +559,14 @@ class _TrialRunner:
     """Runs one trial at a batch size on every rank and returns what all ranks agree on."""
 
     def __init__(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: "TrainingStateRestored", budget: int,
-        search_budget: int, batch_arg_name: str, capacity: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        state: TrainingStateRestored,
+        budget: int,
+        search_budget: int,
+        batch_arg_name: str,
+        capacity: int,
     ) -> None:
         self.trainer, self.pl_module, self.state, self.budget = trainer, pl_module, state, budget
         self.search_budget = search_budget
@@ -584,7 +621,9 @@ def _check_trial_batches(trainer: pl.Trainer, batch_size: int, name: str, out_of
     wrong = sorted({size for size in seen if size != batch_size})
     model = type(trainer.lightning_module).__name__
     datamodule = cast(Any, trainer).datamodule  # set by Lightning's data connector, not declared on Trainer
-    source = f"{type(datamodule).__name__}.train_dataloader()" if datamodule is not None else f"{model}.train_dataloader()"
+    source = (
+        f"{type(datamodule).__name__}.train_dataloader()" if datamodule is not None else f"{model}.train_dataloader()"
+    )
     raise MisconfigurationException(
         f"BatchSizeSearch set `{name}`={batch_size}, but the training steps received batches of {wrong} samples: "
         f"{source} does not build its loader with that batch size. Build it with `batch_size=self.{name}` (the "
@@ -623,8 +662,10 @@ def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, 
         return f"fitted{where} (peak {_bytes(peak)}, budget {_bytes(budget)}) but not on every rank"
     if outcome.oom_message is not None:
         cap = "the device's memory" if outcome.cap_bytes is None else f"the cap of {_bytes(outcome.cap_bytes)}"
-        return (f"ran out of memory{where} inside a training step, its peak until then {_bytes(peak)} under {cap}: "
-                f"{_first_sentences(outcome.oom_message)}")  # fmt: skip
+        return (
+            f"ran out of memory{where} inside a training step, its peak until then {_bytes(peak)} under {cap}: "
+            f"{_first_sentences(outcome.oom_message)}"
+        )
     if peak is None:
         return f"measured no peak{where}"
     return f"peaked{where} at {_bytes(peak)}, above the budget of {_bytes(budget)}"
@@ -633,17 +674,35 @@ def _why_it_missed(trial: Trial, outcome: Optional[_TrialOutcome], budget: int, 
 def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[_TrialOutcome], budget: int) -> str:
     """Under DDP: why the trial did not fit, on each rank in that rank's own figures (its budget, its
     cap, its peak; one all-gather). The out-of-memory message is only known for this rank."""
-    figures = [budget, -1, -1, 0, 0, 0] if outcome is None else [
-        budget, -1 if outcome.cap_bytes is None else outcome.cap_bytes,
-        -1 if outcome.peak_bytes is None else outcome.peak_bytes, int(outcome.fitted),
-        int(outcome.oom_message is not None), 1]  # fmt: skip
+    figures = (
+        [budget, -1, -1, 0, 0, 0]
+        if outcome is None
+        else [
+            budget,
+            -1 if outcome.cap_bytes is None else outcome.cap_bytes,
+            -1 if outcome.peak_bytes is None else outcome.peak_bytes,
+            int(outcome.fitted),
+            int(outcome.oom_message is not None),
+            1,
+        ]
+    )
     mine = torch.tensor(figures, dtype=torch.int64, device=trainer.strategy.root_device)
     gathered = trainer.strategy.all_gather(mine).reshape(-1, len(figures)).cpu().tolist()
     parts = []
     for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gathered):
         message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
-        parts.append(f"rank {rank} " + _rank_missed(rank_budget, None if cap < 0 else cap, None if peak < 0 else peak,
-                                                    bool(fitted), bool(oom), bool(known), message))  # fmt: skip
+        parts.append(
+            f"rank {rank} "
+            + _rank_missed(
+                rank_budget,
+                None if cap < 0 else cap,
+                None if peak < 0 else peak,
+                bool(fitted),
+                bool(oom),
+                bool(known),
+                message,
+            )
+        )
     return "; ".join(parts)
 
 
@@ -682,9 +741,13 @@ def _run_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, meter: Any) -
     wanted = trainer.fit_loop.epoch_loop.max_steps
     manual = not pl_module.automatic_optimization
     batches = trainer.limit_train_batches // MANUAL_TRIAL_BATCHES_AT_MOST if manual else 0
-    with _collectives_bypassed(trainer, pl_module), logging_disabled(pl_module), meter, \
-            _optimizer_steps_counted(trainer.optimizers) as stepped, \
-            _batch_sizes_seen(trainer, pl_module, stop_after=batches) as sizes:  # fmt: skip
+    with (
+        _collectives_bypassed(trainer, pl_module),
+        logging_disabled(pl_module),
+        meter,
+        _optimizer_steps_counted(trainer.optimizers) as stepped,
+        _batch_sizes_seen(trainer, pl_module, stop_after=batches) as sizes,
+    ):
         sizes.clear()
         trainer.fit_loop.run()
         for _ in range(wanted):
@@ -702,7 +765,9 @@ MANUAL_TRIAL_BATCHES_AT_MOST = 8
 
 
 @contextlib.contextmanager
-def _batch_sizes_seen(trainer: pl.Trainer, pl_module: pl.LightningModule, stop_after: float = 0) -> Iterator[list[Optional[int]]]:
+def _batch_sizes_seen(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, stop_after: float = 0
+) -> Iterator[list[Optional[int]]]:
     """Records the size of every batch the trial's steps receive (Lightning's ``extract_batch_size``,
     read in the module's ``on_train_batch_start``), into :data:`_LAST_TRIAL_BATCH_SIZES`.
 
@@ -711,10 +776,19 @@ def _batch_sizes_seen(trainer: pl.Trainer, pl_module: pl.LightningModule, stop_a
     few batches (a GAN's generator) allocates its state late, and training's peak is its forward,
     backward and step in a batch where all the state exists."""
     sizes = _LAST_TRIAL_BATCH_SIZES
-    hooks = {name: (getattr(pl_module, name), name in vars(pl_module)) for name in ("on_train_batch_start", "on_train_batch_end")}
+    hooks = {
+        name: (getattr(pl_module, name), name in vars(pl_module))
+        for name in ("on_train_batch_start", "on_train_batch_end")
+    }
     stepped = [0] * len(trainer.optimizers)
-    handles = [optimizer.register_step_post_hook(functools.partial(_count_step, stepped, index))
-               for index, optimizer in enumerate(trainer.optimizers)] if stop_after else []  # fmt: skip
+    handles = (
+        [
+            optimizer.register_step_post_hook(functools.partial(_count_step, stepped, index))
+            for index, optimizer in enumerate(trainer.optimizers)
+        ]
+        if stop_after
+        else []
+    )
     complete_batches = [0]
     began_complete = [False]
     stepped_when_complete = [False] * len(trainer.optimizers)
@@ -784,8 +858,9 @@ def _agree(
     if trainer.world_size <= 1:
         return fitted, peak
     headroom = -1 if peak is None else budget - int(peak)
-    mine = torch.tensor([int(fitted), int(peak is not None), headroom], dtype=torch.int64,
-                        device=trainer.strategy.root_device)  # fmt: skip
+    mine = torch.tensor(
+        [int(fitted), int(peak is not None), headroom], dtype=torch.int64, device=trainer.strategy.root_device
+    )
     gathered = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()
     known = gathered[gathered[:, 1] == 1]
     agreed_peak = search_budget - int(known[:, 2].min()) if len(known) == len(gathered) else None
@@ -798,12 +873,19 @@ def _agree_plan(
     """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
     if trainer.world_size <= 1:
         return budget, start, bytes_per_sample, upper
-    mine = torch.tensor([budget, start, -1.0 if bytes_per_sample is None else bytes_per_sample, upper],
-                        dtype=torch.float64, device=trainer.strategy.root_device)  # fmt: skip
+    mine = torch.tensor(
+        [budget, start, -1.0 if bytes_per_sample is None else bytes_per_sample, upper],
+        dtype=torch.float64,
+        device=trainer.strategy.root_device,
+    )
     gathered = trainer.strategy.all_gather(mine).reshape(-1, 4).cpu()
     slopes = [float(value) for value in gathered[:, 2] if value >= 0]
-    return (int(gathered[:, 0].min()), int(gathered[:, 1].min()), max(slopes) if slopes else None,
-            int(gathered[:, 3].min()))  # fmt: skip
+    return (
+        int(gathered[:, 0].min()),
+        int(gathered[:, 1].min()),
+        max(slopes) if slopes else None,
+        int(gathered[:, 3].min()),
+    )
 
 
 @contextlib.contextmanager
@@ -872,12 +954,13 @@ class TrainingStateRestored:
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.pl_module = trainer, pl_module
 
-    def __enter__(self) -> "TrainingStateRestored":
+    def __enter__(self) -> TrainingStateRestored:
         trainer, module = self.trainer, self.pl_module
         tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
         self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
-        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
-                      for p in module.parameters()]  # fmt: skip
+        self.grads = [
+            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in module.parameters()
+        ]
         self.optimizers = [_cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_cpu_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _cpu_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop)]
@@ -939,8 +1022,10 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
         'batch size 272 does not fit: peak 62.0 MiB, budget 56.5 MiB (1.88 s)'
     """
     outcome = "fits" if trial.fits else "does not fit"
-    return f"batch size {trial.batch_size} {outcome}: peak {format_bytes(trial.peak_bytes)}, " \
-           f"budget {format_bytes(budget_bytes)} ({format_seconds(trial.seconds)})"  # fmt: skip
+    return (
+        f"batch size {trial.batch_size} {outcome}: peak {format_bytes(trial.peak_bytes)}, "
+        f"budget {format_bytes(budget_bytes)} ({format_seconds(trial.seconds)})"
+    )
 
 
 def _trial_scaler(plugin: Any) -> torch.amp.GradScaler:
@@ -977,8 +1062,14 @@ def _trial_settings(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[None]
     silenced = [name for name in _RUN_HOOKS_NOT_IN_TRIALS if name not in vars(module)]
     for name in silenced:
         setattr(module, name, _no_hook)
-    saved = (connected.callbacks, trainer.loggers, trainer.limit_val_batches, fit_loop.epoch_loop.max_steps,
-             fit_loop.max_epochs, trainer.limit_train_batches)  # fmt: skip
+    saved = (
+        connected.callbacks,
+        trainer.loggers,
+        trainer.limit_val_batches,
+        fit_loop.epoch_loop.max_steps,
+        fit_loop.max_epochs,
+        trainer.limit_train_batches,
+    )
     quiet = _TrialStopMessages()
     logging.getLogger(_RANK_ZERO_LOGGER).addFilter(quiet)
     connected.callbacks = []
@@ -1043,11 +1134,18 @@ def _trial_batches(trainer: pl.Trainer, steps_per_trial: int) -> Iterator[Option
     compat.set_train_source(trainer, RebuiltSource.around(source, with_trial_sampler))
     note = None
     if probed is not None:
-        seen = f"over {probed.probed:,} of {probed.total:,} samples, all" if probed.complete else (
-            f"over the {probed.probed:,} of {probed.total:,} samples looked at in the time allowed; a larger one may"
-            " exist")
-        note = (f"sample sizes vary ({probed.smallest:,} to {probed.largest:,} elements {seen}): the estimate and the"
-                " trials used batches of the largest sample")
+        seen = (
+            f"over {probed.probed:,} of {probed.total:,} samples, all"
+            if probed.complete
+            else (
+                f"over the {probed.probed:,} of {probed.total:,} samples looked at in the time allowed; a larger one may"
+                " exist"
+            )
+        )
+        note = (
+            f"sample sizes vary ({probed.smallest:,} to {probed.largest:,} elements {seen}): the estimate and the"
+            " trials used batches of the largest sample"
+        )
     try:
         yield note
     finally:

@@ -74,7 +74,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detectors import (
     Probe,
@@ -83,8 +82,10 @@ from lightning_gpuopt.callbacks._detectors import (
     run_probe_findings,
     stop_probes,
 )
+from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.diagnosis import (
     DataWaitReport,
     RankFigures,
@@ -92,11 +93,10 @@ from lightning_gpuopt.core.diagnosis import (
     Thresholds,
     build_data_wait_report,
 )
+from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
-from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict
-from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
@@ -154,11 +154,20 @@ class DataWaitMonitor(Callback):
         find_patterns: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
-        check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)",
-                  allow_none=True)
+        check_int(
+            "log_every_n_steps",
+            log_every_n_steps,
+            1,
+            "log_every_n_steps=50 (None follows the Trainer)",
+            allow_none=True,
+        )
         check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
-        check_path("report_path", report_path, "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
-                   allow_none=True)
+        check_path(
+            "report_path",
+            report_path,
+            "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
+            allow_none=True,
+        )
         check_bool("verbose", verbose, "verbose=False")
         check_bool("find_patterns", find_patterns, "find_patterns=False")
         self.warmup_steps = warmup_steps
@@ -387,7 +396,12 @@ class DataWaitMonitor(Callback):
         ranks = gather_rank_figures(trainer, figures, pl_module.device)
         settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
         self.report = build_data_wait_report(
-            ranks, settings, self.thresholds, gpus, warmup_steps=self.warmup_steps, device=device_for(pl_module.device).describe()
+            ranks,
+            settings,
+            self.thresholds,
+            gpus,
+            warmup_steps=self.warmup_steps,
+            device=device_for(pl_module.device).describe(),
         )
         self.report.timeline = clock.timeline(self._gpu.idle_series if self._gpu is not None else None)
         stop_probes(self._probes)

@@ -117,8 +117,13 @@ class DataLoaderTuner(Callback):
         check_int("batches_per_candidate", batches_per_candidate, 2, "batches_per_candidate=16")
         check_number("tolerance", tolerance, "tolerance=0.05", low=0, high=1, high_inclusive=False)
         if target_samples_per_second is not None:
-            check_number("target_samples_per_second", target_samples_per_second,
-                         "target_samples_per_second=5000, or None to measure it", low=0, low_inclusive=False)
+            check_number(
+                "target_samples_per_second",
+                target_samples_per_second,
+                "target_samples_per_second=5000, or None to measure it",
+                low=0,
+                low_inclusive=False,
+            )
         check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
         check_bool("persistent_workers", persistent_workers, "persistent_workers=False")
         check_bool("verbose", verbose, "verbose=False")
@@ -169,10 +174,15 @@ class DataLoaderTuner(Callback):
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
         persistent = self.persistent_workers and not (on_gpu and reloads > 0)
-        baseline = LoaderSetting(loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+        baseline = LoaderSetting(
+            loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
+        )
         # a SIGTERM stops the timing at once (as it would stop a training step's loading)
-        with rng_preserved(loader), sigterm_stops_our_work(trainer, raise_at_once=True), \
-                WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress:
+        with (
+            rng_preserved(loader),
+            sigterm_stops_our_work(trainer, raise_at_once=True),
+            WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress,
+        ):
             result = tune_loader(
                 lambda setting: rebuild_loader(loader, setting),
                 usable_cpus=cores,
@@ -318,5 +328,7 @@ def candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = Non
     """
     yours = " [yours]" if timing.setting == baseline else ""
     early = ", stopped early: slower than the best" if timing.stopped_early else ""
-    return f"{timing.setting.short()}{yours}: {timing.samples_per_second:,.0f} samples/s " \
-           f"(start-up {format_seconds(timing.startup_s)}{early})"  # fmt: skip
+    return (
+        f"{timing.setting.short()}{yours}: {timing.samples_per_second:,.0f} samples/s "
+        f"(start-up {format_seconds(timing.startup_s)}{early})"
+    )

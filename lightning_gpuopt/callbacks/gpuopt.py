@@ -32,8 +32,8 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
@@ -44,6 +44,7 @@ from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
 from lightning_gpuopt.callbacks.memory_fill import MemoryFill, Objective, plan_table
+from lightning_gpuopt.core.checks import check_bool, check_number
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
@@ -54,16 +55,24 @@ from lightning_gpuopt.core.report import (
     data_wait_table,
     loader_tune_table,
     render_table,
-    to_dict,
 )
 from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.core.checks import check_bool, check_number
 from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
 #: section of ``gpuopt_report.json`` GpuOpt writes
 REPORT_SECTION = "gpuopt"
-_FILL_KEYS = ("global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin",
-              "min_micro_batch_size", "objective", "batch_arg_name", "on_oom")  # fmt: skip
+_FILL_KEYS = (
+    "global_batch_size",
+    "amp",
+    "checkpointing",
+    "accumulation",
+    "max_memory",
+    "margin",
+    "min_micro_batch_size",
+    "objective",
+    "batch_arg_name",
+    "on_oom",
+)
 
 
 @dataclass
@@ -137,11 +146,14 @@ class GpuOpt(Callback):
         on_oom: Optional[OnOom] = None,
         plots: Optional[bool] = None,
     ) -> None:
-        overrides = {key: value for key, value in locals().items()
-                     if key not in ("self", "preset", "plots", "__class__")}  # fmt: skip
+        overrides = {
+            key: value for key, value in locals().items() if key not in ("self", "preset", "plots", "__class__")
+        }
         if plots is not None and not isinstance(plots, bool):
-            raise ValueError(f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
-                             "or plots=False (the default).")  # fmt: skip
+            raise ValueError(
+                f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
+                "or plots=False (the default)."
+            )
         self.plots = bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
@@ -151,12 +163,16 @@ class GpuOpt(Callback):
         settings = self.settings
         for key, value in settings.items():  # every setting, also of the parts that do not run
             check_setting(key, value, source=None if key in overrides else sources.get(key))
-        self.fill = MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False) \
-            if settings.get("fill_memory") else None  # fmt: skip
+        self.fill = (
+            MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False)
+            if settings.get("fill_memory")
+            else None
+        )
         tuner_options = {"max_seconds": settings["loader_max_seconds"]} if "loader_max_seconds" in settings else {}
         self.tuner = DataLoaderTuner(**tuner_options, verbose=False) if settings.get("tune_loader") else None
-        self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) \
-            if settings.get("estimate") else None  # fmt: skip
+        self.estimator = (
+            MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if settings.get("estimate") else None
+        )
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
         for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
             if part is not None:
@@ -210,8 +226,9 @@ class GpuOpt(Callback):
         path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
-            written = write_report_section(path, REPORT_SECTION, {"preset": self.preset, "settings": self.settings,
-                                                                   "changes": self.report.changes})  # fmt: skip
+            written = write_report_section(
+                path, REPORT_SECTION, {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
+            )
             if self.plots and written is not None:
                 save_report_plots(trainer, written)
 
@@ -228,32 +245,37 @@ class GpuOpt(Callback):
             part.on_train_epoch_start(trainer, pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         for part in self.parts:
             part.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
-    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                            optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+    def on_before_zero_grad(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         for part in self.parts:
             part.on_before_zero_grad(trainer, pl_module, optimizer)
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         for part in self.parts:
             part.on_before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         for part in self.parts:
             part.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:  # fmt: skip
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         for part in self.parts:
             part.on_save_checkpoint(trainer, pl_module, checkpoint)
 
@@ -319,8 +341,9 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
             errors.append(error)
     if errors and name == "on_exception":
         for failure in errors:
-            rank_zero_warn(f"GpuOpt: a part failed to undo its changes after the failed fit: "
-                           f"{type(failure).__name__}: {failure}")  # fmt: skip
+            rank_zero_warn(
+                f"GpuOpt: a part failed to undo its changes after the failed fit: {type(failure).__name__}: {failure}"
+            )
     elif errors:
         raise errors[0]
 
@@ -328,8 +351,9 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
 def render_report(report: GpuOptReport) -> str:
     """The combined report: what changed, then each part's table."""
     changes = report.changes or ["nothing (measured only)"]
-    sections = [render_table(f"gpuopt · preset {report.preset} · changed", [(str(i + 1), c) for i, c in
-                                                                              enumerate(changes)])]  # fmt: skip
+    sections = [
+        render_table(f"gpuopt · preset {report.preset} · changed", [(str(i + 1), c) for i, c in enumerate(changes)])
+    ]
     if report.memory_fill is not None:
         sections.append(plan_table(report.memory_fill))
     if report.batch_size_search is not None:

@@ -55,7 +55,13 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, PeakMemoryMeter, device_usable_memory, parse_memory, storage_bytes
+from lightning_gpuopt.core.memory import (
+    MIN_MAX_MEMORY_BYTES,
+    PeakMemoryMeter,
+    device_usable_memory,
+    parse_memory,
+    storage_bytes,
+)
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     format_bytes,
@@ -68,9 +74,17 @@ from lightning_gpuopt.core.report import (
 #: prefix of every metric this callback logs
 METRIC_PREFIX = "gpuopt/mem_"
 _LOGGED_FIELDS = (
-    "predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes", "torchinfo_error",
-    "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "max_batch_size",
-)  # fmt: skip
+    "predicted_peak_bytes",
+    "measured_peak_bytes",
+    "estimate_error",
+    "torchinfo_total_bytes",
+    "torchinfo_error",
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "max_batch_size",
+)
 
 
 class MemoryEstimator(Callback):
@@ -267,8 +281,11 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("method", estimate.method),
         *([("not traced because", estimate.not_traced_reason)] if estimate.not_traced_reason else []),
         ("batch size", str(estimate.batch_size)),
-        *([("micro-batches per optimizer step", str(estimate.accumulate_grad_batches))]
-          if estimate.accumulate_grad_batches > 1 else []),  # fmt: skip
+        *(
+            [("micro-batches per optimizer step", str(estimate.accumulate_grad_batches))]
+            if estimate.accumulate_grad_batches > 1
+            else []
+        ),
         ("parameters", format_bytes(estimate.params_bytes)),
         ("gradients", format_bytes(estimate.grads_bytes)),
         ("optimizer state", format_bytes(estimate.optimizer_bytes)),
@@ -347,8 +364,9 @@ def _schedulers_restored(trainer: pl.Trainer) -> Iterator[None]:
     schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
     states = [scheduler.state_dict() for scheduler in schedulers]
     real = trainer.strategy.optimizers  # the same list object as strategy._optimizers
-    options = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-               for optimizer in real]  # fmt: skip
+    options = [
+        [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] for optimizer in real
+    ]
     try:
         yield
     finally:

@@ -191,20 +191,37 @@ class MemoryFill(Callback):
         verbose: bool = True,
         on_oom: OnOom = "raise",
     ) -> None:
-        check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None: your batch size "
-                  "x accumulate_grad_batches x devices)", allow_none=True)  # fmt: skip
+        check_int(
+            "global_batch_size",
+            global_batch_size,
+            1,
+            "global_batch_size=512 (or None: your batch size x accumulate_grad_batches x devices)",
+            allow_none=True,
+        )
         check_choice("amp", amp, ("auto", True, False), "amp='auto' (bf16-mixed / 16-mixed on GPUs, off on CPU)")
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
         checkpointing = _checked_checkpointing(checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
-        check_choice("objective", objective, OBJECTIVES, "objective='throughput' (largest micro-batch that fits) or "
-                     "objective='memory' (smallest footprint)")  # fmt: skip
+        check_choice(
+            "objective",
+            objective,
+            OBJECTIVES,
+            "objective='throughput' (largest micro-batch that fits) or objective='memory' (smallest footprint)",
+        )
         check_bool("verbose", verbose, "verbose=False")
-        check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches after an out-of-memory error in "
-                     "training) or on_oom='raise'")  # fmt: skip
-        self._search_options: dict[str, Any] = dict(max_memory=max_memory, margin=margin,
-                                                    steps_per_trial=steps_per_trial, max_trials=max_trials,
-                                                    batch_arg_name=batch_arg_name)  # fmt: skip
+        check_choice(
+            "on_oom",
+            on_oom,
+            ON_OOM,
+            "on_oom='adapt' (smaller micro-batches after an out-of-memory error in training) or on_oom='raise'",
+        )
+        self._search_options: dict[str, Any] = dict(
+            max_memory=max_memory,
+            margin=margin,
+            steps_per_trial=steps_per_trial,
+            max_trials=max_trials,
+            batch_arg_name=batch_arg_name,
+        )
         BatchSizeSearch(**self._search_options)
         self.global_batch_size = global_batch_size
         self.amp = amp
@@ -255,8 +272,9 @@ class MemoryFill(Callback):
         self.search.progress = self.progress
         self.search.check_usable(trainer, pl_module)
         initial_batch = int(cast(Any, lightning_getattr(pl_module, self.batch_arg_name)))  # checked usable above
-        self._initial = dict(precision=trainer.precision, batch_size=initial_batch,
-                             accumulate=trainer.accumulate_grad_batches)  # fmt: skip
+        self._initial = dict(
+            precision=trainer.precision, batch_size=initial_batch, accumulate=trainer.accumulate_grad_batches
+        )
         self._register_undos(trainer, pl_module)
         with sigterm_stops_our_work(trainer, self._changes):
             self._plan_batch(trainer, pl_module, initial_batch)
@@ -276,17 +294,26 @@ class MemoryFill(Callback):
         world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
         requested = self.global_batch_size or initial_batch * accumulate * world
         if requested % world:
-            raise ValueError(f"`global_batch_size`={requested} does not divide over the {world} devices; expected "
-                             f"a multiple of {world}, e.g. {max(1, requested // world) * world}.")  # fmt: skip
+            raise ValueError(
+                f"`global_batch_size`={requested} does not divide over the {world} devices; expected "
+                f"a multiple of {world}, e.g. {max(1, requested // world) * world}."
+            )
         self._samples_per_rank = requested // world
         self._requested = requested
         if not pl_module.automatic_optimization and self.on_oom == "adapt":
-            self._reasons.append("on_oom='adapt' needs automatic optimization: out-of-memory errors are raised as before")
-            rank_zero_warn("MemoryFill: on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
-                           "backward and the optimizer); out-of-memory errors are raised as before.")  # fmt: skip
+            self._reasons.append(
+                "on_oom='adapt' needs automatic optimization: out-of-memory errors are raised as before"
+            )
+            rank_zero_warn(
+                "MemoryFill: on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
+                "backward and the optimizer); out-of-memory errors are raised as before."
+            )
         if not pl_module.automatic_optimization:
-            self._fix_accumulation(1, "manual optimization: Lightning cannot accumulate gradients for it (accumulate "
-                                   "in your training_step); the whole global batch must fit in one step")
+            self._fix_accumulation(
+                1,
+                "manual optimization: Lightning cannot accumulate gradients for it (accumulate "
+                "in your training_step); the whole global batch must fit in one step",
+            )
         elif accumulate != 1:
             self._fix_accumulation(accumulate, f"accumulate_grad_batches={accumulate} was set explicitly: kept")
         elif self.accumulation is False:
@@ -345,16 +372,22 @@ class MemoryFill(Callback):
             self.checkpointing = False
             return
         if self.checkpointing is True or isinstance(self.checkpointing, list):
-            blocks = (find_repeated_blocks(pl_module) if self.checkpointing is True
-                      else select_blocks(pl_module, self.checkpointing))  # fmt: skip
+            blocks = (
+                find_repeated_blocks(pl_module)
+                if self.checkpointing is True
+                else select_blocks(pl_module, self.checkpointing)
+            )
             if not blocks:
                 raise MisconfigurationException(_no_blocks_message(pl_module))
             self._apply_checkpointing(pl_module, blocks, f"checkpointing={self.checkpointing!r}")
             return
         blocks = find_repeated_blocks(pl_module)
         if not blocks:
-            self._fall_back(f"no repeated blocks to checkpoint in {type(pl_module).__name__} (pass checkpointing="
-                            "[classes] to choose some)", loud=self.objective == "memory")  # fmt: skip
+            self._fall_back(
+                f"no repeated blocks to checkpoint in {type(pl_module).__name__} (pass checkpointing="
+                "[classes] to choose some)",
+                loud=self.objective == "memory",
+            )
             return
         if self.objective == "memory":
             self._apply_checkpointing(pl_module, blocks, "objective='memory': the smallest footprint")
@@ -363,8 +396,11 @@ class MemoryFill(Callback):
         wanted = self._wanted_micro()
         if predicted is not None and predicted < wanted:  # every rank checkpoints, or none
             ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
-            self._apply_checkpointing(pl_module, blocks, f"the estimate predicts a largest micro-batch of {predicted}{ranks} "
-                                      f"< {wanted} without it")  # fmt: skip
+            self._apply_checkpointing(
+                pl_module,
+                blocks,
+                f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {wanted} without it",
+            )
 
     def _wanted_micro(self) -> int:
         """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
@@ -384,11 +420,15 @@ class MemoryFill(Callback):
                 batch = next(iter(loader))
                 optimizers, _ = compat.init_optimizers_and_lr_schedulers(pl_module)
                 estimate = estimate_memory(
-                    pl_module, loss_function(pl_module), batch,
-                    optimizer=optimizers[0] if len(optimizers) == 1 else None, batch_size=batch_samples(batch),
-                    capacity_bytes=budget, step_context=_setup_step_context(trainer, pl_module),
+                    pl_module,
+                    loss_function(pl_module),
+                    batch,
+                    optimizer=optimizers[0] if len(optimizers) == 1 else None,
+                    batch_size=batch_samples(batch),
+                    capacity_bytes=budget,
+                    step_context=_setup_step_context(trainer, pl_module),
                     device=trainer.strategy.root_device,
-                )  # fmt: skip
+                )
         except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
             self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")
             return None
@@ -437,8 +477,9 @@ class MemoryFill(Callback):
         if not groups:
             return
         if not pl_module.automatic_optimization:
-            self._keep_checked([handle for handle, _ in groups], "not checked: manual optimization steps the "
-                               "optimizers itself")  # fmt: skip
+            self._keep_checked(
+                [handle for handle, _ in groups], "not checked: manual optimization steps the optimizers itself"
+            )
             return
         problems = self._recomputation_problems(trainer, pl_module, [handle for handle, _ in groups])
         kept, refused, retry = [], [], []
@@ -451,8 +492,10 @@ class MemoryFill(Callback):
             if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
                 retry.append(enable_checkpointing(fallback))
                 self._checkpoint_handles.append(retry[-1])
-                self._reasons.append(f"{handle.method or type(pl_module).__name__ + ' own checkpointing'} refused: "
-                                     f"{problem}; torch.utils.checkpoint on its blocks instead")  # fmt: skip
+                self._reasons.append(
+                    f"{handle.method or type(pl_module).__name__ + ' own checkpointing'} refused: "
+                    f"{problem}; torch.utils.checkpoint on its blocks instead"
+                )
             else:
                 refused.append((handle, problem))
         if retry:
@@ -467,9 +510,12 @@ class MemoryFill(Callback):
         self._refuse(pl_module, refused, kept)
 
     def _recomputation_problems(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, groups: list[CheckpointedBlocks],
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        groups: list[CheckpointedBlocks],
         switched_on: Optional[list[CheckpointedBlocks]] = None,
-    ) -> list[Optional[str]]:  # fmt: skip
+    ) -> list[Optional[str]]:
         """For each group, why a step with it alone differs from a plain step (``None``: it does not)."""
         switched_on = groups if switched_on is None else switched_on
         problems: list[Optional[str]] = []
@@ -480,38 +526,52 @@ class MemoryFill(Callback):
                     batch = trainer.strategy.batch_to_device(next(iter(first_train_loader(trainer))))
                     batch = sliced_batch(batch, batch_samples(batch), CHECK_SAMPLES)
                 except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
-                    problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(groups)
+                    problems = [f"no batch to check the recomputation on ({type(error).__name__}: {error})"] * len(
+                        groups
+                    )
                     batch = None
                 for group in groups if batch is not None else []:
                     with contextlib.ExitStack() as others:
                         for other in switched_on:
                             if other is not group:
                                 others.enter_context(other.paused())
-                        problems.append(check_recomputation(
-                            pl_module, loss_function(pl_module), batch, group,
-                            step_context=trainer.precision_plugin.train_step_context))  # fmt: skip
+                        problems.append(
+                            check_recomputation(
+                                pl_module,
+                                loss_function(pl_module),
+                                batch,
+                                group,
+                                step_context=trainer.precision_plugin.train_step_context,
+                            )
+                        )
             finally:
                 compat.reset_train_loader(trainer)
         # every rank keeps a group, or none
         agreed = [trainer.strategy.reduce_boolean_decision(problem is None, all=True) for problem in problems]
-        return [problem if problem is not None or ok else "another rank's recomputation differs"
-                for problem, ok in zip(problems, agreed)]  # fmt: skip
+        return [
+            problem if problem is not None or ok else "another rank's recomputation differs"
+            for problem, ok in zip(problems, agreed)
+        ]
 
     def _keep_checked(self, kept: list[CheckpointedBlocks], check: str) -> None:
         self._checkpointed = CheckpointedBlocks.joined(kept) if kept else None
         if self._checkpointed is None:
             return
-        self._reasons.append(f"activation checkpointing on {len(self._checkpointed.names)} "
-                             f"{'/'.join(self._checkpointed.classes)} blocks ({self._checkpointed.method}; {check}): "
-                             f"{self._checkpoint_reason}")  # fmt: skip
+        self._reasons.append(
+            f"activation checkpointing on {len(self._checkpointed.names)} "
+            f"{'/'.join(self._checkpointed.classes)} blocks ({self._checkpointed.method}; {check}): "
+            f"{self._checkpoint_reason}"
+        )
 
     def _refuse(self, pl_module: pl.LightningModule, refused: list, kept: list) -> None:
         if not refused:
             return
         for handle, problem in refused:
-            self._reasons.append(f"activation checkpointing refused for {len(handle.names)} "
-                                 f"{'/'.join(handle.classes)} blocks: a checkpointed step differs from a plain one "
-                                 f"({problem})")  # fmt: skip
+            self._reasons.append(
+                f"activation checkpointing refused for {len(handle.names)} "
+                f"{'/'.join(handle.classes)} blocks: a checkpointed step differs from a plain one "
+                f"({problem})"
+            )
         explicit = self.checkpointing is True or isinstance(self.checkpointing, list)
         if explicit and not kept:
             handle, problem = refused[0]
@@ -567,8 +627,10 @@ class MemoryFill(Callback):
         trainer.accumulate_grad_batches = accumulate
         self._correct_short_groups = accumulate > 1 and self._fixed_accumulation is None
         compat.reset_train_loader(trainer)
-        if trainer.lr_scheduler_configs and (micro, accumulate) != (self._initial["batch_size"],
-                                                                     self._initial["accumulate"]):  # fmt: skip
+        if trainer.lr_scheduler_configs and (micro, accumulate) != (
+            self._initial["batch_size"],
+            self._initial["accumulate"],
+        ):
             trainer.strategy.setup_optimizers(trainer)  # schedulers sized by estimated_stepping_batches
             self._reasons.append("optimizers and LR schedulers built again for the new steps per epoch")
         self.plan = self._make_plan(trainer, pl_module, micro, accumulate, largest)
@@ -607,8 +669,10 @@ class MemoryFill(Callback):
         finally:
             trainer.accumulate_grad_batches = self._initial["accumulate"]
         if accumulating != largest:
-            self._reasons.append(f"largest micro-batch {largest} without accumulation, {accumulating} when "
-                                 "accumulating (earlier micro-batches' gradients stay alive)")  # fmt: skip
+            self._reasons.append(
+                f"largest micro-batch {largest} without accumulation, {accumulating} when "
+                "accumulating (earlier micro-batches' gradients stay alive)"
+            )
         return accumulating
 
     def _nothing_fits_message(self, largest: Optional[int], needed: int) -> str:
@@ -649,13 +713,17 @@ class MemoryFill(Callback):
             on_oom=self.on_oom,
         )
         if plan.global_batch_size != plan.requested_global_batch_size:
-            plan.reasons.append(f"{self._samples_per_rank} samples per device do not split evenly into micro-batches "
-                                f"of at most {largest}: the global batch is {plan.global_batch_size}")  # fmt: skip
+            plan.reasons.append(
+                f"{self._samples_per_rank} samples per device do not split evenly into micro-batches "
+                f"of at most {largest}: the global batch is {plan.global_batch_size}"
+            )
         return replace(plan, seconds=time.perf_counter() - self._started)
 
     # ------------------------------------------------------------------ training: the last accumulation group
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._micro_batches_in_group += 1
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -754,11 +822,14 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
         with rng_preserved(loader):  # the traced step may draw from numpy and ``random`` too
             batch = trainer.strategy.batch_to_device(next(iter(loader)))
             estimate = estimate_memory(
-                pl_module, loss_function(pl_module), batch,
+                pl_module,
+                loss_function(pl_module),
+                batch,
                 optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
-                batch_size=batch_samples(batch), step_context=trainer.precision_plugin.train_step_context,
+                batch_size=batch_samples(batch),
+                step_context=trainer.precision_plugin.train_step_context,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
-            )  # fmt: skip
+            )
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None
@@ -782,14 +853,17 @@ _SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1",
 def _checked_checkpointing(value: Any) -> Any:
     """``"auto"``, ``True``, ``False`` or a non-empty list of module classes / class names / module
     names (one name alone becomes a list of one), else a ``ValueError`` naming the value."""
-    works = ("'auto', True, False or a list of module classes / class names / module names, "
-             "e.g. ['TransformerEncoderLayer']")  # fmt: skip
+    works = (
+        "'auto', True, False or a list of module classes / class names / module names, e.g. ['TransformerEncoderLayer']"
+    )
     if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
         return value
     if isinstance(value, str):
         if not value.strip() or value.strip().lower() in _SWITCH_WORDS:
-            raise ValueError(f"`checkpointing` must be {works}, got {value!r} (a str, not a switch: write "
-                             "True or False without quotes).")  # fmt: skip
+            raise ValueError(
+                f"`checkpointing` must be {works}, got {value!r} (a str, not a switch: write "
+                "True or False without quotes)."
+            )
         return [value]  # one class or module name
     if not _is_block_list(value):
         raise ValueError(f"`checkpointing` must be {works}, got {value!r}.")
@@ -800,13 +874,21 @@ def _no_blocks_message(pl_module: pl.LightningModule) -> str:
     """The refusal of ``checkpointing=True`` on a model without repeated blocks, with the classes
     that could be named instead (submodules with parameters and submodules of their own)."""
     containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-    candidates = list(dict.fromkeys(
-        type(module).__name__ for name, module in pl_module.named_modules()
-        if name and not isinstance(module, containers) and next(module.parameters(), None) is not None
-        and next(module.children(), None) is not None
-    ))  # fmt: skip
-    instead = (f"Pass the module classes or qualified module names to checkpoint, e.g. checkpointing={candidates[:2]}, "
-               if candidates else "It has no submodule with parameters and submodules of its own to checkpoint: ")
+    candidates = list(
+        dict.fromkeys(
+            type(module).__name__
+            for name, module in pl_module.named_modules()
+            if name
+            and not isinstance(module, containers)
+            and next(module.parameters(), None) is not None
+            and next(module.children(), None) is not None
+        )
+    )
+    instead = (
+        f"Pass the module classes or qualified module names to checkpoint, e.g. checkpointing={candidates[:2]}, "
+        if candidates
+        else "It has no submodule with parameters and submodules of its own to checkpoint: "
+    )
     return (
         f"MemoryFill: checkpointing=True found no repeated blocks in {type(pl_module).__name__} (same-class children "
         f"of an nn.ModuleList/nn.Sequential with parameters and submodules). {instead}or checkpointing='auto' "
@@ -815,8 +897,11 @@ def _no_blocks_message(pl_module: pl.LightningModule) -> str:
 
 
 def _is_block_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and \
-        all(isinstance(v, type) or isinstance(v, str) and v.strip() != "" for v in value)  # fmt: skip
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(v, type) or (isinstance(v, str) and v.strip() != "") for v in value)
+    )
 
 
 def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
@@ -838,18 +923,32 @@ def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
 def plan_table(plan: MemoryFillPlan) -> str:
     """The plan as a text table (rich) for ``rank_zero_info``."""
     rows = [
-        ("precision", f"{plan.initial_precision} → {plan.precision}" if plan.precision != plan.initial_precision
-         else plan.precision),
-        ("activation checkpointing", f"{len(plan.checkpointed_modules)} blocks ({', '.join(plan.checkpointed_classes)})"
-         if plan.checkpointing else "off"),
+        (
+            "precision",
+            f"{plan.initial_precision} → {plan.precision}"
+            if plan.precision != plan.initial_precision
+            else plan.precision,
+        ),
+        (
+            "activation checkpointing",
+            f"{len(plan.checkpointed_modules)} blocks ({', '.join(plan.checkpointed_classes)})"
+            if plan.checkpointing
+            else "off",
+        ),
         ("micro-batch", f"{plan.initial_batch_size} → {plan.micro_batch_size} (largest that fits: {plan.largest_fit})"),
         ("accumulate_grad_batches", f"{plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"),
-        ("global batch", f"{plan.global_batch_size} (asked: {plan.requested_global_batch_size}, "
-         f"{plan.world_size} device{'s' if plan.world_size > 1 else ''})"),
+        (
+            "global batch",
+            f"{plan.global_batch_size} (asked: {plan.requested_global_batch_size}, "
+            f"{plan.world_size} device{'s' if plan.world_size > 1 else ''})",
+        ),
         ("budget", format_bytes(plan.budget_bytes)),
-        ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / "
-         f"{format_bytes(plan.measured_peak_bytes)} (at {plan.largest_fit})"),
-    ]  # fmt: skip
+        (
+            "peak: predicted / measured",
+            f"{format_bytes(plan.predicted_peak_bytes)} / "
+            f"{format_bytes(plan.measured_peak_bytes)} (at {plan.largest_fit})",
+        ),
+    ]
     if plan.on_oom == "adapt" or plan.oom_adaptations:
         rows.append(("on out of memory", oom_summary(plan)))
     return render_table("MemoryFill plan", rows, notes=plan.reasons)
@@ -859,7 +958,7 @@ def oom_summary(plan: MemoryFillPlan) -> str:
     """``on_oom`` and each adaptation as ``step S: old → new (why)``."""
     if not plan.oom_adaptations:
         return f"{plan.on_oom} (no out-of-memory error so far)"
-    steps = "; ".join(f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})"
-                      for a in plan.oom_adaptations)  # fmt: skip
+    steps = "; ".join(
+        f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in plan.oom_adaptations
+    )
     return f"{plan.on_oom}: {len(plan.oom_adaptations)} adaptation(s): {steps}"
-

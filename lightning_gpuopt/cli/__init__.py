@@ -47,20 +47,22 @@ from lightning_gpuopt.cli.command import (
 )
 
 #: names served by :mod:`lightning_gpuopt.cli.lightning_cli`, imported (with Lightning) on first use
-_LIGHTNING_CLI_NAMES = frozenset({
-    "GPUOPT_KEY",
-    "GpuOptCLI",
-    "add_gpuopt_arguments",
-    "gpuopt_help",
-    "preset_flag_as_key",
-    "resolved_gpuopt_settings",
-    # what the single-file module imported at its top, importable from it then
-    "GpuOpt",
-    "LightningArgumentParser",
-    "LightningCLI",
-    "Optional",
-    "load_preset",
-})  # fmt: skip
+_LIGHTNING_CLI_NAMES = frozenset(
+    {
+        "GPUOPT_KEY",
+        "GpuOptCLI",
+        "add_gpuopt_arguments",
+        "gpuopt_help",
+        "preset_flag_as_key",
+        "resolved_gpuopt_settings",
+        # what the single-file module imported at its top, importable from it then
+        "GpuOpt",
+        "LightningArgumentParser",
+        "LightningCLI",
+        "Optional",
+        "load_preset",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -118,14 +118,21 @@ def _table(title: str, columns: Sequence[str]) -> Any:
 
 def _add_doctor_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     doctor = commands.add_parser(
-        "doctor", parents=[common], help="environment checks, each with a status and a fix",
+        "doctor",
+        parents=[common],
+        help="environment checks, each with a status and a fix",
         description="Check torch/CUDA vs the driver and GPU, the GPUs and who else uses them, matmul speed, "
-                    "CPU cores and threads, BLAS, pinned memory and /dev/shm. Exit status 1 on a 'fail'.",
-    )  # fmt: skip
+        "CPU cores and threads, BLAS, pinned memory and /dev/shm. Exit status 1 on a 'fail'.",
+    )
     timing = doctor.add_mutually_exclusive_group()
     timing.add_argument("--quick", action="store_true", help="a 0.3 s matmul benchmark instead of 2 s")
-    timing.add_argument("--matmul-seconds", type=float, default=2.0, metavar="S",
-                        help="seconds of matmul benchmark over all dtypes (default 2; 0 skips it)")  # fmt: skip
+    timing.add_argument(
+        "--matmul-seconds",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds of matmul benchmark over all dtypes (default 2; 0 skips it)",
+    )
     doctor.set_defaults(handler=run_doctor)
 
 
@@ -164,10 +171,12 @@ def _print_doctor(checks: list[Any], status: str) -> None:
 
 def _add_presets_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     presets = commands.add_parser(
-        "presets", parents=[common], help="list the presets, or show one's settings",
+        "presets",
+        parents=[common],
+        help="list the presets, or show one's settings",
         description="Without NAME: the shipped presets and what each does. With NAME (or a YAML file): its "
-                    "settings, `preset:` extensions resolved, and what each key means.",
-    )  # fmt: skip
+        "settings, `preset:` extensions resolved, and what each key means.",
+    )
     presets.add_argument("name", nargs="?", metavar="NAME", help="a preset name or the path of a YAML file")
     presets.set_defaults(handler=run_presets)
 
@@ -177,8 +186,10 @@ def run_presets(args: argparse.Namespace) -> int:
     from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description, preset_path
 
     if args.name is None:
-        listing = [{"name": name, "description": preset_description(name), "path": str(preset_path(name))}
-                   for name in available_presets()]  # fmt: skip
+        listing = [
+            {"name": name, "description": preset_description(name), "path": str(preset_path(name))}
+            for name in available_presets()
+        ]
         if args.json:
             _print_json({"presets": listing})
         else:
@@ -193,8 +204,15 @@ def run_presets(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(f"`NAME`={args.name!r}: {error}") from None
     if args.json:
-        _print_json({"name": args.name, "path": str(preset_path(args.name)), "description": description,
-                     "settings": settings, "meanings": {key: PRESET_KEYS[key] for key in settings}})  # fmt: skip
+        _print_json(
+            {
+                "name": args.name,
+                "path": str(preset_path(args.name)),
+                "description": description,
+                "settings": settings,
+                "meanings": {key: PRESET_KEYS[key] for key in settings},
+            }
+        )
         return 0
     from rich.text import Text
 
@@ -212,10 +230,12 @@ def run_presets(args: argparse.Namespace) -> int:
 
 def _add_plot_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     plot = commands.add_parser(
-        "plot", parents=[common], help="draw a gpuopt_report.json as PNGs (needs the [plot] extra)",
+        "plot",
+        parents=[common],
+        help="draw a gpuopt_report.json as PNGs (needs the [plot] extra)",
         description="Draw step time over training, memory vs batch size and the loader settings timed, "
-                    "each from its section of the report, as PNGs (lightning_gpuopt.core.plot.save_plots).",
-    )  # fmt: skip
+        "each from its section of the report, as PNGs (lightning_gpuopt.core.plot.save_plots).",
+    )
     plot.add_argument("report", metavar="REPORT", help="a gpuopt_report.json written by the callbacks")
     plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: beside REPORT)")
     plot.set_defaults(handler=run_plot)
@@ -229,9 +249,11 @@ def run_plot(args: argparse.Namespace) -> int:
     try:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as error:
-        raise UsageError(f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the "
-                         "gpuopt_report.json in the trainer's log dir, e.g. "
-                         "lightning_logs/version_0/gpuopt_report.json") from None
+        raise UsageError(
+            f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the "
+            "gpuopt_report.json in the trainer's log dir, e.g. "
+            "lightning_logs/version_0/gpuopt_report.json"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
     try:
@@ -245,8 +267,11 @@ def run_plot(args: argparse.Namespace) -> int:
         for path in written:
             sys.stdout.write(f"{path}\n")
     if not written:
-        print(f"gpuopt plot: nothing to draw: {args.report} has none of the sections data_wait, batch_size_search, "
-              f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})", file=sys.stderr)  # fmt: skip
+        print(
+            f"gpuopt plot: nothing to draw: {args.report} has none of the sections data_wait, batch_size_search, "
+            f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})",
+            file=sys.stderr,
+        )
     return 0 if written else 1
 
 
@@ -255,45 +280,87 @@ def run_plot(args: argparse.Namespace) -> int:
 
 def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     estimate = commands.add_parser(
-        "estimate", parents=[common], help="a model's training-step memory and the largest batch that fits",
+        "estimate",
+        parents=[common],
+        help="a model's training-step memory and the largest batch that fits",
         description="Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained "
-                    "or allocated) and report the memory by part, the predicted peak at --batch-size and the "
-                    "largest batch that fits --max-memory. The batch comes from --input-size, else --datamodule's "
-                    "train_dataloader(), else the model's, else its example_input_array. A LightningModule gets a "
-                    "CPU Trainer attached (nothing is trained), so that configure_optimizers() and "
-                    "train_dataloader() can use self.trainer.",
-    )  # fmt: skip
-    estimate.add_argument("target", metavar="MODULE:CLASS",
-                          help="the model class: a dotted module (importable, or under the current directory) or "
-                               "path/to/file.py, a colon, the class name; e.g. examples/models.py:TokenTransformer")
-    estimate.add_argument("--init-args", default="{}", metavar="JSON",
-                          help='keyword arguments of the class as a JSON object, e.g. \'{"width": 256}\'')
-    estimate.add_argument("--datamodule", metavar="MODULE:CLASS",
-                          help="a LightningDataModule class whose train_dataloader() gives the batch, as MODULE:CLASS "
-                               "is given, e.g. my_package.data:ImageNetData")
-    estimate.add_argument("--datamodule-init-args", default="{}", metavar="JSON",
-                          help="keyword arguments of the --datamodule class as a JSON object")
-    estimate.add_argument("--input-size", action="append", metavar="D1,D2,...",
-                          help="the shape of one sample of forward's input, without the batch dimension, e.g. "
-                               "3,224,224; repeat for several inputs (forward(*inputs)); the loss is then a "
-                               "stand-in: the mean of the output")
-    estimate.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "long"),
-                          help="dtype of the --input-size tensors (long: token ids below --vocab)")
-    estimate.add_argument("--vocab", type=int, metavar="N",
-                          help="token ids for --dtype long are drawn from [0, N) (default: the model's first "
-                               "nn.Embedding)")
-    estimate.add_argument("--batch-size", type=int, metavar="N",
-                          help=f"the batch size to estimate at (default: the dataloader's, else {DEFAULT_BATCH_SIZE})")
-    estimate.add_argument("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS,
-                          help="auto (default): the model's configure_optimizers() (with a Trainer attached), else "
-                               "adam; sgd has momentum 0.9")
-    estimate.add_argument("--precision", default="32-true", choices=ESTIMATE_PRECISIONS,
-                          help="as Lightning's Trainer(precision=...); 16-mixed only on CUDA")
-    estimate.add_argument("--max-memory", metavar="MEMORY",
-                          help='the memory to fit: bytes, "20GiB", "300MB" or a fraction of the device (0.9); '
-                               "default: what the device can give a training step now")
+        "or allocated) and report the memory by part, the predicted peak at --batch-size and the "
+        "largest batch that fits --max-memory. The batch comes from --input-size, else --datamodule's "
+        "train_dataloader(), else the model's, else its example_input_array. A LightningModule gets a "
+        "CPU Trainer attached (nothing is trained), so that configure_optimizers() and "
+        "train_dataloader() can use self.trainer.",
+    )
+    estimate.add_argument(
+        "target",
+        metavar="MODULE:CLASS",
+        help="the model class: a dotted module (importable, or under the current directory) or "
+        "path/to/file.py, a colon, the class name; e.g. examples/models.py:TokenTransformer",
+    )
+    estimate.add_argument(
+        "--init-args",
+        default="{}",
+        metavar="JSON",
+        help="keyword arguments of the class as a JSON object, e.g. '{\"width\": 256}'",
+    )
+    estimate.add_argument(
+        "--datamodule",
+        metavar="MODULE:CLASS",
+        help="a LightningDataModule class whose train_dataloader() gives the batch, as MODULE:CLASS "
+        "is given, e.g. my_package.data:ImageNetData",
+    )
+    estimate.add_argument(
+        "--datamodule-init-args",
+        default="{}",
+        metavar="JSON",
+        help="keyword arguments of the --datamodule class as a JSON object",
+    )
+    estimate.add_argument(
+        "--input-size",
+        action="append",
+        metavar="D1,D2,...",
+        help="the shape of one sample of forward's input, without the batch dimension, e.g. "
+        "3,224,224; repeat for several inputs (forward(*inputs)); the loss is then a "
+        "stand-in: the mean of the output",
+    )
+    estimate.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16", "long"),
+        help="dtype of the --input-size tensors (long: token ids below --vocab)",
+    )
+    estimate.add_argument(
+        "--vocab",
+        type=int,
+        metavar="N",
+        help="token ids for --dtype long are drawn from [0, N) (default: the model's first nn.Embedding)",
+    )
+    estimate.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help=f"the batch size to estimate at (default: the dataloader's, else {DEFAULT_BATCH_SIZE})",
+    )
+    estimate.add_argument(
+        "--optimizer",
+        default="auto",
+        choices=ESTIMATE_OPTIMIZERS,
+        help="auto (default): the model's configure_optimizers() (with a Trainer attached), else "
+        "adam; sgd has momentum 0.9",
+    )
+    estimate.add_argument(
+        "--precision",
+        default="32-true",
+        choices=ESTIMATE_PRECISIONS,
+        help="as Lightning's Trainer(precision=...); 16-mixed only on CUDA",
+    )
+    estimate.add_argument(
+        "--max-memory",
+        metavar="MEMORY",
+        help='the memory to fit: bytes, "20GiB", "300MB" or a fraction of the device (0.9); '
+        "default: what the device can give a training step now",
+    )
     estimate.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
-    estimate.set_defaults(handler=run_estimate)  # fmt: skip
+    estimate.set_defaults(handler=run_estimate)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -318,12 +385,24 @@ def run_estimate(args: argparse.Namespace) -> int:
     setup.batch_size = _batch_size_of(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
     capacity = _capacity(args.max_memory, device, module, setup)
-    trace = dict(optimizer=optimizer, batch_size=setup.batch_size, step_context=host_step_context(args.precision),
-                 device=device, manual_step=_manual_step(module, trainer, optimizer, args, setup))  # fmt: skip
+    trace = dict(
+        optimizer=optimizer,
+        batch_size=setup.batch_size,
+        step_context=host_step_context(args.precision),
+        device=device,
+        manual_step=_manual_step(module, trainer, optimizer, args, setup),
+    )
     # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
-    trace["workspaces"] = learn_workspaces(module, loss_fn, batch, batch_size=setup.batch_size,
-                                           step_context=trace["step_context"], device=device,
-                                           manual_step=trace["manual_step"], optimizer=optimizer)  # fmt: skip
+    trace["workspaces"] = learn_workspaces(
+        module,
+        loss_fn,
+        batch,
+        batch_size=setup.batch_size,
+        step_context=trace["step_context"],
+        device=device,
+        manual_step=trace["manual_step"],
+        optimizer=optimizer,
+    )
     estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
     estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
@@ -361,8 +440,13 @@ def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Names
     from lightning_gpuopt.callbacks.memory_estimator import manual_step
     from lightning_gpuopt.core.estimate import optimizer_list
 
-    if trainer is None or module.automatic_optimization or args.input_size or not setup.batch_source.endswith(
-            "train_dataloader()") or not is_overridden("training_step", module):  # fmt: skip
+    if (
+        trainer is None
+        or module.automatic_optimization
+        or args.input_size
+        or not setup.batch_source.endswith("train_dataloader()")
+        or not is_overridden("training_step", module)
+    ):
         return None
     trainer.strategy.optimizers = optimizer_list(optimizer)  # what self.optimizers() reads outside the trace
     setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
@@ -404,8 +488,10 @@ def import_class(target: str, base: type | None = None, argument: str = "MODULE:
     label = f"`{argument}`={target!r}"
     module_part, colon, class_part = target.rpartition(":")
     if not colon or not module_part or not class_part:
-        raise UsageError(f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon "
-                         "and the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel.")
+        raise UsageError(
+            f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon "
+            "and the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel."
+        )
     if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
         module = _import_file(module_part, label)
     else:
@@ -415,12 +501,16 @@ def import_class(target: str, base: type | None = None, argument: str = "MODULE:
         close = difflib.get_close_matches(class_part, [name for name in vars(module) if not name.startswith("_")], 1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         candidates = ", ".join(_module_classes(module, base)) or "none"
-        raise UsageError(f"{label}: the module {module_part!r} has no attribute {class_part!r}; {hint}"
-                         f"its {_class_name(base)} classes: {candidates}.")  # fmt: skip
+        raise UsageError(
+            f"{label}: the module {module_part!r} has no attribute {class_part!r}; {hint}"
+            f"its {_class_name(base)} classes: {candidates}."
+        )
     if not (isinstance(cls, type) and issubclass(cls, base)):
         candidates = ", ".join(_module_classes(module, base)) or "none"
-        raise UsageError(f"{label}: {class_part!r} is a {type(cls).__name__}, not a {_class_name(base)} class; "
-                         f"the module's {_class_name(base)} classes: {candidates}.")
+        raise UsageError(
+            f"{label}: {class_part!r} is a {type(cls).__name__}, not a {_class_name(base)} class; "
+            f"the module's {_class_name(base)} classes: {candidates}."
+        )
     return cls
 
 
@@ -438,11 +528,14 @@ def _import_module(name: str, label: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
-            raise UsageError(f"{label}: the module part {name!r} cannot be imported ({error}); it is looked up on "
-                             f"sys.path and in the current directory {os.getcwd()}; give a dotted module path or "
-                             "path/to/file.py.") from None  # fmt: skip
-        raise UsageError(f"{label}: importing the module {name!r} failed: {error} (a dependency of it is "
-                         "missing).") from None  # fmt: skip
+            raise UsageError(
+                f"{label}: the module part {name!r} cannot be imported ({error}); it is looked up on "
+                f"sys.path and in the current directory {os.getcwd()}; give a dotted module path or "
+                "path/to/file.py."
+            ) from None
+        raise UsageError(
+            f"{label}: importing the module {name!r} failed: {error} (a dependency of it is missing)."
+        ) from None
     except Exception as error:  # noqa: BLE001 - the user's module raised while importing
         raise UsageError(f"{label}: importing the module {name!r} raised {type(error).__name__}: {error}") from None
 
@@ -450,8 +543,10 @@ def _import_module(name: str, label: str) -> ModuleType:
 def _import_file(path_text: str, label: str) -> ModuleType:
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
-        raise UsageError(f"{label}: the file {path_text!r} does not exist (looked for {path}); give an existing "
-                         "path/to/file.py or a dotted module.")  # fmt: skip
+        raise UsageError(
+            f"{label}: the file {path_text!r} does not exist (looked for {path}); give an existing "
+            "path/to/file.py or a dotted module."
+        )
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve() == path:
@@ -478,31 +573,39 @@ def _module_classes(module: ModuleType, base: type | None = None, limit: int = 1
     import torch
 
     base = torch.nn.Module if base is None else base
-    exposed = sorted(name for name, value in vars(module).items()
-                     if isinstance(value, type) and issubclass(value, base))  # fmt: skip
+    exposed = sorted(
+        name for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, base)
+    )
     defined = [name for name in exposed if getattr(module, name).__module__ == module.__name__]
     names = defined or exposed
     return names[:limit] + (["..."] if len(names) > limit else [])
 
 
-def _instantiate(cls: type, init_args: str, target: str, arguments: tuple[str, str] = ("MODULE:CLASS", "--init-args")
-                 ) -> Any:  # fmt: skip
+def _instantiate(
+    cls: type, init_args: str, target: str, arguments: tuple[str, str] = ("MODULE:CLASS", "--init-args")
+) -> Any:
     """``cls(**json.loads(init_args))``; errors name ``arguments`` (the class's and the init args')."""
     class_argument, init_argument = arguments
     try:
         kwargs = json.loads(init_args)
     except json.JSONDecodeError as error:
-        raise UsageError(f"`{init_argument}`={init_args!r} is not JSON ({error}); give an object of keyword "
-                         'arguments, e.g. \'{"width": 256, "depth": 4}\'.') from None  # fmt: skip
+        raise UsageError(
+            f"`{init_argument}`={init_args!r} is not JSON ({error}); give an object of keyword "
+            'arguments, e.g. \'{"width": 256, "depth": 4}\'.'
+        ) from None
     if not isinstance(kwargs, dict):
-        raise UsageError(f"`{init_argument}`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of "
-                         'keyword arguments such as \'{"width": 256}\'.')  # fmt: skip
+        raise UsageError(
+            f"`{init_argument}`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of "
+            "keyword arguments such as '{\"width\": 256}'."
+        )
     try:
         return cls(**kwargs)
     except Exception as error:  # noqa: BLE001 - bad keyword arguments, or the class's own checks
-        raise UsageError(f"{cls.__name__}(**{kwargs!r}) from `{class_argument}`={target!r} and `{init_argument}` "
-                         f"raised {type(error).__name__}: {error}; the signature is "
-                         f"{cls.__name__}{_signature(cls)}.") from None
+        raise UsageError(
+            f"{cls.__name__}(**{kwargs!r}) from `{class_argument}`={target!r} and `{init_argument}` "
+            f"raised {type(error).__name__}: {error}; the signature is "
+            f"{cls.__name__}{_signature(cls)}."
+        ) from None
 
 
 def _datamodule(args: argparse.Namespace) -> Any:
@@ -511,14 +614,16 @@ def _datamodule(args: argparse.Namespace) -> Any:
 
     if args.datamodule is None:
         if args.datamodule_init_args.strip() not in ("", "{}"):
-            raise UsageError(f"`--datamodule-init-args`={args.datamodule_init_args!r} without --datamodule: name "
-                             "the class too, e.g. --datamodule my_package.data:MyData.")  # fmt: skip
+            raise UsageError(
+                f"`--datamodule-init-args`={args.datamodule_init_args!r} without --datamodule: name "
+                "the class too, e.g. --datamodule my_package.data:MyData."
+            )
         return None
     cls = import_class(args.datamodule, LightningDataModule, "--datamodule")
     return _instantiate(cls, args.datamodule_init_args, args.datamodule, ("--datamodule", "--datamodule-init-args"))
 
 
-def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: "EstimateSetup") -> Any:
+def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
     """A LightningModule gets a CPU Trainer attached, as ``Trainer.fit`` attaches one (with the
     datamodule), so that ``configure_optimizers()`` and ``train_dataloader()`` can read
     ``self.trainer`` (e.g. ``estimated_stepping_batches``, ``datamodule``); nothing is trained.
@@ -531,16 +636,26 @@ def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setu
         setup.datamodule = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
     if not isinstance(module, LightningModule):
         if datamodule is not None:
-            raise UsageError(f"`--datamodule`={args.datamodule!r} needs a LightningModule to train on its batches; "
-                             f"`MODULE:CLASS`={args.target!r} is a plain torch.nn.Module.")  # fmt: skip
+            raise UsageError(
+                f"`--datamodule`={args.datamodule!r} needs a LightningModule to train on its batches; "
+                f"`MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
+            )
         return None
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
     try:
-        trainer = Trainer(accelerator="cpu", devices=1, max_epochs=-1, max_steps=ESTIMATE_TRAINER_STEPS, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0)  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=-1,
+            max_steps=ESTIMATE_TRAINER_STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
     finally:
         quiet.setLevel(level)
     from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -576,7 +691,7 @@ def _signature(cls: type) -> str:
         return "(...)"
 
 
-def _estimate_device(requested: str | None, precision: str) -> "torch.device":
+def _estimate_device(requested: str | None, precision: str) -> torch.device:
     import torch
 
     from lightning_gpuopt.core.device import cuda_available
@@ -585,12 +700,13 @@ def _estimate_device(requested: str | None, precision: str) -> "torch.device":
         raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
     device = torch.device(requested or ("cuda" if cuda_available() else "cpu"))
     if precision == "16-mixed" and device.type != "cuda":
-        raise UsageError(f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use "
-                         "--precision bf16-mixed.")  # fmt: skip
+        raise UsageError(
+            f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
+        )
     return device
 
 
-def _prepare_module(module: Any, device: "torch.device", precision: str) -> Any:
+def _prepare_module(module: Any, device: torch.device, precision: str) -> Any:
     import torch
 
     module = module.to(device)
@@ -604,7 +720,7 @@ def _prepare_module(module: Any, device: "torch.device", precision: str) -> Any:
 
 
 def _batch_and_loss(
-    module: Any, args: argparse.Namespace, device: "torch.device", setup: EstimateSetup, datamodule: Any = None
+    module: Any, args: argparse.Namespace, device: torch.device, setup: EstimateSetup, datamodule: Any = None
 ) -> tuple:
     """``(batch, loss_fn, forward_input)`` from --input-size, else the datamodule's or the model's
     dataloader, else example_input_array; fills ``setup``'s batch, loss and parameter fields."""
@@ -618,24 +734,28 @@ def _batch_and_loss(
         return found
     example = getattr(module, "example_input_array", None)
     if example is None:
-        raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
-                         "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
-                         "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
-                         "LightningDataModule whose train_dataloader() gives the batches).")  # fmt: skip
+        raise UsageError(
+            f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
+            "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
+            "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
+            "LightningDataModule whose train_dataloader() gives the batches)."
+        )
     batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
     return batch, _stand_in_loss_fn(module, setup), batch
 
 
-def _batch_of_sizes(module: Any, args: argparse.Namespace, device: "torch.device") -> Any:
+def _batch_of_sizes(module: Any, args: argparse.Namespace, device: torch.device) -> Any:
     import torch
 
     batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     tensors = []
     for text in args.input_size:
         if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or any(int(n) < 1 for n in re.findall(r"\d+", text)):
-            raise UsageError(f"`--input-size`={text!r} is not a list of positive integers; give one sample's shape "
-                             "without the batch dimension, e.g. --input-size 3,224,224.")  # fmt: skip
+            raise UsageError(
+                f"`--input-size`={text!r} is not a list of positive integers; give one sample's shape "
+                "without the batch dimension, e.g. --input-size 3,224,224."
+            )
         shape = (batch_size, *(int(n) for n in re.findall(r"\d+", text)))
         if args.dtype == "long":
             tensors.append(torch.randint(0, _vocab(module, args.vocab), shape, device=device))
@@ -655,12 +775,14 @@ def _vocab(module: Any, vocab: int | None) -> int:
     for sub in module.modules():
         if isinstance(sub, torch.nn.Embedding):
             return int(sub.num_embeddings)
-    raise UsageError("`--dtype`='long' needs the range of the token ids and the model has no nn.Embedding; "
-                     "give it with --vocab N, e.g. --vocab 32000.")  # fmt: skip
+    raise UsageError(
+        "`--dtype`='long' needs the range of the token ids and the model has no nn.Embedding; "
+        "give it with --vocab N, e.g. --vocab 32000."
+    )
 
 
 def _loader_batch(
-    module: Any, batch_size: int | None, device: "torch.device", setup: EstimateSetup, datamodule: Any = None
+    module: Any, batch_size: int | None, device: torch.device, setup: EstimateSetup, datamodule: Any = None
 ) -> tuple | None:
     """A batch from the datamodule's or the LightningModule's own ``train_dataloader()`` (with the
     Trainer attached), with ``training_step`` as the loss."""
@@ -681,10 +803,13 @@ def _loader_batch(
         batch = next(iter(owner.train_dataloader()))
     except Exception as error:  # noqa: BLE001 - the user's loader failed: say where, and what else works
         if datamodule is not None:
-            raise UsageError(f"{source} of `--datamodule`={type(datamodule).__name__} raised "
-                             f"{type(error).__name__}: {error}") from None  # fmt: skip
-        setup.notes.append(f"train_dataloader() failed with a Trainer attached ({type(error).__name__}: {error}); "
-                           "using example_input_array or --input-size instead")  # fmt: skip
+            raise UsageError(
+                f"{source} of `--datamodule`={type(datamodule).__name__} raised {type(error).__name__}: {error}"
+            ) from None
+        setup.notes.append(
+            f"train_dataloader() failed with a Trainer attached ({type(error).__name__}: {error}); "
+            "using example_input_array or --input-size instead"
+        )
         return None
     batch = _to_device(batch, device, module)
     loaded = _batch_size_of(batch)
@@ -711,7 +836,7 @@ def _first_tensor(batch: Any) -> Any:
     return batch
 
 
-def _to_device(data: Any, device: "torch.device", module: Any) -> Any:
+def _to_device(data: Any, device: torch.device, module: Any) -> Any:
     """Tensors of ``data`` on ``device``; floating ones in the module's dtype under bf16-true."""
     import torch
     from torch.utils._pytree import tree_map
@@ -761,12 +886,17 @@ def _stand_in_loss_fn(
     from torch.utils._pytree import tree_leaves
 
     setup.loss = "stand-in: the mean of forward's output"
-    setup.notes.append("no training_step for this batch: the loss is a stand-in, the mean of forward's output; "
-                       "a real loss adds little (targets and a few scalars)")  # fmt: skip
+    setup.notes.append(
+        "no training_step for this batch: the loss is a stand-in, the mean of forward's output; "
+        "a real loss adds little (targets and a few scalars)"
+    )
 
     def loss_of(batch: Any) -> torch.Tensor:
-        leaves = [leaf for leaf in tree_leaves(_call_forward(module, forward_of(batch)))
-                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]  # fmt: skip
+        leaves = [
+            leaf
+            for leaf in tree_leaves(_call_forward(module, forward_of(batch)))
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        ]
         if not leaves:
             raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
         return cast(torch.Tensor, sum(leaf.float().mean() for leaf in leaves))  # leaves is not empty: no 0
@@ -820,17 +950,20 @@ def _configured_optimizer(module: Any, setup: EstimateSetup) -> Any:
     try:
         optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
     except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
-        raise UsageError(f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
-                         f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
-                         "with one of ours: --optimizer adam|adamw|sgd|none.") from None  # fmt: skip
+        raise UsageError(
+            f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
+            f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
+            "with one of ours: --optimizer adam|adamw|sgd|none."
+        ) from None
     optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
     if not optimizers:
         setup.notes.append("configure_optimizers() returned no optimizer: estimating without optimizer state")
         setup.optimizer = "none (configure_optimizers() returned None)"
         return False
     if len(optimizers) > 1:  # Lightning allows it only with manual optimization
-        setup.notes.append(f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step "
-                           "steps each of them")  # fmt: skip
+        setup.notes.append(
+            f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step steps each of them"
+        )
         return optimizers
     return optimizers[0]
 
@@ -850,7 +983,7 @@ def memory_argument(text: str) -> int | float | str:
     return text
 
 
-def _capacity(max_memory: str | None, device: "torch.device", module: Any, setup: EstimateSetup) -> int:
+def _capacity(max_memory: str | None, device: torch.device, module: Any, setup: EstimateSetup) -> int:
     from lightning_gpuopt.core.memory import device_usable_memory, parse_memory
 
     if max_memory is None:
@@ -875,17 +1008,26 @@ def refined_near_capacity(estimate: Any, module: Any, loss_fn: Any, batch: Any, 
         return estimate
     refined = refine_near_capacity(
         lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
-        first, estimate.capacity_bytes, estimate.untraced_bytes,
-    )  # fmt: skip
+        first,
+        estimate.capacity_bytes,
+        estimate.untraced_bytes,
+    )
     if refined.fixed_bytes is None:
         return estimate
-    note = (f"the line was re-traced near the limit (the line through batch sizes {trace['batch_size']} and "
-            f"{2 * trace['batch_size']} gave {first:,})" if refined.max_batch_size != first else "")  # fmt: skip
+    note = (
+        f"the line was re-traced near the limit (the line through batch sizes {trace['batch_size']} and "
+        f"{2 * trace['batch_size']} gave {first:,})"
+        if refined.max_batch_size != first
+        else ""
+    )
     return dataclasses.replace(
-        estimate, fixed_bytes=refined.fixed_bytes, bytes_per_sample=refined.bytes_per_sample,
-        max_batch_size=refined.max_batch_size, trace_seconds=(estimate.trace_seconds or 0.0) + refined.seconds,
+        estimate,
+        fixed_bytes=refined.fixed_bytes,
+        bytes_per_sample=refined.bytes_per_sample,
+        max_batch_size=refined.max_batch_size,
+        trace_seconds=(estimate.trace_seconds or 0.0) + refined.seconds,
         notes=[*estimate.notes, note] if note else estimate.notes,
-    )  # fmt: skip
+    )
 
 
 # -- the output
@@ -920,4 +1062,3 @@ def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
     return render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
-

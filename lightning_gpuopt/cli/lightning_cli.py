@@ -81,7 +81,9 @@ class GpuOptCLI(LightningCLI):
         settings = self._gpuopt_settings()
         if settings is None:
             return super().instantiate_trainer(**kwargs)
-        callbacks = kwargs.pop("callbacks", compat.cli_config_value(self, self.config_init, "trainer", default={}).get("callbacks"))
+        callbacks = kwargs.pop(
+            "callbacks", compat.cli_config_value(self, self.config_init, "trainer", default={}).get("callbacks")
+        )
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
         gpuopt = GpuOpt(**{k: v for k, v in settings.items() if v is not None})
         return super().instantiate_trainer(callbacks=[*callbacks, gpuopt], **kwargs)
@@ -125,8 +127,11 @@ def resolved_gpuopt_settings(settings: dict[str, Any]) -> dict[str, Any]:
         ('diagnose', True, False)
     """
     preset = settings.get("preset")
-    resolved = {**settings, **(load_preset(preset) if preset else {}),
-                **{key: value for key, value in settings.items() if value is not None}}  # fmt: skip
+    resolved = {
+        **settings,
+        **(load_preset(preset) if preset else {}),
+        **{key: value for key, value in settings.items() if value is not None},
+    }
     GpuOpt(**resolved)
     return resolved
 
@@ -139,9 +144,11 @@ def gpuopt_help() -> str:
         return re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0].rstrip(".")
 
     presets = "; ".join(f"{name} ({gist(name)})" for name in available_presets())
-    return (f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend "
-            f"one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
-            "`gpuopt presets NAME` shows one's settings.")  # fmt: skip
+    return (
+        f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend "
+        f"one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
+        "`gpuopt presets NAME` shows one's settings."
+    )
 
 
 def add_gpuopt_arguments(parser: LightningArgumentParser) -> None:

@@ -105,8 +105,8 @@ class Block:
     size: int
     small: bool
     allocated: bool = False
-    prev: Optional["Block"] = None
-    next: Optional["Block"] = None
+    prev: Optional[Block] = None
+    next: Optional[Block] = None
 
     def key(self) -> tuple[int, int, int]:
         return (self.size, self.segment, self.offset)

@@ -81,6 +81,8 @@ def is_key_value_cache(value: Any) -> bool:
     (False, False)
     """
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
 #: how a recomputed step may differ from the plain one: relative to each tensor's norm
 RECOMPUTATION_RTOL = 1e-3
 
@@ -157,16 +159,19 @@ def _spec_name(entry: Any) -> str:
 
 def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     names = [name for name, _ in blocks]
-    return [(name, module) for name, module in blocks
-            if not any(other and name.startswith(other + ".") for other in names)]  # fmt: skip
+    return [
+        (name, module) for name, module in blocks if not any(other and name.startswith(other + ".") for other in names)
+    ]
 
 
 @contextlib.contextmanager
 def _batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
     """Running statistics of every training-mode BatchNorm in ``module`` put back on exit."""
     norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    saved = [[None if b is None else b.detach().clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
-             for m in norms]  # fmt: skip
+    saved = [
+        [None if b is None else b.detach().clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
+        for m in norms
+    ]
     try:
         yield
     finally:
@@ -247,8 +252,9 @@ class _NativeSwitch:
         return paused
 
     def remove(self) -> None:
-        disable = getattr(self.owner, "activation_checkpointing_disable", None) or \
-            self.owner.gradient_checkpointing_disable  # fmt: skip
+        disable = (
+            getattr(self.owner, "activation_checkpointing_disable", None) or self.owner.gradient_checkpointing_disable
+        )
         disable()
         if not self.had_input_grad_hooks and callable(getattr(self.owner, "disable_input_require_grads", None)):
             self.owner.disable_input_require_grads()  # the hook gradient_checkpointing_enable() added
@@ -299,13 +305,17 @@ class CheckpointedBlocks:
                 layer.gradient_checkpointing = True
 
     @classmethod
-    def joined(cls, handles: Sequence["CheckpointedBlocks"]) -> "CheckpointedBlocks":
+    def joined(cls, handles: Sequence[CheckpointedBlocks]) -> CheckpointedBlocks:
         """One handle for all of ``handles`` (their methods joined, classes once)."""
         methods = list(dict.fromkeys(handle.method for handle in handles))
         classes = list(dict.fromkeys(name for handle in handles for name in handle.classes))
-        return cls(names=[n for h in handles for n in h.names], classes=classes, method=" + ".join(methods),
-                   _modules=[m for h in handles for m in h._modules],
-                   _native=[s for h in handles for s in h._native])  # fmt: skip
+        return cls(
+            names=[n for h in handles for n in h.names],
+            classes=classes,
+            method=" + ".join(methods),
+            _modules=[m for h in handles for m in h._modules],
+            _native=[s for h in handles for s in h._native],
+        )
 
 
 def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
@@ -371,18 +381,27 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> Chec
         use_cache = getattr(config, "use_cache", _MISSING) if config is not None else _MISSING
         if config is not None and use_cache is not _MISSING:
             config.use_cache = False  # what HF's own training scripts do under checkpointing
-        flagged = [(name, module) for name, module in owner.named_modules()
-                   if module is not owner and not _checkpoints_itself(module)
-                   and getattr(module, "gradient_checkpointing", False) is True]  # fmt: skip
+        flagged = [
+            (name, module)
+            for name, module in owner.named_modules()
+            if module is not owner
+            and not _checkpoints_itself(module)
+            and getattr(module, "gradient_checkpointing", False) is True
+        ]
         handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
         # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
-        layers = [(n, m) for n, m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        layers = [
+            (n, m) for n, m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+        ]
         for name, module in layers or flagged:
             handle.names.append(".".join(part for part in (owner_name, name) if part))
             if type(module).__name__ not in handle.classes:
                 handle.classes.append(type(module).__name__)
-        switch = "activation_checkpointing_enable" if hasattr(owner, "activation_checkpointing_enable") \
-            else "gradient_checkpointing_enable"  # fmt: skip
+        switch = (
+            "activation_checkpointing_enable"
+            if hasattr(owner, "activation_checkpointing_enable")
+            else "gradient_checkpointing_enable"
+        )
         methods.append(f"{type(owner).__name__}.{switch}()")
     handle.method = ", ".join(methods)
     return handle
@@ -399,9 +418,12 @@ class _StepResult:
 
 
 def _run_step(
-    loss_fn: Callable[[Any], torch.Tensor], batch: Any, params: list[nn.Parameter], buffers: list[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    batch: Any,
+    params: list[nn.Parameter],
+    buffers: list[torch.Tensor],
     step_context: Callable[[], ContextManager[Any]],
-) -> _StepResult:  # fmt: skip
+) -> _StepResult:
     for param in params:
         param.grad = None
     with step_context():

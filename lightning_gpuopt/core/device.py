@@ -84,7 +84,7 @@ class Capabilities:
     cublas_workspace_bytes: int = 0
 
     @classmethod
-    def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> "Capabilities":
+    def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
         """The capabilities of a CUDA card of ``capability``.
 
         Example::
@@ -92,9 +92,16 @@ class Capabilities:
             >>> Capabilities.of_cuda("Tesla T4", (7, 5)).native_bf16
             False
         """
-        return cls(name, capability, native_bf16=capability >= (8, 0), fp16_tensor_cores=capability >= (7, 0),
-                   tf32=capability >= (8, 0), mig=mig, pinned_memory=True,
-                   cublas_workspace_bytes=cublas_workspace_bytes(capability))  # fmt: skip
+        return cls(
+            name,
+            capability,
+            native_bf16=capability >= (8, 0),
+            fp16_tensor_cores=capability >= (7, 0),
+            tf32=capability >= (8, 0),
+            mig=mig,
+            pinned_memory=True,
+            cublas_workspace_bytes=cublas_workspace_bytes(capability),
+        )
 
 
 class SpanMeter(abc.ABC):
@@ -131,7 +138,7 @@ class SpanMeter(abc.ABC):
     def _end(self) -> None:
         """Stop counting and set :attr:`peak_bytes` (and :attr:`peak_reserved_bytes` where known)."""
 
-    def __enter__(self) -> "SpanMeter":
+    def __enter__(self) -> SpanMeter:
         self.start()
         return self
 
@@ -218,14 +225,16 @@ class Device:
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         """A meter of the peak of a span, counting ``existing``'s tensors and ``baseline_bytes`` on the
         host (a card's allocator counts everything it holds)."""
-        return _TrackerMeter(LiveTensorTracker(existing=existing, device=self.torch_device,
-                                               baseline_bytes=baseline_bytes))  # fmt: skip
+        return _TrackerMeter(
+            LiveTensorTracker(existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
+        )
 
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         """A meter whose span raises ``torch.OutOfMemoryError`` past ``max_bytes`` (host: a
         :class:`~lightning_gpuopt.core.memory.MemoryBudget` counting ``existing`` too)."""
-        return _TrackerMeter(MemoryBudget(max_bytes, existing=existing, device=self.torch_device,
-                                          baseline_bytes=baseline_bytes))  # fmt: skip
+        return _TrackerMeter(
+            MemoryBudget(max_bytes, existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
+        )
 
     def empty_cache(self) -> None:
         """Return cached blocks to the driver (nothing to do on the host)."""
@@ -473,7 +482,7 @@ class HostEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "HostEvent") -> float:
+    def elapsed_time(self, end: HostEvent) -> float:
         """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time``."""
         return (end.time_s - self.time_s) * 1e3
 

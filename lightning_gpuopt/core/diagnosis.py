@@ -66,10 +66,16 @@ class Thresholds:
     busy_gpu_util: float = 20.0
 
     def __post_init__(self) -> None:
-        for name, default in (("data_wait_high", 0.2), ("data_wait_low", 0.05), ("gpu_idle_high", 0.15),
-                              ("host_overhead_high", 0.25), ("straggler_slowdown", 0.2)):
-            check_number(name, getattr(self, name), f"{name}={default}", low=0, high=1, low_inclusive=False,
-                         high_inclusive=False)
+        for name, default in (
+            ("data_wait_high", 0.2),
+            ("data_wait_low", 0.05),
+            ("gpu_idle_high", 0.15),
+            ("host_overhead_high", 0.25),
+            ("straggler_slowdown", 0.2),
+        ):
+            check_number(
+                name, getattr(self, name), f"{name}={default}", low=0, high=1, low_inclusive=False, high_inclusive=False
+            )
         if not self.data_wait_low < self.data_wait_high:
             raise ValueError(
                 f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high}),"
@@ -362,11 +368,11 @@ class RankFigures:
         return [math.nan if value is None else float(value) for value in vars(self).values()]
 
     @classmethod
-    def from_vector(cls, vector: Sequence[float]) -> "RankFigures":
+    def from_vector(cls, vector: Sequence[float]) -> RankFigures:
         names = list(cls.__dataclass_fields__)
         values: dict[str, Any] = dict(zip(names, vector))
         for name in ("rank", "steps", "samples"):
-            values[name] = int(round(values[name]))
+            values[name] = round(values[name])
         values["gpu_util_mean"] = None if math.isnan(values["gpu_util_mean"]) else values["gpu_util_mean"]
         return cls(**values)
 
@@ -393,7 +399,7 @@ class Spread:
     max: float
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Spread":
+    def of(cls, values: Sequence[float]) -> Spread:
         return cls(min(values), statistics.fmean(values), max(values))
 
 
@@ -468,9 +474,11 @@ def build_data_wait_report(
     other = max(0.0, wall - sum(sums.values()))
     validation, checkpoint, startup = mean_of("validation_s"), mean_of("checkpoint_s"), mean_of("worker_startup_s")
     everything = wall + validation + checkpoint + startup
-    steps = int(round(mean_of("steps")))
+    steps = round(mean_of("steps"))
     gpu_busy, gpu_idle = mean_of("gpu_busy_s"), mean_of("gpu_idle_s")
-    gpu_idle_fraction = gpu_idle / (gpu_busy + gpu_idle) if run.device_type == "cuda" and gpu_busy + gpu_idle > 0 else None
+    gpu_idle_fraction = (
+        gpu_idle / (gpu_busy + gpu_idle) if run.device_type == "cuda" and gpu_busy + gpu_idle > 0 else None
+    )
     utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
     samples = sum(figures.samples for figures in measured)
 

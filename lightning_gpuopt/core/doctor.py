@@ -173,17 +173,25 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
     supported = cuda_version_text(driver)
     details = {"driver_cuda": supported, "torch_cuda": build, "driver": driver_release or None}
     if build is None:
-        return Check(name, "info", f"driver supports CUDA {supported}{release}; torch is a CPU-only build",
-                     details=details)
+        return Check(
+            name, "info", f"driver supports CUDA {supported}{release}; torch is a CPU-only build", details=details
+        )
     value = f"driver supports CUDA {supported}{release}; torch built for CUDA {build}"
-    fix = (f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} "
-           f"(pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)")  # fmt: skip
+    fix = (
+        f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} "
+        f"(pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)"
+    )
     have, need = _version_tuple(supported), _version_tuple(build)
     if have >= need:
         return Check(name, "ok", value, details=details)
     if have[:1] == need[:1]:
-        return Check(name, "warn", value + " (older minor: runs by minor-version compatibility, "
-                     "but PTX JIT and newer features can fail)", fix, details)  # fmt: skip
+        return Check(
+            name,
+            "warn",
+            value + " (older minor: runs by minor-version compatibility, but PTX JIT and newer features can fail)",
+            fix,
+            details,
+        )
     return Check(name, "fail", value + ": the driver is too old, CUDA cannot start", fix, details)
 
 
@@ -194,18 +202,31 @@ def check_torch_build() -> Check:
     cudnn = torch.backends.cudnn.version() if build else None
     value = f"torch {torch.__version__}, CUDA build {build or 'none (CPU-only wheel)'}"
     value += f", cuDNN {cudnn}" if cudnn else ""
-    details = {"torch": torch.__version__, "cuda": build, "cudnn": cudnn,
-               "cuda_available": device_layer.cuda_hardware_available()}
+    details = {
+        "torch": torch.__version__,
+        "cuda": build,
+        "cudnn": cudnn,
+        "cuda_available": device_layer.cuda_hardware_available(),
+    }
     gpus = _visible_gpu_count()
     if build is None and gpus:
-        return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} visible GPU(s)",
-                     "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 "
-                     "(pick the CUDA version the driver supports, see cuda_driver)", details)  # fmt: skip
+        return Check(
+            "torch_build",
+            "fail",
+            f"{value}, but the driver shows {gpus} visible GPU(s)",
+            "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 "
+            "(pick the CUDA version the driver supports, see cuda_driver)",
+            details,
+        )
     if build is not None and not device_layer.cuda_hardware_available():
         if gpus:
-            return Check("torch_build", "fail", f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not "
-                         "available", "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES",
-                         details)  # fmt: skip
+            return Check(
+                "torch_build",
+                "fail",
+                f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not available",
+                "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES",
+                details,
+            )
         return Check("torch_build", "info", f"{value}; no visible GPU, so it runs on the CPU", details=details)
     return Check("torch_build", "ok" if build else "info", value, details=details)
 
@@ -262,32 +283,54 @@ def check_gpu_architecture() -> Check:
     value = f"{', '.join(found)}; wheel has {' '.join(arch_list)}"
     details = {"devices": found, "arch_list": arch_list}
     if worst == "none":
-        return Check("gpu_arch", "fail", value, "this torch wheel has no kernels for the GPU: install a newer "
-                     "torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)",
-                     details)  # fmt: skip
+        return Check(
+            "gpu_arch",
+            "fail",
+            value,
+            "this torch wheel has no kernels for the GPU: install a newer "
+            "torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)",
+            details,
+        )
     if worst == "ptx":
-        return Check("gpu_arch", "warn", value, "kernels are JIT-compiled from PTX at start-up (slow first steps); "
-                     "install a wheel with native kernels for the GPU", details)  # fmt: skip
+        return Check(
+            "gpu_arch",
+            "warn",
+            value,
+            "kernels are JIT-compiled from PTX at start-up (slow first steps); "
+            "install a wheel with native kernels for the GPU",
+            details,
+        )
     return Check("gpu_arch", "ok", value, details=details)
 
 
 # ----------------------------------------------------------------------------- GPUs and their processes
 
 
-_NO_GPU_FIX = ("training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with "
-               "`--gpus all`, and check CUDA_VISIBLE_DEVICES")  # fmt: skip
+_NO_GPU_FIX = (
+    "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with "
+    "`--gpus all`, and check CUDA_VISIBLE_DEVICES"
+)
 
 
-_UNREADABLE_FIX = ("NVML could not read GPU(s) {gpus}: NoPermission means this user may not query the device "
-                   "(run as a user in the video group, or ask the admin), other errors: check nvidia-smi and "
-                   "the driver's logs")  # fmt: skip
+_UNREADABLE_FIX = (
+    "NVML could not read GPU(s) {gpus}: NoPermission means this user may not query the device "
+    "(run as a user in the video group, or ask the admin), other errors: check nvidia-smi and "
+    "the driver's logs"
+)
 
 
 def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
     """The text and the details of one GPU; an NVML error on it is reported in both, not raised."""
     hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
-    detail: dict[str, Any] = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible,
-                              "memory_used_bytes": None, "memory_total_bytes": None, "utilization_percent": None}  # fmt: skip
+    detail: dict[str, Any] = {
+        "index": gpu.index,
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "visible": gpu.visible,
+        "memory_used_bytes": None,
+        "memory_total_bytes": None,
+        "utilization_percent": None,
+    }
     error = gpu.error
     if gpu.handle is not None and error is None:
         try:
@@ -296,10 +339,13 @@ def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
             error = error_text(failure)
         else:
             util = utilisation_percent(lib, gpu.handle)
-            detail.update(memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
-                          utilization_percent=util)  # fmt: skip
-            return (f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
-                    f"{'n/a' if util is None else util}% busy{hidden}"), detail  # fmt: skip
+            detail.update(
+                memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total), utilization_percent=util
+            )
+            return (
+                f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
+                f"{'n/a' if util is None else util}% busy{hidden}"
+            ), detail
     detail["error"] = error
     return f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({error}){hidden}", detail
 
@@ -328,14 +374,17 @@ def check_gpus() -> Check:
     value = "; ".join(rows) or "the driver shows no GPU"
     if not any(gpu["visible"] for gpu in details):
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return Check("gpus", "warn", f"{value}; none visible (CUDA_VISIBLE_DEVICES={env!r})", _NO_GPU_FIX,
-                     {"gpus": details})  # fmt: skip
+        return Check(
+            "gpus", "warn", f"{value}; none visible (CUDA_VISIBLE_DEVICES={env!r})", _NO_GPU_FIX, {"gpus": details}
+        )
     busy = [str(gpu["index"]) for gpu in details if _is_busy(gpu)]
     unreadable = [str(gpu["index"]) for gpu in details if gpu["visible"] and gpu.get("error")]
     fixes = []
     if busy:
-        fixes.append(f"GPU(s) {', '.join(busy)} are busy before training starts: another job shares them (see "
-                     "gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        fixes.append(
+            f"GPU(s) {', '.join(busy)} are busy before training starts: another job shares them (see "
+            "gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
+        )
     if unreadable:
         fixes.append(_UNREADABLE_FIX.format(gpus=", ".join(unreadable)))
     if fixes:
@@ -350,8 +399,14 @@ def _gpu_processes(lib: Any, gpu: NvmlDevice) -> list[dict[str, Any]]:
         if process.pid == os.getpid():
             continue
         used = getattr(process, "usedGpuMemory", None)
-        others.append({"gpu": gpu.index, "pid": int(process.pid), "name": process_name(lib, process.pid),
-                       "memory_bytes": None if used is None else int(used)})  # fmt: skip
+        others.append(
+            {
+                "gpu": gpu.index,
+                "pid": int(process.pid),
+                "name": process_name(lib, process.pid),
+                "memory_bytes": None if used is None else int(used),
+            }
+        )
     return others
 
 
@@ -375,16 +430,23 @@ def check_gpu_processes() -> Check:
     gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
     if not others:
         if unreadable:
-            return Check("gpu_processes", "warn", f"no other process on the readable GPUs; {gap}", gap_fix,
-                         {"processes": [], "unreadable": unreadable})  # fmt: skip
+            return Check(
+                "gpu_processes",
+                "warn",
+                f"no other process on the readable GPUs; {gap}",
+                gap_fix,
+                {"processes": [], "unreadable": unreadable},
+            )
         return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
     text = "; ".join(
         f"GPU {p['gpu']}: pid {p['pid']} ({p['name']})"
         + ("" if p["memory_bytes"] is None else f" holds {p['memory_bytes'] / _GIB:.1f} GiB")
         for p in others
     )
-    fix = ("these processes share the GPU's memory and compute with training: stop them or pick another GPU with "
-           "CUDA_VISIBLE_DEVICES")  # fmt: skip
+    fix = (
+        "these processes share the GPU's memory and compute with training: stop them or pick another GPU with "
+        "CUDA_VISIBLE_DEVICES"
+    )
     details: dict[str, Any] = {"processes": others}
     if unreadable:
         text, fix, details["unreadable"] = f"{text}; {gap}", f"{fix}; {gap_fix}", unreadable
@@ -517,16 +579,26 @@ def _gpu_matmul_check(seconds: float, size: int) -> Check:
             parts.append(f"{kind} {tflops:.1f} TFLOP/s")
     datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
     value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
-    details = {"device": name, "card": None if peaks is None else peaks.card, "size": size,
-               "tflops": achieved, "peak_tflops": None if peaks is None else
-               {kind: getattr(peaks, kind) for kind in achieved}}  # fmt: skip
+    details = {
+        "device": name,
+        "card": None if peaks is None else peaks.card,
+        "size": size,
+        "tflops": achieved,
+        "peak_tflops": None if peaks is None else {kind: getattr(peaks, kind) for kind in achieved},
+    }
     if peaks is None:
         return Check("matmul", "info", value, details=details)
     if low:
-        return Check("matmul", "warn", value, f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet "
-                     "peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other "
-                     "processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more "
-                     "seconds", details)  # fmt: skip
+        return Check(
+            "matmul",
+            "warn",
+            value,
+            f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet "
+            "peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other "
+            "processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more "
+            "seconds",
+            details,
+        )
     return Check("matmul", "ok", value, details=details)
 
 
@@ -534,10 +606,8 @@ def _cpu_matmul_check(seconds: float, size: int) -> Check:
     achieved: dict[str, Optional[float]] = {"fp32": None, "bf16": None}
     with _float32_matmul_precision("highest"):
         achieved["fp32"] = matmul_flops(size, torch.float32, "cpu", seconds / 2) / 1e9
-    try:
+    with contextlib.suppress(RuntimeError):
         achieved["bf16"] = matmul_flops(size, torch.bfloat16, "cpu", seconds / 2) / 1e9
-    except RuntimeError:
-        pass
     parts = [f"{kind} {gflops:.1f} GFLOP/s" for kind, gflops in achieved.items() if gflops is not None]
     value = f"CPU, no GPU: {', '.join(parts)} with {torch.get_num_threads()} thread(s); {size}x{size}"
     details = {"device": "cpu", "size": size, "gflops": achieved, "threads": torch.get_num_threads()}
@@ -557,8 +627,12 @@ def check_matmul(seconds: float = 2.0) -> Check:
         try:
             return _gpu_matmul_check(seconds, size=8192 if seconds >= 1 else 4096)
         except RuntimeError as error:  # e.g. "no kernel image is available", OOM: the finding itself
-            return Check("matmul", "fail", f"a matmul on cuda:0 failed: {type(error).__name__}: {error}",
-                         "see gpu_arch and gpus (memory held by other processes)")  # fmt: skip
+            return Check(
+                "matmul",
+                "fail",
+                f"a matmul on cuda:0 failed: {type(error).__name__}: {error}",
+                "see gpu_arch and gpus (memory held by other processes)",
+            )
     return _cpu_matmul_check(seconds, size=1024 if seconds >= 1 else 512)
 
 
@@ -577,14 +651,23 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
     """
     details = {"cpu_count": count, "affinity": affinity, "cgroup_quota": quota}
     if quota is not None and quota < affinity:
-        return Check("cpu_cores", "warn", f"{count} cores, {affinity} in the affinity, but a cgroup quota of "
-                     f"{quota:g} cores", f"size torch threads (OMP_NUM_THREADS={max(1, math.floor(quota))}) and "
-                     f"num_workers (<= {max(1, math.floor(quota) - 1)}) to the quota, not to os.cpu_count(), "
-                     "or raise the container's CPU limit: beyond it the process is throttled", details)  # fmt: skip
+        return Check(
+            "cpu_cores",
+            "warn",
+            f"{count} cores, {affinity} in the affinity, but a cgroup quota of {quota:g} cores",
+            f"size torch threads (OMP_NUM_THREADS={max(1, math.floor(quota))}) and "
+            f"num_workers (<= {max(1, math.floor(quota) - 1)}) to the quota, not to os.cpu_count(), "
+            "or raise the container's CPU limit: beyond it the process is throttled",
+            details,
+        )
     if affinity < count:
-        return Check("cpu_cores", "info", f"{affinity} of {count} cores in this process's CPU affinity",
-                     f"size torch threads and num_workers to {affinity} (len(os.sched_getaffinity(0))), "
-                     "not to os.cpu_count()", details)  # fmt: skip
+        return Check(
+            "cpu_cores",
+            "info",
+            f"{affinity} of {count} cores in this process's CPU affinity",
+            f"size torch threads and num_workers to {affinity} (len(os.sched_getaffinity(0))), not to os.cpu_count()",
+            details,
+        )
     return Check("cpu_cores", "ok", f"{count} cores", details=details)
 
 
@@ -619,15 +702,28 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
     who = f"{threads} intra-op thread(s)"
     if processes > 1:
         who = f"{processes} process(es) x {who}"
-    details = {"threads": threads, "cores": cores, "processes": processes,
-               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}  # fmt: skip
+    details = {
+        "threads": threads,
+        "cores": cores,
+        "processes": processes,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
     if total > cores:
-        return Check("torch_threads", "warn", f"oversubscribed: {who} = {total} on {cores} core(s)",
-                     f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process",
-                     details)  # fmt: skip
+        return Check(
+            "torch_threads",
+            "warn",
+            f"oversubscribed: {who} = {total} on {cores} core(s)",
+            f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process",
+            details,
+        )
     if total * 2 <= cores:
-        return Check("torch_threads", "info", f"{who} on {cores} core(s): CPU ops use {total} of them",
-                     f"if CPU ops bound the step: torch.set_num_threads({per_process})", details)  # fmt: skip
+        return Check(
+            "torch_threads",
+            "info",
+            f"{who} on {cores} core(s): CPU ops use {total} of them",
+            f"if CPU ops bound the step: torch.set_num_threads({per_process})",
+            details,
+        )
     return Check("torch_threads", "ok", f"{who} on {cores} core(s)", details=details)
 
 
@@ -640,8 +736,17 @@ def check_torch_threads() -> Check:
 
 # ----------------------------------------------------------------------------- BLAS
 
-_BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accelerate": "Accelerate",
-               "flexi": "FlexiBLAS", "blis": "BLIS", "atlas": "ATLAS", "nvpl": "NVPL", "armpl": "ArmPL"}  # fmt: skip
+_BLAS_NAMES = {
+    "mkl": "MKL",
+    "open": "OpenBLAS",
+    "openblas": "OpenBLAS",
+    "accelerate": "Accelerate",
+    "flexi": "FlexiBLAS",
+    "blis": "BLIS",
+    "atlas": "ATLAS",
+    "nvpl": "NVPL",
+    "armpl": "ArmPL",
+}
 
 
 def torch_blas(config: str) -> str:
@@ -686,12 +791,22 @@ def check_blas() -> Check:
     value = f"torch: {torch_lib}; numpy: {numpy_lib or 'not installed or unknown'}"
     details = {"torch": torch_lib, "numpy": numpy_lib}
     if torch_lib == "none":
-        return Check("blas", "warn", value, "torch was built without a BLAS: CPU matmuls are slow; install the "
-                     "official wheel", details)  # fmt: skip
+        return Check(
+            "blas",
+            "warn",
+            value,
+            "torch was built without a BLAS: CPU matmuls are slow; install the official wheel",
+            details,
+        )
     if numpy_lib and torch_lib.lower() not in numpy_lib.lower():
-        return Check("blas", "info", value + " (two BLAS libraries, each with its own thread pool)",
-                     "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: "
-                     "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS", details)  # fmt: skip
+        return Check(
+            "blas",
+            "info",
+            value + " (two BLAS libraries, each with its own thread pool)",
+            "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: "
+            "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS",
+            details,
+        )
     return Check("blas", "ok", value, details=details)
 
 
@@ -720,14 +835,20 @@ def check_pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
         pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
         seconds = time.perf_counter() - start
     except RuntimeError as error:
-        return Check("pinned_memory", "fail", f"pinned memory could not be allocated: {error}",
-                     "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use "
-                     "DataLoader(pin_memory=False)")  # fmt: skip
+        return Check(
+            "pinned_memory",
+            "fail",
+            f"pinned memory could not be allocated: {error}",
+            "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use "
+            "DataLoader(pin_memory=False)",
+        )
     device = torch.device("cuda", 0)
     pinned_speed = _copy_gbps(pinned, device)
     pageable_speed = _copy_gbps(torch.empty(num_bytes, dtype=torch.uint8), device)
-    value = (f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned "
-             f"{pinned_speed:.1f} GB/s, pageable {pageable_speed:.1f} GB/s")  # fmt: skip
+    value = (
+        f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned "
+        f"{pinned_speed:.1f} GB/s, pageable {pageable_speed:.1f} GB/s"
+    )
     details = {"pinned_gbps": pinned_speed, "pageable_gbps": pageable_speed, "allocate_seconds": seconds}
     return Check("pinned_memory", "ok", value, details=details)
 
@@ -743,18 +864,29 @@ def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], p
         'no /dev/shm'
     """
     if total_bytes is None or free_bytes is None:
-        return Check("shm", "warn", f"no {path}", f"DataLoader workers hand batches over through {path}: mount a "
-                     "tmpfs there, or use num_workers=0")  # fmt: skip
+        return Check(
+            "shm",
+            "warn",
+            f"no {path}",
+            f"DataLoader workers hand batches over through {path}: mount a tmpfs there, or use num_workers=0",
+        )
     value = f"{path}: {total_bytes / _GIB:.2f} GiB, {free_bytes / _GIB:.2f} GiB free"
     details = {"path": path, "total_bytes": total_bytes, "free_bytes": free_bytes}
-    fix = ("DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' "
-           "when it fills: docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory "
-           "mounted at /dev/shm")  # fmt: skip
+    fix = (
+        "DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' "
+        "when it fills: docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory "
+        "mounted at /dev/shm"
+    )
     if total_bytes < SHM_WARN_BYTES:
         return Check("shm", "warn", value + " (small)", fix, details)
     if free_bytes < SHM_WARN_BYTES:
-        return Check("shm", "warn", value + " (nearly full)", "free it (stale torch_* files of crashed workers) "
-                     "or make it larger: " + fix.split(": ", 1)[1], details)  # fmt: skip
+        return Check(
+            "shm",
+            "warn",
+            value + " (nearly full)",
+            "free it (stale torch_* files of crashed workers) or make it larger: " + fix.split(": ", 1)[1],
+            details,
+        )
     return Check("shm", "ok", value, details=details)
 
 

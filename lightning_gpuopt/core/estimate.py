@@ -58,8 +58,8 @@ Example::
 from __future__ import annotations
 
 import collections
-import copy
 import contextlib
+import copy
 import logging
 import math
 import random
@@ -216,8 +216,9 @@ def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
     """
     saved = [(sub, dict(vars(sub))) for sub in module.modules()]
     seen: set[int] = set()
-    contents = [kept for _, attributes in saved for value in attributes.values()
-                for kept in _container_contents(value, seen)]  # fmt: skip
+    contents = [
+        kept for _, attributes in saved for value in attributes.values() for kept in _container_contents(value, seen)
+    ]
     try:
         yield
     finally:
@@ -332,8 +333,12 @@ def _twinned_module(
 
     device = _module_device(module)
     rng_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), _host_rngs_kept(), restored_attributes(module), \
-            _swapped_tensors(module, twin):  # fmt: skip
+    with (
+        torch.random.fork_rng(devices=rng_devices),
+        _host_rngs_kept(),
+        restored_attributes(module),
+        _swapped_tensors(module, twin),
+    ):
         yield twin_of
 
 
@@ -712,7 +717,10 @@ class RefinedLine:
 
 
 def refine_near_capacity(
-    trace_at: Callable[[int], TracedStep], predicted: int, capacity_bytes: int | None, extra_bytes: int = 0,
+    trace_at: Callable[[int], TracedStep],
+    predicted: int,
+    capacity_bytes: int | None,
+    extra_bytes: int = 0,
     passes: int = 2,
 ) -> RefinedLine:
     """Re-trace the line near the largest batch: the peak is convex piecewise-linear in the batch
@@ -816,9 +824,15 @@ def _traced_estimate(
     accumulate_grad_batches: int = 1,
     manual_step: ManualStep | None = None,
 ) -> tuple[MemoryEstimate, float]:
-    trace: dict[str, Any] = dict(optimizer=optimizer, batch_size=batch_size, step_context=step_context,
-                                 workspaces=workspaces, device=device, accumulate_grad_batches=accumulate_grad_batches,
-                                 manual_step=manual_step)  # fmt: skip
+    trace: dict[str, Any] = dict(
+        optimizer=optimizer,
+        batch_size=batch_size,
+        step_context=step_context,
+        workspaces=workspaces,
+        device=device,
+        accumulate_grad_batches=accumulate_grad_batches,
+        manual_step=manual_step,
+    )
     at_batch = trace_training_step(module, loss_fn, batch, **trace)
     seconds = at_batch.seconds
     fixed = per_sample = None
@@ -843,9 +857,18 @@ def _traced_estimate(
         fixed_bytes=fixed,
         bytes_per_sample=per_sample,
         accumulate_grad_batches=accumulate_grad_batches,
-        notes=[*workspace_notes(workspaces, at_batch), *accumulation_notes(accumulate_grad_batches),
-               *(["manual optimization: traced the whole training_step, its backward passes and the steps of "
-                  f"its {len(optimizer_list(optimizer))} optimizer(s)"] if manual_step is not None else [])],
+        notes=[
+            *workspace_notes(workspaces, at_batch),
+            *accumulation_notes(accumulate_grad_batches),
+            *(
+                [
+                    "manual optimization: traced the whole training_step, its backward passes and the steps of "
+                    f"its {len(optimizer_list(optimizer))} optimizer(s)"
+                ]
+                if manual_step is not None
+                else []
+            ),
+        ],
     )
     return estimate, seconds
 
@@ -860,8 +883,10 @@ def accumulation_notes(accumulate_grad_batches: int) -> list[str]:
     """
     if accumulate_grad_batches <= 1:
         return []
-    return [f"traced accumulating {accumulate_grad_batches} micro-batches per optimizer step: the gradients of "
-            "earlier micro-batches are alive through the next forward and backward pass"]  # fmt: skip
+    return [
+        f"traced accumulating {accumulate_grad_batches} micro-batches per optimizer step: the gradients of "
+        "earlier micro-batches are alive through the next forward and backward pass"
+    ]
 
 
 def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
@@ -877,12 +902,16 @@ def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> 
     if workspaces is None:
         return []
     if not workspaces.learned:
-        return [f"kernel workspaces not counted ({workspaces.failure}): the predicted peak leaves out what "
-                "kernels allocate inside themselves (e.g. oneDNN reorders)"]  # fmt: skip
+        return [
+            f"kernel workspaces not counted ({workspaces.failure}): the predicted peak leaves out what "
+            "kernels allocate inside themselves (e.g. oneDNN reorders)"
+        ]
     at = "" if workspaces.batch_size is None else f" at batch size {workspaces.batch_size}"
-    return [f"kernel workspaces learned from a real forward and backward pass on the host{at} "
-            f"({workspaces.workspace_calls} of {len(workspaces.calls)} op calls allocate more than the fake trace "
-            f"sees, {workspaces.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"]  # fmt: skip
+    return [
+        f"kernel workspaces learned from a real forward and backward pass on the host{at} "
+        f"({workspaces.workspace_calls} of {len(workspaces.calls)} op calls allocate more than the fake trace "
+        f"sees, {workspaces.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"
+    ]
 
 
 def _fallback_estimate(
@@ -906,20 +935,35 @@ def _fallback_estimate(
     fixed = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes
     if torchinfo_figures is None:
         return MemoryEstimate(
-            params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=optimizer_bytes,
-            activation_bytes=None, torchinfo_total_bytes=None, predicted_peak_bytes=fixed + batch_bytes,
-            method="parameters-only", batch_size=batch_size, buffers_bytes=buffers_bytes,
-            batch_bytes=batch_bytes, notes=notes,
-        )  # fmt: skip
+            params_bytes=params_bytes,
+            grads_bytes=grads_bytes,
+            optimizer_bytes=optimizer_bytes,
+            activation_bytes=None,
+            torchinfo_total_bytes=None,
+            predicted_peak_bytes=fixed + batch_bytes,
+            method="parameters-only",
+            batch_size=batch_size,
+            buffers_bytes=buffers_bytes,
+            batch_bytes=batch_bytes,
+            notes=notes,
+        )
     activation_bytes = torchinfo_figures.forward_backward_bytes
     per_batch = torchinfo_figures.input_bytes + activation_bytes
     return MemoryEstimate(
-        params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=optimizer_bytes,
-        activation_bytes=activation_bytes, torchinfo_total_bytes=torchinfo_figures.total_bytes,
-        predicted_peak_bytes=fixed + per_batch, method="torchinfo-fallback", batch_size=batch_size,
-        buffers_bytes=buffers_bytes, batch_bytes=torchinfo_figures.input_bytes, fixed_bytes=fixed,
-        bytes_per_sample=per_batch / batch_size if batch_size else None, notes=notes,
-    )  # fmt: skip
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=activation_bytes,
+        torchinfo_total_bytes=torchinfo_figures.total_bytes,
+        predicted_peak_bytes=fixed + per_batch,
+        method="torchinfo-fallback",
+        batch_size=batch_size,
+        buffers_bytes=buffers_bytes,
+        batch_bytes=torchinfo_figures.input_bytes,
+        fixed_bytes=fixed,
+        bytes_per_sample=per_batch / batch_size if batch_size else None,
+        notes=notes,
+    )
 
 
 def estimate_memory(
@@ -987,23 +1031,49 @@ def estimate_memory(
         except Exception as error:  # noqa: BLE001 - a summary is optional
             notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
     if workspaces is True:
-        workspaces = learn_workspaces(module, loss_fn, batch, batch_size=batch_size, step_context=step_context,
-                                      device=device, manual_step=manual_step, optimizer=optimizer)  # fmt: skip
+        workspaces = learn_workspaces(
+            module,
+            loss_fn,
+            batch,
+            batch_size=batch_size,
+            step_context=step_context,
+            device=device,
+            manual_step=manual_step,
+            optimizer=optimizer,
+        )
     profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
     try:
-        estimate, trace_seconds = _traced_estimate(module, loss_fn, batch, optimizer, batch_size, step_context, profile,
-                                                   device, accumulate_grad_batches, manual_step)  # fmt: skip
+        estimate, trace_seconds = _traced_estimate(
+            module,
+            loss_fn,
+            batch,
+            optimizer,
+            batch_size,
+            step_context,
+            profile,
+            device,
+            accumulate_grad_batches,
+            manual_step,
+        )
         card = device_for(device if device is not None else _module_device(module))
         if card.is_cuda and card.capabilities.cublas_workspace_bytes:
-            estimate = with_untraced_bytes(estimate, card.capabilities.cublas_workspace_bytes,
-                                           "the cuBLAS workspace (kept by the caching allocator)")  # fmt: skip
+            estimate = with_untraced_bytes(
+                estimate,
+                card.capabilities.cublas_workspace_bytes,
+                "the cuBLAS workspace (kept by the caching allocator)",
+            )
         trace_seconds += 0.0 if profile is None else profile.seconds
     except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
         reason = _first_line(error)
-        uses = ("torchinfo's figures" if torchinfo_figures is not None else
-                "parameters, gradients, optimizer state and the batch only (no torchinfo figures)")  # fmt: skip
-        notes.append(f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
-                     f"{uses} and is less accurate")  # fmt: skip
+        uses = (
+            "torchinfo's figures"
+            if torchinfo_figures is not None
+            else "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
+        )
+        notes.append(
+            f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
+            f"{uses} and is less accurate"
+        )
         estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
         estimate = replace(estimate, not_traced_reason=reason)
     if torchinfo_figures is not None:

@@ -184,10 +184,7 @@ def graph_kept(
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
     name = path.rsplit(".", 1)[-1]
     owner = "self." + path.rsplit(".", 1)[0] + "." if "." in path else "self."
-    if path in containers:
-        example = f"`{owner}{name}.append(loss.detach())`"
-    else:
-        example = f"`{owner}{name} += loss.detach()`"
+    example = f"`{owner}{name}.append(loss.detach())`" if path in containers else f"`{owner}{name} += loss.detach()`"
     figures = {
         "attributes": float(len(found)),
         "graph_nodes": float(nodes[-1]),
@@ -273,8 +270,7 @@ def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
         "data-parallel",
         f"nn.DataParallel wraps {names}: one process drives every GPU, scatters each batch and gathers the"
         " outputs on GPU 0 every step, under the GIL",
-        "remove the nn.DataParallel wrapper and let Lightning replicate the model: Trainer(strategy='ddp',"
-        " devices=N)",
+        "remove the nn.DataParallel wrapper and let Lightning replicate the model: Trainer(strategy='ddp', devices=N)",
         where=", ".join(path or "<module>" for path in wrapped),
         figures={"wrappers": float(len(wrapped))},
     )
@@ -346,7 +342,9 @@ def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: i
     )
 
 
-def channels_last(precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool) -> Optional[Finding]:
+def channels_last(
+    precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool
+) -> Optional[Finding]:
     """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or
     4-D inputs are in NCHW: tensor-core kernels want NHWC and every convolution pays a transpose.
 
@@ -364,7 +362,9 @@ def channels_last(precision: str, not_channels_last: Sequence[str], inputs_not_c
         what.append(f"{len(not_channels_last)} Conv2d weight(s)")
     if inputs_not_channels_last:
         what.append("the 4-D batch")
-    shown = ", ".join(not_channels_last[:3]) + (f" and {len(not_channels_last) - 3} more" if len(not_channels_last) > 3 else "")
+    shown = ", ".join(not_channels_last[:3]) + (
+        f" and {len(not_channels_last) - 3} more" if len(not_channels_last) > 3 else ""
+    )
     return Finding(
         "channels-last",
         f"{' and '.join(what)} in NCHW (contiguous) memory format under {precision}: tensor-core convolution kernels"
@@ -558,8 +558,7 @@ def checkpoint_time(
             elif saver.train_time_interval_s:
                 new = nice_ceil(saver.train_time_interval_s * factor)
                 setting = (
-                    f"train_time_interval=timedelta(seconds={saver.train_time_interval_s:g})"
-                    f" → timedelta(seconds={new})"
+                    f"train_time_interval=timedelta(seconds={saver.train_time_interval_s:g}) → timedelta(seconds={new})"
                 )
                 scales.append(new / saver.train_time_interval_s)
                 suggested = suggested or new
@@ -578,8 +577,10 @@ def checkpoint_time(
         else:
             interval = max(1.0, steps / saver.saves) if steps else 1.0
             new = nice_ceil(interval * factor)
-            changes.append(f"in {saver.name}, save every {new} steps: `if trainer.global_step % {new} == 0:`"
-                           " around trainer.save_checkpoint(...)")  # fmt: skip
+            changes.append(
+                f"in {saver.name}, save every {new} steps: `if trainer.global_step % {new} == 0:`"
+                " around trainer.save_checkpoint(...)"
+            )
             scales.append(new / interval)
             suggested = suggested or new
     after = _share_after(seconds, fit_s, max(1.0, min(scales, default=1.0)))

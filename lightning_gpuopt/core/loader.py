@@ -55,7 +55,12 @@ class LoaderSetting:
     def loader_kwargs(self) -> dict:
         """Keyword arguments for ``DataLoader`` (valid for ``num_workers=0`` too)."""
         if self.num_workers == 0:
-            return {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False, "pin_memory": self.pin_memory}
+            return {
+                "num_workers": 0,
+                "prefetch_factor": None,
+                "persistent_workers": False,
+                "pin_memory": self.pin_memory,
+            }
         return {
             "num_workers": self.num_workers,
             "prefetch_factor": self.prefetch_factor or 2,
@@ -76,7 +81,9 @@ class LoaderSetting:
         if self.num_workers == 0:
             text = "main process (0 workers)"
         else:
-            text = f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}, prefetch {self.prefetch_factor or 2}"
+            text = (
+                f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}, prefetch {self.prefetch_factor or 2}"
+            )
             text += ", persistent" if self.persistent_workers else ""
         return text + (", pinned" if self.pin_memory else "")
 
@@ -146,9 +153,10 @@ def cgroup_cpu_quota() -> Optional[float]:
     except (OSError, ValueError):
         pass
     try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as quota_file, open(
-            "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
-        ) as period_file:
+        with (
+            open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as quota_file,
+            open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as period_file,
+        ):
             quota_us, period_us = int(quota_file.read()), int(period_file.read())
         return None if quota_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
@@ -449,13 +457,19 @@ def tune_loader(
         if index == len(counts) and io_bound and workers * 2 <= max_workers:
             counts.append(workers * 2)  # workers wait on I/O: more of them than cores still help
     leader = best()
-    if leader is not None and leader.setting.num_workers > 0 and time.perf_counter() - started <= WALK_SHARE * max_seconds:
+    if (
+        leader is not None
+        and leader.setting.num_workers > 0
+        and time.perf_counter() - started <= WALK_SHARE * max_seconds
+    ):
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
+
     def choose(kept: list[LoaderTiming]) -> LoaderTuneResult:
-        return _choose(kept, baseline_timing, tolerance, target_samples_per_second, usable_cpus,
-                       time.perf_counter() - started)
+        return _choose(
+            kept, baseline_timing, tolerance, target_samples_per_second, usable_cpus, time.perf_counter() - started
+        )
 
     return _settled(timings, run, choose, started, max_seconds)
 
@@ -523,7 +537,7 @@ def _settled(
             return result
         top = max(t.samples_per_second for t in finished)
         contenders = [t.setting for t in finished if t.samples_per_second >= CONTENDER_FRACTION * top]
-        for setting in (reversed(contenders) if round_index % 2 == 0 else contenders):
+        for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
             run(setting)  # appended to ``timings`` by ``run``
         again = choose(_fastest_each(timings))
         if again.setting == result.setting:
@@ -574,7 +588,9 @@ def _choose(
     )
 
 
-def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int) -> Optional[str]:
+def oversubscription(
+    intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
+) -> Optional[str]:
     """A warning when the model's intra-op threads and busy workers want more cores than there are
     (on CPU training, where the model's math runs on the same cores as the loader)."""
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)

@@ -81,8 +81,14 @@ MIN_MAX_MEMORY_BYTES = 1024
 
 _UNITS = {
     "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 _MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 
@@ -215,8 +221,10 @@ def parse_memory(
         if value <= 0:
             raise ValueError(f"`{name}`={value!r} is not positive; expected {works}.")
         if value < minimum:
-            raise ValueError(f"`{name}`={value!r} is {value} byte{'s' if value != 1 else ''}, below the minimum of "
-                             f"{minimum} bytes; for the whole device give the fraction 1.0. Expected {works}.")  # fmt: skip
+            raise ValueError(
+                f"`{name}`={value!r} is {value} byte{'s' if value != 1 else ''}, below the minimum of "
+                f"{minimum} bytes; for the whole device give the fraction 1.0. Expected {works}."
+            )
         return value
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
@@ -224,13 +232,15 @@ def parse_memory(
         if device is None:
             raise ValueError(
                 f"`{name}`={value!r} is a fraction of a device, but no device was given; "
-                "pass `device=` or give bytes / a string such as \"20GiB\"."
+                'pass `device=` or give bytes / a string such as "20GiB".'
             )
         total = device_total_memory(device)
         num_bytes = int(value * total)
         if num_bytes < minimum:
-            raise ValueError(f"`{name}`={value!r} is {num_bytes} bytes of the device's {total}, below the minimum "
-                             f"of {minimum} bytes; expected {works}.")  # fmt: skip
+            raise ValueError(
+                f"`{name}`={value!r} is {num_bytes} bytes of the device's {total}, below the minimum "
+                f"of {minimum} bytes; expected {works}."
+            )
         return num_bytes
     if isinstance(value, str):
         match = _MEMORY_STRING.match(value)
@@ -241,8 +251,9 @@ def parse_memory(
         if num_bytes <= 0:
             raise ValueError(f"`{name}`={value!r} is zero bytes; expected {works}.")
         if num_bytes < minimum:
-            raise ValueError(f"`{name}`={value!r} is {num_bytes} bytes, below the minimum of {minimum} bytes; "
-                             f"expected {works}.")  # fmt: skip
+            raise ValueError(
+                f"`{name}`={value!r} is {num_bytes} bytes, below the minimum of {minimum} bytes; expected {works}."
+            )
         return num_bytes
     raise ValueError(f"`{name}`={value!r} has type {type(value).__name__}; expected {works}.")
 
@@ -361,7 +372,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._live: dict[int, tuple[weakref.ref, int]] = {}
 
     # -- lifecycle
-    def __enter__(self) -> "LiveTensorTracker":
+    def __enter__(self) -> LiveTensorTracker:
         self._clear()
         self.live_bytes = self.peak_bytes = self.baseline_bytes
         self.track(*self.existing)
@@ -398,9 +409,7 @@ class LiveTensorTracker(TorchDispatchMode):
         device = tensor.device
         return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
 
-    def _new_storages(
-        self, tensors: Iterable[Any], exclude: set[int]
-    ) -> list[tuple[int, torch.UntypedStorage, int]]:
+    def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
         found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor) or not self._counts(tensor):
@@ -586,7 +595,7 @@ class PeakMemoryMeter:
         """Stop measuring; returns the peak in bytes (``None`` if never started)."""
         return self._meter.stop()
 
-    def __enter__(self) -> "PeakMemoryMeter":
+    def __enter__(self) -> PeakMemoryMeter:
         self.start()
         return self
 
@@ -663,7 +672,7 @@ def call_catching_oom(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Call
     message: str | None = None
     try:
         return CallOutcome(value=fn(*args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
+    except BaseException as exc:
         if not is_out_of_memory_error(exc):
             raise
         message = str(exc)

@@ -83,8 +83,12 @@ class MicroBatchLimits:
         """Record that a micro-batch of ``attempted`` samples of ``elements`` elements ran out of
         memory; the next try uses half as many. Raises :class:`OutOfMemoryAtOneSampleError` at 1."""
         if attempted <= 1:
-            tried = ", ".join(f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})"
-                              for a in self.adaptations) or "none"  # fmt: skip
+            tried = (
+                ", ".join(
+                    f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})" for a in self.adaptations
+                )
+                or "none"
+            )
             raise OutOfMemoryAtOneSampleError(
                 f"out of memory with a micro-batch of 1 sample ({elements} elements per sample) at step {step}: "
                 f"nothing smaller can be tried. Adaptations so far: {tried}. Last error: {reason}. Free memory "

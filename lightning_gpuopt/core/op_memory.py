@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 #: learned templates, shared by every tracker of the process (cleared when it grows past this)
 MAX_TEMPLATES = 50_000
 
-_templates: dict[Any, "OpAllocations"] = {}
+_templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
 
 
@@ -80,8 +80,9 @@ class OpAllocations:
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return ("T", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type, leaf.requires_grad)
-    if leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                         torch.memory_format)):  # fmt: skip
+    if leaf is None or isinstance(
+        leaf, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+    ):
         return leaf
     return type(leaf).__name__
 
@@ -183,7 +184,7 @@ class AllocationWindow:
         self.peak_delta_bytes: Optional[int] = None
         self._active = False
 
-    def __enter__(self) -> "AllocationWindow":
+    def __enter__(self) -> AllocationWindow:
         self.peak_delta_bytes = None
         self._active = learning_possible()
         if self._active:

@@ -44,8 +44,13 @@ if TYPE_CHECKING:
 #: the figures :func:`report_figures` can draw, by name (the PNG is ``NAME.png``)
 PLOT_NAMES = ("step_time", "memory", "loader")
 _MIB = 2**20
-_COLOURS = {"data wait": "#d62728", "transfer": "#ff7f0e", "compute": "#2ca02c", "other": "#9e9e9e",
-            "gpu idle": "#1f77b4"}  # fmt: skip
+_COLOURS = {
+    "data wait": "#d62728",
+    "transfer": "#ff7f0e",
+    "compute": "#2ca02c",
+    "other": "#9e9e9e",
+    "gpu idle": "#1f77b4",
+}
 
 
 class PlotUnavailableError(ImportError):
@@ -63,7 +68,7 @@ def _require_matplotlib() -> None:
         ) from None
 
 
-def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple["Figure", Any]:
+def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
     """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas. pyplot is
     never used: no global backend is switched (a notebook keeps its own) and no figure is kept alive."""
     _require_matplotlib()
@@ -77,7 +82,7 @@ def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tu
     return figure, figure.add_subplot()
 
 
-def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
+def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
     """Milliseconds per step in data wait, transfer, compute and other, stacked, over training
     (into ``axes`` when given, else a new figure).
 
@@ -87,8 +92,12 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
     timeline = report.timeline
     title = f"Step time over training · {report.verdict}"
     if timeline is None or not timeline.step:
-        segments = [("data wait", report.data_wait_s), ("transfer", report.transfer_s),
-                    ("compute", report.compute_s), ("other", report.other_s)]  # fmt: skip
+        segments = [
+            ("data wait", report.data_wait_s),
+            ("transfer", report.transfer_s),
+            ("compute", report.compute_s),
+            ("other", report.other_s),
+        ]
         left = 0.0
         for name, seconds in segments:
             per_step_ms = 1e3 * seconds / report.steps if report.steps else 0.0
@@ -97,30 +106,51 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> "Figure":
         axes.set_xlabel("ms per step")
     else:
         steps = timeline.step
-        columns = [("data wait", timeline.data_wait_s), ("transfer", timeline.transfer_s),
-                   ("compute", timeline.compute_s), ("other", timeline.other_s)]  # fmt: skip
-        axes.stackplot(steps, *[[1e3 * value for value in values] for _, values in columns],
-                       labels=[name for name, _ in columns], colors=[_COLOURS[name] for name, _ in columns],
-                       step="post", alpha=0.85)  # fmt: skip
+        columns = [
+            ("data wait", timeline.data_wait_s),
+            ("transfer", timeline.transfer_s),
+            ("compute", timeline.compute_s),
+            ("other", timeline.other_s),
+        ]
+        axes.stackplot(
+            steps,
+            *[[1e3 * value for value in values] for _, values in columns],
+            labels=[name for name, _ in columns],
+            colors=[_COLOURS[name] for name, _ in columns],
+            step="post",
+            alpha=0.85,
+        )
         if timeline.gpu_idle_s is not None:
-            axes.step(steps, [1e3 * value for value in timeline.gpu_idle_s], where="post", color=_COLOURS["gpu idle"],
-                      linewidth=1.5, label="GPU idle before the step")  # fmt: skip
-        axes.set_xlabel("training step" + (f" (mean of {timeline.steps_per_point} steps a point)"
-                                           if timeline.steps_per_point > 1 else ""))  # fmt: skip
+            axes.step(
+                steps,
+                [1e3 * value for value in timeline.gpu_idle_s],
+                where="post",
+                color=_COLOURS["gpu idle"],
+                linewidth=1.5,
+                label="GPU idle before the step",
+            )
+        axes.set_xlabel(
+            "training step"
+            + (f" (mean of {timeline.steps_per_point} steps a point)" if timeline.steps_per_point > 1 else "")
+        )
         axes.set_ylabel("ms per step")
         axes.set_xlim(steps[0], steps[-1] + timeline.steps_per_point)
         axes.set_ylim(bottom=0)
-    shares = ", ".join(f"{name} {fraction:.0%}" for name, fraction in (
-        ("data wait", report.data_wait_fraction), ("compute", report.compute_fraction),
-        ("GPU idle", report.gpu_idle_fraction)) if fraction is not None)  # fmt: skip
+    shares = ", ".join(
+        f"{name} {fraction:.0%}"
+        for name, fraction in (
+            ("data wait", report.data_wait_fraction),
+            ("compute", report.compute_fraction),
+            ("GPU idle", report.gpu_idle_fraction),
+        )
+        if fraction is not None
+    )
     axes.set_title(f"{title}\n{shares}", fontsize=10)
     axes.legend(loc="upper right", fontsize=8)
     return figure
 
 
-def memory_figure(
-    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None
-) -> "Figure":
+def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None) -> Figure:
     """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
     (into ``axes`` when given, else a new figure)."""
     figure, axes = _new_figure(axes)
@@ -128,25 +158,51 @@ def memory_figure(
     misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    axes.scatter([t.batch_size for t in fits], [(t.peak_bytes or 0) / _MIB for t in fits], color="#2ca02c", zorder=3,
-                 label="trial: fits (peak)")  # fmt: skip
-    axes.scatter([t.batch_size for t in misses], [(t.peak_bytes or 0) / _MIB for t in misses], color="#d62728",
-                 marker="x", zorder=3, label="trial: out of memory (peak when it failed)")  # fmt: skip
+    axes.scatter(
+        [t.batch_size for t in fits],
+        [(t.peak_bytes or 0) / _MIB for t in fits],
+        color="#2ca02c",
+        zorder=3,
+        label="trial: fits (peak)",
+    )
+    axes.scatter(
+        [t.batch_size for t in misses],
+        [(t.peak_bytes or 0) / _MIB for t in misses],
+        color="#d62728",
+        marker="x",
+        zorder=3,
+        label="trial: out of memory (peak when it failed)",
+    )
     for number, trial in enumerate(search.trials, 1):
         if trial.peak_bytes is not None:
-            axes.annotate(str(number), (trial.batch_size, trial.peak_bytes / _MIB), textcoords="offset points",
-                          xytext=(4, 4), fontsize=7, color="#555555")  # fmt: skip
+            axes.annotate(
+                str(number),
+                (trial.batch_size, trial.peak_bytes / _MIB),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color="#555555",
+            )
     line = _memory_line(search, estimate)
     if line is not None:
         fixed, per_sample, label = line
-        axes.plot([0, right], [fixed / _MIB, (fixed + per_sample * right) / _MIB], linestyle="--", color="#555555",
-                  label=label)  # fmt: skip
+        axes.plot(
+            [0, right],
+            [fixed / _MIB, (fixed + per_sample * right) / _MIB],
+            linestyle="--",
+            color="#555555",
+            label=label,
+        )
     if search.budget_bytes:
         budget_mib = search.budget_bytes / _MIB
         axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
     if estimate is not None and estimate.capacity_bytes:
-        axes.axhline(estimate.capacity_bytes / _MIB, color="#000000", linewidth=0.8,
-                     label=f"device capacity ({estimate.capacity_bytes / _MIB:,.1f} MiB)")  # fmt: skip
+        axes.axhline(
+            estimate.capacity_bytes / _MIB,
+            color="#000000",
+            linewidth=0.8,
+            label=f"device capacity ({estimate.capacity_bytes / _MIB:,.1f} MiB)",
+        )
     if search.batch_size is not None:
         axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
     axes.set_xlim(0, right)
@@ -165,8 +221,11 @@ def _memory_line(
     through the trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
         per_sample = estimate.bytes_per_sample
-        return estimate.fixed_bytes, per_sample, f"estimate: {estimate.fixed_bytes / _MIB:,.1f} MiB + " \
-                                                 f"{per_sample / 1024:,.1f} KiB x batch"  # fmt: skip
+        return (
+            estimate.fixed_bytes,
+            per_sample,
+            f"estimate: {estimate.fixed_bytes / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch",
+        )
     points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
     if len(points) < 2:
         return None
@@ -179,7 +238,7 @@ def _memory_line(
     return mean_y - slope * mean_x, slope, "line through the trials that fit"
 
 
-def loader_figure(result: LoaderTuneResult, axes: Any = None) -> "Figure":
+def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
     """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked
     (into ``axes`` when given, else a new figure)."""
     timings = sorted(result.candidates, key=lambda timing: timing.samples_per_second)
@@ -187,12 +246,19 @@ def loader_figure(result: LoaderTuneResult, axes: Any = None) -> "Figure":
     baseline = result.baseline.setting if result.baseline is not None else None
     labels, colours = [], []
     for timing in timings:
-        marks = [mark for mark, on in (("chosen", timing.setting == result.setting),
-                                       ("yours", timing.setting == baseline),
-                                       ("stopped early", timing.stopped_early)) if on]  # fmt: skip
+        marks = [
+            mark
+            for mark, on in (
+                ("chosen", timing.setting == result.setting),
+                ("yours", timing.setting == baseline),
+                ("stopped early", timing.stopped_early),
+            )
+            if on
+        ]
         labels.append(timing.setting.short() + (f"  [{', '.join(marks)}]" if marks else ""))
-        colours.append("#2ca02c" if timing.setting == result.setting else "#1f77b4" if timing.setting == baseline
-                       else "#9e9e9e")  # fmt: skip
+        colours.append(
+            "#2ca02c" if timing.setting == result.setting else "#1f77b4" if timing.setting == baseline else "#9e9e9e"
+        )
     bars = axes.barh(range(len(timings)), [timing.samples_per_second for timing in timings], color=colours)
     axes.bar_label(bars, labels=[f"{timing.samples_per_second:,.0f}" for timing in timings], padding=3, fontsize=8)
     axes.set_yticks(range(len(timings)), labels, fontsize=8)
@@ -203,20 +269,30 @@ def loader_figure(result: LoaderTuneResult, axes: Any = None) -> "Figure":
     return figure
 
 
-def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, "Figure"]:
+def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Figure]:
     """Every figure the report has data for, by name (:data:`PLOT_NAMES`); ``report`` is the
     ``gpuopt_report.json`` content or its path."""
     data = read_json(report) if isinstance(report, (str, os.PathLike)) else report
-    drawers: dict[str, Callable[[], Optional["Figure"]]] = {
-        "step_time": lambda: step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
-        if data.get("data_wait") and data["data_wait"].get("steps") else None,
-        "memory": lambda: memory_figure(
-            from_dict(BatchSizeSearchResult, data["batch_size_search"]),
-            from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None,
-        ) if data.get("batch_size_search") and data["batch_size_search"].get("trials") else None,
-        "loader": lambda: loader_figure(from_dict(LoaderTuneResult, data["dataloader"]))
-        if data.get("dataloader") and data["dataloader"].get("candidates") else None,
-    }  # fmt: skip
+    drawers: dict[str, Callable[[], Optional[Figure]]] = {
+        "step_time": lambda: (
+            step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
+            if data.get("data_wait") and data["data_wait"].get("steps")
+            else None
+        ),
+        "memory": lambda: (
+            memory_figure(
+                from_dict(BatchSizeSearchResult, data["batch_size_search"]),
+                from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None,
+            )
+            if data.get("batch_size_search") and data["batch_size_search"].get("trials")
+            else None
+        ),
+        "loader": lambda: (
+            loader_figure(from_dict(LoaderTuneResult, data["dataloader"]))
+            if data.get("dataloader") and data["dataloader"].get("candidates")
+            else None
+        ),
+    }
     figures = {name: draw() for name, draw in drawers.items()}
     return {name: figure for name, figure in figures.items() if figure is not None}
 
@@ -239,8 +315,10 @@ def save_plots(
     """
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
-            raise ValueError("`out_dir`=None needs `report` to be a path (the PNGs go beside it); "
-                             "pass out_dir='plots/' with a report given as a dict.")  # fmt: skip
+            raise ValueError(
+                "`out_dir`=None needs `report` to be a path (the PNGs go beside it); "
+                "pass out_dir='plots/' with a report given as a dict."
+            )
         out_dir = Path(report).parent
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -160,8 +160,10 @@ def _existing_sections(path: Path, warn: Callable[[str], None]) -> dict[str, Any
         return content
     aside = _free_name(path, "corrupt")
     os.replace(path, aside)
-    warn(f"gpuopt: the existing report {path} could not be read: {problem}. It was kept as {aside}; "
-         "the new report starts empty.")  # fmt: skip
+    warn(
+        f"gpuopt: the existing report {path} could not be read: {problem}. It was kept as {aside}; "
+        "the new report starts empty."
+    )
     return {}
 
 
@@ -222,7 +224,7 @@ def format_bytes(num_bytes: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def data_wait_table(report: "DataWaitReport") -> str:
+def data_wait_table(report: DataWaitReport) -> str:
     """The ``DataWaitMonitor`` report as a text table with its recommendations below."""
     per_step = (lambda seconds: seconds / report.steps) if report.steps else (lambda seconds: 0.0)
     rows = [
@@ -257,7 +259,10 @@ def data_wait_table(report: "DataWaitReport") -> str:
         rows.append(("loader start-up at epoch starts", format_seconds(report.worker_startup_s)))
     for name, spread in report.rank_spread.items():
         rows.append(
-            (f"ranks: {name.removesuffix('_s').replace('_', ' ')}", _spread_text(name, spread.min, spread.mean, spread.max))
+            (
+                f"ranks: {name.removesuffix('_s').replace('_', ' ')}",
+                _spread_text(name, spread.min, spread.mean, spread.max),
+            )
         )
     if report.world_size > 1:
         rows.append(("straggler", "none" if report.straggler_rank is None else f"rank {report.straggler_rank}"))
@@ -280,26 +285,34 @@ def _spread_text(name: str, low: float, mean: float, high: float) -> str:
     return f"min {low:,.1f} · mean {mean:,.1f} · max {high:,.1f}"
 
 
-def loader_tune_table(result: "LoaderTuneResult", message: str) -> str:
+def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
     """The ``DataLoaderTuner`` result: one row per timed setting, the chosen one marked."""
     rows = []
     for timing in result.candidates:
-        marks = [mark for mark, on in (("CHOSEN", timing.setting == result.setting),
-                                       ("yours", result.baseline is timing),
-                                       ("stopped early", timing.stopped_early)) if on]
+        marks = [
+            mark
+            for mark, on in (
+                ("CHOSEN", timing.setting == result.setting),
+                ("yours", result.baseline is timing),
+                ("stopped early", timing.stopped_early),
+            )
+            if on
+        ]
         cpu = "" if timing.worker_cpu_fraction is None else f", workers {timing.worker_cpu_fraction:.0%} CPU"
-        rows.append((
-            timing.setting.short(),
-            f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
-            + (f"  [{', '.join(marks)}]" if marks else ""),
-        ))
+        rows.append(
+            (
+                timing.setting.short(),
+                f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
+                + (f"  [{', '.join(marks)}]" if marks else ""),
+            )
+        )
     kept = result.baseline is not None and result.setting == result.baseline.setting
     speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None and not kept else ""
     notes = [f"  {message}{speedup}" if message else f"  {loader_tune_summary(result)}"]
     return render_table("gpuopt · DataLoaderTuner", rows, notes)
 
 
-def loader_tune_summary(result: "LoaderTuneResult") -> str:
+def loader_tune_summary(result: LoaderTuneResult) -> str:
     """One line on what the tuner did: kept the user's setting, or changed it and by how much.
 
     Example::
@@ -317,15 +330,20 @@ def loader_tune_summary(result: "LoaderTuneResult") -> str:
     return f"{before}{result.setting.describe()}{speedup}{reason}"
 
 
-def batch_search_table(result: "BatchSizeSearchResult") -> str:
+def batch_search_table(result: BatchSizeSearchResult) -> str:
     """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
     rows = [
-        ("batch size", f"{result.batch_size} (was {result.initial_batch_size}; estimate predicted "
-                       f"{result.predicted_batch_size})"),
+        (
+            "batch size",
+            f"{result.batch_size} (was {result.initial_batch_size}; estimate predicted {result.predicted_batch_size})",
+        ),
         ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
-        ("search", f"{len(result.trials)} trials x {result.steps_per_trial} steps in "
-                   f"{format_seconds(result.seconds)}; stopped: {result.stop_reason}"),
-    ]  # fmt: skip
+        (
+            "search",
+            f"{len(result.trials)} trials x {result.steps_per_trial} steps in "
+            f"{format_seconds(result.seconds)}; stopped: {result.stop_reason}",
+        ),
+    ]
     for number, trial in enumerate(result.trials, 1):
         mark = "  [CHOSEN]" if trial.fits and trial.batch_size == result.batch_size else ""
         outcome = "fits" if trial.fits else "does not fit"

@@ -124,7 +124,7 @@ def round_down(value: float, multiple_of: int) -> int:
         >>> round_down(1003.7, 8), round_down(7, 8)
         (1000, 0)
     """
-    return int(math.floor(value / multiple_of)) * multiple_of
+    return math.floor(value / multiple_of) * multiple_of
 
 
 def round_up(value: float, multiple_of: int) -> int:
@@ -138,7 +138,7 @@ def round_up(value: float, multiple_of: int) -> int:
     """
     if isinstance(value, int):
         return -(-value // multiple_of) * multiple_of
-    return int(math.ceil(value / multiple_of)) * multiple_of
+    return math.ceil(value / multiple_of) * multiple_of
 
 
 def predicted_largest_fit(
@@ -212,7 +212,12 @@ def _line_agrees(predicted: float, best: int, miss: Optional[int]) -> bool:
 
 
 def _next_guess(
-    state: _State, lo: int, hi: int, multiple_of: int, budget_bytes: int, bytes_per_sample: Optional[float],
+    state: _State,
+    lo: int,
+    hi: int,
+    multiple_of: int,
+    budget_bytes: int,
+    bytes_per_sample: Optional[float],
     max_growth: float,
 ) -> _Guess:
     m = multiple_of
@@ -317,4 +322,3 @@ def search_largest_fit(
         lower_bound=lo,
         upper_bound=hi,
     )
-

@@ -72,8 +72,8 @@ class SimulatedMemory(TorchDispatchMode):
         self.cublas_workspace_bytes = cublas_workspace_bytes
         self._blocks: dict[int, tuple[weakref.ref, list[Block]]] = {}
         self._cublas: Optional[Block] = None
-        self._adopted_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-        self._adopted_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._adopted_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._adopted_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hooks: list[Any] = []
         self._forward_depth = 0
         #: while positive, nothing reaches the card (host-only work, see ``core.device.host_only``)
@@ -82,7 +82,7 @@ class SimulatedMemory(TorchDispatchMode):
         self.busy_s = 0.0
 
     # -- lifecycle
-    def __enter__(self) -> "SimulatedMemory":
+    def __enter__(self) -> SimulatedMemory:
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._forward_hook, always_call=True),
@@ -220,7 +220,9 @@ class SimulatedMemory(TorchDispatchMode):
         for storage in storages:
             self._track(storage, [self._malloc(storage.nbytes(), pending)])
 
-    def _undo(self, storages: Iterable[torch.UntypedStorage], pending: list[Block], error: AllocatorOutOfMemory) -> None:
+    def _undo(
+        self, storages: Iterable[torch.UntypedStorage], pending: list[Block], error: AllocatorOutOfMemory
+    ) -> None:
         """Forget what a failed request's op or move had taken, and raise CUDA's error."""
         for storage in storages:
             self._blocks.pop(storage._cdata, None)
@@ -271,9 +273,14 @@ class SimulatedCudaDevice(Device):
     def __init__(self, profile: GpuProfile, cublas_workspace_bytes: Optional[int] = None) -> None:
         super().__init__(torch.device("cpu"))
         self.profile = profile
-        self.allocator = CachingAllocatorModel(profile.total_bytes - profile.context_bytes,
-                                               total_bytes=profile.total_bytes, outside_bytes=profile.context_bytes)  # fmt: skip
-        workspace = profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
+        self.allocator = CachingAllocatorModel(
+            profile.total_bytes - profile.context_bytes,
+            total_bytes=profile.total_bytes,
+            outside_bytes=profile.context_bytes,
+        )
+        workspace = (
+            profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
+        )
         self.memory = SimulatedMemory(self.allocator, workspace)
 
     @property
@@ -315,10 +322,10 @@ class SimulatedCudaDevice(Device):
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
         return self.free_memory() + self.reserved_memory()
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> "SimulatedPeakMeter":
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SimulatedPeakMeter:
         return SimulatedPeakMeter(self, existing)
 
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> "SimulatedPeakMeter":
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SimulatedPeakMeter:
         return SimulatedPeakMeter(self, existing, cap_bytes=max_bytes)
 
     def empty_cache(self) -> None:

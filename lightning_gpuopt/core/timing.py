@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from lightning_gpuopt.core.checks import check_int
 
@@ -127,9 +127,8 @@ class BinnedSeries:
         return sum(self._counts)
 
     def add(self, step: int, values: Sequence[float]) -> None:
-        if not self._counts or self._counts[-1] >= self.steps_per_point:
-            if len(self._counts) == self.max_points:
-                self._merge_pairs()
+        if (not self._counts or self._counts[-1] >= self.steps_per_point) and len(self._counts) == self.max_points:
+            self._merge_pairs()
         if self._counts and self._counts[-1] < self.steps_per_point:
             self._counts[-1] += 1
             self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
@@ -142,8 +141,9 @@ class BinnedSeries:
         self.steps_per_point *= 2
         pairs = range(0, len(self._counts), 2)
         self.first_step = [self.first_step[i] for i in pairs]
-        self._sums = [[a + b for a, b in zip(*self._sums[i : i + 2])] if i + 1 < len(self._sums) else self._sums[i]
-                      for i in pairs]  # fmt: skip
+        self._sums = [
+            [a + b for a, b in zip(*self._sums[i : i + 2])] if i + 1 < len(self._sums) else self._sums[i] for i in pairs
+        ]
         self._counts = [sum(self._counts[i : i + 2]) for i in pairs]
 
     def points(self) -> list[list[float]]:
@@ -233,7 +233,9 @@ class StepClock:
         if first_in_epoch and self._epoch_started_at is not None:
             self.worker_startup_s.append(now - self._epoch_started_at - self._pending.excluded_s)
         self._measuring_step = not first_in_epoch and self.steps_seen >= self.warmup_steps
-        return StepStart(measured=self._measuring_step, clean_gap=self._measuring_step and self._pending.excluded_s == 0)
+        return StepStart(
+            measured=self._measuring_step, clean_gap=self._measuring_step and self._pending.excluded_s == 0
+        )
 
     def step_end(self, samples: int) -> None:
         now = self._clock()
@@ -294,7 +296,7 @@ class GpuTotals:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if total > 0 else None
 
-    def minus(self, earlier: "GpuTotals") -> "GpuTotals":
+    def minus(self, earlier: GpuTotals) -> GpuTotals:
         return GpuTotals(self.steps - earlier.steps, self.busy_s - earlier.busy_s, self.idle_s - earlier.idle_s)
 
 
@@ -338,7 +340,7 @@ class CudaStepTimer:
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
         self.totals = GpuTotals()
-        self._pending: Deque[_RecordedStep] = collections.deque()
+        self._pending: collections.deque[_RecordedStep] = collections.deque()
         self._transfer_start: Optional[Event] = None
         self._start: Optional[Event] = None
         self._clean_gap = False

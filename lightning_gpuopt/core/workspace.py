@@ -226,7 +226,7 @@ class WorkspaceTracker(LiveTensorTracker):
         self._seen: collections.Counter = collections.Counter()
         self._surplus: dict[int, int] = {}  # storages counted above their fake size: key -> bytes
 
-    def __enter__(self) -> "WorkspaceTracker":
+    def __enter__(self) -> WorkspaceTracker:
         self._seen.clear()
         self._surplus.clear()
         self.workspace_bytes_at_peak = 0

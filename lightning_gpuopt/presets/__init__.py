@@ -131,8 +131,10 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     if base is None:
         return settings, sources
     if isinstance(base, bool) or not isinstance(base, str) or not base:
-        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
-                         f"{', '.join(repr(n) for n in available_presets())}, or the path of a YAML file.")  # fmt: skip
+        raise ValueError(
+            f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
+            f"{', '.join(repr(n) for n in available_presets())}, or the path of a YAML file."
+        )
     relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
     base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
     return {**base_settings, **settings}, {**base_sources, **sources}
@@ -152,8 +154,9 @@ def _read_settings(path: Path) -> dict[str, Any]:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ValueError(f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings "
-                         "such as `amp: auto`.")  # fmt: skip
+        raise ValueError(
+            f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
+        )
     return dict(loaded)
 
 
@@ -162,5 +165,7 @@ def check_keys(settings: dict[str, Any], source: str) -> None:
     unknown = [key for key in settings if key not in PRESET_KEYS]
     if unknown:
         valid = ", ".join(PRESET_KEYS)
-        raise ValueError(f"unknown key(s) {', '.join(repr(k) for k in unknown)} in {source}: valid keys are "
-                         f"{valid} (and `preset` to extend a preset).")  # fmt: skip
+        raise ValueError(
+            f"unknown key(s) {', '.join(repr(k) for k in unknown)} in {source}: valid keys are "
+            f"{valid} (and `preset` to extend a preset)."
+        )

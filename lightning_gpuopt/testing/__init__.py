@@ -57,17 +57,39 @@ _MIB = 2**20
 
 #: the cards :class:`SimulatedGpu` knows, by short name
 GPU_PROFILES: dict[str, GpuProfile] = {
-    "H100": GpuProfile("NVIDIA H100 80GB HBM3", (9, 0), 81559 * _MIB,
-                       "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", context_bytes=512 * _MIB),
-    "A100": GpuProfile("NVIDIA A100-SXM4-40GB", (8, 0), 40960 * _MIB,
-                       "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", context_bytes=430 * _MIB),
-    "V100": GpuProfile("Tesla V100-SXM2-16GB", (7, 0), 16160 * _MIB,
-                       "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", context_bytes=310 * _MIB),
-    "T4": GpuProfile("Tesla T4", (7, 5), 15360 * _MIB,
-                     "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", context_bytes=290 * _MIB),
-    "A100-MIG-1g.10gb": GpuProfile("NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728 * _MIB,
-                                   "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", context_bytes=250 * _MIB, mig=True),
-}  # fmt: skip
+    "H100": GpuProfile(
+        "NVIDIA H100 80GB HBM3",
+        (9, 0),
+        81559 * _MIB,
+        "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01",
+        context_bytes=512 * _MIB,
+    ),
+    "A100": GpuProfile(
+        "NVIDIA A100-SXM4-40GB",
+        (8, 0),
+        40960 * _MIB,
+        "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02",
+        context_bytes=430 * _MIB,
+    ),
+    "V100": GpuProfile(
+        "Tesla V100-SXM2-16GB",
+        (7, 0),
+        16160 * _MIB,
+        "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003",
+        context_bytes=310 * _MIB,
+    ),
+    "T4": GpuProfile(
+        "Tesla T4", (7, 5), 15360 * _MIB, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", context_bytes=290 * _MIB
+    ),
+    "A100-MIG-1g.10gb": GpuProfile(
+        "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+        (8, 0),
+        9728 * _MIB,
+        "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
+        context_bytes=250 * _MIB,
+        mig=True,
+    ),
+}
 
 NVML_ERRORS = ("no-permission", "not-supported")
 
@@ -100,7 +122,7 @@ class SimulatedGpu:
         (4096, 2097152)
     """
 
-    _active: Optional["SimulatedGpu"] = None
+    _active: Optional[SimulatedGpu] = None
 
     def __init__(
         self,
@@ -123,8 +145,10 @@ class SimulatedGpu:
         else:
             context = 0 if context_memory == 0 else parse_memory(context_memory, name="context_memory")
         if context >= total:
-            raise ValueError(f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
-                             "expected a context smaller than `memory`.")  # fmt: skip
+            raise ValueError(
+                f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
+                "expected a context smaller than `memory`."
+            )
         if nvml_error not in (None, *NVML_ERRORS):
             raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, NVML_ERRORS))}.")
         self.profile = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
@@ -167,10 +191,10 @@ class SimulatedGpu:
         self._last_reading = (now, busy)
         if now <= then:
             return 0
-        return int(round(100 * min(1.0, (busy - busy_then) / (now - then))))
+        return round(100 * min(1.0, (busy - busy_then) / (now - then)))
 
     # -- lifecycle
-    def __enter__(self) -> "SimulatedGpu":
+    def __enter__(self) -> SimulatedGpu:
         if SimulatedGpu._active is not None:
             raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
         SimulatedGpu._active = self
@@ -213,6 +237,8 @@ def _profile(profile: Union[str, GpuProfile]) -> GpuProfile:
     if isinstance(profile, GpuProfile):
         return profile
     if profile not in GPU_PROFILES:
-        raise ValueError(f"`profile`={profile!r} is not a known card; expected one of "
-                         f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile.")  # fmt: skip
+        raise ValueError(
+            f"`profile`={profile!r} is not a known card; expected one of "
+            f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
+        )
     return GPU_PROFILES[profile]

@@ -76,10 +76,18 @@ def make_report(out_dir: Path, steps: int = 80, delay_ms: float = 0.2, memory: s
     # the search in front of GpuOpt: the loader is then tuned for the batch size that trains
     callbacks = [BatchSizeSearch(multiple_of=8), GpuOpt("diagnose", tune_loader=True, loader_max_seconds=6)]
     with SimulatedGpu("T4", memory=memory):
-        trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks,
-                          default_root_dir=out_dir, logger=CSVLogger(out_dir, name="", version=""),
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          log_every_n_steps=10)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            callbacks=callbacks,
+            default_root_dir=out_dir,
+            logger=CSVLogger(out_dir, name="", version=""),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            log_every_n_steps=10,
+        )
         trainer.fit(Classifier(delay_ms / 1e3))
     return Path(trainer.log_dir) / REPORT_FILENAME
 
