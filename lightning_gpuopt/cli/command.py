@@ -4,17 +4,21 @@
 
     gpuopt doctor [--quick | --matmul-seconds S] [--json]
     gpuopt presets [NAME_OR_YAML] [--json]
-    gpuopt estimate MODULE:CLASS [--init-args JSON] [--datamodule MODULE:CLASS [--datamodule-init-args JSON]]
+    gpuopt estimate MODULE:CLASS [--init-args ARGS] [--datamodule MODULE:CLASS [--datamodule-init-args ARGS]]
                     [--input-size 3,224,224] [--batch-size N]
                     [--optimizer adam|adamw|sgd|none] [--precision 32-true|bf16-mixed|16-mixed|bf16-true]
                     [--max-memory 20GiB] [--device cpu|cuda] [--json]
     gpuopt plot REPORT.json [--out DIR] [--json]
 
+``--init-args`` (and ``--datamodule-init-args``) take the class's keyword arguments as JSON or YAML text or a
+.yaml/.json file, type-checked against its ``__init__`` by jsonargparse; an argument typed as a class takes
+``{"class_path": ..., "init_args": {...}}``, which is built.
+
 Human output is a rich table on stdout; ``--json`` prints one JSON document instead. Exit status:
 0 on success, 2 on bad usage (the message names the argument, the value and what would work),
 1 when ``doctor`` finds a "fail". Also runs as ``python -m lightning_gpuopt.cli ...``.
 
-This module imports only the standard library at the top: torch, Lightning, rich and YAML are
+This module imports only the standard library at the top: torch, Lightning, rich, YAML and jsonargparse are
 imported inside the subcommand that needs them, so ``gpuopt --help`` and ``gpuopt presets``
 answer without loading torch or Lightning (``tests/test_cli_command.py`` checks that they do not).
 Keep it that way: a top-level ``import torch`` here costs every ``gpuopt`` call seconds.
@@ -299,8 +303,10 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
     estimate.add_argument(
         "--init-args",
         default="{}",
-        metavar="JSON",
-        help="keyword arguments of the class as a JSON object, e.g. '{\"width\": 256}'",
+        metavar="ARGS",
+        help="keyword arguments of the class as JSON or YAML text or a .yaml/.json file, type-checked against "
+        "its __init__; an argument typed as a class takes {class_path: ..., init_args: {...}}, e.g. "
+        "'{\"width\": 256}', 'width: 256' or model.yaml",
     )
     estimate.add_argument(
         "--datamodule",
@@ -311,8 +317,8 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
     estimate.add_argument(
         "--datamodule-init-args",
         default="{}",
-        metavar="JSON",
-        help="keyword arguments of the --datamodule class as a JSON object",
+        metavar="ARGS",
+        help="keyword arguments of the --datamodule class, as --init-args takes them (JSON, YAML or a file)",
     )
     estimate.add_argument(
         "--input-size",
