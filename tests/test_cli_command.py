@@ -474,6 +474,28 @@ def test_untyped_arguments_and_kwargs_pass_as_given_and_typed_ones_are_checked(c
     assert "ConfigNet(config, drop_rate=0.0, depth: int = 1, **kwargs)" in err
 
 
+def test_a_huggingface_model_takes_its_config_as_a_class_path_or_as_its_init_args(capsys):
+    transformers = pytest.importorskip("transformers")
+    config = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}
+    config.update(bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+    params_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    for init_args in (
+        {"config": {"class_path": "transformers.GPT2Config", "init_args": config}},
+        {"config": config},  # the class from the annotation `config: GPT2Config`
+    ):
+        status, out, err = run_main(
+            capsys,
+            "estimate",
+            "transformers:GPT2LMHeadModel",
+            "--init-args",
+            json.dumps(init_args),
+            *("--input-size", "8", "--dtype", "long", "--optimizer", "none", "--device", "cpu", "--json"),
+        )
+        assert status == 0, err
+        assert json.loads(out)["params_bytes"] == params_bytes
+
+
 # --------------------------------------------------------------------------- core.doctor checks
 
 
