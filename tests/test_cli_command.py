@@ -64,7 +64,9 @@ def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 # --------------------------------------------------------------------------- a light command
 
 
-@pytest.mark.parametrize("args", [["--help"], ["presets"], ["presets", "fill-memory", "--json"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["estimate", "--help"], ["presets"], ["presets", "fill-memory", "--json"]]
+)
 def test_help_and_presets_do_not_import_torch_or_lightning(args):
     # what makes `gpuopt --help` take seconds is importing torch and Lightning; what the command imports
     # is a fact that does not depend on the machine's load, unlike a time limit
@@ -74,14 +76,14 @@ def test_help_and_presets_do_not_import_torch_or_lightning(args):
         f"sys.argv = ['gpuopt', *{args!r}]\n"
         "status = main()\n"
         "print('IMPORTED', status, 'torch' in sys.modules, 'lightning' in sys.modules, "
-        "'pytorch_lightning' in sys.modules)"
+        "'pytorch_lightning' in sys.modules, 'jsonargparse' in sys.modules)"
     )
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False", result.stdout[-2000:]
+    assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False False", result.stdout[-2000:]
 
 
 def test_the_package_and_its_cli_import_without_torch_and_keep_their_names():
