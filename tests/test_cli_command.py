@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 import pytest
 import torch
@@ -63,7 +64,9 @@ def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 # --------------------------------------------------------------------------- a light command
 
 
-@pytest.mark.parametrize("args", [["--help"], ["presets"], ["presets", "fill-memory", "--json"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["estimate", "--help"], ["presets"], ["presets", "fill-memory", "--json"]]
+)
 def test_help_and_presets_do_not_import_torch_or_lightning(args):
     # what makes `gpuopt --help` take seconds is importing torch and Lightning; what the command imports
     # is a fact that does not depend on the machine's load, unlike a time limit
@@ -73,14 +76,14 @@ def test_help_and_presets_do_not_import_torch_or_lightning(args):
         f"sys.argv = ['gpuopt', *{args!r}]\n"
         "status = main()\n"
         "print('IMPORTED', status, 'torch' in sys.modules, 'lightning' in sys.modules, "
-        "'pytorch_lightning' in sys.modules)"
+        "'pytorch_lightning' in sys.modules, 'jsonargparse' in sys.modules)"
     )
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False", result.stdout[-2000:]
+    assert result.stdout.splitlines()[-1] == "IMPORTED 0 False False False False", result.stdout[-2000:]
 
 
 def test_the_package_and_its_cli_import_without_torch_and_keep_their_names():
@@ -320,7 +323,10 @@ def test_a_bad_module_class_exits_2_and_names_it():
         (["examples/missing.py:Model"], "the file 'examples/missing.py' does not exist"),
         ([f"{EXAMPLE_MODELS}:TokenTransfomer"], "has no attribute 'TokenTransfomer'; did you mean 'TokenTransformer'?"),
         (["json:loads"], "'loads' is a function, not a torch.nn.Module class"),
-        ([f"{EXAMPLE_MODELS}:TokenTransformer", "--init-args", "{width: 3}"], "`--init-args`='{width: 3}' is not JSON"),
+        (
+            [f"{EXAMPLE_MODELS}:TokenTransformer", "--init-args", '{"width": 3'],
+            """`--init-args`='{"width": 3' is not JSON or YAML""",
+        ),
         ([f"{EXAMPLE_MODELS}:TokenTransformer", "--init-args", '{"widht": 3}'], "unexpected keyword argument 'widht'"),
         ([f"{EXAMPLE_MODELS}:TokenTransformer", "--max-memory", "lots"], "`--max-memory`='lots' is not a memory size"),
         (["torch.nn:Linear", "--init-args", '{"in_features": 2, "out_features": 2}'], "pass --input-size"),
@@ -334,6 +340,162 @@ def test_bad_estimate_arguments_exit_2_with_what_would_work(capsys, args, expect
     status, out, err = run_main(capsys, "estimate", *args)
     assert status == 2 and out == ""
     assert err.startswith("gpuopt estimate: error: ") and expected in err
+
+
+# --------------------------------------------------------------------------- --init-args: type-checked
+
+
+class TypedNet(torch.nn.Module):
+    """A model with typed init args, for ``gpuopt estimate --init-args`` (the last one built is kept)."""
+
+    last: ClassVar[Optional[TypedNet]] = None
+
+    def __init__(
+        self,
+        hidden: int,
+        scale: float = 1.0,
+        act: Literal["relu", "gelu"] = "relu",
+        backbone: Optional[torch.nn.Module] = None,
+    ) -> None:
+        super().__init__()
+        self.hidden, self.scale, self.act = hidden, scale, act
+        self.backbone = torch.nn.Linear(4, hidden) if backbone is None else backbone
+        self.head = torch.nn.Linear(hidden, 1)
+        TypedNet.last = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(x)
+        hidden = torch.relu(hidden) if self.act == "relu" else torch.nn.functional.gelu(hidden)
+        return self.head(hidden) * self.scale
+
+
+class ConfigNet(torch.nn.Module):
+    """HuggingFace/timm style: an untyped ``config`` and ``drop_rate``, ``**kwargs``, one typed argument."""
+
+    last: ClassVar[Optional[ConfigNet]] = None
+
+    def __init__(self, config, drop_rate=0.0, depth: int = 1, **kwargs) -> None:
+        super().__init__()
+        self.config, self.drop_rate, self.depth, self.kwargs = config, drop_rate, depth, kwargs
+        self.layer = torch.nn.Linear(4, config["hidden"])
+        ConfigNet.last = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+THIS_FILE = Path(__file__).resolve()
+#: a fast CPU estimate: random inputs of 4 features, a stand-in loss, no optimizer
+FAST_ESTIMATE = ("--input-size", "4", "--batch-size", "2", "--optimizer", "none", "--device", "cpu", "--json")
+TYPED_YAML = """\
+hidden: 16
+scale: 1
+act: gelu
+backbone:
+  class_path: torch.nn.Linear
+  init_args: {in_features: 4, out_features: 16, bias: false}
+"""
+TYPED_SIGNATURE = "TypedNet(hidden: int, scale: float = 1.0, act: Literal['relu', 'gelu'] = 'relu', backbone:"
+
+
+@pytest.mark.parametrize("form", ["json text", "yaml text", "yaml file", "json file"])
+def test_init_args_are_type_checked_and_nested_class_paths_built(capsys, tmp_path, form):
+    import yaml
+
+    mapping = yaml.safe_load(TYPED_YAML)
+    init_args = {
+        "json text": json.dumps(mapping),
+        "yaml text": TYPED_YAML,
+        "yaml file": str(tmp_path / "typed.yaml"),
+        "json file": str(tmp_path / "typed.json"),
+    }[form]
+    (tmp_path / "typed.yaml").write_text(TYPED_YAML)
+    (tmp_path / "typed.json").write_text(json.dumps(mapping))
+    TypedNet.last = None
+    status, out, err = run_main(capsys, "estimate", f"{THIS_FILE}:TypedNet", "--init-args", init_args, *FAST_ESTIMATE)
+    assert status == 0, err
+    model = TypedNet.last
+    assert model is not None and model.hidden == 16 and model.act == "gelu"
+    assert isinstance(model.scale, float) and model.scale == 1.0  # 1 converted to the annotated float
+    backbone = model.backbone  # built from its class_path and init_args
+    assert isinstance(backbone, torch.nn.Linear) and backbone.out_features == 16 and backbone.bias is None
+    # the estimate is of that model: 4 x 16 backbone weights (no bias) and a 16 + 1 head
+    assert json.loads(out)["params_bytes"] == (4 * 16 + 16 + 1) * 4
+
+
+@pytest.mark.parametrize(
+    ("init_args", "expected"),
+    [
+        ('{"hidden": "big"}', ["wrong type or value for 'hidden'", "'big' does not fit `hidden: int`"]),
+        ('{"hiden": 16}', ["unexpected keyword argument 'hiden'", "unknown key; did you mean 'hidden'?"]),
+        ("{}", ["missing required argument 'hidden'"]),
+        ("hidden: 16\nact: tanh", ["wrong type or value for 'act'", "'tanh' does not fit `act: Literal["]),
+        (
+            '{"hidden": 16, "backbone": {"class_path": "torch.nn.Linear", "init_args": {"in_feature": 4}}}',
+            ["wrong type or value for 'backbone'", "in_feature"],
+        ),
+        ('{"hidden": 16', ["is not JSON or YAML"]),
+        ("[16]", ["is a list ([16]), not a mapping"]),
+        ("no/such/typed.yaml", ["the file 'no/such/typed.yaml' does not exist"]),
+    ],
+)
+def test_bad_init_args_exit_2_naming_the_argument_the_value_and_the_signature(capsys, init_args, expected):
+    status, out, err = run_main(capsys, "estimate", f"{THIS_FILE}:TypedNet", "--init-args", init_args, *FAST_ESTIMATE)
+    assert status == 2 and out == ""
+    assert err.startswith(f"gpuopt estimate: error: `--init-args`={init_args!r}"), err
+    assert all(text in err for text in expected), err
+    assert TYPED_SIGNATURE in err
+    assert "Traceback" not in err and "usage:" not in err
+
+
+def test_a_wrong_type_in_a_subprocess_is_our_message_and_exit_2():
+    result = run_gpuopt("estimate", f"{THIS_FILE}:TypedNet", "--init-args", '{"hidden": "big"}', *FAST_ESTIMATE)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("""gpuopt estimate: error: `--init-args`='{"hidden": "big"}'"""), result.stderr
+    assert "'big' does not fit `hidden: int`" in result.stderr and TYPED_SIGNATURE in result.stderr
+    assert "Traceback" not in result.stderr and "usage:" not in result.stderr
+
+
+def test_untyped_arguments_and_kwargs_pass_as_given_and_typed_ones_are_checked(capsys):
+    extra = {"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}
+    init_args = {"config": {"hidden": 8, "activation": "gelu"}, "drop_rate": "0.1", "depth": "3", "extra": extra}
+    status, out, err = run_main(
+        capsys, "estimate", f"{THIS_FILE}:ConfigNet", "--init-args", json.dumps(init_args), *FAST_ESTIMATE
+    )
+    assert status == 0, err
+    model = ConfigNet.last
+    assert model is not None and model.config == {"hidden": 8, "activation": "gelu"}
+    assert model.drop_rate == "0.1"  # untyped: as given
+    assert model.depth == 3  # typed: converted
+    assert model.kwargs == {"extra": extra}  # **kwargs: as given, not built
+    assert json.loads(out)["params_bytes"] == (4 * 8 + 8) * 4
+    status, out, err = run_main(
+        capsys, "estimate", f"{THIS_FILE}:ConfigNet", "--init-args", "config: {hidden: 8}\ndepth: deep"
+    )
+    assert status == 2 and "wrong type or value for 'depth': 'deep' does not fit `depth: int = 1`" in err
+    assert "ConfigNet(config, drop_rate=0.0, depth: int = 1, **kwargs)" in err
+
+
+def test_a_huggingface_model_takes_its_config_as_a_class_path_or_as_its_init_args(capsys):
+    transformers = pytest.importorskip("transformers")
+    config = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}
+    config.update(bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+    params_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    for init_args in (
+        {"config": {"class_path": "transformers.GPT2Config", "init_args": config}},
+        {"config": config},  # the class from the annotation `config: GPT2Config`
+    ):
+        status, out, err = run_main(
+            capsys,
+            "estimate",
+            "transformers:GPT2LMHeadModel",
+            "--init-args",
+            json.dumps(init_args),
+            *("--input-size", "8", "--dtype", "long", "--optimizer", "none", "--device", "cpu", "--json"),
+        )
+        assert status == 0, err
+        assert json.loads(out)["params_bytes"] == params_bytes
 
 
 # --------------------------------------------------------------------------- core.doctor checks

@@ -4,17 +4,21 @@
 
     gpuopt doctor [--quick | --matmul-seconds S] [--json]
     gpuopt presets [NAME_OR_YAML] [--json]
-    gpuopt estimate MODULE:CLASS [--init-args JSON] [--datamodule MODULE:CLASS [--datamodule-init-args JSON]]
+    gpuopt estimate MODULE:CLASS [--init-args ARGS] [--datamodule MODULE:CLASS [--datamodule-init-args ARGS]]
                     [--input-size 3,224,224] [--batch-size N]
                     [--optimizer adam|adamw|sgd|none] [--precision 32-true|bf16-mixed|16-mixed|bf16-true]
                     [--max-memory 20GiB] [--device cpu|cuda] [--json]
     gpuopt plot REPORT.json [--out DIR] [--json]
 
+``--init-args`` (and ``--datamodule-init-args``) take the class's keyword arguments as JSON or YAML text or a
+.yaml/.json file, type-checked against its ``__init__`` by jsonargparse; an argument typed as a class takes
+``{"class_path": ..., "init_args": {...}}``, which is built.
+
 Human output is a rich table on stdout; ``--json`` prints one JSON document instead. Exit status:
 0 on success, 2 on bad usage (the message names the argument, the value and what would work),
 1 when ``doctor`` finds a "fail". Also runs as ``python -m lightning_gpuopt.cli ...``.
 
-This module imports only the standard library at the top: torch, Lightning, rich and YAML are
+This module imports only the standard library at the top: torch, Lightning, rich, YAML and jsonargparse are
 imported inside the subcommand that needs them, so ``gpuopt --help`` and ``gpuopt presets``
 answer without loading torch or Lightning (``tests/test_cli_command.py`` checks that they do not).
 Keep it that way: a top-level ``import torch`` here costs every ``gpuopt`` call seconds.
@@ -34,7 +38,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 
 if TYPE_CHECKING:
     import torch
@@ -299,8 +303,10 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
     estimate.add_argument(
         "--init-args",
         default="{}",
-        metavar="JSON",
-        help="keyword arguments of the class as a JSON object, e.g. '{\"width\": 256}'",
+        metavar="ARGS",
+        help="keyword arguments of the class as JSON or YAML text or a .yaml/.json file, type-checked against "
+        "its __init__; an argument typed as a class takes {class_path: ..., init_args: {...}}, e.g. "
+        "'{\"width\": 256}', 'width: 256' or model.yaml",
     )
     estimate.add_argument(
         "--datamodule",
@@ -311,8 +317,8 @@ def _add_estimate_parser(commands: Any, common: argparse.ArgumentParser) -> None
     estimate.add_argument(
         "--datamodule-init-args",
         default="{}",
-        metavar="JSON",
-        help="keyword arguments of the --datamodule class as a JSON object",
+        metavar="ARGS",
+        help="keyword arguments of the --datamodule class, as --init-args takes them (JSON, YAML or a file)",
     )
     estimate.add_argument(
         "--input-size",
@@ -584,28 +590,169 @@ def _module_classes(module: ModuleType, base: type | None = None, limit: int = 1
 def _instantiate(
     cls: type, init_args: str, target: str, arguments: tuple[str, str] = ("MODULE:CLASS", "--init-args")
 ) -> Any:
-    """``cls(**json.loads(init_args))``; errors name ``arguments`` (the class's and the init args')."""
+    """``cls(**init_args)``: ``init_args`` is JSON, YAML or a .yaml/.json file's path, its values type-checked
+    against ``cls.__init__`` by jsonargparse, and the ones given as ``class_path``/``init_args`` built; a
+    parameter jsonargparse cannot type (untyped, ``**kwargs``) gets its value as given. Errors name
+    ``arguments`` (the class's and the init args'), the value, what is wrong and the signature."""
     class_argument, init_argument = arguments
-    try:
-        kwargs = json.loads(init_args)
-    except json.JSONDecodeError as error:
-        raise UsageError(
-            f"`{init_argument}`={init_args!r} is not JSON ({error}); give an object of keyword "
-            'arguments, e.g. \'{"width": 256, "depth": 4}\'.'
-        ) from None
-    if not isinstance(kwargs, dict):
-        raise UsageError(
-            f"`{init_argument}`={init_args!r} is a JSON {type(kwargs).__name__}, not an object of "
-            "keyword arguments such as '{\"width\": 256}'."
-        )
+    label = f"`{init_argument}`={init_args!r}"
+    signature = f"{cls.__name__}{_signature(cls)}"
+    given = _init_args_mapping(init_args, label, signature)
+    _check_init_keys(cls, given, label, signature)
+    kwargs = _typed_init_args(cls, given, label, signature)
     try:
         return cls(**kwargs)
     except Exception as error:  # noqa: BLE001 - bad keyword arguments, or the class's own checks
         raise UsageError(
-            f"{cls.__name__}(**{kwargs!r}) from `{class_argument}`={target!r} and `{init_argument}` "
-            f"raised {type(error).__name__}: {error}; the signature is "
-            f"{cls.__name__}{_signature(cls)}."
+            f"{cls.__name__}(**{given!r}) from `{class_argument}`={target!r} and `{init_argument}` "
+            f"raised {type(error).__name__}: {error}; the signature is {signature}."
         ) from None
+
+
+#: the suffixes of the files ``--init-args`` and ``--datamodule-init-args`` read
+INIT_ARGS_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _init_args_mapping(text: str, label: str, signature: str) -> dict[str, Any]:
+    """The keyword arguments in ``text``: a JSON object, a YAML mapping, or the path of a .yaml/.json
+    file holding one (empty text or an empty file: none); errors end with ``signature``."""
+    stripped = text.strip()
+    path = Path(stripped).expanduser()
+    what_works = (
+        'give a mapping of keyword arguments as JSON or YAML, e.g. \'{"width": 256, "depth": 4}\' or '
+        f"'width: 256', or a .yaml/.json file of one; the signature is {signature}."
+    )
+    if stripped and "\n" not in stripped and path.suffix.lower() in INIT_ARGS_FILE_SUFFIXES:
+        if not path.is_file():
+            raise UsageError(
+                f"{label}: the file {stripped!r} does not exist (looked for {path.resolve()}); {what_works}"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"{label}: the file {stripped!r} cannot be read ({error}); {what_works}") from None
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        from jsonargparse import get_loader
+
+        try:
+            value = get_loader("yaml")(text)
+        except Exception as error:  # noqa: BLE001 - the YAML loader's errors (yaml.YAMLError and the like)
+            raise UsageError(f"{label} is not JSON or YAML ({' '.join(str(error).split())}); {what_works}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{label} is a {type(value).__name__} ({_short(value)}), not a mapping; {what_works}")
+    keys = [key for key in value if not isinstance(key, str)]
+    if keys:
+        raise UsageError(f"{label}: the key {keys[0]!r} is not a parameter name; {what_works}")
+    return value
+
+
+def _check_init_keys(cls: type, given: dict[str, Any], label: str, signature: str) -> None:
+    """Unknown keys (without ``**kwargs``) and missing required parameters, named with the signature."""
+    parameters = _init_parameters(cls)
+    if parameters is None:
+        return
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [name for name, parameter in parameters.items() if parameter.kind in by_name]
+    if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        unknown = [key for key in given if key not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, 1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            plural = "s" if len(unknown) > 1 else ""
+            raise UsageError(
+                f"{label}: unexpected keyword argument{plural} {', '.join(map(repr, unknown))} "
+                f"(unknown key{plural}{hint}); the signature is {signature}."
+            )
+    missing = [
+        name
+        for name, parameter in parameters.items()
+        if parameter.kind in by_name and parameter.default is inspect.Parameter.empty and name not in given
+    ]
+    if missing:
+        plural = "s" if len(missing) > 1 else ""
+        raise UsageError(
+            f"{label}: missing required argument{plural} {', '.join(map(repr, missing))} (no default in the "
+            f"signature: give {'them' if plural else 'it'}); the signature is {signature}."
+        )
+
+
+def _typed_init_args(cls: type, given: dict[str, Any], label: str, signature: str) -> dict[str, Any]:
+    """``given`` type-checked by jsonargparse against ``cls.__init__``'s type hints, values given as
+    ``class_path``/``init_args`` built; the values of parameters it cannot type pass as given."""
+    if not given:
+        return {}
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False, default_env=False)
+    try:
+        added = parser.add_class_arguments(cls, "init", instantiate=False, fail_untyped=False)
+    except Exception:  # noqa: BLE001 - a signature jsonargparse cannot read: every value as given
+        return dict(given)
+    # jsonargparse gives an untyped parameter a type from its default (or Any): its value stays as given
+    parameters = _init_parameters(cls) or {}
+    untyped = {name for name, parameter in parameters.items() if parameter.annotation is inspect.Parameter.empty}
+    typed = {name.split(".")[1] for name in added if name.count(".") == 1} - untyped
+    checked = {key: value for key, value in given.items() if key in typed}
+    if not checked:
+        return dict(given)
+    try:
+        config = parser.parse_object({"init": checked})
+    except argparse.ArgumentError as error:
+        message = str(error)
+        key = _jsonargparse_key(message, checked)
+        if key is None:  # about a default or a parameter not given: the constructor has the last word
+            return dict(given)
+        raise UsageError(
+            f"{label}: wrong type or value for {key!r}: {_short(given[key])} does not fit "
+            f"`{_parameter_text(cls, key)}` ({_jsonargparse_reason(message)}); the signature is {signature}."
+        ) from None
+    except Exception:  # noqa: BLE001 - jsonargparse failed on a type it cannot check: every value as given
+        return dict(given)
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # 4.49 renamed it
+    try:
+        config = instantiate(config)
+    except Exception as error:  # noqa: BLE001 - a class given as class_path raised
+        reason = _jsonargparse_reason(str(error))
+        raise UsageError(
+            f"{label}: building the classes given as class_path raised {type(error).__name__}: {reason}; "
+            f"the signature is {signature}."
+        ) from None
+    return {**given, **{key: config["init"][key] for key in checked}}
+
+
+def _jsonargparse_key(message: str, keys: dict[str, Any]) -> str | None:
+    """The given key a jsonargparse error is about (``Parser key "init.hidden"``, ``Key "init.depth"``)."""
+    for match in re.finditer(r"""["']init\.([A-Za-z_][A-Za-z_0-9]*)""", message):
+        if match.group(1) in keys:
+            return match.group(1)
+    return None
+
+
+def _jsonargparse_reason(message: str, limit: int = 600) -> str:
+    """A jsonargparse error's reason on one line, without its ``Parser key "..."`` header, the value again
+    (the message shows it) and an ``Optional``'s ``None`` alternative."""
+    noise = ("Parser key", "Subtypes:", "Given value", "- Expected a <class 'NoneType'>")
+    reason = " ".join(line.strip() for line in message.strip().splitlines() if not line.strip().startswith(noise))
+    if reason == "Cannot take a Union of no types.":  # jsonargparse 4.39 on a value outside a Literal
+        reason = "not one of the values its type allows"
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def _parameter_text(cls: type, name: str) -> str:
+    """``hidden: int = 32``: the parameter as the signature shows it (the name alone without one)."""
+    parameters = _init_parameters(cls)
+    return str(parameters[name]) if parameters is not None and name in parameters else name
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _datamodule(args: argparse.Namespace) -> Any:
@@ -685,10 +832,25 @@ def _batch_size_of(batch: Any) -> int | None:
 
 
 def _signature(cls: type) -> str:
-    try:
-        return str(inspect.signature(cls))
-    except (TypeError, ValueError):
-        return "(...)"
+    """``(width: int = 64, depth: int = 2)``: the class's call signature as text (``(...)`` without one)."""
+    signature = _init_signature(cls)
+    return "(...)" if signature is None else str(signature)
+
+
+def _init_signature(cls: type) -> inspect.Signature | None:
+    """The signature of ``cls(...)``, annotations evaluated where they can be (``from __future__ import
+    annotations``); ``None`` for a class without a readable one."""
+    for eval_str in (True, False):
+        try:
+            return inspect.signature(cls, eval_str=eval_str)
+        except Exception:  # noqa: BLE001 - an annotation's NameError, no signature: try the next way
+            continue
+    return None
+
+
+def _init_parameters(cls: type) -> Mapping[str, inspect.Parameter] | None:
+    signature = _init_signature(cls)
+    return None if signature is None else signature.parameters
 
 
 def _estimate_device(requested: str | None, precision: str) -> torch.device:
