@@ -46,7 +46,7 @@ class FilesystemUnavailableError(ImportError):
         remedy = (
             f"install it with `pip install {package}`"
             if package
-            else "use a local path or a protocol that `fsspec.available_protocols()` lists"
+            else "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
         )
         super().__init__(
             f"{url} needs the fsspec filesystem of {protocol!r}, which is not available ({reason}): {remedy}"
