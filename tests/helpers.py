@@ -286,3 +286,27 @@ class TimedLoader(DataLoader):
                 return len(inner)
 
         return Timed()
+
+
+def memory_files(url: str) -> dict[str, bytes]:
+    """Every file under the ``memory://`` folder ``url``, by its URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = "/" + url.removeprefix("memory://")
+    return {f"memory:/{key}": fs.cat_file(key) for key in fs.store if key.startswith(root + "/")}
+
+
+def missing_protocol() -> tuple[str, str]:
+    """``(protocol, package)`` of a remote filesystem fsspec knows but whose package is not installed
+    here (``("s3", "s3fs")`` on a machine without s3fs); the test is skipped when all of them are."""
+    import importlib.util
+
+    import pytest
+    from fsspec.registry import known_implementations
+
+    for protocol in ("s3", "gcs", "az", "oci", "oss"):
+        package = known_implementations[protocol]["class"].split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            return protocol, package
+    pytest.skip("every remote filesystem package tried (s3fs, gcsfs, adlfs, ocifs, ossfs) is installed")

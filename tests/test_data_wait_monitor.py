@@ -6,7 +6,16 @@ import csv
 import json
 
 import pytest
-from helpers import MLP, SlowDataset, SlowHook, TimedLoader, TrainingWallClock, preloaded_batches, preloaded_dataset
+from helpers import (
+    MLP,
+    SlowDataset,
+    SlowHook,
+    TimedLoader,
+    TrainingWallClock,
+    memory_files,
+    preloaded_batches,
+    preloaded_dataset,
+)
 from lightning import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -143,6 +152,23 @@ def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):
         assert float(row["gpuopt/samples_per_second"]) > 0
         assert float(row["gpuopt/step_time_ms"]) >= float(row["gpuopt/data_wait_ms"]) > 0
     assert "gpuopt/gpu_util" not in rows[0]  # no NVML on this machine: the key is left out, not faked
+
+
+def test_report_goes_to_a_remote_log_dir_through_fsspec(memory_url, tmp_path):
+    # the logger's save_dir is a URL (as s3://bucket/runs would be): trainer.log_dir is memory://.../run/version_0
+    monitor = DataWaitMonitor(warmup_steps=2)
+    logger = CSVLogger(memory_url, name="run")
+    trainer = make_trainer(tmp_path, [monitor], max_steps=8, logger=logger, default_root_dir=memory_url)
+    trainer.fit(MLP(), DataLoader(SlowDataset(96, delay_s=0.001), batch_size=8))
+
+    url = f"{memory_url}/run/version_0/gpuopt_report.json"
+    assert trainer.log_dir == f"{memory_url}/run/version_0" and monitor.report_file == url
+    saved = json.loads(memory_files(memory_url)[url])
+    assert {"steps", "data_wait_fraction", "gpu_idle_fraction", "verdict", "recommendations"} <= saved[
+        "data_wait"
+    ].keys()
+    assert from_dict(DataWaitReport, saved["data_wait"]) == monitor.report
+    assert list(tmp_path.iterdir()) == []  # nothing local: no `memory:` folder made of a mangled URL
 
 
 def test_users_profiler_keeps_working_and_is_restored(tmp_path):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
+from helpers import missing_protocol
 from lightning import Trainer
 from models_memory import make_model
 
 from lightning_gpuopt import GpuOpt, available_presets, load_preset
-from lightning_gpuopt.callbacks._reporting import report_dir
+from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.core import report as report_module
 
@@ -165,6 +167,34 @@ def test_a_full_disk_at_the_end_of_fit_warns_and_the_run_ends_normally(tmp_path,
     assert gpuopt.report is not None and gpuopt.report.data_wait is not None and gpuopt.report.memory is not None
     assert sum("No space left on device" in str(w.message) for w in caught) == 3  # memory, data_wait, gpuopt
     assert not (tmp_path / "gpuopt_report.json").exists()
+
+
+def test_a_log_dir_url_without_its_filesystem_package_is_one_warning_and_the_run_ends_normally(tmp_path, monkeypatch):
+    protocol, package = missing_protocol()  # e.g. s3:// without s3fs
+    monkeypatch.chdir(tmp_path)
+    url = f"{protocol}://gpuopt-test-{uuid.uuid4().hex[:12]}/run"
+    gpuopt = GpuOpt("diagnose")  # three sections (memory, data_wait, gpuopt): one warning for the folder
+    with pytest.warns(UserWarning, match=f"pip install {package}") as caught:
+        trainer, _ = fit(url, gpuopt, max_steps=3)  # logger=False: Lightning itself writes nothing there
+    assert trainer.global_step == 3 and trainer.state.finished
+    assert gpuopt.report.data_wait is not None and gpuopt.report.memory is not None
+    about_it = [str(w.message) for w in caught if url in str(w.message)]
+    assert (
+        len(about_it) == 1 and f"{url}/gpuopt_report.json" in about_it[0] and "training goes on" in about_it[0].lower()
+    )
+    assert list(tmp_path.iterdir()) == []  # no local `s3:` folder
+
+
+def test_a_remote_filesystems_own_error_is_a_warning(memory_url, monkeypatch):
+    import fsspec
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no credentials found")  # as botocore's NoCredentialsError, not an OSError
+
+    monkeypatch.setattr(type(fsspec.filesystem("memory")), "pipe_file", refuse)
+    url = f"{memory_url}/gpuopt_report.json"
+    with pytest.warns(UserWarning, match=r"could not write the 'gpuopt' section .*RuntimeError: no credentials found"):
+        assert write_report_section(url, "gpuopt", {"changes": []}) is None
 
 
 def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path):

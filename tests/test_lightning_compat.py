@@ -87,6 +87,7 @@ def moved(ns: Namespace, what: str, expected: str, found: str = "") -> None:
 PRIVATE_IMPORTS = [
     ("lightning.fabric.utilities.seed", "_collect_rng_states", "collect_rng_states", ((), {"include_cuda": False})),
     ("lightning.fabric.utilities.seed", "_set_rng_states", "set_rng_states", (("states",), {})),
+    ("lightning.fabric.utilities.cloud_io", "_is_local_file_protocol", "is_local_file_protocol", (("path",), {})),
     (
         "lightning.fabric.utilities.data",
         "_reinstantiate_wrapped_cls",
@@ -562,6 +563,20 @@ def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
             "`LightningArgumentParser._option_string_actions`",
             "argparse's flag -> action dict",
             repr(type(actions)),
+        )
+
+
+def test_local_file_protocol_is_the_test_core_makes(ns):
+    """The report goes where Lightning puts its logs: ``report_dir`` asks Lightning's
+    ``_is_local_file_protocol``, core (no Lightning import) asks ``core.storage.is_url``: they must agree."""
+    from lightning_gpuopt.core.storage import is_url
+
+    paths = ["lightning_logs/version_0", "/abs/run", "~/run", "file:///tmp/run", "s3://bucket/run", "memory://run"]
+    paths += ["gcs://bucket/run", "simplecache::s3://bucket/run", "C:/runs", "relative/with:colon"]
+    disagree = [path for path in paths if ns.compat.is_local_file_protocol(path) == is_url(path)]
+    if disagree:
+        moved(
+            ns, "`_is_local_file_protocol`", "the local/URL decision of core.storage.is_url", f"differs on {disagree}"
         )
 
 

@@ -5,6 +5,7 @@ step timeline the data-wait section now carries."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
@@ -13,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
-from helpers import MLP, SlowDataset
+from helpers import MLP, SlowDataset, memory_files, missing_protocol
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 from matplotlib.collections import PathCollection, PolyCollection
@@ -33,8 +34,8 @@ def stored() -> dict:
     return json.loads(REPORT.read_text())
 
 
-def assert_png_with_content(path: Path) -> None:
-    image = imread(path)
+def assert_png_with_content(path: Path | bytes) -> None:
+    image = imread(io.BytesIO(path), format="png") if isinstance(path, bytes) else imread(path)
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400
     assert len(np.unique(image.reshape(-1, image.shape[2]), axis=0)) > 20  # drawn, not a blank canvas
 
@@ -135,6 +136,40 @@ def test_gpuopt_plot_command(tmp_path, capsys):
     assert "nothing to draw" in capsys.readouterr().err
 
 
+def test_gpuopt_plot_command_reads_and_writes_urls(memory_url, tmp_path, capsys):
+    import fsspec
+
+    report = f"{memory_url}/run/gpuopt_report.json"
+    fsspec.filesystem("memory").pipe_file(report, REPORT.read_bytes())
+    names = ("step_time.png", "memory.png", "loader.png")
+    assert main(["plot", report]) == 0  # beside the report, at its URL
+    assert capsys.readouterr().out.split() == [f"{memory_url}/run/{name}" for name in names]
+    assert main(["plot", report, "--out", f"{memory_url}/pictures"]) == 0
+    assert capsys.readouterr().out.split() == [f"{memory_url}/pictures/{name}" for name in names]
+    files = memory_files(memory_url)
+    for name in names:
+        assert_png_with_content(files[f"{memory_url}/run/{name}"])
+        assert files[f"{memory_url}/pictures/{name}"] == files[f"{memory_url}/run/{name}"]
+    assert main(["plot", report, "--out", "local"]) == 0  # a remote report, local PNGs
+    assert capsys.readouterr().out.split() == [str(Path("local") / name) for name in names]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["local"]  # no `memory:` folder
+    missing = f"{memory_url}/nope.json"
+    assert main(["plot", missing]) == 2
+    assert f"`REPORT`={missing!r} is not a readable JSON report" in capsys.readouterr().err
+
+
+def test_gpuopt_plot_command_names_a_missing_filesystem_package(capsys):
+    protocol, package = missing_protocol()  # e.g. s3:// without s3fs
+    report = f"{protocol}://bucket/run/gpuopt_report.json"
+    assert main(["plot", report]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gpuopt plot: error: ") and report in error and f"pip install {package}" in error
+    assert "Traceback" not in error
+    assert main(["plot", str(REPORT), "--out", f"{protocol}://bucket/plots"]) == 2
+    error = capsys.readouterr().err
+    assert f"{protocol}://bucket/plots" in error and f"pip install {package}" in error and "Traceback" not in error
+
+
 class ImageLogger(Logger):
     """A logger with W&B's ``log_image(key, images, step)``, recording what it was given."""
 
@@ -177,6 +212,30 @@ def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
     assert (tmp_path / "gpuopt_report.json").exists()
     assert_png_with_content(step_time)
     assert logger.images == [("gpuopt/step_time", [str(step_time)], 12)]
+
+
+def test_gpuopt_plots_at_a_remote_log_dir_and_logs_their_pixels(memory_url, tmp_path):
+    logger = ImageLogger()  # no save_dir: trainer.log_dir is default_root_dir, a URL
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=logger,
+        default_root_dir=memory_url,
+        callbacks=[GpuOpt("diagnose", estimate=False, plots=True)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(MLP(), DataLoader(SlowDataset(96), batch_size=8))
+    files = memory_files(memory_url)
+    report, step_time = f"{memory_url}/gpuopt_report.json", f"{memory_url}/step_time.png"
+    assert set(files) == {report, step_time}
+    assert {"data_wait", "gpuopt"} <= json.loads(files[report]).keys()
+    assert_png_with_content(files[step_time])
+    [(key, [image], step)] = logger.images  # a PNG at a URL: W&B gets its pixels, not a local path
+    assert (key, step) == ("gpuopt/step_time", 12)
+    assert np.array_equal(image, imread(io.BytesIO(files[step_time]), format="png"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_without_matplotlib_gpuopt_warns_and_the_run_finishes(tmp_path, monkeypatch):

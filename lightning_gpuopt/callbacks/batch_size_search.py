@@ -85,7 +85,7 @@ from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, FailedUndo, raise_failed_undos, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._training_step import logging_disabled, loss_function
@@ -111,7 +111,6 @@ from lightning_gpuopt.core.memory import (
     storage_bytes,
 )
 from lightning_gpuopt.core.report import (
-    REPORT_FILENAME,
     batch_search_table,
     format_bytes,
     format_seconds,
@@ -510,7 +509,7 @@ class BatchSizeSearch(Callback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.result is not None
-        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(batch_search_table(self.result))

@@ -64,7 +64,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Optional, cast
 
 import torch
@@ -83,7 +82,7 @@ from lightning_gpuopt.callbacks._detectors import (
     stop_probes,
 )
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.diagnosis import (
@@ -96,7 +95,8 @@ from lightning_gpuopt.core.diagnosis import (
 from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
-from lightning_gpuopt.core.report import REPORT_FILENAME, data_wait_table, to_dict
+from lightning_gpuopt.core.report import data_wait_table, to_dict
+from lightning_gpuopt.core.storage import Location, as_location
 from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
@@ -132,8 +132,9 @@ class DataWaitMonitor(Callback):
             is host-bound.
         straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median
             of the others to reach the gradient sync is named a straggler.
-        report_path: where to write the JSON report; ``None`` writes
-            ``gpuopt_report.json`` into ``trainer.log_dir`` (or ``default_root_dir``).
+        report_path: where to write the JSON report, a local path or a URL of any fsspec filesystem
+            (``s3://bucket/run/report.json``); ``None`` writes ``gpuopt_report.json`` into
+            ``trainer.log_dir`` (or ``default_root_dir``), a URL there too when it is one.
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
         find_patterns: look for known slow patterns on a few sampled steps (``report.findings``,
             see :mod:`lightning_gpuopt.core.findings`).
@@ -185,8 +186,8 @@ class DataWaitMonitor(Callback):
         self.find_patterns = find_patterns
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
-        #: where the JSON report was written (rank 0)
-        self.report_file: Optional[Path] = None
+        #: where the JSON report was written (rank 0): a ``Path``, or a URL string for a remote log dir
+        self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
         self._reset_run_state()
 
@@ -200,7 +201,7 @@ class DataWaitMonitor(Callback):
         self._log_every = 50
         self._in_validation = False
         self._validation_wrapper: Any = None
-        self._report_target: Optional[Path] = None
+        self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[Probe] = []
         self._steps_started = 0
@@ -296,7 +297,7 @@ class DataWaitMonitor(Callback):
             return
         self._settings = read_run_settings(trainer)
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
-        self._report_target = Path(self.report_path) if self.report_path else report_dir(trainer) / REPORT_FILENAME
+        self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
         self._log_every = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
         card = device_for(pl_module.device)
@@ -419,7 +420,7 @@ class DataWaitMonitor(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(data_wait_table(self.report))
-            target = cast(Path, self._report_target)  # set in on_train_start
+            target = cast(Location, self._report_target)  # set in on_train_start
             self.report_file = write_report_section(target, REPORT_SECTION, to_dict(self.report))
             if self.verbose and self.report_file is not None:
                 rank_zero_info(f"gpuopt: report written to {self.report_file}")

@@ -50,7 +50,7 @@ from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._progress import WorkProgress
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -64,7 +64,7 @@ from lightning_gpuopt.core.loader import (
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import REPORT_FILENAME, format_seconds, loader_tune_table, to_dict
+from lightning_gpuopt.core.report import format_seconds, loader_tune_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "dataloader"
@@ -225,7 +225,7 @@ class DataLoaderTuner(Callback):
             )
             if warning:
                 rank_zero_warn(f"DataLoaderTuner: {warning}")
-        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 

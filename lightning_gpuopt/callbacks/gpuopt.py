@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._oom_recovery import OnOom
-from lightning_gpuopt.callbacks._reporting import report_dir, save_report_plots, write_report_section
+from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
@@ -50,7 +50,6 @@ from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
 from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.report import (
-    REPORT_FILENAME,
     batch_search_table,
     data_wait_table,
     loader_tune_table,
@@ -223,7 +222,7 @@ class GpuOpt(Callback):
         for part in self.parts:
             part.on_fit_end(trainer, pl_module)
         self.report = self._combined_report()
-        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
             written = write_report_section(

@@ -70,6 +70,7 @@ from lightning_gpuopt.core.report import (
     render_table,
     to_dict,
 )
+from lightning_gpuopt.core.storage import Location, join_location
 
 #: prefix of every metric this callback logs
 METRIC_PREFIX = "gpuopt/mem_"
@@ -149,7 +150,7 @@ class MemoryEstimator(Callback):
         self._peaks: list[int] = []
         self._measured = False
         self._optimizer_needs_measuring = False
-        self._report_dir = Path(".")
+        self._report_dir: Location = Path(".")
 
     # ------------------------------------------------------------------ hooks
 
@@ -268,11 +269,11 @@ class MemoryEstimator(Callback):
     # ------------------------------------------------------------------ reporting
 
     @rank_zero_only
-    def _report(self, directory: Path) -> None:
+    def _report(self, directory: Location) -> None:
         assert self.estimate is not None
         if self.verbose:
             rank_zero_info(render_estimate(self.estimate))
-        write_report_section(directory / REPORT_FILENAME, "memory", to_dict(self.estimate))
+        write_report_section(join_location(directory, REPORT_FILENAME), "memory", to_dict(self.estimate))
 
 
 def render_estimate(estimate: MemoryEstimate) -> str:

@@ -93,7 +93,7 @@ from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._oom_recovery import ON_OOM, OnOom, OomRecovery, adaptation_reporter
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._training_step import loss_function
 from lightning_gpuopt.callbacks.batch_size_search import (
@@ -118,7 +118,7 @@ from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, sliced_batch
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.report import REPORT_FILENAME, format_bytes, render_table, to_dict
+from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "memory_fill"
@@ -760,7 +760,7 @@ class MemoryFill(Callback):
         if recovery is not None:
             recovery.remove()
             if self.plan is not None and self.plan.oom_adaptations:
-                path = report_dir(trainer) / REPORT_FILENAME
+                path = report_file(trainer)
                 if trainer.is_global_zero:
                     write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
@@ -797,7 +797,7 @@ class MemoryFill(Callback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None
-        path = report_dir(trainer) / REPORT_FILENAME  # a collective under DDP: asked on every rank
+        path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(plan_table(self.plan))

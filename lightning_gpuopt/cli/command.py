@@ -240,19 +240,32 @@ def _add_plot_parser(commands: Any, common: argparse.ArgumentParser) -> None:
         description="Draw step time over training, memory vs batch size and the loader settings timed, "
         "each from its section of the report, as PNGs (lightning_gpuopt.core.plot.save_plots).",
     )
-    plot.add_argument("report", metavar="REPORT", help="a gpuopt_report.json written by the callbacks")
-    plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: beside REPORT)")
+    plot.add_argument(
+        "report",
+        metavar="REPORT",
+        help="a gpuopt_report.json written by the callbacks: a path or a URL (s3://..., gcs://..., any fsspec filesystem)",
+    )
+    plot.add_argument("--out", metavar="DIR", help="where the PNGs go, a path or a URL (default: beside REPORT)")
     plot.set_defaults(handler=run_plot)
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    """``gpuopt plot REPORT [--out DIR]``: the PNGs written, one a line; exit 1 when nothing could be drawn."""
-    from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
+    """``gpuopt plot REPORT [--out DIR]``: the PNGs written, one a line; exit 1 when nothing could be drawn.
 
-    report = Path(args.report)
+    ``REPORT`` and ``--out`` may be URLs of any fsspec filesystem (``s3://bucket/run/gpuopt_report.json``,
+    ``memory://...``); a protocol whose package is not installed is an error naming it (exit 2)."""
+    from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
+    from lightning_gpuopt.core.storage import FilesystemUnavailableError, as_location, parent_location, read_bytes
+
+    report = as_location(args.report)
     try:
-        data = json.loads(report.read_text())
-    except (OSError, ValueError) as error:
+        data = json.loads(read_bytes(report))
+    except FilesystemUnavailableError as error:
+        raise UsageError(f"`REPORT`={args.report!r} cannot be read: {error}") from None
+    except Exception as error:
+        # a local file: OSError or ValueError; a URL: whatever its filesystem raises (credentials, network)
+        if isinstance(report, Path) and not isinstance(error, (OSError, ValueError)):
+            raise
         raise UsageError(
             f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the "
             "gpuopt_report.json in the trainer's log dir, e.g. "
@@ -260,10 +273,22 @@ def run_plot(args: argparse.Namespace) -> int:
         ) from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
+    out = as_location(args.out) if args.out is not None else parent_location(report)
     try:
-        written = save_plots(data, args.out if args.out is not None else report.parent)
+        written = save_plots(data, out)
     except PlotUnavailableError as error:
         print(f"gpuopt plot: error: {error}", file=sys.stderr)
+        return 1
+    except FilesystemUnavailableError as error:
+        raise UsageError(f"`--out`={str(out)!r}: {error}") from None
+    except Exception as error:
+        # writing to a URL: whatever its filesystem raises is an error message, not a traceback
+        if isinstance(out, Path):
+            raise
+        print(
+            f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         _print_json({"written": [str(path) for path in written]})

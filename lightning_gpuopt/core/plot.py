@@ -22,12 +22,14 @@ Example::
 
     save_plots("lightning_logs/version_0/gpuopt_report.json")   # PNGs beside the report
     # [PosixPath('lightning_logs/version_0/step_time.png'), ...memory.png, ...loader.png]
+    save_plots("s3://bucket/run/gpuopt_report.json")   # any fsspec URL (s3fs installed): beside it too
 
 From the shell: ``gpuopt plot lightning_logs/version_0/gpuopt_report.json --out plots/``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -37,6 +39,7 @@ from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.report import from_dict, read_json
 from lightning_gpuopt.core.search import BatchSizeSearchResult
+from lightning_gpuopt.core.storage import Location, as_location, join_location, parent_location, write_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -299,19 +302,24 @@ def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str,
 
 def save_plots(
     report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
-) -> list[Path]:
+) -> list[Location]:
     """Draw every figure the report has data for and save each as ``out_dir/NAME.png``.
 
     Args:
-        report: the path of a ``gpuopt_report.json``, or its content.
-        out_dir: where the PNGs go; ``None``: beside the report (required when ``report`` is a dict).
+        report: the path or URL (``s3://bucket/run/gpuopt_report.json``, any fsspec filesystem) of a
+            ``gpuopt_report.json``, or its content.
+        out_dir: where the PNGs go, a path or a URL; ``None``: beside the report (required when
+            ``report`` is a dict).
 
     Returns:
-        The paths written, in :data:`PLOT_NAMES` order (empty when the report holds none of the sections).
+        The paths written (a ``Path`` each, or a URL string when ``out_dir`` is a URL), in
+        :data:`PLOT_NAMES` order (empty when the report holds none of the sections).
 
     Raises:
         PlotUnavailableError: matplotlib is not installed.
         ValueError: ``out_dir`` is ``None`` and ``report`` is not a path.
+        FilesystemUnavailableError: a URL's filesystem package is not installed (``s3fs`` for ``s3://``;
+            :class:`lightning_gpuopt.core.storage.FilesystemUnavailableError`, an ``ImportError``).
     """
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
@@ -319,12 +327,18 @@ def save_plots(
                 "`out_dir`=None needs `report` to be a path (the PNGs go beside it); "
                 "pass out_dir='plots/' with a report given as a dict."
             )
-        out_dir = Path(report).parent
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+        out_dir = parent_location(as_location(report))
+    out = as_location(out_dir)
+    if isinstance(out, Path):
+        out.mkdir(parents=True, exist_ok=True)
+    written: list[Location] = []
     for name, figure in report_figures(report).items():
-        path = out / f"{name}.png"
-        figure.savefig(path)
+        path = join_location(out, f"{name}.png")
+        if isinstance(path, Path):
+            figure.savefig(path)
+        else:  # a URL: drawn in memory, written through fsspec in one call
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png")
+            write_bytes(path, buffer.getvalue())
         written.append(path)
     return written

@@ -4,6 +4,8 @@ Results are plain dataclasses (``DataWaitReport``, ...). This module turns them 
 
 * JSON, written atomically (a temporary file renamed into place, so a crash never leaves a
   half-written report; an existing unreadable report is kept aside, never dropped), and read back into the same dataclass (:func:`from_dict`);
+  a report's path may also be a URL of any fsspec filesystem (``s3://``, ``memory://``; see
+  :mod:`lightning_gpuopt.core.storage`), written in one call;
 * text tables rendered with ``rich`` into a string, which the callbacks hand to
   ``rank_zero_info`` (library code never prints).
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from lightning_gpuopt.core.search import BatchSizeSearchResult
 
 from lightning_gpuopt.core.findings import finding_lines
+from lightning_gpuopt.core.storage import Location, as_location, filesystem, read_bytes, write_bytes
 
 T = TypeVar("T")
 
@@ -88,15 +91,20 @@ def _convert(hint: Any, value: Any) -> Any:
     return value
 
 
-def write_json(data: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``data`` as indented JSON to ``path`` atomically; returns the path.
+def write_json(data: dict[str, Any], path: str | os.PathLike) -> Location:
+    """Write ``data`` as indented JSON to ``path`` atomically; returns the path (a URL stays a ``str``).
 
-    The file gets the mode any file the user writes gets (``0o666`` less the umask, e.g. ``0o644``),
-    not the ``0o600`` of a private temporary file. Raises ``OSError`` when it cannot be written (a
-    read-only directory, a full disk): the callbacks turn that into a warning (see
+    A local file gets the mode any file the user writes gets (``0o666`` less the umask, e.g. ``0o644``),
+    not the ``0o600`` of a private temporary file. A URL (``s3://...``, ``memory://...``) is written
+    through fsspec in one call (see :mod:`lightning_gpuopt.core.storage`). Raises ``OSError`` when it
+    cannot be written (a read-only directory, a full disk), :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the
+    URL's filesystem package is not installed: the callbacks turn both into a warning (see
     :func:`update_json_section`).
     """
-    path = Path(path)
+    location = as_location(path)
+    if not isinstance(location, Path):
+        return write_bytes(location, (json.dumps(data, indent=2, sort_keys=False, default=str) + "\n").encode())
+    path = location
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_sibling(path)
     try:
@@ -123,14 +131,16 @@ def _create_sibling(path: Path) -> tuple[int, Path]:
 
 def update_json_section(
     path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
-) -> Path:
+) -> Location:
     """Set ``section`` of the JSON object in ``path`` to ``data``, keeping other sections.
 
     Several callbacks share one ``gpuopt_report.json``; each owns one top-level key. An existing
     file that is not a JSON object (a crash of another tool, a hand edit) is never dropped in
     silence: it is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`)
-    says so; the new file then holds only ``section``. Raises ``OSError`` when the file cannot be
-    written.
+    says so; the new file then holds only ``section``. ``path`` may be a URL of any fsspec
+    filesystem (``s3://bucket/run/gpuopt_report.json``); it is then returned as that URL. Raises
+    ``OSError`` when the file cannot be written, :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the URL's
+    filesystem package is not installed.
 
     Example::
 
@@ -141,30 +151,61 @@ def update_json_section(
         >>> read_json(report)
         {'a': {'x': 1}, 'b': {'y': 2}}
     """
-    path = Path(path)
+    location = as_location(path)
     content: dict[str, Any] = {}
-    if path.exists():
-        content = _existing_sections(path, warn or _warn)
+    if not isinstance(location, Path):
+        content = _existing_remote_sections(location, warn or _warn)
+    elif location.exists():
+        content = _existing_sections(location, warn or _warn)
     content[section] = data
-    return write_json(content, path)
+    return write_json(content, location)
 
 
 def _existing_sections(path: Path, warn: Callable[[str], None]) -> dict[str, Any]:
     """The sections already in ``path``; a file that is no JSON object is set aside, with a warning."""
-    try:
-        content = json.loads(path.read_bytes())
-        problem = None if isinstance(content, dict) else f"it holds a JSON {type(content).__name__}, not an object"
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        problem = f"it is not valid JSON ({error})"
+    content, problem = _parse_sections(path.read_bytes())
     if problem is None:
         return content
     aside = _free_name(path, "corrupt")
     os.replace(path, aside)
+    _warn_set_aside(warn, path, aside, problem)
+    return {}
+
+
+def _existing_remote_sections(url: str, warn: Callable[[str], None]) -> dict[str, Any]:
+    """:func:`_existing_sections` of a URL, through fsspec (no report yet: no sections)."""
+    fs, path = filesystem(url)
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return {}
+    content, problem = _parse_sections(raw)
+    if problem is None:
+        return content
+    number = 1
+    while fs.exists(f"{path}.corrupt-{number}"):
+        number += 1
+    fs.mv(path, f"{path}.corrupt-{number}")
+    _warn_set_aside(warn, url, f"{url}.corrupt-{number}", problem)
+    return {}
+
+
+def _parse_sections(raw: bytes) -> tuple[dict[str, Any], str | None]:
+    """``(sections, None)`` for a JSON object, ``({}, what is wrong)`` for anything else."""
+    try:
+        content = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return {}, f"it is not valid JSON ({error})"
+    if not isinstance(content, dict):
+        return {}, f"it holds a JSON {type(content).__name__}, not an object"
+    return content, None
+
+
+def _warn_set_aside(warn: Callable[[str], None], path: Location, aside: Location, problem: str) -> None:
     warn(
         f"gpuopt: the existing report {path} could not be read: {problem}. It was kept as {aside}; "
         "the new report starts empty."
     )
-    return {}
 
 
 def _free_name(path: Path, tag: str) -> Path:
@@ -180,8 +221,11 @@ def _warn(message: str) -> None:
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON report written by :func:`write_json`."""
-    return json.loads(Path(path).read_text())
+    """Read a JSON report written by :func:`write_json` (a local path or a URL)."""
+    location = as_location(path)
+    if not isinstance(location, Path):
+        return json.loads(read_bytes(location))
+    return json.loads(location.read_text())
 
 
 def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[str] = (), width: int = 100) -> str:
