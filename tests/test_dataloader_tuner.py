@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset
 from lightning import LightningDataModule, Trainer, seed_everything
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
-from lightning_gpuopt.core.loader import LoaderSetting, time_loader, tune_loader
+from lightning_gpuopt.core.loader import LoaderSetting, _child_pids, time_loader, tune_loader
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -199,3 +200,26 @@ def test_a_choice_timed_once_says_it_is_unconfirmed():
     result = tune_loader(build, usable_cpus=2, max_seconds=0.01)
     assert result.candidates and not result.settled
     assert "unconfirmed: `max_seconds` ran out" in result.reason
+
+
+class PidDataset(Dataset):
+    """Each sample is the id of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(os.getpid())
+
+
+def test_the_loaders_worker_process_is_seen_as_a_child():
+    """The workers whose run-queue waits time_loader reads are this process's children."""
+    before = _child_pids()
+    assert before is not None
+    iterator = iter(DataLoader(PidDataset(), batch_size=8, num_workers=1))
+    # independently: the worker's own os.getpid(), carried back in the batch
+    loaded_by = {int(pid) for pid in next(iterator)}
+    assert loaded_by != {os.getpid()} and len(loaded_by) == 1
+    assert _child_pids() - before == loaded_by
+    del iterator  # shuts its worker down and joins it
+    assert not (_child_pids() - before) & loaded_by

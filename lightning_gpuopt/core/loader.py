@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -145,7 +146,8 @@ class LoaderTuneResult:
 
 
 def cgroup_cpu_quota() -> Optional[float]:
-    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one."""
+    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one.
+    Read here because psutil has no reading of a cgroup CPU quota."""
     try:
         with open("/sys/fs/cgroup/cpu.max") as handle:
             quota, period = handle.read().split()[:2]
@@ -189,20 +191,18 @@ def _children_cpu_s() -> float:
 
 
 def _child_pids() -> Optional[set[int]]:
-    """This process's children, from ``/proc/<pid>/task/<tid>/children`` (Linux); None elsewhere."""
+    """This process's children (not their children: the loader's workers), from psutil; None when
+    the platform does not list them."""
     try:
-        pids: set[int] = set()
-        for task in os.scandir(f"/proc/{os.getpid()}/task"):
-            with open(os.path.join(task.path, "children")) as file:
-                pids.update(int(pid) for pid in file.read().split())
-        return pids
-    except (OSError, ValueError):
+        return {child.pid for child in psutil.Process().children()}
+    except psutil.Error:
         return None
 
 
 def _scheduled_seconds(pids: set[int]) -> Optional[tuple[float, float]]:
     """(seconds on a CPU, seconds waiting in a run queue for one) summed over ``pids``, from
-    ``/proc/<pid>/schedstat`` (Linux); None when unreadable.
+    ``/proc/<pid>/schedstat`` (Linux); None when unreadable. Not psutil: its ``cpu_times()`` has
+    no run-queue wait time.
 
     A worker that waits for a core on a busy machine is not waiting on I/O: the time it sat in a
     run queue is taken out before its CPU share is judged, so other work on the machine does not
@@ -220,7 +220,8 @@ def _scheduled_seconds(pids: set[int]) -> Optional[tuple[float, float]]:
 
 
 def _thread_scheduled_seconds() -> Optional[tuple[float, float]]:
-    """(seconds on a CPU, seconds waiting in a run queue) of the calling thread (Linux), else None."""
+    """(seconds on a CPU, seconds waiting in a run queue) of the calling thread (Linux), else None.
+    Not psutil: it has no run-queue wait time."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as file:
             fields = file.read().split()
@@ -353,7 +354,7 @@ def time_loader(
     worker_cpu = None
     if setting.num_workers > 0 and scheduled is not None:
         worker_cpu = worker_cpu_fraction(scheduled[0], scheduled[1], setting.num_workers, ended - started)
-    elif setting.num_workers > 0:  # no /proc: CPU time of the reaped workers over their wall time
+    elif setting.num_workers > 0:  # no schedstat: CPU time of the reaped workers over their wall time
         worker_cpu = worker_cpu_fraction(_children_cpu_s() - cpu_before, 0.0, setting.num_workers, ended - started)
     loading_cpu = None
     if main_thread_before is not None and main_thread_after is not None:
