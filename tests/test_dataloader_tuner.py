@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset
+from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset, usable_cores_from_the_os
 from lightning import LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
@@ -56,7 +56,7 @@ def test_cpu_heavy_dataset_gets_no_more_workers_than_cores(tmp_path):
     make_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(features=2), DataLoader(CpuHeavyDataset(4000), batch_size=8))
 
     result = tuner.result
-    assert result.usable_cpus == 2
+    assert result.usable_cpus == usable_cores_from_the_os()
     assert result.num_workers <= result.usable_cpus
     alone = [t for t in result.candidates if t.loading_cpu_fraction is not None]
     assert alone and max(t.loading_cpu_fraction for t in alone) >= 0.5  # the loading was measured computing
@@ -163,6 +163,21 @@ def test_a_short_epoch_does_not_inflate_deep_prefetch():
     timing = time_loader(loader, setting, 16)
     assert timing.batches == 32
     assert timing.samples_per_second <= 16_000
+
+
+def test_a_cgroup_cpu_quota_of_one_core_caps_the_workers_tried(tmp_path, monkeypatch):
+    """``docker run --cpus=1`` on a many-core host: 1 usable core, not the affinity's count."""
+    from lightning_gpuopt.core import loader
+
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 1.0)  # the OS boundary: what cpu.max would say
+    tuner = DataLoaderTuner(max_seconds=4)
+    make_trainer(tmp_path, [tuner], max_steps=2).fit(MLP(features=2), DataLoader(CpuHeavyDataset(400), batch_size=8))
+
+    result = tuner.result
+    assert result.usable_cpus == 1
+    tried = {t.setting.num_workers for t in result.candidates}
+    assert tried and max(tried) <= 1, tried  # CPU-bound loading: nothing past the one core
+    assert result.num_workers <= 1
 
 
 def _slow_start(worker_id: int) -> None:

@@ -5,7 +5,8 @@ timing the real loader.
 its start-up (``iter()`` + first batch: worker start-up included), its steady throughput,
 and -- from the CPU time of the worker processes once they exit -- whether the workers
 compute or wait on I/O. :func:`tune_loader` walks ``num_workers`` through a geometric set
-(0, 1, 2, 4, ...) up to the usable CPU cores, and past them only while the workers are
+(0, 1, 2, 4, ...) up to the usable CPU cores (:func:`usable_cpu_count`: the affinity within the
+cgroup CPU quota), and past them only while the workers are
 measured waiting on I/O and throughput still grows; it stops a candidate early once it is
 clearly slower than the best, stops walking once throughput stops growing or keeps up with
 the target, tries ``prefetch_factor=4`` on the best, and picks the cheapest setting within
@@ -165,16 +166,22 @@ def cgroup_cpu_quota() -> Optional[float]:
         return None
 
 
-def usable_cpu_count(within_quota: bool = False) -> int:
-    """CPU cores this process may run on: its CPU affinity (``len(os.sched_getaffinity(0))``, not
-    ``os.cpu_count()``: a scheduler or ``taskset`` may give it fewer); with ``within_quota=True``
-    also at most the cgroup CPU quota (:func:`cgroup_cpu_quota`, rounded up), past which the process
-    is throttled. The one core count of the package: the loader tuner, the data-wait monitor and
-    its oversubscription finding count the affinity; the doctor's thread check counts the quota too.
+def usable_cpu_count(within_quota: bool = True) -> int:
+    """CPU cores this process may keep busy: its CPU affinity (``len(os.sched_getaffinity(0))``, not
+    ``os.cpu_count()``: a scheduler or ``taskset`` may give it fewer), at most the cgroup CPU quota
+    (:func:`cgroup_cpu_quota`, rounded up), past which the process is throttled: under
+    ``docker run --cpus=1`` on a 16-core host this is 1, not 16. The one core count of the package:
+    the loader tuner, the data-wait monitor, its oversubscription finding and the doctor's thread
+    check count it; the doctor's core check, which reports the affinity and the quota apart, passes
+    ``within_quota=False`` for the affinity alone.
+
+    Not Lightning's ``lightning.fabric.utilities.data.suggested_max_num_workers``: it counts the
+    affinity only, ignoring a cgroup quota, and subtracts one core for the main process, whose cost
+    the loader tuner measures (it times ``num_workers=0`` too) rather than assumes.
 
     Example::
 
-        >>> 1 <= usable_cpu_count(within_quota=True) <= usable_cpu_count() <= (os.cpu_count() or 1)
+        >>> 1 <= usable_cpu_count() <= usable_cpu_count(within_quota=False) <= (os.cpu_count() or 1)
         True
     """
     getter = getattr(os, "sched_getaffinity", None)
