@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The suite against the oldest versions pyproject.toml allows, in its own venv (.venv-min):
-# lightning, pytorch-lightning, torchinfo, nvidia-ml-py, rich, PyYAML and jsonargparse
+# lightning, pytorch-lightning, fsspec, torchinfo, nvidia-ml-py, rich, PyYAML, jsonargparse and psutil
 # pinned to their floors by ci/min-constraints.txt. torch is NOT at its floor: only the
 # TORCH_SPEC CPU wheel is at hand on CI (any other torch drags in GBs of CUDA packages),
 # so the torch floor in pyproject.toml is read from the APIs used, not tested here.
@@ -48,7 +48,7 @@ $(MIN_STAMP): pyproject.toml Makefile ci/min-constraints.txt
 	$(MIN_VENV)/bin/python -c "import torch" 2>/dev/null || $(MIN_PIP) "$(TORCH_SPEC)"
 	$(MIN_PIP) -c ci/min-constraints.txt -e ".[dev]"
 	$(MIN_VENV)/bin/python -m pip list --disable-pip-version-check 2>/dev/null \
-	    | grep -iE '^(torch|lightning|pytorch-lightning|torchinfo|nvidia-ml-py|rich|PyYAML|jsonargparse|transformers) '
+	    | grep -iE '^(torch|lightning|pytorch-lightning|fsspec|torchinfo|nvidia-ml-py|rich|PyYAML|jsonargparse|psutil|transformers) '
 	touch $(MIN_STAMP)
 
 test-min: $(MIN_STAMP)

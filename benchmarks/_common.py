@@ -4,7 +4,6 @@ stopwatch callback that times training steps the same way in every variant."""
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import shlex
 import sys
@@ -16,11 +15,13 @@ import torch
 from lightning import Callback, LightningModule
 from torch import nn
 
+from lightning_gpuopt.core.loader import usable_cpu_count
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
 def machine() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cpu_count()  # the CPU affinity within the cgroup CPU quota: what the tuner counts
     device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
     return f"{platform.processor() or platform.machine()}, {cores} usable cores, {device}; torch {torch.__version__}"
 

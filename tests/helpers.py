@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -9,6 +11,27 @@ import torch
 from lightning import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+def usable_cores_from_the_os() -> int:
+    """The cores this process may keep busy, read apart from the library: its CPU affinity, at most
+    the cgroup CPU quota (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) rounded up."""
+    affinity = len(os.sched_getaffinity(0))
+    quota: Optional[float] = None
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as handle:
+            limit, period = handle.read().split()[:2]
+        quota = None if limit == "max" else int(limit) / int(period)
+    except OSError:
+        try:
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as quota_file:
+                limit_us = int(quota_file.read())
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as period_file:
+                period_us = int(period_file.read())
+            quota = limit_us / period_us if limit_us > 0 else None
+        except OSError:
+            quota = None
+    return affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
 
 
 class SlowDataset(Dataset):

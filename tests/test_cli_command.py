@@ -15,6 +15,7 @@ from typing import ClassVar, Literal, Optional
 
 import pytest
 import torch
+from helpers import usable_cores_from_the_os
 
 from lightning_gpuopt import cli
 from lightning_gpuopt.core import doctor
@@ -502,8 +503,8 @@ def test_a_huggingface_model_takes_its_config_as_a_class_path_or_as_its_init_arg
 
 
 def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch):
-    cores = usable_cpu_count(within_quota=True)
-    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    cores = usable_cpu_count()
+    assert cores == usable_cores_from_the_os()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(cores + 1)
@@ -548,15 +549,22 @@ def test_cpu_cores_check_against_a_cgroup_quota():
     assert limited.status == "warn" and "num_workers" in limited.fix
 
 
-def test_one_core_count_the_affinity_and_within_quota_the_cgroup_limit_too(monkeypatch):
+def test_one_core_count_the_affinity_within_the_cgroup_quota(monkeypatch):
     from lightning_gpuopt.core import loader
 
     affinity = len(os.sched_getaffinity(0))
     monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 0.5)
-    assert usable_cpu_count() == affinity  # the loader tuner and the data-wait monitor: the affinity
-    assert usable_cpu_count(within_quota=True) == 1  # the doctor's thread check: half a core, rounded up
+    # the loader tuner, the data-wait monitor, its oversubscription finding, the doctor's thread
+    # check: half a core, rounded up
+    assert usable_cpu_count() == 1
+    assert doctor.check_torch_threads().details["cores"] == 1
+    # the doctor's core check reports the affinity and the quota apart
+    assert usable_cpu_count(within_quota=False) == affinity
+    assert doctor.check_cpu_cores().details["affinity"] == affinity
     monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: affinity + 1.5)
-    assert usable_cpu_count(within_quota=True) == affinity
+    assert usable_cpu_count() == affinity
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: None)
+    assert usable_cpu_count() == affinity
 
 
 @pytest.mark.parametrize(
@@ -603,7 +611,7 @@ def test_blas_of_the_installed_torch():
 
 
 def test_a_check_that_raises_becomes_a_warning_naming_the_error(monkeypatch):
-    def broken(within_quota: bool = False) -> int:
+    def broken(within_quota: bool = True) -> int:
         raise PermissionError("sched_getaffinity denied")
 
     monkeypatch.setattr(doctor, "usable_cpu_count", broken)

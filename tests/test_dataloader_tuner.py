@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
 import pytest
 import torch
-from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset
+from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset, usable_cores_from_the_os
 from lightning import LightningDataModule, Trainer, seed_everything
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
-from lightning_gpuopt.core.loader import LoaderSetting, time_loader, tune_loader
+from lightning_gpuopt.core.loader import LoaderSetting, _child_pids, time_loader, tune_loader
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -55,7 +56,7 @@ def test_cpu_heavy_dataset_gets_no_more_workers_than_cores(tmp_path):
     make_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(features=2), DataLoader(CpuHeavyDataset(4000), batch_size=8))
 
     result = tuner.result
-    assert result.usable_cpus == 2
+    assert result.usable_cpus == usable_cores_from_the_os()
     assert result.num_workers <= result.usable_cpus
     alone = [t for t in result.candidates if t.loading_cpu_fraction is not None]
     assert alone and max(t.loading_cpu_fraction for t in alone) >= 0.5  # the loading was measured computing
@@ -164,6 +165,21 @@ def test_a_short_epoch_does_not_inflate_deep_prefetch():
     assert timing.samples_per_second <= 16_000
 
 
+def test_a_cgroup_cpu_quota_of_one_core_caps_the_workers_tried(tmp_path, monkeypatch):
+    """``docker run --cpus=1`` on a many-core host: 1 usable core, not the affinity's count."""
+    from lightning_gpuopt.core import loader
+
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 1.0)  # the OS boundary: what cpu.max would say
+    tuner = DataLoaderTuner(max_seconds=4)
+    make_trainer(tmp_path, [tuner], max_steps=2).fit(MLP(features=2), DataLoader(CpuHeavyDataset(400), batch_size=8))
+
+    result = tuner.result
+    assert result.usable_cpus == 1
+    tried = {t.setting.num_workers for t in result.candidates}
+    assert tried and max(tried) <= 1, tried  # CPU-bound loading: nothing past the one core
+    assert result.num_workers <= 1
+
+
 def _slow_start(worker_id: int) -> None:
     time.sleep(1.0)  # workers that take a second to start (imports, opening files, a busy machine)
 
@@ -199,3 +215,26 @@ def test_a_choice_timed_once_says_it_is_unconfirmed():
     result = tune_loader(build, usable_cpus=2, max_seconds=0.01)
     assert result.candidates and not result.settled
     assert "unconfirmed: `max_seconds` ran out" in result.reason
+
+
+class PidDataset(Dataset):
+    """Each sample is the id of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(os.getpid())
+
+
+def test_the_loaders_worker_process_is_seen_as_a_child():
+    """The workers whose run-queue waits time_loader reads are this process's children."""
+    before = _child_pids()
+    assert before is not None
+    iterator = iter(DataLoader(PidDataset(), batch_size=8, num_workers=1))
+    # independently: the worker's own os.getpid(), carried back in the batch
+    loaded_by = {int(pid) for pid in next(iterator)}
+    assert loaded_by != {os.getpid()} and len(loaded_by) == 1
+    assert _child_pids() - before == loaded_by
+    del iterator  # shuts its worker down and joins it
+    assert not (_child_pids() - before) & loaded_by

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import usable_cores_from_the_os
+
 from lightning_gpuopt import DataWaitReport
 from lightning_gpuopt.core.report import from_dict
 
@@ -78,7 +80,7 @@ def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_
     for rank in ranks:
         assert rank["used"] == rank["chosen"][:1] + rank["chosen"][1:]  # what each rank's fit used
         assert rank["used"][0] > 0  # sleeping loader: workers help
-        assert rank["usable_cpus"] == 1  # 2 cores shared by 2 ranks
+        assert rank["usable_cpus"] == max(1, usable_cores_from_the_os() // 2)  # the cores shared by 2 ranks
         assert rank["sampler"] == "DistributedSampler"  # Lightning still injected it into the rebuilt loader
 
 

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from helpers import MLP, preloaded_dataset
+from helpers import MLP, preloaded_dataset, usable_cores_from_the_os
 from lightning import Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -113,6 +114,7 @@ def test_more_threads_than_cores_is_found_with_the_thread_count_that_fits(tmp_pa
     from lightning_gpuopt.core.loader import usable_cpu_count
 
     cores = usable_cpu_count()
+    assert cores == usable_cores_from_the_os()
     torch.set_num_threads(4 * cores)
     monitor = fit(tmp_path, MLP(), DataLoader(preloaded_dataset(256, 32), batch_size=16))
     (finding,) = [f for f in monitor.report.findings if f.kind == "oversubscribed"]
@@ -126,6 +128,19 @@ def test_one_thread_per_core_is_not_oversubscribed(tmp_path, threads):
     torch.set_num_threads(usable_cpu_count())
     monitor = fit(tmp_path, MLP(), DataLoader(preloaded_dataset(256, 32), batch_size=16))
     assert "oversubscribed" not in kinds(monitor)
+
+
+def test_threads_past_a_cgroup_cpu_quota_are_oversubscribed(tmp_path, threads, monkeypatch):
+    """``docker run --cpus=1``: the quota is 1 core however many the affinity holds."""
+    from lightning_gpuopt.core import loader
+
+    monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 1.0)  # the OS boundary: what cpu.max would say
+    wanted = max(2, len(os.sched_getaffinity(0)))  # as many threads as the affinity holds (within it, 2 or more)
+    torch.set_num_threads(wanted)
+    monitor = fit(tmp_path, MLP(), DataLoader(preloaded_dataset(256, 32), batch_size=16))
+    (finding,) = [f for f in monitor.report.findings if f.kind == "oversubscribed"]
+    assert finding.figures == {"threads": float(wanted), "cores": 1.0, "suggested_threads": 1.0}
+    assert "torch.set_num_threads(1)" in finding.fix
 
 
 def test_oversubscription_counts_every_process_of_the_host():

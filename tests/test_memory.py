@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import gc
+import os
 import weakref
 
 import pytest
@@ -186,6 +187,33 @@ def test_device_memory_figures_are_consistent():
     assert 0 < free <= total
     model = torch.nn.Linear(256, 256)
     assert free <= device_usable_memory("cpu", existing=[model]) <= total
+
+
+def _meminfo_available_bytes() -> int:
+    with open("/proc/meminfo") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("MemAvailable:"))
+
+
+def _cgroup_v2_limit() -> float:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as handle:
+            text = handle.read().strip()
+    except OSError:
+        return float("inf")
+    return float("inf") if text == "max" else int(text)
+
+
+def test_host_memory_is_the_kernels_figure_capped_by_the_cgroup_limit():
+    # independently of psutil: the kernel's physical pages (sysinfo), and /proc/meminfo's MemAvailable
+    # read just before and just after ours, each capped by the cgroup v2 memory.max when one is set
+    limit = _cgroup_v2_limit()
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert device_total_memory("cpu") == min(physical, limit)
+    before = _meminfo_available_bytes()
+    free = device_free_memory("cpu")
+    after = _meminfo_available_bytes()
+    slack = physical // 20  # other processes on the machine allocate and free between the reads
+    assert min(before, after, limit) - slack <= free <= min(max(before, after) + slack, limit)
 
 
 # --------------------------------------------------------------------------- parse_memory

@@ -16,6 +16,11 @@ loader source back at ``teardown`` and after a failed fit (``on_exception``), so
 after an error trains the next model on that model's data. A SIGTERM during the timing stops it
 at once, and ``fit`` ends with Lightning's ``SIGTERMException`` as during training.
 
+The ``num_workers`` tried are 0, 1, 2, 4, ... up to the usable CPU cores of the process
+(:func:`lightning_gpuopt.core.loader.usable_cpu_count`: its CPU affinity within the cgroup CPU
+quota, so ``docker run --cpus=1`` on a 16-core host means 1 core, not 16; under DDP shared among
+the processes of the host), and past them only while the workers are measured waiting on I/O.
+
 It leaves the loader alone, and says why, when it cannot rebuild it: an ``IterableDataset``
 (more workers would each replay the stream unless it shards by ``get_worker_info()``), several
 train loaders, or something that is not a ``torch.utils.data.DataLoader``.
@@ -95,8 +100,8 @@ class DataLoaderTuner(Callback):
             keeps up with it wins. ``None`` uses the compute ceiling measured by a
             ``DataWaitMonitor`` in the same Trainer on an earlier ``fit``, when there is one.
         max_num_workers: never more workers than this (default: 4 x the usable cores per
-            process; more workers than cores are tried only while the workers are measured
-            waiting on I/O).
+            process, the affinity within the cgroup CPU quota; more workers than cores are tried
+            only while the workers are measured waiting on I/O).
         persistent_workers: keep workers alive between epochs (skipped when the Trainer
             reloads dataloaders every n epochs together with pinned memory, which PyTorch
             does not support reliably).
@@ -207,8 +212,11 @@ class DataLoaderTuner(Callback):
         ) + f" ({self.result.reason}; {len(self.result.candidates)} settings timed in {self.result.seconds:.1f} s)"
         chosen = next((t for t in self.result.candidates if t.setting == self.result.setting), None)
         if self.result.num_workers > cores and chosen is not None and chosen.worker_cpu_fraction is not None:
+            # PyTorch's DataLoader warns past the CPU affinity alone, not past a cgroup quota
+            warns = self.result.num_workers > usable_cpu_count(within_quota=False)
             self.message += (
-                f". PyTorch will warn that {self.result.num_workers} workers exceed the {cores} usable cores: they"
+                f". {'PyTorch will warn that ' if warns else ''}{self.result.num_workers} workers exceed the {cores}"
+                " usable cores: they"
                 f" were measured busy only {chosen.worker_cpu_fraction:.0%} of the time (waiting on I/O), so more"
                 " workers than cores is what keeps up here"
             )

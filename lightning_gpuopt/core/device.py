@@ -3,7 +3,7 @@
 Everything the library asks of a device goes through a :class:`Device`, obtained with
 :func:`device_for`:
 
-* :class:`HostDevice` -- the CPU: host RAM (``/proc/meminfo``, cgroup limit), memory counted at
+* :class:`HostDevice` -- the CPU: host RAM (``psutil.virtual_memory()``, cgroup limit), memory counted at
   the allocator by a :class:`~lightning_gpuopt.core.memory.LiveTensorTracker`;
 * :class:`CudaDevice` -- a real CUDA card: a thin layer, each method one documented
   ``torch.cuda`` call;
@@ -203,11 +203,11 @@ class Device:
     # -- memory
     def total_memory(self) -> int:
         """Bytes the device holds (host: physical RAM, cgroup limit applied)."""
-        return host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+        return host_memory_bytes()
 
     def free_memory(self) -> int:
-        """Bytes free now (host: ``MemAvailable``, at most the cgroup limit)."""
-        return host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
+        """Bytes free now (host: what can be allocated without swapping, at most the cgroup limit)."""
+        return host_memory_bytes(available=True)
 
     def allocated_memory(self) -> Optional[int]:
         """Bytes the allocator has handed out now (``None`` where unknown: the host)."""

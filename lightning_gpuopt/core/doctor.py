@@ -674,7 +674,7 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
 @_guarded("cpu_cores")
 def check_cpu_cores() -> Check:
     """``os.cpu_count()`` against the CPU affinity and the cgroup quota."""
-    return cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(), cgroup_cpu_quota())
+    return cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota())
 
 
 def local_processes() -> int:
@@ -730,8 +730,8 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
 @_guarded("torch_threads")
 def check_torch_threads() -> Check:
     """``torch.get_num_threads()`` x local processes against the usable cores: the affinity within the
-    cgroup quota (:func:`~lightning_gpuopt.core.loader.usable_cpu_count` with ``within_quota=True``)."""
-    return torch_threads_check(torch.get_num_threads(), usable_cpu_count(within_quota=True), local_processes())
+    cgroup quota (:func:`~lightning_gpuopt.core.loader.usable_cpu_count`)."""
+    return torch_threads_check(torch.get_num_threads(), usable_cpu_count(), local_processes())
 
 
 # ----------------------------------------------------------------------------- BLAS

@@ -5,7 +5,8 @@ timing the real loader.
 its start-up (``iter()`` + first batch: worker start-up included), its steady throughput,
 and -- from the CPU time of the worker processes once they exit -- whether the workers
 compute or wait on I/O. :func:`tune_loader` walks ``num_workers`` through a geometric set
-(0, 1, 2, 4, ...) up to the usable CPU cores, and past them only while the workers are
+(0, 1, 2, 4, ...) up to the usable CPU cores (:func:`usable_cpu_count`: the affinity within the
+cgroup CPU quota), and past them only while the workers are
 measured waiting on I/O and throughput still grows; it stops a candidate early once it is
 clearly slower than the best, stops walking once throughput stops growing or keeps up with
 the target, tries ``prefetch_factor=4`` on the best, and picks the cheapest setting within
@@ -35,6 +36,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -145,7 +147,8 @@ class LoaderTuneResult:
 
 
 def cgroup_cpu_quota() -> Optional[float]:
-    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one."""
+    """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one.
+    Read here because psutil has no reading of a cgroup CPU quota."""
     try:
         with open("/sys/fs/cgroup/cpu.max") as handle:
             quota, period = handle.read().split()[:2]
@@ -163,16 +166,22 @@ def cgroup_cpu_quota() -> Optional[float]:
         return None
 
 
-def usable_cpu_count(within_quota: bool = False) -> int:
-    """CPU cores this process may run on: its CPU affinity (``len(os.sched_getaffinity(0))``, not
-    ``os.cpu_count()``: a scheduler or ``taskset`` may give it fewer); with ``within_quota=True``
-    also at most the cgroup CPU quota (:func:`cgroup_cpu_quota`, rounded up), past which the process
-    is throttled. The one core count of the package: the loader tuner, the data-wait monitor and
-    its oversubscription finding count the affinity; the doctor's thread check counts the quota too.
+def usable_cpu_count(within_quota: bool = True) -> int:
+    """CPU cores this process may keep busy: its CPU affinity (``len(os.sched_getaffinity(0))``, not
+    ``os.cpu_count()``: a scheduler or ``taskset`` may give it fewer), at most the cgroup CPU quota
+    (:func:`cgroup_cpu_quota`, rounded up), past which the process is throttled: under
+    ``docker run --cpus=1`` on a 16-core host this is 1, not 16. The one core count of the package:
+    the loader tuner, the data-wait monitor, its oversubscription finding and the doctor's thread
+    check count it; the doctor's core check, which reports the affinity and the quota apart, passes
+    ``within_quota=False`` for the affinity alone.
+
+    Not Lightning's ``lightning.fabric.utilities.data.suggested_max_num_workers``: it counts the
+    affinity only, ignoring a cgroup quota, and subtracts one core for the main process, whose cost
+    the loader tuner measures (it times ``num_workers=0`` too) rather than assumes.
 
     Example::
 
-        >>> 1 <= usable_cpu_count(within_quota=True) <= usable_cpu_count() <= (os.cpu_count() or 1)
+        >>> 1 <= usable_cpu_count() <= usable_cpu_count(within_quota=False) <= (os.cpu_count() or 1)
         True
     """
     getter = getattr(os, "sched_getaffinity", None)
@@ -189,20 +198,18 @@ def _children_cpu_s() -> float:
 
 
 def _child_pids() -> Optional[set[int]]:
-    """This process's children, from ``/proc/<pid>/task/<tid>/children`` (Linux); None elsewhere."""
+    """This process's children (not their children: the loader's workers), from psutil; None when
+    the platform does not list them."""
     try:
-        pids: set[int] = set()
-        for task in os.scandir(f"/proc/{os.getpid()}/task"):
-            with open(os.path.join(task.path, "children")) as file:
-                pids.update(int(pid) for pid in file.read().split())
-        return pids
-    except (OSError, ValueError):
+        return {child.pid for child in psutil.Process().children()}
+    except psutil.Error:
         return None
 
 
 def _scheduled_seconds(pids: set[int]) -> Optional[tuple[float, float]]:
     """(seconds on a CPU, seconds waiting in a run queue for one) summed over ``pids``, from
-    ``/proc/<pid>/schedstat`` (Linux); None when unreadable.
+    ``/proc/<pid>/schedstat`` (Linux); None when unreadable. Not psutil: its ``cpu_times()`` has
+    no run-queue wait time.
 
     A worker that waits for a core on a busy machine is not waiting on I/O: the time it sat in a
     run queue is taken out before its CPU share is judged, so other work on the machine does not
@@ -220,7 +227,8 @@ def _scheduled_seconds(pids: set[int]) -> Optional[tuple[float, float]]:
 
 
 def _thread_scheduled_seconds() -> Optional[tuple[float, float]]:
-    """(seconds on a CPU, seconds waiting in a run queue) of the calling thread (Linux), else None."""
+    """(seconds on a CPU, seconds waiting in a run queue) of the calling thread (Linux), else None.
+    Not psutil: it has no run-queue wait time."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as file:
             fields = file.read().split()
@@ -353,7 +361,7 @@ def time_loader(
     worker_cpu = None
     if setting.num_workers > 0 and scheduled is not None:
         worker_cpu = worker_cpu_fraction(scheduled[0], scheduled[1], setting.num_workers, ended - started)
-    elif setting.num_workers > 0:  # no /proc: CPU time of the reaped workers over their wall time
+    elif setting.num_workers > 0:  # no schedstat: CPU time of the reaped workers over their wall time
         worker_cpu = worker_cpu_fraction(_children_cpu_s() - cpu_before, 0.0, setting.num_workers, ended - started)
     loading_cpu = None
     if main_thread_before is not None and main_thread_after is not None:

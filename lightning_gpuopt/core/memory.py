@@ -1,11 +1,11 @@
 """Device memory: capacity, peak meters, a simulated cap (:class:`MemoryBudget`), OOM detection and cleanup.
 
-Pure torch + standard library (no Lightning import).
+Pure torch + standard library + psutil (no Lightning import).
 
 * :func:`device_total_memory` / :func:`device_free_memory`: what a device holds and has free,
   asked of the device layer (:mod:`.device`): on CUDA the driver's figures; on CPU
-  ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``), capped by a cgroup v2 ``memory.max`` when
-  one is set, with ``os.sysconf`` as the fallback.
+  ``psutil.virtual_memory()`` (``total``, ``available``), capped by a cgroup v2 ``memory.max``
+  when one is set.
 * :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts memory at the allocator, op by op.
   Each untyped storage is counted once, by its ``nbytes`` (what the CPU allocator hands out for
   it; views share their base's storage and add nothing), from the op that created it until it is
@@ -50,12 +50,12 @@ Example::
 from __future__ import annotations
 
 import gc
-import os
 import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,18 +96,12 @@ _MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNO
 # ----------------------------------------------------------------------------- capacity
 
 
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _cgroup_limit_bytes() -> int | None:
+    """The cgroup v2 ``memory.max`` in bytes; ``None`` without one (or ``max``).
+
+    Read here because psutil reports the host's RAM and ignores the container's cgroup limit: in a
+    container capped at 8 GiB on a 512 GiB host, ``psutil.virtual_memory().total`` is 512 GiB.
+    """
     try:
         with open("/sys/fs/cgroup/memory.max") as handle:
             text = handle.read().strip()
@@ -116,19 +110,18 @@ def _cgroup_limit_bytes() -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def host_memory_bytes(meminfo_field: str, sysconf_pages: str) -> int:
-    """A ``/proc/meminfo`` figure (``os.sysconf`` pages without it), capped by the cgroup limit: what the
-    device layer reports as a CPU host's total (``"MemTotal", "SC_PHYS_PAGES"``) and free memory
-    (``"MemAvailable", "SC_AVPHYS_PAGES"``).
+def host_memory_bytes(available: bool = False) -> int:
+    """The host's RAM (``psutil.virtual_memory().total``) or, with ``available=True``, what can be
+    allocated now without swapping (``.available``), each capped by the cgroup limit: what the
+    device layer reports as a CPU host's total and free memory.
 
     Example::
 
-        >>> 0 < host_memory_bytes("MemAvailable", "SC_AVPHYS_PAGES") <= host_memory_bytes("MemTotal", "SC_PHYS_PAGES")
+        >>> 0 < host_memory_bytes(available=True) <= host_memory_bytes()
         True
     """
-    num_bytes = _meminfo_bytes(meminfo_field)
-    if num_bytes is None:
-        num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf(sysconf_pages)
+    memory = psutil.virtual_memory()
+    num_bytes = int(memory.available if available else memory.total)
     limit = _cgroup_limit_bytes()
     return num_bytes if limit is None else min(num_bytes, limit)
 
