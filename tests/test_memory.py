@@ -194,19 +194,22 @@ def _meminfo_available_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("MemAvailable:"))
 
 
-def _cgroup_v2_limit() -> float:
-    try:
-        with open("/sys/fs/cgroup/memory.max") as handle:
-            text = handle.read().strip()
-    except OSError:
-        return float("inf")
-    return float("inf") if text == "max" else int(text)
+def _cgroup_limit() -> float:
+    """The cgroup memory limit read here, not through the library: v2 ``memory.max``, else v1."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        return float("inf") if text == "max" else int(text)
+    return float("inf")
 
 
 def test_host_memory_is_the_kernels_figure_capped_by_the_cgroup_limit():
     # independently of psutil: the kernel's physical pages (sysinfo), and /proc/meminfo's MemAvailable
-    # read just before and just after ours, each capped by the cgroup v2 memory.max when one is set
-    limit = _cgroup_v2_limit()
+    # read just before and just after ours, each capped by the cgroup memory limit (v2 memory.max, else v1 memory.limit_in_bytes)
+    limit = _cgroup_limit()
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert device_total_memory("cpu") == min(physical, limit)
     before = _meminfo_available_bytes()

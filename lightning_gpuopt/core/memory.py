@@ -4,8 +4,8 @@ Pure torch + standard library + psutil (no Lightning import).
 
 * :func:`device_total_memory` / :func:`device_free_memory`: what a device holds and has free,
   asked of the device layer (:mod:`.device`): on CUDA the driver's figures; on CPU
-  ``psutil.virtual_memory()`` (``total``, ``available``), capped by a cgroup v2 ``memory.max``
-  when one is set.
+  ``psutil.virtual_memory()`` (``total``, ``available``), capped by the cgroup memory limit
+  (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) when one is set.
 * :class:`LiveTensorTracker`: a ``TorchDispatchMode`` that counts memory at the allocator, op by op.
   Each untyped storage is counted once, by its ``nbytes`` (what the CPU allocator hands out for
   it; views share their base's storage and add nothing), from the op that created it until it is
@@ -96,23 +96,31 @@ _MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNO
 # ----------------------------------------------------------------------------- capacity
 
 
+#: the memory limit of this process's cgroup: v2's ``memory.max``, else v1's ``memory.limit_in_bytes``
+#: (``max`` in v2, and in v1 a figure near 2**63, mean no limit)
+CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def _cgroup_limit_bytes() -> int | None:
-    """The cgroup v2 ``memory.max`` in bytes; ``None`` without one (or ``max``).
+    """The cgroup memory limit in bytes (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``);
+    ``None`` without one.
 
     Read here because psutil reports the host's RAM and ignores the container's cgroup limit: in a
     container capped at 8 GiB on a 512 GiB host, ``psutil.virtual_memory().total`` is 512 GiB.
     """
-    try:
-        with open("/sys/fs/cgroup/memory.max") as handle:
-            text = handle.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+    for path in CGROUP_MEMORY_LIMIT_FILES:
+        try:
+            with open(path) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else None
+    return None
 
 
 def host_memory_bytes(available: bool = False) -> int:
     """The host's RAM (``psutil.virtual_memory().total``) or, with ``available=True``, what can be
-    allocated now without swapping (``.available``), each capped by the cgroup limit: what the
+    allocated now without swapping (``.available``), each capped by the cgroup memory limit (v2 or v1): what the
     device layer reports as a CPU host's total and free memory.
 
     Example::
