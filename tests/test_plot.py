@@ -195,19 +195,26 @@ class ImageLogger(Logger):
         self.images.append((key, list(images), step))
 
 
-def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
+def fit_with_plots(root: Any) -> ImageLogger:
+    """12 steps of ``GpuOpt("diagnose", plots=True)`` with ``default_root_dir=root`` (a path or a URL);
+    the logger, which has no save_dir: trainer.log_dir is ``root``."""
     logger = ImageLogger()
     trainer = Trainer(
         accelerator="cpu",
         max_steps=12,
         logger=logger,
-        default_root_dir=tmp_path,
+        default_root_dir=root,
         callbacks=[GpuOpt("diagnose", estimate=False, plots=True)],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(MLP(), DataLoader(SlowDataset(96), batch_size=8))
+    return logger
+
+
+def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
+    logger = fit_with_plots(tmp_path)
     step_time = tmp_path / "step_time.png"  # beside gpuopt_report.json (the logger has no log_dir)
     assert (tmp_path / "gpuopt_report.json").exists()
     assert_png_with_content(step_time)
@@ -215,18 +222,7 @@ def test_gpuopt_plots_at_the_end_of_fit_and_logs_them(tmp_path):
 
 
 def test_gpuopt_plots_at_a_remote_log_dir_and_logs_their_pixels(memory_url, tmp_path):
-    logger = ImageLogger()  # no save_dir: trainer.log_dir is default_root_dir, a URL
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=12,
-        logger=logger,
-        default_root_dir=memory_url,
-        callbacks=[GpuOpt("diagnose", estimate=False, plots=True)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(MLP(), DataLoader(SlowDataset(96), batch_size=8))
+    logger = fit_with_plots(memory_url)  # trainer.log_dir is the URL
     files = memory_files(memory_url)
     report, step_time = f"{memory_url}/gpuopt_report.json", f"{memory_url}/step_time.png"
     assert set(files) == {report, step_time}
