@@ -222,29 +222,12 @@ def test_estimate_batch_size_sets_the_datamodules_and_bad_datamodule_arguments_a
     err = capsys.readouterr().err
     assert status == 2 and "`--datamodule`=" in err and "not a lightning.pytorch.LightningDataModule class" in err
     assert "DictDataModule" in err  # the classes that would work
-    status = cli.main(
-        [
-            "estimate",
-            f"{USERS_MODELS}:DictBatchModule",
-            "--datamodule",
-            f"{USERS_MODELS}:DictDataModule",
-            "--datamodule-init-args",
-            '{"batch": 3}',
-        ]
-    )
+    with_datamodule = ["estimate", f"{USERS_MODELS}:DictBatchModule", "--datamodule", f"{USERS_MODELS}:DictDataModule"]
+    status = cli.main([*with_datamodule, "--datamodule-init-args", '{"batch": 3}'])
     err = capsys.readouterr().err
     assert status == 2 and "`--datamodule-init-args`" in err and "DictDataModule(" in err
     # YAML text, type-checked against the datamodule's signature
-    status = cli.main(
-        [
-            "estimate",
-            f"{USERS_MODELS}:DictBatchModule",
-            "--datamodule",
-            f"{USERS_MODELS}:DictDataModule",
-            "--datamodule-init-args",
-            "batch_size: many",
-        ]
-    )
+    status = cli.main([*with_datamodule, "--datamodule-init-args", "batch_size: many"])
     err = capsys.readouterr().err
     assert status == 2 and "`--datamodule-init-args`='batch_size: many': wrong type or value for 'batch_size'" in err
     assert "DictDataModule(features: int = 256, num_samples: int = 512, batch_size: int = 16)" in err
