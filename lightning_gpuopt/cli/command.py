@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except UsageError as error:
-        print(f"gpuopt {args.command}: error: {error}", file=sys.stderr)
+        _print_error(f"gpuopt {args.command}: error: {error}")
         return 2
 
 
@@ -106,6 +106,11 @@ def _console() -> Any:
 
 def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _print_error(message: str) -> None:
+    """The command's error line on stderr (the console command's output, not library logging)."""
+    sys.stderr.write(message + "\n")
 
 
 def _table(title: str, columns: Sequence[str]) -> Any:
@@ -277,7 +282,7 @@ def run_plot(args: argparse.Namespace) -> int:
     try:
         written = save_plots(data, out)
     except PlotUnavailableError as error:
-        print(f"gpuopt plot: error: {error}", file=sys.stderr)
+        _print_error(f"gpuopt plot: error: {error}")
         return 1
     except FilesystemUnavailableError as error:
         raise UsageError(f"`--out`={str(out)!r}: {error}") from None
@@ -285,10 +290,7 @@ def run_plot(args: argparse.Namespace) -> int:
         # writing to a URL: whatever its filesystem raises is an error message, not a traceback
         if isinstance(out, Path):
             raise
-        print(
-            f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}",
-            file=sys.stderr,
-        )
+        _print_error(f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}")
         return 1
     if args.json:
         _print_json({"written": [str(path) for path in written]})
@@ -296,10 +298,9 @@ def run_plot(args: argparse.Namespace) -> int:
         for path in written:
             sys.stdout.write(f"{path}\n")
     if not written:
-        print(
+        _print_error(
             f"gpuopt plot: nothing to draw: {args.report} has none of the sections data_wait, batch_size_search, "
-            f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})",
-            file=sys.stderr,
+            f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})"
         )
     return 0 if written else 1
 
