@@ -87,7 +87,6 @@ def moved(ns: Namespace, what: str, expected: str, found: str = "") -> None:
 PRIVATE_IMPORTS = [
     ("lightning.fabric.utilities.seed", "_collect_rng_states", "collect_rng_states", ((), {"include_cuda": False})),
     ("lightning.fabric.utilities.seed", "_set_rng_states", "set_rng_states", (("states",), {})),
-    ("lightning.fabric.utilities.cloud_io", "_is_local_file_protocol", "is_local_file_protocol", (("path",), {})),
     (
         "lightning.fabric.utilities.data",
         "_reinstantiate_wrapped_cls",
@@ -567,13 +566,16 @@ def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
 
 
 def test_local_file_protocol_is_the_test_core_makes(ns):
-    """The report goes where Lightning puts its logs: ``report_dir`` asks Lightning's
-    ``_is_local_file_protocol``, core (no Lightning import) asks ``core.storage.is_url``: they must agree."""
+    """The report goes where Lightning puts its logs: Lightning decides local or URL for its log dirs and
+    checkpoints with its private ``_is_local_file_protocol``, ``report_dir`` with ``core.storage.is_url``
+    (core imports no Lightning): they must agree. The package does not import Lightning's; this test does."""
     from lightning_gpuopt.core.storage import is_url
 
+    cloud_io = importlib.import_module(ns.module_path("lightning.fabric.utilities.cloud_io"))
+    is_local_file_protocol = cloud_io._is_local_file_protocol
     paths = ["lightning_logs/version_0", "/abs/run", "~/run", "file:///tmp/run", "s3://bucket/run", "memory://run"]
     paths += ["gcs://bucket/run", "simplecache::s3://bucket/run", "C:/runs", "relative/with:colon"]
-    disagree = [path for path in paths if ns.compat.is_local_file_protocol(path) == is_url(path)]
+    disagree = [path for path in paths if is_local_file_protocol(path) == is_url(path)]
     if disagree:
         moved(
             ns, "`_is_local_file_protocol`", "the local/URL decision of core.storage.is_url", f"differs on {disagree}"

@@ -83,13 +83,6 @@ The CLI
     * ``LightningArgumentParser._option_string_actions`` (argparse's, under jsonargparse;
       :func:`parser_option_actions`): no public API finds an added flag's action to set its help.
 
-Files
-    * ``lightning.fabric.utilities.cloud_io._is_local_file_protocol`` (:data:`is_local_file_protocol`):
-      no public API says whether a log dir is local or a URL; it is the test ``Trainer.default_root_dir``
-      and ``ModelCheckpoint`` make, so the report goes where Lightning puts its own logs (a ``Path``
-      when local, else the URL through fsspec). ``lightning_gpuopt.core.storage.is_url`` (core imports
-      no Lightning) makes the same test; ``tests/test_lightning_compat.py`` checks that they agree.
-
 Profiler action names (what Lightning passes to ``trainer.profiler``; strings, no import)
     * ``"[<epoch loop class>].train_dataloader_next"`` (:func:`fetch_action`),
       ``"[Strategy]<Strategy class>.<hook>"`` (:func:`strategy_action`), ``"save_checkpoint"``
@@ -104,7 +97,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
@@ -307,13 +299,6 @@ def parser_option_actions(parser: Any) -> dict[str, Any]:
     """The parser's flag -> action map, ``_option_string_actions`` (argparse's; no public API finds an
     added flag's action to edit its help)."""
     return parser._option_string_actions
-
-
-# -- files --------------------------------------------------------------------------------------
-
-# no public API: whether a path is on the local filesystem (protocol "file") or a URL, as Lightning
-# decides it for trainer.default_root_dir and ModelCheckpoint's dirpath
-is_local_file_protocol = _is_local_file_protocol
 
 
 # -- profiler action names ----------------------------------------------------------------------

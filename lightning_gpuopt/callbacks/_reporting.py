@@ -32,6 +32,7 @@ from lightning_gpuopt.core.report import REPORT_FILENAME, update_json_section
 from lightning_gpuopt.core.storage import (
     FilesystemUnavailableError,
     Location,
+    as_location,
     is_url,
     join_location,
     parent_location,
@@ -45,9 +46,10 @@ _UNAVAILABLE_WARNED: set[str] = set()
 def report_dir(trainer: Trainer) -> Location:
     """Where ``gpuopt_report.json`` goes: ``trainer.log_dir`` (else ``trainer.default_root_dir``), a ``Path``
     when local, the URL string when remote (``s3://bucket/run``: ``Path`` would make it ``s3:/bucket/run``).
-    ``trainer.log_dir`` is a collective under DDP (it broadcasts rank 0's value): call this on every rank."""
-    directory = trainer.log_dir or trainer.default_root_dir
-    return Path(directory) if compat.is_local_file_protocol(directory) else directory
+    ``trainer.log_dir`` is a collective under DDP (it broadcasts rank 0's value): call this on every rank.
+    Local or remote is :func:`~lightning_gpuopt.core.storage.as_location`'s decision, the same one as
+    Lightning's for its own logs (``tests/test_lightning_compat.py`` checks that they agree)."""
+    return as_location(trainer.log_dir or trainer.default_root_dir)
 
 
 def report_file(trainer: Trainer) -> Location:

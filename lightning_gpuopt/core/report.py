@@ -103,19 +103,23 @@ def write_json(data: dict[str, Any], path: str | os.PathLike) -> Location:
     """
     location = as_location(path)
     if not isinstance(location, Path):
-        return write_bytes(location, (json.dumps(data, indent=2, sort_keys=False, default=str) + "\n").encode())
+        return write_bytes(location, _json_text(data).encode())
     path = location
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_sibling(path)
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False, default=str)
-            handle.write("\n")
+            handle.write(_json_text(data))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    """The report's text: indented JSON, keys in their order, what JSON cannot hold as ``str()``."""
+    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
 
 
 def _create_sibling(path: Path) -> tuple[int, Path]:
