@@ -170,7 +170,7 @@ def _existing_sections(path: Path, warn: Callable[[str], None]) -> dict[str, Any
     content, problem = _parse_sections(path.read_bytes())
     if problem is None:
         return content
-    aside = _free_name(path, "corrupt")
+    aside = Path(_free_name(str(path), "corrupt", os.path.exists))
     os.replace(path, aside)
     _warn_set_aside(warn, path, aside, problem)
     return {}
@@ -186,11 +186,9 @@ def _existing_remote_sections(url: str, warn: Callable[[str], None]) -> dict[str
     content, problem = _parse_sections(raw)
     if problem is None:
         return content
-    number = 1
-    while fs.exists(f"{path}.corrupt-{number}"):
-        number += 1
-    fs.mv(path, f"{path}.corrupt-{number}")
-    _warn_set_aside(warn, url, f"{url}.corrupt-{number}", problem)
+    aside = _free_name(path, "corrupt", fs.exists)
+    fs.mv(path, aside)
+    _warn_set_aside(warn, url, url + aside.removeprefix(path), problem)  # the URL + ".corrupt-<n>"
     return {}
 
 
@@ -212,12 +210,13 @@ def _warn_set_aside(warn: Callable[[str], None], path: Location, aside: Location
     )
 
 
-def _free_name(path: Path, tag: str) -> Path:
-    """``<path>.<tag>-<n>`` with the smallest ``n`` >= 1 that names no file."""
+def _free_name(path: str, tag: str, exists: Callable[[str], bool]) -> str:
+    """``<path>.<tag>-<n>`` with the smallest ``n`` >= 1 that names no file (``exists``: the local
+    filesystem's or a remote one's)."""
     number = 1
-    while path.with_name(f"{path.name}.{tag}-{number}").exists():
+    while exists(f"{path}.{tag}-{number}"):
         number += 1
-    return path.with_name(f"{path.name}.{tag}-{number}")
+    return f"{path}.{tag}-{number}"
 
 
 def _warn(message: str) -> None:
