@@ -318,12 +318,19 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {
-        "tune": tune,
-        "memory": memory,
-        "search": search,
-        "fill": fill,
-        "simulated": simulated,
-        "nothing-fits": nothing_fits,
-        "oom": oom,
-    }.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    try:
+        {
+            "tune": tune,
+            "memory": memory,
+            "search": search,
+            "fill": fill,
+            "simulated": simulated,
+            "nothing-fits": nothing_fits,
+            "oom": oom,
+        }.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+    finally:
+        # as a user's script must under gloo: a process that exits with its process group alive can be
+        # killed by SIGABRT ("terminate called without an active exception") while Python shuts down
+        # (pytorch/pytorch#190489); Lightning destroys it at exit for NCCL only
+        if dist.is_initialized():
+            dist.destroy_process_group()
