@@ -365,6 +365,11 @@ def run_lightning_simulated(workload: SimulatedWorkload, mode: str) -> dict:
     return dict(trials=len(trials), steps=steps[0] - 1, seconds=seconds, batch=finder.optimal_batch_size, log=trials)
 
 
+def ratios(ours: dict, binsearch: dict) -> dict:
+    """Our trials, training steps and seconds over Lightning's binsearch's (a row of ratios, no batch)."""
+    return {key: ours[key] / binsearch[key] for key in ("trials", "steps", "seconds")} | {"batch": None}
+
+
 def run_simulated(workloads: list[SimulatedWorkload], echo: Callable[[str], None] = print) -> tuple[list, list[str]]:
     """Every method on every workload, each found size checked, and the truth; table rows and notes."""
     rows, notes = [], []
@@ -389,12 +394,7 @@ def run_simulated(workloads: list[SimulatedWorkload], echo: Callable[[str], None
             (
                 workload,
                 "ours() / binsearch",
-                dict(
-                    trials=ours["trials"] / binsearch["trials"],
-                    steps=ours["steps"] / binsearch["steps"],
-                    seconds=ours["seconds"] / binsearch["seconds"],
-                    batch=None,
-                ),
+                ratios(ours, binsearch),
                 truth,
             )
         )
@@ -537,12 +537,7 @@ def run_cpu(no_write: bool) -> None:
                 name,
                 cap_text,
                 "ours / binsearch",
-                dict(
-                    trials=ours["trials"] / binsearch["trials"],
-                    steps=ours["steps"] / binsearch["steps"],
-                    seconds=ours["seconds"] / binsearch["seconds"],
-                    batch=None,
-                ),
+                ratios(ours, binsearch),
                 truth,
             )
         )

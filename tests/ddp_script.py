@@ -24,13 +24,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
-from helpers import MLP, BatchRecorder, SlowDataset
+from helpers import MLP, BatchRecorder, SlowDataset, quiet_trainer
 from lightning import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor
+
+
+def ddp_trainer(out: Path, callbacks: list, **settings: Any) -> Trainer:
+    """A quiet Trainer of 2 CPU processes under DDP (gloo), as users launch it: this script, run once."""
+    return quiet_trainer(out, callbacks, devices=2, strategy="ddp", **settings)
 
 
 def rank_delay() -> float:
@@ -39,18 +45,7 @@ def rank_delay() -> float:
 
 def tune(out: Path) -> None:
     tuner, recorder = DataLoaderTuner(max_seconds=3), BatchRecorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=5,
-        callbacks=[tuner, recorder],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(out, [tuner, recorder], max_steps=5)
     # 2 ms a sample: workers clearly help each rank even on a busy machine
     trainer.fit(MLP(), DataLoader(SlowDataset(640, delay_s=0.002), batch_size=8))
     (out / f"tune{trainer.global_rank}.json").write_text(
@@ -71,19 +66,7 @@ def memory(out: Path) -> None:
     from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
 
     model = make_model("mlp")
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=4,
-        callbacks=[MemoryEstimator(measure_steps=2)],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
+    trainer = ddp_trainer(out, [MemoryEstimator(measure_steps=2)], max_steps=4, log_every_n_steps=1)
     trainer.fit(model, model.loader(8))
 
 
@@ -99,18 +82,7 @@ def search(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # known before the processes join: budgets differ by rank
     searcher = BatchSizeSearch(max_memory=SEARCH_BUDGETS[rank])
     model = make_model("mlp", num_samples=4096, batch_size=16)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=2,
-        callbacks=[searcher],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(out, [searcher], max_steps=2)
     trainer.fit(model)
     (out / f"search{trainer.global_rank}.json").write_text(
         json.dumps(
@@ -133,18 +105,7 @@ def nothing_fits(out: Path) -> None:
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     searcher = BatchSizeSearch(max_memory=NOTHING_FITS_BUDGETS[rank], max_trials=3)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=2,
-        callbacks=[searcher],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(out, [searcher], max_steps=2)
     try:
         trainer.fit(make_model("mlp", num_samples=256, batch_size=16))
     except NoBatchSizeFitsError as error:
@@ -172,18 +133,7 @@ def fill(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     memory_fill, used = MemoryFill(global_batch_size=64, max_memory=FILL_BUDGETS[rank]), Used()
     model = make_model("transformer", num_samples=512, batch_size=16)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=2,
-        callbacks=[memory_fill, used],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(out, [memory_fill, used], max_steps=2)
     trainer.fit(model)
     (out / f"fill{trainer.global_rank}.json").write_text(
         json.dumps(
@@ -210,18 +160,7 @@ def simulated(out: Path) -> None:
     model = make_model("cnn", num_samples=1024, batch_size=8)
     with SimulatedGpu("T4", memory=SIMULATED_CARDS[rank]) as gpu:
         memory_fill = MemoryFill(global_batch_size=256, checkpointing=False)  # max_memory: each rank's card
-        trainer = Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=2,
-            callbacks=[memory_fill],
-            default_root_dir=out,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = ddp_trainer(out, [memory_fill], max_steps=2)
         trainer.fit(model)
     (out / f"simulated{trainer.global_rank}.json").write_text(
         json.dumps(
@@ -259,19 +198,7 @@ def oom(out: Path) -> None:
     cap = int(5 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
     model = TokenModel(dataset, batch_size=8)
     memory_fill = MemoryFill(global_batch_size=16, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=4,
-        callbacks=[memory_fill, CapDuringTraining(cap)],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = ddp_trainer(out, [memory_fill, CapDuringTraining(cap)], max_steps=4, limit_val_batches=0)
     trainer.fit(model)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"oom{trainer.global_rank}.pt")
     (out / f"oom{trainer.global_rank}.json").write_text(
@@ -286,18 +213,7 @@ def oom(out: Path) -> None:
 
 def main(out: Path) -> None:
     monitor = DataWaitMonitor(warmup_steps=2)  # default report path: trainer.log_dir, a collective
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=20,
-        callbacks=[monitor],
-        default_root_dir=out,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(out, [monitor], max_steps=20)
     dataset = SlowDataset(640, delay_for=rank_delay)
     trainer.fit(MLP(), DataLoader(dataset, batch_size=8))
     report = monitor.report

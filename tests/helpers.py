@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from lightning import Callback, LightningModule
+from lightning import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -32,6 +32,25 @@ def usable_cores_from_the_os() -> int:
         except OSError:
             quota = None
     return affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
+
+
+def quiet_trainer(root_dir: Any, callbacks: Iterable[Callback] = (), **settings: Any) -> Trainer:
+    """A quiet one-device CPU Trainer (no logger, checkpoints, progress bar or summary) in ``root_dir``;
+    ``settings`` add to or override those.
+
+    >>> quiet_trainer("/tmp/run", max_steps=2).max_steps
+    2
+    """
+    quiet = dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=root_dir,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return Trainer(callbacks=list(callbacks), **{**quiet, **settings})
 
 
 class SlowDataset(Dataset):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -29,18 +30,7 @@ SAMPLES = 4096
 
 
 def trainer_for(tmp_path, callbacks, max_steps: int = 1, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, max_steps=max_steps, **kwargs)
 
 
 class BudgetAroundTraining(Callback):

@@ -15,8 +15,8 @@ from helpers import (
     memory_files,
     preloaded_batches,
     preloaded_dataset,
+    quiet_trainer,
 )
-from lightning import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
@@ -26,27 +26,13 @@ from lightning_gpuopt import DataWaitMonitor, DataWaitReport
 from lightning_gpuopt.core.report import from_dict
 
 
-def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
-
-
 def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
     delay_s, batch_size = 0.002, 8
     dataset = SlowDataset(480, delay_s=delay_s)
     monitor, stopwatch = DataWaitMonitor(warmup_steps=2), TrainingWallClock()
     # the training step itself costs ~10 ms, so the true data wait share is near 0.6
     loader = TimedLoader(dataset, batch_size=batch_size)
-    make_trainer(tmp_path, [monitor, stopwatch], max_epochs=1).fit(MLP(step_sleep_s=0.01), loader)
+    quiet_trainer(tmp_path, [monitor, stopwatch], max_epochs=1).fit(MLP(step_sleep_s=0.01), loader)
 
     report = monitor.report
     # ground truth: the loader's own stopwatch around every next() over the test's wall clock; the
@@ -73,7 +59,7 @@ def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
     # made ~15 ms steps whose data wait share reached 5-8% beside two CPU hogs)
     loader = DataLoader(preloaded_batches(24, 512, 256), batch_size=None)
     monitor = DataWaitMonitor(warmup_steps=2)
-    make_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
+    quiet_trainer(tmp_path, [monitor], max_steps=24).fit(MLP(features=256, hidden=1024, layers=3), loader)
 
     report = monitor.report
     assert report.verdict == "compute-bound", report.verdict_reason
@@ -89,7 +75,7 @@ def test_slow_host_hook_is_host_bound(tmp_path):
     hook_s = 0.05
     loader = DataLoader(preloaded_dataset(1024, 32), batch_size=32)
     monitor = DataWaitMonitor(warmup_steps=1)
-    make_trainer(tmp_path, [monitor, SlowHook(hook_s)], max_steps=20).fit(MLP(), loader)
+    quiet_trainer(tmp_path, [monitor, SlowHook(hook_s)], max_steps=20).fit(MLP(), loader)
 
     report = monitor.report
     figures = (report.steps, report.wall_s, report.data_wait_s, report.compute_s, report.other_s)
@@ -108,7 +94,7 @@ def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
     train_data, val_data = SlowDataset(400, delay_s=0.001), SlowDataset(64, delay_s=0.004)
     monitor, stopwatch = DataWaitMonitor(warmup_steps=1), TrainingWallClock()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
-    trainer = make_trainer(
+    trainer = quiet_trainer(
         tmp_path,
         [monitor, stopwatch, checkpoint],
         max_steps=30,
@@ -137,7 +123,7 @@ def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):
     loader = DataLoader(SlowDataset(320, delay_s=0.001), batch_size=8)
     monitor = DataWaitMonitor(warmup_steps=2, log_every_n_steps=5)
     logger = CSVLogger(tmp_path, name="run")
-    make_trainer(tmp_path, [monitor], max_steps=32, logger=logger).fit(MLP(), loader)
+    quiet_trainer(tmp_path, [monitor], max_steps=32, logger=logger).fit(MLP(), loader)
 
     path = monitor.report_file
     assert path is not None and path.name == "gpuopt_report.json" and path.parent == tmp_path / "run" / "version_0"
@@ -158,7 +144,7 @@ def test_report_goes_to_a_remote_log_dir_through_fsspec(memory_url, tmp_path):
     # the logger's save_dir is a URL (as s3://bucket/runs would be): trainer.log_dir is memory://.../run/version_0
     monitor = DataWaitMonitor(warmup_steps=2)
     logger = CSVLogger(memory_url, name="run")
-    trainer = make_trainer(tmp_path, [monitor], max_steps=8, logger=logger, default_root_dir=memory_url)
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=8, logger=logger, default_root_dir=memory_url)
     trainer.fit(MLP(), DataLoader(SlowDataset(96, delay_s=0.001), batch_size=8))
 
     url = f"{memory_url}/run/version_0/gpuopt_report.json"
@@ -175,7 +161,7 @@ def test_users_profiler_keeps_working_and_is_restored(tmp_path):
     profiler = SimpleProfiler()
     loader = DataLoader(SlowDataset(160, delay_s=0.001), batch_size=8)
     monitor = DataWaitMonitor(warmup_steps=1)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=15, profiler=profiler)
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=15, profiler=profiler)
     trainer.fit(MLP(), loader)
 
     assert trainer.profiler is profiler
@@ -189,7 +175,7 @@ def test_users_profiler_keeps_working_and_is_restored(tmp_path):
 def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):
     loader = DataLoader(SlowDataset(64, delay_s=0.001), batch_size=8, num_workers=1, persistent_workers=False)
     monitor = DataWaitMonitor(warmup_steps=0)
-    make_trainer(tmp_path, [monitor], max_epochs=3).fit(MLP(), loader)
+    quiet_trainer(tmp_path, [monitor], max_epochs=3).fit(MLP(), loader)
 
     report = monitor.report
     assert report.epochs == 3
@@ -222,6 +208,6 @@ def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
 def test_report_is_none_until_a_fit_ends_and_validate_alone_is_ignored(tmp_path):
     monitor = DataWaitMonitor()
     assert monitor.report is None
-    trainer = make_trainer(tmp_path, [monitor])
+    trainer = quiet_trainer(tmp_path, [monitor])
     trainer.validate(MLP(), DataLoader(preloaded_dataset(64, 32), batch_size=16))
     assert monitor.report is None

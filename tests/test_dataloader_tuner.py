@@ -9,8 +9,16 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, BatchRecorder, CpuHeavyDataset, SlowDataset, StreamDataset, usable_cores_from_the_os
-from lightning import LightningDataModule, Trainer, seed_everything
+from helpers import (
+    MLP,
+    BatchRecorder,
+    CpuHeavyDataset,
+    SlowDataset,
+    StreamDataset,
+    quiet_trainer,
+    usable_cores_from_the_os,
+)
+from lightning import LightningDataModule, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
@@ -18,27 +26,13 @@ from lightning_gpuopt.core.loader import LoaderSetting, _child_pids, time_loader
 from lightning_gpuopt.core.report import from_dict
 
 
-def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
-
-
 def test_io_latency_dataset_gets_workers_and_training_throughput_at_least_doubles(tmp_path):
     dataset = SlowDataset(2560, delay_s=0.0005)
     plain = DataWaitMonitor(warmup_steps=3)
-    make_trainer(tmp_path, [plain], max_steps=60).fit(MLP(), DataLoader(dataset, batch_size=32))
+    quiet_trainer(tmp_path, [plain], max_steps=60).fit(MLP(), DataLoader(dataset, batch_size=32))
 
     tuner, tuned, recorder = DataLoaderTuner(max_seconds=5), DataWaitMonitor(warmup_steps=3), BatchRecorder()
-    make_trainer(tmp_path, [tuner, tuned, recorder], max_steps=60).fit(MLP(), DataLoader(dataset, batch_size=32))
+    quiet_trainer(tmp_path, [tuner, tuned, recorder], max_steps=60).fit(MLP(), DataLoader(dataset, batch_size=32))
 
     result = tuner.result
     assert result.num_workers > 0
@@ -53,7 +47,7 @@ def test_io_latency_dataset_gets_workers_and_training_throughput_at_least_double
 
 def test_cpu_heavy_dataset_gets_no_more_workers_than_cores(tmp_path):
     tuner = DataLoaderTuner(max_seconds=6)
-    make_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(features=2), DataLoader(CpuHeavyDataset(4000), batch_size=8))
+    quiet_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(features=2), DataLoader(CpuHeavyDataset(4000), batch_size=8))
 
     result = tuner.result
     assert result.usable_cpus == usable_cores_from_the_os()
@@ -85,7 +79,7 @@ def test_tuning_consumes_no_randomness_training_equals_the_setting_set_by_hand(t
     def batches_seen(callbacks, datamodule):
         seed_everything(7)
         recorder = BatchRecorder()
-        make_trainer(tmp_path, [*callbacks, recorder], max_epochs=2).fit(MLP(), datamodule=datamodule)
+        quiet_trainer(tmp_path, [*callbacks, recorder], max_epochs=2).fit(MLP(), datamodule=datamodule)
         return recorder
 
     tuner = DataLoaderTuner(max_seconds=3)
@@ -102,7 +96,7 @@ def test_tuning_consumes_no_randomness_training_equals_the_setting_set_by_hand(t
 def test_iterable_dataset_is_left_alone_with_a_clear_message(tmp_path):
     tuner, recorder = DataLoaderTuner(), BatchRecorder()
     with pytest.warns(UserWarning, match="IterableDataset"):
-        make_trainer(tmp_path, [tuner, recorder], max_steps=5).fit(MLP(), DataLoader(StreamDataset(200), batch_size=8))
+        quiet_trainer(tmp_path, [tuner, recorder], max_steps=5).fit(MLP(), DataLoader(StreamDataset(200), batch_size=8))
     assert tuner.result is None
     assert "get_worker_info()" in tuner.message
     assert recorder.loader_settings[0] == 0
@@ -125,14 +119,14 @@ def test_an_iterable_that_is_not_a_dataloader_is_left_alone(tmp_path):
 
     tuner = DataLoaderTuner()
     with pytest.warns(UserWarning, match="not a torch.utils.data.DataLoader"):
-        trainer = make_trainer(tmp_path, [tuner], max_steps=5)
+        trainer = quiet_trainer(tmp_path, [tuner], max_steps=5)
         trainer.fit(MLP(), Batches())
     assert tuner.result is None and trainer.global_step == 5
 
 
 def test_json_report_round_trips_and_lightning_source_is_restored(tmp_path):
     tuner = DataLoaderTuner(max_seconds=2)
-    trainer = make_trainer(tmp_path, [tuner], max_steps=3)
+    trainer = quiet_trainer(tmp_path, [tuner], max_steps=3)
     trainer.fit(MLP(), DataLoader(SlowDataset(320, delay_s=0.0002), batch_size=8))
     section = json.loads((tmp_path / "gpuopt_report.json").read_text())["dataloader"]
     assert section["message"] == tuner.message
@@ -171,7 +165,7 @@ def test_a_cgroup_cpu_quota_of_one_core_caps_the_workers_tried(tmp_path, monkeyp
 
     monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: 1.0)  # the OS boundary: what cpu.max would say
     tuner = DataLoaderTuner(max_seconds=4)
-    make_trainer(tmp_path, [tuner], max_steps=2).fit(MLP(features=2), DataLoader(CpuHeavyDataset(400), batch_size=8))
+    quiet_trainer(tmp_path, [tuner], max_steps=2).fit(MLP(features=2), DataLoader(CpuHeavyDataset(400), batch_size=8))
 
     result = tuner.result
     assert result.usable_cpus == 1

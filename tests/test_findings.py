@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import MLP, preloaded_dataset, usable_cores_from_the_os
+from helpers import MLP, preloaded_dataset, quiet_trainer, usable_cores_from_the_os
 from lightning import Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -19,18 +19,7 @@ from lightning_gpuopt.testing import SimulatedGpu
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        max_steps=8,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 8, **kwargs})
 
 
 def kinds(monitor: DataWaitMonitor) -> list[str]:

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from helpers import MLP, SlowHook, preloaded_dataset
+from helpers import MLP, SlowHook, preloaded_dataset, quiet_trainer
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.profilers import SimpleProfiler
@@ -26,18 +26,7 @@ from lightning_gpuopt.core.findings import CheckpointSaver, checkpoint_time, nic
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        max_steps=12,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 12, **kwargs})
 
 
 def fit(tmp_path, model, loader, callbacks=(), val_loader=None, **kwargs) -> tuple[DataWaitMonitor, Trainer]:

@@ -7,8 +7,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import MLP, preloaded_dataset
-from lightning import Trainer
+from helpers import MLP, preloaded_dataset, quiet_trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -21,18 +20,9 @@ from lightning_gpuopt.testing import SimulatedGpu
 
 def fit(tmp_path, model, max_steps: int = 8, **kwargs) -> DataWaitMonitor:
     monitor = DataWaitMonitor(warmup_steps=3, verbose=False)
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        max_steps=max_steps,
+    quiet_trainer(tmp_path, [monitor], max_steps=max_steps, **kwargs).fit(
+        model, DataLoader(preloaded_dataset(256, 32), batch_size=16)
     )
-    options.update(kwargs)
-    Trainer(callbacks=[monitor], **options).fit(model, DataLoader(preloaded_dataset(256, 32), batch_size=16))
     return monitor
 
 
@@ -290,17 +280,9 @@ def test_host_sync_composes_with_activation_checkpointing(tmp_path):
     assert finding is not None and finding.figures["syncs_per_step"] == 1 + baseline
     # the counting mode changes nothing the steps compute: same weights as a run without findings
     with SimulatedGpu("A100", memory="1GiB"):
-        Trainer(
-            callbacks=[DataWaitMonitor(warmup_steps=3, verbose=False, find_patterns=False)],
-            accelerator="cpu",
-            devices=1,
-            default_root_dir=tmp_path,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            logger=False,
-            max_steps=8,
-        ).fit(reference, DataLoader(preloaded_dataset(256, 32), batch_size=16))
+        quiet_trainer(tmp_path, [DataWaitMonitor(warmup_steps=3, verbose=False, find_patterns=False)], max_steps=8).fit(
+            reference, DataLoader(preloaded_dataset(256, 32), batch_size=16)
+        )
     for mine, theirs in zip(plain.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
 
@@ -316,17 +298,7 @@ def test_the_counting_mode_is_off_after_an_exception_in_training_step(tmp_path):
     with SimulatedGpu("A100", memory="1GiB"):
         modes_before = torch._C._len_torch_dispatch_stack()
         monitor = DataWaitMonitor(warmup_steps=3, verbose=False)
-        trainer = Trainer(
-            callbacks=[monitor],
-            accelerator="cpu",
-            devices=1,
-            default_root_dir=tmp_path,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            logger=False,
-            max_steps=8,
-        )
+        trainer = quiet_trainer(tmp_path, [monitor], max_steps=8)
         with pytest.raises(RuntimeError, match="boom at step 2"):
             trainer.fit(FailsAtStep(items=1), DataLoader(preloaded_dataset(256, 32), batch_size=16))
         assert torch._C._len_torch_dispatch_stack() == modes_before

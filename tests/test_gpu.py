@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, SlowDataset, preloaded_batches
+from helpers import MLP, SlowDataset, preloaded_batches, quiet_trainer
 from lightning import Callback, Trainer
 from models_memory import make_model
 from torch.utils.data import DataLoader
@@ -31,17 +31,7 @@ def busy_kernels(device: torch.device, size: int = 2048, repeats: int = 20) -> N
 
 
 def gpu_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="gpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"accelerator": "gpu", **kwargs})
 
 
 def test_cuda_step_timer_sees_the_host_pause_between_steps_as_idle():

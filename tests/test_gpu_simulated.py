@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset
+from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset, quiet_trainer
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models_memory import make_model
@@ -33,20 +33,6 @@ MIB = 2**20
 PROFILES = ["H100", "T4"]
 
 
-def cpu_trainer(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
-
-
 def trains_a_shuffled_epoch(
     tmp_path, profile: str, memory: str, name: str, batch_size: int, samples: int, **trainer_kwargs: Any
 ) -> bool:
@@ -57,7 +43,7 @@ def trains_a_shuffled_epoch(
     loader = DataLoader(model.loader(batch_size).dataset, batch_size=batch_size, shuffle=True, generator=generator)
     try:
         with SimulatedGpu(profile, memory=memory):
-            cpu_trainer(tmp_path, [], max_epochs=1, **trainer_kwargs).fit(model, loader)
+            quiet_trainer(tmp_path, [], max_epochs=1, **trainer_kwargs).fit(model, loader)
     except torch.OutOfMemoryError:
         return False
     return True
@@ -115,12 +101,12 @@ def test_nvml_on_a_mig_instance_reads_memory_without_utilisation():
 def test_monitor_on_a_card_input_bound_with_an_idle_gpu_and_compute_bound_with_a_busy_one(tmp_path, profile):
     with SimulatedGpu(profile, memory="1GiB"):
         slow = DataWaitMonitor(warmup_steps=2)
-        cpu_trainer(tmp_path, [slow], max_steps=20).fit(
+        quiet_trainer(tmp_path, [slow], max_steps=20).fit(
             MLP(), DataLoader(SlowDataset(960, delay_s=0.002), batch_size=16)
         )
         busy = DataWaitMonitor(warmup_steps=2)
         model = MLP(features=256, hidden=1024, layers=3)
-        cpu_trainer(tmp_path, [busy], max_steps=20).fit(
+        quiet_trainer(tmp_path, [busy], max_steps=20).fit(
             model, DataLoader(preloaded_batches(20, 512, 256), batch_size=None)
         )
     assert slow.report.verdict == "input-bound", slow.report.verdict_reason
@@ -141,7 +127,7 @@ class SlowTransfer(MLP):
 def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
     with SimulatedGpu("H100", memory="1GiB"):
         monitor = DataWaitMonitor(warmup_steps=2)
-        cpu_trainer(tmp_path, [monitor], max_steps=15).fit(
+        quiet_trainer(tmp_path, [monitor], max_steps=15).fit(
             SlowTransfer(), DataLoader(preloaded_batches(15, 16, 32), batch_size=None)
         )
     report = monitor.report
@@ -155,7 +141,7 @@ def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
 def test_tuner_pins_memory_on_a_card(tmp_path):
     with SimulatedGpu("T4", memory="1GiB"):
         tuner = DataLoaderTuner(max_seconds=3)
-        cpu_trainer(tmp_path, [tuner], max_steps=3).fit(
+        quiet_trainer(tmp_path, [tuner], max_steps=3).fit(
             MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=16)
         )
     assert tuner.result is not None and tuner.result.pin_memory is True
@@ -168,7 +154,7 @@ def test_tuner_leaves_a_dataset_already_on_the_card_alone(tmp_path):
         loader = DataLoader(dataset, batch_size=16)
         tuner = DataLoaderTuner(max_seconds=3)
         with pytest.warns(UserWarning, match="its samples are already on cuda:0"):
-            cpu_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(), loader)
+            quiet_trainer(tmp_path, [tuner], max_steps=3).fit(MLP(), loader)
     assert tuner.result is None and "pin_memory=True fails on them" in tuner.message
 
 
@@ -182,7 +168,7 @@ def test_amp_auto_picks_bf16_only_on_cards_with_native_bfloat16(tmp_path, profil
     model = make_model("mlp", num_samples=256, batch_size=16)
     with SimulatedGpu(profile, memory="256MiB"):
         fill = MemoryFill(global_batch_size=64, accumulation=False, checkpointing=False)
-        trainer = cpu_trainer(tmp_path, [fill], max_steps=2)
+        trainer = quiet_trainer(tmp_path, [fill], max_steps=2)
         trainer.fit(model)
     assert fill.plan.precision == expected
     assert fill.plan.changes[0] == f"precision: 32-true → {expected}"
@@ -222,7 +208,7 @@ class ScalerStates(Callback):
 def test_an_oom_inside_optimizer_step_leaves_the_gradient_scaler_usable(tmp_path):
     # forward and backward fit in 12 MB; the momentum buffer created inside optimizer.step() does not
     search = BatchSizeSearch(max_memory=12_000_000, margin=0)
-    trainer = cpu_trainer(tmp_path, [search], max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+    trainer = quiet_trainer(tmp_path, [search], max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")])
     with pytest.raises(NoBatchSizeFitsError):  # before the fix: "unscale_() has already been called"
         trainer.fit(Wide())
 
@@ -230,7 +216,7 @@ def test_an_oom_inside_optimizer_step_leaves_the_gradient_scaler_usable(tmp_path
 def test_trials_leave_the_scalers_state_as_it_was_and_the_chosen_batch_trains(tmp_path):
     states = ScalerStates()
     search = BatchSizeSearch(max_memory=15_000_000, margin=0)
-    trainer = cpu_trainer(tmp_path, [search, states], max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu")])
+    trainer = quiet_trainer(tmp_path, [search, states], max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu")])
     trainer.fit(Wide())
     assert any(not trial.fits for trial in search.result.trials)  # some trials ran out of memory
     assert states.same_scaler and states.at_train_start == states.before
@@ -248,7 +234,7 @@ def test_a_trial_goes_on_until_the_optimizer_really_stepped(tmp_path):
     peaks = []
     for model in (Wide(), Overflowing()):
         search = BatchSizeSearch(max_memory=100_000_000, margin=0, max_trials=1, steps_per_trial=2)
-        trainer = cpu_trainer(tmp_path, [search], max_steps=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+        trainer = quiet_trainer(tmp_path, [search], max_steps=1, plugins=[MixedPrecision("16-mixed", "cpu")])
         trainer.fit(model)
         peaks.append(search.result.trials[0].peak_bytes)
     # the overflowing trial saw the momentum buffers alive in a step, as the plain one did
@@ -264,7 +250,7 @@ def test_search_on_a_card_finds_a_batch_that_trains_a_whole_shuffled_epoch(tmp_p
     model = make_model("cnn", num_samples=samples, batch_size=8)
     with SimulatedGpu(profile, memory=memory) as gpu:
         search = BatchSizeSearch(max_memory=None, margin=0.1)  # the card: free + reserved
-        cpu_trainer(tmp_path, [search], max_steps=1).fit(model)
+        quiet_trainer(tmp_path, [search], max_steps=1).fit(model)
         ooms = gpu.allocator.stats.num_ooms
     found = search.result.batch_size
     assert found is not None and 8 < found < samples
@@ -287,7 +273,7 @@ def test_an_explicit_max_memory_caps_reserved_memory_in_training(tmp_path):
     during = ReservedDuringTraining()
     with SimulatedGpu("A100", memory="1GiB") as gpu:  # a card far larger than the cap
         search = BatchSizeSearch(max_memory=cap, margin=0.1)
-        cpu_trainer(tmp_path, [search, during], max_steps=4).fit(model)
+        quiet_trainer(tmp_path, [search, during], max_steps=4).fit(model)
         limit_after = gpu.allocator.limit_bytes
     assert during.window.peak_reserved_bytes <= cap
     assert limit_after == gpu.profile.total_bytes - gpu.profile.context_bytes  # the cap is lifted after fit
@@ -319,7 +305,7 @@ def test_memory_fill_on_a_card_uses_its_precision_and_stays_in_the_budget(tmp_pa
             def on_train_end(self, trainer, pl_module):
                 window["meter"].stop()
 
-        cpu_trainer(tmp_path, [fill, TrainingPeak()], max_steps=3).fit(model)
+        quiet_trainer(tmp_path, [fill, TrainingPeak()], max_steps=3).fit(model)
     plan = fill.plan
     assert plan.precision == ("bf16-mixed" if profile == "H100" else "16-mixed")
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 256

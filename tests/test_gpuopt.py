@@ -7,7 +7,7 @@ import os
 import uuid
 
 import pytest
-from helpers import missing_protocol
+from helpers import missing_protocol, quiet_trainer
 from lightning import Trainer
 from models_memory import make_model
 
@@ -21,18 +21,7 @@ BUDGET = "40MB"  # the transformer at micro-batch 64 fits it; checkpointing lets
 
 def fit(tmp_path, gpuopt: GpuOpt, initial: int = 16, max_steps: int = 2, **kwargs) -> tuple[Trainer, object]:
     model = make_model("transformer", num_samples=256, batch_size=initial)
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    trainer = Trainer(callbacks=[gpuopt], **options)
+    trainer = quiet_trainer(tmp_path, [gpuopt], max_steps=max_steps, **kwargs)
     trainer.fit(model)
     return trainer, model
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
@@ -197,19 +198,7 @@ class Outcome:
 
 
 def make_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        default_root_dir=tmp_path,
-        logger=Rows(),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 3, "logger": Rows(), "log_every_n_steps": 1, **kwargs})
 
 
 def fit(trainer: Trainer, model: Net) -> Outcome:

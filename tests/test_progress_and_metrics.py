@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import MLP, SlowDataset
+from helpers import MLP, SlowDataset, quiet_trainer
 from lightning import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -24,18 +24,7 @@ BUDGET = "20MB"
 
 
 def make_trainer(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 1, **kwargs})
 
 
 class Lines(logging.Handler):

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -43,17 +44,7 @@ class BudgetAroundTraining(Callback):
 
 
 def make_trainer(tmp_path: Any, callbacks: list, **kwargs: Any) -> Trainer:
-    settings = dict(
-        default_root_dir=tmp_path,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
-    settings.update(kwargs)
-    return Trainer(callbacks=callbacks, **settings)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 1, **kwargs})
 
 
 def trains_epochs(tmp_path: Any, model: LightningModule, cap: int, epochs: int = 2) -> bool:
