@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -25,18 +26,7 @@ from lightning_gpuopt.core.memory import LiveTensorTracker
 
 
 def trainer_for(tmp_path, callbacks, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 2, **kwargs})
 
 
 class PeakAroundTraining(Callback):

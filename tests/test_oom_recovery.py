@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad_collate, step_peak, train_by_hand
@@ -203,17 +204,7 @@ def fit_on_card(tmp_path, memory: str, on_oom: str, amp: bool, watcher: CapDurin
     model = StreamModel(dataset, batch_size=8, hidden=256)
     with SimulatedGpu("T4", memory=memory) as gpu:
         fill = MemoryFill(global_batch_size=8, checkpointing=False, amp=amp, on_oom=on_oom, verbose=False)
-        trainer = Trainer(
-            accelerator="cpu",
-            max_steps=4,
-            callbacks=[fill, watcher],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-        )
+        trainer = quiet_trainer(tmp_path, [fill, watcher], max_steps=4, limit_val_batches=0)
         trainer.fit(model)
     return model, fill, trainer, gpu
 
@@ -266,16 +257,7 @@ def test_manual_optimization_is_not_adapted_and_says_so(tmp_path, dataset):
             optimizer.step()
 
     fill = MemoryFill(global_batch_size=8, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        callbacks=[fill],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [fill], max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Manual(dataset, batch_size=8))

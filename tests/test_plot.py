@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
-from helpers import MLP, SlowDataset, memory_files, missing_protocol
-from lightning import Trainer
+from helpers import MLP, SlowDataset, memory_files, missing_protocol, quiet_trainer
 from lightning.pytorch.loggers import Logger
 from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.image import imread
@@ -199,16 +198,7 @@ def fit_with_plots(root: Any) -> ImageLogger:
     """12 steps of ``GpuOpt("diagnose", plots=True)`` with ``default_root_dir=root`` (a path or a URL);
     the logger, which has no save_dir: trainer.log_dir is ``root``."""
     logger = ImageLogger()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=12,
-        logger=logger,
-        default_root_dir=root,
-        callbacks=[GpuOpt("diagnose", estimate=False, plots=True)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(root, [GpuOpt("diagnose", estimate=False, plots=True)], max_steps=12, logger=logger)
     trainer.fit(MLP(), DataLoader(SlowDataset(96), batch_size=8))
     return logger
 
@@ -237,16 +227,7 @@ def test_gpuopt_plots_at_a_remote_log_dir_and_logs_their_pixels(memory_url, tmp_
 def test_without_matplotlib_gpuopt_warns_and_the_run_finishes(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     gpuopt = GpuOpt("diagnose", estimate=False, plots=True)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=6,
-        logger=False,
-        default_root_dir=tmp_path,
-        callbacks=[gpuopt],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [gpuopt], max_steps=6)
     with pytest.warns(UserWarning, match=r"not drawn: .*pip install lightning-gpuopt\[plot\]"):
         trainer.fit(MLP(), DataLoader(SlowDataset(48), batch_size=8))
     assert gpuopt.report.data_wait is not None and (tmp_path / "gpuopt_report.json").exists()
@@ -278,16 +259,7 @@ def test_timeline_data_wait_follows_the_loading_time_of_each_batch(tmp_path):
     delays = iter([0.0] * 48 + [0.004] * 48)
     dataset = SlowDataset(96, delay_for=lambda: next(delays))
     monitor = DataWaitMonitor(warmup_steps=2, verbose=False)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        default_root_dir=tmp_path,
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor], max_epochs=1)
     trainer.fit(MLP(), DataLoader(dataset, batch_size=8))  # 12 steps, num_workers=0: fetched as trained
     timeline = monitor.report.timeline
     assert timeline.steps_per_point == 1 and timeline.step == list(range(2, 12))  # warm-up not measured

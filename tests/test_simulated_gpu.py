@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import profiler_peak_bytes
+from helpers import profiler_peak_bytes, quiet_trainer
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
@@ -200,23 +200,15 @@ def test_leaving_the_card_by_an_exception_puts_everything_back():
 
 def test_a_card_whose_nvml_refuses_still_trains_and_reports_no_utilisation(tmp_path):
     from helpers import MLP, preloaded_batches
-    from lightning import Trainer
     from torch.utils.data import DataLoader
 
     from lightning_gpuopt import DataWaitMonitor
 
     monitor = DataWaitMonitor(warmup_steps=1)
     with SimulatedGpu("A100", memory="256MiB", nvml_error="no-permission") as gpu:
-        Trainer(
-            accelerator="cpu",
-            max_steps=6,
-            default_root_dir=tmp_path,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[monitor],
-        ).fit(MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None))
+        quiet_trainer(tmp_path, [monitor], max_steps=6).fit(
+            MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None)
+        )
     assert gpu.nvml.initialised == 0
     assert monitor.report.steps == 5 and monitor.report.gpu_util_mean is None
     assert monitor.report.gpu_idle_fraction is not None  # the card's events still time it

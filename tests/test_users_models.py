@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -43,18 +44,7 @@ VOCAB = 100
 
 
 def trainer_for(tmp_path, callbacks: list, **kwargs: Any) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(tmp_path, callbacks, **{"max_steps": 4, **kwargs})
 
 
 def parameters_of(module: nn.Module) -> dict[str, torch.Tensor]:
