@@ -25,9 +25,9 @@ import sysconfig
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from lightning_gpuopt.callbacks._detectors import Probe
+from lightning_gpuopt.core._torch_compat import TorchDispatchMode, current_dispatch_mode
 from lightning_gpuopt.core.device import Device, device_for
 from lightning_gpuopt.core.findings import Finding, graph_kept, host_sync
 
@@ -271,7 +271,7 @@ class HostSyncProbe(Probe):
         if mode is None:
             return None
         mode.active = False  # counts nothing more, even where it cannot leave the stack
-        if _get_current_dispatch_mode() is mode:
+        if current_dispatch_mode() is mode:
             mode.__exit__(None, None, None)
         return mode
 

@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpuopt.callbacks._reporting import log_metrics
+from lightning_gpuopt.core._torch_compat import grad_scale
 from lightning_gpuopt.core.memory import is_out_of_memory_error, release_memory
 from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_elements, split_batch
 
@@ -178,7 +179,7 @@ class OomRecovery:
             return None
         scaler = _enabled_scaler(trainer)
         # read without a host sync: the scale the micro-batches' losses were multiplied by
-        expected = (scaler._scale if scaler is not None else 1.0) / trainer.accumulate_grad_batches
+        expected = (grad_scale(scaler) if scaler is not None else 1.0) / trainer.accumulate_grad_batches
         box = _GradientBox(grads, expected, self._check_zeroed)
         loss = _HandGradients.apply(value, box, *params)
         if isinstance(output, Mapping):

@@ -48,7 +48,6 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -59,6 +58,7 @@ from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, writ
 from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
+from lightning_gpuopt.core._torch_compat import tree_leaves
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number
 from lightning_gpuopt.core.device import Device, device_for
 from lightning_gpuopt.core.loader import (

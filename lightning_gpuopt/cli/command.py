@@ -1027,7 +1027,8 @@ def _first_tensor(batch: Any) -> Any:
 def _to_device(data: Any, device: torch.device, module: Any) -> Any:
     """Tensors of ``data`` on ``device``; floating ones in the module's dtype under bf16-true."""
     import torch
-    from torch.utils._pytree import tree_map
+
+    from lightning_gpuopt.core._torch_compat import tree_map
 
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
@@ -1044,7 +1045,8 @@ def _resized(batch: Any, batch_size: int) -> Any:
     """``batch`` with every tensor of its leading dimension repeated or cut to ``batch_size`` rows
     (through dicts, lists and tuples)."""
     import torch
-    from torch.utils._pytree import tree_map
+
+    from lightning_gpuopt.core._torch_compat import tree_map
 
     current = _batch_size_of(batch)
     if current is None or current == batch_size:
@@ -1071,7 +1073,8 @@ def _stand_in_loss_fn(
 ) -> Callable[[Any], Any]:
     """``batch -> sum of the means of forward's floating outputs``, for batches without a training_step."""
     import torch
-    from torch.utils._pytree import tree_leaves
+
+    from lightning_gpuopt.core._torch_compat import tree_leaves
 
     setup.loss = "stand-in: the mean of forward's output"
     setup.notes.append(

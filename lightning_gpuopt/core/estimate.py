@@ -70,9 +70,8 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import torch
 import torchinfo
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, tree_leaves, tree_map
 from lightning_gpuopt.core.device import device_for, host_only
 from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, storage_bytes
 from lightning_gpuopt.core.op_memory import learning_possible
@@ -359,13 +358,12 @@ def _host_rngs_kept() -> Iterator[None]:
 
 #: loggers that report, at error level and with a traceback, each op a fake kernel fails on
 #: before the error is raised (to the trace's caller, which reports it in one line)
-_FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
 
 
 @contextlib.contextmanager
 def _fake_kernel_errors_quiet() -> Iterator[None]:
     """Inside the block torch does not log the fake kernels' failures (the error still propagates)."""
-    loggers = [logging.getLogger(name) for name in _FAKE_KERNEL_LOGGERS]
+    loggers = [logging.getLogger(name) for name in FAKE_KERNEL_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)

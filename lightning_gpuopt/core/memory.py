@@ -57,10 +57,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import psutil
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
 from lightning_gpuopt.core.op_memory import call_learning_allocations
 from lightning_gpuopt.core.search import round_up
 
@@ -291,7 +289,7 @@ def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     Example::
 
         >>> base = torch.zeros(4)
-        >>> storage_of(base[2:])._cdata == storage_of(base)._cdata, storage_of(base).nbytes()
+        >>> storage_key(storage_of(base[2:])) == storage_key(storage_of(base)), storage_of(base).nbytes()
         (True, 16)
     """
     try:
@@ -313,7 +311,7 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
     for tensor in collect_tensors(*objects):
         storage = storage_of(tensor)
         if storage is not None:
-            seen[storage._cdata] = round_up(storage.nbytes(), granularity)
+            seen[storage_key(storage)] = round_up(storage.nbytes(), granularity)
     return sum(seen.values())
 
 
@@ -418,7 +416,7 @@ class LiveTensorTracker(TorchDispatchMode):
             storage = storage_of(tensor)
             if storage is None:
                 continue
-            key = storage._cdata
+            key = storage_key(storage)
             if key in self._live or key in exclude or key in found:
                 continue
             num_bytes = round_up(storage.nbytes(), self.granularity)
@@ -446,7 +444,9 @@ class LiveTensorTracker(TorchDispatchMode):
             out, allocations = call_learning_allocations(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        inputs = {storage._cdata for storage in map(storage_of, _tensor_leaves((args, kwargs))) if storage is not None}
+        inputs = {
+            storage_key(storage) for storage in map(storage_of, _tensor_leaves((args, kwargs))) if storage is not None
+        }
         new = self._new_storages(tree_leaves(out), exclude=inputs)
         added = sum(num_bytes for _, _, num_bytes in new)
         # while the op ran it held its outputs and its workspace: the allocator's peak inside the op

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from lightning_gpuopt.core._torch_compat import (
+    profiler_running,
+    start_allocation_events,
+    stop_allocation_events,
+    tree_flatten,
+)
 
 #: learned templates, shared by every tracker of the process (cleared when it grows past this)
 MAX_TEMPLATES = 50_000
@@ -101,13 +107,6 @@ def op_key(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple:
     return (func, torch.get_num_threads(), *map(_leaf_key, leaves))
 
 
-def _profiler_config() -> Any:
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.autograd.profiler import ProfilerConfig, ProfilerState
-
-    return ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
-
-
 def _allocations_from(records: list) -> OpAllocations:
     """The template from the legacy profiler's per-thread records (``memory_alloc`` events)."""
     events: list[int] = []
@@ -129,17 +128,17 @@ def _allocations_from(records: list) -> OpAllocations:
 
 
 def _profiled_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, OpAllocations]:
-    torch.autograd._enable_profiler_legacy(_profiler_config())
+    start_allocation_events()
     try:
         out = func(*args, **kwargs)
     finally:
-        records = torch.autograd._disable_profiler_legacy()
+        records = stop_allocation_events()
     return out, _allocations_from(records)
 
 
 def learning_possible() -> bool:
     """Whether an op can be profiled now (no other profiler is running)."""
-    return not torch.autograd._profiler_enabled()
+    return not profiler_running()
 
 
 def call_learning_allocations(
@@ -188,14 +187,14 @@ class AllocationWindow:
         self.peak_delta_bytes = None
         self._active = learning_possible()
         if self._active:
-            torch.autograd._enable_profiler_legacy(_profiler_config())
+            start_allocation_events()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         if not self._active:
             return
         self._active = False
-        records = torch.autograd._disable_profiler_legacy()
+        records = stop_allocation_events()
         live = peak = 0
         for thread in records:
             for record in thread:

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
 from lightning_gpuopt.core.allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent, SpanMeter
 from lightning_gpuopt.core.memory import collect_tensors, is_real_host_call, storage_of
@@ -101,15 +99,15 @@ class SimulatedMemory(TorchDispatchMode):
     # -- tensors that reach the card
     def holds(self, tensor: torch.Tensor) -> bool:
         storage = storage_of(tensor)
-        return storage is not None and storage._cdata in self._blocks
+        return storage is not None and storage_key(storage) in self._blocks
 
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
         new: dict[int, torch.UntypedStorage] = {}
         for tensor in collect_tensors(*objects):
             storage = self._countable_storage(tensor)
-            if storage is not None and storage._cdata not in self._blocks:
-                new[storage._cdata] = storage
+            if storage is not None and storage_key(storage) not in self._blocks:
+                new[storage_key(storage)] = storage
         pending: list[Block] = []
         try:
             self._allocate_storages(list(new.values()), pending)
@@ -151,12 +149,12 @@ class SimulatedMemory(TorchDispatchMode):
                 self._cublas = self._malloc(self.cublas_workspace_bytes, [])
             except AllocatorOutOfMemory as error:
                 raise torch.OutOfMemoryError(error.message) from None
-        inputs = {s._cdata for s in map(storage_of, _tensors((args, kwargs))) if s is not None}
+        inputs = {storage_key(s) for s in map(storage_of, _tensors((args, kwargs))) if s is not None}
         outputs: dict[int, torch.UntypedStorage] = {}
         for tensor in _tensors(out):
             storage = self._countable_storage(tensor)
-            if storage is not None and storage._cdata not in self._blocks and storage._cdata not in inputs:
-                outputs[storage._cdata] = storage
+            if storage is not None and storage_key(storage) not in self._blocks and storage_key(storage) not in inputs:
+                outputs[storage_key(storage)] = storage
         self._replay(allocations, list(outputs.values()))
         return out
 
@@ -225,7 +223,7 @@ class SimulatedMemory(TorchDispatchMode):
     ) -> None:
         """Forget what a failed request's op or move had taken, and raise CUDA's error."""
         for storage in storages:
-            self._blocks.pop(storage._cdata, None)
+            self._blocks.pop(storage_key(storage), None)
         for block in pending:
             self.allocator.free(block)
         raise torch.OutOfMemoryError(error.message) from None
@@ -236,7 +234,7 @@ class SimulatedMemory(TorchDispatchMode):
         return block
 
     def _track(self, storage: torch.UntypedStorage, blocks: list[Block]) -> None:
-        key = storage._cdata
+        key = storage_key(storage)
 
         def release(_ref: weakref.ref, key: int = key) -> None:
             entry = self._blocks.pop(key, None)

@@ -48,9 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_leaves, tree_map
 from lightning_gpuopt.core.memory import LiveTensorTracker, is_real_host_call, storage_of
 from lightning_gpuopt.core.op_memory import call_learning_allocations
 from lightning_gpuopt.core.search import round_up
@@ -175,14 +174,14 @@ class WorkspaceRecorder(TorchDispatchMode):
 
 def _new_storage_bytes(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[int]:
     """Per output: the bytes of its storage if new (shared with no input and no earlier output), else 0."""
-    seen = {storage._cdata for storage in map(storage_of, inputs) if storage is not None}
+    seen = {storage_key(storage) for storage in map(storage_of, inputs) if storage is not None}
     sizes = []
     for output in outputs:
         storage = storage_of(output)
-        if storage is None or storage._cdata in seen:
+        if storage is None or storage_key(storage) in seen:
             sizes.append(0)
             continue
-        seen.add(storage._cdata)
+        seen.add(storage_key(storage))
         sizes.append(storage.nbytes())
     return sizes
 
@@ -260,17 +259,22 @@ class WorkspaceTracker(LiveTensorTracker):
         def scaled(num_bytes: int) -> int:
             return 0 if partner is None else scaled_bytes(num_bytes, partner.input_bytes, traced_inputs)
 
-        exclude = {storage._cdata for storage in map(storage_of, inputs) if storage is not None}
+        exclude = {storage_key(storage) for storage in map(storage_of, inputs) if storage is not None}
         new: list[tuple[int, torch.UntypedStorage, int, int]] = []  # key, storage, bytes, of which surplus
         for index, output in enumerate(outputs):
             storage = storage_of(output)
-            if storage is None or not self._counts(output) or storage._cdata in exclude or storage._cdata in self._live:
+            if (
+                storage is None
+                or not self._counts(output)
+                or storage_key(storage) in exclude
+                or storage_key(storage) in self._live
+            ):
                 continue
-            exclude.add(storage._cdata)
+            exclude.add(storage_key(storage))
             fake_bytes = round_up(storage.nbytes(), self.granularity)
             surplus = scaled(partner.surplus_bytes[index]) if partner and index < len(partner.surplus_bytes) else 0
             if fake_bytes + surplus > 0:
-                new.append((storage._cdata, storage, fake_bytes + surplus, surplus))
+                new.append((storage_key(storage), storage, fake_bytes + surplus, surplus))
         added = sum(num_bytes for _, _, num_bytes, _ in new)
         workspace = 0 if partner is None else scaled(partner.extra_bytes)
         needed = added + workspace
