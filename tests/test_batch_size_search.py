@@ -194,8 +194,10 @@ class StateAfter(Callback):
         assert now.keys() == before.tensors.keys()
         assert all(torch.equal(now[k], before.tensors[k]) for k in now)  # BatchNorm statistics included
         assert all(torch.equal(p.grad, before.grads[n]) for n, p in pl_module.named_parameters())
-        _assert_equal_trees(trainer.optimizers[0].state_dict(), before.optimizer)
-        _assert_equal_trees(trainer.lr_scheduler_configs[0].scheduler.state_dict(), before.scheduler)
+        # the batch changed: the optimizer and its schedule were built again by configure_optimizers (a
+        # schedule sized with estimated_stepping_batches must count the new steps), fresh as a run by hand has them
+        assert not trainer.optimizers[0].state_dict()["state"]
+        assert trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"] == 0
         assert (
             trainer.global_step,
             trainer.current_epoch,

@@ -474,7 +474,7 @@ def test_a_signal_during_our_work_restores_everything_and_ends_fit_as_lightning_
 
 
 def test_undos_run_last_change_first_and_one_that_fails_skips_none():
-    from lightning_gpuopt.callbacks._changes import Changes
+    from lightning_gpuopt.callbacks._engine.undo import Undo
 
     undone: list[str] = []
 
@@ -482,7 +482,7 @@ def test_undos_run_last_change_first_and_one_that_fails_skips_none():
         undone.append("b")
         raise OSError("cannot put b back")
 
-    changes = Changes()
+    changes = Undo()
     changes.add("a", lambda: undone.append("a"))
     changes.add("b", failing)
     changes.add("kept", lambda: undone.append("kept"), lasting=True)
@@ -494,6 +494,6 @@ def test_undos_run_last_change_first_and_one_that_fails_skips_none():
     undone.clear()
     changes.add("kept", lambda: undone.append("kept"), lasting=True)
     changes.add("b", failing)
-    changes.add("SIGINT", lambda: undone.append("SIGINT"), undo_last=True)
+    changes.add("SIGINT", lambda: undone.append("SIGINT"), last=True)
     assert [f.change.description for f in changes.undo()] == ["b"]  # a failed fit: everything
     assert undone == ["b", "kept", "SIGINT"]

@@ -188,9 +188,9 @@ def _is_source(value: Any, c: ModuleType) -> bool:
 
 
 def _progress(trainer: Any, c: ModuleType) -> list:
-    """What BatchSizeSearch saves and resets: its walk over the loops (of this namespace's build)."""
-    search = importlib.import_module(c.__name__.replace("_lightning_compat", "batch_size_search"))
-    return list(search._progress_objects(trainer.fit_loop))
+    """What the trial engine saves and resets: its walk over the loops (of this namespace's build)."""
+    state = importlib.import_module(c.__name__.replace("_lightning_compat", "_engine.state"))
+    return list(state._progress_objects(trainer.fit_loop, set()))
 
 
 #: attribute -> (how it is read, what it must be, the check); each read in on_train_batch_start

@@ -144,6 +144,11 @@ def reset_train_loader(trainer: Any) -> None:
     loop._combined_loader = None
 
 
+def train_loader_built(trainer: Any) -> bool:
+    """Whether the fit loop holds a built train loader (``_combined_loader``; no public API says so)."""
+    return trainer.fit_loop._combined_loader is not None
+
+
 def built_train_loader(trainer: Any) -> Any:
     """The fit loop's first train loader, ``_combined_loader.flattened[0]`` (``trainer.train_dataloader``
     gives the user's structure, ``.iterables``, not the flattened loaders)."""
@@ -324,3 +329,30 @@ def fetch_action(trainer: Any) -> str:
 def strategy_action(trainer: Any, hook: str) -> str:
     """The profiler action around a strategy hook: ``"[Strategy]<Strategy class>.<hook>"``."""
     return f"[Strategy]{type(trainer.strategy).__name__}.{hook}"
+
+
+# -- the namespace a Trainer comes from ----------------------------------------------------------
+
+_IMPORT_FOR = {"lightning": "lightning_gpuopt", "pytorch_lightning": "lightning_gpuopt.pytorch_lightning"}
+
+
+def check_trainer_namespace(trainer: Any, callback: Any) -> None:
+    """Raise ``TypeError`` unless ``trainer`` comes from the Lightning namespace ``callback`` is built on
+    (``lightning.pytorch`` or ``pytorch_lightning``: their classes differ), naming the import that fits."""
+    from lightning.pytorch import Trainer
+
+    if isinstance(trainer, Trainer):
+        return
+    name = type(callback).__name__
+    ours = Trainer.__module__.split(".")[0]
+    theirs = type(trainer).__module__.split(".")[0]
+    fix = _IMPORT_FOR.get(theirs)
+    advice = (
+        f"import it as `from {fix} import {name}`"
+        if fix
+        else f"use it with a Trainer from `{ours}` (`{type(trainer).__module__}.{type(trainer).__name__}` is neither)"
+    )
+    raise TypeError(
+        f"{name} from `{_IMPORT_FOR[ours]}` is built on `{ours}`, but the Trainer is "
+        f"`{type(trainer).__module__}.{type(trainer).__name__}`: {advice}."
+    )

@@ -36,14 +36,24 @@ class ProfilerTap:
         any_action: called with the name and wall-clock seconds of every action (optional).
     """
 
-    def __init__(self, inner: Any, listeners: dict[str, Listener], any_action: Optional[AnyListener] = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        listeners: dict[str, Listener],
+        any_action: Optional[AnyListener] = None,
+        starts: Optional[dict[str, Callable[[], None]]] = None,
+    ) -> None:
         self.inner = inner
         self.listeners = dict(listeners)
         self.any_action = any_action
+        #: action name -> called when the action starts
+        self.starts = dict(starts or {})
         self._started: dict[str, tuple[float, float]] = {}
         self._any_started: dict[str, float] = {}
 
     def start(self, action_name: str) -> None:
+        if action_name in self.starts:
+            self.starts[action_name]()
         self.inner.start(action_name)
         if action_name in self.listeners:
             self._started[action_name] = (time.perf_counter(), time.thread_time())
@@ -61,6 +71,8 @@ class ProfilerTap:
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
+        if action_name in self.starts:
+            self.starts[action_name]()
         listener = self.listeners.get(action_name)
         if listener is not None:
             return _Timed(self.inner.profile(action_name), listener, action_name, self.any_action)
@@ -69,7 +81,14 @@ class ProfilerTap:
         return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "listeners", "any_action", "_started", "_any_started"):  # not set yet (unpickling)
+        if name in (
+            "inner",
+            "listeners",
+            "any_action",
+            "starts",
+            "_started",
+            "_any_started",
+        ):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -119,10 +138,15 @@ class _TimedName:
         return self.inner.__exit__(*exc_info)
 
 
-def install(trainer: Any, listeners: dict[str, Listener], any_action: Optional[AnyListener] = None) -> ProfilerTap:
+def install(
+    trainer: Any,
+    listeners: dict[str, Listener],
+    any_action: Optional[AnyListener] = None,
+    starts: Optional[dict[str, Callable[[], None]]] = None,
+) -> ProfilerTap:
     """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` listening to ``listeners`` (and to every
-    action through ``any_action``)."""
-    tap = ProfilerTap(trainer.profiler, listeners, any_action)
+    action through ``any_action``; ``starts``: called when their action starts)."""
+    tap = ProfilerTap(trainer.profiler, listeners, any_action, starts)
     trainer.profiler = tap
     return tap
 
@@ -132,6 +156,7 @@ def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
     if tap is None:
         return
     tap.listeners.clear()
+    tap.starts.clear()
     tap.any_action = None
     if trainer.profiler is tap:
         trainer.profiler = tap.inner

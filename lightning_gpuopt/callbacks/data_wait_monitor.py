@@ -81,7 +81,6 @@ from lightning_gpuopt.callbacks._detectors import (
     run_probe_findings,
     stop_probes,
 )
-from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.device import device_for
@@ -210,7 +209,7 @@ class DataWaitMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        check_trainer_namespace(trainer, type(self).__name__)
+        compat.check_trainer_namespace(trainer, self)
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)

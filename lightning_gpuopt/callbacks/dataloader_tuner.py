@@ -1,47 +1,30 @@
 """``DataLoaderTuner``: choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and
 ``pin_memory`` for the train loader by timing it, before training starts.
 
-In ``setup(stage="fit")`` the tuner asks Lightning for the train loader (the same request
-Lightning makes: the datamodule's or model's ``train_dataloader()``, or the loader passed to
-``fit``), times rebuilt copies of it -- same dataset, sampler, collate_fn and batch size --
-with :func:`lightning_gpuopt.core.loader.tune_loader`, and makes Lightning build the chosen
-setting every time it requests the loader. Random-number generator states (global, and the
-loader's own generators) are restored afterwards: training sees exactly the batches it would
-see with the chosen setting written by hand. (PyTorch itself shuffles differently with and
-without workers -- it draws the sampler's seed at ``iter()`` or at the first batch, and
-persistent workers skip the per-epoch draw -- but every epoch still sees each sample once.)
-Under DDP every rank times its loader at once (as they will load at
-once) and rank 0's choice is broadcast, so all ranks use the same setting. Lightning gets its own
-loader source back at ``teardown`` and after a failed fit (``on_exception``), so a Trainer reused
-after an error trains the next model on that model's data. A SIGTERM during the timing stops it
-at once, and ``fit`` ends with Lightning's ``SIGTERMException`` as during training.
+In ``on_fit_start`` the tuner times copies of the user's train loader (the one loader the fit's
+:class:`~lightning_gpuopt.callbacks._engine.session.FitSession` builds: same dataset, sampler,
+collate_fn and batch size) with :func:`lightning_gpuopt.core.loader.tune_loader`, and makes Lightning
+build the chosen setting every time it requests the loader. The RNG states (global, and the loader's
+own generators) are put back after the timing: training equals the chosen setting written by hand.
+Under DDP every rank times its loader at once (as they will load at once) and rank 0's choice is
+broadcast. Lightning gets its own loader source back at ``teardown`` and after a failed fit. A SIGTERM
+during the timing stops it at once, and ``fit`` ends with Lightning's ``SIGTERMException``.
 
 The ``num_workers`` tried are 0, 1, 2, 4, ... up to the usable CPU cores of the process
 (:func:`lightning_gpuopt.core.loader.usable_cpu_count`: its CPU affinity within the cgroup CPU
-quota, so ``docker run --cpus=1`` on a 16-core host means 1 core, not 16; under DDP shared among
-the processes of the host), and past them only while the workers are measured waiting on I/O.
+quota; under DDP shared among the processes of the host), and past them only while the workers are
+measured waiting on I/O. The loader is left alone, with the reason, when it cannot be rebuilt: an
+``IterableDataset``, several train loaders, or not a ``torch.utils.data.DataLoader``.
 
-It leaves the loader alone, and says why, when it cannot rebuild it: an ``IterableDataset``
-(more workers would each replay the stream unless it shards by ``get_worker_info()``), several
-train loaders, or something that is not a ``torch.utils.data.DataLoader``.
+Logged metrics, once when training starts (to every logger, and to ``trainer.callback_metrics``):
 
-Logged metrics, once when training starts (to every logger of the Trainer, and to
-``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
-
-+-----------------------------------------+----------------------------------------------------------+
-| Key                                     | Meaning                                                  |
-+=========================================+==========================================================+
-| ``gpuopt/loader_num_workers``           | the ``num_workers`` chosen                               |
-+-----------------------------------------+----------------------------------------------------------+
-| ``gpuopt/loader_samples_per_second``    | loader throughput measured with the chosen setting       |
-+-----------------------------------------+----------------------------------------------------------+
-| ``gpuopt/loader_speedup``               | that throughput over the user's own setting's            |
-+-----------------------------------------+----------------------------------------------------------+
+* ``gpuopt/loader_num_workers``: the ``num_workers`` chosen.
+* ``gpuopt/loader_samples_per_second``: loader throughput measured with the chosen setting.
+* ``gpuopt/loader_speedup``: that throughput over the user's own setting's.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, cast
 
 import torch
@@ -51,12 +34,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._changes import Changes, raise_failed_undos, rng_preserved, warn_failed_undos
-from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._engine import (
+    FitSession,
+    Undo,
+    raise_failed,
+    rebuild_loader,
+    rng_kept,
+    signals_stop_our_work,
+    warn_failed,
+)
 from lightning_gpuopt.callbacks._progress import WorkProgress
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
-from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
-from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core._torch_compat import tree_leaves
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number
@@ -146,36 +134,52 @@ class DataLoaderTuner(Callback):
         #: what the tuner did, or why it left the loader alone
         self.message: str = ""
         #: the train-loader source swapped in, undone at teardown and on an exception
-        self._changes = Changes()
+        self._undo = Undo()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_trainer_namespace(trainer, type(self).__name__)
-        self._changes.undo()  # a fit that ended without teardown or on_exception: nothing of it stays
-        self.result, self.message = None, ""
-        with sigterm_stops_our_work(trainer, self._changes):
-            self._tune(trainer)
+        if stage == "fit":
+            compat.check_trainer_namespace(trainer, self)
+            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
+            self.result, self.message = None, ""
+            FitSession.of(trainer)
 
-    def _tune(self, trainer: Trainer) -> None:
-        source = compat.train_source(trainer)
-        if not source.is_defined():
-            return
-        loader = compat.request_dataloader(source)
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with signals_stop_our_work(trainer, self._undo):
+            self.decide(trainer)
+            if self.result is not None:
+                FitSession.of(trainer).apply(self._undo, rebuild=self.rebuild)
+        self._report(trainer)
+
+    def rebuild(self, loader: DataLoader) -> DataLoader:
+        """``loader`` with the chosen worker settings (as it is when it cannot be rebuilt or nothing was chosen)."""
+        if self.result is None or why_not_tunable(loader) is not None:
+            return loader
+        return rebuild_loader(loader, **self.result.setting.loader_kwargs())
+
+    def decide(self, trainer: Trainer, batch_size: Optional[int] = None) -> Optional[LoaderTuneResult]:
+        """Time the loader (at ``batch_size``, when given: the size training will load) and set :attr:`result`;
+        applying it is the caller's (``on_fit_start``, or GpuOpt)."""
+        self.result, self.message = None, ""
+        if not compat.train_source(trainer).is_defined():
+            return None
+        session = FitSession.of(trainer)
+        loader = session.probe_loader()
         refusal = why_not_tunable(loader)
         if refusal is not None:
             self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
             rank_zero_warn(self.message)
-            return
+            return None
+        if batch_size is not None and batch_size != loader.batch_size:
+            loader = session.loader(batch_size=batch_size)
         card = device_for(trainer.strategy.root_device)
         on_gpu = card.is_cuda
         if on_gpu:
-            with rng_preserved(loader):  # reading a sample may draw random augmentations
+            with rng_kept(loader):  # reading a sample may draw random augmentations
                 refusal = samples_on_device(loader, card)
             if refusal is not None:
                 self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
                 rank_zero_warn(self.message)
-                return
+                return None
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
         persistent = self.persistent_workers and not (on_gpu and reloads > 0)
@@ -184,12 +188,12 @@ class DataLoaderTuner(Callback):
         )
         # a SIGTERM stops the timing at once (as it would stop a training step's loading)
         with (
-            rng_preserved(loader),
-            sigterm_stops_our_work(trainer, raise_at_once=True),
+            rng_kept(loader),
+            signals_stop_our_work(trainer, raise_at_once=True),
             WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress,
         ):
             result = tune_loader(
-                lambda setting: rebuild_loader(loader, setting),
+                lambda setting: rebuild_loader(loader, **setting.loader_kwargs()),
                 usable_cpus=cores,
                 batches=self.batches_per_candidate,
                 max_seconds=self.max_seconds,
@@ -202,8 +206,6 @@ class DataLoaderTuner(Callback):
                 on_timed=lambda timing: progress.done(candidate_line(timing, baseline)),
             )
         self.result = trainer.strategy.broadcast(result, src=0)
-        rebuilt = RebuiltSource.around(source, functools.partial(_rebuilt_if_tunable, setting=self.result.setting))
-        self._changes.set_attribute(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, rebuilt)
         changed = self.result.setting != baseline
         self.message = (
             f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
@@ -220,8 +222,6 @@ class DataLoaderTuner(Callback):
                 f" were measured busy only {chosen.worker_cpu_fraction:.0%} of the time (waiting on I/O), so more"
                 " workers than cores is what keeps up here"
             )
-        if self.verbose:
-            rank_zero_info(loader_tune_table(self.result, self.message))
         if not self.result.settled:
             rank_zero_warn(
                 f"DataLoaderTuner: the choice is uncertain ({self.result.reason.rsplit('; ', 1)[-1]}); set"
@@ -233,8 +233,15 @@ class DataLoaderTuner(Callback):
             )
             if warning:
                 rank_zero_warn(f"DataLoaderTuner: {warning}")
+        return self.result
+
+    def _report(self, trainer: Trainer) -> None:
+        if self.result is None:
+            return
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
+            if self.verbose:
+                rank_zero_info(loader_tune_table(self.result, self.message))
             write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -249,15 +256,13 @@ class DataLoaderTuner(Callback):
         log_metrics(trainer, metrics)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        warn_failed_undos("DataLoaderTuner", self._changes.undo())
+        FitSession.close(trainer)
+        warn_failed("DataLoaderTuner", self._undo.undo())
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        FitSession.close(trainer)
         if stage == "fit":
-            raise_failed_undos("DataLoaderTuner", self._changes.finish())
-
-
-def _rebuilt_if_tunable(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
-    return rebuild_loader(loader, setting) if why_not_tunable(loader) is None else loader
+            raise_failed("DataLoaderTuner", self._undo.finish())
 
 
 def why_not_tunable(loader: Any) -> Optional[str]:
@@ -276,20 +281,6 @@ def why_not_tunable(loader: Any) -> Optional[str]:
             " yourself once it does."
         )
     return None
-
-
-def rebuild_loader(loader: DataLoader, setting: LoaderSetting) -> DataLoader:
-    """A copy of ``loader`` (same dataset, sampler, collate_fn, batch size) with ``setting``'s
-    worker arguments, re-instantiated the way Lightning re-instantiates loaders."""
-    args, kwargs = compat.dataloader_init_args_and_kwargs(loader, loader.sampler)
-    positional = compat.saved_arg_names(loader)
-    values = list(args)
-    for name, value in setting.loader_kwargs().items():
-        if name in positional and positional.index(name) < len(values):
-            values[positional.index(name)] = value
-        else:
-            kwargs[name] = value
-    return compat.reinstantiate_wrapped_cls(loader, *values, **kwargs)
 
 
 def samples_on_device(loader: Any, device: Device) -> Optional[str]:

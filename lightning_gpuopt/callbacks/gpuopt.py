@@ -2,10 +2,11 @@
 
 It runs, in the hooks where each belongs and in this order:
 
-1. :class:`MemoryFill` -- mixed precision and activation checkpointing in ``setup``, the
-   micro-batch (real trials) and gradient accumulation in ``on_fit_start``;
-2. :class:`DataLoaderTuner` -- in ``on_fit_start`` *after* the micro-batch is set, so the loader
-   is tuned for the batch size that trains (on its own, the tuner runs in ``setup``);
+1. :class:`MemoryFill` -- mixed precision in ``setup``, activation checkpointing, the micro-batch
+   (real trials) and gradient accumulation in ``on_fit_start``;
+2. :class:`DataLoaderTuner` -- in ``on_fit_start``, timed at the micro-batch MemoryFill chose, so the
+   loader is tuned for the batch size that trains; both decisions are then applied at once, as a run by
+   hand has them (``configure_optimizers()`` again only when the batch or the accumulation changed);
 3. :class:`MemoryEstimator` -- the estimate before the first step, checked against the real
    peak of the first steps;
 4. :class:`DataWaitMonitor` -- data wait vs compute, GPU idle and utilisation, the verdict.
@@ -35,11 +36,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpuopt.callbacks._changes import Changes, warn_failed_undos
-from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
-from lightning_gpuopt.callbacks._oom_recovery import OnOom
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine import FitSession, Undo, raise_failed, signals_stop_our_work, warn_failed
+from lightning_gpuopt.callbacks._engine.oom_recovery import OnOom
 from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
-from lightning_gpuopt.callbacks._signals import sigterm_stops_our_work
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -178,8 +178,8 @@ class GpuOpt(Callback):
                 part.progress = True
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
-        #: what GpuOpt itself changed (the SIGINT handler after Ctrl+C in its parts' work); the parts keep their own
-        self._changes = Changes()
+        #: what GpuOpt applied for its parts (batch size, accumulation, loader settings) and the SIGINT handler
+        self._undo = Undo()
 
     @property
     def parts(self) -> list[Callback]:
@@ -190,32 +190,49 @@ class GpuOpt(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_trainer_namespace(trainer, type(self).__name__)
+        compat.check_trainer_namespace(trainer, self)
         self.report = None
-        with sigterm_stops_our_work(trainer, self._changes):
+        if stage == "fit":
+            self._undo.undo()
+            FitSession.of(trainer)
+        with signals_stop_our_work(trainer, self._undo):
             for part in self.parts:
-                if part is not self.tuner:  # the tuner waits for the micro-batch (on_fit_start)
-                    part.setup(trainer, pl_module, stage)
+                part.setup(trainer, pl_module, stage)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with sigterm_stops_our_work(trainer, self._changes):  # also between the parts' own work
-            for part in self.parts:
-                if part is self.tuner:
-                    part.setup(trainer, pl_module, "fit")
+        """MemoryFill decides, the tuner times at its micro-batch, both are applied at once."""
+        with signals_stop_our_work(trainer, self._undo):
+            plan = self.fill.decide(trainer) if self.fill is not None else None
+            tuned = self.tuner.decide(trainer, plan.micro_batch_size if plan else None) if self.tuner else None
+            FitSession.of(trainer).apply(
+                self._undo,
+                batch_size=(self.fill.batch_arg_name, plan.micro_batch_size, False) if self.fill and plan else None,
+                accumulate_grad_batches=plan.accumulate_grad_batches if plan else None,
+                rebuild=self.tuner.rebuild if self.tuner is not None and tuned is not None else None,
+            )
+        for part in self.parts:
+            if part is self.fill or part is self.tuner:
+                part._report(trainer)
+            else:
                 part.on_fit_start(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Each part undoes its changes, last part first; one that fails does not stop the others."""
         _each_part(reversed(self.parts), "on_exception", trainer, pl_module, exception)
-        warn_failed_undos("GpuOpt", self._changes.undo())
+        FitSession.close(trainer)
+        warn_failed("GpuOpt", self._undo.undo())
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Each part puts back what it changed, last part first; the first failure is raised after all ran."""
-        _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
-        self._changes.finish()
+        try:
+            _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
+        finally:
+            FitSession.close(trainer)
+            failed = self._undo.finish()
+        raise_failed("GpuOpt", failed)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -28,25 +28,22 @@ At the end of ``fit`` rank 0 logs a table with ``rank_zero_info`` and writes the
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
+from lightning_gpuopt.callbacks._engine.steps import loss_function, manual_step
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
-from lightning_gpuopt.callbacks._training_step import check_one_batch_step, logging_disabled, loss_function
 from lightning_gpuopt.core.checks import check_bool, check_int
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import (
-    ManualStep,
     MemoryEstimate,
     estimate_memory,
     optimizer_state_rule_bytes,
@@ -55,13 +52,7 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.memory import (
-    MIN_MAX_MEMORY_BYTES,
-    PeakMemoryMeter,
-    device_usable_memory,
-    parse_memory,
-    storage_bytes,
-)
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, device_usable_memory, parse_memory, storage_bytes
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     format_bytes,
@@ -144,7 +135,7 @@ class MemoryEstimator(Callback):
         self.measure_steps = measure_steps
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
-        self._meter: PeakMemoryMeter | None = None
+        self._meter: Any = None
         self._batches_started = 0
         self._unmeasured_steps = 0
         self._peaks: list[int] = []
@@ -156,7 +147,7 @@ class MemoryEstimator(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Each ``fit`` gets its own estimate and measurement."""
-        check_trainer_namespace(trainer, type(self).__name__)
+        compat.check_trainer_namespace(trainer, self)
         # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
         # end of fit: a collective right before the processes exit makes DDP teardown racy
         self._report_dir = report_dir(trainer)
@@ -173,10 +164,8 @@ class MemoryEstimator(Callback):
         self._batches_started += 1
         if self._measured or self._batches_started <= self._unmeasured_steps:
             return
-        self._meter = PeakMemoryMeter(
-            pl_module.device,
-            existing=(pl_module, *trainer.optimizers, batch),
-            baseline_bytes=self.estimate.untraced_bytes,
+        self._meter = device_for(pl_module.device).peak_meter(
+            existing=(pl_module, *trainer.optimizers, batch), baseline_bytes=self.estimate.untraced_bytes
         )
         self._meter.start()
 
@@ -307,75 +296,6 @@ def render_estimate(estimate: MemoryEstimate) -> str:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualStep:
-    """The whole ``training_step`` of a module under manual optimization, as the trace runs it
-    (:func:`~lightning_gpuopt.core.estimate.trace_training_step`'s ``manual_step``): inside it
-    ``self.optimizers()`` (and ``self.trainer.optimizers``) are the twin optimizers it is given,
-    their ``step()`` steps them directly and ``self.manual_backward(loss)`` is ``loss.backward()``
-    -- no callback or module hook runs and no step is counted --, logging does nothing, and the LR
-    schedulers and the real optimizers' options are restored after it (``sch.step()`` moves them).
-
-    Example::
-
-        estimate_memory(model, None, batch, optimizer=trainer.optimizers, manual_step=manual_step(trainer, model))
-    """
-
-    def run(batch: Any, optimizers: list) -> None:
-        check_one_batch_step(pl_module)
-        strategy = trainer.strategy
-        saved = compat.strategy_optimizer_lists(strategy)
-        compat.set_strategy_optimizer_lists(
-            strategy, list(optimizers), [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
-        )
-        try:
-            with logging_disabled(pl_module), _plain_manual_backward(pl_module), _schedulers_restored(trainer):
-                pl_module.training_step(batch, 0)
-        finally:
-            compat.set_strategy_optimizer_lists(strategy, *saved)
-
-    return run
-
-
-def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> LightningOptimizer:
-    """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no step counting)."""
-    wrapper = compat.to_lightning_optimizer(optimizer, strategy)
-
-    def step(closure: Any = None, **kwargs: Any) -> Any:
-        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
-
-    wrapper.step = step  # type: ignore[method-assign]
-    return wrapper
-
-
-@contextlib.contextmanager
-def _plain_manual_backward(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.manual_backward(loss)`` is ``loss.backward()`` inside (no precision or callback hooks)."""
-    pl_module.manual_backward = lambda loss, *args, **kwargs: loss.backward(*args, **kwargs)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.manual_backward
-
-
-@contextlib.contextmanager
-def _schedulers_restored(trainer: pl.Trainer) -> Iterator[None]:
-    """The LR schedulers' states and the real optimizers' param-group options as before the block."""
-    schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
-    states = [scheduler.state_dict() for scheduler in schedulers]
-    real = trainer.strategy.optimizers  # the same list object as strategy._optimizers
-    options = [
-        [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] for optimizer in real
-    ]
-    try:
-        yield
-    finally:
-        for scheduler, state in zip(schedulers, states):
-            scheduler.load_state_dict(state)
-        for optimizer, groups in zip(real, options):
-            for group, saved in zip(optimizer.param_groups, groups):
-                group.update(saved)
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

@@ -469,7 +469,7 @@ def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Names
     (see :func:`lightning_gpuopt.callbacks.memory_estimator.manual_step`); else ``None``."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_gpuopt.callbacks.memory_estimator import manual_step
+    from lightning_gpuopt.callbacks._engine.steps import manual_step
     from lightning_gpuopt.core.estimate import optimizer_list
 
     if (
@@ -977,7 +977,7 @@ def _loader_batch(
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_gpuopt.callbacks._training_step import loss_function
+    from lightning_gpuopt.callbacks._engine.steps import loss_function
 
     if datamodule is not None:
         source, owner = "the datamodule's train_dataloader()", datamodule

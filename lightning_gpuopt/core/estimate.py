@@ -197,11 +197,10 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 
 
 @contextlib.contextmanager
-def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
-    """Undo what the block does to the attributes of ``module`` and its submodules: (re)bindings,
-    and changes to the contents of list, dict and set attributes, nested ones included (e.g. losses
-    appended in a step to ``self.outputs["train"]``). Traced steps run inside it, and so do the
-    callbacks' trial steps.
+def restored_attributes(*objects: Any) -> Iterator[None]:
+    """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
+    (re)bindings, and changes to the contents of list, dict and set attributes, nested ones included
+    (e.g. losses appended in a step to ``self.outputs["train"]``).
 
     Example::
 
@@ -213,7 +212,8 @@ def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
         >>> model.outputs, hasattr(model, "step_count")
         ({'train': []}, False)
     """
-    saved = [(sub, dict(vars(sub))) for sub in module.modules()]
+    owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
+    saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()
     contents = [
         kept for _, attributes in saved for value in attributes.values() for kept in _container_contents(value, seen)
@@ -227,8 +227,8 @@ def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
                 value.extend(content)
             else:
                 value.update(content)
-        for sub, attributes in saved:
-            current = vars(sub)
+        for owner, attributes in saved:
+            current = vars(owner)
             for name in [name for name in current if name not in attributes]:
                 del current[name]
             current.update(attributes)

@@ -1,8 +1,11 @@
-"""Deciding the memory levers: mixed precision, micro-batch and gradient accumulation.
+"""Deciding the memory levers: mixed precision, activation checkpointing, micro-batch and accumulation.
 
-Pure decisions (no Lightning, no measuring) for :class:`~lightning_gpuopt.MemoryFill`:
+Pure decisions for :class:`~lightning_gpuopt.MemoryFill` (no Lightning; measurements come in as
+figures or, as for :mod:`.search`, as oracles that run real trials):
 
 * :func:`choose_precision` -- which mixed precision a device gets, if any;
+* :func:`plan_micro_batches` -- the largest micro-batch that fits, checkpointing switched on when it
+  would fall below the wanted size, and the split of each rank's samples into accumulation steps;
 * :func:`split_global_batch` -- micro-batch and accumulation steps for the samples each rank
   must contribute to an optimizer step, given the largest micro-batch that fits;
 * :class:`MemoryFillPlan` -- what was decided and measured, and :func:`plan_changes`, the
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from lightning_gpuopt.core.oom import OomAdaptation
 
@@ -72,6 +75,90 @@ def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, in
         if samples_per_rank % exact == 0:
             return samples_per_rank // exact, exact
     return math.ceil(samples_per_rank / steps), steps
+
+
+@dataclass(frozen=True)
+class FillRequest:
+    """What a plan must reach: ``samples_per_rank`` per optimizer step, in micro-batches of at least
+    ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is not
+    ours to choose (set by the user, manual optimization, ``accumulation=False``)."""
+
+    samples_per_rank: int
+    min_micro_batch_size: int = 8
+    fixed_accumulation: Optional[int] = None
+    #: ``"throughput"``: the largest micro-batch that fits; ``"memory"``: the wanted one, no larger
+    objective: str = "throughput"
+    #: whether checkpointing may still be switched on (``checkpointing="auto"``, not on yet)
+    may_checkpoint: bool = False
+
+    @property
+    def needed(self) -> int:
+        """The micro-batch the global batch needs at the fixed accumulation (all samples without one)."""
+        return self.samples_per_rank // (self.fixed_accumulation or 1)
+
+    @property
+    def wanted(self) -> int:
+        """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
+        return min(self.min_micro_batch_size, self.needed) if self.fixed_accumulation is None else self.needed
+
+
+@dataclass
+class FillDecision:
+    """The micro-batch and accumulation a plan chose, the largest micro-batch that fitted, and why."""
+
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    largest_fit: int
+    reasons: list[str] = field(default_factory=list)
+
+
+class NoFit(Exception):
+    """Not even a micro-batch of 1 fits (``largest`` is ``None``), or less than a fixed accumulation needs."""
+
+    def __init__(self, largest: Optional[int], needed: int) -> None:
+        super().__init__(largest, needed)
+        self.largest, self.needed = largest, needed
+
+
+def plan_micro_batches(
+    request: FillRequest,
+    largest_fit: Callable[[int, bool], Optional[int]],
+    checkpoint: Callable[[str], bool],
+) -> FillDecision:
+    """The plan, from two oracles: ``largest_fit(upper, accumulating)`` searches the largest micro-batch up
+    to ``upper`` that fits (``accumulating``: with the earlier micro-batches' gradients alive; ``None``:
+    not even 1), ``checkpoint(reason)`` switches activation checkpointing on (``True``: it is on).
+
+    >>> fits = lambda upper, accumulating: min(upper, 24 if accumulating else 32)
+    >>> decision = plan_micro_batches(FillRequest(100), fits, checkpoint=lambda reason: False)
+    >>> decision.micro_batch_size, decision.accumulate_grad_batches, decision.largest_fit  # 5 x 20: exact
+    (20, 5, 24)
+    >>> plan_micro_batches(FillRequest(64, fixed_accumulation=2), fits, lambda reason: False).micro_batch_size
+    32
+    """
+    reasons: list[str] = []
+    needed, wanted = request.needed, request.wanted
+    free_accumulation = request.fixed_accumulation is None
+    upper = wanted if request.objective == "memory" and free_accumulation else needed
+    largest = largest_fit(upper, False)
+    if (largest is None or largest < wanted) and request.may_checkpoint:
+        found = "no micro-batch" if largest is None else f"a largest micro-batch of {largest}"
+        if checkpoint(f"the trials found {found} < {wanted} without it"):
+            largest = largest_fit(upper, False)
+    if largest is not None and largest < needed and free_accumulation:
+        accumulating = largest_fit(largest, True)
+        if accumulating != largest:
+            reasons.append(
+                f"largest micro-batch {largest} without accumulation, {accumulating} when "
+                "accumulating (earlier micro-batches' gradients stay alive)"
+            )
+        largest = accumulating
+    if largest is None or (not free_accumulation and largest < needed):
+        raise NoFit(largest, needed)
+    if not free_accumulation:
+        return FillDecision(needed, request.fixed_accumulation or 1, largest, reasons)
+    micro, accumulate = split_global_batch(request.samples_per_rank, largest)
+    return FillDecision(micro, accumulate, largest, reasons)
 
 
 @dataclass

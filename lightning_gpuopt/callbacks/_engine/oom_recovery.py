@@ -1,7 +1,8 @@
 """Out-of-memory recovery inside a Lightning run: the adapter :class:`MemoryFill` installs with ``on_oom="adapt"``.
 
 For the duration of training (``on_train_start`` to ``teardown`` or ``on_exception``) the
-LightningModule's ``training_step`` is wrapped (an instance attribute, removed afterwards), and
+LightningModule's ``training_step`` is wrapped (an instance attribute, registered in the callback's
+:class:`~lightning_gpuopt.callbacks._engine.undo.Undo`), and
 the strategy's ``training_step`` marks the calls the fit loop makes: only those are real steps
 (a callback that calls ``training_step`` itself, e.g. to trace it, gets the original). Under
 automatic optimization Lightning runs, per batch: ``training_step`` → zero the gradients (first
@@ -51,6 +52,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core._torch_compat import grad_scale
 from lightning_gpuopt.core.memory import is_out_of_memory_error, release_memory
@@ -94,11 +96,13 @@ class _HandGradients(torch.autograd.Function):
 
 
 class OomRecovery:
-    """Wraps ``pl_module.training_step`` so that out-of-memory errors are absorbed (see the module docstring).
+    """Wraps ``training_step`` so that out-of-memory errors are absorbed (see the module docstring); installed
+    on creation, registered in ``undo`` (put back at teardown or on an exception).
 
     Args:
         trainer, pl_module: the run.
-        on_adapt: called with each :class:`~lightning_gpuopt.core.oom.OomAdaptation`, on every rank.
+        plan: the MemoryFill plan; each adaptation is added to ``plan.oom_adaptations``, warned and logged.
+        undo: where the wrappers are registered.
         limits: the limits learned so far (default: none).
     """
 
@@ -106,38 +110,19 @@ class OomRecovery:
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        on_adapt: Callable[[OomAdaptation], None],
+        plan: Any,
+        undo: Undo,
         limits: Optional[MicroBatchLimits] = None,
     ) -> None:
-        self.trainer, self.module, self.on_adapt = trainer, pl_module, on_adapt
+        self.trainer, self.module, self.plan = trainer, pl_module, plan
         self.limits = limits if limits is not None else MicroBatchLimits()
-        self._had_own_attribute = "training_step" in vars(pl_module)
-        self._previous = vars(pl_module).get("training_step")
         self._original = pl_module.training_step
-        strategy = trainer.strategy
-        self._strategy_had_own_attribute = "training_step" in vars(strategy)
-        self._strategy_previous = vars(strategy).get("training_step")
-        self._strategy_step = strategy.training_step
+        self._strategy_step = trainer.strategy.training_step
         self._in_loop_step = False
         self._zeroed_expected = False
         self._zeroed_seen = False
-
-    # ------------------------------------------------------------------ install / remove
-
-    def install(self) -> None:
-        self.module.training_step = self._training_step  # type: ignore[method-assign]
-        self.trainer.strategy.training_step = self._loop_step  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        """Put ``training_step`` back as it was on the module and the strategy (idempotent)."""
-        _restore(self.module, "training_step", self._training_step, self._had_own_attribute, self._previous)
-        _restore(
-            self.trainer.strategy,
-            "training_step",
-            self._loop_step,
-            self._strategy_had_own_attribute,
-            self._strategy_previous,
-        )
+        undo.set(pl_module, "training_step", self._training_step)
+        undo.set(trainer.strategy, "training_step", self._loop_step)
 
     def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
@@ -293,7 +278,7 @@ class OomRecovery:
             reason=reason,
             batch_idx=int(batch_idx or 0),
         )
-        self.on_adapt(adaptation)
+        _report(self.trainer, self.plan, adaptation)
 
     _phase = "forward"
 
@@ -301,39 +286,25 @@ class OomRecovery:
 _PHASES = ("forward", "backward")
 
 
-def adaptation_reporter(trainer: pl.Trainer, plan: Any) -> Callable[[OomAdaptation], None]:
-    """What to do with each adaptation: add it to ``plan.oom_adaptations``, warn (rank 0) and log
-    ``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size`` at the step."""
-
-    def report(adaptation: OomAdaptation) -> None:
-        plan.oom_adaptations.append(adaptation)
-        rank_zero_warn(
-            f"MemoryFill(on_oom='adapt'): out of memory at step {adaptation.step} (batch {adaptation.batch_idx}, "
-            f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
-            f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
-        )
-        metrics = {
-            "gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
-            "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size),
-        }
-        log_metrics(trainer, metrics)
-
-    return report
+def _report(trainer: pl.Trainer, plan: Any, adaptation: OomAdaptation) -> None:
+    """Add an adaptation to ``plan.oom_adaptations``, warn (rank 0) and log ``gpuopt/oom_*`` at the step."""
+    plan.oom_adaptations.append(adaptation)
+    rank_zero_warn(
+        f"MemoryFill(on_oom='adapt'): out of memory at step {adaptation.step} (batch {adaptation.batch_idx}, "
+        f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
+        f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
+    )
+    metrics = {
+        "gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
+        "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size),
+    }
+    log_metrics(trainer, metrics)
 
 
 def _enabled_scaler(trainer: pl.Trainer) -> Any:
     """The precision plugin's AMP gradient scaler when it scales (``None`` otherwise)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
-
-
-def _restore(owner: Any, name: str, installed: Any, had_own_attribute: bool, previous: Any) -> None:
-    if vars(owner).get(name) != installed:
-        return
-    if had_own_attribute:
-        setattr(owner, name, previous)
-    else:
-        delattr(owner, name)
 
 
 def _put_back(params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:

@@ -1,0 +1,84 @@
+"""The estimate that starts a search: the largest batch predicted from a step traced on fake tensors.
+
+The trace runs the module's training step as training will (precision plugin's step context, the
+run's accumulation, DDP's gradient buckets added where the host counts them), on a batch of the
+same copy of the user's loader the trials draw from (when sample sizes vary: the largest sample at
+every place), and is refined by traces near the predicted limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_gpuopt.callbacks._engine.steps import loss_function
+from lightning_gpuopt.callbacks._engine.trials import Trials
+from lightning_gpuopt.core.estimate import (
+    estimate_memory,
+    learn_workspaces,
+    refine_near_capacity,
+    trace_training_step,
+    with_untraced_bytes,
+)
+from lightning_gpuopt.core.loader import batch_samples
+
+
+def trial_batch(trials: Trials, batch_size: int) -> Any:
+    """A batch of the trials' loader at ``batch_size``, on the module's device."""
+    trainer = trials.trainer
+    return trainer.strategy.batch_to_device(next(iter(trials.loader(batch_size))))
+
+
+def sizes_note(trials: Trials) -> Optional[str]:
+    """What the search says when sample sizes vary (the trials then use the largest sample everywhere)."""
+    sizes, _ = trials.session.sample_sizes()
+    if sizes is None:
+        return None
+    seen = (
+        f"over {sizes.probed:,} of {sizes.total:,} samples, all"
+        if sizes.complete
+        else f"over the {sizes.probed:,} of {sizes.total:,} samples looked at in the time allowed; a larger one may exist"
+    )
+    return (
+        f"sample sizes vary ({sizes.smallest:,} to {sizes.largest:,} elements {seen}): the estimate and the"
+        " trials used batches of the largest sample"
+    )
+
+
+def predicted_largest_fit(
+    trials: Trials, batch_size: int, budget: int
+) -> tuple[Optional[int], Optional[float], list[str]]:
+    """The estimate's largest batch for ``budget`` and its bytes per sample (``None``: no estimate), and notes."""
+    trainer, module = trials.trainer, trials.module
+    note = sizes_note(trials)
+    notes = [note] if note else []
+    try:
+        batch = trial_batch(trials, batch_size)
+        trace: dict[str, Any] = dict(
+            optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+            batch_size=batch_samples(batch),
+            step_context=trainer.precision_plugin.train_step_context,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+        )
+        loss_fn = loss_function(module)
+        trace["workspaces"] = learn_workspaces(
+            module, loss_fn, batch, batch_size=trace["batch_size"], step_context=trace["step_context"]
+        )
+        estimate = estimate_memory(module, loss_fn, batch, capacity_bytes=budget, **trace)
+        if estimate.method != "traced":
+            reason = f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); started at your batch size"
+            return None, None, [reason, *notes]
+        if trials.ddp_bucket_bytes:
+            estimate = with_untraced_bytes(estimate, trials.ddp_bucket_bytes, "DDP gradient buckets")
+        predicted = estimate.max_batch_size
+        if not predicted or trace["batch_size"] is None:
+            return predicted, estimate.bytes_per_sample, notes
+        refined = refine_near_capacity(
+            lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
+            predicted,
+            budget,
+            estimate.untraced_bytes,
+        )
+        per_sample = refined.bytes_per_sample if refined.bytes_per_sample is not None else estimate.bytes_per_sample
+        return refined.max_batch_size, per_sample, notes
+    except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
+        return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size", *notes]

@@ -1,0 +1,232 @@
+"""One fit's shared services: the user's train loader built once, and our changes applied as a run by hand has them.
+
+Our callbacks decide before the first step (``on_fit_start``) from measurements on the user's own
+loader and model; the run must then equal the chosen settings written by hand, bit for bit, and the
+user's hooks must run no more often than they must. A :class:`FitSession` (one per Trainer and fit,
+shared by all our callbacks in it) does both:
+
+* **One loader, built at most once for our work** (:meth:`FitSession.probe_loader`): the loader
+  Lightning built already (when ``configure_optimizers`` read ``trainer.estimated_stepping_batches``),
+  or one call of the user's ``train_dataloader()`` with the RNG states and the module's and
+  datamodule's attributes put back afterwards. Trials, estimates and loader timings use copies of it
+  re-created with other arguments (:func:`rebuild_loader`, as Lightning re-creates a loader for its
+  distributed sampler), so the user's hook is not called again for them.
+* **Changes applied once** (:meth:`FitSession.apply`): the batch size, the accumulation and the
+  loader's worker settings are set, and what depends on them is built again as a run by hand
+  builds it: when the batch or the accumulation changed, ``configure_optimizers()`` runs again
+  (schedules sized by ``estimated_stepping_batches`` see the new steps) from the RNG states it
+  first ran with, which a profiler tap recorded; a loader Lightning built already is built again
+  at the same point. Training then builds the loader with the user's ``train_dataloader()`` at the
+  new settings, drawing its seeds where a run by hand draws them.
+
+So a fit calls ``train_dataloader()`` at most twice (our one call, Lightning's one) and
+``configure_optimizers()`` a second time only when the batch or the accumulation changed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._engine.state import rng_kept, rng_states, same_rng_states
+from lightning_gpuopt.callbacks._engine.undo import Undo
+from lightning_gpuopt.core.estimate import restored_attributes
+from lightning_gpuopt.core.loader import ProbedSizes, largest_samples_first
+
+
+def rebuild_loader(loader: DataLoader, sampler: Any = None, **arguments: Any) -> DataLoader:
+    """A copy of ``loader`` (same dataset, collate_fn, ...) with other arguments (``batch_size``,
+    ``num_workers``, ...) and, when given, another ``sampler``; re-created the way Lightning re-creates
+    a loader (from the arguments it recorded when the user's hook built it)."""
+    args, kwargs = compat.dataloader_init_args_and_kwargs(loader, loader.sampler if sampler is None else sampler)
+    positional = compat.saved_arg_names(loader)
+    values = list(args)
+    for name, value in arguments.items():
+        if name in positional and positional.index(name) < len(values):
+            values[positional.index(name)] = value
+        else:
+            kwargs[name] = value
+    return compat.reinstantiate_wrapped_cls(loader, *values, **kwargs)
+
+
+@dataclass
+class _RebuiltSource(compat.DataLoaderSource):
+    """The fit loop's train-loader source, its loader passed through ``rebuild`` when it is one DataLoader."""
+
+    inner: Any = None
+    rebuild: Optional[Callable[[DataLoader], Any]] = None
+
+    def dataloader(self) -> Any:
+        loader = self.inner.dataloader()
+        return self.rebuild(loader) if self.rebuild is not None and isinstance(loader, DataLoader) else loader
+
+
+@dataclass
+class _GivenSource(compat.DataLoaderSource):
+    """A train-loader source that hands out a loader we built (for trials): no user hook runs."""
+
+    make: Optional[Callable[[], Any]] = None
+
+    def dataloader(self) -> Any:
+        assert self.make is not None
+        return self.make()
+
+
+class FitSession:
+    """The services our callbacks share in one fit of one Trainer (see the module docstring).
+
+    Example::
+
+        session = FitSession.of(trainer)        # in setup(): the first of our callbacks opens it
+        loader = session.loader(batch_size=64)  # in on_fit_start: a copy of the user's loader
+        session.apply(undo, batch_size=("batch_size", 64, True))
+        FitSession.close(trainer)               # in teardown() / on_exception()
+    """
+
+    _open: ClassVar[weakref.WeakKeyDictionary[Any, FitSession]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._probe: Any = None
+        self._sizes: Optional[tuple[Optional[ProbedSizes], bool]] = None
+        self._configure_rng: list[Optional[dict[str, Any]]] = [None, None]
+        module = trainer.lightning_module
+        action = f"{compat.MODULE_ACTION}{type(module).__name__}.configure_optimizers"
+        self._tap = _profiler_tap.install(
+            trainer,
+            {action: lambda *_: self._configure_rng.__setitem__(1, rng_states())},
+            starts={action: lambda: self._configure_rng.__setitem__(0, rng_states())},
+        )
+
+    @classmethod
+    def of(cls, trainer: Any) -> FitSession:
+        """The trainer's session, opened on first use (in ``setup``, before ``configure_optimizers`` runs)."""
+        session = cls._open.get(trainer)
+        if session is None:
+            session = cls._open[trainer] = cls(trainer)
+        return session
+
+    @classmethod
+    def close(cls, trainer: Any) -> None:
+        """End the trainer's session (``teardown``/``on_exception``; a no-op when none is open)."""
+        session = cls._open.pop(trainer, None)
+        if session is not None:
+            _profiler_tap.uninstall(trainer, session._tap)
+            session._probe = None
+
+    # ------------------------------------------------------------------ the user's loader, once
+
+    def probe_loader(self) -> Any:
+        """The user's train loader as ``train_dataloader()`` returns it, built at most once (see the module docstring)."""
+        if self._probe is None:
+            trainer = self.trainer
+            if compat.train_loader_built(trainer):
+                self._probe = compat.built_train_loader(trainer)
+            else:
+                owners = [trainer.lightning_module, *([trainer.datamodule] if trainer.datamodule is not None else [])]
+                with rng_kept(), restored_attributes(*owners):
+                    self._probe = compat.request_dataloader(compat.train_source(trainer))
+        return self._probe
+
+    def loader(self, sampler: Any = None, **arguments: Any) -> DataLoader:
+        """A copy of the user's loader with other arguments (see :func:`rebuild_loader`)."""
+        return rebuild_loader(self.probe_loader(), sampler, **arguments)
+
+    def sample_sizes(self) -> tuple[Optional[ProbedSizes], bool]:
+        """Every sample's size, largest first (``None`` when all are alike or the dataset is not sized),
+        and whether the dataset is a sized map-style one (looked at once per fit)."""
+        if self._sizes is None:
+            dataset = getattr(self.probe_loader(), "dataset", None)
+            sized = _sized(dataset) and not isinstance(dataset, IterableDataset)
+            with rng_kept():
+                self._sizes = (largest_samples_first(dataset) if sized else None, sized)
+        return self._sizes
+
+    def processed_loader(self, make: Callable[[], Any]) -> Any:
+        """The loader ``make()`` returns, set up by the fit loop as training's (the distributed sampler
+        injected, the fetcher started): a collective under DDP, call it on every rank. The fit loop
+        holds it until :func:`~lightning_gpuopt.callbacks._lightning_compat.reset_train_loader`."""
+        trainer = self.trainer
+        self.probe_loader()  # before the source is swapped: it may ask the user's
+        with Undo().scope() as undo, rng_kept():
+            compat.reset_train_loader(trainer)
+            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, _given_source(trainer, make))
+            trainer.fit_loop.setup_data()
+        return compat.built_train_loader(trainer) if compat.train_loader_built(trainer) else None
+
+    def samples_per_rank(self) -> Optional[int]:
+        """Samples each rank's loader draws in an epoch (its sampler's length under Lightning's distributed
+        sampler), if known; a collective under DDP."""
+        try:
+            loader = self.processed_loader(self.loader)
+            sampler = getattr(loader, "sampler", None)
+            return len(sampler) if sampler is not None else len(loader.dataset)
+        except (TypeError, AttributeError, NotImplementedError):
+            return None
+        finally:
+            compat.reset_train_loader(self.trainer)
+
+    # ------------------------------------------------------------------ our changes, once
+
+    def apply(
+        self,
+        undo: Undo,
+        batch_size: Optional[tuple[str, int, bool]] = None,
+        accumulate_grad_batches: Optional[int] = None,
+        rebuild: Optional[Callable[[DataLoader], Any]] = None,
+    ) -> bool:
+        """Set what our callbacks decided, registered in ``undo``, and build again what depends on it as a
+        run by hand builds it (see the module docstring). ``batch_size``: ``(batch_arg_name, size, lasting)``;
+        ``rebuild``: applied to the loader training builds (e.g. worker settings). Returns whether
+        ``configure_optimizers()`` ran again."""
+        trainer, module = self.trainer, self.trainer.lightning_module
+        now = rng_states()
+        changed = False
+        if batch_size is not None:
+            name, size, lasting = batch_size
+            for holder in compat.attribute_holders(module, name):
+                held = holder[name] if isinstance(holder, dict) else getattr(holder, name)
+                changed |= held != size
+                undo.set(holder, name, size, lasting=lasting)
+        if accumulate_grad_batches is not None and accumulate_grad_batches != trainer.accumulate_grad_batches:
+            undo.set(trainer, "accumulate_grad_batches", accumulate_grad_batches)
+            changed = True
+        if rebuild is not None:
+            source = compat.train_source(trainer)
+            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, _rebuilt_source(source, rebuild))
+        built = compat.train_loader_built(trainer)
+        if not changed and not (built and rebuild is not None):
+            return False
+        self._probe = None
+        compat.reset_train_loader(trainer)
+        start, stop = self._configure_rng
+        if start is not None:
+            compat.set_rng_states(start)  # where configure_optimizers (and a loader built in it) first drew
+        if changed:
+            trainer.strategy.setup_optimizers(trainer)
+        elif built:
+            trainer.fit_loop.setup_data()
+        if stop is None or not same_rng_states(now, stop):
+            compat.set_rng_states(now)  # something drew between configure_optimizers and us: keep the present
+        return changed
+
+
+def _sized(dataset: Any) -> bool:
+    try:
+        return len(dataset) > 0
+    except TypeError:
+        return False
+
+
+def _rebuilt_source(source: Any, rebuild: Callable[[DataLoader], Any]) -> Any:
+    return _RebuiltSource(source.instance, source.name, inner=source, rebuild=rebuild)
+
+
+def _given_source(trainer: Any, make: Callable[[], Any]) -> Any:
+    source = compat.train_source(trainer)
+    return _GivenSource(source.instance, source.name, make=make)

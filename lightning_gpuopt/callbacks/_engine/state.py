@@ -1,0 +1,165 @@
+"""A run's training state, kept in host memory and put back: what a trial or a measurement may change.
+
+:class:`TrainingState` keeps parameters and buffers, gradients, optimizer and LR-scheduler state,
+loop progress and the logged step, ``trainer.should_stop``, the RNG states, the attributes of the
+module and the datamodule (nested lists, dicts and sets included; train/eval modes are attributes)
+and the precision plugin's gradient scaler. :func:`rng_kept` keeps only the RNG states (and a
+loader's own generators): building a loader iterator draws its seeds from them, and training must
+draw the same numbers as a run without our work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.core.device import cuda_rng_in_use
+from lightning_gpuopt.core.estimate import restored_attributes
+
+
+def rng_states() -> dict[str, Any]:
+    """The global RNG states: torch, CUDA when in use, numpy, Python's ``random``."""
+    return compat.collect_rng_states(include_cuda=cuda_rng_in_use())
+
+
+def same_rng_states(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two :func:`rng_states` are equal (nothing drew between them)."""
+    return first.keys() == second.keys() and all(_equal(first[key], second[key]) for key in first)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    equal = a == b
+    return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The loader's own generators (its ``generator`` and its sampler's), which iterating it draws from."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = (
+        getattr(loader, "generator", None),
+        getattr(sampler, "generator", None),
+        getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+    )
+    return [generator for generator in candidates if isinstance(generator, torch.Generator)]
+
+
+@contextlib.contextmanager
+def rng_kept(*loaders: Any) -> Iterator[None]:
+    """The global RNG states and ``loaders``' own generators are as they were once the block ends.
+
+    >>> before = torch.get_rng_state()
+    >>> with rng_kept():
+    ...     _ = torch.rand(3)
+    >>> torch.equal(torch.get_rng_state(), before)
+    True
+    """
+    generators = [generator for loader in loaders for generator in loader_generators(loader)]
+    states, generator_states = rng_states(), [generator.get_state() for generator in generators]
+    try:
+        yield
+    finally:
+        compat.set_rng_states(states)
+        for generator, state in zip(generators, generator_states):
+            generator.set_state(state)
+
+
+def _host_copy(collection: Any) -> Any:
+    return apply_to_collection(collection, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+def _clone(collection: Any) -> Any:
+    return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
+
+
+def _progress_objects(loop: Any, seen: set[int]) -> Iterator[Any]:
+    """Every progress counter of ``loop`` and its child loops."""
+    for value in list(vars(loop).values()):
+        if isinstance(value, compat.BaseProgress) and id(value) not in seen:
+            seen.add(id(value))
+            yield value
+        elif isinstance(value, compat.Loop):
+            yield from _progress_objects(value, seen)
+
+
+class TrainingState:
+    """What the training state is now, to be put back by :meth:`restore` (see the module docstring).
+
+    Example::
+
+        state = TrainingState(trainer)
+        state.reset_for_trial()      # counters at zero, a fresh scaler: a trial's steps run from the start
+        ...                          # real training steps
+        state.restore()              # nothing of them is left
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        module = trainer.lightning_module
+        tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+        self.grads = [
+            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in module.parameters()
+        ]
+        self.optimizers = [_host_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
+        self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        self.progress = [(p, _host_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop, set())]
+        self.batches_that_stepped = compat.batches_that_stepped(trainer)
+        self.should_stop = trainer.should_stop
+        self.rng = rng_states()
+        # 16-mixed: trials step with scalers of their own, so an out-of-memory error after unscale_ cannot
+        # leave the run's scaler mid-step, and its scale and growth tracker stay as they are
+        self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
+        self._attributes = contextlib.ExitStack()
+        self._attributes.enter_context(restored_attributes(*_attribute_owners(trainer)))
+
+    def reset_for_trial(self) -> None:
+        """The state training starts from, with counters at zero (so a trial's steps all run)."""
+        self._restore_weights_and_optimizers()
+        for progress, _ in self.progress:
+            progress.reset()
+        compat.set_batches_that_stepped(self.trainer, 0)
+        self.trainer.should_stop = False
+        plugin = self.trainer.strategy.precision_plugin
+        if self.scaler is not None:  # scale 1: memory does not depend on it, and float16 does not overflow
+            plugin.scaler = torch.amp.GradScaler(plugin.device, init_scale=1.0, growth_interval=2**30)
+
+    def restore(self) -> None:
+        """Put everything back (the module's attributes once: a later call restores the rest only)."""
+        self._attributes.close()
+        if self.scaler is not None:
+            self.trainer.strategy.precision_plugin.scaler = self.scaler
+            self.scaler.load_state_dict(self.scaler_state)
+        self._restore_weights_and_optimizers()
+        for progress, state in self.progress:
+            progress.load_state_dict(_clone(state))
+        compat.set_batches_that_stepped(self.trainer, self.batches_that_stepped)
+        self.trainer.should_stop = self.should_stop
+        compat.set_rng_states(self.rng)
+        compat.reset_logged_results(self.trainer)
+
+    def _restore_weights_and_optimizers(self) -> None:
+        with torch.no_grad():
+            for tensor, saved in self.tensors:
+                tensor.copy_(saved)
+        for param, grad in self.grads:
+            param.grad = None if grad is None else grad.to(param.device, copy=True)
+        for optimizer, state in zip(self.trainer.optimizers, self.optimizers):
+            optimizer.load_state_dict(_clone(state))
+        for config, state in zip(self.trainer.lr_scheduler_configs, self.schedulers):
+            config.scheduler.load_state_dict(_clone(state))
+
+
+def _attribute_owners(trainer: Any) -> list[Any]:
+    """The module and, when there is one, the datamodule (their attributes are the user's state)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    return [trainer.lightning_module, *([datamodule] if datamodule is not None else [])]

@@ -1,0 +1,108 @@
+"""The module's training step as the estimate traces it: a loss function (automatic optimization) or the
+whole ``training_step`` with twin optimizers (manual optimization), with ``self.log`` off.
+
+A traced step runs the user's ``training_step`` on fake tensors, outside any loop: logging must do
+nothing (fake values), and under manual optimization ``self.optimizers()`` must be the twins the trace
+steps, ``manual_backward`` a plain backward, and the LR schedulers and the real optimizers' options as
+they were (a ``sch.step()`` inside the step moves them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine.undo import Undo
+from lightning_gpuopt.core.estimate import ManualStep, NotTraceable
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def logging_disabled(module: Any) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` of ``module`` do nothing inside the block."""
+    with Undo().scope() as undo:
+        undo.set(module, "log", _ignore)
+        undo.set(module, "log_dict", _ignore)
+        yield
+
+
+def check_one_batch_step(module: Any) -> None:
+    """Raise ``NotTraceable`` for a ``training_step(self, dataloader_iter)``: it pulls its own batches."""
+    if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+        raise NotTraceable(
+            "training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
+            "batch given to training_step"
+        )
+
+
+def loss_function(module: Any) -> Any:
+    """``module.training_step`` as ``batch -> loss`` (its tensor, or its ``"loss"`` entry), logging off.
+    Raises ``NotTraceable`` under manual optimization, ``TypeError`` when the step returns no tensor."""
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        check_one_batch_step(module)
+        if not module.automatic_optimization:
+            raise NotTraceable("manual optimization: training_step steps the optimizers itself (trace the whole step)")
+        with logging_disabled(module):
+            output = module.training_step(batch, 0)
+        if isinstance(output, Mapping):
+            output = output.get("loss")
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"training_step returned {type(output).__name__}, not a loss tensor")
+        return output
+
+    return loss_of
+
+
+def manual_step(trainer: Any, module: Any) -> ManualStep:
+    """The whole ``training_step`` of a manual-optimization module as ``(batch, optimizers)``: inside it
+    ``self.optimizers()`` are the given twins, whose ``step()`` steps them directly, ``manual_backward``
+    is ``loss.backward()``; no hook runs, no step is counted, schedulers and options are put back."""
+
+    def run(batch: Any, optimizers: list) -> None:
+        check_one_batch_step(module)
+        strategy = trainer.strategy
+        with Undo().scope() as undo, logging_disabled(module), _schedulers_kept(trainer):
+            saved = compat.strategy_optimizer_lists(strategy)
+            undo.add("the strategy's optimizers", lambda: compat.set_strategy_optimizer_lists(strategy, *saved))
+            twins = [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
+            compat.set_strategy_optimizer_lists(strategy, list(optimizers), twins)
+            undo.set(module, "manual_backward", lambda loss, *args, **kwargs: loss.backward(*args, **kwargs))
+            module.training_step(batch, 0)
+
+    return run
+
+
+def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> Any:
+    """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no step counting)."""
+    wrapper = compat.to_lightning_optimizer(optimizer, strategy)
+
+    def step(closure: Any = None, **kwargs: Any) -> Any:
+        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+
+    wrapper.step = step  # type: ignore[method-assign]
+    return wrapper
+
+
+@contextlib.contextmanager
+def _schedulers_kept(trainer: Any) -> Iterator[None]:
+    """The LR schedulers' states and the real optimizers' param-group options as before the block."""
+    schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
+    states = [scheduler.state_dict() for scheduler in schedulers]
+    real = trainer.strategy.optimizers
+    options = [[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] for optimizer in real]
+    try:
+        yield
+    finally:
+        for scheduler, state in zip(schedulers, states):
+            scheduler.load_state_dict(state)
+        for optimizer, groups in zip(real, options):
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)

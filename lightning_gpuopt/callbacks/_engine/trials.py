@@ -1,0 +1,236 @@
+"""Trials: a few real training steps at a batch size, through the Trainer's own loop, measured, then undone.
+
+Inside :class:`Trials` the run is in *trial mode* (every setting through one :class:`Undo` scope, put
+back when the block ends): the user's callbacks and loggers are set aside (a trial's steps are not
+training's), validation is off, the module's ``on_train_start``/``on_train_end`` do not run (the
+epoch loop is run directly; the step and epoch hooks run, as they may prepare the step), and under
+DDP the bare module is stepped without the gradient all-reduce, the buffer broadcast and the
+per-step SIGTERM collective, so a rank that runs out of memory mid-step cannot leave the others
+waiting. Each trial starts from the state training starts from (:class:`TrainingState`), draws its
+batches from a copy of the user's loader at the size tried (the dataset's order over and over, so
+every batch is full; when sample sizes vary, the largest sample at every place: the worst batch the
+data holds) and runs ``steps_per_trial`` optimizer steps, more when a gradient scaler skipped one
+(the optimizer state must exist). Under manual optimization it runs batches until each optimizer
+stepped in a batch that began with every optimizer's state in place.
+
+Memory: on a CUDA card (real or simulated) the allocator's own out-of-memory error with reserved
+memory capped at the capacity, and the trial's peak of reserved memory (from an empty cache); on
+the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget` of the budget over everything the
+step holds. Under DDP the ranks agree: a size fits only if it fitted on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities.parsing import lightning_setattr
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine.session import FitSession
+from lightning_gpuopt.callbacks._engine.state import TrainingState
+from lightning_gpuopt.callbacks._engine.undo import Undo
+from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.loader import TrialSampler
+from lightning_gpuopt.core.memory import call_catching_oom, storage_bytes
+
+#: a manual-optimization trial runs at most this many times ``steps_per_trial`` batches
+MANUAL_TRIAL_BATCHES_AT_MOST = 8
+
+
+@dataclass
+class TrialOutcome:
+    """This rank's side of one trial: whether it fitted here, its peak, the cap it ran under (``None``:
+    the device's own memory) and, when it ran out of memory, the error's message."""
+
+    fitted: bool
+    peak_bytes: Optional[int]
+    cap_bytes: Optional[int]
+    oom_message: Optional[str]
+
+
+def gather_ranks(trainer: Any, values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` (one all-gather; this rank's alone without DDP)."""
+    if trainer.world_size <= 1:
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.float64, device=trainer.strategy.root_device)
+    return trainer.strategy.all_gather(mine).reshape(-1, len(values)).cpu().tolist()
+
+
+class _TrialSteps(Callback):
+    """The one callback of a trial: counts the optimizer steps that ran and, under manual optimization,
+    stops the trial once ``batches`` batches began with every optimizer's state in place and each
+    optimizer stepped in one of them (an optimizer stepped every few batches creates its state late)."""
+
+    def __init__(self, optimizers: list, batches: int) -> None:
+        self.batches = batches
+        self.stepped = [0] * len(optimizers)
+        self._handles = [
+            optimizer.register_step_post_hook(functools.partial(self._count, index))
+            for index, optimizer in enumerate(optimizers)
+        ]
+        self._complete = 0
+        self._began_complete = False
+        self._at_start: list[int] = []
+        self._stepped_when_complete = [False] * len(optimizers)
+
+    def _count(self, index: int, *_: Any) -> None:
+        self.stepped[index] += 1
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._began_complete, self._at_start = all(self.stepped), list(self.stepped)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._began_complete:
+            return
+        self._complete += 1
+        for index, (now, before) in enumerate(zip(self.stepped, self._at_start)):
+            self._stepped_when_complete[index] |= now > before
+        if self.batches and self._complete >= self.batches and all(self._stepped_when_complete):
+            trainer.should_stop = True
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class Trials:
+    """Trial mode for a block, and :meth:`run` for each trial (see the module docstring).
+
+    Example::
+
+        with Trials(session, steps_per_trial=2, batch_arg_name="batch_size") as trials:
+            outcome = trials.run(256, budget_bytes=90_000_000, capacity_bytes=100_000_000)
+    """
+
+    def __init__(self, session: FitSession, steps_per_trial: int, batch_arg_name: str) -> None:
+        self.session, self.trainer = session, session.trainer
+        self.steps_per_trial, self.batch_arg_name = steps_per_trial, batch_arg_name
+        self.module = self.trainer.lightning_module
+        self.manual = not self.module.automatic_optimization
+        self.state: Optional[TrainingState] = None
+        self._undo = Undo()
+
+    def __enter__(self) -> Trials:
+        trainer, loop = self.trainer, self.trainer.fit_loop
+        self.state = TrainingState(trainer)  # before anything runs: a loader iterator draws from the RNG
+        self._undo.add("the training state", self.state.restore)
+        per_step = max(1, trainer.accumulate_grad_batches)
+        self.batches = (
+            MANUAL_TRIAL_BATCHES_AT_MOST * self.steps_per_trial if self.manual else 2 * per_step * self.steps_per_trial
+        )
+        undo = self._undo
+        for holder in compat.attribute_holders(self.module, self.batch_arg_name):  # trials set the sizes tried
+            name = self.batch_arg_name
+            undo.set(holder, name, holder[name] if isinstance(holder, dict) else getattr(holder, name))
+        undo.set(trainer, "callbacks", [])
+        undo.set(trainer, "loggers", [DummyLogger()] if trainer.loggers else [])
+        undo.set(trainer, "limit_val_batches", 0)
+        undo.set(trainer, "limit_train_batches", self.batches)
+        undo.set(loop.epoch_loop, "max_steps", -1 if self.manual else self.steps_per_trial)
+        undo.set(loop, "min_epochs", None)
+        undo.set(loop.epoch_loop, "min_steps", None)
+        undo.add("the train loader", lambda: compat.reset_train_loader(trainer))
+        #: DDP's gradient buckets, counted as a baseline on the host (read before the wrapper is set aside)
+        self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer, self.module)
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            undo.set(trainer.strategy, "model", self.module)
+        if trainer.world_size > 1:
+            compat.skip_sigterm_broadcast(loop.epoch_loop)
+            undo.add("the SIGTERM broadcast", lambda: compat.restore_sigterm_broadcast(loop.epoch_loop))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        failed = self._undo.undo()
+        if failed and exc_info[0] is None:
+            raise failed[0].error
+
+    def loader(self, batch_size: int) -> Any:
+        """A copy of the user's loader at ``batch_size`` whose every batch is full, of the largest samples."""
+        sizes, sized = self.session.sample_sizes()
+        if not sized:
+            return self.session.loader(batch_size=batch_size)
+        dataset = self.session.probe_loader().dataset
+        order = sizes.order[:1] if sizes is not None else list(range(len(dataset)))
+        length = max(len(dataset), batch_size * self.batches * self.trainer.world_size)
+        return self.session.loader(TrialSampler(order, length), batch_size=batch_size)
+
+    def run(self, batch_size: int, budget_bytes: int, capacity_bytes: int, capped: bool = True) -> TrialOutcome:
+        """One trial at ``batch_size`` on this rank: fits when it ran without running out of memory and its
+        peak stayed within ``budget_bytes`` (``capped=False``: measured without a cap)."""
+        trainer, module = self.trainer, self.module
+        assert self.state is not None
+        lightning_setattr(module, self.batch_arg_name, batch_size)  # as training will hold it
+        compat.reset_train_loader(trainer)
+        self.session.processed_loader(lambda: self.loader(batch_size))  # collectives: on every rank
+        self.state.reset_for_trial()
+        prefetched = getattr(compat.data_fetcher(trainer), "batches", [])
+        existing = (module, *trainer.optimizers, prefetched)
+        card = device_for(module.device)
+        baseline = self.ddp_bucket_bytes
+        if card.is_cuda:
+            card.empty_cache()  # the trial reserves from a clean cache: what it holds is its own
+            meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
+        else:
+            meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
+        outcome = call_catching_oom(self._steps, meter)
+        reserved = meter.peak_reserved_bytes if card.is_cuda else None
+        peak = reserved if reserved is not None else meter.peak_bytes
+        fitted = not outcome.out_of_memory and peak is not None and peak <= budget_bytes
+        cap = (budget_bytes if not card.is_cuda else None) if capped else None
+        return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message)
+
+    def _steps(self, meter: Any) -> None:
+        """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran."""
+        trainer, epoch_loop = self.trainer, self.trainer.fit_loop.epoch_loop
+        steps = _TrialSteps(
+            list(trainer.optimizers), self.batches // MANUAL_TRIAL_BATCHES_AT_MOST if self.manual else 0
+        )
+        trainer.callbacks = [steps]
+        fetcher = compat.data_fetcher(trainer)
+        try:
+            with meter:
+                self.module.on_train_epoch_start()
+                epoch_loop.run(fetcher)
+                wanted = self.steps_per_trial
+                while not self.manual and _first(steps.stepped, wanted) < wanted and epoch_loop.max_steps < 2 * wanted:
+                    epoch_loop.max_steps += 1
+                    trainer.should_stop = False
+                    epoch_loop.run(fetcher)
+        finally:
+            steps.remove()
+            trainer.callbacks = []
+
+
+def _first(counts: list[int], default: int) -> int:
+    return counts[0] if counts else default
+
+
+def _ddp_bucket_bytes(trainer: Any, module: Any) -> int:
+    """DDP's gradient buckets (a copy of the gradients unless ``gradient_as_bucket_view``): on CUDA the
+    allocator counts them already; on the host they are added to a trial's budget."""
+    model = trainer.strategy.model
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    if device_for(module.device).is_cuda:
+        return 0
+    return storage_bytes([p for p in module.parameters() if p.requires_grad])
+
+
+def agreed(
+    trainer: Any, outcome: TrialOutcome, budget_bytes: int, search_budget_bytes: int
+) -> tuple[bool, Optional[int]]:
+    """All ranks' verdict on a trial: fits only if it fitted on every rank; the peak handed to the search
+    is the tightest rank's, as seen against the search's budget (``search_budget - min(headroom)``)."""
+    peak = outcome.peak_bytes
+    if trainer.world_size <= 1:
+        return outcome.fitted, peak
+    rows = gather_ranks(trainer, [float(outcome.fitted), float(peak is not None), budget_bytes - (peak or 0)])
+    known = [row[2] for row in rows if row[1]]
+    agreed_peak = int(search_budget_bytes - min(known)) if len(known) == len(rows) else None
+    return all(row[0] for row in rows), agreed_peak
