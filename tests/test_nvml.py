@@ -308,9 +308,9 @@ def test_sampler_resolves_mig_uuids_in_cuda_visible_devices(monkeypatch, env, vi
 # --------------------------------------------------------------------------- gpuopt doctor
 
 
-def run_doctor_check(nvml, check):
+def run_doctor_check(nvml, name):
     with using_nvml_library(nvml):
-        result = check()
+        result = doctor.run_check(name)
     failed_inits = int("nvmlInit" in nvml.failures)
     assert nvml.initialised == 0 and nvml.shutdown_calls == nvml.init_calls - failed_inits
     return result
@@ -318,7 +318,7 @@ def run_doctor_check(nvml, check):
 
 def test_doctor_gpus_reads_every_gpu_and_mig_mode_has_no_utilisation():
     nvml = machine()
-    check = run_doctor_check(nvml, doctor.check_gpus)
+    check = run_doctor_check(nvml, "gpus")
     gpus = check.details["gpus"]
     assert [(gpu["index"], gpu["uuid"], gpu["visible"]) for gpu in gpus] == [(0, GPU0, True), (1, GPU1, True)]
     assert (gpus[0]["memory_used_bytes"], gpus[0]["memory_total_bytes"], gpus[0]["utilization_percent"]) == (
@@ -333,7 +333,7 @@ def test_doctor_gpus_reads_every_gpu_and_mig_mode_has_no_utilisation():
 
 @pytest.mark.parametrize("error", ["no-permission", "not-supported"])
 def test_doctor_gpus_reports_a_failing_gpu_and_checks_the_others(error):
-    check = run_doctor_check(machine(gpu0_error=error), doctor.check_gpus)
+    check = run_doctor_check(machine(gpu0_error=error), "gpus")
     assert "could not run" not in check.value
     failing, working = check.details["gpus"]
     assert failing["index"] == 0 and failing["error"] and failing["memory_used_bytes"] is None
@@ -343,38 +343,38 @@ def test_doctor_gpus_reports_a_failing_gpu_and_checks_the_others(error):
 
 def test_doctor_gpus_with_a_mig_instance_in_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG)
-    check = run_doctor_check(machine(), doctor.check_gpus)
+    check = run_doctor_check(machine(), "gpus")
     assert [gpu["visible"] for gpu in check.details["gpus"]] == [False, True]
     assert "0: NVIDIA A100-SXM4-80GB, 1.0/80.0 GiB used, 30% busy [hidden by CUDA_VISIBLE_DEVICES]" in check.value
 
 
 def test_doctor_processes_lists_other_processes_on_every_readable_gpu():
-    check = run_doctor_check(machine(), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(), "gpu_processes")
     assert check.status == "warn"
     assert check.details["processes"] == [
         {"gpu": 0, "pid": OTHER_PID, "name": "python3", "memory_bytes": 2 * GIB},
         {"gpu": 1, "pid": MIG_PID, "name": "trainer", "memory_bytes": GIB},  # on GPU 1's MIG instance
     ]
 
-    check = run_doctor_check(machine(gpu0_error="no-permission"), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(gpu0_error="no-permission"), "gpu_processes")
     assert check.details["processes"] == [{"gpu": 1, "pid": MIG_PID, "name": "trainer", "memory_bytes": GIB}]
     assert "GPU 0" in check.value and "NoPermission" in check.value
 
-    check = run_doctor_check(machine(devices=[FakeNvmlDevice("NVIDIA T4", GPU0, 16 * GIB)]), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(devices=[FakeNvmlDevice("NVIDIA T4", GPU0, 16 * GIB)]), "gpu_processes")
     assert check.status == "ok"
 
 
 def test_doctor_driver_check_reads_nvml_and_says_when_nvml_is_missing():
-    check = run_doctor_check(machine(cuda_driver_version=12080, driver_version="570.86.10"), doctor.check_cuda_driver)
+    check = run_doctor_check(machine(cuda_driver_version=12080, driver_version="570.86.10"), "cuda_driver")
     assert "driver supports CUDA 12.8 (driver 570.86.10)" in check.value
     assert check.details["driver_cuda"] == "12.8" and check.details["driver"] == "570.86.10"
 
     with using_nvml_library(None):
-        assert doctor.check_cuda_driver().value.startswith("no NVIDIA driver")
+        assert doctor.run_check("cuda_driver").value.startswith("no NVIDIA driver")
         if not doctor.torch.cuda.is_available():
-            gpus = doctor.check_gpus()
+            gpus = doctor.run_check("gpus")
             assert gpus.status == "warn" and "nvidia-ml-py (pynvml) is not installed" in gpus.value
 
     failing = machine(failures={"nvmlInit": pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)})
-    check = run_doctor_check(failing, doctor.check_gpu_processes)
+    check = run_doctor_check(failing, "gpu_processes")
     assert check.status == "info" and "Driver Not Loaded" in check.value
