@@ -92,23 +92,15 @@ def worst_status(checks: list[Check]) -> str:
     return max((check.status for check in checks), key=STATUSES.index, default="ok")
 
 
-# ----------------------------------------------------------------------------- torch build and driver
+# ----------------------------------------------------------------------------- torch build, driver, architecture
 
 
 def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
-    """Judge torch's ``version``, CUDA ``build`` and cuDNN against CUDA being ``available`` and the
-    ``gpus`` the driver shows visible.
-
-    Example::
-
-        >>> torch_build_check("2.5.1+cpu", None, None, available=False, gpus=2).value
-        'torch 2.5.1+cpu, CUDA build none (CPU-only wheel), but the driver shows 2 visible GPU(s)'
-    """
+    """Judge torch's ``version``, CUDA ``build`` and cuDNN, CUDA being ``available``, and the visible ``gpus``."""
     value = f"torch {version}, CUDA build {build or 'none (CPU-only wheel)'}" + (f", cuDNN {cudnn}" if cudnn else "")
     details = {"torch": version, "cuda": build, "cudnn": cudnn, "cuda_available": available}
     if build is None and gpus:
-        fix = "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 (pick the "
-        fix += "CUDA version the driver supports, see cuda_driver)"
+        fix = "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 (pick the CUDA version the driver supports, see cuda_driver)"
         return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} visible GPU(s)", fix, details)
     if build is not None and not available and gpus:
         value += f", the driver shows {gpus} visible GPU(s) but CUDA is not available"
@@ -149,8 +141,7 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
     have, need = (tuple(int(part) for part in re.findall(r"\d+", text)[:2]) for text in (supported, build))
     if have >= need:
         return Check("cuda_driver", "ok", value, details=details)
-    fix = f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} "
-    fix += "(pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)"
+    fix = f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} (pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)"
     if have[:1] == need[:1]:
         value += " (older minor: runs by minor-version compatibility, but PTX JIT and newer features can fail)"
         return Check("cuda_driver", "warn", value, fix, details)
@@ -174,44 +165,28 @@ def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
         >>> arch_support((12, 0), ["sm_80", "sm_90"])
         'none'
     """
-    major, minor = capability
     native = ptx = False
     for arch in arch_list:
         match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-        if match is None:
-            continue
-        kind, arch_major, arch_minor = match.group(1), int(match.group(2)), int(match.group(3))
-        if kind == "sm" and arch_major == major and arch_minor <= minor and not arch.endswith(("a", "f")):
-            native = True
-        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
-            ptx = True
+        if match is not None:
+            kind, built = match.group(1), (int(match.group(2)), int(match.group(3)))
+            native |= (
+                kind == "sm" and built[0] == capability[0] and built <= capability and not arch.endswith(("a", "f"))
+            )
+            ptx |= kind == "compute" and built <= capability
     return "native" if native else "ptx" if ptx else "none"
 
 
 #: ``arch_support`` -> (status, fix), best first
 _ARCH_VERDICTS = {
     "native": ("ok", ""),
-    "ptx": (
-        "warn",
-        "kernels are JIT-compiled from PTX at start-up (slow first steps); install a wheel with native kernels for "
-        "the GPU",
-    ),
-    "none": (
-        "fail",
-        "this torch wheel has no kernels for the GPU: install a newer torch built for its architecture (e.g. a "
-        "cu128 wheel for Blackwell sm_100/sm_120)",
-    ),
-}
+    "ptx": ("warn", "kernels are JIT-compiled from PTX at start-up (slow first steps); install a wheel with native kernels for the GPU"),
+    "none": ("fail", "this torch wheel has no kernels for the GPU: install a newer torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)"),
+}  # fmt: skip
 
 
 def gpu_arch_check(capabilities: list[tuple[int, int]], arch_list: list[str]) -> Check:
-    """Judge the compute capability of each CUDA device (``cuda:i`` order) against the wheel's ``arch_list``.
-
-    Example::
-
-        >>> gpu_arch_check([(9, 0), (12, 0)], ["sm_90", "compute_90"]).value
-        'cuda:0 sm_90 (native), cuda:1 sm_120 (ptx); wheel has sm_90 compute_90'
-    """
+    """Judge the compute capability of each CUDA device (``cuda:i`` order) against the wheel's ``arch_list``."""
     supports = [arch_support(capability, arch_list) for capability in capabilities]
     found = [f"cuda:{i} sm_{cc[0]}{cc[1]} ({support})" for i, (cc, support) in enumerate(zip(capabilities, supports))]
     status, fix = _ARCH_VERDICTS[max(supports, key=list(_ARCH_VERDICTS).index, default="native")]
@@ -229,10 +204,7 @@ def _gpu_arch() -> Check:
 
 # ----------------------------------------------------------------------------- GPUs and their processes
 
-_NO_GPU_FIX = (
-    "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with "
-    "`--gpus all`, and check CUDA_VISIBLE_DEVICES"
-)
+_NO_GPU_FIX = "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with `--gpus all`, and check CUDA_VISIBLE_DEVICES"
 
 
 def _gpu_reading(lib: Any, gpu: NvmlDevice) -> dict[str, Any]:
@@ -262,77 +234,24 @@ def _is_busy(gpu: dict[str, Any]) -> bool:
     return bool(gpu["visible"] and ((gpu["utilization_percent"] or 0) > BUSY_UTILISATION or memory_full))
 
 
-def gpus_check(gpus: list[dict[str, Any]], env: Optional[str]) -> Check:
-    """Judge the GPUs NVML shows, given as :func:`_gpu_reading` reads them, with ``CUDA_VISIBLE_DEVICES=env``.
-
-    Example::
-
-        >>> gpu = {"index": 0, "name": "NVIDIA T4", "uuid": "GPU-1", "visible": True, "memory_used_bytes": 2**30,
-        ...        "memory_total_bytes": 16 * 2**30, "utilization_percent": 95}
-        >>> check = gpus_check([gpu], env=None)
-        >>> check.status, check.value
-        ('warn', '0: NVIDIA T4, 1.0/16.0 GiB used, 95% busy')
-    """
-    value = "; ".join(map(_gpu_text, gpus)) or "the driver shows no GPU"
-    if not any(gpu["visible"] for gpu in gpus):
-        return Check(
-            "gpus", "warn", f"{value}; none visible (CUDA_VISIBLE_DEVICES={env!r})", _NO_GPU_FIX, {"gpus": gpus}
-        )
-    busy = [str(gpu["index"]) for gpu in gpus if _is_busy(gpu)]
-    unreadable = [str(gpu["index"]) for gpu in gpus if gpu["visible"] and gpu.get("error")]
-    fixes = []
-    if busy:
-        fixes.append(
-            f"GPU(s) {', '.join(busy)} are busy before training starts: another job shares them (see "
-            "gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
-        )
-    if unreadable:
-        fixes.append(
-            f"NVML could not read GPU(s) {', '.join(unreadable)}: NoPermission means this user may not query the "
-            "device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the "
-            "driver's logs"
-        )
-    return Check("gpus", "warn" if fixes else "ok", value, "; ".join(fixes), {"gpus": gpus})
-
-
 def _gpus() -> Check:
     with nvml_session() as (lib, why):
-        readings = None if lib is None else [_gpu_reading(lib, gpu) for gpu in nvml_devices(lib)[0]]
-    if readings is not None:
-        return gpus_check(readings, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if device_layer.cuda_hardware_available():
-        names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
-        return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
-    return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
-
-
-def gpu_processes_check(others: list[dict[str, Any]], unreadable: list[str]) -> Check:
-    """Judge the other processes on the visible GPUs (``gpu``, ``pid``, ``name``, ``memory_bytes``)
-    and the GPUs whose processes NVML could not read (``"GPU i: error"``).
-
-    Example::
-
-        >>> gpu_processes_check([{"gpu": 0, "pid": 42, "name": "python3", "memory_bytes": 2**31}], []).value
-        'GPU 0: pid 42 (python3) holds 2.0 GiB'
-    """
-    if not others and not unreadable:
-        return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
-    parts = [
-        f"GPU {p['gpu']}: pid {p['pid']} ({p['name']})"
-        + ("" if p["memory_bytes"] is None else f" holds {p['memory_bytes'] / _GIB:.1f} GiB")
-        for p in others
-    ] or ["no other process on the readable GPUs"]
-    fixes, details = [], {"processes": others}
-    if others:
-        fixes.append(
-            "these processes share the GPU's memory and compute with training: stop them or pick another GPU with "
-            "CUDA_VISIBLE_DEVICES"
-        )
-    if unreadable:
-        parts.append(f"processes not readable on {'; '.join(unreadable)}")
-        fixes.append("run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)")
-        details["unreadable"] = unreadable
-    return Check("gpu_processes", "warn", "; ".join(parts), "; ".join(fixes), details)
+        gpus = None if lib is None else [_gpu_reading(lib, gpu) for gpu in nvml_devices(lib)[0]]
+    if gpus is None:
+        if device_layer.cuda_hardware_available():
+            names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
+            return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
+        return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
+    value = "; ".join(map(_gpu_text, gpus)) or "the driver shows no GPU"
+    if not any(gpu["visible"] for gpu in gpus):
+        value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
+    busy = ", ".join(str(gpu["index"]) for gpu in gpus if _is_busy(gpu))
+    unreadable = ", ".join(str(gpu["index"]) for gpu in gpus if gpu["visible"] and gpu.get("error"))
+    busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
+    unreadable_fix = f"NVML could not read GPU(s) {unreadable}: NoPermission means this user may not query the device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the driver's logs"
+    fix = "; ".join(text for text, found in ((busy_fix, busy), (unreadable_fix, unreadable)) if found)
+    return Check("gpus", "warn" if fix else "ok", value, fix, {"gpus": gpus})
 
 
 def _gpu_processes() -> Check:
@@ -344,17 +263,30 @@ def _gpu_processes() -> Check:
         for gpu in nvml_devices(lib)[0]:
             try:
                 if gpu.visible and gpu.error is None:
-                    processes = compute_processes(lib, gpu.handle)
+                    found = compute_processes(lib, gpu.handle)
+                    mine = os.getpid()
                     others += [
-                        {"gpu": gpu.index, "pid": pid, "name": name, "memory_bytes": used}
-                        for pid, name, used in processes
-                        if pid != os.getpid()
+                        dict(gpu=gpu.index, pid=pid, name=name, memory_bytes=used)
+                        for pid, name, used in found
+                        if pid != mine
                     ]
             except lib.NVMLError as error:
                 gpu.error = error_text(error)
             if gpu.visible and gpu.error is not None:
                 unreadable.append(f"GPU {gpu.index}: {gpu.error}")
-    return gpu_processes_check(others, unreadable)
+    if not others and not unreadable:
+        return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
+    held = (f" holds {p['memory_bytes'] / _GIB:.1f} GiB" if p["memory_bytes"] is not None else "" for p in others)
+    parts = [f"GPU {p['gpu']}: pid {p['pid']} ({p['name']}){text}" for p, text in zip(others, held)]
+    shared_fix = "these processes share the GPU's memory and compute with training: stop them or pick another GPU with CUDA_VISIBLE_DEVICES"
+    gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
+    details: dict[str, Any] = {"processes": others}
+    if unreadable:
+        parts.append(f"processes not readable on {'; '.join(unreadable)}")
+        details["unreadable"] = unreadable
+    parts = parts if others else ["no other process on the readable GPUs", *parts]
+    fix = "; ".join(text for text, found in ((shared_fix, others), (gap_fix, unreadable)) if found)
+    return Check("gpu_processes", "warn", "; ".join(parts), fix, details)
 
 
 # ----------------------------------------------------------------------------- matmul benchmark
@@ -370,22 +302,13 @@ class CardPeaks:
     bf16: Optional[float]
 
 
-# Dense peaks from NVIDIA's datasheets (they print tensor-core figures "with sparsity"; dense is half):
-# A100 SXM4/PCIe datasheet: FP32 19.5, TF32 156, BF16 312.
-# H100 datasheet: SXM FP32 67, TF32 989* -> 494.7, BF16 1,979* -> 989.4;
-#   PCIe FP32 51, TF32 756* -> 378, BF16 1,513* -> 756; NVL FP32 60, TF32 835* -> 417.5, BF16 1,671* -> 835.5.
-# H200 datasheet: SXM as H100 SXM (67 / 989* / 1,979*); NVL as H100 NVL (60 / 835* / 1,671*).
-# L4 datasheet: FP32 30.3, TF32 120* -> 60, BF16 242* -> 121.
-# L40S datasheet: FP32 91.6, TF32 366* -> 183, BF16 733* -> 362.
-# A10 datasheet: FP32 31.2, TF32 125* -> 62.5, BF16 250* -> 125.
-# V100 datasheet: SXM2 FP32 15.7, PCIe 14; no TF32, no BF16 tensor cores (FP16 only).
-# Ada whitepaper (RTX 4090): FP32 82.6, TF32 82.6, BF16 with FP32 accumulate 165.2.
-# Ampere GA102 whitepaper (RTX 3090): FP32 35.6, TF32 35.6, BF16 with FP32 accumulate 71.
-# T4 datasheet: FP32 8.1; no TF32, no BF16 (FP16 65).
-# Not Lightning's `lightning.fabric.utilities.throughput.get_available_flops`: it reads the card through
-# torch.cuda itself (so neither our device layer nor a simulated card can answer it), does not match a card
-# named "NVIDIA H200" (None, checked with Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or
-# two-card figures (TF32 990 and 989.4 TFLOPS against the dense 494.7 and 417.5 a matmul can reach).
+# Dense FP32 / TF32 / BF16 TFLOP/s from NVIDIA's datasheets, which print tensor-core figures with sparsity (*):
+# dense is half. A100 19.5 / 156 / 312; H100 SXM 67 / 989* / 1,979*, PCIe 51 / 756* / 1,513*, NVL 60 / 835* / 1,671*;
+# H200 SXM and NVL as H100 SXM and NVL; L4 30.3 / 120* / 242*; L40S 91.6 / 366* / 733*; A10 31.2 / 125* / 250*;
+# V100 SXM2 15.7, PCIe 14 and T4 8.1 (no TF32, no BF16); whitepapers (BF16 with FP32 accumulate): RTX 4090
+# 82.6 / 82.6 / 165.2, RTX 3090 35.6 / 35.6 / 71. Not Lightning's `get_available_flops`: it reads torch.cuda itself
+# (neither our device layer nor a simulated card can answer it), does not match "NVIDIA H200" (Lightning 2.6.6),
+# and its H200 and H100 NVL rows are sparse or two-card figures (TF32 990 and 989.4 against the dense 494.7, 417.5).
 #: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),
@@ -417,14 +340,7 @@ def card_peaks(device_name: str) -> Optional[CardPeaks]:
 
 
 def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
-    """Judge the TFLOP/s per dtype of ``size x size`` matmuls on ``cuda:0``, a card called ``name``.
-
-    Example::
-
-        >>> check = gpu_matmul_check("NVIDIA A100-SXM4-80GB", {"fp32": 18.0, "tf32": 40.0}, size=8192)
-        >>> check.status, check.value
-        ('warn', 'cuda:0 NVIDIA A100-SXM4-80GB (datasheet: A100, dense): fp32 18.0 TFLOP/s (92% of 19.5), tf32 40.0 TFLOP/s (26% of 156); 8192x8192')
-    """
+    """Judge the TFLOP/s per dtype of ``size x size`` matmuls on ``cuda:0``, a card called ``name``."""
     peaks = card_peaks(name)
     parts, low = [], []
     for kind, achieved in tflops.items():
@@ -435,18 +351,8 @@ def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
     datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
     value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
     peak_tflops = None if peaks is None else {kind: getattr(peaks, kind) for kind in tflops}
-    details = {
-        "device": name,
-        "card": None if peaks is None else peaks.card,
-        "size": size,
-        "tflops": tflops,
-        "peak_tflops": peak_tflops,
-    }
-    fix = (
-        f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle "
-        "reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads "
-        "low in short runs, so rerun with more seconds"
-    )
+    details = dict(device=name, card=peaks and peaks.card, size=size, tflops=tflops, peak_tflops=peak_tflops)
+    fix = f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
     return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
 
 
@@ -530,8 +436,7 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
     details = {"cpu_count": count, "affinity": affinity, "cgroup_quota": quota}
     if quota is not None and quota < affinity:
         cores = max(1, math.floor(quota))
-        fix = f"size torch threads (OMP_NUM_THREADS={cores}) and num_workers (<= {max(1, cores - 1)}) to the quota, "
-        fix += "not to os.cpu_count(), or raise the container's CPU limit: beyond it the process is throttled"
+        fix = f"size torch threads (OMP_NUM_THREADS={cores}) and num_workers (<= {max(1, cores - 1)}) to the quota, not to os.cpu_count(), or raise the container's CPU limit: beyond it the process is throttled"
         value = f"{count} cores, {affinity} in the affinity, but a cgroup quota of {quota:g} cores"
         return Check("cpu_cores", "warn", value, fix, details)
     if affinity < count:
@@ -558,16 +463,13 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
     total, per_process = threads * processes, max(1, cores // processes)
     who = f"{threads} intra-op thread(s)"
     who = f"{processes} process(es) x {who}" if processes > 1 else who
-    details = {"threads": threads, "cores": cores, "processes": processes}
-    details["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    details = dict(threads=threads, cores=cores, processes=processes, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     if total > cores:
         fix = f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process"
         return Check("torch_threads", "warn", f"oversubscribed: {who} = {total} on {cores} core(s)", fix, details)
     if total * 2 <= cores:
-        value = f"{who} on {cores} core(s): CPU ops use {total} of them"
-        return Check(
-            "torch_threads", "info", value, f"if CPU ops bound the step: torch.set_num_threads({per_process})", details
-        )
+        fix = f"if CPU ops bound the step: torch.set_num_threads({per_process})"
+        return Check("torch_threads", "info", f"{who} on {cores} core(s): CPU ops use {total} of them", fix, details)
     return Check("torch_threads", "ok", f"{who} on {cores} core(s)", details=details)
 
 
@@ -579,17 +481,7 @@ def _torch_threads() -> Check:
     return torch_threads_check(torch.get_num_threads(), usable_cpu_count(), processes)
 
 
-_BLAS_NAMES = {
-    "mkl": "MKL",
-    "open": "OpenBLAS",
-    "openblas": "OpenBLAS",
-    "accelerate": "Accelerate",
-    "flexi": "FlexiBLAS",
-    "blis": "BLIS",
-    "atlas": "ATLAS",
-    "nvpl": "NVPL",
-    "armpl": "ArmPL",
-}
+_BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accelerate": "Accelerate", "flexi": "FlexiBLAS", "blis": "BLIS", "atlas": "ATLAS", "nvpl": "NVPL", "armpl": "ArmPL"}  # fmt: skip
 
 
 def torch_blas(config: str) -> str:
@@ -628,8 +520,7 @@ def _blas() -> Check:
         fix = "torch was built without a BLAS: CPU matmuls are slow; install the official wheel"
         return Check("blas", "warn", value, fix, details)
     if numpy_lib and torch_lib.lower() not in numpy_lib.lower():
-        fix = "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: "
-        fix += "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS"
+        fix = "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS"
         return Check("blas", "info", value + " (two BLAS libraries, each with its own thread pool)", fix, details)
     return Check("blas", "ok", value, details=details)
 
@@ -638,15 +529,8 @@ def _blas() -> Check:
 
 
 def pinned_memory_check(num_bytes: int, seconds: float, pinned_gbps: float, pageable_gbps: float) -> Check:
-    """Report ``num_bytes`` of pinned host memory allocated in ``seconds`` and host-to-GPU copy speeds.
-
-    Example::
-
-        >>> pinned_memory_check(64 * 2**20, 0.0042, pinned_gbps=24.6, pageable_gbps=11.2).value
-        '64 MiB pinned in 4.2 ms; host-to-GPU copies: pinned 24.6 GB/s, pageable 11.2 GB/s'
-    """
-    value = f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned "
-    value += f"{pinned_gbps:.1f} GB/s, pageable {pageable_gbps:.1f} GB/s"
+    """Report ``num_bytes`` of pinned host memory allocated in ``seconds`` and host-to-GPU copy speeds."""
+    value = f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned {pinned_gbps:.1f} GB/s, pageable {pageable_gbps:.1f} GB/s"
     details = {"pinned_gbps": pinned_gbps, "pageable_gbps": pageable_gbps, "allocate_seconds": seconds}
     return Check("pinned_memory", "ok", value, details=details)
 
@@ -672,8 +556,7 @@ def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
         pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
         seconds = time.perf_counter() - start
     except RuntimeError as error:
-        fix = "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use "
-        fix += "DataLoader(pin_memory=False)"
+        fix = "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use DataLoader(pin_memory=False)"
         return Check("pinned_memory", "fail", f"pinned memory could not be allocated: {error}", fix)
     pageable = torch.empty(num_bytes, dtype=torch.uint8)
     return pinned_memory_check(num_bytes, seconds, _copy_gbps(pinned), _copy_gbps(pageable))
@@ -696,8 +579,8 @@ def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], p
     details = {"path": path, "total_bytes": total_bytes, "free_bytes": free_bytes}
     larger = "docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm"
     if total_bytes < SHM_WARN_BYTES:
-        fix = "DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' "
-        return Check("shm", "warn", value + " (small)", fix + "when it fills: " + larger, details)
+        fix = "DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' when it fills: "
+        return Check("shm", "warn", value + " (small)", fix + larger, details)
     if free_bytes < SHM_WARN_BYTES:
         fix = "free it (stale torch_* files of crashed workers) or make it larger: " + larger
         return Check("shm", "warn", value + " (nearly full)", fix, details)
