@@ -1,25 +1,23 @@
 """``gpuopt doctor``: environment checks for GPU training, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library (no Lightning); NVML through :mod:`.nvml`, so a fake can answer.
-Each check reads the machine in a few lines and hands the figures to a pure function that judges
-them (``*_check``, tested without a GPU). :func:`run_check` turns an exception inside a check into
-a "warn" naming it: a check never raises, and a machine without a GPU gets statuses that say so.
+Pure torch + standard library (no Lightning); NVML through :mod:`.nvml`, so a fake can answer. What
+only a real card runs reads it and hands the figures to a pure function that judges them
+(``*_check``). :func:`run_check` turns an exception inside a check into a "warn" naming it: a check
+never raises, and a machine without a GPU gets statuses that say so. The checks (:data:`CHECKS`):
 
-The checks (:data:`CHECKS`, in the order :func:`run_checks` runs them):
-
-* ``torch_build``: torch's version and CUDA build; a CPU-only wheel, or CUDA unavailable, while
-  the driver shows visible GPUs is a "fail".
-* ``cuda_driver``: the CUDA version the driver supports against ``torch.version.cuda``: an older
-  major is a "fail", an older minor a "warn".
-* ``gpu_arch``: each GPU's compute capability against the wheel's kernels: none is a "fail",
-  only PTX (JIT-compiled at start-up) a "warn".
+* ``torch_build``: torch's version and CUDA build; a CPU-only wheel, or CUDA unavailable, while the
+  driver shows visible GPUs is a "fail".
+* ``cuda_driver``: the driver's CUDA version against ``torch.version.cuda``: an older major is a
+  "fail", an older minor a "warn".
+* ``gpu_arch``: each GPU's compute capability against the wheel's kernels: none is a "fail", only
+  PTX (JIT-compiled at start-up) a "warn".
 * ``gpus``: the GPUs NVML shows, which ``CUDA_VISIBLE_DEVICES`` leaves visible, their memory and
   utilisation; none visible, or a visible one busy (:data:`BUSY_UTILISATION`,
   :data:`BUSY_MEMORY_FRACTION`) or unreadable, is a "warn".
-* ``gpu_processes``: other processes computing on the visible GPUs and the memory they hold, and
-  GPUs whose processes NVML cannot read: a "warn".
-* ``matmul``: fp32, tf32 and bf16 TFLOP/s against the card's dense datasheet peak
-  (:data:`CARD_PEAKS`; below :data:`MATMUL_WARN_FRACTION` is a "warn"); GFLOP/s on the CPU.
+* ``gpu_processes``: other processes on the visible GPUs and the memory they hold, and GPUs whose
+  processes NVML cannot read: a "warn".
+* ``matmul``: fp32, tf32 and bf16 TFLOP/s against the card's dense datasheet peak (:data:`CARD_PEAKS`;
+  below :data:`MATMUL_WARN_FRACTION` is a "warn"); GFLOP/s on the CPU.
 * ``cpu_cores``: ``os.cpu_count()`` against the CPU affinity and the cgroup quota.
 * ``torch_threads``: intra-op threads times the processes on this host (``LOCAL_WORLD_SIZE``)
   against the usable cores: more is a "warn".
@@ -46,21 +44,13 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from lightning_gpuopt.core import device as device_layer
+from lightning_gpuopt.core import nvml
 from lightning_gpuopt.core.loader import cgroup_cpu_quota, usable_cpu_count
-from lightning_gpuopt.core.nvml import (
-    NvmlDevice,
-    compute_processes,
-    driver_versions,
-    error_text,
-    nvml_devices,
-    nvml_session,
-    read_usage,
-)
 
 #: statuses from best to worst
 STATUSES = ("ok", "info", "warn", "fail")
@@ -113,8 +103,8 @@ def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], 
 
 def _torch_build() -> Check:
     build = torch.version.cuda
-    with nvml_session() as (lib, _):
-        gpus = 0 if lib is None else sum(gpu.visible for gpu in nvml_devices(lib)[0])
+    with nvml.nvml_session() as (lib, _):
+        gpus = 0 if lib is None else sum(gpu.visible for gpu in nvml.nvml_devices(lib)[0])
     cudnn = torch.backends.cudnn.version() if build else None
     return torch_build_check(torch.__version__, build, cudnn, device_layer.cuda_hardware_available(), gpus)
 
@@ -149,8 +139,8 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
 
 
 def _cuda_driver() -> Check:
-    with nvml_session() as (lib, _):
-        driver, release = driver_versions(lib) if lib is not None else (None, "")
+    with nvml.nvml_session() as (lib, _):
+        driver, release = nvml.driver_versions(lib) if lib is not None else (None, "")
     return cuda_driver_check(torch.version.cuda, driver, release)
 
 
@@ -207,47 +197,43 @@ def _gpu_arch() -> Check:
 _NO_GPU_FIX = "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with `--gpus all`, and check CUDA_VISIBLE_DEVICES"
 
 
-def _gpu_reading(lib: Any, gpu: NvmlDevice) -> dict[str, Any]:
-    """One GPU as the ``gpus`` check's details show it; NVML's error on it is in ``error``, not raised."""
+def _gpu_reading(lib: Any, gpu: nvml.NvmlDevice) -> tuple[str, dict[str, Any]]:
+    """One GPU's line of the ``gpus`` check and its details; NVML's error on it is in ``error``, not raised."""
+    hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
     reading = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible}
-    reading |= {"memory_used_bytes": None, "memory_total_bytes": None, "utilization_percent": None}
     try:
         if gpu.error is None:
-            util, used, total = read_usage(lib, gpu.handle)
-            return reading | {"memory_used_bytes": used, "memory_total_bytes": total, "utilization_percent": util}
+            util, used, total = nvml.read_usage(lib, gpu.handle)
+            text = f"{gpu.index}: {gpu.name}, {used / _GIB:.1f}/{total / _GIB:.1f} GiB used, {'n/a' if util is None else util}% busy{hidden}"
+            return text, reading | {"memory_used_bytes": used, "memory_total_bytes": total, "utilization_percent": util}
     except lib.NVMLError as error:
-        gpu.error = error_text(error)
-    return reading | {"error": gpu.error}
-
-
-def _gpu_text(gpu: dict[str, Any]) -> str:
-    hidden = "" if gpu["visible"] else " [hidden by CUDA_VISIBLE_DEVICES]"
-    if gpu.get("error"):
-        return f"{gpu['index']}: {gpu['name'] or 'unknown GPU'}, not readable ({gpu['error']}){hidden}"
-    used, total, util = gpu["memory_used_bytes"] / _GIB, gpu["memory_total_bytes"] / _GIB, gpu["utilization_percent"]
-    return f"{gpu['index']}: {gpu['name']}, {used:.1f}/{total:.1f} GiB used, {'n/a' if util is None else util}% busy{hidden}"
-
-
-def _is_busy(gpu: dict[str, Any]) -> bool:
-    used, total = gpu["memory_used_bytes"], gpu["memory_total_bytes"]
-    memory_full = used is not None and total and used > BUSY_MEMORY_FRACTION * total
-    return bool(gpu["visible"] and ((gpu["utilization_percent"] or 0) > BUSY_UTILISATION or memory_full))
+        gpu.error = nvml.error_text(error)
+    text = f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({gpu.error}){hidden}"
+    return text, reading | dict.fromkeys(("memory_used_bytes", "memory_total_bytes", "utilization_percent")) | {
+        "error": gpu.error
+    }
 
 
 def _gpus() -> Check:
-    with nvml_session() as (lib, why):
-        gpus = None if lib is None else [_gpu_reading(lib, gpu) for gpu in nvml_devices(lib)[0]]
-    if gpus is None:
+    with nvml.nvml_session() as (lib, why):
+        rows = None if lib is None else [_gpu_reading(lib, gpu) for gpu in nvml.nvml_devices(lib)[0]]
+    if rows is None:
         if device_layer.cuda_hardware_available():
             names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
             return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
         return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
-    value = "; ".join(map(_gpu_text, gpus)) or "the driver shows no GPU"
+    value, gpus = "; ".join(text for text, _ in rows) or "the driver shows no GPU", [gpu for _, gpu in rows]
     if not any(gpu["visible"] for gpu in gpus):
         value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
-    busy = ", ".join(str(gpu["index"]) for gpu in gpus if _is_busy(gpu))
-    unreadable = ", ".join(str(gpu["index"]) for gpu in gpus if gpu["visible"] and gpu.get("error"))
+    visible = [gpu for gpu in gpus if gpu["visible"]]
+    busy = ", ".join(
+        str(gpu["index"])
+        for gpu in visible
+        if (gpu["utilization_percent"] or 0) > BUSY_UTILISATION
+        or (gpu["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (gpu["memory_total_bytes"] or 0)
+    )
+    unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
     unreadable_fix = f"NVML could not read GPU(s) {unreadable}: NoPermission means this user may not query the device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the driver's logs"
     fix = "; ".join(text for text, found in ((busy_fix, busy), (unreadable_fix, unreadable)) if found)
@@ -257,36 +243,29 @@ def _gpus() -> Check:
 def _gpu_processes() -> Check:
     others: list[dict[str, Any]] = []
     unreadable: list[str] = []
-    with nvml_session() as (lib, why):
+    with nvml.nvml_session() as (lib, why):
         if lib is None:
             return Check("gpu_processes", "info", f"no GPU ({why})")
-        for gpu in nvml_devices(lib)[0]:
+        for gpu in (gpu for gpu in nvml.nvml_devices(lib)[0] if gpu.visible):
             try:
-                if gpu.visible and gpu.error is None:
-                    found = compute_processes(lib, gpu.handle)
-                    mine = os.getpid()
-                    others += [
-                        dict(gpu=gpu.index, pid=pid, name=name, memory_bytes=used)
-                        for pid, name, used in found
-                        if pid != mine
-                    ]
+                processes = [] if gpu.error else nvml.compute_processes(lib, gpu.handle)
+                others += [{"gpu": gpu.index, **process} for process in processes if process["pid"] != os.getpid()]
             except lib.NVMLError as error:
-                gpu.error = error_text(error)
-            if gpu.visible and gpu.error is not None:
+                gpu.error = nvml.error_text(error)
+            if gpu.error is not None:
                 unreadable.append(f"GPU {gpu.index}: {gpu.error}")
     if not others and not unreadable:
         return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
     held = (f" holds {p['memory_bytes'] / _GIB:.1f} GiB" if p["memory_bytes"] is not None else "" for p in others)
     parts = [f"GPU {p['gpu']}: pid {p['pid']} ({p['name']}){text}" for p, text in zip(others, held)]
+    parts = parts or ["no other process on the readable GPUs"]
     shared_fix = "these processes share the GPU's memory and compute with training: stop them or pick another GPU with CUDA_VISIBLE_DEVICES"
     gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
-    details: dict[str, Any] = {"processes": others}
-    if unreadable:
-        parts.append(f"processes not readable on {'; '.join(unreadable)}")
-        details["unreadable"] = unreadable
-    parts = parts if others else ["no other process on the readable GPUs", *parts]
     fix = "; ".join(text for text, found in ((shared_fix, others), (gap_fix, unreadable)) if found)
-    return Check("gpu_processes", "warn", "; ".join(parts), fix, details)
+    if not unreadable:
+        return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others})
+    parts.append(f"processes not readable on {'; '.join(unreadable)}")
+    return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
 
 
 # ----------------------------------------------------------------------------- matmul benchmark
@@ -356,68 +335,52 @@ def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
     return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
 
 
-@contextlib.contextmanager
-def _float32_matmul_precision(precision: str) -> Iterator[None]:
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
+def _matmul_flops(kind: str, size: int, device: torch.device | str, seconds: float) -> float:
+    """Achieved FLOP/s of ``size x size`` matmuls in ``kind`` (fp32, tf32 or bf16) over about ``seconds``
+    (after a warm-up and one timed run)."""
+    card, precision = device_layer.device_for(device), torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if kind == "tf32" else "highest")
     try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def _matmul_flops(size: int, dtype: torch.dtype, device: torch.device | str, seconds: float) -> float:
-    """Achieved FLOP/s of ``size x size`` matmuls over about ``seconds`` (after a warm-up and one timed run)."""
-    card = device_layer.device_for(device)
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
-    card.synchronize()
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    card.synchronize()
-    repeats = max(1, min(10_000, int(seconds / max(time.perf_counter() - start, 1e-6))))
-    start = time.perf_counter()
-    for _ in range(repeats):
+        a, b = (
+            torch.randn(size, size, device=device).to(torch.bfloat16 if kind == "bf16" else torch.float32) for _ in "ab"
+        )
+        out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
+        card.synchronize()
+        start = time.perf_counter()
         torch.matmul(a, b, out=out)
-    card.synchronize()
-    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+        card.synchronize()
+        repeats = max(1, min(10_000, int(seconds / max(time.perf_counter() - start, 1e-6))))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b, out=out)
+        card.synchronize()
+        return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
-def _gpu_matmul(seconds: float, size: int) -> Check:
-    card = device_layer.device_for(0)
-    kinds = ["fp32", "tf32", "bf16"] if card.capabilities.tf32 else ["fp32"]
-    tflops = {}
-    for kind in kinds:
-        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-        with _float32_matmul_precision("high" if kind == "tf32" else "highest"):
-            tflops[kind] = _matmul_flops(size, dtype, card.torch_device, seconds / len(kinds)) / 1e12
-    return gpu_matmul_check(card.name, tflops, size)
-
-
-def _cpu_matmul(seconds: float, size: int) -> Check:
-    gflops: dict[str, Optional[float]] = {"fp32": None, "bf16": None}
-    with _float32_matmul_precision("highest"):
-        gflops["fp32"] = _matmul_flops(size, torch.float32, "cpu", seconds / 2) / 1e9
+def _matmul(seconds: float = 2.0) -> Check:
+    """TFLOP/s against the card's datasheet on a GPU, GFLOP/s on the CPU, over about ``seconds``; 0 skips it."""
+    if seconds <= 0:
+        return Check("matmul", "info", "skipped")
+    if device_layer.cuda_hardware_available():
+        size = 8192 if seconds >= 1 else 4096
+        try:
+            card = device_layer.device_for(0)
+            kinds = ["fp32", "tf32", "bf16"] if card.capabilities.tf32 else ["fp32"]
+            tflops = {kind: _matmul_flops(kind, size, card.torch_device, seconds / len(kinds)) / 1e12 for kind in kinds}
+            return gpu_matmul_check(card.name, tflops, size)
+        except RuntimeError as error:  # e.g. "no kernel image is available", OOM: the finding itself
+            fix = "see gpu_arch and gpus (memory held by other processes)"
+            return Check("matmul", "fail", f"a matmul on cuda:0 failed: {nvml.error_text(error)}", fix)
+    size = 1024 if seconds >= 1 else 512
+    gflops: dict[str, Optional[float]] = {"fp32": _matmul_flops("fp32", size, "cpu", seconds / 2) / 1e9, "bf16": None}
     with contextlib.suppress(RuntimeError):
-        gflops["bf16"] = _matmul_flops(size, torch.bfloat16, "cpu", seconds / 2) / 1e9
+        gflops["bf16"] = _matmul_flops("bf16", size, "cpu", seconds / 2) / 1e9
     parts = ", ".join(f"{kind} {value:.1f} GFLOP/s" for kind, value in gflops.items() if value is not None)
     threads = torch.get_num_threads()
     value = f"CPU, no GPU: {parts} with {threads} thread(s); {size}x{size}"
     return Check("matmul", "info", value, details={"device": "cpu", "size": size, "gflops": gflops, "threads": threads})
-
-
-def _matmul(seconds: float = 2.0) -> Check:
-    """TFLOP/s against the card's datasheet on a GPU, GFLOP/s on the CPU, over about ``seconds``
-    (a warm-up and a timed run more per dtype); 0 skips it."""
-    if seconds <= 0:
-        return Check("matmul", "info", "skipped")
-    if not device_layer.cuda_hardware_available():
-        return _cpu_matmul(seconds, size=1024 if seconds >= 1 else 512)
-    try:
-        return _gpu_matmul(seconds, size=8192 if seconds >= 1 else 4096)
-    except RuntimeError as error:  # e.g. "no kernel image is available", OOM: the finding itself
-        value = f"a matmul on cuda:0 failed: {error_text(error)}"
-        return Check("matmul", "fail", value, "see gpu_arch and gpus (memory held by other processes)")
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -444,10 +407,6 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
         fix = f"size torch threads and num_workers to {affinity} (len(os.sched_getaffinity(0))), not to os.cpu_count()"
         return Check("cpu_cores", "info", value, fix, details)
     return Check("cpu_cores", "ok", f"{count} cores", details=details)
-
-
-def _cpu_cores() -> Check:
-    return cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota())
 
 
 def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
@@ -607,7 +566,7 @@ CHECKS: dict[str, Callable[..., Check]] = {
     "gpus": _gpus,
     "gpu_processes": _gpu_processes,
     "matmul": _matmul,
-    "cpu_cores": _cpu_cores,
+    "cpu_cores": lambda: cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota()),
     "torch_threads": _torch_threads,
     "blas": _blas,
     "pinned_memory": _pinned_memory,
@@ -622,7 +581,7 @@ def run_check(name: str, *args: Any) -> Check:
         return check(*args)
     except Exception as error:  # noqa: BLE001 - a check reports, it never raises
         fix = "this is a gap in the diagnosis, not necessarily a problem; run the check's steps by hand"
-        return Check(name, "warn", f"the check could not run: {error_text(error)}", fix)
+        return Check(name, "warn", f"the check could not run: {nvml.error_text(error)}", fix)
 
 
 def run_checks(matmul_seconds: float = 2.0) -> list[Check]:

@@ -1,17 +1,15 @@
 """NVML (``nvidia-ml-py``, imported as ``pynvml``): GPU utilisation and memory, and the doctor's queries.
 
-:class:`NvmlSampler` reads, in a daemon thread at a fixed interval, each device's utilisation (% of
-time a kernel ran, as ``nvidia-smi`` shows it) and memory used. Without an NVIDIA driver it is
-silently absent: :meth:`~NvmlSampler.start` returns ``False`` and every figure is ``None``. A device
-NVML refuses (any ``NVMLError``) is reported in its :class:`GpuUsage` (``error``) while the others
-are sampled; a MIG instance (or a GPU in MIG mode) has no utilisation, but its memory is read.
-Every successful ``nvmlInit`` is matched by exactly one ``nvmlShutdown``.
+:class:`NvmlSampler` reads each device's utilisation (% of time a kernel ran, as ``nvidia-smi``
+shows it) and memory used in a daemon thread. Without an NVIDIA driver it is silently absent
+(``start()`` is ``False``, every figure ``None``); a device NVML refuses keeps its last ``error``
+while the others are sampled; a MIG instance (or a GPU in MIG mode) has no utilisation, but its
+memory is read. Every successful ``nvmlInit`` is matched by exactly one ``nvmlShutdown``.
 
-Every NVML call of the package goes through :func:`nvml_library`: ``pynvml``, or what
-:func:`using_nvml_library` installed (a :class:`~lightning_gpuopt.testing._nvml.FakeNvml`).
-Devices are matched by UUID, not by index (NVML numbers GPUs in PCI order, CUDA fastest first, and
-``CUDA_VISIBLE_DEVICES`` renumbers them). torch prints a UUID without NVML's ``"GPU-"``/``"MIG-"``
-prefix (``str(torch.cuda.get_device_properties(i).uuid)``); both forms are accepted.
+Every NVML call of the package goes through :func:`nvml_library` (``pynvml``, or a fake installed
+by :func:`using_nvml_library`). Devices are matched by UUID, not index (NVML numbers GPUs in PCI
+order, CUDA fastest first, and ``CUDA_VISIBLE_DEVICES`` renumbers them), in NVML's form
+(``"GPU-…"``, ``"MIG-…"``) or torch's without the prefix (``str(get_device_properties(i).uuid)``).
 
 Example::
 
@@ -201,11 +199,10 @@ def visible_gpu_indices(
 ) -> list[int]:
     """NVML indices of the GPUs this process may use, in torch's ``cuda:i`` order.
 
-    ``gpu_uuids``: every GPU's UUID in NVML order (``""`` for one NVML cannot read); ``env``:
-    ``CUDA_VISIBLE_DEVICES`` (read when omitted), whose entries are indices, GPU UUIDs (either form,
-    or a unique prefix), MIG UUIDs (``mig_parents`` maps each to its GPU's UUID) or the legacy
-    ``MIG-GPU-<uuid>/<gi>/<ci>``. A MIG entry stands for its GPU; the list stops at the first
-    entry that names no device, as CUDA's does.
+    ``gpu_uuids``: every GPU's UUID in NVML order (``""`` if unreadable); ``env``: ``CUDA_VISIBLE_DEVICES``
+    (read when omitted): indices, GPU UUIDs (either form, or a unique prefix), MIG UUIDs (each stands
+    for its GPU, ``mig_parents[mig]``) or legacy ``MIG-GPU-<uuid>/<gi>/<ci>``; like CUDA, the list
+    stops at the first entry that names no device.
 
     Example::
 
@@ -326,9 +323,10 @@ def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
     return util, int(memory.used), int(memory.total)
 
 
-def compute_processes(lib: Any, handle: Any) -> list[tuple[int, str, Optional[int]]]:
-    """``(pid, executable name or "?", GPU memory it holds or None)`` of each process computing on
-    the device (its MIG instances' included); NVML's errors propagate."""
+def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
+    """The processes computing on the device (its MIG instances' included): ``pid``, ``name`` (the
+    executable's, ``"?"`` when NVML cannot tell), ``memory_bytes`` (``None`` when NVML has no figure).
+    NVML's errors propagate."""
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
         try:
@@ -336,7 +334,7 @@ def compute_processes(lib: Any, handle: Any) -> list[tuple[int, str, Optional[in
         except lib.NVMLError:
             name = "?"
         used = getattr(process, "usedGpuMemory", None)
-        processes.append((int(process.pid), name, None if used is None else int(used)))
+        processes.append({"pid": int(process.pid), "name": name, "memory_bytes": None if used is None else int(used)})
     return processes
 
 
