@@ -9,6 +9,7 @@ import os
 
 import pynvml
 import pytest
+import torch
 
 from lightning_gpuopt.core import doctor
 from lightning_gpuopt.core.nvml import NvmlSampler, nvml_library, using_nvml_library, visible_gpu_indices
@@ -378,3 +379,81 @@ def test_doctor_driver_check_reads_nvml_and_says_when_nvml_is_missing():
     failing = machine(failures={"nvmlInit": pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)})
     check = run_doctor_check(failing, "gpu_processes")
     assert check.status == "info" and "Driver Not Loaded" in check.value
+
+
+# --------------------------------------------------------------------------- the doctor's judgements of what only a card shows
+
+
+@pytest.mark.parametrize(
+    "build, available, gpus, status, says",
+    [
+        (
+            None,
+            False,
+            2,
+            "fail",
+            "torch 2.5.1, CUDA build none (CPU-only wheel), but the driver shows 2 visible GPU(s)",
+        ),
+        ("12.4", False, 1, "fail", "cuDNN 90100, the driver shows 1 visible GPU(s) but CUDA is not available"),
+        ("12.4", False, 0, "info", "cuDNN 90100; no visible GPU, so it runs on the CPU"),
+        ("12.4", True, 1, "ok", "torch 2.5.1, CUDA build 12.4, cuDNN 90100"),
+        (None, False, 0, "info", "torch 2.5.1, CUDA build none (CPU-only wheel)"),
+    ],
+)
+def test_torch_build_against_the_gpus_the_driver_shows(build, available, gpus, status, says):
+    check = doctor.torch_build_check("2.5.1", build, 90100 if build else None, available, gpus)
+    assert (check.status, check.details["cuda_available"]) == (status, available) and says in check.value
+    assert bool(check.fix) == (status == "fail")
+
+
+def test_gpu_arch_names_each_device_and_judges_the_worst():
+    check = doctor.gpu_arch_check([(9, 0), (12, 0)], ["sm_90", "compute_90"])
+    assert check.value == "cuda:0 sm_90 (native), cuda:1 sm_120 (ptx); wheel has sm_90 compute_90"
+    assert check.status == "warn" and "JIT-compiled from PTX" in check.fix
+    assert doctor.gpu_arch_check([(8, 6)], ["sm_80"]).status == "ok"
+    none = doctor.gpu_arch_check([(7, 5)], ["sm_80"])
+    assert (
+        none.status == "fail"
+        and "no kernels for the GPU" in none.fix
+        and none.details["devices"] == ["cuda:0 sm_75 (none)"]
+    )
+
+
+def test_gpu_matmul_against_the_cards_datasheet():
+    check = doctor.gpu_matmul_check("NVIDIA A100-SXM4-80GB", {"fp32": 18.0, "tf32": 40.0}, size=8192)
+    assert check.value == (
+        "cuda:0 NVIDIA A100-SXM4-80GB (datasheet: A100, dense): fp32 18.0 TFLOP/s (92% of 19.5), "
+        "tf32 40.0 TFLOP/s (26% of 156); 8192x8192"
+    )
+    assert check.status == "warn" and check.fix.startswith("tf32 below 40% of the datasheet peak")
+    assert check.details == {
+        "device": "NVIDIA A100-SXM4-80GB",
+        "card": "A100",
+        "size": 8192,
+        "tflops": {"fp32": 18.0, "tf32": 40.0},
+        "peak_tflops": {"fp32": 19.5, "tf32": 156.0},
+    }
+    fast = doctor.gpu_matmul_check("NVIDIA H100 80GB HBM3", {"fp32": 50.0, "tf32": 400.0, "bf16": 700.0}, 8192)
+    assert (fast.status, fast.fix) == ("ok", "")
+    unknown = doctor.gpu_matmul_check("NVIDIA RTX PRO 6000", {"fp32": 50.0}, 4096)
+    assert unknown.status == "info" and "(unknown card, no datasheet figures): fp32 50.0 TFLOP/s;" in unknown.value
+    assert unknown.details["card"] is None and unknown.details["peak_tflops"] is None
+
+
+def test_pinned_memory_report():
+    check = doctor.pinned_memory_check(64 * 2**20, 0.0042, pinned_gbps=24.6, pageable_gbps=11.2)
+    assert check.value == "64 MiB pinned in 4.2 ms; host-to-GPU copies: pinned 24.6 GB/s, pageable 11.2 GB/s"
+    assert (check.status, check.details["allocate_seconds"]) == ("ok", 0.0042)
+
+
+def test_a_card_that_cannot_run_a_matmul_or_pin_memory_is_a_failure(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(doctor.device_layer, "cuda_hardware_available", lambda: True)
+    monkeypatch.setattr(doctor.device_layer, "device_for", no_kernel)
+    matmul = doctor.run_check("matmul", 0.1)
+    assert matmul.status == "fail" and matmul.value.startswith("a matmul on cuda:0 failed: RuntimeError: CUDA error")
+    if not torch.cuda.is_available():  # a CPU-only torch cannot pin memory
+        pinned = doctor.run_check("pinned_memory")
+        assert pinned.status == "fail" and "ulimit -l unlimited" in pinned.fix

@@ -28,8 +28,6 @@ never raises, and a machine without a GPU gets statuses that say so. The checks 
 
 Example::
 
-    >>> torch_threads_check(threads=8, cores=4).status          # 8 threads on 4 cores
-    'warn'
     >>> card_peaks("NVIDIA H100 80GB HBM3").bf16                  # dense bf16 TFLOP/s of an H100 SXM
     989.4
     >>> worst_status([Check("a", "ok", ""), Check("b", "warn", "")])
@@ -281,13 +279,12 @@ class CardPeaks:
     bf16: Optional[float]
 
 
-# Dense FP32 / TF32 / BF16 TFLOP/s from NVIDIA's datasheets, which print tensor-core figures with sparsity (*):
-# dense is half. A100 19.5 / 156 / 312; H100 SXM 67 / 989* / 1,979*, PCIe 51 / 756* / 1,513*, NVL 60 / 835* / 1,671*;
-# H200 SXM and NVL as H100 SXM and NVL; L4 30.3 / 120* / 242*; L40S 91.6 / 366* / 733*; A10 31.2 / 125* / 250*;
-# V100 SXM2 15.7, PCIe 14 and T4 8.1 (no TF32, no BF16); whitepapers (BF16 with FP32 accumulate): RTX 4090
-# 82.6 / 82.6 / 165.2, RTX 3090 35.6 / 35.6 / 71. Not Lightning's `get_available_flops`: it reads torch.cuda itself
-# (neither our device layer nor a simulated card can answer it), does not match "NVIDIA H200" (Lightning 2.6.6),
-# and its H200 and H100 NVL rows are sparse or two-card figures (TF32 990 and 989.4 against the dense 494.7, 417.5).
+# Dense FP32 / TF32 / BF16 from NVIDIA's datasheets, whose tensor-core figures are with sparsity (*, twice dense):
+# A100 19.5/156/312; H100 SXM 67/989*/1979*, PCIe 51/756*/1513*, NVL 60/835*/1671*; H200 SXM, NVL as H100 SXM, NVL;
+# L4 30.3/120*/242*; L40S 91.6/366*/733*; A10 31.2/125*/250*; V100 SXM2 15.7, PCIe 14, T4 8.1 (no TF32, BF16);
+# whitepapers: RTX 4090 82.6/82.6/165.2, RTX 3090 35.6/35.6/71 (BF16 with FP32 accumulate). Not Lightning's
+# `get_available_flops`: it reads torch.cuda itself (our device layer and a simulated card cannot answer), misses
+# "NVIDIA H200" (Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or two-card figures.
 #: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),

@@ -1,11 +1,10 @@
-"""A fake NVML: :class:`FakeNvml` answers the ``pynvml`` calls lightning-gpuopt makes over fake devices.
+"""A fake NVML: :class:`FakeNvml` answers the ``pynvml`` calls lightning-gpuopt makes, over fake devices.
 
-Install one with :func:`lightning_gpuopt.core.nvml.using_nvml_library`. It follows real NVML where
-the package depends on it: a call before ``nvmlInit`` (or after the last ``nvmlShutdown``; both are
-reference counted) raises ``NVMLError_Uninitialized``; MIG instances are neither counted by
-``nvmlDeviceGetCount`` nor numbered by ``nvmlDeviceGetHandleByIndex``, and
-``nvmlDeviceGetHandleByUUID`` wants the full UUID (with its prefix); errors are ``pynvml``'s own
-classes. A handle is the :class:`FakeNvmlDevice` itself.
+Install one with :func:`lightning_gpuopt.core.nvml.using_nvml_library`. Like real NVML: a call before
+``nvmlInit`` (or after the last ``nvmlShutdown``; both are counted) raises ``NVMLError_Uninitialized``;
+MIG instances are not counted by ``nvmlDeviceGetCount`` nor numbered by ``nvmlDeviceGetHandleByIndex``;
+``nvmlDeviceGetHandleByUUID`` wants the prefix; errors are ``pynvml``'s own classes. A handle is the
+:class:`FakeNvmlDevice` itself.
 
 Example::
 
@@ -68,21 +67,12 @@ def _read(value: Reading) -> int:
     return int(value() if callable(value) else value)
 
 
-def _error(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)  # the matching subclass, e.g. NVMLError_NotFound
-
-
 class FakeNvml:
-    """A stand-in for the ``pynvml`` module: its ``NVMLError`` classes and codes, and the calls below.
+    """A stand-in for the ``pynvml`` module over ``devices`` (GPUs are numbered in list order).
 
-    Args:
-        devices: GPUs (numbered in list order) and MIG instances.
-        driver_version, cuda_driver_version: ``nvmlSystemGetDriverVersion``, ``nvmlSystemGetCudaDriverVersion``.
-        process_names: pid -> ``nvmlSystemGetProcessName`` (another pid raises ``NotFound``).
-        failures: call name -> the exception it raises (change it any time).
-
-    Attributes: ``calls`` (a ``Counter`` of calls by name, failed ones included), ``init_calls``,
-    ``shutdown_calls``, and ``initialised`` (successful inits minus successful shutdowns).
+    ``process_names``: pid -> ``nvmlSystemGetProcessName`` (another pid raises ``NotFound``);
+    ``failures``: call name -> the exception it raises (change it any time); ``calls``: a ``Counter``
+    of calls by name, failed ones included; ``initialised``: successful inits minus shutdowns.
     """
 
     NVMLError = pynvml.NVMLError
@@ -124,13 +114,13 @@ class FakeNvml:
         if failure is not None:
             raise failure
         if not initialised and call != "nvmlInit":
-            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         if handle is None:
             return None
         if handle not in self.devices:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if handle.error is not None:
-            raise _error(DEVICE_ERRORS[handle.error])
+            raise pynvml.NVMLError(DEVICE_ERRORS[handle.error])
         return handle
 
     def nvmlInit(self) -> None:
@@ -154,7 +144,7 @@ class FakeNvml:
     def nvmlSystemGetProcessName(self, pid: int) -> str:
         self._enter("nvmlSystemGetProcessName")
         if int(pid) not in self.process_names:
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return self.process_names[int(pid)]
 
     def nvmlDeviceGetCount(self) -> int:
@@ -165,28 +155,28 @@ class FakeNvml:
         self._enter("nvmlDeviceGetHandleByIndex")
         gpus = [device for device in self.devices if not device.mig]
         if not 0 <= int(index) < len(gpus):
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if gpus[index].error == "no-permission":
-            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
         return gpus[index]
 
     def nvmlDeviceGetHandleByUUID(self, uuid: Union[str, bytes]) -> FakeNvmlDevice:
         self._enter("nvmlDeviceGetHandleByUUID")
         text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
         if not text.startswith(("GPU-", "MIG-")):
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._by_uuid(text)
 
     def _by_uuid(self, uuid: str) -> FakeNvmlDevice:
         found = next((device for device in self.devices if device.uuid == uuid), None)
         if found is None:
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return found
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: Any) -> FakeNvmlDevice:
         device = self._enter("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", handle)
         if not device.mig:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._by_uuid(device.parent or "")
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
@@ -205,7 +195,7 @@ class FakeNvml:
         """``.gpu`` (the device's utilisation) and ``.memory`` (0), like ``c_nvmlUtilization_t``."""
         device = self._enter("nvmlDeviceGetUtilizationRates", handle)
         if device.utilization is None:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(gpu=_read(device.utilization), memory=0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[SimpleNamespace]:
