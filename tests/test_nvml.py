@@ -69,7 +69,7 @@ def machine(gpu0_error=None, gpu1_error=None, devices=None, **kwargs) -> FakeNvm
 
 
 def assert_balanced(nvml: FakeNvml, inits: int) -> None:
-    assert (nvml.init_calls, nvml.shutdown_calls, nvml.initialised) == (inits, inits, 0)
+    assert (nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised) == (inits, inits, 0)
 
 
 @pytest.fixture(autouse=True)
@@ -255,7 +255,7 @@ def test_every_successful_init_is_shut_down_once(failures, devices, started, ini
         sampler.stop()
         sampler.stop()
     expected_initialised = 1 if shutdown_failure is not None else 0  # a failed shutdown is not retried
-    assert (nvml.init_calls, nvml.shutdown_calls, nvml.initialised) == (1, inits, expected_initialised)
+    assert (nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised) == (1, inits, expected_initialised)
     assert sampler.usage() == [] or started is True
 
 
@@ -264,7 +264,7 @@ def test_a_sampler_started_twice_inits_once_and_restarts_after_stop():
     with using_nvml_library(nvml):
         sampler = NvmlSampler(interval_s=3600)
         assert sampler.start() and sampler.start()
-        assert nvml.init_calls == 1
+        assert nvml.calls["nvmlInit"] == 1
         sampler.stop()
         assert sampler.start()
         sampler.stop()
@@ -313,7 +313,7 @@ def run_doctor_check(nvml, name):
     with using_nvml_library(nvml):
         result = doctor.run_check(name)
     failed_inits = int("nvmlInit" in nvml.failures)
-    assert nvml.initialised == 0 and nvml.shutdown_calls == nvml.init_calls - failed_inits
+    assert nvml.initialised == 0 and nvml.calls["nvmlShutdown"] == nvml.calls["nvmlInit"] - failed_inits
     return result
 
 

@@ -456,20 +456,13 @@ def torch_blas(config: str) -> str:
     return "MKL" if "USE_MKL=ON" in config else "none"
 
 
-def _numpy_blas() -> Optional[str]:
-    """The BLAS NumPy was built with (``"scipy-openblas 0.3.27"``); ``None`` without NumPy or the info."""
-    try:
+def _blas() -> Check:
+    torch_lib, numpy_lib = torch_blas(torch.__config__.show()), None
+    with contextlib.suppress(ImportError, TypeError, KeyError):  # NumPy >= 1.26 returns its configuration
         import numpy
 
-        config = numpy.show_config(mode="dicts")  # NumPy >= 1.26: returns, does not print
-    except (ImportError, TypeError):
-        return None
-    blas = (config or {}).get("Build Dependencies", {}).get("blas", {})
-    return f"{blas['name']} {blas.get('version', '')}".strip() if blas.get("name") else None
-
-
-def _blas() -> Check:
-    torch_lib, numpy_lib = torch_blas(torch.__config__.show()), _numpy_blas()
+        numpy_blas = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        numpy_lib = f"{numpy_blas['name']} {numpy_blas.get('version', '')}".strip() if numpy_blas.get("name") else None
     value = f"torch: {torch_lib}; numpy: {numpy_lib or 'not installed or unknown'}"
     details = {"torch": torch_lib, "numpy": numpy_lib}
     if torch_lib == "none":
@@ -491,19 +484,6 @@ def pinned_memory_check(num_bytes: int, seconds: float, pinned_gbps: float, page
     return Check("pinned_memory", "ok", value, details=details)
 
 
-def _copy_gbps(source: torch.Tensor) -> float:
-    """Host-to-``cuda:0`` copies of ``source`` in GB/s (three, after a warm-up)."""
-    device = torch.device("cuda", 0)
-    target, card = torch.empty(source.shape, dtype=source.dtype, device=device), device_layer.device_for(device)
-    target.copy_(source, non_blocking=True)
-    card.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        target.copy_(source, non_blocking=True)
-    card.synchronize()
-    return 3 * source.numel() * source.element_size() / (time.perf_counter() - start) / 1e9
-
-
 def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
     if not device_layer.cuda_hardware_available():
         return Check("pinned_memory", "info", "no CUDA: DataLoader(pin_memory=True) has no GPU copy to speed up")
@@ -514,8 +494,17 @@ def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
     except RuntimeError as error:
         fix = "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use DataLoader(pin_memory=False)"
         return Check("pinned_memory", "fail", f"pinned memory could not be allocated: {error}", fix)
-    pageable = torch.empty(num_bytes, dtype=torch.uint8)
-    return pinned_memory_check(num_bytes, seconds, _copy_gbps(pinned), _copy_gbps(pageable))
+    target, speeds = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0"), []
+    card = device_layer.device_for(target.device)
+    for source in (pinned, torch.empty(num_bytes, dtype=torch.uint8)):  # pinned, then pageable
+        target.copy_(source, non_blocking=True)  # warm-up
+        card.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            target.copy_(source, non_blocking=True)
+        card.synchronize()
+        speeds.append(3 * num_bytes / (time.perf_counter() - start) / 1e9)
+    return pinned_memory_check(num_bytes, seconds, *speeds)
 
 
 def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], path: str = "/dev/shm") -> Check:

@@ -107,16 +107,8 @@ def nvml_library() -> Any:
 
 @contextlib.contextmanager
 def using_nvml_library(library: Any) -> Iterator[Any]:
-    """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest).
-
-    ``library`` has ``pynvml``'s names, or is ``None`` for "nvidia-ml-py is not installed".
-
-    Example::
-
-        >>> with using_nvml_library(None):
-        ...     nvml_library() is None
-        True
-    """
+    """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest):
+    an object with ``pynvml``'s names, or ``None`` for "nvidia-ml-py is not installed"."""
     global _override
     previous, _override = _override, library
     try:
@@ -206,10 +198,8 @@ def visible_gpu_indices(
 
     Example::
 
-        >>> visible_gpu_indices(["GPU-aa", "GPU-bb"], "MIG-cc,0", mig_parents={"MIG-cc": "GPU-bb"})
+        >>> visible_gpu_indices(["GPU-aa", "GPU-bb"], "MIG-cc,0,7,1", mig_parents={"MIG-cc": "GPU-bb"})
         [1, 0]
-        >>> visible_gpu_indices(["GPU-aa", "GPU-bb"], "MIG-GPU-bb/1/0"), visible_gpu_indices(["GPU-aa"], "0,3,0")
-        ([1], [0])
     """
     env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
     entries = _visible_entries(gpu_uuids, env, mig_parents or {})

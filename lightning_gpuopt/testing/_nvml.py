@@ -13,7 +13,7 @@ Example::
     >>> nvml.nvmlDeviceGetUtilizationRates(nvml.nvmlDeviceGetHandleByIndex(0)).gpu
     87
     >>> nvml.nvmlShutdown()
-    >>> nvml.init_calls, nvml.shutdown_calls, nvml.initialised
+    >>> nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised
     (1, 1, 0)
 """
 
@@ -97,14 +97,6 @@ class FakeNvml:
         self.calls: collections.Counter[str] = collections.Counter()
         self.initialised = 0
         self._lock = threading.Lock()
-
-    @property
-    def init_calls(self) -> int:
-        return self.calls["nvmlInit"]
-
-    @property
-    def shutdown_calls(self) -> int:
-        return self.calls["nvmlShutdown"]
 
     def _enter(self, call: str, handle: Any = None) -> Any:
         """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``, if any."""
