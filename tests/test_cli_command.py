@@ -508,7 +508,7 @@ def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(cores + 1)
-        check = doctor.check_torch_threads()
+        check = doctor.run_check("torch_threads")
     finally:
         torch.set_num_threads(threads)
     assert check.status == "warn" and check.details["threads"] == cores + 1
@@ -516,7 +516,7 @@ def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch
 
     # several processes on one host (torchrun's LOCAL_WORLD_SIZE), one thread each: still too many
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
-    check = doctor.check_torch_threads()
+    check = doctor.run_check("torch_threads")
     assert check.status == "warn" and check.details["processes"] == 2 * cores
     assert "torch.set_num_threads(1)" in check.fix
 
@@ -526,13 +526,13 @@ def test_thread_check_flags_oversubscription_with_real_torch_threads(monkeypatch
 
 def test_shm_check_reads_a_real_statvfs(tmp_path):
     stat = os.statvfs(tmp_path)
-    check = doctor.check_shared_memory(str(tmp_path))
+    check = doctor.run_check("shm", str(tmp_path))
     assert check.details["total_bytes"] == stat.f_frsize * stat.f_blocks
     assert 0 <= check.details["free_bytes"] <= check.details["total_bytes"]
     small = check.details["total_bytes"] < doctor.SHM_WARN_BYTES or check.details["free_bytes"] < doctor.SHM_WARN_BYTES
     assert check.status == ("warn" if small else "ok")
 
-    missing = doctor.check_shared_memory(str(tmp_path / "no-such-dir"))
+    missing = doctor.run_check("shm", str(tmp_path / "no-such-dir"))
     assert missing.status == "warn" and "num_workers=0" in missing.fix
     docker_default = doctor.shared_memory_check(64 * 2**20, 64 * 2**20)
     assert docker_default.status == "warn" and "--shm-size" in docker_default.fix
@@ -540,7 +540,7 @@ def test_shm_check_reads_a_real_statvfs(tmp_path):
 
 def test_cpu_cores_check_against_a_cgroup_quota():
     count, affinity = os.cpu_count(), len(os.sched_getaffinity(0))
-    assert doctor.check_cpu_cores().details == {
+    assert doctor.run_check("cpu_cores").details == {
         "cpu_count": count,
         "affinity": affinity,
         "cgroup_quota": doctor.cgroup_cpu_quota(),
@@ -557,10 +557,10 @@ def test_one_core_count_the_affinity_within_the_cgroup_quota(monkeypatch):
     # the loader tuner, the data-wait monitor, its oversubscription finding, the doctor's thread
     # check: half a core, rounded up
     assert usable_cpu_count() == 1
-    assert doctor.check_torch_threads().details["cores"] == 1
+    assert doctor.run_check("torch_threads").details["cores"] == 1
     # the doctor's core check reports the affinity and the quota apart
     assert usable_cpu_count(within_quota=False) == affinity
-    assert doctor.check_cpu_cores().details["affinity"] == affinity
+    assert doctor.run_check("cpu_cores").details["affinity"] == affinity
     monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: affinity + 1.5)
     assert usable_cpu_count() == affinity
     monkeypatch.setattr(loader, "cgroup_cpu_quota", lambda: None)
@@ -605,7 +605,7 @@ def test_architecture_support_and_card_peaks():
 
 
 def test_blas_of_the_installed_torch():
-    check = doctor.check_blas()
+    check = doctor.run_check("blas")
     assert check.details["torch"] == doctor.torch_blas(torch.__config__.show()) != "none"
     assert check.status in ("ok", "info")
 
@@ -615,5 +615,5 @@ def test_a_check_that_raises_becomes_a_warning_naming_the_error(monkeypatch):
         raise PermissionError("sched_getaffinity denied")
 
     monkeypatch.setattr(doctor, "usable_cpu_count", broken)
-    check = doctor.check_torch_threads()
+    check = doctor.run_check("torch_threads")
     assert check.status == "warn" and "PermissionError: sched_getaffinity denied" in check.value

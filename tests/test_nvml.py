@@ -9,6 +9,7 @@ import os
 
 import pynvml
 import pytest
+import torch
 
 from lightning_gpuopt.core import doctor
 from lightning_gpuopt.core.nvml import NvmlSampler, nvml_library, using_nvml_library, visible_gpu_indices
@@ -68,7 +69,7 @@ def machine(gpu0_error=None, gpu1_error=None, devices=None, **kwargs) -> FakeNvm
 
 
 def assert_balanced(nvml: FakeNvml, inits: int) -> None:
-    assert (nvml.init_calls, nvml.shutdown_calls, nvml.initialised) == (inits, inits, 0)
+    assert (nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised) == (inits, inits, 0)
 
 
 @pytest.fixture(autouse=True)
@@ -254,7 +255,7 @@ def test_every_successful_init_is_shut_down_once(failures, devices, started, ini
         sampler.stop()
         sampler.stop()
     expected_initialised = 1 if shutdown_failure is not None else 0  # a failed shutdown is not retried
-    assert (nvml.init_calls, nvml.shutdown_calls, nvml.initialised) == (1, inits, expected_initialised)
+    assert (nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised) == (1, inits, expected_initialised)
     assert sampler.usage() == [] or started is True
 
 
@@ -263,7 +264,7 @@ def test_a_sampler_started_twice_inits_once_and_restarts_after_stop():
     with using_nvml_library(nvml):
         sampler = NvmlSampler(interval_s=3600)
         assert sampler.start() and sampler.start()
-        assert nvml.init_calls == 1
+        assert nvml.calls["nvmlInit"] == 1
         sampler.stop()
         assert sampler.start()
         sampler.stop()
@@ -308,17 +309,17 @@ def test_sampler_resolves_mig_uuids_in_cuda_visible_devices(monkeypatch, env, vi
 # --------------------------------------------------------------------------- gpuopt doctor
 
 
-def run_doctor_check(nvml, check):
+def run_doctor_check(nvml, name):
     with using_nvml_library(nvml):
-        result = check()
+        result = doctor.run_check(name)
     failed_inits = int("nvmlInit" in nvml.failures)
-    assert nvml.initialised == 0 and nvml.shutdown_calls == nvml.init_calls - failed_inits
+    assert nvml.initialised == 0 and nvml.calls["nvmlShutdown"] == nvml.calls["nvmlInit"] - failed_inits
     return result
 
 
 def test_doctor_gpus_reads_every_gpu_and_mig_mode_has_no_utilisation():
     nvml = machine()
-    check = run_doctor_check(nvml, doctor.check_gpus)
+    check = run_doctor_check(nvml, "gpus")
     gpus = check.details["gpus"]
     assert [(gpu["index"], gpu["uuid"], gpu["visible"]) for gpu in gpus] == [(0, GPU0, True), (1, GPU1, True)]
     assert (gpus[0]["memory_used_bytes"], gpus[0]["memory_total_bytes"], gpus[0]["utilization_percent"]) == (
@@ -333,7 +334,7 @@ def test_doctor_gpus_reads_every_gpu_and_mig_mode_has_no_utilisation():
 
 @pytest.mark.parametrize("error", ["no-permission", "not-supported"])
 def test_doctor_gpus_reports_a_failing_gpu_and_checks_the_others(error):
-    check = run_doctor_check(machine(gpu0_error=error), doctor.check_gpus)
+    check = run_doctor_check(machine(gpu0_error=error), "gpus")
     assert "could not run" not in check.value
     failing, working = check.details["gpus"]
     assert failing["index"] == 0 and failing["error"] and failing["memory_used_bytes"] is None
@@ -343,38 +344,116 @@ def test_doctor_gpus_reports_a_failing_gpu_and_checks_the_others(error):
 
 def test_doctor_gpus_with_a_mig_instance_in_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG)
-    check = run_doctor_check(machine(), doctor.check_gpus)
+    check = run_doctor_check(machine(), "gpus")
     assert [gpu["visible"] for gpu in check.details["gpus"]] == [False, True]
     assert "0: NVIDIA A100-SXM4-80GB, 1.0/80.0 GiB used, 30% busy [hidden by CUDA_VISIBLE_DEVICES]" in check.value
 
 
 def test_doctor_processes_lists_other_processes_on_every_readable_gpu():
-    check = run_doctor_check(machine(), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(), "gpu_processes")
     assert check.status == "warn"
     assert check.details["processes"] == [
         {"gpu": 0, "pid": OTHER_PID, "name": "python3", "memory_bytes": 2 * GIB},
         {"gpu": 1, "pid": MIG_PID, "name": "trainer", "memory_bytes": GIB},  # on GPU 1's MIG instance
     ]
 
-    check = run_doctor_check(machine(gpu0_error="no-permission"), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(gpu0_error="no-permission"), "gpu_processes")
     assert check.details["processes"] == [{"gpu": 1, "pid": MIG_PID, "name": "trainer", "memory_bytes": GIB}]
     assert "GPU 0" in check.value and "NoPermission" in check.value
 
-    check = run_doctor_check(machine(devices=[FakeNvmlDevice("NVIDIA T4", GPU0, 16 * GIB)]), doctor.check_gpu_processes)
+    check = run_doctor_check(machine(devices=[FakeNvmlDevice("NVIDIA T4", GPU0, 16 * GIB)]), "gpu_processes")
     assert check.status == "ok"
 
 
 def test_doctor_driver_check_reads_nvml_and_says_when_nvml_is_missing():
-    check = run_doctor_check(machine(cuda_driver_version=12080, driver_version="570.86.10"), doctor.check_cuda_driver)
+    check = run_doctor_check(machine(cuda_driver_version=12080, driver_version="570.86.10"), "cuda_driver")
     assert "driver supports CUDA 12.8 (driver 570.86.10)" in check.value
     assert check.details["driver_cuda"] == "12.8" and check.details["driver"] == "570.86.10"
 
     with using_nvml_library(None):
-        assert doctor.check_cuda_driver().value.startswith("no NVIDIA driver")
+        assert doctor.run_check("cuda_driver").value.startswith("no NVIDIA driver")
         if not doctor.torch.cuda.is_available():
-            gpus = doctor.check_gpus()
+            gpus = doctor.run_check("gpus")
             assert gpus.status == "warn" and "nvidia-ml-py (pynvml) is not installed" in gpus.value
 
     failing = machine(failures={"nvmlInit": pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)})
-    check = run_doctor_check(failing, doctor.check_gpu_processes)
+    check = run_doctor_check(failing, "gpu_processes")
     assert check.status == "info" and "Driver Not Loaded" in check.value
+
+
+# --------------------------------------------------------------------------- the doctor's judgements of what only a card shows
+
+
+@pytest.mark.parametrize(
+    "build, available, gpus, status, says",
+    [
+        (
+            None,
+            False,
+            2,
+            "fail",
+            "torch 2.5.1, CUDA build none (CPU-only wheel), but the driver shows 2 visible GPU(s)",
+        ),
+        ("12.4", False, 1, "fail", "cuDNN 90100, the driver shows 1 visible GPU(s) but CUDA is not available"),
+        ("12.4", False, 0, "info", "cuDNN 90100; no visible GPU, so it runs on the CPU"),
+        ("12.4", True, 1, "ok", "torch 2.5.1, CUDA build 12.4, cuDNN 90100"),
+        (None, False, 0, "info", "torch 2.5.1, CUDA build none (CPU-only wheel)"),
+    ],
+)
+def test_torch_build_against_the_gpus_the_driver_shows(build, available, gpus, status, says):
+    check = doctor.torch_build_check("2.5.1", build, 90100 if build else None, available, gpus)
+    assert (check.status, check.details["cuda_available"]) == (status, available) and says in check.value
+    assert bool(check.fix) == (status == "fail")
+
+
+def test_gpu_arch_names_each_device_and_judges_the_worst():
+    check = doctor.gpu_arch_check([(9, 0), (12, 0)], ["sm_90", "compute_90"])
+    assert check.value == "cuda:0 sm_90 (native), cuda:1 sm_120 (ptx); wheel has sm_90 compute_90"
+    assert check.status == "warn" and "JIT-compiled from PTX" in check.fix
+    assert doctor.gpu_arch_check([(8, 6)], ["sm_80"]).status == "ok"
+    none = doctor.gpu_arch_check([(7, 5)], ["sm_80"])
+    assert (
+        none.status == "fail"
+        and "no kernels for the GPU" in none.fix
+        and none.details["devices"] == ["cuda:0 sm_75 (none)"]
+    )
+
+
+def test_gpu_matmul_against_the_cards_datasheet():
+    check = doctor.gpu_matmul_check("NVIDIA A100-SXM4-80GB", {"fp32": 18.0, "tf32": 40.0}, size=8192)
+    assert check.value == (
+        "cuda:0 NVIDIA A100-SXM4-80GB (datasheet: A100, dense): fp32 18.0 TFLOP/s (92% of 19.5), "
+        "tf32 40.0 TFLOP/s (26% of 156); 8192x8192"
+    )
+    assert check.status == "warn" and check.fix.startswith("tf32 below 40% of the datasheet peak")
+    assert check.details == {
+        "device": "NVIDIA A100-SXM4-80GB",
+        "card": "A100",
+        "size": 8192,
+        "tflops": {"fp32": 18.0, "tf32": 40.0},
+        "peak_tflops": {"fp32": 19.5, "tf32": 156.0},
+    }
+    fast = doctor.gpu_matmul_check("NVIDIA H100 80GB HBM3", {"fp32": 50.0, "tf32": 400.0, "bf16": 700.0}, 8192)
+    assert (fast.status, fast.fix) == ("ok", "")
+    unknown = doctor.gpu_matmul_check("NVIDIA RTX PRO 6000", {"fp32": 50.0}, 4096)
+    assert unknown.status == "info" and "(unknown card, no datasheet figures): fp32 50.0 TFLOP/s;" in unknown.value
+    assert unknown.details["card"] is None and unknown.details["peak_tflops"] is None
+
+
+def test_pinned_memory_report():
+    check = doctor.pinned_memory_check(64 * 2**20, 0.0042, pinned_gbps=24.6, pageable_gbps=11.2)
+    assert check.value == "64 MiB pinned in 4.2 ms; host-to-GPU copies: pinned 24.6 GB/s, pageable 11.2 GB/s"
+    assert (check.status, check.details["allocate_seconds"]) == ("ok", 0.0042)
+
+
+def test_a_card_that_cannot_run_a_matmul_or_pin_memory_is_a_failure(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(doctor.device_layer, "cuda_hardware_available", lambda: True)
+    monkeypatch.setattr(doctor.device_layer, "device_for", no_kernel)
+    matmul = doctor.run_check("matmul", 0.1)
+    assert matmul.status == "fail" and matmul.value.startswith("a matmul on cuda:0 failed: RuntimeError: CUDA error")
+    if not torch.cuda.is_available():  # a CPU-only torch cannot pin memory
+        pinned = doctor.run_check("pinned_memory")
+        assert pinned.status == "fail" and "ulimit -l unlimited" in pinned.fix

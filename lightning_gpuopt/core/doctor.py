@@ -1,46 +1,33 @@
-"""Environment checks for GPU training, each with a status and a fix (``gpuopt doctor``).
+"""``gpuopt doctor``: environment checks for GPU training, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library (``pynvml`` and ``numpy`` are used when importable; no Lightning).
-NVML is reached through :func:`lightning_gpuopt.core.nvml.nvml_library` (a fake can stand in for
-it), and a GPU NVML refuses (``NoPermission``, ...) is reported by the NVML checks while the
-other GPUs are still checked.
-Every check is one small function that returns a :class:`Check`; a check never raises: an
-error inside it becomes a "warn" (or, where the error itself is the finding, a "fail") whose value
-names the error. A machine without a GPU gets statuses that say so, with the fix, not an exception.
+Pure torch + standard library (no Lightning); NVML through :mod:`.nvml`, so a fake can answer. What
+only a real card runs reads it and hands the figures to a pure function that judges them
+(``*_check``). :func:`run_check` turns an exception inside a check into a "warn" naming it: a check
+never raises, and a machine without a GPU gets statuses that say so. The checks (:data:`CHECKS`):
 
-The checks, in the order :func:`run_checks` runs them (``Check.name``):
-
-* ``torch_build``: torch's version and the CUDA version it was built for; a CPU-only wheel on a
-  machine whose driver shows GPUs is a "fail".
-* ``cuda_driver``: the CUDA version the driver supports (NVML, through :mod:`.nvml`)
-  against ``torch.version.cuda``: an older driver major is a "fail", an older minor a "warn".
-* ``gpu_arch``: each GPU's compute capability against the kernels in the wheel
-  (``cuda_arch_list()`` of :mod:`.device`): missing is a "fail", only PTX (JIT at start-up) a "warn".
-* ``gpus``: the GPUs NVML shows, which of them ``CUDA_VISIBLE_DEVICES`` leaves visible, their
-  memory and current utilisation; none at all is a "warn" (training runs on the CPU), a visible
-  GPU already busy before training, or one NVML cannot read, is a "warn".
-* ``gpu_processes``: other processes computing on the visible GPUs
-  (NVML's compute processes) and the memory they hold; a GPU whose processes
-  NVML cannot read is a "warn".
-* ``matmul``: a short matmul benchmark; on a GPU fp32, tf32 and bf16 TFLOP/s against the card's
-  dense datasheet peaks (:data:`CARD_PEAKS`; below :data:`MATMUL_WARN_FRACTION` is a "warn"); on
-  the CPU fp32 (and bf16) GFLOP/s as "info".
-* ``cpu_cores``: ``os.cpu_count()`` against the process's CPU affinity and the cgroup CPU quota.
-* ``torch_threads``: torch's intra-op threads times the processes on this host (``LOCAL_WORLD_SIZE``)
-  against the usable cores: more is oversubscription, a "warn".
-* ``blas``: the BLAS library torch (``torch.__config__.show()``) and NumPy (``numpy.show_config``)
-  were built with (MKL, OpenBLAS, ...).
-* ``pinned_memory``: whether page-locked host memory can be allocated, and host-to-GPU copy speed
-  pinned vs pageable (only with CUDA).
-* ``shm``: the size of ``/dev/shm``, through which DataLoader workers hand batches over; below
-  :data:`SHM_WARN_BYTES` is a "warn" with Docker's ``--shm-size`` fix.
+* ``torch_build``: torch's version and CUDA build; a CPU-only wheel, or CUDA unavailable, while the
+  driver shows visible GPUs is a "fail".
+* ``cuda_driver``: the driver's CUDA version against ``torch.version.cuda``: an older major is a
+  "fail", an older minor a "warn".
+* ``gpu_arch``: each GPU's compute capability against the wheel's kernels: none is a "fail", only
+  PTX (JIT-compiled at start-up) a "warn".
+* ``gpus``: the GPUs NVML shows, which ``CUDA_VISIBLE_DEVICES`` leaves visible, their memory and
+  utilisation; none visible, or a visible one busy (:data:`BUSY_UTILISATION`,
+  :data:`BUSY_MEMORY_FRACTION`) or unreadable, is a "warn".
+* ``gpu_processes``: other processes on the visible GPUs and the memory they hold, and GPUs whose
+  processes NVML cannot read: a "warn".
+* ``matmul``: fp32, tf32 and bf16 TFLOP/s against the card's dense datasheet peak (:data:`CARD_PEAKS`;
+  below :data:`MATMUL_WARN_FRACTION` is a "warn"); GFLOP/s on the CPU.
+* ``cpu_cores``: ``os.cpu_count()`` against the CPU affinity and the cgroup quota.
+* ``torch_threads``: intra-op threads times the processes on this host (``LOCAL_WORLD_SIZE``)
+  against the usable cores: more is a "warn".
+* ``blas``: the BLAS of torch (none is a "warn") and of NumPy.
+* ``pinned_memory``: page-locked host memory, and host-to-GPU copies pinned vs pageable.
+* ``shm``: the size and free space of ``/dev/shm``, through which DataLoader workers hand batches
+  over; below :data:`SHM_WARN_BYTES` is a "warn".
 
 Example::
 
-    >>> torch_threads_check(threads=8, cores=4).status          # 8 threads on 4 cores
-    'warn'
-    >>> cuda_driver_check(build="12.4", driver=12080).status     # a newer driver runs older builds
-    'ok'
     >>> card_peaks("NVIDIA H100 80GB HBM3").bf16                  # dense bf16 TFLOP/s of an H100 SXM
     989.4
     >>> worst_status([Check("a", "ok", ""), Check("b", "warn", "")])
@@ -50,39 +37,25 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from lightning_gpuopt.core import device as device_layer
+from lightning_gpuopt.core import nvml
 from lightning_gpuopt.core.loader import cgroup_cpu_quota, usable_cpu_count
-from lightning_gpuopt.core.nvml import (
-    NvmlDevice,
-    compute_processes,
-    driver_versions,
-    error_text,
-    memory_info,
-    nvml_devices,
-    nvml_session,
-    process_name,
-    utilisation_percent,
-)
 
 #: statuses from best to worst
 STATUSES = ("ok", "info", "warn", "fail")
-
 #: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
 SHM_WARN_BYTES = 2**30
-
 #: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
 MATMUL_WARN_FRACTION = 0.4
-
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
 BUSY_UTILISATION = 20
 BUSY_MEMORY_FRACTION = 0.10
@@ -92,10 +65,8 @@ _GIB = 2**30
 
 @dataclass
 class Check:
-    """One finding: ``status`` is "ok", "info", "warn" or "fail"; ``fix`` says what to do about it.
-
-    ``details`` holds the measured figures for machines (the JSON output), e.g. TFLOP/s per dtype.
-    """
+    """One finding: ``status`` is one of :data:`STATUSES`, ``value`` what was found, ``fix`` what to
+    do about it; ``details`` holds the measured figures for machines (the JSON output)."""
 
     name: str
     status: str
@@ -109,138 +80,66 @@ def worst_status(checks: list[Check]) -> str:
     return max((check.status for check in checks), key=STATUSES.index, default="ok")
 
 
-def _guarded(name: str) -> Callable[[Callable[..., Check]], Callable[..., Check]]:
-    """Turn an exception raised inside a check into a "warn" that names it."""
-
-    def decorate(check: Callable[..., Check]) -> Callable[..., Check]:
-        @functools.wraps(check)
-        def run(*args: Any, **kwargs: Any) -> Check:
-            try:
-                return check(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - a check reports, it never raises
-                return Check(
-                    name,
-                    "warn",
-                    f"the check could not run: {type(error).__name__}: {error}",
-                    "this is a gap in the diagnosis, not necessarily a problem; run the check's steps by hand",
-                )
-
-        return run
-
-    return decorate
+# ----------------------------------------------------------------------------- torch build, driver, architecture
 
 
-# ----------------------------------------------------------------------------- NVML
-
-
-def _visible_gpu_count() -> int:
-    """GPUs the driver shows that ``CUDA_VISIBLE_DEVICES`` leaves visible (0 without a driver)."""
-    with nvml_session() as (lib, _):
-        return 0 if lib is None else sum(gpu.visible for gpu in nvml_devices(lib))
-
-
-# ----------------------------------------------------------------------------- torch build and driver
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
-
-
-def cuda_version_text(driver_version: int) -> str:
-    """NVML's integer CUDA version as text.
-
-    Example::
-
-        >>> cuda_version_text(12040)
-        '12.4'
-    """
-    return f"{driver_version // 1000}.{driver_version % 1000 // 10}"
-
-
-def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_release: str = "") -> Check:
-    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (``12040``).
-
-    Example::
-
-        >>> cuda_driver_check(build="12.4", driver=11080).status, cuda_driver_check("12.4", 12020).status
-        ('fail', 'warn')
-    """
-    name = "cuda_driver"
-    release = f" (driver {driver_release})" if driver_release else ""
-    torch_text = "a CPU-only build" if build is None else f"built for CUDA {build}"
-    if driver is None:
-        return Check(name, "info", f"no NVIDIA driver; torch is {torch_text}")
-    supported = cuda_version_text(driver)
-    details = {"driver_cuda": supported, "torch_cuda": build, "driver": driver_release or None}
-    if build is None:
-        return Check(
-            name, "info", f"driver supports CUDA {supported}{release}; torch is a CPU-only build", details=details
-        )
-    value = f"driver supports CUDA {supported}{release}; torch built for CUDA {build}"
-    fix = (
-        f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} "
-        f"(pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)"
-    )
-    have, need = _version_tuple(supported), _version_tuple(build)
-    if have >= need:
-        return Check(name, "ok", value, details=details)
-    if have[:1] == need[:1]:
-        return Check(
-            name,
-            "warn",
-            value + " (older minor: runs by minor-version compatibility, but PTX JIT and newer features can fail)",
-            fix,
-            details,
-        )
-    return Check(name, "fail", value + ": the driver is too old, CUDA cannot start", fix, details)
-
-
-@_guarded("torch_build")
-def check_torch_build() -> Check:
-    """torch's version and CUDA build; a CPU-only wheel on a GPU machine is a "fail"."""
-    build = torch.version.cuda
-    cudnn = torch.backends.cudnn.version() if build else None
-    value = f"torch {torch.__version__}, CUDA build {build or 'none (CPU-only wheel)'}"
-    value += f", cuDNN {cudnn}" if cudnn else ""
-    details = {
-        "torch": torch.__version__,
-        "cuda": build,
-        "cudnn": cudnn,
-        "cuda_available": device_layer.cuda_hardware_available(),
-    }
-    gpus = _visible_gpu_count()
+def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
+    """Judge torch's ``version``, CUDA ``build`` and cuDNN, CUDA being ``available``, and the visible ``gpus``."""
+    value = f"torch {version}, CUDA build {build or 'none (CPU-only wheel)'}" + (f", cuDNN {cudnn}" if cudnn else "")
+    details = {"torch": version, "cuda": build, "cudnn": cudnn, "cuda_available": available}
     if build is None and gpus:
-        return Check(
-            "torch_build",
-            "fail",
-            f"{value}, but the driver shows {gpus} visible GPU(s)",
-            "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 "
-            "(pick the CUDA version the driver supports, see cuda_driver)",
-            details,
-        )
-    if build is not None and not device_layer.cuda_hardware_available():
-        if gpus:
-            return Check(
-                "torch_build",
-                "fail",
-                f"{value}, the driver shows {gpus} visible GPU(s) but CUDA is not available",
-                "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES",
-                details,
-            )
+        fix = "install a CUDA wheel: pip install torch --index-url https://download.pytorch.org/whl/cu124 (pick the CUDA version the driver supports, see cuda_driver)"
+        return Check("torch_build", "fail", f"{value}, but the driver shows {gpus} visible GPU(s)", fix, details)
+    if build is not None and not available and gpus:
+        value += f", the driver shows {gpus} visible GPU(s) but CUDA is not available"
+        fix = "see cuda_driver (a driver too old for the build) and CUDA_VISIBLE_DEVICES"
+        return Check("torch_build", "fail", value, fix, details)
+    if build is not None and not available:
         return Check("torch_build", "info", f"{value}; no visible GPU, so it runs on the CPU", details=details)
     return Check("torch_build", "ok" if build else "info", value, details=details)
 
 
-@_guarded("cuda_driver")
-def check_cuda_driver() -> Check:
-    """The driver's CUDA version (NVML) against ``torch.version.cuda``."""
-    with nvml_session() as (lib, _why):
-        if lib is None:
-            return cuda_driver_check(torch.version.cuda, None)
-        return cuda_driver_check(
-            torch.version.cuda,
-            *driver_versions(lib),
-        )
+def _torch_build() -> Check:
+    build = torch.version.cuda
+    with nvml.nvml_session() as (lib, _):
+        gpus = 0 if lib is None else sum(gpu.visible for gpu in nvml.nvml_devices(lib)[0])
+    cudnn = torch.backends.cudnn.version() if build else None
+    return torch_build_check(torch.__version__, build, cudnn, device_layer.cuda_hardware_available(), gpus)
+
+
+def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_release: str = "") -> Check:
+    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (NVML's ``12040``).
+
+    Example::
+
+        >>> cuda_driver_check("12.4", 12080, "570.86.10").value
+        'driver supports CUDA 12.8 (driver 570.86.10); torch built for CUDA 12.4'
+        >>> cuda_driver_check(build="12.4", driver=11080).status, cuda_driver_check("12.4", 12020).status
+        ('fail', 'warn')
+    """
+    if driver is None:
+        torch_text = "a CPU-only build" if build is None else f"built for CUDA {build}"
+        return Check("cuda_driver", "info", f"no NVIDIA driver; torch is {torch_text}")
+    supported = f"{driver // 1000}.{driver % 1000 // 10}"
+    value = f"driver supports CUDA {supported}" + (f" (driver {driver_release})" if driver_release else "")
+    details = {"driver_cuda": supported, "torch_cuda": build, "driver": driver_release or None}
+    if build is None:
+        return Check("cuda_driver", "info", f"{value}; torch is a CPU-only build", details=details)
+    value += f"; torch built for CUDA {build}"
+    have, need = (tuple(int(part) for part in re.findall(r"\d+", text)[:2]) for text in (supported, build))
+    if have >= need:
+        return Check("cuda_driver", "ok", value, details=details)
+    fix = f"install a driver that supports CUDA {build}, or a torch wheel built for CUDA <= {supported} (pip install torch --index-url https://download.pytorch.org/whl/cuXYZ)"
+    if have[:1] == need[:1]:
+        value += " (older minor: runs by minor-version compatibility, but PTX JIT and newer features can fail)"
+        return Check("cuda_driver", "warn", value, fix, details)
+    return Check("cuda_driver", "fail", value + ": the driver is too old, CUDA cannot start", fix, details)
+
+
+def _cuda_driver() -> Check:
+    with nvml.nvml_session() as (lib, _):
+        driver, release = nvml.driver_versions(lib) if lib is not None else (None, "")
+    return cuda_driver_check(torch.version.cuda, driver, release)
 
 
 def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
@@ -254,203 +153,117 @@ def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
         >>> arch_support((12, 0), ["sm_80", "sm_90"])
         'none'
     """
-    major, minor = capability
     native = ptx = False
     for arch in arch_list:
         match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-        if match is None:
-            continue
-        kind, arch_major, arch_minor = match.group(1), int(match.group(2)), int(match.group(3))
-        if kind == "sm" and arch_major == major and arch_minor <= minor and not arch.endswith(("a", "f")):
-            native = True
-        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
-            ptx = True
+        if match is not None:
+            kind, built = match.group(1), (int(match.group(2)), int(match.group(3)))
+            native |= (
+                kind == "sm" and built[0] == capability[0] and built <= capability and not arch.endswith(("a", "f"))
+            )
+            ptx |= kind == "compute" and built <= capability
     return "native" if native else "ptx" if ptx else "none"
 
 
-@_guarded("gpu_arch")
-def check_gpu_architecture() -> Check:
-    """Each CUDA device's compute capability against the kernels in the wheel."""
+#: ``arch_support`` -> (status, fix), best first
+_ARCH_VERDICTS = {
+    "native": ("ok", ""),
+    "ptx": ("warn", "kernels are JIT-compiled from PTX at start-up (slow first steps); install a wheel with native kernels for the GPU"),
+    "none": ("fail", "this torch wheel has no kernels for the GPU: install a newer torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)"),
+}  # fmt: skip
+
+
+def gpu_arch_check(capabilities: list[tuple[int, int]], arch_list: list[str]) -> Check:
+    """Judge the compute capability of each CUDA device (``cuda:i`` order) against the wheel's ``arch_list``."""
+    supports = [arch_support(capability, arch_list) for capability in capabilities]
+    found = [f"cuda:{i} sm_{cc[0]}{cc[1]} ({support})" for i, (cc, support) in enumerate(zip(capabilities, supports))]
+    status, fix = _ARCH_VERDICTS[max(supports, key=list(_ARCH_VERDICTS).index, default="native")]
+    value = f"{', '.join(found)}; wheel has {' '.join(arch_list)}"
+    return Check("gpu_arch", status, value, fix, {"devices": found, "arch_list": arch_list})
+
+
+def _gpu_arch() -> Check:
     if not device_layer.cuda_hardware_available():
         return Check("gpu_arch", "info", "no CUDA device")
-    arch_list = device_layer.cuda_arch_list()
-    found, worst = [], "native"
-    for index in range(device_layer.cuda_device_count()):
-        capability = device_layer.device_for(index).capabilities.compute_capability or (0, 0)
-        support = arch_support(capability, arch_list)
-        found.append(f"cuda:{index} sm_{capability[0]}{capability[1]} ({support})")
-        worst = max(worst, support, key=["native", "ptx", "none"].index)
-    value = f"{', '.join(found)}; wheel has {' '.join(arch_list)}"
-    details = {"devices": found, "arch_list": arch_list}
-    if worst == "none":
-        return Check(
-            "gpu_arch",
-            "fail",
-            value,
-            "this torch wheel has no kernels for the GPU: install a newer "
-            "torch built for its architecture (e.g. a cu128 wheel for Blackwell sm_100/sm_120)",
-            details,
-        )
-    if worst == "ptx":
-        return Check(
-            "gpu_arch",
-            "warn",
-            value,
-            "kernels are JIT-compiled from PTX at start-up (slow first steps); "
-            "install a wheel with native kernels for the GPU",
-            details,
-        )
-    return Check("gpu_arch", "ok", value, details=details)
+    count = device_layer.cuda_device_count()
+    capabilities = [device_layer.device_for(i).capabilities.compute_capability or (0, 0) for i in range(count)]
+    return gpu_arch_check(capabilities, device_layer.cuda_arch_list())
 
 
 # ----------------------------------------------------------------------------- GPUs and their processes
 
-
-_NO_GPU_FIX = (
-    "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with "
-    "`--gpus all`, and check CUDA_VISIBLE_DEVICES"
-)
+_NO_GPU_FIX = "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with `--gpus all`, and check CUDA_VISIBLE_DEVICES"
 
 
-_UNREADABLE_FIX = (
-    "NVML could not read GPU(s) {gpus}: NoPermission means this user may not query the device "
-    "(run as a user in the video group, or ask the admin), other errors: check nvidia-smi and "
-    "the driver's logs"
-)
-
-
-def _gpu_row(lib: Any, gpu: NvmlDevice) -> tuple[str, dict[str, Any]]:
-    """The text and the details of one GPU; an NVML error on it is reported in both, not raised."""
+def _gpu_reading(lib: Any, gpu: nvml.NvmlDevice) -> tuple[str, dict[str, Any]]:
+    """One GPU's line of the ``gpus`` check and its details; NVML's error on it is in ``error``, not raised."""
     hidden = "" if gpu.visible else " [hidden by CUDA_VISIBLE_DEVICES]"
-    detail: dict[str, Any] = {
-        "index": gpu.index,
-        "name": gpu.name,
-        "uuid": gpu.uuid,
-        "visible": gpu.visible,
-        "memory_used_bytes": None,
-        "memory_total_bytes": None,
-        "utilization_percent": None,
+    reading = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "visible": gpu.visible}
+    try:
+        if gpu.error is None:
+            util, used, total = nvml.read_usage(lib, gpu.handle)
+            text = f"{gpu.index}: {gpu.name}, {used / _GIB:.1f}/{total / _GIB:.1f} GiB used, {'n/a' if util is None else util}% busy{hidden}"
+            return text, reading | {"memory_used_bytes": used, "memory_total_bytes": total, "utilization_percent": util}
+    except lib.NVMLError as error:
+        gpu.error = nvml.error_text(error)
+    text = f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({gpu.error}){hidden}"
+    return text, reading | dict.fromkeys(("memory_used_bytes", "memory_total_bytes", "utilization_percent")) | {
+        "error": gpu.error
     }
-    error = gpu.error
-    if gpu.handle is not None and error is None:
-        try:
-            memory = memory_info(lib, gpu.handle)
-        except lib.NVMLError as failure:
-            error = error_text(failure)
-        else:
-            util = utilisation_percent(lib, gpu.handle)
-            detail.update(
-                memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total), utilization_percent=util
-            )
-            return (
-                f"{gpu.index}: {gpu.name}, {memory.used / _GIB:.1f}/{memory.total / _GIB:.1f} GiB used, "
-                f"{'n/a' if util is None else util}% busy{hidden}"
-            ), detail
-    detail["error"] = error
-    return f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({error}){hidden}", detail
 
 
-def _is_busy(detail: dict[str, Any]) -> bool:
-    used, total = detail["memory_used_bytes"], detail["memory_total_bytes"]
-    memory_full = used is not None and total and used > BUSY_MEMORY_FRACTION * total
-    return bool(detail["visible"] and ((detail["utilization_percent"] or 0) > BUSY_UTILISATION or memory_full))
+def _gpus() -> Check:
+    with nvml.nvml_session() as (lib, why):
+        rows = None if lib is None else [_gpu_reading(lib, gpu) for gpu in nvml.nvml_devices(lib)[0]]
+    if rows is None:
+        if device_layer.cuda_hardware_available():
+            names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
+            return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
+        return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
+    value, gpus = "; ".join(text for text, _ in rows) or "the driver shows no GPU", [gpu for _, gpu in rows]
+    if not any(gpu["visible"] for gpu in gpus):
+        value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
+    visible = [gpu for gpu in gpus if gpu["visible"]]
+    busy = ", ".join(
+        str(gpu["index"])
+        for gpu in visible
+        if (gpu["utilization_percent"] or 0) > BUSY_UTILISATION
+        or (gpu["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (gpu["memory_total_bytes"] or 0)
+    )
+    unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
+    busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
+    unreadable_fix = f"NVML could not read GPU(s) {unreadable}: NoPermission means this user may not query the device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the driver's logs"
+    fix = "; ".join(text for text, found in ((busy_fix, busy), (unreadable_fix, unreadable)) if found)
+    return Check("gpus", "warn" if fix else "ok", value, fix, {"gpus": gpus})
 
 
-@_guarded("gpus")
-def check_gpus() -> Check:
-    """The GPUs NVML shows, their visibility, memory and utilisation now; a GPU NVML cannot read
-    is reported (a "warn" when visible) and the others are still checked."""
-    with nvml_session() as (lib, why):
-        if lib is None:
-            if device_layer.cuda_hardware_available():
-                names = [device_layer.device_for(i).name for i in range(device_layer.cuda_device_count())]
-                return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
-            return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
-        rows, details = [], []
-        for gpu in nvml_devices(lib):
-            row, detail = _gpu_row(lib, gpu)
-            rows.append(row)
-            details.append(detail)
-    value = "; ".join(rows) or "the driver shows no GPU"
-    if not any(gpu["visible"] for gpu in details):
-        env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return Check(
-            "gpus", "warn", f"{value}; none visible (CUDA_VISIBLE_DEVICES={env!r})", _NO_GPU_FIX, {"gpus": details}
-        )
-    busy = [str(gpu["index"]) for gpu in details if _is_busy(gpu)]
-    unreadable = [str(gpu["index"]) for gpu in details if gpu["visible"] and gpu.get("error")]
-    fixes = []
-    if busy:
-        fixes.append(
-            f"GPU(s) {', '.join(busy)} are busy before training starts: another job shares them (see "
-            "gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
-        )
-    if unreadable:
-        fixes.append(_UNREADABLE_FIX.format(gpus=", ".join(unreadable)))
-    if fixes:
-        return Check("gpus", "warn", value, "; ".join(fixes), {"gpus": details})
-    return Check("gpus", "ok", value, details={"gpus": details})
-
-
-def _gpu_processes(lib: Any, gpu: NvmlDevice) -> list[dict[str, Any]]:
-    """Other processes computing on ``gpu`` (its MIG instances' included); NVML's errors propagate."""
-    others = []
-    for process in compute_processes(lib, gpu.handle):
-        if process.pid == os.getpid():
-            continue
-        used = getattr(process, "usedGpuMemory", None)
-        others.append(
-            {
-                "gpu": gpu.index,
-                "pid": int(process.pid),
-                "name": process_name(lib, process.pid),
-                "memory_bytes": None if used is None else int(used),
-            }
-        )
-    return others
-
-
-@_guarded("gpu_processes")
-def check_gpu_processes() -> Check:
-    """Other processes computing on the visible GPUs, and the memory they hold; a GPU NVML cannot
-    read is named (a "warn") and the others are still checked."""
-    with nvml_session() as (lib, why):
+def _gpu_processes() -> Check:
+    others: list[dict[str, Any]] = []
+    unreadable: list[str] = []
+    with nvml.nvml_session() as (lib, why):
         if lib is None:
             return Check("gpu_processes", "info", f"no GPU ({why})")
-        others, unreadable = [], []
-        for gpu in (gpu for gpu in nvml_devices(lib) if gpu.visible):
+        for gpu in (gpu for gpu in nvml.nvml_devices(lib)[0] if gpu.visible):
             try:
-                if gpu.error is None:
-                    others.extend(_gpu_processes(lib, gpu))
+                processes = [] if gpu.error else nvml.compute_processes(lib, gpu.handle)
+                others += [{"gpu": gpu.index, **process} for process in processes if process["pid"] != os.getpid()]
             except lib.NVMLError as error:
-                gpu.error = error_text(error)
+                gpu.error = nvml.error_text(error)
             if gpu.error is not None:
                 unreadable.append(f"GPU {gpu.index}: {gpu.error}")
-    gap = f"processes not readable on {'; '.join(unreadable)}"
-    gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
-    if not others:
-        if unreadable:
-            return Check(
-                "gpu_processes",
-                "warn",
-                f"no other process on the readable GPUs; {gap}",
-                gap_fix,
-                {"processes": [], "unreadable": unreadable},
-            )
+    if not others and not unreadable:
         return Check("gpu_processes", "ok", "no other process computes on the visible GPUs")
-    text = "; ".join(
-        f"GPU {p['gpu']}: pid {p['pid']} ({p['name']})"
-        + ("" if p["memory_bytes"] is None else f" holds {p['memory_bytes'] / _GIB:.1f} GiB")
-        for p in others
-    )
-    fix = (
-        "these processes share the GPU's memory and compute with training: stop them or pick another GPU with "
-        "CUDA_VISIBLE_DEVICES"
-    )
-    details: dict[str, Any] = {"processes": others}
-    if unreadable:
-        text, fix, details["unreadable"] = f"{text}; {gap}", f"{fix}; {gap_fix}", unreadable
-    return Check("gpu_processes", "warn", text, fix, details)
+    held = (f" holds {p['memory_bytes'] / _GIB:.1f} GiB" if p["memory_bytes"] is not None else "" for p in others)
+    parts = [f"GPU {p['gpu']}: pid {p['pid']} ({p['name']}){text}" for p, text in zip(others, held)]
+    parts = parts or ["no other process on the readable GPUs"]
+    shared_fix = "these processes share the GPU's memory and compute with training: stop them or pick another GPU with CUDA_VISIBLE_DEVICES"
+    gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
+    fix = "; ".join(text for text, found in ((shared_fix, others), (gap_fix, unreadable)) if found)
+    if not unreadable:
+        return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others})
+    parts.append(f"processes not readable on {'; '.join(unreadable)}")
+    return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
 
 
 # ----------------------------------------------------------------------------- matmul benchmark
@@ -466,22 +279,12 @@ class CardPeaks:
     bf16: Optional[float]
 
 
-# Dense peaks from NVIDIA's datasheets (they print tensor-core figures "with sparsity"; dense is half):
-# A100 SXM4/PCIe datasheet: FP32 19.5, TF32 156, BF16 312.
-# H100 datasheet: SXM FP32 67, TF32 989* -> 494.7, BF16 1,979* -> 989.4;
-#   PCIe FP32 51, TF32 756* -> 378, BF16 1,513* -> 756; NVL FP32 60, TF32 835* -> 417.5, BF16 1,671* -> 835.5.
-# H200 datasheet: SXM as H100 SXM (67 / 989* / 1,979*); NVL as H100 NVL (60 / 835* / 1,671*).
-# L4 datasheet: FP32 30.3, TF32 120* -> 60, BF16 242* -> 121.
-# L40S datasheet: FP32 91.6, TF32 366* -> 183, BF16 733* -> 362.
-# A10 datasheet: FP32 31.2, TF32 125* -> 62.5, BF16 250* -> 125.
-# V100 datasheet: SXM2 FP32 15.7, PCIe 14; no TF32, no BF16 tensor cores (FP16 only).
-# Ada whitepaper (RTX 4090): FP32 82.6, TF32 82.6, BF16 with FP32 accumulate 165.2.
-# Ampere GA102 whitepaper (RTX 3090): FP32 35.6, TF32 35.6, BF16 with FP32 accumulate 71.
-# T4 datasheet: FP32 8.1; no TF32, no BF16 (FP16 65).
-# Not Lightning's `lightning.fabric.utilities.throughput.get_available_flops`: it reads the card through
-# torch.cuda itself (so neither our device layer nor a simulated card can answer it), does not match a card
-# named "NVIDIA H200" (None, checked with Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or
-# two-card figures (TF32 990 and 989.4 TFLOPS against the dense 494.7 and 417.5 a matmul can reach).
+# Dense FP32 / TF32 / BF16 from NVIDIA's datasheets, whose tensor-core figures are with sparsity (*, twice dense):
+# A100 19.5/156/312; H100 SXM 67/989*/1979*, PCIe 51/756*/1513*, NVL 60/835*/1671*; H200 SXM, NVL as H100 SXM, NVL;
+# L4 30.3/120*/242*; L40S 91.6/366*/733*; A10 31.2/125*/250*; V100 SXM2 15.7, PCIe 14, T4 8.1 (no TF32, BF16);
+# whitepapers: RTX 4090 82.6/82.6/165.2, RTX 3090 35.6/35.6/71 (BF16 with FP32 accumulate). Not Lightning's
+# `get_available_flops`: it reads torch.cuda itself (our device layer and a simulated card cannot answer), misses
+# "NVIDIA H200" (Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or two-card figures.
 #: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),
@@ -509,131 +312,72 @@ def card_peaks(device_name: str) -> Optional[CardPeaks]:
         >>> card_peaks("NVIDIA A100-SXM4-80GB").tf32, card_peaks("NVIDIA A10").card, card_peaks("Radeon")
         (156.0, 'A10', None)
     """
-    for pattern, peaks in CARD_PEAKS:
-        if re.search(pattern, device_name, re.IGNORECASE):
-            return peaks
-    return None
+    return next((peaks for pattern, peaks in CARD_PEAKS if re.search(pattern, device_name, re.IGNORECASE)), None)
 
 
-def _synchronize(device: torch.device) -> None:
-    device_layer.device_for(device).synchronize()
-
-
-@contextlib.contextmanager
-def _float32_matmul_precision(precision: str) -> Iterator[None]:
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def matmul_flops(size: int, dtype: torch.dtype, device: torch.device | str, seconds: float) -> float:
-    """Achieved FLOP/s of ``size x size`` matmuls over about ``seconds`` (one warm-up excluded).
-
-    Example::
-
-        >>> matmul_flops(64, torch.float32, "cpu", seconds=0.01) > 0
-        True
-    """
-    device = torch.device(device)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
-    _synchronize(device)
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    _synchronize(device)
-    one = max(time.perf_counter() - start, 1e-6)
-    repeats = max(1, min(10_000, int(seconds / one)))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.matmul(a, b, out=out)
-    _synchronize(device)
-    elapsed = time.perf_counter() - start
-    return 2.0 * size**3 * repeats / elapsed
-
-
-def _gpu_matmul_check(seconds: float, size: int) -> Check:
-    card = device_layer.device_for(0)
-    device = card.torch_device
-    name = card.name
+def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
+    """Judge the TFLOP/s per dtype of ``size x size`` matmuls on ``cuda:0``, a card called ``name``."""
     peaks = card_peaks(name)
-    kinds = ["fp32"]
-    if card.capabilities.tf32:
-        kinds += ["tf32", "bf16"]
-    achieved: dict[str, float] = {}
-    for kind in kinds:
-        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-        with _float32_matmul_precision("high" if kind == "tf32" else "highest"):
-            achieved[kind] = matmul_flops(size, dtype, device, seconds / len(kinds)) / 1e12
     parts, low = [], []
-    for kind, tflops in achieved.items():
+    for kind, achieved in tflops.items():
         peak = None if peaks is None else getattr(peaks, kind)
-        if peak:
-            parts.append(f"{kind} {tflops:.1f} TFLOP/s ({tflops / peak:.0%} of {peak:g})")
-            if tflops < MATMUL_WARN_FRACTION * peak:
-                low.append(kind)
-        else:
-            parts.append(f"{kind} {tflops:.1f} TFLOP/s")
+        parts.append(f"{kind} {achieved:.1f} TFLOP/s" + (f" ({achieved / peak:.0%} of {peak:g})" if peak else ""))
+        if peak and achieved < MATMUL_WARN_FRACTION * peak:
+            low.append(kind)
     datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
     value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
-    details = {
-        "device": name,
-        "card": None if peaks is None else peaks.card,
-        "size": size,
-        "tflops": achieved,
-        "peak_tflops": None if peaks is None else {kind: getattr(peaks, kind) for kind in achieved},
-    }
-    if peaks is None:
-        return Check("matmul", "info", value, details=details)
-    if low:
-        return Check(
-            "matmul",
-            "warn",
-            value,
-            f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet "
-            "peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other "
-            "processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more "
-            "seconds",
-            details,
+    peak_tflops = None if peaks is None else {kind: getattr(peaks, kind) for kind in tflops}
+    details = dict(device=name, card=peaks and peaks.card, size=size, tflops=tflops, peak_tflops=peak_tflops)
+    fix = f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
+    return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
+
+
+def _matmul_flops(kind: str, size: int, device: torch.device | str, seconds: float) -> float:
+    """Achieved FLOP/s of ``size x size`` matmuls in ``kind`` (fp32, tf32 or bf16) over about ``seconds``
+    (after a warm-up and one timed run)."""
+    card, precision = device_layer.device_for(device), torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if kind == "tf32" else "highest")
+    try:
+        a, b = (
+            torch.randn(size, size, device=device).to(torch.bfloat16 if kind == "bf16" else torch.float32) for _ in "ab"
         )
-    return Check("matmul", "ok", value, details=details)
+        out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
+        card.synchronize()
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        card.synchronize()
+        repeats = max(1, min(10_000, int(seconds / max(time.perf_counter() - start, 1e-6))))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b, out=out)
+        card.synchronize()
+        return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
-def _cpu_matmul_check(seconds: float, size: int) -> Check:
-    achieved: dict[str, Optional[float]] = {"fp32": None, "bf16": None}
-    with _float32_matmul_precision("highest"):
-        achieved["fp32"] = matmul_flops(size, torch.float32, "cpu", seconds / 2) / 1e9
-    with contextlib.suppress(RuntimeError):
-        achieved["bf16"] = matmul_flops(size, torch.bfloat16, "cpu", seconds / 2) / 1e9
-    parts = [f"{kind} {gflops:.1f} GFLOP/s" for kind, gflops in achieved.items() if gflops is not None]
-    value = f"CPU, no GPU: {', '.join(parts)} with {torch.get_num_threads()} thread(s); {size}x{size}"
-    details = {"device": "cpu", "size": size, "gflops": achieved, "threads": torch.get_num_threads()}
-    return Check("matmul", "info", value, details=details)
-
-
-@_guarded("matmul")
-def check_matmul(seconds: float = 2.0) -> Check:
-    """A short matmul benchmark: TFLOP/s vs the card's datasheet on a GPU, GFLOP/s on the CPU.
-
-    ``seconds`` is the time over all dtypes (a warm-up and one timing run more per dtype);
-    0 skips the benchmark.
-    """
+def _matmul(seconds: float = 2.0) -> Check:
+    """TFLOP/s against the card's datasheet on a GPU, GFLOP/s on the CPU, over about ``seconds``; 0 skips it."""
     if seconds <= 0:
         return Check("matmul", "info", "skipped")
     if device_layer.cuda_hardware_available():
+        size = 8192 if seconds >= 1 else 4096
         try:
-            return _gpu_matmul_check(seconds, size=8192 if seconds >= 1 else 4096)
+            card = device_layer.device_for(0)
+            kinds = ["fp32", "tf32", "bf16"] if card.capabilities.tf32 else ["fp32"]
+            tflops = {kind: _matmul_flops(kind, size, card.torch_device, seconds / len(kinds)) / 1e12 for kind in kinds}
+            return gpu_matmul_check(card.name, tflops, size)
         except RuntimeError as error:  # e.g. "no kernel image is available", OOM: the finding itself
-            return Check(
-                "matmul",
-                "fail",
-                f"a matmul on cuda:0 failed: {type(error).__name__}: {error}",
-                "see gpu_arch and gpus (memory held by other processes)",
-            )
-    return _cpu_matmul_check(seconds, size=1024 if seconds >= 1 else 512)
+            fix = "see gpu_arch and gpus (memory held by other processes)"
+            return Check("matmul", "fail", f"a matmul on cuda:0 failed: {nvml.error_text(error)}", fix)
+    size = 1024 if seconds >= 1 else 512
+    gflops: dict[str, Optional[float]] = {"fp32": _matmul_flops("fp32", size, "cpu", seconds / 2) / 1e9, "bf16": None}
+    with contextlib.suppress(RuntimeError):
+        gflops["bf16"] = _matmul_flops("bf16", size, "cpu", seconds / 2) / 1e9
+    parts = ", ".join(f"{kind} {value:.1f} GFLOP/s" for kind, value in gflops.items() if value is not None)
+    threads = torch.get_num_threads()
+    value = f"CPU, no GPU: {parts} with {threads} thread(s); {size}x{size}"
+    return Check("matmul", "info", value, details={"device": "cpu", "size": size, "gflops": gflops, "threads": threads})
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -651,40 +395,15 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
     """
     details = {"cpu_count": count, "affinity": affinity, "cgroup_quota": quota}
     if quota is not None and quota < affinity:
-        return Check(
-            "cpu_cores",
-            "warn",
-            f"{count} cores, {affinity} in the affinity, but a cgroup quota of {quota:g} cores",
-            f"size torch threads (OMP_NUM_THREADS={max(1, math.floor(quota))}) and "
-            f"num_workers (<= {max(1, math.floor(quota) - 1)}) to the quota, not to os.cpu_count(), "
-            "or raise the container's CPU limit: beyond it the process is throttled",
-            details,
-        )
+        cores = max(1, math.floor(quota))
+        fix = f"size torch threads (OMP_NUM_THREADS={cores}) and num_workers (<= {max(1, cores - 1)}) to the quota, not to os.cpu_count(), or raise the container's CPU limit: beyond it the process is throttled"
+        value = f"{count} cores, {affinity} in the affinity, but a cgroup quota of {quota:g} cores"
+        return Check("cpu_cores", "warn", value, fix, details)
     if affinity < count:
-        return Check(
-            "cpu_cores",
-            "info",
-            f"{affinity} of {count} cores in this process's CPU affinity",
-            f"size torch threads and num_workers to {affinity} (len(os.sched_getaffinity(0))), not to os.cpu_count()",
-            details,
-        )
+        value = f"{affinity} of {count} cores in this process's CPU affinity"
+        fix = f"size torch threads and num_workers to {affinity} (len(os.sched_getaffinity(0))), not to os.cpu_count()"
+        return Check("cpu_cores", "info", value, fix, details)
     return Check("cpu_cores", "ok", f"{count} cores", details=details)
-
-
-@_guarded("cpu_cores")
-def check_cpu_cores() -> Check:
-    """``os.cpu_count()`` against the CPU affinity and the cgroup quota."""
-    return cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota())
-
-
-def local_processes() -> int:
-    """Training processes on this host, from the launcher's environment (``LOCAL_WORLD_SIZE`` of
-    torchrun/Lightning, ``SLURM_NTASKS_PER_NODE``); 1 without one."""
-    for variable in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        text = os.environ.get(variable, "").split("(")[0]
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return 1
 
 
 def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
@@ -697,56 +416,28 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
         >>> torch_threads_check(threads=4, cores=4).status
         'ok'
     """
-    total = threads * processes
-    per_process = max(1, cores // processes)
+    total, per_process = threads * processes, max(1, cores // processes)
     who = f"{threads} intra-op thread(s)"
-    if processes > 1:
-        who = f"{processes} process(es) x {who}"
-    details = {
-        "threads": threads,
-        "cores": cores,
-        "processes": processes,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
+    who = f"{processes} process(es) x {who}" if processes > 1 else who
+    details = dict(threads=threads, cores=cores, processes=processes, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     if total > cores:
-        return Check(
-            "torch_threads",
-            "warn",
-            f"oversubscribed: {who} = {total} on {cores} core(s)",
-            f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process",
-            details,
-        )
+        fix = f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process"
+        return Check("torch_threads", "warn", f"oversubscribed: {who} = {total} on {cores} core(s)", fix, details)
     if total * 2 <= cores:
-        return Check(
-            "torch_threads",
-            "info",
-            f"{who} on {cores} core(s): CPU ops use {total} of them",
-            f"if CPU ops bound the step: torch.set_num_threads({per_process})",
-            details,
-        )
+        fix = f"if CPU ops bound the step: torch.set_num_threads({per_process})"
+        return Check("torch_threads", "info", f"{who} on {cores} core(s): CPU ops use {total} of them", fix, details)
     return Check("torch_threads", "ok", f"{who} on {cores} core(s)", details=details)
 
 
-@_guarded("torch_threads")
-def check_torch_threads() -> Check:
-    """``torch.get_num_threads()`` x local processes against the usable cores: the affinity within the
-    cgroup quota (:func:`~lightning_gpuopt.core.loader.usable_cpu_count`)."""
-    return torch_threads_check(torch.get_num_threads(), usable_cpu_count(), local_processes())
+def _torch_threads() -> Check:
+    """``torch.get_num_threads()`` x the launcher's processes on this host (``LOCAL_WORLD_SIZE`` of
+    torchrun/Lightning, ``SLURM_NTASKS_PER_NODE``) against the usable cores within the cgroup quota."""
+    counts = (os.environ.get(name, "").split("(")[0] for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"))
+    processes = next((int(text) for text in counts if text.isdigit() and int(text) > 0), 1)
+    return torch_threads_check(torch.get_num_threads(), usable_cpu_count(), processes)
 
 
-# ----------------------------------------------------------------------------- BLAS
-
-_BLAS_NAMES = {
-    "mkl": "MKL",
-    "open": "OpenBLAS",
-    "openblas": "OpenBLAS",
-    "accelerate": "Accelerate",
-    "flexi": "FlexiBLAS",
-    "blis": "BLIS",
-    "atlas": "ATLAS",
-    "nvpl": "NVPL",
-    "armpl": "ArmPL",
-}
+_BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accelerate": "Accelerate", "flexi": "FlexiBLAS", "blis": "BLIS", "atlas": "ATLAS", "nvpl": "NVPL", "armpl": "ArmPL"}  # fmt: skip
 
 
 def torch_blas(config: str) -> str:
@@ -762,72 +453,38 @@ def torch_blas(config: str) -> str:
     match = re.search(r"BLAS_INFO=(\w+)", config)
     if match:
         return _BLAS_NAMES.get(match.group(1).lower(), match.group(1))
-    if re.search(r"USE_MKL=ON", config):
-        return "MKL"
-    return "none"
+    return "MKL" if "USE_MKL=ON" in config else "none"
 
 
-def numpy_blas() -> Optional[str]:
-    """The BLAS NumPy was built with (``"scipy-openblas 0.3.27"``); ``None`` without NumPy or the info."""
-    try:
+def _blas() -> Check:
+    torch_lib, numpy_lib = torch_blas(torch.__config__.show()), None
+    with contextlib.suppress(ImportError, TypeError, KeyError):  # NumPy >= 1.26 returns its configuration
         import numpy
-    except ImportError:
-        return None
-    try:
-        config = numpy.show_config(mode="dicts")  # NumPy >= 1.26: returns, does not print
-    except TypeError:
-        return None
-    blas = (config or {}).get("Build Dependencies", {}).get("blas", {})
-    if not blas.get("name"):
-        return None
-    return f"{blas['name']} {blas.get('version', '')}".strip()
 
-
-@_guarded("blas")
-def check_blas() -> Check:
-    """The BLAS libraries of torch and NumPy."""
-    torch_lib = torch_blas(torch.__config__.show())
-    numpy_lib = numpy_blas()
+        numpy_blas = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        numpy_lib = f"{numpy_blas['name']} {numpy_blas.get('version', '')}".strip() if numpy_blas.get("name") else None
     value = f"torch: {torch_lib}; numpy: {numpy_lib or 'not installed or unknown'}"
     details = {"torch": torch_lib, "numpy": numpy_lib}
     if torch_lib == "none":
-        return Check(
-            "blas",
-            "warn",
-            value,
-            "torch was built without a BLAS: CPU matmuls are slow; install the official wheel",
-            details,
-        )
+        fix = "torch was built without a BLAS: CPU matmuls are slow; install the official wheel"
+        return Check("blas", "warn", value, fix, details)
     if numpy_lib and torch_lib.lower() not in numpy_lib.lower():
-        return Check(
-            "blas",
-            "info",
-            value + " (two BLAS libraries, each with its own thread pool)",
-            "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: "
-            "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS",
-            details,
-        )
+        fix = "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS"
+        return Check("blas", "info", value + " (two BLAS libraries, each with its own thread pool)", fix, details)
     return Check("blas", "ok", value, details=details)
 
 
 # ----------------------------------------------------------------------------- host memory
 
 
-def _copy_gbps(source: torch.Tensor, device: torch.device) -> float:
-    target = torch.empty(source.shape, dtype=source.dtype, device=device)
-    card = device_layer.device_for(device)
-    target.copy_(source, non_blocking=True)
-    card.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        target.copy_(source, non_blocking=True)
-    card.synchronize()
-    return 3 * source.numel() * source.element_size() / (time.perf_counter() - start) / 1e9
+def pinned_memory_check(num_bytes: int, seconds: float, pinned_gbps: float, pageable_gbps: float) -> Check:
+    """Report ``num_bytes`` of pinned host memory allocated in ``seconds`` and host-to-GPU copy speeds."""
+    value = f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned {pinned_gbps:.1f} GB/s, pageable {pageable_gbps:.1f} GB/s"
+    details = {"pinned_gbps": pinned_gbps, "pageable_gbps": pageable_gbps, "allocate_seconds": seconds}
+    return Check("pinned_memory", "ok", value, details=details)
 
 
-@_guarded("pinned_memory")
-def check_pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
-    """Allocate ``num_bytes`` of pinned host memory and compare host-to-GPU copies pinned vs pageable."""
+def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
     if not device_layer.cuda_hardware_available():
         return Check("pinned_memory", "info", "no CUDA: DataLoader(pin_memory=True) has no GPU copy to speed up")
     try:
@@ -835,22 +492,19 @@ def check_pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
         pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
         seconds = time.perf_counter() - start
     except RuntimeError as error:
-        return Check(
-            "pinned_memory",
-            "fail",
-            f"pinned memory could not be allocated: {error}",
-            "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use "
-            "DataLoader(pin_memory=False)",
-        )
-    device = torch.device("cuda", 0)
-    pinned_speed = _copy_gbps(pinned, device)
-    pageable_speed = _copy_gbps(torch.empty(num_bytes, dtype=torch.uint8), device)
-    value = (
-        f"{num_bytes // 2**20} MiB pinned in {seconds * 1e3:.1f} ms; host-to-GPU copies: pinned "
-        f"{pinned_speed:.1f} GB/s, pageable {pageable_speed:.1f} GB/s"
-    )
-    details = {"pinned_gbps": pinned_speed, "pageable_gbps": pageable_speed, "allocate_seconds": seconds}
-    return Check("pinned_memory", "ok", value, details=details)
+        fix = "raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1) or use DataLoader(pin_memory=False)"
+        return Check("pinned_memory", "fail", f"pinned memory could not be allocated: {error}", fix)
+    target, speeds = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0"), []
+    card = device_layer.device_for(target.device)
+    for source in (pinned, torch.empty(num_bytes, dtype=torch.uint8)):  # pinned, then pageable
+        target.copy_(source, non_blocking=True)  # warm-up
+        card.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            target.copy_(source, non_blocking=True)
+        card.synchronize()
+        speeds.append(3 * num_bytes / (time.perf_counter() - start) / 1e9)
+    return pinned_memory_check(num_bytes, seconds, *speeds)
 
 
 def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], path: str = "/dev/shm") -> Check:
@@ -864,35 +518,21 @@ def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], p
         'no /dev/shm'
     """
     if total_bytes is None or free_bytes is None:
-        return Check(
-            "shm",
-            "warn",
-            f"no {path}",
-            f"DataLoader workers hand batches over through {path}: mount a tmpfs there, or use num_workers=0",
-        )
+        fix = f"DataLoader workers hand batches over through {path}: mount a tmpfs there, or use num_workers=0"
+        return Check("shm", "warn", f"no {path}", fix)
     value = f"{path}: {total_bytes / _GIB:.2f} GiB, {free_bytes / _GIB:.2f} GiB free"
     details = {"path": path, "total_bytes": total_bytes, "free_bytes": free_bytes}
-    fix = (
-        "DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' "
-        "when it fills: docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory "
-        "mounted at /dev/shm"
-    )
+    larger = "docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm"
     if total_bytes < SHM_WARN_BYTES:
-        return Check("shm", "warn", value + " (small)", fix, details)
+        fix = "DataLoader workers hand batches over through it and die with 'bus error' or 'No space left on device' when it fills: "
+        return Check("shm", "warn", value + " (small)", fix + larger, details)
     if free_bytes < SHM_WARN_BYTES:
-        return Check(
-            "shm",
-            "warn",
-            value + " (nearly full)",
-            "free it (stale torch_* files of crashed workers) or make it larger: " + fix.split(": ", 1)[1],
-            details,
-        )
+        fix = "free it (stale torch_* files of crashed workers) or make it larger: " + larger
+        return Check("shm", "warn", value + " (nearly full)", fix, details)
     return Check("shm", "ok", value, details=details)
 
 
-@_guarded("shm")
-def check_shared_memory(path: str = "/dev/shm") -> Check:
-    """The size and free space of ``path`` (``os.statvfs``)."""
+def _shm(path: str = "/dev/shm") -> Check:
     try:
         stat = os.statvfs(path)
     except (OSError, AttributeError):
@@ -902,22 +542,34 @@ def check_shared_memory(path: str = "/dev/shm") -> Check:
 
 # ----------------------------------------------------------------------------- all of them
 
+#: every check by name, in the order :func:`run_checks` runs them (the GPU processes before the
+#: benchmark, which puts this process on the GPU); ``matmul`` takes the benchmark's seconds,
+#: ``pinned_memory`` the bytes to pin, ``shm`` the path
+CHECKS: dict[str, Callable[..., Check]] = {
+    "torch_build": _torch_build,
+    "cuda_driver": _cuda_driver,
+    "gpu_arch": _gpu_arch,
+    "gpus": _gpus,
+    "gpu_processes": _gpu_processes,
+    "matmul": _matmul,
+    "cpu_cores": lambda: cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota()),
+    "torch_threads": _torch_threads,
+    "blas": _blas,
+    "pinned_memory": _pinned_memory,
+    "shm": _shm,
+}
+
+
+def run_check(name: str, *args: Any) -> Check:
+    """Run the check ``name`` of :data:`CHECKS`; an exception inside it becomes a "warn" that names it."""
+    check = CHECKS[name]
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 - a check reports, it never raises
+        fix = "this is a gap in the diagnosis, not necessarily a problem; run the check's steps by hand"
+        return Check(name, "warn", f"the check could not run: {nvml.error_text(error)}", fix)
+
 
 def run_checks(matmul_seconds: float = 2.0) -> list[Check]:
-    """Run every check in order; ``matmul_seconds`` bounds the benchmark (0 skips it).
-
-    The GPU process check runs before the benchmark, which puts this process on the GPU.
-    """
-    return [
-        check_torch_build(),
-        check_cuda_driver(),
-        check_gpu_architecture(),
-        check_gpus(),
-        check_gpu_processes(),
-        check_matmul(matmul_seconds),
-        check_cpu_cores(),
-        check_torch_threads(),
-        check_blas(),
-        check_pinned_memory(),
-        check_shared_memory(),
-    ]
+    """Run every check in order; ``matmul_seconds`` bounds the benchmark (0 skips it)."""
+    return [run_check(name, matmul_seconds) if name == "matmul" else run_check(name) for name in CHECKS]
