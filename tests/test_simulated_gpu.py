@@ -9,10 +9,10 @@ from helpers import profiler_peak_bytes, quiet_trainer
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
-from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.memory import storage_bytes
+from lightning_gpuopt.core.op_memory import storage_bytes
 from lightning_gpuopt.testing import GPU_PROFILES, SimulatedGpu
+from lightning_gpuopt.testing._allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 
 MIB = 2**20
 

@@ -101,15 +101,8 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import TrialSampler, batch_samples, largest_samples_first
-from lightning_gpuopt.core.memory import (
-    MIN_MAX_MEMORY_BYTES,
-    LiveTensorTracker,
-    MemoryBudget,
-    call_catching_oom,
-    device_usable_memory,
-    parse_memory,
-    storage_bytes,
-)
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, MemoryBudget, call_catching_oom, parse_memory
+from lightning_gpuopt.core.op_memory import LiveTensorTracker, storage_bytes
 from lightning_gpuopt.core.report import (
     batch_search_table,
     format_bytes,
@@ -404,7 +397,7 @@ class BatchSizeSearch(Callback):
                     f"`max_memory`=None on a {device.type} device: there is no device memory to fill; pass "
                     'max_memory (e.g. max_memory="300MB") to search under a simulated budget.'
                 )
-            return device_usable_memory(device)
+            return device_for(device).usable_memory()
         return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
     def budget_bytes(self, device: torch.device) -> int:

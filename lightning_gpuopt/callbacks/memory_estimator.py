@@ -45,6 +45,7 @@ from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.callbacks._training_step import check_one_batch_step, logging_disabled, loss_function
 from lightning_gpuopt.core.checks import check_bool, check_int
+from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import (
     ManualStep,
     MemoryEstimate,
@@ -55,13 +56,8 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.memory import (
-    MIN_MAX_MEMORY_BYTES,
-    PeakMemoryMeter,
-    device_usable_memory,
-    parse_memory,
-    storage_bytes,
-)
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
+from lightning_gpuopt.core.op_memory import SpanMeter, storage_bytes
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     format_bytes,
@@ -144,7 +140,7 @@ class MemoryEstimator(Callback):
         self.measure_steps = measure_steps
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
-        self._meter: PeakMemoryMeter | None = None
+        self._meter: SpanMeter | None = None
         self._batches_started = 0
         self._unmeasured_steps = 0
         self._peaks: list[int] = []
@@ -173,8 +169,7 @@ class MemoryEstimator(Callback):
         self._batches_started += 1
         if self._measured or self._batches_started <= self._unmeasured_steps:
             return
-        self._meter = PeakMemoryMeter(
-            pl_module.device,
+        self._meter = device_for(pl_module.device).peak_meter(
             existing=(pl_module, *trainer.optimizers, batch),
             baseline_bytes=self.estimate.untraced_bytes,
         )
@@ -220,7 +215,7 @@ class MemoryEstimator(Callback):
         if self.max_memory is not None:
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
-            capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
+            capacity = device_for(device).usable_memory((pl_module, *trainer.optimizers))
         estimate = estimate_memory(
             pl_module,
             loss_function(pl_module),

@@ -1,21 +1,22 @@
-"""What one op allocates inside its kernel, learned from the allocator through the torch profiler.
+"""Host memory counted op by op, at the dispatcher: storages, what each op's kernel allocates, the live tracker.
 
-A dispatch-level count of tensor storages sees every op's outputs but not the buffers a kernel
-allocates and frees inside itself: oneDNN's reorders and workspaces for convolutions on CPU
-(as large as the output), sorting and reduction scratch, attention buffers. The allocator sees
-them: with ``profile_memory`` the torch profiler records every allocation and free the CPU
-allocator serves (``ProfiledCPUMemoryReporter``), in order.
-
-:func:`call_learning_allocations` runs an op once under the profiler and keeps the sequence of
-its allocations and frees as an :class:`OpAllocations` template, keyed by the op and its
-arguments' shapes, strides, dtypes and other values (:func:`op_key`); later calls with the same
-key reuse the template, so a training step is profiled op by op only the first time each
-distinct call is seen. The profiler is not started when one already runs (a user's profiler
-keeps its events; that call's workspace is then unknown and counted as zero).
+* :func:`collect_tensors`, :func:`storage_of`, :func:`storage_bytes`: the tensors that objects hold and
+  the bytes of their distinct storages (a view shares its base's storage and adds nothing).
+* :func:`call_learning_allocations`: a count of storages sees each op's outputs, not the buffers its
+  kernel allocates and frees inside itself (oneDNN reorders, sorting scratch, attention buffers).
+  The torch profiler (``profile_memory``) sees every allocation and free of the CPU allocator, in
+  order: an op is run once under it and the sequence kept as :class:`OpAllocations`, keyed by the op,
+  the intra-op threads and its arguments' metadata; later calls with the same key reuse it. The
+  profiler is never started while another one runs (a user's profiler keeps its events; that call's
+  allocations are then unknown).
+* :class:`SpanMeter`: the one meter interface: the peak of a span between ``start()`` and
+  ``stop()`` (or a ``with`` block), on every device (:meth:`.device.Device.peak_meter`).
+* :class:`LiveTensorTracker`: the host's meter, with an optional cap.
+* :class:`AllocationWindow`: the largest rise of a device's allocated bytes over a span, from the
+  profiler's allocator events (the allocator's peak counters are left alone).
 
 Example::
 
-    >>> import torch
     >>> x, w = torch.randn(8, 3, 16, 16), torch.randn(4, 3, 3, 3)
     >>> out, allocations = call_learning_allocations(torch.ops.aten.convolution.default,
     ...                                              (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {})
@@ -26,34 +27,104 @@ Example::
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from lightning_gpuopt.core._torch_compat import (
+    FakeTensor,
+    TorchDispatchMode,
     profiler_running,
     start_allocation_events,
     stop_allocation_events,
+    storage_key,
     tree_flatten,
+    tree_leaves,
 )
+from lightning_gpuopt.core.search import round_up
 
-#: learned templates, shared by every tracker of the process (cleared when it grows past this)
-MAX_TEMPLATES = 50_000
+# ----------------------------------------------------------------------------- tensors and storages
 
+
+def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``objects``: tensors, modules (parameters, their gradients, buffers) and
+    optimizers (state), also inside lists, tuples and dicts.
+
+    Example::
+
+        >>> len(list(collect_tensors(torch.nn.Linear(2, 3), [torch.zeros(1)])))
+        3
+    """
+    for leaf in tree_leaves(objects):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, torch.nn.Module):
+            for param in leaf.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+            yield from leaf.buffers()
+        elif isinstance(leaf, torch.optim.Optimizer):
+            yield from collect_tensors(list(leaf.state.values()))
+
+
+def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    """The untyped storage behind ``tensor`` (its views share it); ``None`` for a storage-less tensor."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
+        return None
+
+
+def storage_bytes(*objects: Any, granularity: int = 1) -> int:
+    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``.
+
+    Example::
+
+        >>> base = torch.zeros(10)
+        >>> storage_bytes(base, base[5:], torch.zeros(2))
+        48
+    """
+    seen: dict[int, int] = {}
+    for storage in map(storage_of, collect_tensors(*objects)):
+        if storage is not None:
+            seen[storage_key(storage)] = round_up(storage.nbytes(), granularity)
+    return sum(seen.values())
+
+
+def is_real_host_call(tree: Any) -> bool:
+    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors: no fake
+    tensor, no tensor or ``torch.device`` of another device (meta included).
+
+    Example::
+
+        >>> is_real_host_call(((torch.zeros(2), 3), {})), is_real_host_call(((torch.zeros(2, device="meta"),), {}))
+        (True, False)
+    """
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, FakeTensor):
+            return False
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            return False
+        if isinstance(leaf, torch.device) and leaf.type != "cpu":
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- what an op allocates
+
+_MAX_TEMPLATES = 50_000  # learned templates, shared by the process; cleared when they pass this
 _templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
 
 
 @dataclass(frozen=True)
 class OpAllocations:
-    """The allocations one op call made, in order.
-
-    ``events`` holds ``+size`` for an allocation and ``-(i + 1)`` for the free of the ``i``-th
-    allocation of the call; allocations never freed inside the call are ``kept`` (its outputs, or
-    a cache the kernel keeps). Frees of memory allocated before the call are left out: the storage
-    tracking sees those when the tensor dies.
-    """
+    """The allocations one op call made, in order: ``+size`` for an allocation, ``-(i + 1)`` for the
+    free of the call's ``i``-th allocation. Those never freed in the call are ``kept`` (its outputs,
+    or a kernel's cache); frees of memory from before the call are left out."""
 
     events: tuple[int, ...]
     kept: frozenset[int]
@@ -72,16 +143,6 @@ class OpAllocations:
             peak = max(peak, live)
         return peak
 
-    @property
-    def kept_bytes(self) -> int:
-        sizes = self.sizes
-        return sum(sizes[i] for i in self.kept)
-
-    @property
-    def workspace_bytes(self) -> int:
-        """What the call needed beyond what it kept: the peak less the kept allocations."""
-        return max(0, self.peak_bytes - self.kept_bytes)
-
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
@@ -93,17 +154,16 @@ def _leaf_key(leaf: Any) -> Any:
     return type(leaf).__name__
 
 
-def op_key(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple:
-    """A hashable key of an op call: the op, the intra-op threads and its arguments' metadata (not their values).
+def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata.
 
     Example::
 
         >>> a, b = torch.ones(2, 3), torch.zeros(2, 3)
-        >>> op_key(torch.ops.aten.add.Tensor, (a, a), {}) == op_key(torch.ops.aten.add.Tensor, (b, b), {})
+        >>> _op_key(torch.ops.aten.add.Tensor, (a, a), {}) == _op_key(torch.ops.aten.add.Tensor, (b, b), {})
         True
     """
-    leaves, _ = tree_flatten((args, kwargs or {}))
-    # oneDNN picks kernels (and so workspaces) by the number of threads too
+    leaves, _ = tree_flatten((args, kwargs))
     return (func, torch.get_num_threads(), *map(_leaf_key, leaves))
 
 
@@ -127,46 +187,219 @@ def _allocations_from(records: list) -> OpAllocations:
     return OpAllocations(tuple(events), kept)
 
 
-def _profiled_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, OpAllocations]:
-    start_allocation_events()
-    try:
-        out = func(*args, **kwargs)
-    finally:
-        records = stop_allocation_events()
-    return out, _allocations_from(records)
-
-
 def learning_possible() -> bool:
     """Whether an op can be profiled now (no other profiler is running)."""
     return not profiler_running()
 
 
 def call_learning_allocations(
-    func: Callable[..., Any], args: tuple, kwargs: Optional[dict], key: Optional[tuple] = None
+    func: Callable[..., Any], args: tuple, kwargs: Optional[dict]
 ) -> tuple[Any, Optional[OpAllocations]]:
-    """Run ``func``; return its output and its allocations, learned on the first call of its key.
-
-    ``None`` when the call's allocations are unknown: its key was never learned and a profiler is
-    already running.
-    """
+    """Run ``func``; return its output and its allocations, learned on the first call of its key
+    (``None`` when that key was never learned and another profiler runs)."""
     kwargs = kwargs or {}
-    key = op_key(func, args, kwargs) if key is None else key
+    key = _op_key(func, args, kwargs)
     known = _templates.get(key)
     if known is not None or not learning_possible():
         return func(*args, **kwargs), known
-    out, allocations = _profiled_call(func, args, kwargs)
+    start_allocation_events()
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        records = stop_allocation_events()
+    allocations = _allocations_from(records)
     with _lock:
-        if len(_templates) >= MAX_TEMPLATES:
+        if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
         _templates[key] = allocations
     return out, allocations
 
 
-class AllocationWindow:
-    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
-    events: a peak measured by deltas, without touching the allocator's peak counters.
+# ----------------------------------------------------------------------------- meters
 
-    ``peak_delta_bytes`` is ``None`` when another profiler was already running (it is left alone).
+
+class SpanMeter:
+    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block.
+
+    :attr:`peak_bytes` is the peak of the last span; :attr:`peak_reserved_bytes` what the allocator
+    held at most, where it is known (a CUDA card). Subclasses implement ``_begin`` and ``_end``.
+    """
+
+    peak_bytes: Optional[int] = None
+    peak_reserved_bytes: Optional[int] = None
+    #: whether :meth:`start` was called and :meth:`stop` not yet
+    running = False
+    _started = False
+
+    def start(self) -> None:
+        """Begin measuring (a running meter restarts)."""
+        self.stop()
+        self._begin()
+        self.running = self._started = True
+
+    def stop(self) -> Optional[int]:
+        """Stop measuring; the peak in bytes (``None`` if never started)."""
+        if self.running:
+            self.running = False
+            self._end()
+        return self.peak_bytes if self._started else None
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+class LiveTensorTracker(SpanMeter, TorchDispatchMode):
+    """The host's meter: counts the bytes of live tensor storages, op by op, with an optional cap.
+
+    Each storage counts once, by its ``nbytes``, from the op that created it (or from the start, for
+    the tensors of ``existing``) until it dies (a weak reference calls back); views and in-place ops
+    add nothing. With ``workspaces``, a real host op also counts the peak of what its kernel
+    allocates while it runs (:func:`call_learning_allocations`), so the peak and the cap are those
+    of the allocator. An op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``
+    with "CUDA out of memory" in its message. Tensors alive before the start and not in ``existing``
+    are not counted. Stopping drops all tracked state (``live_bytes`` is 0, ``peak_bytes`` kept),
+    also on an exception.
+
+    Args:
+        max_bytes: the cap (``None``: none).
+        existing: objects whose tensors count from the start: modules (parameters, gradients,
+            buffers), optimizers (state), batches (see :func:`collect_tensors`).
+        device: count only tensors on this device (``None``: every device).
+        granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
+        baseline_bytes: a fixed amount counted as live (memory held outside tensors).
+        workspaces: ``False`` counts storages alone, fake tensors too (the estimate's traces).
+
+    Example::
+
+        >>> with LiveTensorTracker() as tracker:
+        ...     x = torch.ones(256)
+        ...     y = x * 2                 # the kernel also wraps the 2 in a tensor: 8 + 4 bytes
+        >>> tracker.peak_bytes            # two 1024-byte storages and the multiplication's 12
+        2060
+        >>> with LiveTensorTracker(workspaces=False) as storages_only:
+        ...     x = torch.ones(256)
+        ...     y = x * 2
+        >>> storages_only.peak_bytes
+        2048
+    """
+
+    peak_bytes: int
+
+    def __init__(
+        self,
+        max_bytes: Optional[int] = None,
+        *,
+        existing: Iterable[Any] = (),
+        device: torch.device | str | None = None,
+        granularity: int = 1,
+        baseline_bytes: int = 0,
+        workspaces: bool = True,
+    ) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self.existing = tuple(existing)
+        self.device = None if device is None else torch.device(device)
+        self.granularity = granularity
+        self.baseline_bytes = baseline_bytes
+        self.workspaces = workspaces
+        self.live_bytes = self.peak_bytes = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+
+    def _begin(self) -> None:
+        self._live.clear()
+        self.live_bytes = self.peak_bytes = self.baseline_bytes
+        self.track(*self.existing)
+        TorchDispatchMode.__enter__(self)
+
+    def _end(self) -> None:
+        try:
+            TorchDispatchMode.__exit__(self, None, None, None)
+        finally:
+            self._live.clear()  # dropping the weak references also drops their callbacks
+            self.live_bytes = 0
+
+    @property
+    def tracked_storages(self) -> int:
+        """How many storages are counted as live now (0 outside the span)."""
+        return len(self._live)
+
+    def track(self, *objects: Any) -> None:
+        """Count the tensors of ``objects`` as live from now until they die (the cap is not applied)."""
+        for key, storage, num_bytes in self._new_storages(collect_tensors(*objects), exclude=set()):
+            self._add(key, storage, num_bytes)
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        if self.device is None:
+            return True
+        device = tensor.device
+        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
+
+    def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
+        found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not self._counts(tensor):
+                continue
+            storage = storage_of(tensor)
+            if storage is None:
+                continue
+            key = storage_key(storage)
+            if key in self._live or key in exclude or key in found:
+                continue
+            num_bytes = round_up(storage.nbytes(), self.granularity)
+            if num_bytes > 0:
+                found[key] = (key, storage, num_bytes)
+        return list(found.values())
+
+    def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:
+        def release(_ref: weakref.ref) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.live_bytes -= entry[1]
+
+        self._live[key] = (weakref.ref(storage, release), num_bytes)
+        self.live_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        allocations = None
+        on_host = self.device is None or self.device.type == "cpu"
+        if self.workspaces and on_host and is_real_host_call((args, kwargs)):
+            out, allocations = call_learning_allocations(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        new = self._new_storages(tree_leaves(out), exclude=inputs)
+        # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
+        needed = max(sum(num_bytes for *_, num_bytes in new), allocations.peak_bytes if allocations else 0)
+        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(func, needed))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + needed)
+        for key, storage, num_bytes in new:
+            self._add(key, storage, num_bytes)
+        return out
+
+    def _oom_message(self, func: Any, added: int) -> str:
+        where = "any device" if self.device is None else str(self.device)
+        return (
+            f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
+            f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+        )
+
+
+class AllocationWindow:
+    """The largest rise of a device's allocated bytes over a ``with`` block, from the profiler's
+    allocator events; :attr:`peak_delta_bytes` is ``None`` when another profiler was running.
 
     Example::
 
@@ -194,17 +427,14 @@ class AllocationWindow:
         if not self._active:
             return
         self._active = False
-        records = stop_allocation_events()
         live = peak = 0
-        for thread in records:
+        for thread in stop_allocation_events():
             for record in thread:
                 if record.kind() != "memory_alloc":
                     continue
-                if self.device_type == "cuda":
-                    if record.device() != self.index:
-                        continue
-                    live += int(record.cuda_memory_usage())
-                else:
+                if self.device_type != "cuda":
                     live += int(record.cpu_memory_usage())
+                elif record.device() == self.index:
+                    live += int(record.cuda_memory_usage())
                 peak = max(peak, live)
         self.peak_delta_bytes = peak

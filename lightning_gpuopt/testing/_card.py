@@ -1,25 +1,24 @@
-"""A CUDA card simulated on the host: the device behind :class:`lightning_gpuopt.testing.SimulatedGpu`.
+"""The CUDA card that :class:`lightning_gpuopt.testing.SimulatedGpu` simulates on the host.
 
-Tensors stay on the CPU; what the card *holds* is counted at the host allocator and passed
-through :class:`~lightning_gpuopt.core.allocator.CachingAllocatorModel`:
+Tensors stay on the CPU; what the card *holds* is counted at the host allocator and passed through
+the caching-allocator model (:mod:`._allocator`):
 
-* a tensor is *on the card* as it would be in a real run: a module's parameters, buffers and
-  gradients from its first ``forward`` (a global forward pre-hook, which also brings the
-  forward's tensor arguments: the batch), an optimizer's state from its first step (a global
-  step pre-hook), what :meth:`SimulatedMemory.adopt` is given (the simulated ``tensor.cuda()``),
-  the outputs of every op with an input on the card (but an explicit ``.to("cpu", copy=True)``),
-  and the outputs of factory ops (no tensor input) called inside a ``forward``. An op mixing card and host tensors moves the host ones to
-  the card first (a real card would refuse the mix), except 0-dim CPU scalars, which CUDA
-  accepts. Everything else -- a dataset built in host memory, the loader's collation -- stays on
-  the host and is not counted;
-* every storage on the card is a request to the model, from the op that made it until the
-  storage dies (a weak reference calls back), and so is each such op's in-kernel workspace,
-  replayed in the order the profiler saw its allocations and frees (:mod:`.op_memory`);
+* a tensor is on the card as it would be in a real run: a module's parameters, buffers and
+  gradients from its first ``forward`` (a global forward pre-hook, which also brings the forward's
+  tensor arguments: the batch), an optimizer's state from its first step (a global step pre-hook),
+  what :meth:`SimulatedMemory.adopt` is given (the simulated ``tensor.cuda()``), the outputs of
+  every op with an input on the card (but an explicit ``.to("cpu", copy=True)``), and the outputs
+  of factory ops called inside a ``forward``. An op mixing card and host tensors moves the host
+  ones to the card first (a real card would refuse the mix), except 0-dim CPU scalars, which CUDA
+  accepts. Everything else (a dataset built in host memory, the loader's collation) stays on the host;
+* every storage on the card is a request to the model, from the op that made it until the storage
+  dies, and so is the op's in-kernel workspace, replayed in the order the profiler saw it
+  (:func:`~lightning_gpuopt.core.op_memory.call_learning_allocations`);
 * the first matrix multiplication allocates the cuBLAS workspace, kept for the card's life;
-* a request that would take reserved memory past the limit first frees cached segments, then
-  raises the real ``torch.OutOfMemoryError`` with CUDA's wording.
+* a request past the limit first frees cached segments, then raises the real
+  ``torch.OutOfMemoryError`` with CUDA's wording.
 
-Fake and meta tensors (the estimate's traces) are not counted: they allocate nothing.
+Fake and meta tensors (the estimate's traces) allocate nothing and are not counted.
 """
 
 from __future__ import annotations
@@ -34,12 +33,18 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
-from lightning_gpuopt.core.allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
-from lightning_gpuopt.core.device import Capabilities, Device, HostEvent, SpanMeter
-from lightning_gpuopt.core.memory import collect_tensors, is_real_host_call, storage_of
-from lightning_gpuopt.core.op_memory import OpAllocations, call_learning_allocations
+from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
+from lightning_gpuopt.core.op_memory import (
+    OpAllocations,
+    SpanMeter,
+    call_learning_allocations,
+    collect_tensors,
+    is_real_host_call,
+    storage_of,
+)
+from lightning_gpuopt.testing._allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
 
-#: ops that use cuBLAS on a real card (its workspace is allocated on the first of them)
+# ops that use cuBLAS on a real card (its workspace is allocated on the first of them)
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
 
 
@@ -61,8 +66,8 @@ class GpuProfile:
 
 
 class SimulatedMemory(TorchDispatchMode):
-    """Counts what the simulated card holds (see the module docstring); a dispatch mode active
-    while the card is entered."""
+    """The dispatch mode that counts what the card holds (see the module docstring), active while
+    the card is entered."""
 
     def __init__(self, allocator: CachingAllocatorModel, cublas_workspace_bytes: int) -> None:
         super().__init__()
@@ -79,7 +84,6 @@ class SimulatedMemory(TorchDispatchMode):
         #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self.busy_s = 0.0
 
-    # -- lifecycle
     def __enter__(self) -> SimulatedMemory:
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
@@ -96,23 +100,19 @@ class SimulatedMemory(TorchDispatchMode):
                 hook.remove()
             self._hooks = []
 
-    # -- tensors that reach the card
     def holds(self, tensor: torch.Tensor) -> bool:
         storage = storage_of(tensor)
         return storage is not None and storage_key(storage) in self._blocks
 
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
-        new: dict[int, torch.UntypedStorage] = {}
-        for tensor in collect_tensors(*objects):
-            storage = self._countable_storage(tensor)
-            if storage is not None and storage_key(storage) not in self._blocks:
-                new[storage_key(storage)] = storage
+        new = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(*objects)) if s is not None}
+        storages = [storage for key, storage in new.items() if key not in self._blocks]
         pending: list[Block] = []
         try:
-            self._allocate_storages(list(new.values()), pending)
+            self._allocate_storages(storages, pending)
         except AllocatorOutOfMemory as error:
-            self._undo(new.values(), pending, error)
+            self._undo(storages, pending, error)
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
@@ -121,7 +121,7 @@ class SimulatedMemory(TorchDispatchMode):
         if module not in self._adopted_modules:
             self.adopt(module)
             self._adopted_modules.update(module.modules())
-        self.adopt(list(_tensors(args)))
+        self.adopt([leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)])
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
@@ -131,16 +131,11 @@ class SimulatedMemory(TorchDispatchMode):
             self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
             self._adopted_optimizers.add(optimizer)
 
-    # -- ops
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         on_card = not self.paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
         started = time.perf_counter()
-        allocations = None
-        if on_card:
-            out, allocations = call_learning_allocations(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out, allocations = call_learning_allocations(func, args, kwargs) if on_card else (func(*args, **kwargs), None)
         self.busy_s += time.perf_counter() - started
         if not on_card:
             return out
@@ -149,22 +144,17 @@ class SimulatedMemory(TorchDispatchMode):
                 self._cublas = self._malloc(self.cublas_workspace_bytes, [])
             except AllocatorOutOfMemory as error:
                 raise torch.OutOfMemoryError(error.message) from None
-        inputs = {storage_key(s) for s in map(storage_of, _tensors((args, kwargs))) if s is not None}
-        outputs: dict[int, torch.UntypedStorage] = {}
-        for tensor in _tensors(out):
-            storage = self._countable_storage(tensor)
-            if storage is not None and storage_key(storage) not in self._blocks and storage_key(storage) not in inputs:
-                outputs[storage_key(storage)] = storage
-        self._replay(allocations, list(outputs.values()))
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
+        self._replay(allocations, [s for key, s in outputs.items() if key not in self._blocks and key not in inputs])
         return out
 
     def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether the op runs on the card: an input is there (the others are moved there first),
-        or it is a factory op inside a ``forward``. An explicit copy to ``"cpu"``
-        (``tensor.to("cpu", copy=True)``) is a copy to the host."""
+        """Whether the op runs on the card: an input is there (the others are moved there first), or
+        it is a factory op inside a ``forward``; an explicit copy to ``"cpu"`` is a copy to the host."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
-        inputs = list(_tensors((args, kwargs)))
+        inputs = list(collect_tensors(args, kwargs))
         if not inputs:
             return self._forward_depth > 0
         if not any(self.holds(tensor) for tensor in inputs):
@@ -173,43 +163,37 @@ class SimulatedMemory(TorchDispatchMode):
         return True
 
     def _replay(self, allocations: Optional[OpAllocations], outputs: list[torch.UntypedStorage]) -> None:
-        """The op's requests in the profiler's order: workspaces come and go, kept allocations
-        become the outputs' blocks (matched by size); outputs the profiler did not see come last."""
+        """The op's requests in the profiler's order: workspaces come and go, kept allocations become
+        the outputs' blocks (matched by size); outputs the profiler did not see come last."""
         taken: list[Block] = []
-        kept: list[Block] = []
         try:
+            kept: list[tuple[int, Optional[Block]]] = []
             if allocations is not None:
-                sizes = allocations.sizes
                 blocks: list[Optional[Block]] = []
                 for event in allocations.events:
                     if event > 0:
                         blocks.append(self._malloc(event, taken))
                     else:
-                        block = blocks[-event - 1]
+                        block, blocks[-event - 1] = blocks[-event - 1], None
                         if block is not None:
                             self.allocator.free(block)
-                            blocks[-event - 1] = None
-                kept = [blocks[i] for i in sorted(allocations.kept) if blocks[i] is not None]  # type: ignore[misc]
-                kept_sizes = [sizes[i] for i in sorted(allocations.kept)]
-            else:
-                kept_sizes = []
-            unmatched = self._bind(outputs, kept, kept_sizes)
-            self._allocate_storages(unmatched, pending=taken)
+                sizes = allocations.sizes
+                kept = [(sizes[i], blocks[i]) for i in sorted(allocations.kept)]
+            self._allocate_storages(self._bind(outputs, kept), pending=taken)
         except AllocatorOutOfMemory as error:
             self._undo(outputs, taken, error)  # the op's outputs never reach the caller
 
-    def _bind(self, outputs: list[torch.UntypedStorage], kept: list[Block], kept_sizes: list[int]) -> list:
-        """Give the kept allocations to the outputs of the same size; a kept allocation no output
-        takes is a cache of the kernel, freed here. Returns the outputs left without a block."""
-        free = list(zip(kept_sizes, kept))
+    def _bind(self, outputs: list[torch.UntypedStorage], kept: list[tuple[int, Optional[Block]]]) -> list:
+        """Give the kept allocations to the outputs of the same size; one no output takes is a cache
+        of the kernel, freed here. Returns the outputs left without a block."""
+        free = [(size, block) for size, block in kept if block is not None]
         unmatched = []
         for storage in outputs:
             match = next((i for i, (size, _) in enumerate(free) if size == storage.nbytes()), None)
             if match is None:
                 unmatched.append(storage)
-                continue
-            _, block = free.pop(match)
-            self._track(storage, [block])
+            else:
+                self._track(storage, [free.pop(match)[1]])
         for _, block in free:
             self.allocator.free(block)
         return unmatched
@@ -236,11 +220,10 @@ class SimulatedMemory(TorchDispatchMode):
     def _track(self, storage: torch.UntypedStorage, blocks: list[Block]) -> None:
         key = storage_key(storage)
 
-        def release(_ref: weakref.ref, key: int = key) -> None:
+        def release(_ref: weakref.ref) -> None:
             entry = self._blocks.pop(key, None)
-            if entry is not None:
-                for block in entry[1]:
-                    self.allocator.free(block)
+            for block in entry[1] if entry is not None else ():
+                self.allocator.free(block)
 
         self._blocks[key] = (weakref.ref(storage, release), blocks)
 
@@ -249,22 +232,12 @@ class SimulatedMemory(TorchDispatchMode):
         if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
             return None
         storage = storage_of(tensor)
-        if storage is None or storage.nbytes() == 0:
-            return None
-        return storage
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    return (leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
+        return storage if storage is not None and storage.nbytes() > 0 else None
 
 
 class SimulatedCudaDevice(Device):
-    """A CUDA card of ``profile`` simulated on the host (see the module docstring).
-
-    Args:
-        profile: the card's identity and memory.
-        cublas_workspace_bytes: the cuBLAS workspace (default: torch's for the card's capability).
-    """
+    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
+    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
 
     type = "cuda"
 
@@ -276,10 +249,9 @@ class SimulatedCudaDevice(Device):
             total_bytes=profile.total_bytes,
             outside_bytes=profile.context_bytes,
         )
-        workspace = (
-            profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
-        )
-        self.memory = SimulatedMemory(self.allocator, workspace)
+        if cublas_workspace_bytes is None:
+            cublas_workspace_bytes = profile.capabilities.cublas_workspace_bytes
+        self.memory = SimulatedMemory(self.allocator, cublas_workspace_bytes)
 
     @property
     def index(self) -> int:
@@ -297,15 +269,11 @@ class SimulatedCudaDevice(Device):
     def autocast_device_type(self) -> str:
         return "cpu"  # the tensors are on the host
 
-    @property
-    def name(self) -> str:
-        return self.profile.name
-
     def total_memory(self) -> int:
         return self.profile.total_bytes
 
     def free_memory(self) -> int:
-        return max(0, self.profile.total_bytes - self.profile.context_bytes - self.allocator.reserved_bytes)
+        return max(0, self.profile.total_bytes - self.used_memory())
 
     def used_memory(self) -> int:
         """What NVML reports as used: the context and everything reserved."""
@@ -320,11 +288,11 @@ class SimulatedCudaDevice(Device):
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
         return self.free_memory() + self.reserved_memory()
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SimulatedPeakMeter:
-        return SimulatedPeakMeter(self, existing)
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing)
 
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SimulatedPeakMeter:
-        return SimulatedPeakMeter(self, existing, cap_bytes=max_bytes)
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing, max_bytes)
 
     def empty_cache(self) -> None:
         self.allocator.empty_cache()
@@ -334,7 +302,6 @@ class SimulatedCudaDevice(Device):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Host-only work inside the block: nothing it makes reaches the card."""
         self.memory.paused += 1
         try:
             yield
@@ -345,24 +312,22 @@ class SimulatedCudaDevice(Device):
         return HostEvent()
 
 
-class SimulatedPeakMeter(SpanMeter):
-    """A window over the simulated allocator; with ``cap_bytes`` the allocator may reserve at most
-    that much inside it (as ``set_per_process_memory_fraction``). ``existing`` tensors not on the
-    card yet are moved to it (counted) at start."""
+class _SimulatedMeter(SpanMeter):
+    """A window over the card's allocator; with ``max_bytes`` the allocator may reserve at most that
+    much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
 
-    def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), cap_bytes: Optional[int] = None):
-        super().__init__()
+    def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), max_bytes: Optional[int] = None):
         self.device = device
         self.existing = tuple(existing)
-        self.cap_bytes = cap_bytes
+        self.max_bytes = max_bytes
         self._window: Optional[PeakWindow] = None
         self._limit: Optional[int] = None
 
     def _begin(self) -> None:
         allocator = self.device.allocator
-        if self.cap_bytes is not None:
+        if self.max_bytes is not None:
             self._limit = allocator.limit_bytes
-            allocator.limit_bytes = min(allocator.limit_bytes, int(self.cap_bytes))
+            allocator.limit_bytes = min(allocator.limit_bytes, int(self.max_bytes))
         self._window = allocator.open_window()
         try:
             self.device.memory.adopt(*self.existing)
