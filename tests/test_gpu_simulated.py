@@ -285,7 +285,7 @@ def test_allocation_window_measures_a_spans_peak_by_deltas():
         transient = torch.zeros(250_000)  # 1 MB, freed before the end
         del transient
         kept = torch.zeros(500)
-    assert window.peak_delta_bytes == 1_000_000
+    assert window.peak_bytes == 1_000_000
     assert keep.numel() + kept.numel() == 1500
 
 

@@ -190,11 +190,11 @@ def test_leaving_the_card_by_an_exception_puts_everything_back():
         raise ValueError("user code failed")
     assert not device_for("cpu").is_cuda and not _get_current_dispatch_mode_stack()
     assert nvml_library() is before
-    held, ops = first.allocated_bytes, first.device.memory.busy_s
+    held, ops = first.allocated_bytes, first.device.busy_s
     with SimulatedGpu("H100", memory="64MiB", cublas_workspace=0) as second:
         network(x)  # a new card: the model moves to it at its first forward there
     network(x)  # outside every card
-    assert first.allocated_bytes == held and first.device.memory.busy_s == ops  # the first card's hooks are gone
+    assert first.allocated_bytes == held and first.device.busy_s == ops  # the first card's hooks are gone
     assert second.allocated_bytes >= storage_bytes(network, x)
 
 

@@ -1,19 +1,14 @@
 """The device layer: the one module that calls ``torch.cuda`` (NVML lives in :mod:`.nvml`).
 
-:func:`device_for` gives the :class:`Device` of a torch device:
-
-* the host (:class:`Device`): RAM from ``psutil.virtual_memory()`` (``total``, ``available``) capped by
-  the cgroup memory limit, which psutil ignores (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``);
-  memory counted by a :class:`~.op_memory.LiveTensorTracker`;
-* a real card (:class:`CudaDevice`): each method one documented ``torch.cuda`` call;
-* the simulated card in force: the seam :func:`simulating`, which
-  :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into (the host and ``"cuda"`` are then that card).
-
-A device answers: capacity, free, allocated and reserved bytes, what a training step may use, a
-meter of a span's peak (:meth:`Device.peak_meter`: by windows or deltas, the process-wide peak
-counters other tools read are never reset), a cap that raises ``torch.OutOfMemoryError``
-(:meth:`Device.memory_cap`: on CUDA on *reserved* memory, through the per-process memory
-fraction), ``empty_cache``, timing events, its NVML UUID and its :class:`Capabilities`.
+:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM from
+``psutil.virtual_memory()``, capped by the cgroup limit psutil ignores; memory counted by a
+:class:`~.op_memory.LiveTensorTracker`), a real card (:class:`CudaDevice`, each method one documented
+``torch.cuda`` call), or the simulated card in force (:func:`simulating`, the seam
+:class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). A device answers capacity, free,
+allocated and reserved bytes, a meter of a span's peak (:meth:`Device.peak_meter`; the process-wide
+peak counters other tools read are never reset), a cap that raises ``torch.OutOfMemoryError``
+(:meth:`Device.memory_cap`; on CUDA on *reserved* memory, through the per-process memory fraction),
+timing events, its NVML UUID and its :class:`Capabilities`.
 
 Example::
 
@@ -41,17 +36,12 @@ from lightning_gpuopt.core.op_memory import AllocationWindow, LiveTensorTracker,
 
 #: the CUDA caching allocator hands out blocks in multiples of this many bytes
 CUDA_ALLOCATION_GRANULARITY = 512
-#: cuBLAS keeps one workspace per handle and stream, allocated through the caching allocator:
-#: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from compute capability 9.0 on (torch's defaults)
-_CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
-_CUBLAS_WORKSPACE_HOPPER = 32 * 2**20
-#: the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
+# the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
 _CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def _host_memory_bytes(available: bool = False) -> int:
-    """The host's RAM, or with ``available`` what can be allocated now without swapping, at most the
-    cgroup limit (psutil reports the host's RAM, not the container's).
+    """The host's RAM, or with ``available`` what can be allocated now without swapping; at most the cgroup limit.
 
     Example::
 
@@ -78,15 +68,12 @@ class Capabilities:
     compute_capability: Optional[tuple[int, int]] = None
     #: bfloat16 in hardware (8.0 and up); not ``is_bf16_supported()``, which counts emulation
     native_bf16: bool = False
-    #: float16 tensor cores (7.0 and up)
-    fp16_tensor_cores: bool = False
     #: TF32 tensor cores (8.0 and up)
     tf32: bool = False
     #: a MIG instance (NVML reports no utilisation for it)
     mig: bool = False
-    #: page-locked host memory speeds up host-to-device copies
-    pinned_memory: bool = False
-    #: bytes of the cuBLAS workspace the allocator holds once a matmul ran
+    #: bytes of the cuBLAS workspace (one per handle and stream, through the caching allocator) once a
+    #: matmul ran: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0 on (torch's defaults)
     cublas_workspace_bytes: int = 0
 
     @classmethod
@@ -99,16 +86,9 @@ class Capabilities:
             >>> caps.native_bf16, caps.cublas_workspace_bytes, Capabilities.of_cuda("H100", (9, 0)).cublas_workspace_bytes // 2**20
             (False, 8519680, 32)
         """
-        return cls(
-            name,
-            capability,
-            native_bf16=capability >= (8, 0),
-            fp16_tensor_cores=capability >= (7, 0),
-            tf32=capability >= (8, 0),
-            mig=mig,
-            pinned_memory=True,
-            cublas_workspace_bytes=(_CUBLAS_WORKSPACE_HOPPER if capability >= (9, 0) else _CUBLAS_WORKSPACE_PRE_HOPPER),
-        )
+        ampere = capability >= (8, 0)
+        cublas = 32 * 2**20 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+        return cls(name, capability, native_bf16=ampere, tf32=ampere, mig=mig, cublas_workspace_bytes=cublas)
 
 
 class Device:
@@ -260,7 +240,7 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.torch_device)
 
 
-class _CudaPeakMeter(SpanMeter):
+class _CudaPeakMeter(AllocationWindow):
     """The peak allocated in a span: the allocated bytes at start plus the largest rise of the
     profiler's allocator events (``max_memory_allocated``, an upper bound, when another profiler
     runs). Reserved memory only grows between ``empty_cache`` calls: its peak is the larger of the
@@ -268,9 +248,8 @@ class _CudaPeakMeter(SpanMeter):
     (the per-process memory fraction, put back on stop)."""
 
     def __init__(self, device: CudaDevice, max_bytes: Optional[int] = None) -> None:
-        self.device = device
-        self.max_bytes = max_bytes
-        self._window = AllocationWindow("cuda", device.index)
+        super().__init__("cuda", device.index)
+        self.device, self.max_bytes = device, max_bytes
         self._start = (0, 0)
         self._fraction: Optional[float] = None
 
@@ -280,14 +259,14 @@ class _CudaPeakMeter(SpanMeter):
             self._fraction = torch.cuda.get_per_process_memory_fraction(where)
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.max_bytes / self.device.total_memory()), where)
         self._start = (self.device.allocated_memory(), self.device.reserved_memory())
-        self._window.__enter__()
+        super()._begin()
 
     def _end(self) -> None:
         where = self.device.torch_device
         try:
-            self._window.__exit__(None, None, None)
+            super()._end()
             allocated, reserved = self._start
-            delta = self._window.peak_delta_bytes
+            delta = self.peak_bytes
             self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if delta is None else allocated + delta
             self.peak_reserved_bytes = max(reserved, self.device.reserved_memory())
         finally:

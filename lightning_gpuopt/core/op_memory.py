@@ -1,19 +1,15 @@
-"""Host memory counted op by op, at the dispatcher: storages, what each op's kernel allocates, the live tracker.
+"""Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-* :func:`collect_tensors`, :func:`storage_of`, :func:`storage_bytes`: the tensors that objects hold and
-  the bytes of their distinct storages (a view shares its base's storage and adds nothing).
-* :func:`call_learning_allocations`: a count of storages sees each op's outputs, not the buffers its
-  kernel allocates and frees inside itself (oneDNN reorders, sorting scratch, attention buffers).
-  The torch profiler (``profile_memory``) sees every allocation and free of the CPU allocator, in
-  order: an op is run once under it and the sequence kept as :class:`OpAllocations`, keyed by the op,
-  the intra-op threads and its arguments' metadata; later calls with the same key reuse it. The
-  profiler is never started while another one runs (a user's profiler keeps its events; that call's
-  allocations are then unknown).
-* :class:`SpanMeter`: the one meter interface: the peak of a span between ``start()`` and
-  ``stop()`` (or a ``with`` block), on every device (:meth:`.device.Device.peak_meter`).
-* :class:`LiveTensorTracker`: the host's meter, with an optional cap.
-* :class:`AllocationWindow`: the largest rise of a device's allocated bytes over a span, from the
-  profiler's allocator events (the allocator's peak counters are left alone).
+* :func:`collect_tensors`, :func:`storage_bytes`: the tensors objects hold, and the bytes of their
+  distinct storages (a view shares its base's storage).
+* :func:`call_learning_allocations`: a count of storages misses the buffers a kernel allocates and
+  frees inside itself (oneDNN reorders, sorting scratch, attention buffers); the profiler
+  (``profile_memory``) sees them. An op is run once under it and the sequence of its allocations and
+  frees kept (:class:`OpAllocations`), keyed by the op, the intra-op threads and its arguments'
+  metadata, for later calls to reuse. The profiler is never started while another runs (that
+  call's allocations are then unknown).
+* :class:`SpanMeter`: the one meter interface, of every device (:meth:`.device.Device.peak_meter`);
+  :class:`LiveTensorTracker` is the host's, :class:`AllocationWindow` a window of profiler events.
 
 Example::
 
@@ -49,8 +45,8 @@ from lightning_gpuopt.core.search import round_up
 
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``objects``: tensors, modules (parameters, their gradients, buffers) and
-    optimizers (state), also inside lists, tuples and dicts.
+    """The tensors in ``objects``: tensors, modules (parameters, gradients, buffers), optimizers (state),
+    also inside lists, tuples and dicts.
 
     Example::
 
@@ -95,8 +91,8 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
 
 
 def is_real_host_call(tree: Any) -> bool:
-    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors: no fake
-    tensor, no tensor or ``torch.device`` of another device (meta included).
+    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (no fake
+    tensor, no tensor or ``torch.device`` of another device, meta included).
 
     Example::
 
@@ -115,7 +111,7 @@ def is_real_host_call(tree: Any) -> bool:
 
 # ----------------------------------------------------------------------------- what an op allocates
 
-_MAX_TEMPLATES = 50_000  # learned templates, shared by the process; cleared when they pass this
+_MAX_TEMPLATES = 50_000  # learned allocations, shared by the process; cleared when they pass this
 _templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
 
@@ -144,14 +140,7 @@ class OpAllocations:
         return peak
 
 
-def _leaf_key(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return ("T", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type, leaf.requires_grad)
-    if leaf is None or isinstance(
-        leaf, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-    ):
-        return leaf
-    return type(leaf).__name__
+_VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
 def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
@@ -163,8 +152,13 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
         >>> _op_key(torch.ops.aten.add.Tensor, (a, a), {}) == _op_key(torch.ops.aten.add.Tensor, (b, b), {})
         True
     """
-    leaves, _ = tree_flatten((args, kwargs))
-    return (func, torch.get_num_threads(), *map(_leaf_key, leaves))
+
+    def key(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
+        return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
+
+    return (func, torch.get_num_threads(), *map(key, tree_flatten((args, kwargs))[0]))
 
 
 def _allocations_from(records: list) -> OpAllocations:
@@ -219,11 +213,9 @@ def call_learning_allocations(
 
 
 class SpanMeter:
-    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block.
-
-    :attr:`peak_bytes` is the peak of the last span; :attr:`peak_reserved_bytes` what the allocator
-    held at most, where it is known (a CUDA card). Subclasses implement ``_begin`` and ``_end``.
-    """
+    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block:
+    :attr:`peak_bytes`, and :attr:`peak_reserved_bytes` where the allocator's is known (a CUDA card).
+    Subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
     peak_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
@@ -259,16 +251,15 @@ class SpanMeter:
 
 
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
-    """The host's meter: counts the bytes of live tensor storages, op by op, with an optional cap.
+    """The host's meter: the bytes of live tensor storages, counted op by op, with an optional cap.
 
-    Each storage counts once, by its ``nbytes``, from the op that created it (or from the start, for
-    the tensors of ``existing``) until it dies (a weak reference calls back); views and in-place ops
-    add nothing. With ``workspaces``, a real host op also counts the peak of what its kernel
-    allocates while it runs (:func:`call_learning_allocations`), so the peak and the cap are those
-    of the allocator. An op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``
-    with "CUDA out of memory" in its message. Tensors alive before the start and not in ``existing``
-    are not counted. Stopping drops all tracked state (``live_bytes`` is 0, ``peak_bytes`` kept),
-    also on an exception.
+    A storage counts once, by its ``nbytes``, from the op that made it (or from the start, for the
+    tensors of ``existing``) until it dies; views and in-place ops add nothing; tensors alive before
+    the start and not in ``existing`` are not counted. With ``workspaces``, a real host op also
+    counts, while it runs, the peak of what its kernel allocates (:func:`call_learning_allocations`):
+    the peak and the cap are the allocator's. An op whose new bytes would pass ``max_bytes`` raises
+    ``torch.OutOfMemoryError`` ("CUDA out of memory ..."). Stopping, also on an exception, drops the
+    tracked state (``live_bytes`` is 0 again, ``peak_bytes`` kept).
 
     Args:
         max_bytes: the cap (``None``: none).
@@ -397,36 +388,33 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         )
 
 
-class AllocationWindow:
-    """The largest rise of a device's allocated bytes over a ``with`` block, from the profiler's
-    allocator events; :attr:`peak_delta_bytes` is ``None`` when another profiler was running.
+class AllocationWindow(SpanMeter):
+    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
+    events (the allocator's own peak counters are left alone); ``None`` when another profiler runs.
 
     Example::
 
         >>> with AllocationWindow("cpu") as window:
         ...     a = torch.zeros(1000); del a
         ...     b = torch.zeros(500)
-        >>> window.peak_delta_bytes
+        >>> window.peak_bytes
         4000
     """
 
     def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
-        self.device_type = device_type
-        self.index = index
-        self.peak_delta_bytes: Optional[int] = None
-        self._active = False
+        self.device_type, self.index = device_type, index
+        self._profiling = False
 
-    def __enter__(self) -> AllocationWindow:
-        self.peak_delta_bytes = None
-        self._active = learning_possible()
-        if self._active:
+    def _begin(self) -> None:
+        self.peak_bytes = None
+        self._profiling = learning_possible()
+        if self._profiling:
             start_allocation_events()
-        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        if not self._active:
+    def _end(self) -> None:
+        if not self._profiling:
             return
-        self._active = False
+        self._profiling = False
         live = peak = 0
         for thread in stop_allocation_events():
             for record in thread:
@@ -437,4 +425,4 @@ class AllocationWindow:
                 elif record.device() == self.index:
                     live += int(record.cuda_memory_usage())
                 peak = max(peak, live)
-        self.peak_delta_bytes = peak
+        self.peak_bytes = peak

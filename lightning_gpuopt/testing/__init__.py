@@ -53,24 +53,21 @@ _MIB = 2**20
 
 #: the cards :class:`SimulatedGpu` knows, by short name
 GPU_PROFILES: dict[str, GpuProfile] = {
-    "H100": GpuProfile(
-        "NVIDIA H100 80GB HBM3", (9, 0), 81559 * _MIB, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512 * _MIB
-    ),
-    "A100": GpuProfile(
-        "NVIDIA A100-SXM4-40GB", (8, 0), 40960 * _MIB, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430 * _MIB
-    ),
-    "V100": GpuProfile(
-        "Tesla V100-SXM2-16GB", (7, 0), 16160 * _MIB, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310 * _MIB
-    ),
-    "T4": GpuProfile("Tesla T4", (7, 5), 15360 * _MIB, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290 * _MIB),
-    "A100-MIG-1g.10gb": GpuProfile(
-        "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-        (8, 0),
-        9728 * _MIB,
-        "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
-        250 * _MIB,
-        mig=True,
-    ),
+    short: GpuProfile(name, capability, total_mib * _MIB, uuid, context_mib * _MIB, mig="MIG" in name)
+    for short, name, capability, total_mib, uuid, context_mib in [
+        ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
+        ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
+        ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
+        ("T4", "Tesla T4", (7, 5), 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
+        (
+            "A100-MIG-1g.10gb",
+            "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+            (8, 0),
+            9728,
+            "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
+            250,
+        ),
+    ]
 }
 
 _NVML_ERRORS = ("no-permission", "not-supported")
@@ -176,11 +173,11 @@ class SimulatedGpu:
     def place(self, *objects: Any) -> None:
         """Put tensors (or modules, optimizers, collections of them) on the card: the simulated
         ``tensor.cuda()``, e.g. for a dataset held in device memory."""
-        self.device.memory.adopt(*objects)
+        self.device.adopt(*objects)
 
     def utilization(self) -> int:
         """Percent of wall time spent inside ops since the last call (what NVML's utilisation counts)."""
-        now, busy = time.perf_counter(), self.device.memory.busy_s
+        now, busy = time.perf_counter(), self.device.busy_s
         then, busy_then = self._last_reading
         self._last_reading = (now, busy)
         return 0 if now <= then else round(100 * min(1.0, (busy - busy_then) / (now - then)))
@@ -189,13 +186,13 @@ class SimulatedGpu:
         if simulated_device() is not None:
             raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
         try:
-            for context in (simulating(self.device), self.device.memory, using_nvml_library(self.nvml)):
+            for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
                 context.__enter__()
                 self._entered.append(context)
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        self._last_reading = (time.perf_counter(), self.device.memory.busy_s)
+        self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

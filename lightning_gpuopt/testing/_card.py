@@ -1,24 +1,15 @@
-"""The CUDA card that :class:`lightning_gpuopt.testing.SimulatedGpu` simulates on the host.
+"""The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
+and, while entered, the dispatch mode that counts what it holds (see :mod:`lightning_gpuopt.testing`).
 
-Tensors stay on the CPU; what the card *holds* is counted at the host allocator and passed through
-the caching-allocator model (:mod:`._allocator`):
-
-* a tensor is on the card as it would be in a real run: a module's parameters, buffers and
-  gradients from its first ``forward`` (a global forward pre-hook, which also brings the forward's
-  tensor arguments: the batch), an optimizer's state from its first step (a global step pre-hook),
-  what :meth:`SimulatedMemory.adopt` is given (the simulated ``tensor.cuda()``), the outputs of
-  every op with an input on the card (but an explicit ``.to("cpu", copy=True)``), and the outputs
-  of factory ops called inside a ``forward``. An op mixing card and host tensors moves the host
-  ones to the card first (a real card would refuse the mix), except 0-dim CPU scalars, which CUDA
-  accepts. Everything else (a dataset built in host memory, the loader's collation) stays on the host;
-* every storage on the card is a request to the model, from the op that made it until the storage
-  dies, and so is the op's in-kernel workspace, replayed in the order the profiler saw it
-  (:func:`~lightning_gpuopt.core.op_memory.call_learning_allocations`);
-* the first matrix multiplication allocates the cuBLAS workspace, kept for the card's life;
-* a request past the limit first frees cached segments, then raises the real
-  ``torch.OutOfMemoryError`` with CUDA's wording.
-
-Fake and meta tensors (the estimate's traces) allocate nothing and are not counted.
+Which tensors are on the card: a module's parameters, buffers and gradients from its first
+``forward`` (a global forward pre-hook, which also brings the forward's tensor arguments), an
+optimizer's state from its first step (a global step pre-hook), what :meth:`SimulatedCudaDevice.adopt`
+is given, the outputs of every op with an input on the card (but an explicit ``.to("cpu", copy=True)``),
+and those of factory ops called inside a ``forward``. An op mixing card and host tensors moves the
+host ones to the card first, except 0-dim CPU scalars, as CUDA accepts them. Each storage on the
+card, and each such op's in-kernel workspace (replayed in the order the profiler saw it), is a
+request to the caching-allocator model from its op until it dies; the first matrix multiplication
+allocates the cuBLAS workspace, kept for the card's life. Fake and meta tensors are not counted.
 """
 
 from __future__ import annotations
@@ -65,26 +56,95 @@ class GpuProfile:
         return Capabilities.of_cuda(self.name, self.capability, mig=self.mig)
 
 
-class SimulatedMemory(TorchDispatchMode):
-    """The dispatch mode that counts what the card holds (see the module docstring), active while
-    the card is entered."""
+class SimulatedCudaDevice(Device, TorchDispatchMode):
+    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
+    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
 
-    def __init__(self, allocator: CachingAllocatorModel, cublas_workspace_bytes: int) -> None:
-        super().__init__()
-        self.allocator = allocator
-        self.cublas_workspace_bytes = cublas_workspace_bytes
-        self._blocks: dict[int, tuple[weakref.ref, list[Block]]] = {}
-        self._cublas: Optional[Block] = None
-        self._adopted_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._adopted_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._hooks: list[Any] = []
-        self._forward_depth = 0
-        #: while positive, nothing reaches the card (host-only work, see ``core.device.host_only``)
-        self.paused = 0
+    type = "cuda"
+
+    def __init__(self, profile: GpuProfile, cublas_workspace_bytes: Optional[int] = None) -> None:
+        Device.__init__(self, torch.device("cpu"))
+        TorchDispatchMode.__init__(self)
+        self.profile = profile
+        self.allocator = CachingAllocatorModel(
+            profile.total_bytes - profile.context_bytes,
+            total_bytes=profile.total_bytes,
+            outside_bytes=profile.context_bytes,
+        )
+        self.cublas_workspace_bytes = (
+            profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
+        )
         #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self.busy_s = 0.0
+        self._blocks: dict[int, tuple[weakref.ref, list[Block]]] = {}
+        self._cublas: Optional[Block] = None
+        self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
+        self._hooks: list[Any] = []
+        self._forward_depth = 0
+        self._paused = 0  # while positive, nothing reaches the card
 
-    def __enter__(self) -> SimulatedMemory:
+    # -- the device
+    @property
+    def index(self) -> int:
+        return 0
+
+    @property
+    def uuid(self) -> str:
+        return self.profile.uuid
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.profile.capabilities
+
+    @property
+    def autocast_device_type(self) -> str:
+        return "cpu"  # the tensors are on the host
+
+    def total_memory(self) -> int:
+        return self.profile.total_bytes
+
+    def free_memory(self) -> int:
+        return max(0, self.profile.total_bytes - self.used_memory())
+
+    def used_memory(self) -> int:
+        """What NVML reports as used: the context and everything reserved."""
+        return self.profile.context_bytes + self.allocator.reserved_bytes
+
+    def allocated_memory(self) -> int:
+        return self.allocator.allocated_bytes
+
+    def reserved_memory(self) -> int:
+        return self.allocator.reserved_bytes
+
+    def usable_memory(self, existing: Iterable[Any] = ()) -> int:
+        return self.free_memory() + self.reserved_memory()
+
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing)
+
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing, max_bytes)
+
+    def empty_cache(self) -> None:
+        self.allocator.empty_cache()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        storage = storage_of(tensor)
+        return storage is not None and storage_key(storage) in self._blocks
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    # -- what reaches the card
+    def __enter__(self) -> SimulatedCudaDevice:
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._forward_hook, always_call=True),
@@ -100,10 +160,6 @@ class SimulatedMemory(TorchDispatchMode):
                 hook.remove()
             self._hooks = []
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        storage = storage_of(tensor)
-        return storage is not None and storage_key(storage) in self._blocks
-
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
         new = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(*objects)) if s is not None}
@@ -116,24 +172,24 @@ class SimulatedMemory(TorchDispatchMode):
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
-        if self.paused:
+        if self._paused:
             return
-        if module not in self._adopted_modules:
+        if module not in self._adopted:
             self.adopt(module)
-            self._adopted_modules.update(module.modules())
+            self._adopted.update(module.modules())
         self.adopt([leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)])
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.paused and optimizer not in self._adopted_optimizers:
+        if not self._paused and optimizer not in self._adopted:
             self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
-            self._adopted_optimizers.add(optimizer)
+            self._adopted.add(optimizer)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        on_card = not self.paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
+        on_card = not self._paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
         started = time.perf_counter()
         out, allocations = call_learning_allocations(func, args, kwargs) if on_card else (func(*args, **kwargs), None)
         self.busy_s += time.perf_counter() - started
@@ -235,83 +291,6 @@ class SimulatedMemory(TorchDispatchMode):
         return storage if storage is not None and storage.nbytes() > 0 else None
 
 
-class SimulatedCudaDevice(Device):
-    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
-    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
-
-    type = "cuda"
-
-    def __init__(self, profile: GpuProfile, cublas_workspace_bytes: Optional[int] = None) -> None:
-        super().__init__(torch.device("cpu"))
-        self.profile = profile
-        self.allocator = CachingAllocatorModel(
-            profile.total_bytes - profile.context_bytes,
-            total_bytes=profile.total_bytes,
-            outside_bytes=profile.context_bytes,
-        )
-        if cublas_workspace_bytes is None:
-            cublas_workspace_bytes = profile.capabilities.cublas_workspace_bytes
-        self.memory = SimulatedMemory(self.allocator, cublas_workspace_bytes)
-
-    @property
-    def index(self) -> int:
-        return 0
-
-    @property
-    def uuid(self) -> str:
-        return self.profile.uuid
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.profile.capabilities
-
-    @property
-    def autocast_device_type(self) -> str:
-        return "cpu"  # the tensors are on the host
-
-    def total_memory(self) -> int:
-        return self.profile.total_bytes
-
-    def free_memory(self) -> int:
-        return max(0, self.profile.total_bytes - self.used_memory())
-
-    def used_memory(self) -> int:
-        """What NVML reports as used: the context and everything reserved."""
-        return self.profile.context_bytes + self.allocator.reserved_bytes
-
-    def allocated_memory(self) -> int:
-        return self.allocator.allocated_bytes
-
-    def reserved_memory(self) -> int:
-        return self.allocator.reserved_bytes
-
-    def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        return self.free_memory() + self.reserved_memory()
-
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        return _SimulatedMeter(self, existing)
-
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        return _SimulatedMeter(self, existing, max_bytes)
-
-    def empty_cache(self) -> None:
-        self.allocator.empty_cache()
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return self.memory.holds(tensor)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        self.memory.paused += 1
-        try:
-            yield
-        finally:
-            self.memory.paused -= 1
-
-    def new_event(self) -> HostEvent:
-        return HostEvent()
-
-
 class _SimulatedMeter(SpanMeter):
     """A window over the card's allocator; with ``max_bytes`` the allocator may reserve at most that
     much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
@@ -330,7 +309,7 @@ class _SimulatedMeter(SpanMeter):
             allocator.limit_bytes = min(allocator.limit_bytes, int(self.max_bytes))
         self._window = allocator.open_window()
         try:
-            self.device.memory.adopt(*self.existing)
+            self.device.adopt(*self.existing)
         except BaseException:
             self._end()
             raise
