@@ -53,7 +53,7 @@ def test_fragmentation_runs_out_of_memory_with_enough_free_bytes_in_total():
     assert free_in_total == 11 * MIB
     with pytest.raises(AllocatorOutOfMemory, match=r"CUDA out of memory\. Tried to allocate 5\.00 MiB") as error:
         allocator.malloc(5 * MIB)
-    assert "11.00 MiB is reserved by PyTorch but unallocated" in error.value.message
+    assert "11.00 MiB is reserved by PyTorch but unallocated" in str(error.value)
     assert allocator.stats.num_ooms == 1 and allocator.stats.num_alloc_retries == 1
 
 

@@ -147,8 +147,8 @@ class Device:
         return None
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        """What a training step can use: free memory plus what torch holds already (on the host the
-        storages of ``existing``, e.g. the model and optimizer; on a card everything reserved).
+        """What a training step can use: free memory plus what torch holds already (on a card all it
+        has reserved; on the host the storages of ``existing``, e.g. the model and optimizer).
 
         Example::
 
@@ -156,6 +156,9 @@ class Device:
             >>> device_for("cpu").usable_memory([model]) >= storage_bytes(model)
             True
         """
+        reserved = self.reserved_memory()
+        if reserved is not None:
+            return self.free_memory() + reserved
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
@@ -215,9 +218,6 @@ class CudaDevice(Device):
 
     def reserved_memory(self) -> int:
         return int(torch.cuda.memory_reserved(self.torch_device))
-
-    def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        return self.free_memory() + self.reserved_memory()
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _CudaPeakMeter(self)

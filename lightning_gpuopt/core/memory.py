@@ -73,11 +73,15 @@ def parse_memory(
         f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", '
         "or a float in (0, 1] (a fraction of the device)"
     )
+
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"`{name}`={value!r} {problem}; expected {works}.")
+
     if isinstance(value, bool):
-        raise ValueError(f"`{name}`={value!r} is a bool; expected {works}.")
+        raise fail("is a bool")
     if isinstance(value, int):
         if value <= 0:
-            raise ValueError(f"`{name}`={value!r} is not positive; expected {works}.")
+            raise fail("is not positive")
         if value < minimum:
             raise ValueError(
                 f"`{name}`={value!r} is {value} byte{'s' if value != 1 else ''}, below the minimum of "
@@ -86,7 +90,7 @@ def parse_memory(
         return value
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
-            raise ValueError(f"`{name}`={value!r} is a float outside (0, 1]; expected {works}.")
+            raise fail("is a float outside (0, 1]")
         if device is None:
             raise ValueError(
                 f"`{name}`={value!r} is a fraction of a device, but no device was given; "
@@ -95,25 +99,20 @@ def parse_memory(
         total = device_for(device).total_memory()
         num_bytes = int(value * total)
         if num_bytes < minimum:
-            raise ValueError(
-                f"`{name}`={value!r} is {num_bytes} bytes of the device's {total}, below the minimum "
-                f"of {minimum} bytes; expected {works}."
-            )
+            raise fail(f"is {num_bytes} bytes of the device's {total}, below the minimum of {minimum} bytes")
         return num_bytes
-    if isinstance(value, str):
-        match = _MEMORY_STRING.match(value)
-        if match is None:
-            raise ValueError(f"`{name}`={value!r} is not a memory size; expected {works}.")
-        unit = (match.group(2) or "B").upper()  # K, M, G, T: powers of 1000, or of 1024 with an "i"
-        num_bytes = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0]))
-        if num_bytes <= 0:
-            raise ValueError(f"`{name}`={value!r} is zero bytes; expected {works}.")
-        if num_bytes < minimum:
-            raise ValueError(
-                f"`{name}`={value!r} is {num_bytes} bytes, below the minimum of {minimum} bytes; expected {works}."
-            )
-        return num_bytes
-    raise ValueError(f"`{name}`={value!r} has type {type(value).__name__}; expected {works}.")
+    if not isinstance(value, str):
+        raise fail(f"has type {type(value).__name__}")
+    match = _MEMORY_STRING.match(value)
+    if match is None:
+        raise fail("is not a memory size")
+    unit = (match.group(2) or "B").upper()  # K, M, G, T: powers of 1000, or of 1024 with an "i"
+    num_bytes = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0]))
+    if num_bytes <= 0:
+        raise fail("is zero bytes")
+    if num_bytes < minimum:
+        raise fail(f"is {num_bytes} bytes, below the minimum of {minimum} bytes")
+    return num_bytes
 
 
 class MemoryBudget(LiveTensorTracker):

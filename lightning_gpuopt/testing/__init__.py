@@ -14,23 +14,20 @@ profile while a CPU ``Trainer`` runs::
 
 What it simulates:
 
-* **Identity**: name, compute capability, total memory, NVML UUID, MIG; so native bf16 (8.0 and
-  up), fp16 tensor cores (7.0 and up), TF32, the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
-* **Memory, at the allocator**: every byte the host allocator hands out while ops run on the card
-  (storages and in-kernel workspaces), passed through a model of the CUDA caching allocator
-  (512-byte blocks, small and large pools, segments, splitting, cached blocks, fragmentation),
-  plus the CUDA context outside it. A request past the card frees cached segments first, then
-  raises the real ``torch.OutOfMemoryError`` with CUDA's wording. A tensor is on the card as in a
-  real run: a module's parameters, buffers and gradients from its first ``forward`` (with the
-  forward's arguments, the batch), an optimizer's state from its first step, what
-  :meth:`SimulatedGpu.place` is given (the simulated ``tensor.cuda()``), and whatever ops make from
+* **Identity** (:data:`GPU_PROFILES`): name, compute capability, total memory, NVML UUID, MIG; so
+  native bf16 and TF32 (8.0 and up) and the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
+* **Memory, at the allocator**: every byte the host allocator hands out for the card (storages and
+  in-kernel workspaces), through a model of the CUDA caching allocator (512-byte blocks, pools,
+  segments, cached blocks, fragmentation), plus the CUDA context (a typical figure). A request past
+  the card frees cached segments, then raises the real ``torch.OutOfMemoryError`` in CUDA's words.
+  A tensor is on the card as in a real run: a module's parameters, buffers and gradients from its
+  first ``forward`` (with the batch it is given), an optimizer's state from its first step, what
+  :meth:`SimulatedGpu.place` is given (the simulated ``tensor.cuda()``), and what ops make from
   tensors on the card; a dataset built in host memory stays on the host.
-* **NVML**: a fake NVML answers the library's NVML calls: memory used (context + reserved),
-  utilisation (the share of wall time spent in ops since the last reading; a MIG instance answers
-  ``NotSupported`` as real MIG does), and can be told to fail (``nvml_error="no-permission"``).
+* **NVML**: memory used (context + reserved), utilisation (the share of wall time in ops since the
+  last reading; ``NotSupported`` on MIG, as real MIG), failures on demand (``nvml_error=``).
 * **Time**: device events are host clock readings (ops run synchronously on the host).
 
-Profiles: :data:`GPU_PROFILES` (context sizes are typical figures; they vary with the driver).
 Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms (their workspaces are the CPU
 kernels'), several GPUs in one process (under DDP with gloo, enter one in each process).
 """
@@ -79,16 +76,14 @@ class SimulatedGpu:
     Args:
         profile: a name of :data:`GPU_PROFILES` or a :class:`GpuProfile`.
         memory: the card's total memory instead of the profile's: bytes, a string such as
-            ``"64MiB"``, or a fraction of the profile's. The CUDA context scales with it.
+            ``"64MiB"``, or a fraction of the profile's (the CUDA context scales with it).
         context_memory: memory the CUDA context holds outside PyTorch (default: the profile's, scaled).
         cublas_workspace: bytes of the cuBLAS workspace (default: torch's for the capability).
-        nvml_error: ``None``, or ``"no-permission"`` / ``"not-supported"``: every NVML query about
-            this card raises that error.
+        nvml_error: ``"no-permission"`` or ``"not-supported"``: every NVML query about the card raises it.
 
     Raises:
-        ValueError: an unknown profile, a bad ``memory``, a context larger than the card, or an
-            unknown ``nvml_error``; the message lists what works.
-        RuntimeError: when a simulated card is already entered.
+        ValueError: a bad argument (the message says what works).
+        RuntimeError: a simulated card is already entered.
 
     Example::
 

@@ -71,11 +71,7 @@ def _segment_size(rounded: int) -> int:
 
 
 class AllocatorOutOfMemory(Exception):
-    """A request the model could not serve; :attr:`message` has CUDA's wording."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    """A request the model could not serve, in CUDA's wording."""
 
 
 @dataclass(eq=False)
@@ -98,19 +94,17 @@ class Block:
 class PeakWindow:
     """Peaks of allocated and reserved bytes since the window opened."""
 
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
 
 
-@dataclass
-class AllocatorStats:
-    """Counters as PyTorch's ``memory_stats`` names them (a subset)."""
+@dataclass(eq=False)
+class AllocatorStats(PeakWindow):
+    """Counters as PyTorch's ``memory_stats`` names them (a subset); the peaks are the process's."""
 
     num_alloc_retries: int = 0
     num_ooms: int = 0
     num_segments: int = 0
-    peak_allocated_bytes: int = 0
-    peak_reserved_bytes: int = 0
 
 
 @dataclass
@@ -238,10 +232,9 @@ class CachingAllocatorModel:
         return block
 
     def _update_peaks(self) -> None:
-        peaks: list[AllocatorStats | PeakWindow] = [self.stats, *self._windows]
-        for counters in peaks:
-            counters.peak_allocated_bytes = max(counters.peak_allocated_bytes, self.allocated_bytes)
-            counters.peak_reserved_bytes = max(counters.peak_reserved_bytes, self.reserved_bytes)
+        for window in (self.stats, *self._windows):
+            window.peak_allocated_bytes = max(window.peak_allocated_bytes, self.allocated_bytes)
+            window.peak_reserved_bytes = max(window.peak_reserved_bytes, self.reserved_bytes)
 
     def _oom_message(self, requested: int) -> str:
         free = max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)

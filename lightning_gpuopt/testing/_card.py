@@ -76,7 +76,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         )
         #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self.busy_s = 0.0
-        self._blocks: dict[int, tuple[weakref.ref, list[Block]]] = {}
+        self._blocks: dict[int, tuple[weakref.ref, Block]] = {}  # storage key -> its block
         self._cublas: Optional[Block] = None
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
         self._hooks: list[Any] = []
@@ -85,20 +85,12 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     # -- the device
     @property
-    def index(self) -> int:
-        return 0
-
-    @property
     def uuid(self) -> str:
         return self.profile.uuid
 
     @property
     def capabilities(self) -> Capabilities:
         return self.profile.capabilities
-
-    @property
-    def autocast_device_type(self) -> str:
-        return "cpu"  # the tensors are on the host
 
     def total_memory(self) -> int:
         return self.profile.total_bytes
@@ -115,9 +107,6 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     def reserved_memory(self) -> int:
         return self.allocator.reserved_bytes
-
-    def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        return self.free_memory() + self.reserved_memory()
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _SimulatedMeter(self, existing)
@@ -197,9 +186,9 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             return out
         if self._cublas is None and self.cublas_workspace_bytes and func.overloadpacket.__name__ in _MATMUL_OPS:
             try:
-                self._cublas = self._malloc(self.cublas_workspace_bytes, [])
+                self._cublas = self.allocator.malloc(self.cublas_workspace_bytes)
             except AllocatorOutOfMemory as error:
-                raise torch.OutOfMemoryError(error.message) from None
+                raise torch.OutOfMemoryError(str(error)) from None
         inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
         outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
         self._replay(allocations, [s for key, s in outputs.items() if key not in self._blocks and key not in inputs])
@@ -249,14 +238,14 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             if match is None:
                 unmatched.append(storage)
             else:
-                self._track(storage, [free.pop(match)[1]])
+                self._track(storage, free.pop(match)[1])
         for _, block in free:
             self.allocator.free(block)
         return unmatched
 
     def _allocate_storages(self, storages: list[torch.UntypedStorage], pending: list[Block]) -> None:
         for storage in storages:
-            self._track(storage, [self._malloc(storage.nbytes(), pending)])
+            self._track(storage, self._malloc(storage.nbytes(), pending))
 
     def _undo(
         self, storages: Iterable[torch.UntypedStorage], pending: list[Block], error: AllocatorOutOfMemory
@@ -266,22 +255,22 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             self._blocks.pop(storage_key(storage), None)
         for block in pending:
             self.allocator.free(block)
-        raise torch.OutOfMemoryError(error.message) from None
+        raise torch.OutOfMemoryError(str(error)) from None
 
     def _malloc(self, num_bytes: int, pending: list[Block]) -> Block:
         block = self.allocator.malloc(num_bytes)
         pending.append(block)
         return block
 
-    def _track(self, storage: torch.UntypedStorage, blocks: list[Block]) -> None:
+    def _track(self, storage: torch.UntypedStorage, block: Block) -> None:
         key = storage_key(storage)
 
         def release(_ref: weakref.ref) -> None:
             entry = self._blocks.pop(key, None)
-            for block in entry[1] if entry is not None else ():
-                self.allocator.free(block)
+            if entry is not None:
+                self.allocator.free(entry[1])
 
-        self._blocks[key] = (weakref.ref(storage, release), blocks)
+        self._blocks[key] = (weakref.ref(storage, release), block)
 
     @staticmethod
     def _countable_storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
