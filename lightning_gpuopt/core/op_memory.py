@@ -41,8 +41,6 @@ from lightning_gpuopt.core._torch_compat import (
 )
 from lightning_gpuopt.core.search import round_up
 
-# ----------------------------------------------------------------------------- tensors and storages
-
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``objects``: tensors, modules (parameters, gradients, buffers), optimizers (state),
@@ -109,8 +107,6 @@ def is_real_host_call(tree: Any) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- what an op allocates
-
 _MAX_TEMPLATES = 50_000  # learned allocations, shared by the process; cleared when they pass this
 _templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
@@ -118,26 +114,15 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class OpAllocations:
-    """The allocations one op call made, in order: ``+size`` for an allocation, ``-(i + 1)`` for the
-    free of the call's ``i``-th allocation. Those never freed in the call are ``kept`` (its outputs,
-    or a kernel's cache); frees of memory from before the call are left out."""
+    """The allocations one op call made: ``events`` in order, ``+size`` for an allocation and
+    ``-(i + 1)`` for the free of the ``i``-th; ``sizes`` of the allocations; ``kept``, those never
+    freed in the call (its outputs, or a kernel's cache); ``peak_bytes``, the most the call held at
+    once above what was live before it, outputs included. Frees of older memory are left out."""
 
     events: tuple[int, ...]
+    sizes: tuple[int, ...]
     kept: frozenset[int]
-
-    @property
-    def sizes(self) -> list[int]:
-        """Sizes of the call's allocations, in order."""
-        return [event for event in self.events if event > 0]
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most the call held at once above what was live before it (outputs included)."""
-        sizes, live, peak = self.sizes, 0, 0
-        for event in self.events:
-            live += event if event > 0 else -sizes[-event - 1]
-            peak = max(peak, live)
-        return peak
+    peak_bytes: int
 
 
 _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
@@ -162,23 +147,25 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 def _allocations_from(records: list) -> OpAllocations:
-    """The template from the legacy profiler's per-thread records (``memory_alloc`` events)."""
+    """The allocations in the legacy profiler's per-thread records (``memory_alloc`` events)."""
     events: list[int] = []
+    sizes: list[int] = []
     open_by_size: dict[int, list[int]] = {}
-    count = 0
-    for thread in records:
-        for record in thread:
-            if record.kind() != "memory_alloc":
-                continue
-            size = int(record.cpu_memory_usage())
-            if size > 0:
-                open_by_size.setdefault(size, []).append(count)
-                events.append(size)
-                count += 1
-            elif size < 0 and open_by_size.get(-size):
-                events.append(-(open_by_size[-size].pop() + 1))
+    live = peak = 0
+    for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
+        size = int(record.cpu_memory_usage())
+        if size > 0:
+            open_by_size.setdefault(size, []).append(len(sizes))
+            events.append(size)
+            sizes.append(size)
+        elif size < 0 and open_by_size.get(-size):
+            events.append(-(open_by_size[-size].pop() + 1))
+        else:
+            continue
+        live += size
+        peak = max(peak, live)
     kept = frozenset(index for indices in open_by_size.values() for index in indices)
-    return OpAllocations(tuple(events), kept)
+    return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
 def learning_possible() -> bool:
@@ -207,9 +194,6 @@ def call_learning_allocations(
             _templates.clear()
         _templates[key] = allocations
     return out, allocations
-
-
-# ----------------------------------------------------------------------------- meters
 
 
 class SpanMeter:
@@ -330,25 +314,19 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
             self._add(key, storage, num_bytes)
 
     def _counts(self, tensor: torch.Tensor) -> bool:
-        if self.device is None:
-            return True
-        device = tensor.device
-        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
+        want = self.device
+        return want is None or (tensor.device.type == want.type and want.index in (None, tensor.device.index))
 
     def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
         found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or not self._counts(tensor):
-                continue
-            storage = storage_of(tensor)
-            if storage is None:
-                continue
-            key = storage_key(storage)
-            if key in self._live or key in exclude or key in found:
+            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) and self._counts(tensor) else None
+            key = None if storage is None else storage_key(storage)
+            if storage is None or key is None or key in self._live or key in exclude:
                 continue
             num_bytes = round_up(storage.nbytes(), self.granularity)
             if num_bytes > 0:
-                found[key] = (key, storage, num_bytes)
+                found.setdefault(key, (key, storage, num_bytes))
         return list(found.values())
 
     def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:

@@ -1,15 +1,10 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
 and, while entered, the dispatch mode that counts what it holds (see :mod:`lightning_gpuopt.testing`).
 
-Which tensors are on the card: a module's parameters, buffers and gradients from its first
-``forward`` (a global forward pre-hook, which also brings the forward's tensor arguments), an
-optimizer's state from its first step (a global step pre-hook), what :meth:`SimulatedCudaDevice.adopt`
-is given, the outputs of every op with an input on the card (but an explicit ``.to("cpu", copy=True)``),
-and those of factory ops called inside a ``forward``. An op mixing card and host tensors moves the
-host ones to the card first, except 0-dim CPU scalars, as CUDA accepts them. Each storage on the
-card, and each such op's in-kernel workspace (replayed in the order the profiler saw it), is a
-request to the caching-allocator model from its op until it dies; the first matrix multiplication
-allocates the cuBLAS workspace, kept for the card's life. Fake and meta tensors are not counted.
+Each storage on the card, and each of its ops' in-kernel workspaces (replayed in the order the
+profiler saw them), is a request to the caching-allocator model until it dies; the first matrix
+multiplication allocates the cuBLAS workspace, kept for the card's life. Fake and meta tensors are
+not counted.
 """
 
 from __future__ import annotations
@@ -195,8 +190,10 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         return out
 
     def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether the op runs on the card: an input is there (the others are moved there first), or
-        it is a factory op inside a ``forward``; an explicit copy to ``"cpu"`` is a copy to the host."""
+        """Whether the op runs on the card: an input is there (the others, but 0-dim scalars as CUDA
+        takes them, move there first), or it is a factory op inside a ``forward``; an explicit
+        ``.to("cpu", copy=True)`` is a copy to the host. Modules, their inputs and optimizers reach
+        the card at their first ``forward`` / ``step`` (global hooks), other tensors by :meth:`adopt`."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
         inputs = list(collect_tensors(args, kwargs))
