@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -107,6 +107,7 @@ def is_real_host_call(tree: Any) -> bool:
     return True
 
 
+_Meter = TypeVar("_Meter", bound="SpanMeter")
 _MAX_TEMPLATES = 50_000  # learned allocations, shared by the process; cleared when they pass this
 _templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
@@ -226,7 +227,7 @@ class SpanMeter:
     def _end(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _Meter) -> _Meter:
         self.start()
         return self
 
@@ -252,7 +253,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         device: count only tensors on this device (``None``: every device).
         granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
         baseline_bytes: a fixed amount counted as live (memory held outside tensors).
-        workspaces: ``False`` counts storages alone, fake tensors too (the estimate's traces).
+        workspaces: ``False`` counts storages alone (fake tensors, the estimate's traces, always are).
 
     Example::
 

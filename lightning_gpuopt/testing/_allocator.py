@@ -48,16 +48,9 @@ from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
 from lightning_gpuopt.core.search import round_up
 
 MIB = 2**20
-#: largest request served from the small pool
-SMALL_SIZE = MIB
-#: segment size of the small pool
-SMALL_BUFFER = 2 * MIB
-#: requests below this get a LARGE_BUFFER segment
-MIN_LARGE_ALLOC = 10 * MIB
-#: segment size for large requests below MIN_LARGE_ALLOC
-LARGE_BUFFER = 20 * MIB
-#: larger segments are rounded up to a multiple of this
-ROUND_LARGE = 2 * MIB
+SMALL_SIZE, SMALL_BUFFER = MIB, 2 * MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
+# the large pool: 20 MiB segments for requests below 10 MiB, else the request rounded up to 2 MiB
+MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MIB, 20 * MIB, 2 * MIB
 
 
 def _round_size(num_bytes: int) -> int:
@@ -131,16 +124,12 @@ class CachingAllocatorModel:
     Args:
         limit_bytes: the most it may reserve (the card less the CUDA context, or the per-process
             memory fraction's share).
-        device_index: the GPU number in error messages.
         total_bytes: the card's memory, for error messages (default: ``limit_bytes``).
         outside_bytes: memory the process holds outside the allocator (the CUDA context), for error messages.
     """
 
-    def __init__(
-        self, limit_bytes: int, *, device_index: int = 0, total_bytes: Optional[int] = None, outside_bytes: int = 0
-    ) -> None:
+    def __init__(self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0) -> None:
         self.limit_bytes = int(limit_bytes)
-        self.device_index = device_index
         self.total_bytes = int(total_bytes if total_bytes is not None else limit_bytes)
         self.outside_bytes = outside_bytes
         self.allocated_bytes = 0
@@ -239,7 +228,7 @@ class CachingAllocatorModel:
     def _oom_message(self, requested: int) -> str:
         free = max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
         return (
-            f"CUDA out of memory. Tried to allocate {_mib_or_gib(requested)}. GPU {self.device_index} has a total "
+            f"CUDA out of memory. Tried to allocate {_mib_or_gib(requested)}. GPU 0 has a total "
             f"capacity of {_mib_or_gib(self.total_bytes)} of which {_mib_or_gib(free)} is free. Including non-PyTorch "
             f"memory, this process has {_mib_or_gib(self.outside_bytes + self.reserved_bytes)} memory in use. Of the "
             f"allocated memory {_mib_or_gib(self.allocated_bytes)} is allocated by PyTorch, and "
