@@ -39,7 +39,7 @@ from _common import append
 from helpers import profiler_peak_bytes
 from models_memory import Decoder, UNet
 
-from lightning_gpuopt.core.memory import LiveTensorTracker
+from lightning_gpuopt.core.op_memory import LiveTensorTracker
 from lightning_gpuopt.testing import SimulatedGpu
 
 

@@ -251,7 +251,7 @@ def profiler_peak_bytes(fn: Callable[[], Any], existing: Iterable[Any] = ()) -> 
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from lightning_gpuopt.core.memory import collect_tensors
+    from lightning_gpuopt.core.op_memory import collect_tensors
 
     before: dict[int, tuple[torch.UntypedStorage, int]] = {}
     for tensor in collect_tensors(*existing):

@@ -20,7 +20,7 @@ from helpers import usable_cores_from_the_os
 from lightning_gpuopt import cli
 from lightning_gpuopt.core import doctor
 from lightning_gpuopt.core.loader import usable_cpu_count
-from lightning_gpuopt.core.memory import LiveTensorTracker
+from lightning_gpuopt.core.op_memory import LiveTensorTracker
 from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description
 
 REPO = Path(__file__).resolve().parents[1]

@@ -88,7 +88,8 @@ def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
     from models_memory import make_model
     from test_batch_size_search import fits_independently
 
-    from lightning_gpuopt.core.memory import parse_memory, storage_bytes
+    from lightning_gpuopt.core.memory import parse_memory
+    from lightning_gpuopt.core.op_memory import storage_bytes
 
     run_ddp(tmp_path, "search")
     ranks = [json.loads((tmp_path / f"search{rank}.json").read_text()) for rank in (0, 1)]

@@ -25,7 +25,7 @@ from lightning_gpuopt.core.estimate import (
     optimizer_state_rule_bytes,
     trace_training_step,
 )
-from lightning_gpuopt.core.memory import LiveTensorTracker, storage_bytes
+from lightning_gpuopt.core.op_memory import LiveTensorTracker, storage_bytes
 from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
 
 TOLERANCE = 0.05

@@ -21,7 +21,8 @@ from torch.nn import functional as F
 from lightning_gpuopt import GpuOpt, MemoryEstimator, cli
 from lightning_gpuopt.callbacks.memory_estimator import render_estimate
 from lightning_gpuopt.core.estimate import estimate_memory
-from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error, storage_bytes
+from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+from lightning_gpuopt.core.op_memory import storage_bytes
 
 #: the predicted peak against the profiler's allocator peak
 ALLOCATOR_TOLERANCE = 0.05

@@ -285,7 +285,7 @@ def test_allocation_window_measures_a_spans_peak_by_deltas():
         transient = torch.zeros(250_000)  # 1 MB, freed before the end
         del transient
         kept = torch.zeros(500)
-    assert window.peak_delta_bytes == 1_000_000
+    assert window.peak_bytes == 1_000_000
     assert keep.numel() + kept.numel() == 1500
 
 
@@ -359,7 +359,7 @@ def test_a_setup_estimate_for_a_cuda_run_casts_activations_as_the_run_will():
     estimate counted float32 activations and switched checkpointing on where AMP alone fits. The
     run's own numbers: a real step in float16 autocast, measured at the allocator."""
     from lightning_gpuopt.core.estimate import estimate_memory, host_step_context
-    from lightning_gpuopt.core.memory import LiveTensorTracker
+    from lightning_gpuopt.core.op_memory import LiveTensorTracker
 
     model = make_model("transformer", num_samples=64, batch_size=64)
     batch = next(iter(model.train_dataloader()))

@@ -1,5 +1,6 @@
-"""Tests of lightning_gpuopt.core.memory: MemoryBudget, the live-storage tracker, peak meter,
-parse_memory, OOM detection and cleanup (CPU, real tensors and a real training step)."""
+"""Tests of lightning_gpuopt.core.memory and the host side of core.device / core.op_memory: MemoryBudget,
+the live-storage tracker, the host's peak meter and capacity, parse_memory, OOM detection and cleanup
+(CPU, real tensors and a real training step)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,9 @@ import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 
 from lightning_gpuopt.core import memory
-from lightning_gpuopt.core.memory import (
-    LiveTensorTracker,
-    MemoryBudget,
-    PeakMemoryMeter,
-    call_catching_oom,
-    device_free_memory,
-    device_total_memory,
-    device_usable_memory,
-    is_out_of_memory_error,
-    parse_memory,
-    storage_bytes,
-)
+from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.memory import MemoryBudget, call_catching_oom, is_out_of_memory_error, parse_memory
+from lightning_gpuopt.core.op_memory import LiveTensorTracker, storage_bytes
 
 FLOAT_BYTES = 4
 
@@ -77,7 +69,7 @@ def test_budget_error_is_recognised_by_lightning_and_by_us():
 def test_budget_caps_a_whole_training_step_at_its_measured_peak():
     model, optimizer, batch = small_training_setup()
     training_step(model, optimizer, batch)  # gradients and optimizer state exist from now on
-    with PeakMemoryMeter("cpu", existing=(model, optimizer, batch)) as meter:
+    with device_for("cpu").peak_meter(existing=(model, optimizer, batch)) as meter:
         training_step(model, optimizer, batch)
     peak = meter.peak_bytes
     assert peak > storage_bytes(model, optimizer, batch)
@@ -156,7 +148,7 @@ def test_exception_inside_a_budget_pops_the_mode_and_frees_its_tensors():
 def test_budget_fraction_and_device_filter():
     with MemoryBudget(0.5, device="cpu") as budget:
         torch.zeros(10)
-    assert budget.max_bytes == int(0.5 * device_total_memory("cpu"))
+    assert budget.max_bytes == int(0.5 * device_for("cpu").total_memory())
     with LiveTensorTracker(device="meta") as tracker:
         torch.zeros(1000)  # a CPU tensor: not on the tracked device
         meta = torch.zeros(1000, device="meta")
@@ -168,7 +160,7 @@ def test_budget_fraction_and_device_filter():
 
 
 def test_peak_meter_measures_a_known_sequence_across_start_and_stop():
-    meter = PeakMemoryMeter("cpu")
+    meter = device_for("cpu").peak_meter()
     assert not meter.running and meter.stop() is None
     meter.start()
     assert meter.running
@@ -182,11 +174,11 @@ def test_peak_meter_measures_a_known_sequence_across_start_and_stop():
 
 
 def test_device_memory_figures_are_consistent():
-    total = device_total_memory("cpu")
-    free = device_free_memory("cpu")
+    host = device_for("cpu")
+    total, free = host.total_memory(), host.free_memory()
     assert 0 < free <= total
     model = torch.nn.Linear(256, 256)
-    assert free <= device_usable_memory("cpu", existing=[model]) <= total
+    assert free <= host.usable_memory([model]) <= total
 
 
 def _meminfo_available_bytes() -> int:
@@ -211,9 +203,9 @@ def test_host_memory_is_the_kernels_figure_capped_by_the_cgroup_limit():
     # read just before and just after ours, each capped by the cgroup memory limit (v2 memory.max, else v1 memory.limit_in_bytes)
     limit = _cgroup_limit()
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert device_total_memory("cpu") == min(physical, limit)
+    assert device_for("cpu").total_memory() == min(physical, limit)
     before = _meminfo_available_bytes()
-    free = device_free_memory("cpu")
+    free = device_for("cpu").free_memory()
     after = _meminfo_available_bytes()
     slack = physical // 20  # other processes on the machine allocate and free between the reads
     assert min(before, after, limit) - slack <= free <= min(max(before, after) + slack, limit)
@@ -241,8 +233,8 @@ def test_parse_memory_accepts_bytes_and_units(value, expected):
 
 
 def test_parse_memory_fraction_of_the_device():
-    assert parse_memory(0.25, "cpu") == int(0.25 * device_total_memory("cpu"))
-    assert parse_memory(1.0, "cpu") == device_total_memory("cpu")
+    assert parse_memory(0.25, "cpu") == int(0.25 * device_for("cpu").total_memory())
+    assert parse_memory(1.0, "cpu") == device_for("cpu").total_memory()
 
 
 @pytest.mark.parametrize(

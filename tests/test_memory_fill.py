@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from lightning_gpuopt.callbacks.batch_size_search import NoBatchSizeFitsError
 from lightning_gpuopt.callbacks.memory_fill import MemoryFill
 from lightning_gpuopt.core.checkpointing import enable_checkpointing, find_repeated_blocks
-from lightning_gpuopt.core.memory import LiveTensorTracker
+from lightning_gpuopt.core.op_memory import LiveTensorTracker
 
 
 def trainer_for(tmp_path, callbacks, **kwargs: Any) -> Trainer:

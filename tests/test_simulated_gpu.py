@@ -9,10 +9,10 @@ from helpers import profiler_peak_bytes, quiet_trainer
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
-from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.memory import storage_bytes
+from lightning_gpuopt.core.op_memory import storage_bytes
 from lightning_gpuopt.testing import GPU_PROFILES, SimulatedGpu
+from lightning_gpuopt.testing._allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 
 MIB = 2**20
 
@@ -53,7 +53,7 @@ def test_fragmentation_runs_out_of_memory_with_enough_free_bytes_in_total():
     assert free_in_total == 11 * MIB
     with pytest.raises(AllocatorOutOfMemory, match=r"CUDA out of memory\. Tried to allocate 5\.00 MiB") as error:
         allocator.malloc(5 * MIB)
-    assert "11.00 MiB is reserved by PyTorch but unallocated" in error.value.message
+    assert "11.00 MiB is reserved by PyTorch but unallocated" in str(error.value)
     assert allocator.stats.num_ooms == 1 and allocator.stats.num_alloc_retries == 1
 
 
@@ -190,11 +190,11 @@ def test_leaving_the_card_by_an_exception_puts_everything_back():
         raise ValueError("user code failed")
     assert not device_for("cpu").is_cuda and not _get_current_dispatch_mode_stack()
     assert nvml_library() is before
-    held, ops = first.allocated_bytes, first.device.memory.busy_s
+    held, ops = first.allocated_bytes, first.device.busy_s
     with SimulatedGpu("H100", memory="64MiB", cublas_workspace=0) as second:
         network(x)  # a new card: the model moves to it at its first forward there
     network(x)  # outside every card
-    assert first.allocated_bytes == held and first.device.memory.busy_s == ops  # the first card's hooks are gone
+    assert first.allocated_bytes == held and first.device.busy_s == ops  # the first card's hooks are gone
     assert second.allocated_bytes >= storage_bytes(network, x)
 
 

@@ -64,7 +64,7 @@ from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_ba
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, device_usable_memory, parse_memory
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.report import batch_search_table, format_bytes, format_seconds, to_dict
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
 
@@ -224,7 +224,7 @@ class BatchSizeSearch(Callback):
                     f"`max_memory`=None on a {device.type} device: there is no device memory to fill; pass "
                     'max_memory (e.g. max_memory="300MB") to search under a simulated budget.'
                 )
-            return device_usable_memory(device)
+            return device_for(device).usable_memory()
         return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
     def budget_bytes(self, device: torch.device) -> int:

@@ -301,7 +301,7 @@ class DataWaitMonitor(Callback):
         self._log_every = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
         card = device_for(pl_module.device)
         if card.is_cuda:
-            self._gpu = CudaStepTimer(card.new_event)  # type: ignore[arg-type]
+            self._gpu = CudaStepTimer(card.new_event)
             # every GPU (the report names idle ones); a MIG instance is only sampled when asked for by UUID
             mig = card.capabilities.mig and card.uuid
             self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig and card.uuid else None)

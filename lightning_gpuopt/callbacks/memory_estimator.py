@@ -52,7 +52,8 @@ from lightning_gpuopt.core.estimate import (
     with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
-from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, device_usable_memory, parse_memory, storage_bytes
+from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
+from lightning_gpuopt.core.op_memory import storage_bytes
 from lightning_gpuopt.core.report import (
     REPORT_FILENAME,
     format_bytes,
@@ -209,7 +210,7 @@ class MemoryEstimator(Callback):
         if self.max_memory is not None:
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
-            capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
+            capacity = device_for(device).usable_memory((pl_module, *trainer.optimizers))
         estimate = estimate_memory(
             pl_module,
             loss_function(pl_module),

@@ -1175,11 +1175,12 @@ def memory_argument(text: str) -> int | float | str:
 
 
 def _capacity(max_memory: str | None, device: torch.device, module: Any, setup: EstimateSetup) -> int:
-    from lightning_gpuopt.core.memory import device_usable_memory, parse_memory
+    from lightning_gpuopt.core.device import device_for
+    from lightning_gpuopt.core.memory import parse_memory
 
     if max_memory is None:
         setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
-        return device_usable_memory(device, existing=[module])
+        return device_for(device).usable_memory([module])
     try:
         capacity = parse_memory(memory_argument(max_memory), device, name="--max-memory")
     except ValueError as error:

@@ -8,7 +8,7 @@ predicts the peak by *running* the step on fake tensors:
 1. the module's parameters and buffers are swapped for ``FakeTensor`` twins (no memory; shapes,
    dtypes and devices kept), the batch is faked and, to vary the batch size, rebuilt with another
    first dimension;
-2. under ``FakeTensorMode`` and a :class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, two
+2. under ``FakeTensorMode`` and a :class:`~lightning_gpuopt.core.op_memory.LiveTensorTracker`, two
    steps run in Lightning's order: forward (in the caller's ``step_context``, e.g. autocast),
    ``zero_grad(set_to_none=True)``, backward, the optimizer's ``step()`` on a twin of the real
    optimizer (same class, same param-group options). The second step starts with the first
@@ -72,9 +72,8 @@ import torch
 import torchinfo
 
 from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, tree_leaves, tree_map
-from lightning_gpuopt.core.device import device_for, host_only
-from lightning_gpuopt.core.memory import CUDA_ALLOCATION_GRANULARITY, storage_bytes
-from lightning_gpuopt.core.op_memory import learning_possible
+from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, host_only
+from lightning_gpuopt.core.op_memory import learning_possible, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
 LossFn = Callable[[Any], torch.Tensor]

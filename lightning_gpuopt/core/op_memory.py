@@ -1,21 +1,18 @@
-"""What one op allocates inside its kernel, learned from the allocator through the torch profiler.
+"""Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-A dispatch-level count of tensor storages sees every op's outputs but not the buffers a kernel
-allocates and frees inside itself: oneDNN's reorders and workspaces for convolutions on CPU
-(as large as the output), sorting and reduction scratch, attention buffers. The allocator sees
-them: with ``profile_memory`` the torch profiler records every allocation and free the CPU
-allocator serves (``ProfiledCPUMemoryReporter``), in order.
-
-:func:`call_learning_allocations` runs an op once under the profiler and keeps the sequence of
-its allocations and frees as an :class:`OpAllocations` template, keyed by the op and its
-arguments' shapes, strides, dtypes and other values (:func:`op_key`); later calls with the same
-key reuse the template, so a training step is profiled op by op only the first time each
-distinct call is seen. The profiler is not started when one already runs (a user's profiler
-keeps its events; that call's workspace is then unknown and counted as zero).
+* :func:`collect_tensors`, :func:`storage_bytes`: the tensors objects hold, and the bytes of their
+  distinct storages (a view shares its base's storage).
+* :func:`call_learning_allocations`: a count of storages misses the buffers a kernel allocates and
+  frees inside itself (oneDNN reorders, sorting scratch, attention buffers); the profiler
+  (``profile_memory``) sees them. An op is run once under it and the sequence of its allocations and
+  frees kept (:class:`OpAllocations`), keyed by the op, the intra-op threads and its arguments'
+  metadata, for later calls to reuse. The profiler is never started while another runs (that
+  call's allocations are then unknown).
+* :class:`SpanMeter`: the one meter interface, of every device (:meth:`.device.Device.peak_meter`);
+  :class:`LiveTensorTracker` is the host's, :class:`AllocationWindow` a window of profiler events.
 
 Example::
 
-    >>> import torch
     >>> x, w = torch.randn(8, 3, 16, 16), torch.randn(4, 3, 3, 3)
     >>> out, allocations = call_learning_allocations(torch.ops.aten.convolution.default,
     ...                                              (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {})
@@ -26,114 +23,150 @@ Example::
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
 from lightning_gpuopt.core._torch_compat import (
+    FakeTensor,
+    TorchDispatchMode,
     profiler_running,
     start_allocation_events,
     stop_allocation_events,
+    storage_key,
     tree_flatten,
+    tree_leaves,
 )
+from lightning_gpuopt.core.search import round_up
 
-#: learned templates, shared by every tracker of the process (cleared when it grows past this)
-MAX_TEMPLATES = 50_000
 
+def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``objects``: tensors, modules (parameters, gradients, buffers), optimizers (state),
+    also inside lists, tuples and dicts.
+
+    Example::
+
+        >>> len(list(collect_tensors(torch.nn.Linear(2, 3), [torch.zeros(1)])))
+        3
+    """
+    for leaf in tree_leaves(objects):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, torch.nn.Module):
+            for param in leaf.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+            yield from leaf.buffers()
+        elif isinstance(leaf, torch.optim.Optimizer):
+            yield from collect_tensors(list(leaf.state.values()))
+
+
+def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    """The untyped storage behind ``tensor`` (its views share it); ``None`` for a storage-less tensor."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
+        return None
+
+
+def storage_bytes(*objects: Any, granularity: int = 1) -> int:
+    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``.
+
+    Example::
+
+        >>> base = torch.zeros(10)
+        >>> storage_bytes(base, base[5:], torch.zeros(2))
+        48
+    """
+    seen: dict[int, int] = {}
+    for storage in map(storage_of, collect_tensors(*objects)):
+        if storage is not None:
+            seen[storage_key(storage)] = round_up(storage.nbytes(), granularity)
+    return sum(seen.values())
+
+
+def is_real_host_call(tree: Any) -> bool:
+    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (no fake
+    tensor, no tensor or ``torch.device`` of another device, meta included).
+
+    Example::
+
+        >>> is_real_host_call(((torch.zeros(2), 3), {})), is_real_host_call(((torch.zeros(2, device="meta"),), {}))
+        (True, False)
+    """
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, FakeTensor):
+            return False
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            return False
+        if isinstance(leaf, torch.device) and leaf.type != "cpu":
+            return False
+    return True
+
+
+_Meter = TypeVar("_Meter", bound="SpanMeter")
+_MAX_TEMPLATES = 50_000  # learned allocations, shared by the process; cleared when they pass this
 _templates: dict[Any, OpAllocations] = {}
 _lock = threading.Lock()
 
 
 @dataclass(frozen=True)
 class OpAllocations:
-    """The allocations one op call made, in order.
-
-    ``events`` holds ``+size`` for an allocation and ``-(i + 1)`` for the free of the ``i``-th
-    allocation of the call; allocations never freed inside the call are ``kept`` (its outputs, or
-    a cache the kernel keeps). Frees of memory allocated before the call are left out: the storage
-    tracking sees those when the tensor dies.
-    """
+    """The allocations one op call made: ``events`` in order, ``+size`` for an allocation and
+    ``-(i + 1)`` for the free of the ``i``-th; ``sizes`` of the allocations; ``kept``, those never
+    freed in the call (its outputs, or a kernel's cache); ``peak_bytes``, the most the call held at
+    once above what was live before it, outputs included. Frees of older memory are left out."""
 
     events: tuple[int, ...]
+    sizes: tuple[int, ...]
     kept: frozenset[int]
-
-    @property
-    def sizes(self) -> list[int]:
-        """Sizes of the call's allocations, in order."""
-        return [event for event in self.events if event > 0]
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most the call held at once above what was live before it (outputs included)."""
-        sizes, live, peak = self.sizes, 0, 0
-        for event in self.events:
-            live += event if event > 0 else -sizes[-event - 1]
-            peak = max(peak, live)
-        return peak
-
-    @property
-    def kept_bytes(self) -> int:
-        sizes = self.sizes
-        return sum(sizes[i] for i in self.kept)
-
-    @property
-    def workspace_bytes(self) -> int:
-        """What the call needed beyond what it kept: the peak less the kept allocations."""
-        return max(0, self.peak_bytes - self.kept_bytes)
+    peak_bytes: int
 
 
-def _leaf_key(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return ("T", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type, leaf.requires_grad)
-    if leaf is None or isinstance(
-        leaf, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-    ):
-        return leaf
-    return type(leaf).__name__
+_VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
-def op_key(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple:
-    """A hashable key of an op call: the op, the intra-op threads and its arguments' metadata (not their values).
+def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata.
 
     Example::
 
         >>> a, b = torch.ones(2, 3), torch.zeros(2, 3)
-        >>> op_key(torch.ops.aten.add.Tensor, (a, a), {}) == op_key(torch.ops.aten.add.Tensor, (b, b), {})
+        >>> _op_key(torch.ops.aten.add.Tensor, (a, a), {}) == _op_key(torch.ops.aten.add.Tensor, (b, b), {})
         True
     """
-    leaves, _ = tree_flatten((args, kwargs or {}))
-    # oneDNN picks kernels (and so workspaces) by the number of threads too
-    return (func, torch.get_num_threads(), *map(_leaf_key, leaves))
+
+    def key(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
+        return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
+
+    return (func, torch.get_num_threads(), *map(key, tree_flatten((args, kwargs))[0]))
 
 
 def _allocations_from(records: list) -> OpAllocations:
-    """The template from the legacy profiler's per-thread records (``memory_alloc`` events)."""
+    """The allocations in the legacy profiler's per-thread records (``memory_alloc`` events)."""
     events: list[int] = []
+    sizes: list[int] = []
     open_by_size: dict[int, list[int]] = {}
-    count = 0
-    for thread in records:
-        for record in thread:
-            if record.kind() != "memory_alloc":
-                continue
-            size = int(record.cpu_memory_usage())
-            if size > 0:
-                open_by_size.setdefault(size, []).append(count)
-                events.append(size)
-                count += 1
-            elif size < 0 and open_by_size.get(-size):
-                events.append(-(open_by_size[-size].pop() + 1))
+    live = peak = 0
+    for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
+        size = int(record.cpu_memory_usage())
+        if size > 0:
+            open_by_size.setdefault(size, []).append(len(sizes))
+            events.append(size)
+            sizes.append(size)
+        elif size < 0 and open_by_size.get(-size):
+            events.append(-(open_by_size[-size].pop() + 1))
+        else:
+            continue
+        live += size
+        peak = max(peak, live)
     kept = frozenset(index for indices in open_by_size.values() for index in indices)
-    return OpAllocations(tuple(events), kept)
-
-
-def _profiled_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, OpAllocations]:
-    start_allocation_events()
-    try:
-        out = func(*args, **kwargs)
-    finally:
-        records = stop_allocation_events()
-    return out, _allocations_from(records)
+    return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
 def learning_possible() -> bool:
@@ -142,69 +175,233 @@ def learning_possible() -> bool:
 
 
 def call_learning_allocations(
-    func: Callable[..., Any], args: tuple, kwargs: Optional[dict], key: Optional[tuple] = None
+    func: Callable[..., Any], args: tuple, kwargs: Optional[dict]
 ) -> tuple[Any, Optional[OpAllocations]]:
-    """Run ``func``; return its output and its allocations, learned on the first call of its key.
-
-    ``None`` when the call's allocations are unknown: its key was never learned and a profiler is
-    already running.
-    """
+    """Run ``func``; return its output and its allocations, learned on the first call of its key
+    (``None`` when that key was never learned and another profiler runs)."""
     kwargs = kwargs or {}
-    key = op_key(func, args, kwargs) if key is None else key
+    key = _op_key(func, args, kwargs)
     known = _templates.get(key)
     if known is not None or not learning_possible():
         return func(*args, **kwargs), known
-    out, allocations = _profiled_call(func, args, kwargs)
+    start_allocation_events()
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        records = stop_allocation_events()
+    allocations = _allocations_from(records)
     with _lock:
-        if len(_templates) >= MAX_TEMPLATES:
+        if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
         _templates[key] = allocations
     return out, allocations
 
 
-class AllocationWindow:
-    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
-    events: a peak measured by deltas, without touching the allocator's peak counters.
+class SpanMeter:
+    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block:
+    :attr:`peak_bytes`, and :attr:`peak_reserved_bytes` where the allocator's is known (a CUDA card).
+    Subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
-    ``peak_delta_bytes`` is ``None`` when another profiler was already running (it is left alone).
+    peak_bytes: Optional[int] = None
+    peak_reserved_bytes: Optional[int] = None
+    #: whether :meth:`start` was called and :meth:`stop` not yet
+    running = False
+    _started = False
+
+    def start(self) -> None:
+        """Begin measuring (a running meter restarts)."""
+        self.stop()
+        self._begin()
+        self.running = self._started = True
+
+    def stop(self) -> Optional[int]:
+        """Stop measuring; the peak in bytes (``None`` if never started)."""
+        if self.running:
+            self.running = False
+            self._end()
+        return self.peak_bytes if self._started else None
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Meter) -> _Meter:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+class LiveTensorTracker(SpanMeter, TorchDispatchMode):
+    """The host's meter: the bytes of live tensor storages, counted op by op, with an optional cap.
+
+    A storage counts once, by its ``nbytes``, from the op that made it (or from the start, for the
+    tensors of ``existing``) until it dies; views and in-place ops add nothing; tensors alive before
+    the start and not in ``existing`` are not counted. With ``workspaces``, a real host op also
+    counts, while it runs, the peak of what its kernel allocates (:func:`call_learning_allocations`):
+    the peak and the cap are the allocator's. An op whose new bytes would pass ``max_bytes`` raises
+    ``torch.OutOfMemoryError`` ("CUDA out of memory ..."). Stopping, also on an exception, drops the
+    tracked state (``live_bytes`` is 0 again, ``peak_bytes`` kept).
+
+    Args:
+        max_bytes: the cap (``None``: none).
+        existing: objects whose tensors count from the start: modules (parameters, gradients,
+            buffers), optimizers (state), batches (see :func:`collect_tensors`).
+        device: count only tensors on this device (``None``: every device).
+        granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
+        baseline_bytes: a fixed amount counted as live (memory held outside tensors).
+        workspaces: ``False`` counts storages alone (fake tensors, the estimate's traces, always are).
+
+    Example::
+
+        >>> with LiveTensorTracker() as tracker:
+        ...     x = torch.ones(256)
+        ...     y = x * 2                 # the kernel also wraps the 2 in a tensor: 8 + 4 bytes
+        >>> tracker.peak_bytes            # two 1024-byte storages and the multiplication's 12
+        2060
+        >>> with LiveTensorTracker(workspaces=False) as storages_only:
+        ...     x = torch.ones(256)
+        ...     y = x * 2
+        >>> storages_only.peak_bytes
+        2048
+    """
+
+    peak_bytes: int
+
+    def __init__(
+        self,
+        max_bytes: Optional[int] = None,
+        *,
+        existing: Iterable[Any] = (),
+        device: torch.device | str | None = None,
+        granularity: int = 1,
+        baseline_bytes: int = 0,
+        workspaces: bool = True,
+    ) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self.existing = tuple(existing)
+        self.device = None if device is None else torch.device(device)
+        self.granularity = granularity
+        self.baseline_bytes = baseline_bytes
+        self.workspaces = workspaces
+        self.live_bytes = self.peak_bytes = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+
+    def _begin(self) -> None:
+        self._live.clear()
+        self.live_bytes = self.peak_bytes = self.baseline_bytes
+        self.track(*self.existing)
+        TorchDispatchMode.__enter__(self)
+
+    def _end(self) -> None:
+        try:
+            TorchDispatchMode.__exit__(self, None, None, None)
+        finally:
+            self._live.clear()  # dropping the weak references also drops their callbacks
+            self.live_bytes = 0
+
+    @property
+    def tracked_storages(self) -> int:
+        """How many storages are counted as live now (0 outside the span)."""
+        return len(self._live)
+
+    def track(self, *objects: Any) -> None:
+        """Count the tensors of ``objects`` as live from now until they die (the cap is not applied)."""
+        for key, storage, num_bytes in self._new_storages(collect_tensors(*objects), exclude=set()):
+            self._add(key, storage, num_bytes)
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        want = self.device
+        return want is None or (tensor.device.type == want.type and want.index in (None, tensor.device.index))
+
+    def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
+        found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
+        for tensor in tensors:
+            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) and self._counts(tensor) else None
+            key = None if storage is None else storage_key(storage)
+            if storage is None or key is None or key in self._live or key in exclude:
+                continue
+            num_bytes = round_up(storage.nbytes(), self.granularity)
+            if num_bytes > 0:
+                found.setdefault(key, (key, storage, num_bytes))
+        return list(found.values())
+
+    def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:
+        def release(_ref: weakref.ref) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.live_bytes -= entry[1]
+
+        self._live[key] = (weakref.ref(storage, release), num_bytes)
+        self.live_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        allocations = None
+        on_host = self.device is None or self.device.type == "cpu"
+        if self.workspaces and on_host and is_real_host_call((args, kwargs)):
+            out, allocations = call_learning_allocations(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        new = self._new_storages(tree_leaves(out), exclude=inputs)
+        # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
+        needed = max(sum(num_bytes for *_, num_bytes in new), allocations.peak_bytes if allocations else 0)
+        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(func, needed))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + needed)
+        for key, storage, num_bytes in new:
+            self._add(key, storage, num_bytes)
+        return out
+
+    def _oom_message(self, func: Any, added: int) -> str:
+        where = "any device" if self.device is None else str(self.device)
+        return (
+            f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
+            f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+        )
+
+
+class AllocationWindow(SpanMeter):
+    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
+    events (the allocator's own peak counters are left alone); ``None`` when another profiler runs.
 
     Example::
 
         >>> with AllocationWindow("cpu") as window:
         ...     a = torch.zeros(1000); del a
         ...     b = torch.zeros(500)
-        >>> window.peak_delta_bytes
+        >>> window.peak_bytes
         4000
     """
 
     def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
-        self.device_type = device_type
-        self.index = index
-        self.peak_delta_bytes: Optional[int] = None
-        self._active = False
+        self.device_type, self.index = device_type, index
+        self._profiling = False
 
-    def __enter__(self) -> AllocationWindow:
-        self.peak_delta_bytes = None
-        self._active = learning_possible()
-        if self._active:
+    def _begin(self) -> None:
+        self.peak_bytes = None
+        self._profiling = learning_possible()
+        if self._profiling:
             start_allocation_events()
-        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        if not self._active:
+    def _end(self) -> None:
+        if not self._profiling:
             return
-        self._active = False
-        records = stop_allocation_events()
+        self._profiling = False
         live = peak = 0
-        for thread in records:
+        for thread in stop_allocation_events():
             for record in thread:
                 if record.kind() != "memory_alloc":
                     continue
-                if self.device_type == "cuda":
-                    if record.device() != self.index:
-                        continue
-                    live += int(record.cuda_memory_usage())
-                else:
+                if self.device_type != "cuda":
                     live += int(record.cpu_memory_usage())
+                elif record.device() == self.index:
+                    live += int(record.cuda_memory_usage())
                 peak = max(peak, live)
-        self.peak_delta_bytes = peak
+        self.peak_bytes = peak

@@ -13,7 +13,7 @@ a fake trace of a larger one:
    call, what the allocator needed inside the call beyond its new outputs (from
    :attr:`.op_memory.OpAllocations.peak_bytes`) and by how much each new output's storage exceeds
    the one the op's meta implementation gives it (:class:`ProbedCall`);
-2. :class:`WorkspaceTracker`, the :class:`~lightning_gpuopt.core.memory.LiveTensorTracker` of a
+2. :class:`WorkspaceTracker`, the :class:`~lightning_gpuopt.core.op_memory.LiveTensorTracker` of a
    fake trace, pairs each call with a probed one -- in each step the k-th call of an op with the
    same signature (:func:`call_signature`) with the k-th in the probe -- and scales the probed
    bytes by how much the call's inputs that grew with the batch grew (:func:`scaled_bytes`: a
@@ -50,8 +50,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_leaves, tree_map
-from lightning_gpuopt.core.memory import LiveTensorTracker, is_real_host_call, storage_of
-from lightning_gpuopt.core.op_memory import call_learning_allocations
+from lightning_gpuopt.core.op_memory import LiveTensorTracker, call_learning_allocations, is_real_host_call, storage_of
 from lightning_gpuopt.core.search import round_up
 
 #: the largest batch a probe step runs at. PyTorch and oneDNN pick kernels by batch size below it
@@ -208,7 +207,7 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 
 class WorkspaceTracker(LiveTensorTracker):
-    """The :class:`~lightning_gpuopt.core.memory.LiveTensorTracker` of a fake trace with the kernel
+    """The :class:`~lightning_gpuopt.core.op_memory.LiveTensorTracker` of a fake trace with the kernel
     memory of ``profile`` added: each call paired with a probed one holds its scaled workspace while
     it runs, and each of its outputs counts the probed output's scaled surplus on top of its size.
 

@@ -14,31 +14,22 @@ profile while a CPU ``Trainer`` runs::
 
 What it simulates:
 
-* **Identity**: name, compute capability, total memory, NVML UUID, MIG; so native bf16 (8.0 and
-  up), fp16 tensor cores (7.0 and up), TF32, the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
-* **Memory, at the allocator**: every byte the host allocator hands out while ops run (tensor
-  storages and the workspaces kernels allocate inside themselves, learned from the profiler's
-  allocator events), passed through a model of the CUDA caching allocator (512-byte blocks,
-  small and large pools and their segment sizes, splitting, cached blocks, reserved >= allocated,
-  fragmentation), plus the CUDA context outside it. A request that would take reserved memory
-  past the card frees cached segments first (as ``empty_cache``), then raises the real
-  ``torch.OutOfMemoryError`` with CUDA's wording. A tensor is on the card as in a real run: a
-  module's parameters, buffers and gradients from its first ``forward`` (and the forward's
-  arguments, the batch), an optimizer's state from its first step, what :meth:`SimulatedGpu.place`
-  is given (the simulated ``tensor.cuda()``), and whatever ops make from tensors on the card;
-  a dataset built in host memory stays on the host.
-* **NVML**: a fake NVML library answers the library's NVML calls: memory used (context +
-  reserved), utilisation (the share of wall time spent in ops since the last reading; a MIG
-  instance answers ``NotSupported`` as real MIG does), and can be told to fail for the card
-  (``nvml_error="no-permission"``).
+* **Identity** (:data:`GPU_PROFILES`): name, compute capability, total memory, NVML UUID, MIG; so
+  native bf16 and TF32 (8.0 and up) and the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
+* **Memory, at the allocator**: every byte the host allocator hands out for the card (storages and
+  in-kernel workspaces), through a model of the CUDA caching allocator (512-byte blocks, pools,
+  segments, cached blocks, fragmentation), plus the CUDA context (a typical figure). A request past
+  the card frees cached segments, then raises the real ``torch.OutOfMemoryError`` in CUDA's words.
+  A tensor is on the card as in a real run: a module's parameters, buffers and gradients from its
+  first ``forward`` (with the batch it is given), an optimizer's state from its first step, what
+  :meth:`SimulatedGpu.place` is given (the simulated ``tensor.cuda()``), and what ops make from
+  tensors on the card; a dataset built in host memory stays on the host.
+* **NVML**: memory used (context + reserved), utilisation (the share of wall time in ops since the
+  last reading; ``NotSupported`` on MIG, as real MIG), failures on demand (``nvml_error=``).
 * **Time**: device events are host clock readings (ops run synchronously on the host).
 
-Profiles: ``"H100"``, ``"A100"``, ``"V100"``, ``"T4"``, ``"A100-MIG-1g.10gb"`` (:data:`GPU_PROFILES`).
-The context sizes are typical figures; they vary with the driver and CUDA version.
-
-What it does not simulate: kernel speed (a step takes as long as on the CPU), streams, the
-behaviour of cuDNN/cuBLAS algorithms (their workspaces are the CPU kernels'), several GPUs in one
-process (under DDP with gloo, enter one in each process).
+Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms (their workspaces are the CPU
+kernels'), several GPUs in one process (under DDP with gloo, enter one in each process).
 """
 
 from __future__ import annotations
@@ -46,10 +37,12 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Union
 
-from lightning_gpuopt.core.allocator import CachingAllocatorModel
-from lightning_gpuopt.core.device import simulating
+from lightning_gpuopt.core.device import simulated_device, simulating
 from lightning_gpuopt.core.memory import parse_memory
-from lightning_gpuopt.core.simulated_gpu import GpuProfile, SimulatedCudaDevice
+from lightning_gpuopt.core.nvml import using_nvml_library
+from lightning_gpuopt.testing._allocator import CachingAllocatorModel
+from lightning_gpuopt.testing._card import GpuProfile, SimulatedCudaDevice
+from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 
 __all__ = ["GPU_PROFILES", "GpuProfile", "SimulatedGpu"]
 
@@ -57,41 +50,24 @@ _MIB = 2**20
 
 #: the cards :class:`SimulatedGpu` knows, by short name
 GPU_PROFILES: dict[str, GpuProfile] = {
-    "H100": GpuProfile(
-        "NVIDIA H100 80GB HBM3",
-        (9, 0),
-        81559 * _MIB,
-        "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01",
-        context_bytes=512 * _MIB,
-    ),
-    "A100": GpuProfile(
-        "NVIDIA A100-SXM4-40GB",
-        (8, 0),
-        40960 * _MIB,
-        "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02",
-        context_bytes=430 * _MIB,
-    ),
-    "V100": GpuProfile(
-        "Tesla V100-SXM2-16GB",
-        (7, 0),
-        16160 * _MIB,
-        "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003",
-        context_bytes=310 * _MIB,
-    ),
-    "T4": GpuProfile(
-        "Tesla T4", (7, 5), 15360 * _MIB, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", context_bytes=290 * _MIB
-    ),
-    "A100-MIG-1g.10gb": GpuProfile(
-        "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-        (8, 0),
-        9728 * _MIB,
-        "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
-        context_bytes=250 * _MIB,
-        mig=True,
-    ),
+    short: GpuProfile(name, capability, total_mib * _MIB, uuid, context_mib * _MIB, mig="MIG" in name)
+    for short, name, capability, total_mib, uuid, context_mib in [
+        ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
+        ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
+        ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
+        ("T4", "Tesla T4", (7, 5), 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
+        (
+            "A100-MIG-1g.10gb",
+            "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+            (8, 0),
+            9728,
+            "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
+            250,
+        ),
+    ]
 }
 
-NVML_ERRORS = ("no-permission", "not-supported")
+_NVML_ERRORS = ("no-permission", "not-supported")
 
 
 class SimulatedGpu:
@@ -100,17 +76,14 @@ class SimulatedGpu:
     Args:
         profile: a name of :data:`GPU_PROFILES` or a :class:`GpuProfile`.
         memory: the card's total memory instead of the profile's: bytes, a string such as
-            ``"64MiB"``, or a fraction of the profile's. The CUDA context then scales with it.
-        context_memory: memory the CUDA context holds outside PyTorch (default: the profile's,
-            scaled to ``memory``).
+            ``"64MiB"``, or a fraction of the profile's (the CUDA context scales with it).
+        context_memory: memory the CUDA context holds outside PyTorch (default: the profile's, scaled).
         cublas_workspace: bytes of the cuBLAS workspace (default: torch's for the capability).
-        nvml_error: ``None``, or ``"no-permission"`` / ``"not-supported"``: every NVML query
-            about this card raises that error.
+        nvml_error: ``"no-permission"`` or ``"not-supported"``: every NVML query about the card raises it.
 
     Raises:
-        ValueError: an unknown profile, a bad ``memory``, a context larger than the card, or an
-            unknown ``nvml_error``; the message lists what works.
-        RuntimeError: when a simulated card is already entered.
+        ValueError: a bad argument (the message says what works).
+        RuntimeError: a simulated card is already entered.
 
     Example::
 
@@ -122,8 +95,6 @@ class SimulatedGpu:
         (4096, 2097152)
     """
 
-    _active: Optional[SimulatedGpu] = None
-
     def __init__(
         self,
         profile: Union[str, GpuProfile] = "H100",
@@ -133,13 +104,17 @@ class SimulatedGpu:
         cublas_workspace: Optional[int] = None,
         nvml_error: Optional[str] = None,
     ) -> None:
-        base = _profile(profile)
+        if not isinstance(profile, GpuProfile) and profile not in GPU_PROFILES:
+            raise ValueError(
+                f"`profile`={profile!r} is not a known card; expected one of "
+                f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
+            )
+        base = profile if isinstance(profile, GpuProfile) else GPU_PROFILES[profile]
         total = base.total_bytes
-        if memory is not None:
-            if isinstance(memory, float) and not isinstance(memory, bool) and 0 < memory <= 1:
-                total = int(memory * base.total_bytes)
-            else:
-                total = parse_memory(memory, name="memory")
+        if isinstance(memory, float) and 0 < memory <= 1:
+            total = int(memory * base.total_bytes)
+        elif memory is not None:
+            total = parse_memory(memory, name="memory")
         if context_memory is None:
             context = int(base.context_bytes * total / base.total_bytes)
         else:
@@ -149,96 +124,72 @@ class SimulatedGpu:
                 f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
                 "expected a context smaller than `memory`."
             )
-        if nvml_error not in (None, *NVML_ERRORS):
-            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, NVML_ERRORS))}.")
+        if nvml_error not in (None, *_NVML_ERRORS):
+            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, _NVML_ERRORS))}.")
         self.profile = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
         self.device = SimulatedCudaDevice(self.profile, cublas_workspace)
-        self.nvml_error = nvml_error
+        self.nvml = FakeNvml(
+            [
+                FakeNvmlDevice(
+                    name=self.profile.name,
+                    uuid=self.profile.uuid,
+                    memory_total=total,
+                    memory_used=self.device.used_memory,
+                    utilization=None if self.profile.mig else self.utilization,
+                    error=nvml_error,
+                    mig=self.profile.mig,
+                )
+            ]
+        )
         self._entered: list[Any] = []
         self._last_reading = (time.perf_counter(), 0.0)
 
-    # -- what the card holds
     @property
     def allocator(self) -> CachingAllocatorModel:
         return self.device.allocator
 
     @property
     def allocated_bytes(self) -> int:
-        return self.device.allocator.allocated_bytes
+        return self.allocator.allocated_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        return self.device.allocator.reserved_bytes
+        return self.allocator.reserved_bytes
 
     @property
     def peak_allocated_bytes(self) -> int:
         """Peak since the card was made (the process-wide counter, as ``max_memory_allocated``)."""
-        return self.device.allocator.stats.peak_allocated_bytes
+        return self.allocator.stats.peak_allocated_bytes
 
     @property
     def peak_reserved_bytes(self) -> int:
-        return self.device.allocator.stats.peak_reserved_bytes
+        return self.allocator.stats.peak_reserved_bytes
 
     def place(self, *objects: Any) -> None:
         """Put tensors (or modules, optimizers, collections of them) on the card: the simulated
         ``tensor.cuda()``, e.g. for a dataset held in device memory."""
-        self.device.memory.adopt(*objects)
+        self.device.adopt(*objects)
 
     def utilization(self) -> int:
         """Percent of wall time spent inside ops since the last call (what NVML's utilisation counts)."""
-        now, busy = time.perf_counter(), self.device.memory.busy_s
+        now, busy = time.perf_counter(), self.device.busy_s
         then, busy_then = self._last_reading
         self._last_reading = (now, busy)
-        if now <= then:
-            return 0
-        return round(100 * min(1.0, (busy - busy_then) / (now - then)))
+        return 0 if now <= then else round(100 * min(1.0, (busy - busy_then) / (now - then)))
 
-    # -- lifecycle
     def __enter__(self) -> SimulatedGpu:
-        if SimulatedGpu._active is not None:
+        if simulated_device() is not None:
             raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
-        SimulatedGpu._active = self
         try:
-            for context in (simulating(self.device), self.device.memory, self._nvml()):
-                if context is not None:
-                    context.__enter__()
-                    self._entered.append(context)
+            for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
+                context.__enter__()
+                self._entered.append(context)
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        self._last_reading = (time.perf_counter(), self.device.memory.busy_s)
+        self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        try:
-            while self._entered:
-                self._entered.pop().__exit__(None, None, None)
-        finally:
-            SimulatedGpu._active = None
-
-    def _nvml(self) -> Any:
-        from lightning_gpuopt.core.nvml import using_nvml_library
-        from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
-
-        card = FakeNvmlDevice(
-            name=self.profile.name,
-            uuid=self.profile.uuid,
-            memory_total=self.profile.total_bytes,
-            memory_used=self.device.used_memory,
-            utilization=None if self.profile.mig else self.utilization,
-            error=self.nvml_error,
-            mig=self.profile.mig,
-        )
-        self.nvml = FakeNvml([card])
-        return using_nvml_library(self.nvml)
-
-
-def _profile(profile: Union[str, GpuProfile]) -> GpuProfile:
-    if isinstance(profile, GpuProfile):
-        return profile
-    if profile not in GPU_PROFILES:
-        raise ValueError(
-            f"`profile`={profile!r} is not a known card; expected one of "
-            f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
-        )
-    return GPU_PROFILES[profile]
+        while self._entered:
+            self._entered.pop().__exit__(None, None, None)

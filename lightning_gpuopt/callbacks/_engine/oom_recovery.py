@@ -16,7 +16,7 @@ of a group). The wrapper does the batch's forward *and* backward itself, inside 
    weighted by its share of the samples, divided by ``accumulate_grad_batches`` and scaled by the
    AMP gradient scaler, as Lightning's own backward would;
 3. on an out-of-memory error the try's gradients are dropped, memory is released
-   (:func:`~lightning_gpuopt.core.memory.release_memory`), the limit for that size of sample is
+   (:func:`~lightning_gpuopt.core.device.release_memory`), the limit for that size of sample is
    halved (:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and the same batch is tried
    again; after a micro-batch of 1 the error is raised with what was tried;
 4. the new gradients are put aside and the wrapper returns the loss value through a small
@@ -55,7 +55,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core._torch_compat import grad_scale
-from lightning_gpuopt.core.memory import is_out_of_memory_error, release_memory
+from lightning_gpuopt.core.device import release_memory
+from lightning_gpuopt.core.memory import is_out_of_memory_error
 from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_elements, split_batch
 
 #: what ``MemoryFill(on_oom=...)`` accepts

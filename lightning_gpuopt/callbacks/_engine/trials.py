@@ -37,7 +37,8 @@ from lightning_gpuopt.callbacks._engine.state import TrainingState
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.loader import TrialSampler
-from lightning_gpuopt.core.memory import call_catching_oom, storage_bytes
+from lightning_gpuopt.core.memory import call_catching_oom
+from lightning_gpuopt.core.op_memory import storage_bytes
 
 #: a manual-optimization trial runs at most this many times ``steps_per_trial`` batches
 MANUAL_TRIAL_BATCHES_AT_MOST = 8

@@ -1,0 +1,308 @@
+"""The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
+and, while entered, the dispatch mode that counts what it holds (see :mod:`lightning_gpuopt.testing`).
+
+Each storage on the card, and each of its ops' in-kernel workspaces (replayed in the order the
+profiler saw them), is a request to the caching-allocator model until it dies; the first matrix
+multiplication allocates the cuBLAS workspace, kept for the card's life. Fake and meta tensors are
+not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
+from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
+from lightning_gpuopt.core.op_memory import (
+    OpAllocations,
+    SpanMeter,
+    call_learning_allocations,
+    collect_tensors,
+    is_real_host_call,
+    storage_of,
+)
+from lightning_gpuopt.testing._allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
+
+# ops that use cuBLAS on a real card (its workspace is allocated on the first of them)
+_MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """A CUDA card's identity and memory, as torch and NVML report them."""
+
+    name: str
+    capability: tuple[int, int]
+    total_bytes: int
+    uuid: str
+    #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
+    context_bytes: int
+    mig: bool = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of_cuda(self.name, self.capability, mig=self.mig)
+
+
+class SimulatedCudaDevice(Device, TorchDispatchMode):
+    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
+    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
+
+    type = "cuda"
+
+    def __init__(self, profile: GpuProfile, cublas_workspace_bytes: Optional[int] = None) -> None:
+        Device.__init__(self, torch.device("cpu"))
+        TorchDispatchMode.__init__(self)
+        self.profile = profile
+        self.allocator = CachingAllocatorModel(
+            profile.total_bytes - profile.context_bytes,
+            total_bytes=profile.total_bytes,
+            outside_bytes=profile.context_bytes,
+        )
+        self.cublas_workspace_bytes = (
+            profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
+        )
+        #: seconds spent inside ops (what NVML's utilisation counts as busy)
+        self.busy_s = 0.0
+        self._blocks: dict[int, tuple[weakref.ref, Block]] = {}  # storage key -> its block
+        self._cublas: Optional[Block] = None
+        self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
+        self._hooks: list[Any] = []
+        self._forward_depth = 0
+        self._paused = 0  # while positive, nothing reaches the card
+
+    # -- the device
+    @property
+    def uuid(self) -> str:
+        return self.profile.uuid
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.profile.capabilities
+
+    def total_memory(self) -> int:
+        return self.profile.total_bytes
+
+    def free_memory(self) -> int:
+        return max(0, self.profile.total_bytes - self.used_memory())
+
+    def used_memory(self) -> int:
+        """What NVML reports as used: the context and everything reserved."""
+        return self.profile.context_bytes + self.allocator.reserved_bytes
+
+    def allocated_memory(self) -> int:
+        return self.allocator.allocated_bytes
+
+    def reserved_memory(self) -> int:
+        return self.allocator.reserved_bytes
+
+    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing)
+
+    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        return _SimulatedMeter(self, existing, max_bytes)
+
+    def empty_cache(self) -> None:
+        self.allocator.empty_cache()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        storage = storage_of(tensor)
+        return storage is not None and storage_key(storage) in self._blocks
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    # -- what reaches the card
+    def __enter__(self) -> SimulatedCudaDevice:
+        self._hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._forward_hook, always_call=True),
+            register_optimizer_step_pre_hook(self._optimizer_pre_hook),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+
+    def adopt(self, *objects: Any) -> None:
+        """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
+        new = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(*objects)) if s is not None}
+        storages = [storage for key, storage in new.items() if key not in self._blocks]
+        pending: list[Block] = []
+        try:
+            self._allocate_storages(storages, pending)
+        except AllocatorOutOfMemory as error:
+            self._undo(storages, pending, error)
+
+    def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self._forward_depth += 1
+        if self._paused:
+            return
+        if module not in self._adopted:
+            self.adopt(module)
+            self._adopted.update(module.modules())
+        self.adopt([leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)])
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
+    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._paused and optimizer not in self._adopted:
+            self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
+            self._adopted.add(optimizer)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        on_card = not self._paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
+        started = time.perf_counter()
+        out, allocations = call_learning_allocations(func, args, kwargs) if on_card else (func(*args, **kwargs), None)
+        self.busy_s += time.perf_counter() - started
+        if not on_card:
+            return out
+        if self._cublas is None and self.cublas_workspace_bytes and func.overloadpacket.__name__ in _MATMUL_OPS:
+            try:
+                self._cublas = self.allocator.malloc(self.cublas_workspace_bytes)
+            except AllocatorOutOfMemory as error:
+                raise torch.OutOfMemoryError(str(error)) from None
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
+        self._replay(allocations, [s for key, s in outputs.items() if key not in self._blocks and key not in inputs])
+        return out
+
+    def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether the op runs on the card: an input is there (the others, but 0-dim scalars as CUDA
+        takes them, move there first), or it is a factory op inside a ``forward``; an explicit
+        ``.to("cpu", copy=True)`` is a copy to the host. Modules, their inputs and optimizers reach
+        the card at their first ``forward`` / ``step`` (global hooks), other tensors by :meth:`adopt`."""
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            return False
+        inputs = list(collect_tensors(args, kwargs))
+        if not inputs:
+            return self._forward_depth > 0
+        if not any(self.holds(tensor) for tensor in inputs):
+            return False
+        self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
+        return True
+
+    def _replay(self, allocations: Optional[OpAllocations], outputs: list[torch.UntypedStorage]) -> None:
+        """The op's requests in the profiler's order: workspaces come and go, kept allocations become
+        the outputs' blocks (matched by size); outputs the profiler did not see come last."""
+        taken: list[Block] = []
+        try:
+            kept: list[tuple[int, Optional[Block]]] = []
+            if allocations is not None:
+                blocks: list[Optional[Block]] = []
+                for event in allocations.events:
+                    if event > 0:
+                        blocks.append(self._malloc(event, taken))
+                    else:
+                        block, blocks[-event - 1] = blocks[-event - 1], None
+                        if block is not None:
+                            self.allocator.free(block)
+                sizes = allocations.sizes
+                kept = [(sizes[i], blocks[i]) for i in sorted(allocations.kept)]
+            self._allocate_storages(self._bind(outputs, kept), pending=taken)
+        except AllocatorOutOfMemory as error:
+            self._undo(outputs, taken, error)  # the op's outputs never reach the caller
+
+    def _bind(self, outputs: list[torch.UntypedStorage], kept: list[tuple[int, Optional[Block]]]) -> list:
+        """Give the kept allocations to the outputs of the same size; one no output takes is a cache
+        of the kernel, freed here. Returns the outputs left without a block."""
+        free = [(size, block) for size, block in kept if block is not None]
+        unmatched = []
+        for storage in outputs:
+            match = next((i for i, (size, _) in enumerate(free) if size == storage.nbytes()), None)
+            if match is None:
+                unmatched.append(storage)
+            else:
+                self._track(storage, free.pop(match)[1])
+        for _, block in free:
+            self.allocator.free(block)
+        return unmatched
+
+    def _allocate_storages(self, storages: list[torch.UntypedStorage], pending: list[Block]) -> None:
+        for storage in storages:
+            self._track(storage, self._malloc(storage.nbytes(), pending))
+
+    def _undo(
+        self, storages: Iterable[torch.UntypedStorage], pending: list[Block], error: AllocatorOutOfMemory
+    ) -> None:
+        """Forget what a failed request's op or move had taken, and raise CUDA's error."""
+        for storage in storages:
+            self._blocks.pop(storage_key(storage), None)
+        for block in pending:
+            self.allocator.free(block)
+        raise torch.OutOfMemoryError(str(error)) from None
+
+    def _malloc(self, num_bytes: int, pending: list[Block]) -> Block:
+        block = self.allocator.malloc(num_bytes)
+        pending.append(block)
+        return block
+
+    def _track(self, storage: torch.UntypedStorage, block: Block) -> None:
+        key = storage_key(storage)
+
+        def release(_ref: weakref.ref) -> None:
+            entry = self._blocks.pop(key, None)
+            if entry is not None:
+                self.allocator.free(entry[1])
+
+        self._blocks[key] = (weakref.ref(storage, release), block)
+
+    @staticmethod
+    def _countable_storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
+            return None
+        storage = storage_of(tensor)
+        return storage if storage is not None and storage.nbytes() > 0 else None
+
+
+class _SimulatedMeter(SpanMeter):
+    """A window over the card's allocator; with ``max_bytes`` the allocator may reserve at most that
+    much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
+
+    def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), max_bytes: Optional[int] = None):
+        self.device = device
+        self.existing = tuple(existing)
+        self.max_bytes = max_bytes
+        self._window: Optional[PeakWindow] = None
+        self._limit: Optional[int] = None
+
+    def _begin(self) -> None:
+        allocator = self.device.allocator
+        if self.max_bytes is not None:
+            self._limit = allocator.limit_bytes
+            allocator.limit_bytes = min(allocator.limit_bytes, int(self.max_bytes))
+        self._window = allocator.open_window()
+        try:
+            self.device.adopt(*self.existing)
+        except BaseException:
+            self._end()
+            raise
+
+    def _end(self) -> None:
+        if self._window is not None:
+            window, self._window = self.device.allocator.close_window(self._window), None
+            self.peak_bytes, self.peak_reserved_bytes = window.peak_allocated_bytes, window.peak_reserved_bytes
+        if self._limit is not None:
+            self.device.allocator.limit_bytes, self._limit = self._limit, None
