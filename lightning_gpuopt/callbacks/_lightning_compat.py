@@ -144,6 +144,31 @@ def reset_train_loader(trainer: Any) -> None:
     loop._combined_loader = None
 
 
+#: what ``fit_loop.setup_data()`` sets when it builds the train loader (the loop's, then the trainer's)
+_LOADER_STATE = (
+    ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch"),
+    ("val_check_batch",),
+)
+
+
+def detach_train_loader(trainer: Any) -> tuple[dict, dict]:
+    """Take the fit loop's built train loader and what ``setup_data()`` set with it out of the loop (the
+    fetcher not torn down, its iterator kept); the loop has none afterwards. No public API."""
+    loop_names, trainer_names = _LOADER_STATE
+    saved = ({n: getattr(trainer.fit_loop, n) for n in loop_names}, {n: getattr(trainer, n) for n in trainer_names})
+    trainer.fit_loop._combined_loader, trainer.fit_loop._data_fetcher = None, None
+    return saved
+
+
+def attach_train_loader(trainer: Any, saved: tuple[dict, dict]) -> None:
+    """Put back what :func:`detach_train_loader` took (whatever the loop holds now is torn down first)."""
+    reset_train_loader(trainer)
+    for name, value in saved[0].items():
+        setattr(trainer.fit_loop, name, value)
+    for name, value in saved[1].items():
+        setattr(trainer, name, value)
+
+
 def train_loader_built(trainer: Any) -> bool:
     """Whether the fit loop holds a built train loader (``_combined_loader``; no public API says so)."""
     return trainer.fit_loop._combined_loader is not None

@@ -93,6 +93,8 @@ class FitSession:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self._probe: Any = None
+        #: the train loader Lightning built before our work (in configure_optimizers), set aside meanwhile
+        self._lightnings: Optional[tuple[dict, dict]] = None
         self._sizes: Optional[tuple[Optional[ProbedSizes], bool]] = None
         self._configure_rng: list[Optional[dict[str, Any]]] = [None, None]
         module = trainer.lightning_module
@@ -125,8 +127,9 @@ class FitSession:
         """The user's train loader as ``train_dataloader()`` returns it, built at most once (see the module docstring)."""
         if self._probe is None:
             trainer = self.trainer
-            if compat.train_loader_built(trainer):
+            if compat.train_loader_built(trainer):  # set aside, untouched, until apply() decides
                 self._probe = compat.built_train_loader(trainer)
+                self._lightnings = compat.detach_train_loader(trainer)
             else:
                 owners = [trainer.lightning_module, *([trainer.datamodule] if trainer.datamodule is not None else [])]
                 with rng_kept(), restored_attributes(*owners):
@@ -199,11 +202,16 @@ class FitSession:
         if rebuild is not None:
             source = compat.train_source(trainer)
             undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, _rebuilt_source(source, rebuild))
-        built = compat.train_loader_built(trainer)
+        built, lightnings = self._lightnings is not None or compat.train_loader_built(trainer), self._lightnings
+        self._probe, self._lightnings = None, None
         if not changed and not (built and rebuild is not None):
+            if lightnings is not None:  # nothing changed: training uses the loader Lightning built, as by hand
+                compat.attach_train_loader(trainer, lightnings)
             return False
-        self._probe = None
         compat.reset_train_loader(trainer)
+        if lightnings is not None:
+            compat.attach_train_loader(trainer, lightnings)
+            compat.reset_train_loader(trainer)
         start, stop = self._configure_rng
         if start is not None:
             compat.set_rng_states(start)  # where configure_optimizers (and a loader built in it) first drew
