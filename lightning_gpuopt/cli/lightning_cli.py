@@ -47,8 +47,9 @@ class GpuOptCLI(LightningCLI):
         python train.py fit --config config.yaml       # a config with a `gpuopt:` section
     """
 
-    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = GpuOptArgumentParser, **kwargs: Any):
-        super().__init__(*args, parser_class=parser_class, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", GpuOptArgumentParser)  # keep dumps resolved: subclass it for your own
+        super().__init__(*args, **kwargs)
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Lightning's defaults, then ``--gpuopt`` (here, so that a subclass's ``add_arguments_to_parser``
