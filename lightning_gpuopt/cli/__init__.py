@@ -1,7 +1,6 @@
 """Command lines: ``main``, the ``gpuopt`` console command, and :class:`GpuOptCLI`, ``LightningCLI`` with ``--gpuopt``.
 
-``main`` (:mod:`~lightning_gpuopt.cli.command`) imports only the standard library until a subcommand
-runs; ``GpuOptCLI`` (:mod:`~lightning_gpuopt.cli.lightning_cli`) imports Lightning on first use.
+``main`` imports only the standard library until a subcommand runs; ``GpuOptCLI`` imports Lightning on first use.
 
 Example:
     >>> from lightning_gpuopt.cli import main
@@ -12,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from lightning_gpuopt.cli.command import main
@@ -21,11 +19,8 @@ __all__ = ["GpuOptCLI", "main"]
 
 
 def __getattr__(name: str) -> Any:
-    if name != "GpuOptCLI":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = importlib.import_module(f"{__name__}.lightning_cli").GpuOptCLI
-    return value
+    if name == "GpuOptCLI":  # Lightning is imported on first use only
+        from lightning_gpuopt.cli.lightning_cli import GpuOptCLI
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+        return GpuOptCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,7 +79,8 @@ def _import_class(target: str, argument: str, base: type, base_name: str) -> typ
     except Exception as error:  # noqa: BLE001 - the user's module, or one it imports, failed
         raise UsageError(
             f"{label}: the module part {module_part!r} cannot be imported ({type(error).__name__}: {error}); "
-            f"modules are looked up on sys.path and in the current directory {os.getcwd()}."
+            f"it is looked up on sys.path and in the current directory {os.getcwd()}; give a dotted module path "
+            "or path/to/file.py."
         ) from None
     if path is not None and Path(getattr(module, "__file__", None) or "").resolve() != path:
         raise UsageError(f"{label}: another module named {name!r} is imported already ({module}); rename the file.")
@@ -90,13 +91,12 @@ def _import_class(target: str, argument: str, base: type, base_name: str) -> typ
         k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v.__module__ == name
     )
     close = difflib.get_close_matches(class_part, ours, 1) if cls is None else []
-    problem = f"the module {module_part!r} has no attribute {class_part!r}" + (
-        f"; did you mean {close[0]!r}?" if close else ""
-    )
+    problem = f"the module {module_part!r} has no attribute {class_part!r};"
+    problem += f" did you mean {close[0]!r}?" if close else ""
     if cls is not None:
         kind = "class" if isinstance(cls, type) else type(cls).__name__
-        problem = f"{class_part!r} is a {kind}, not a {base_name} class"
-    raise UsageError(f"{label}: {problem}; the module's {base_name} classes: {', '.join(ours) or 'none'}.")
+        problem = f"{class_part!r} is a {kind}, not a {base_name} class;"
+    raise UsageError(f"{label}: {problem} the module's {base_name} classes: {', '.join(ours) or 'none'}.")
 
 
 def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:

@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gpuopt`` argument parser and its subcommands."""
     from lightning_gpuopt import __version__
 
-    parser = argparse.ArgumentParser(prog="gpuopt", description="GPU training checks, presets, memory estimates.")
+    parser = argparse.ArgumentParser(
+        prog="gpuopt", description="Check a machine for GPU training, show presets, estimate a model's memory."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -99,9 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     estimate("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "long"), help="of --input-size")
     estimate("--vocab", type=int, metavar="N", help="--dtype long: ids in [0, N) (default: the first nn.Embedding's)")
     estimate("--batch-size", type=int, metavar="N", help=f"default: the dataloader's, else {DEFAULT_BATCH_SIZE}")
-    estimate("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS, help="auto: configure_optimizers(), else adam")
+    estimate(
+        "--optimizer",
+        default="auto",
+        choices=ESTIMATE_OPTIMIZERS,
+        help="auto: the model's configure_optimizers() (a Trainer attached), else adam; sgd: momentum 0.9",
+    )
     estimate("--precision", default="32-true", choices=ESTIMATE_PRECISIONS, help="16-mixed only on CUDA")
-    estimate("--max-memory", metavar="MEMORY", help='bytes, "20GiB" or a fraction of the device (0.9); default: free')
+    estimate(
+        "--max-memory",
+        metavar="MEMORY",
+        help='the memory to fit: bytes, "20GiB" or a fraction of the device (0.9); default: what it can give now',
+    )
     estimate("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     return parser
 
