@@ -117,12 +117,6 @@ PRIVATE_IMPORTS = [
         (("loader", "sampler"), {}),
     ),
     (
-        "lightning.pytorch.trainer.call",
-        "_call_lightning_datamodule_hook",
-        None,
-        (("trainer", "setup"), {"stage": "fit"}),
-    ),
-    (
         "lightning.pytorch.utilities.parsing",
         "_lightning_get_all_attr_holders",
         "attribute_holders",
@@ -575,8 +569,6 @@ def test_module_docstring_names_every_internal(ns):
         "_every_n_train_steps",
         "_last_checkpoint_saved",
         "_data_connector",
-        "_parser",
-        "_get",
         "_option_string_actions",
         "train_dataloader_next",
         "[Strategy]",
