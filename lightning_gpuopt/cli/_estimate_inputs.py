@@ -1,6 +1,6 @@
 """What ``gpuopt estimate`` is built from, made from its arguments: the model and ``--datamodule`` (as
 LightningCLI builds its classes: jsonargparse checks ``--init-args`` against ``__init__``'s types and builds
-nested ``class_path``\\ s), a Trainer attached to a LightningModule, a batch and its loss, the optimizer,
+nested ``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer,
 the memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
 """
 

@@ -3,7 +3,7 @@
 Tables on stdout, or one JSON document with ``--json``. Exit status: 0 on success, 2 on bad usage (the
 message names the argument, the value and what would work), 1 when ``doctor`` finds a "fail" or ``plot``
 draws nothing. ``estimate`` builds the model and ``--datamodule`` as LightningCLI builds its classes
-(jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested ``class_path``\\ s).
+(jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested ``class_path`` values).
 Only the standard library is imported at the top, so ``gpuopt --help`` and ``gpuopt presets`` answer at once.
 """
 
