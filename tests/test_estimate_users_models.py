@@ -230,7 +230,7 @@ def test_estimate_batch_size_sets_the_datamodules_and_bad_datamodule_arguments_a
     # YAML text, type-checked against the datamodule's signature
     status = cli.main([*with_datamodule, "--datamodule-init-args", "batch_size: many"])
     err = capsys.readouterr().err
-    assert status == 2 and "`--datamodule-init-args`='batch_size: many': wrong type or value for 'batch_size'" in err
+    assert status == 2 and "`--datamodule-init-args`='batch_size: many': Parser key \"data.batch_size\"" in err
     assert "DictDataModule(features: int = 256, num_samples: int = 512, batch_size: int = 16)" in err
     status = cli.main(["estimate", f"{USERS_MODELS}:DictBatchModule"])
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_gpuopt.cli import preset_flag_as_key
+from lightning_gpuopt.cli.lightning_cli import preset_flag_as_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "cli_train.py"

@@ -117,12 +117,6 @@ PRIVATE_IMPORTS = [
         (("loader", "sampler"), {}),
     ),
     (
-        "lightning.pytorch.trainer.call",
-        "_call_lightning_datamodule_hook",
-        None,
-        (("trainer", "setup"), {"stage": "fit"}),
-    ),
-    (
         "lightning.pytorch.utilities.parsing",
         "_lightning_get_all_attr_holders",
         "attribute_holders",
@@ -466,7 +460,7 @@ def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
     c.reset_logged_results(trainer)
 
 
-def test_attach_data_datamodule_hook_and_configure_optimizers(ns, tmp_path):
+def test_attach_data_attribute_holders_and_configure_optimizers(ns, tmp_path):
     pl, c = ns.pl, ns.compat
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path
@@ -476,17 +470,11 @@ def test_attach_data_datamodule_hook_and_configure_optimizers(ns, tmp_path):
     trainer.strategy.connect(model)
     if trainer.datamodule is not data or data.trainer is not trainer:
         moved(ns, "trainer._data_connector.attach_data(model, datamodule=...)", "the datamodule attached")
-    c.call_datamodule_hook(trainer, "setup", stage="fit")
+    data.setup(stage="fit")
     model.batch_size, data.batch_size = 4, 8
     holders = c.attribute_holders(model, "batch_size")
     if len(holders) != 2 or holders[0] is not model or holders[1] is not data:
         moved(ns, "_lightning_get_all_attr_holders(model, 'batch_size')", "[the model, the datamodule]", repr(holders))
-    if not hasattr(data, "data"):
-        moved(
-            ns,
-            "trainer.call._call_lightning_datamodule_hook(trainer, 'setup', stage=...)",
-            "the datamodule's setup run",
-        )
     optimizers, schedulers = c.init_optimizers_and_lr_schedulers(model)
     if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.SGD) or schedulers:
         moved(
@@ -520,18 +508,10 @@ def test_strategy_optimizer_lists_round_trip(ns, fitted):
         moved(ns, "strategy._optimizers/_lightning_optimizers", "the very lists put back")
 
 
-def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
+def test_parser_option_actions(ns, tmp_path, monkeypatch):
     pytest.importorskip("jsonargparse")
     pl, c = ns.pl, ns.compat
     cli_module = importlib.import_module(ns.module_path("lightning.pytorch.cli"))
-    for name, args, kwargs in (("_parser", (None, "fit"), {}), ("_get", (None, "config", "key"), {"default": {}})):
-        method = getattr(cli_module.LightningCLI, name, None)
-        try:
-            inspect.signature(method).bind(*args, **kwargs)
-        except (TypeError, ValueError) as error:
-            moved(
-                ns, f"`LightningCLI.{name}`", f"a method taking {args[1:]} and {sorted(kwargs)}", f"{method}: {error}"
-            )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["train.py"])
     cli = cli_module.LightningCLI(
@@ -541,16 +521,6 @@ def test_cli_parser_config_value_and_option_actions(ns, tmp_path, monkeypatch):
         seed_everything_default=False,
         args=["--trainer.logger=false", "--trainer.accelerator=cpu", "--trainer.enable_checkpointing=false"],
     )
-    if c.cli_parser(cli, None) is not cli.parser:
-        moved(ns, "`LightningCLI._parser(None)`", "the CLI's parser")
-    trainer_config = c.cli_config_value(cli, cli.config_init, "trainer", default={})
-    if not hasattr(trainer_config, "get") or "callbacks" not in trainer_config:
-        moved(
-            ns,
-            "`LightningCLI._get(config, 'trainer', default={})`",
-            "the trainer's settings",
-            repr(trainer_config)[:200],
-        )
     actions = c.parser_option_actions(cli.parser)
     if (
         not isinstance(actions, dict)
@@ -599,8 +569,6 @@ def test_module_docstring_names_every_internal(ns):
         "_every_n_train_steps",
         "_last_checkpoint_saved",
         "_data_connector",
-        "_parser",
-        "_get",
         "_option_string_actions",
         "train_dataloader_next",
         "[Strategy]",

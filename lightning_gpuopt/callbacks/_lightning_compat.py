@@ -73,13 +73,8 @@ Checkpointing
       loses the schedule from a finding's text.
 
 The CLI
-    * ``trainer._data_connector.attach_data`` (:func:`attach_data`) and
-      ``lightning.pytorch.trainer.call._call_lightning_datamodule_hook`` (:func:`call_datamodule_hook`):
-      no public API attaches a model and datamodule to a Trainer, or calls a datamodule hook under the
-      profiler, without ``fit``.
-    * ``LightningCLI._parser(subcommand)`` (:func:`cli_parser`): ``cli.parser`` is the top parser, not
-      the subcommand's. ``LightningCLI._get`` (:func:`cli_config_value`): a config value that may sit
-      under the subcommand.
+    * ``trainer._data_connector.attach_data`` (:func:`attach_data`): no public API attaches a model and
+      datamodule to a Trainer without ``fit``.
     * ``LightningArgumentParser._option_string_actions`` (argparse's, under jsonargparse;
       :func:`parser_option_actions`): no public API finds an added flag's action to set its help.
 
@@ -102,7 +97,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
-from lightning.pytorch.trainer import call as _call
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
 from lightning.pytorch.utilities.parsing import _lightning_get_all_attr_holders
@@ -307,22 +301,6 @@ def last_checkpoint_saved(callback: Any) -> str:
 def attach_data(trainer: Any, module: Any, datamodule: Any = None) -> None:
     """``trainer._data_connector.attach_data`` (no public API attaches a model and datamodule without ``fit``)."""
     trainer._data_connector.attach_data(module, datamodule=datamodule)
-
-
-def call_datamodule_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-    """``lightning.pytorch.trainer.call._call_lightning_datamodule_hook`` (no public API calls a
-    datamodule hook as the Trainer does)."""
-    return _call._call_lightning_datamodule_hook(trainer, hook_name, *args, **kwargs)
-
-
-def cli_parser(cli: Any, subcommand: Optional[str]) -> Any:
-    """``LightningCLI._parser(subcommand)``: the subcommand's parser (``cli.parser`` is the top one)."""
-    return cli._parser(subcommand)
-
-
-def cli_config_value(cli: Any, config: Any, key: str, default: Any = None) -> Any:
-    """``LightningCLI._get``: ``config``'s ``key``, under the subcommand when there is one (no public API)."""
-    return cli._get(config, key, default=default)
 
 
 def parser_option_actions(parser: Any) -> dict[str, Any]:

@@ -1,65 +1,67 @@
-""":class:`GpuOptCLI`: Lightning's ``LightningCLI`` with a ``--gpuopt PRESET`` flag, and its helpers.
+""":class:`GpuOptCLI`: Lightning's ``LightningCLI`` with ``--gpuopt PRESET`` and ``--gpuopt.KEY`` flags.
 
-Apart from :mod:`lightning_gpuopt.cli.command` (the ``gpuopt`` console command) because it imports
-Lightning at the top, which the console command must not.
+Kept apart from :mod:`lightning_gpuopt.cli.command` because it imports Lightning, which the ``gpuopt``
+command must not do before a subcommand runs.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks.gpuopt import GpuOpt
-from lightning_gpuopt.presets import load_preset
+from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description
 
-#: the group of GpuOpt's settings on the command line and in config files
-GPUOPT_KEY = "gpuopt"
+_KEY = "gpuopt"
+
+
+class GpuOptArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose dumps (``--print_config``, the saved ``config.yaml``) hold the resolved
+    ``gpuopt`` settings: the preset's values with the overrides applied."""
+
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
+        group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
+        if isinstance(group, Namespace):
+            cfg = cfg.clone()
+            cfg[_KEY] = Namespace(_resolved(self, group.as_dict()))
+        return super().dump(cfg, *args, **kwargs)
 
 
 class GpuOptCLI(LightningCLI):
-    r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset name or YAML file, plus dotted overrides.
+    r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset's name or a YAML file, plus dotted overrides.
 
-    Without ``--gpuopt`` nothing changes. With it, a :class:`~lightning_gpuopt.GpuOpt` callback built from
-    the preset and the overrides joins the Trainer's callbacks, and the resolved settings (every key
-    of the preset, overrides applied) are written into the ``gpuopt:`` section of the saved
-    ``config.yaml``, so ``--config config.yaml`` runs the same again.
+    Without it nothing changes. With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the
+    overrides joins the Trainer's callbacks, and the saved ``config.yaml`` holds every resolved setting in
+    its ``gpuopt:`` section, so ``--config config.yaml`` runs the same again. A bad preset or setting ends
+    the command before anything is built, with a usage error (exit status 2) naming what works::
 
-    Example::
+        GpuOptCLI(MyModel, MyDataModule)  # train.py
 
-        # train.py
-        from lightning_gpuopt import GpuOptCLI
-        GpuOptCLI(MyModel, MyDataModule)
-
-        python train.py fit --gpuopt fill-memory
         python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.amp false
-        python train.py fit --gpuopt my-team.yaml            # a YAML of settings, may say `preset: fill-memory`
-        python train.py fit --config config.yaml             # a config with a `gpuopt:` section
-
-    Presets and keys are checked before anything is built: an unknown one ends the command with a
-    usage error (exit status 2) listing the valid ones.
+        python train.py fit --gpuopt my-team.yaml      # GpuOpt settings; `preset: NAME` extends a preset
+        python train.py fit --config config.yaml       # a config with a `gpuopt:` section
     """
 
-    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        """Lightning's parser, whose ``dump`` (``--print_config``, the saved ``config.yaml``) shows the
-        resolved ``gpuopt`` settings -- the preset's values with the overrides applied -- not nulls."""
-        parser = super().init_parser(**kwargs)
-        dump = parser.dump
-
-        def dump_resolved(namespace: Any, *args: Any, **dump_kwargs: Any) -> str:
-            return dump(self._with_resolved_gpuopt(parser, namespace), *args, **dump_kwargs)
-
-        parser.dump = dump_resolved
-        return parser
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", GpuOptArgumentParser)  # keep dumps resolved: subclass it for your own
+        super().__init__(*args, **kwargs)
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Lightning's default arguments, then ``--gpuopt`` and its settings. Added here rather than in
-        :meth:`add_arguments_to_parser`, so a subclass overriding that hook need not call ``super()``."""
+        """Lightning's defaults, then ``--gpuopt`` (here, so that a subclass's ``add_arguments_to_parser``
+        need not call ``super()``)."""
         super().add_default_arguments_to_parser(parser)
-        add_gpuopt_arguments(parser)
+        parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
+        parser.set_defaults({f"{_KEY}.preset": None})
+        actions = compat.parser_option_actions(parser)
+        actions[f"--{_KEY}"].help, actions[f"--{_KEY}"].metavar = _flag_help(), "PRESET_OR_YAML"
+        actions[f"--{_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
+        for key, meaning in PRESET_KEYS.items():
+            actions[f"--{_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         if args is None:
@@ -70,118 +72,54 @@ class GpuOptCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
-        group = self.config.get(str(self.subcommand), self.config).get(GPUOPT_KEY)
-        if group is None:
-            return
-        resolved = self._resolved(compat.cli_parser(self, self.subcommand), group.as_dict())
-        for key, value in resolved.items():
-            group[key] = value  # the saved config.yaml holds every setting, not just the preset's name
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get(_KEY) is not None:
+            config[_KEY] = Namespace(_resolved(self.parser, config[_KEY].as_dict()))
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        settings = self._gpuopt_settings()
-        if settings is None:
+        group = self.config.get(str(self.subcommand), self.config).get(_KEY)
+        settings = {key: value for key, value in (group.as_dict() if group else {}).items() if value is not None}
+        if not settings:  # --gpuopt not used
             return super().instantiate_trainer(**kwargs)
-        callbacks = kwargs.pop(
-            "callbacks", compat.cli_config_value(self, self.config_init, "trainer", default={}).get("callbacks")
-        )
+        trainer = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        callbacks = kwargs.pop("callbacks", trainer.get("callbacks"))
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        gpuopt = GpuOpt(**{k: v for k, v in settings.items() if v is not None})
-        return super().instantiate_trainer(callbacks=[*callbacks, gpuopt], **kwargs)
-
-    def _gpuopt_settings(self) -> Optional[dict[str, Any]]:
-        """The ``gpuopt`` group as a dict, or ``None`` when ``--gpuopt`` was not used."""
-        group = self.config.get(str(self.subcommand), self.config).get(GPUOPT_KEY)
-        settings = group.as_dict() if group is not None else {}
-        return settings if any(value is not None for value in settings.values()) else None
-
-    @staticmethod
-    def _resolved(parser: LightningArgumentParser, settings: dict[str, Any]) -> dict[str, Any]:
-        """``settings`` with the preset's values filled in (overrides win), checked by building a
-        GpuOpt before the model and Trainer are; a bad one ends the command with a usage error (exit 2)."""
-        if not any(value is not None for value in settings.values()):
-            return settings  # --gpuopt not used: nothing to resolve
-        try:
-            return resolved_gpuopt_settings(settings)
-        except ValueError as error:
-            parser.error(f"--{GPUOPT_KEY}: {error}")
-            raise  # parser.error exits; for type checkers
-
-    def _with_resolved_gpuopt(self, parser: LightningArgumentParser, namespace: Any) -> Any:
-        group = namespace.get(GPUOPT_KEY) if hasattr(namespace, "get") else None
-        if group is None or not hasattr(group, "as_dict"):
-            return namespace
-        namespace = namespace.clone()
-        for key, value in self._resolved(parser, group.as_dict()).items():
-            namespace[f"{GPUOPT_KEY}.{key}"] = value
-        return namespace
+        return super().instantiate_trainer(callbacks=[*callbacks, GpuOpt(**settings)], **kwargs)
 
 
-def resolved_gpuopt_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The ``gpuopt`` group's settings with its preset's values filled in (the overrides win), checked
-    by building a :class:`GpuOpt` from them; a ``ValueError`` names a bad one.
-
-    Example::
-
-        >>> resolved = resolved_gpuopt_settings({"preset": "diagnose", "monitor": None, "estimate": False})
-        >>> resolved["preset"], resolved["monitor"], resolved["estimate"]
-        ('diagnose', True, False)
-    """
-    preset = settings.get("preset")
-    resolved = {
-        **settings,
-        **(load_preset(preset) if preset else {}),
-        **{key: value for key, value in settings.items() if value is not None},
-    }
-    GpuOpt(**resolved)
+def _resolved(parser: LightningArgumentParser, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the preset's values filled in (the overrides win), checked by building a
+    :class:`GpuOpt`; a bad one is the parser's usage error (exit 2). Unused (all ``None``): as they are."""
+    if not any(value is not None for value in settings.values()):
+        return settings
+    try:
+        preset = settings.get("preset")
+        given = {key: value for key, value in settings.items() if value is not None}
+        resolved = {**settings, **(load_preset(preset) if preset else {}), **given}
+        GpuOpt(**resolved)
+    except ValueError as error:
+        parser.error(f"--{_KEY}: {error}")
     return resolved
 
 
-def gpuopt_help() -> str:
-    """The help text of ``--gpuopt``: what it takes, and the shipped presets with what each does."""
-    from lightning_gpuopt.presets import available_presets, preset_description
-
-    def gist(name: str) -> str:  # the description's first clause
-        return re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0].rstrip(".")
-
-    presets = "; ".join(f"{name} ({gist(name)})" for name in available_presets())
+def _flag_help() -> str:
+    """The help of ``--gpuopt``: what it takes, and each shipped preset with the gist of what it does."""
+    gists = (re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0] for name in available_presets())
+    presets = "; ".join(f"{name} ({gist.rstrip('.')})" for name, gist in zip(available_presets(), gists))
     return (
-        f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend "
-        f"one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
+        "a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): "
+        f"adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
         "`gpuopt presets NAME` shows one's settings."
     )
 
 
-def add_gpuopt_arguments(parser: LightningArgumentParser) -> None:
-    """``--gpuopt`` and ``--gpuopt.<setting>`` (every key of a preset), each with its help text."""
-    from lightning_gpuopt.presets import PRESET_KEYS
-
-    if f"--{GPUOPT_KEY}.preset" in compat.parser_option_actions(parser):  # already added to this parser
-        return
-    parser.add_class_arguments(GpuOpt, GPUOPT_KEY, fail_untyped=False, instantiate=False, sub_configs=True)
-    parser.set_defaults({f"{GPUOPT_KEY}.preset": None})
-    actions = compat.parser_option_actions(parser)
-    flag = actions.get(f"--{GPUOPT_KEY}")  # `--gpuopt X` is read as `--gpuopt.preset X` (preset_flag_as_key)
-    if flag is not None:
-        flag.help, flag.metavar = gpuopt_help(), "PRESET_OR_YAML"
-    actions[f"--{GPUOPT_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
-    for key, meaning in PRESET_KEYS.items():
-        actions[f"--{GPUOPT_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
-
-
 def preset_flag_as_key(argv: list[str]) -> list[str]:
-    """``--gpuopt NAME_OR_YAML`` (or ``--gpuopt=…``) → ``--gpuopt.preset …``, so a preset name and a
-    settings file are read the same way as :class:`GpuOpt` reads them.
+    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``: the group's key that takes a preset or a file.
 
     Example::
 
-        >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false"])
-        ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false']
+        >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false", "--gpuopt=x.yaml"])
+        ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false', '--gpuopt.preset=x.yaml']
     """
-    rewritten = []
-    for arg in argv:
-        if arg == f"--{GPUOPT_KEY}":
-            arg = f"--{GPUOPT_KEY}.preset"
-        elif arg.startswith(f"--{GPUOPT_KEY}="):
-            arg = f"--{GPUOPT_KEY}.preset=" + arg.split("=", 1)[1]
-        rewritten.append(arg)
-    return rewritten
+    flag = f"--{_KEY}"
+    return [f"{flag}.preset{arg[len(flag) :]}" if arg == flag or arg.startswith(f"{flag}=") else arg for arg in argv]

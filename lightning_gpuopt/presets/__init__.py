@@ -1,13 +1,12 @@
 """Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files.
 
-A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`). The
-comment at its top is its description. A user's YAML file may extend a shipped preset (or
-another file) with ``preset: NAME_OR_PATH`` and override some of its keys::
+A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment
+at its top is its description. A YAML file may extend a preset (or another file, relative to its own
+folder) with ``preset: NAME_OR_PATH`` and override some of its keys::
 
     # my-team.yaml
     preset: fill-memory
     max_memory: 0.85
-    min_micro_batch_size: 16
 
 Example::
 
@@ -23,16 +22,17 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-#: where the shipped presets live (package data)
-PRESET_DIR = Path(__file__).resolve().parent
+_DIR = Path(__file__).resolve().parent
+_SUFFIXES = (".yaml", ".yml")
 
-#: every key a preset may set, with what it means (the keyword arguments of ``GpuOpt``)
+#: every key a preset may set (the keyword arguments of ``GpuOpt``), with what it means
 PRESET_KEYS: dict[str, str] = {
     "monitor": "run DataWaitMonitor: data wait vs compute, GPU idle and utilisation, verdict",
     "estimate": "run MemoryEstimator: torchinfo + calibrated peak-memory estimate, checked against a real step",
@@ -53,62 +53,49 @@ PRESET_KEYS: dict[str, str] = {
     "keep them) or 'raise'",
 }
 
-_SUFFIXES = (".yaml", ".yml")
-
 
 def available_presets() -> list[str]:
     """Names of the shipped presets, sorted."""
-    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+    return sorted(path.stem for path in _DIR.glob("*.yaml"))
 
 
 def preset_path(name_or_path: str | os.PathLike) -> Path:
-    """The YAML file of a shipped preset name, or ``name_or_path`` itself when it is a file.
+    """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file.
 
     Raises:
-        ValueError: neither a shipped preset nor an existing YAML file (the message lists the presets).
+        ValueError: neither (the message lists the presets).
     """
-    names = ", ".join(repr(name) for name in available_presets())
-    expected = f"expected one of {names}, or the path of a YAML file."
-    if isinstance(name_or_path, bool) or not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
-        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
-    text = os.fspath(name_or_path)
-    if not isinstance(text, str):  # a PathLike of bytes
+    expected = f"expected one of {', '.join(map(repr, available_presets()))}, or the path of a YAML file."
+    text = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
         raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
     if text in available_presets():
-        return PRESET_DIR / f"{text}.yaml"
+        return _DIR / f"{text}.yaml"
     path = Path(text).expanduser()
     if path.suffix in _SUFFIXES and path.is_file():
         return path
-    if path.suffix in _SUFFIXES:
-        hint = f" (not a file: {path})" if path.exists() else f" (no such file: {path})"
-    else:
-        hint = f" (a file, but not .yaml or .yml: {path})" if path.is_file() else ""
+    hint = f" (no YAML file at {path})" if path.suffix in _SUFFIXES or path.exists() else ""
     raise ValueError(f"unknown preset {text!r}{hint}: {expected}")
 
 
 def preset_description(name_or_path: str | os.PathLike) -> str:
-    """The comment lines at the top of a preset's file, joined into one paragraph."""
-    lines = []
-    for line in preset_path(name_or_path).read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line.lstrip("#").strip())
-    return " ".join(lines)
+    """The comment lines at the top of a preset's file, as one paragraph."""
+    lines = preset_path(name_or_path).read_text().splitlines()
+    return " ".join(line.lstrip("#").strip() for line in itertools.takewhile(lambda line: line.startswith("#"), lines))
 
 
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a preset name or YAML file, with ``preset:`` extensions resolved.
+    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved.
 
     Raises:
-        ValueError: an unknown preset, a file that is not valid YAML (the message names the file and
-            the line) or not a mapping, an unknown key (the message lists the valid ones), or a cycle
-            of ``preset:`` references (the message names the chain).
+        ValueError: an unknown preset or key, a file that is not a YAML mapping (naming the file and the
+            line), or a cycle of ``preset:`` references (naming the chain).
     """
     return load_preset_with_sources(name_or_path)[0]
 
 
 def load_preset_with_sources(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Path]]:
-    """:func:`load_preset`'s settings, and for each key the file that set it (for error messages).
+    """:func:`load_preset`'s settings, and for each key the file that set it.
 
     Example::
 
@@ -130,10 +117,10 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     sources = {key: path for key in settings}
     if base is None:
         return settings, sources
-    if isinstance(base, bool) or not isinstance(base, str) or not base:
+    if not isinstance(base, str) or not base:
         raise ValueError(
             f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
-            f"{', '.join(repr(n) for n in available_presets())}, or the path of a YAML file."
+            f"{', '.join(map(repr, available_presets()))}, or the path of a YAML file."
         )
     relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
     base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
@@ -151,21 +138,18 @@ def _read_settings(path: Path) -> dict[str, Any]:
         raise ValueError(f"preset file {path} is not valid YAML: {problem}{where}.") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"preset file {path} cannot be read: {error}.") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
+    if loaded is not None and not isinstance(loaded, dict):
         raise ValueError(
             f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
         )
-    return dict(loaded)
+    return dict(loaded or {})
 
 
 def check_keys(settings: dict[str, Any], source: str) -> None:
-    """Raise ``ValueError`` naming the unknown keys of ``settings`` and listing the valid ones."""
+    """Raise ``ValueError`` naming the unknown keys of ``settings`` (from ``source``) and the valid ones."""
     unknown = [key for key in settings if key not in PRESET_KEYS]
     if unknown:
-        valid = ", ".join(PRESET_KEYS)
         raise ValueError(
-            f"unknown key(s) {', '.join(repr(k) for k in unknown)} in {source}: valid keys are "
-            f"{valid} (and `preset` to extend a preset)."
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {source}: valid keys are "
+            f"{', '.join(PRESET_KEYS)} (and `preset` to extend a preset)."
         )

@@ -1,0 +1,489 @@
+"""What ``gpuopt estimate`` is built from, made from its arguments: the model and ``--datamodule`` (as
+LightningCLI builds its classes: jsonargparse checks ``--init-args`` against ``__init__``'s types and builds
+nested ``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer,
+the memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import inspect
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+if TYPE_CHECKING:
+    import torch
+
+#: precisions ``gpuopt estimate`` takes (Lightning's names), and the optimizers it builds
+ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
+#: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
+DEFAULT_BATCH_SIZE = 8
+#: the Trainer a LightningModule gets (nothing is trained; ``estimated_stepping_batches`` reads ``max_steps``)
+ESTIMATE_TRAINER_STEPS = 1000
+_ESTIMATE_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=ESTIMATE_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit status 2): the message names the argument, the value and what works."""
+
+
+@dataclasses.dataclass
+class EstimateSetup:
+    """What ``gpuopt estimate`` ran with (the ``"setup"`` key of its JSON)."""
+
+    model: str
+    device: str
+    precision: str
+    datamodule: str = ""
+    parameters: int = 0
+    batch_source: str = ""
+    batch_size: int | None = None
+    loss: str = ""
+    optimizer: str = ""
+    memory_source: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+# -- the model
+
+
+def _import_class(target: str, argument: str, base: type, base_name: str) -> type:
+    """The ``base`` class named by ``MODULE:CLASS``, a dotted module or ``path/to/file.py`` (imported with its
+    folder first on ``sys.path``); errors name ``argument`` and the part that failed."""
+    label = f"`{argument}`={target!r}"
+    module_part, _, class_part = target.rpartition(":")
+    if not module_part or not class_part:
+        raise UsageError(
+            f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon and the class, "
+            "e.g. examples/models.py:TokenTransformer or my_package.models:MyModel."
+        )
+    path = Path(module_part).expanduser().resolve() if module_part.endswith(".py") or "/" in module_part else None
+    if path is not None and not path.is_file():
+        raise UsageError(
+            f"{label}: the file {module_part!r} does not exist (looked for {path}); give an existing "
+            "path/to/file.py or a dotted module."
+        )
+    folder, name = (str(path.parent), path.stem) if path is not None else (os.getcwd(), module_part)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 - the user's module, or one it imports, failed
+        raise UsageError(
+            f"{label}: the module part {module_part!r} cannot be imported ({type(error).__name__}: {error}); "
+            f"it is looked up on sys.path and in the current directory {os.getcwd()}; give a dotted module path "
+            "or path/to/file.py."
+        ) from None
+    if path is not None and Path(getattr(module, "__file__", None) or "").resolve() != path:
+        raise UsageError(f"{label}: another module named {name!r} is imported already ({module}); rename the file.")
+    cls = getattr(module, class_part, None)
+    if isinstance(cls, type) and issubclass(cls, base):
+        return cls
+    ours = sorted(
+        k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v.__module__ == name
+    )
+    close = difflib.get_close_matches(class_part, ours, 1) if cls is None else []
+    problem = f"the module {module_part!r} has no attribute {class_part!r};"
+    problem += f" did you mean {close[0]!r}?" if close else ""
+    if cls is not None:
+        kind = "class" if isinstance(cls, type) else type(cls).__name__
+        problem = f"{class_part!r} is a {kind}, not a {base_name} class;"
+    raise UsageError(f"{label}: {problem} the module's {base_name} classes: {', '.join(ours) or 'none'}.")
+
+
+def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:
+    """``cls`` built from ``flag``'s ``text`` as LightningCLI builds its ``key`` group: jsonargparse checks the
+    typed arguments and builds those given as ``class_path``; untyped ones and ``**kwargs`` pass as given."""
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    label, signature = f"`{flag}`={text!r}", _signature(cls)
+    shown = f"{cls.__name__}{signature or '(...)'}"
+    given = _init_args(text, label, shown)
+    parameters = signature.parameters if signature is not None else {}
+    by_name = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [name for name in given if name not in by_name]
+    if signature is not None and unknown and all(p.kind is not p.VAR_KEYWORD for p in parameters.values()):
+        close = difflib.get_close_matches(unknown[0], by_name, 1)
+        raise UsageError(
+            f"{label}: unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} "
+            f"(unknown key{f'; did you mean {close[0]!r}?' if close else ''}); the signature is {shown}."
+        )
+    untyped = {name for name, parameter in parameters.items() if parameter.annotation is parameter.empty}
+    typed = {name: value for name, value in given.items() if name in by_name and name not in untyped}
+    parser = LightningArgumentParser(exit_on_error=False)
+    try:
+        parser.add_class_arguments(cls, key, skip=untyped, instantiate=False, fail_untyped=False, sub_configs=True)
+    except Exception:  # noqa: BLE001 - a signature jsonargparse cannot read: the constructor checks its arguments
+        typed = {}
+    else:
+        try:
+            config = parser.parse_object({key: typed}, defaults=False)
+            built = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(config)  # 4.49 renamed it
+        except Exception as error:  # noqa: BLE001 - jsonargparse's checks, or a class given as class_path raised
+            reason = " ".join(str(error).split())
+            if not isinstance(error, argparse.ArgumentError):
+                reason = f"a class given as class_path raised {type(error).__name__}: {reason}"
+            raise UsageError(f"{label}: {reason}; the signature is {shown}.") from None
+        typed = {name: built[key][name] for name in typed}
+    try:
+        return cls(**{**given, **typed})
+    except Exception as error:  # noqa: BLE001 - the class's own checks of its arguments
+        raise UsageError(
+            f"{label}: {cls.__name__}(...) raised {type(error).__name__}: {error}; the signature is {shown}."
+        ) from None
+
+
+def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
+    """The keyword arguments in ``text``: a JSON or YAML mapping, or a .yaml/.json file of one (empty: none)."""
+    from jsonargparse import get_loader
+
+    works = f"give a mapping such as 'width: 256' or '{{\"width\": 256}}', or a .yaml/.json file of one; the signature is {signature}."
+    path = Path(text.strip()).expanduser()
+    if "\n" not in text.strip() and path.suffix.lower() in (".yaml", ".yml", ".json"):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            what = f"does not exist (looked for {path.resolve()})" if not path.exists() else f"cannot be read ({error})"
+            raise UsageError(f"{label}: the file {text.strip()!r} {what}; {works}") from None
+    try:
+        value = get_loader("yaml")(text) if text.strip() else None
+    except Exception as error:  # noqa: BLE001 - the YAML parser's errors
+        raise UsageError(f"{label} is not JSON or YAML ({' '.join(str(error).split())}); {works}") from None
+    if value is not None and not (isinstance(value, dict) and all(isinstance(name, str) for name in value)):
+        raise UsageError(f"{label} is a {type(value).__name__} ({value!r:.200}), not a mapping of names; {works}")
+    return value or {}
+
+
+def _signature(cls: type) -> inspect.Signature | None:
+    """``cls``'s call signature, its annotations evaluated where they can be; ``None`` without one."""
+    for eval_str in (True, False):
+        try:
+            return inspect.signature(cls, eval_str=eval_str).replace(return_annotation=inspect.Signature.empty)
+        except Exception:  # noqa: BLE001 - an annotation's NameError, or no signature: the next way
+            continue
+    return None
+
+
+def _datamodule(args: argparse.Namespace) -> Any:
+    """The ``--datamodule`` instance (``None`` without one)."""
+    from lightning.pytorch import LightningDataModule
+
+    if args.datamodule is not None:
+        cls = _import_class(
+            args.datamodule, "--datamodule", LightningDataModule, "lightning.pytorch.LightningDataModule"
+        )
+        return _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
+    if args.datamodule_init_args.strip() not in ("", "{}"):
+        raise UsageError(
+            f"`--datamodule-init-args`={args.datamodule_init_args!r} without --datamodule: name the class too, "
+            "e.g. --datamodule my_package.data:MyData."
+        )
+    return None
+
+
+def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
+    """A CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit`` attaches it, for
+    ``configure_optimizers()`` and ``train_dataloader()`` to read; ``None`` for a plain ``torch.nn.Module``."""
+    import logging
+
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lightning_gpuopt.callbacks import _lightning_compat as compat
+
+    if datamodule is not None:
+        setup.datamodule = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
+    if not isinstance(module, LightningModule):
+        if datamodule is not None:
+            raise UsageError(
+                f"`--datamodule`={args.datamodule!r} needs a LightningModule to train on its batches; "
+                f"`MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
+            )
+        return None
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
+    try:
+        trainer = Trainer(**_ESTIMATE_TRAINER)
+    finally:
+        quiet.setLevel(level)
+    compat.attach_data(trainer, module, datamodule=datamodule)
+    trainer.strategy.connect(module)
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup(stage="fit")
+    return trainer
+
+
+def _batch_size_of(batch: Any) -> int | None:
+    """The batch size as Lightning finds it (``extract_batch_size``); ``None`` without a tensor."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Trying to infer the batch_size from an ambiguous collection"
+            return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - no tensor with a dimension in it
+        return None
+
+
+def _estimate_device(requested: str | None, precision: str) -> torch.device:
+    import torch
+
+    from lightning_gpuopt.core.device import cuda_available
+
+    if requested == "cuda" and not cuda_available():
+        raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
+    device = torch.device(requested or ("cuda" if cuda_available() else "cpu"))
+    if precision == "16-mixed" and device.type != "cuda":
+        raise UsageError(
+            f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
+        )
+    return device
+
+
+def _prepare_module(module: Any, device: torch.device, precision: str) -> Any:
+    import torch
+
+    module = module.to(device).train()
+    return module.to(torch.bfloat16) if precision == "bf16-true" else module
+
+
+# -- the batch and the loss
+
+
+def _batch_and_loss(
+    module: Any, args: argparse.Namespace, device: torch.device, setup: EstimateSetup, datamodule: Any = None
+) -> tuple:
+    """``(batch, loss_fn, forward_input)`` from --input-size, else the datamodule's or the model's
+    dataloader, else example_input_array; fills ``setup``'s batch, loss and parameter fields."""
+    setup.parameters = sum(p.numel() for p in module.parameters())
+    if args.input_size:
+        batch = _batch_of_sizes(module, args, device)
+        setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
+        return batch, _stand_in_loss_fn(module, setup), batch
+    found = _loader_batch(module, args.batch_size, device, setup, datamodule)
+    if found is not None:
+        return found
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise UsageError(
+            f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
+            "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
+            "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
+            "LightningDataModule whose train_dataloader() gives the batches)."
+        )
+    batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
+    setup.batch_source = "example_input_array, resized to the batch size"
+    return batch, _stand_in_loss_fn(module, setup), batch
+
+
+def _batch_of_sizes(module: Any, args: argparse.Namespace, device: torch.device) -> Any:
+    """Random tensors of the ``--input-size`` shapes, of ``--dtype`` (bfloat16 under bf16-true)."""
+    import torch
+
+    tensors = []
+    for text in args.input_size:
+        sizes = [int(size) for size in re.findall(r"\d+", text)]
+        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or min(sizes) < 1:
+            raise UsageError(
+                f"`--input-size`={text!r} is not a list of positive integers; give one sample's shape "
+                "without the batch dimension, e.g. --input-size 3,224,224."
+            )
+        shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
+        if args.dtype == "long":
+            tensors.append(torch.randint(0, _vocab(module, args.vocab), shape, device=device))
+        else:
+            dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
+            tensors.append(torch.randn(shape, device=device).to(dtype))
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _vocab(module: Any, vocab: int | None) -> int:
+    import torch
+
+    embeddings = [int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)]
+    if vocab is None and not embeddings:
+        raise UsageError(
+            "`--dtype`='long' needs the range of the token ids and the model has no nn.Embedding; "
+            "give it with --vocab N, e.g. --vocab 32000."
+        )
+    return embeddings[0] if vocab is None else vocab
+
+
+def _loader_batch(
+    module: Any, batch_size: int | None, device: torch.device, setup: EstimateSetup, datamodule: Any = None
+) -> tuple | None:
+    """A batch of the datamodule's or the LightningModule's ``train_dataloader()`` with ``training_step``
+    as the loss (``None`` without one)."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks._engine.steps import loss_function
+
+    if datamodule is not None:
+        source, owner = "the datamodule's train_dataloader()", datamodule
+    elif isinstance(module, LightningModule) and is_overridden("train_dataloader", module):
+        source, owner = "the model's train_dataloader()", module
+    else:
+        return None
+    if batch_size is not None and isinstance(getattr(owner, "batch_size", None), int):
+        owner.batch_size = batch_size
+    try:
+        batch = _to_device(next(iter(owner.train_dataloader())), device, module)
+    except Exception as error:  # noqa: BLE001 - the user's loader failed: say where, and what else works
+        if datamodule is not None:
+            raise UsageError(
+                f"{source} of `--datamodule`={type(datamodule).__name__} raised {type(error).__name__}: {error}"
+            ) from None
+        setup.notes.append(
+            f"train_dataloader() failed with a Trainer attached ({type(error).__name__}: {error}); "
+            "using example_input_array or --input-size instead"
+        )
+        return None
+    loaded = _batch_size_of(batch)
+    if batch_size is not None and loaded is not None and loaded != batch_size:
+        batch = _resized(batch, batch_size)
+        setup.notes.append(f"the dataloader gives batches of {loaded}; its samples are repeated to make {batch_size}")
+    setup.batch_source = source
+    example = getattr(module, "example_input_array", None)
+    forward_input = _to_device(example, device, module) if example is not None else _first_tensor(batch)
+    if isinstance(forward_input, dict):
+        forward_input = None  # a dict batch is not forward's keyword arguments: no torchinfo summary without
+        setup.notes.append("no torchinfo summary: the batch is a dict and the model has no example_input_array")
+    if is_overridden("training_step", module) and module.automatic_optimization:
+        setup.loss = "the model's training_step()"
+        return batch, loss_function(module), forward_input
+    return batch, _stand_in_loss_fn(module, setup, forward_of=_first_tensor), forward_input
+
+
+def _first_tensor(batch: Any) -> Any:
+    import torch
+
+    is_tensors = isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor)
+    return batch[0] if is_tensors else batch
+
+
+def _to_device(data: Any, device: torch.device, module: Any) -> Any:
+    """``data`` on ``device`` as Lightning moves a batch; floating tensors in bfloat16 if the module is."""
+    import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+    from lightning.pytorch.plugins import HalfPrecision
+
+    data = move_data_to_device(data, device)
+    bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters() if p.is_floating_point())
+    return HalfPrecision("bf16-true").convert_input(data) if bf16 else data
+
+
+def _resized(batch: Any, batch_size: int) -> Any:
+    """``batch`` with each tensor of the batch's leading dimension repeated or cut to ``batch_size`` rows."""
+    import torch
+
+    from lightning_gpuopt.core._torch_compat import tree_map
+
+    current = _batch_size_of(batch)
+    if current is None or current == batch_size:
+        return batch
+
+    def resize(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == current:
+            return value[torch.arange(batch_size, device=value.device) % current]
+        return value
+
+    return tree_map(resize, batch)
+
+
+def _stand_in_loss_fn(
+    module: Any, setup: EstimateSetup, forward_of: Callable[[Any], Any] = lambda batch: batch
+) -> Callable[[Any], Any]:
+    """``batch -> sum of the means of forward's floating outputs``, for batches without a training_step."""
+    import torch
+
+    from lightning_gpuopt.core._torch_compat import tree_leaves
+
+    setup.loss = "stand-in: the mean of forward's output"
+    setup.notes.append(
+        "no training_step for this batch: the loss is a stand-in, the mean of forward's output; "
+        "a real loss adds little (targets and a few scalars)"
+    )
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        inputs = forward_of(batch)
+        if isinstance(inputs, dict):
+            output = module(**inputs)
+        else:
+            output = module(*inputs) if isinstance(inputs, (list, tuple)) else module(inputs)
+        leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+        if not leaves:
+            raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
+        return cast(torch.Tensor, sum(leaf.float().mean() for leaf in leaves))  # leaves is not empty: no 0
+
+    return loss_of
+
+
+# -- the optimizer and the memory
+
+
+def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
+    """``--optimizer``'s optimizer; for ``auto``, a LightningModule's ``configure_optimizers()`` as
+    ``Trainer.fit`` builds it (any return form, the Trainer attached), else Adam. ``None``: none."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks import _lightning_compat as compat
+
+    if choice == "auto" and isinstance(module, LightningModule) and is_overridden("configure_optimizers", module):
+        try:
+            optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
+        except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
+            raise UsageError(
+                f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
+                f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
+                "with one of ours: --optimizer adam|adamw|sgd|none."
+            ) from None
+        optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
+        setup.optimizer = f"{', '.join(type(o).__name__ for o in optimizers)} (configure_optimizers())"
+        if not optimizers:
+            setup.notes.append("configure_optimizers() returned no optimizer: estimating without optimizer state")
+            setup.optimizer = "none (configure_optimizers() returned None)"
+        elif len(optimizers) > 1:  # Lightning allows several only with manual optimization
+            setup.notes.append(
+                f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step steps each of them"
+            )
+        return optimizers[0] if len(optimizers) == 1 else optimizers or None
+    if choice == "auto":
+        setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
+        choice = "adam"
+    setup.optimizer = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD (momentum 0.9)", "none": "none"}[choice]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if choice == "none" or not params:
+        return None
+    if choice == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    return (torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)
+
+
+def _capacity(max_memory: str | None, device: torch.device, module: Any, setup: EstimateSetup) -> int:
+    """The bytes to fit: ``--max-memory`` (``0.9``: a fraction of the device), else what the device can give."""
+    from lightning_gpuopt.core.device import device_for
+    from lightning_gpuopt.core.memory import parse_memory
+
+    if max_memory is None:
+        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
+        return device_for(device).usable_memory([module])
+    text = max_memory.strip()
+    value = int(text) if text.isdigit() else float(text) if re.fullmatch(r"\d*\.\d+", text) else max_memory
+    try:
+        capacity = parse_memory(value, device, name="--max-memory")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    setup.memory_source = f"--max-memory {max_memory}"
+    return capacity
