@@ -9,7 +9,7 @@ optimization a step is traced whole with
 
 Example::
 
-    estimate = estimate_memory(model, loss_function(model), batch, optimizer=trainer.optimizers)
+    estimate = StepEstimator(TrainingStep(model, batch, loss_function(model), optimizers=trainer.optimizers)).estimate()
     with logging_disabled(model):
         model.training_step(batch, 0)          # self.log(...) does nothing here
 """
@@ -61,15 +61,14 @@ def check_one_batch_step(pl_module: pl.LightningModule) -> None:
 
 def loss_function(pl_module: pl.LightningModule) -> Any:
     """``pl_module.training_step`` as the ``loss_fn(batch)`` that
-    :func:`~lightning_gpuopt.core.estimate.estimate_memory` and the other traces of
-    :mod:`lightning_gpuopt.core.estimate` take: it returns the step's loss (``training_step``'s
+    :class:`~lightning_gpuopt.core.estimate.TrainingStep` takes: it returns the step's loss (``training_step``'s
     tensor, or its ``"loss"`` entry), with logging disabled (:func:`logging_disabled`). Called, it
     raises ``NotTraceable`` under manual optimization or for a ``training_step`` that takes
     ``dataloader_iter`` (:func:`check_one_batch_step`), and ``TypeError`` when the step returns no tensor.
 
     Example::
 
-        estimate = estimate_memory(model, loss_function(model), batch, optimizer=trainer.optimizers)
+        step = TrainingStep(model, batch, loss_function(model), optimizers=trainer.optimizers)
     """
 
     def loss_of(batch: Any) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
 In ``on_fit_start`` (after the strategy set the model and optimizers up) the callback predicts the
-largest batch from a calibrated estimate (:func:`lightning_gpuopt.core.estimate.estimate_memory`),
+largest batch from a calibrated estimate (:class:`lightning_gpuopt.core.estimate.StepEstimator`),
 then runs trials -- ``steps_per_trial`` real training steps through the Trainer's fit loop,
 strategy and precision plugin -- at the sizes :func:`lightning_gpuopt.core.search.search_largest_fit`
 picks: probe the prediction, extrapolate from the measured peaks, bisect once a size misses. It
@@ -91,15 +91,7 @@ from lightning_gpuopt.callbacks._sources import RebuiltSource
 from lightning_gpuopt.callbacks._training_step import logging_disabled, loss_function
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import cuda_rng_in_use, device_for
-from lightning_gpuopt.core.estimate import (
-    MemoryEstimate,
-    estimate_memory,
-    learn_workspaces,
-    refine_near_capacity,
-    restored_attributes,
-    trace_training_step,
-    with_untraced_bytes,
-)
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, restored_attributes
 from lightning_gpuopt.core.loader import TrialSampler, batch_samples, largest_samples_first
 from lightning_gpuopt.core.memory import (
     MIN_MAX_MEMORY_BYTES,
@@ -439,21 +431,20 @@ class BatchSizeSearch(Callback):
         """The estimate's largest batch for ``budget`` and its bytes per sample, from traced steps."""
         try:
             batch = trainer.strategy.batch_to_device(next(iter(first_train_loader(trainer))))
-            trace: dict[str, Any] = dict(
-                optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+            buckets = _ddp_bucket_bytes(trainer, pl_module)
+            step = TrainingStep(
+                pl_module,
+                batch,
+                loss_function(pl_module),
+                optimizers=trainer.optimizers if len(trainer.optimizers) == 1 else [],
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
+                untraced=[("DDP gradient buckets", buckets)] if buckets else [],
             )
-            # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
-            trace["workspaces"] = learn_workspaces(
-                pl_module,
-                loss_function(pl_module),
-                batch,
-                batch_size=trace["batch_size"],
-                step_context=trace["step_context"],
-            )
-            estimate = estimate_memory(pl_module, loss_function(pl_module), batch, capacity_bytes=budget, **trace)
+            # kernel workspaces are learned once (on the host), for the estimate and the re-traces near the limit
+            estimator = StepEstimator(step)
+            estimate = estimator.estimate(budget)
             if estimate.method != "traced":
                 return (
                     None,
@@ -463,11 +454,8 @@ class BatchSizeSearch(Callback):
                         "started at your batch size"
                     ],
                 )
-            buckets = _ddp_bucket_bytes(trainer, pl_module)
-            if buckets:
-                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets")
-            extra = estimate.untraced_bytes  # what no re-trace sees: buckets, cuBLAS
-            return _refined(estimate, pl_module, batch, trace, budget, extra)
+            refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
+            return refined.max_batch_size, refined.bytes_per_sample, []
         except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
             return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size"]
 
@@ -530,25 +518,6 @@ def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
     if result.predicted_batch_size is not None:
         metrics["gpuopt/batch_search_predicted"] = float(result.predicted_batch_size)
     return metrics
-
-
-def _refined(
-    estimate: MemoryEstimate, pl_module: pl.LightningModule, batch: Any, trace: dict, budget: int, extra_bytes: int
-) -> tuple[Optional[int], Optional[float], list[str]]:
-    """The estimate's largest batch and slope, re-traced near the predicted limit (see
-    :func:`~lightning_gpuopt.core.estimate.refine_near_capacity`)."""
-    predicted = estimate.max_batch_size
-    if not predicted or trace["batch_size"] is None:
-        return predicted, estimate.bytes_per_sample, []
-    loss_fn = loss_function(pl_module)
-    refined = refine_near_capacity(
-        lambda size: trace_training_step(pl_module, loss_fn, batch, trace_batch_size=size, **trace),
-        predicted,
-        budget,
-        extra_bytes,
-    )
-    per_sample = refined.bytes_per_sample if refined.bytes_per_sample is not None else estimate.bytes_per_sample
-    return refined.max_batch_size, per_sample, []
 
 
 # ---------------------------------------------------------------------- trials

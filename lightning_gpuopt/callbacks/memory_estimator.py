@@ -48,11 +48,9 @@ from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.estimate import (
     ManualStep,
     MemoryEstimate,
-    estimate_memory,
+    StepEstimator,
+    TrainingStep,
     optimizer_state_rule_bytes,
-    with_measured_optimizer_state,
-    with_measured_peak,
-    with_untraced_bytes,
 )
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import (
@@ -190,7 +188,7 @@ class MemoryEstimator(Callback):
             self._peaks.append(peak)
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False
-            self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
+            self.estimate = self.estimate.with_measured_optimizer_state(storage_bytes(*trainer.optimizers))
         # with gradient accumulation the optimizer first steps (and creates its state) at batch
         # `accumulate_grad_batches`; the worst micro-batch (earlier gradients and the optimizer state
         # alive, then the step) is the last of the second group: measure until it
@@ -221,18 +219,18 @@ class MemoryEstimator(Callback):
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
             capacity = device_usable_memory(device, existing=(pl_module, *trainer.optimizers))
-        estimate = estimate_memory(
+        step = TrainingStep(
             pl_module,
-            loss_function(pl_module),
             batch,
-            optimizer=optimizer,
+            loss_function(pl_module),
+            manual_step=None if pl_module.automatic_optimization else manual_step(trainer, pl_module),
+            optimizers=optimizer,
             batch_size=batch_samples(batch),  # unknown (None): no line, no max batch size
-            forward_input=_forward_input(trainer, pl_module, batch),
-            capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
-            manual_step=None if pl_module.automatic_optimization else manual_step(trainer, pl_module),
+            forward_input=_forward_input(trainer, pl_module, batch),
         )
+        estimate = StepEstimator(step).estimate(capacity)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
         # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
         say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
@@ -243,7 +241,7 @@ class MemoryEstimator(Callback):
             self._unmeasured_steps = 2
             if not trainer.strategy.model.gradient_as_bucket_view:
                 buckets = storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
-                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets (a copy of the gradients)")
+                estimate = estimate.with_untraced_bytes(buckets, "DDP gradient buckets (a copy of the gradients)")
         return estimate
 
     # ------------------------------------------------------------------ measuring
@@ -258,7 +256,7 @@ class MemoryEstimator(Callback):
         self._measured = True
         if self.estimate is None:
             return
-        self.estimate = with_measured_peak(self.estimate, max(self._peaks, default=None))
+        self.estimate = self.estimate.with_measured_peak(max(self._peaks, default=None))
         metrics = {
             METRIC_PREFIX + name: float(value)
             for name in _LOGGED_FIELDS
@@ -311,7 +309,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
 
 def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualStep:
     """The whole ``training_step`` of a module under manual optimization, as the trace runs it
-    (:func:`~lightning_gpuopt.core.estimate.trace_training_step`'s ``manual_step``): inside it
+    (:attr:`~lightning_gpuopt.core.estimate.TrainingStep.manual_step`): inside it
     ``self.optimizers()`` (and ``self.trainer.optimizers``) are the twin optimizers it is given,
     their ``step()`` steps them directly and ``self.manual_backward(loss)`` is ``loss.backward()``
     -- no callback or module hook runs and no step is counted --, logging does nothing, and the LR
@@ -319,7 +317,7 @@ def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ManualSte
 
     Example::
 
-        estimate_memory(model, None, batch, optimizer=trainer.optimizers, manual_step=manual_step(trainer, model))
+        TrainingStep(model, batch, manual_step=manual_step(trainer, model), optimizers=trainer.optimizers)
     """
 
     def run(batch: Any, optimizers: list) -> None:

@@ -115,7 +115,7 @@ from lightning_gpuopt.core.checkpointing import (
 )
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, sliced_batch
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context, sliced_batch
 from lightning_gpuopt.core.fill import MIXED_PRECISIONS, MemoryFillPlan, choose_precision, split_global_batch
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
@@ -419,16 +419,16 @@ class MemoryFill(Callback):
             with rng_preserved(loader):
                 batch = next(iter(loader))
                 optimizers, _ = compat.init_optimizers_and_lr_schedulers(pl_module)
-                estimate = estimate_memory(
+                step = TrainingStep(
                     pl_module,
-                    loss_function(pl_module),
                     batch,
-                    optimizer=optimizers[0] if len(optimizers) == 1 else None,
+                    loss_function(pl_module),
+                    optimizers=optimizers if len(optimizers) == 1 else [],
                     batch_size=batch_samples(batch),
-                    capacity_bytes=budget,
                     step_context=_setup_step_context(trainer, pl_module),
                     device=trainer.strategy.root_device,
                 )
+                estimate = StepEstimator(step).estimate(budget)
         except Exception as error:  # noqa: BLE001 - no prediction: the trials decide
             self._reasons.append(f"no estimate in setup ({type(error).__name__}: {error}); the trials decide")
             return None
@@ -821,15 +821,16 @@ def _predicted_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optio
         loader = compat.train_source(trainer).dataloader()
         with rng_preserved(loader):  # the traced step may draw from numpy and ``random`` too
             batch = trainer.strategy.batch_to_device(next(iter(loader)))
-            estimate = estimate_memory(
+            step = TrainingStep(
                 pl_module,
-                loss_function(pl_module),
                 batch,
-                optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+                loss_function(pl_module),
+                optimizers=trainer.optimizers if len(trainer.optimizers) == 1 else [],
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
+            estimate = StepEstimator(step).estimate()
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

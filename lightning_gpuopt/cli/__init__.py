@@ -39,7 +39,6 @@ from lightning_gpuopt.cli.command import (
     import_class,
     main,
     memory_argument,
-    refined_near_capacity,
     run_doctor,
     run_estimate,
     run_plot,
