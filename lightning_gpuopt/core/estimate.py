@@ -504,7 +504,7 @@ def _workspace_notes(profile: WorkspaceProfile | None, traced: TracedStep) -> li
     ]
 
 
-def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: list[torch.Tensor]) -> None:
+def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
     """``step.manual_step`` on ``optimizers``; or forward, the gradients of ``zero_grads`` set to
     ``None``, backward and each optimizer's ``step()``."""
     if step.manual_step is not None:
@@ -609,7 +609,7 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tenso
     """Inside the block each parameter and buffer of ``module`` is ``make(tensor)`` (tied weights stay
     tied); attributes and RNG states are restored after it. Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
-    slots = [
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = [
         (store, name, tensor)
         for sub in module.modules()
         for store in (sub._parameters, sub._buffers)
