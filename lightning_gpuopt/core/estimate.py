@@ -1,25 +1,21 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` runs a :class:`TrainingStep` on fake tensors (``FakeTensorMode``: shapes,
-dtypes and devices, no memory) under a :class:`~lightning_gpuopt.core.memory.LiveTensorTracker`:
-two steps in Lightning's order (forward in ``step_context``, ``zero_grad(set_to_none=True)``,
-backward, ``step()`` of a twin of each optimizer), the second with the first one's gradients and
-optimizer state alive. The tracker's peak is the prediction (on CUDA in the caching allocator's
-512-byte blocks). Traced at ``B`` and ``2B`` it gives the line ``fixed_bytes + bytes_per_sample *
-b``, and so the largest batch for a capacity; :meth:`StepEstimator.refined` re-traces the line near
-that batch (the peak is convex piecewise-linear in the batch).
+:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory) under a
+:class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, in Lightning's order (forward in
+``step_context``, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a twin of each
+optimizer): the second step starts with the first one's gradients and optimizer state alive. The
+peak (on CUDA in the caching allocator's 512-byte blocks) traced at ``B`` and ``2B`` gives the line
+``fixed_bytes + bytes_per_sample * b`` and the largest batch for a capacity; :meth:`~StepEstimator.refined`
+re-traces it near that batch (the peak is convex piecewise-linear in the batch).
 
-A fake trace does not see what kernels allocate inside themselves (oneDNN's reorders, BatchNorm's
-backward temporaries): for a step on the host the estimator learns it once from one real forward
-and backward at a small batch on copies of the parameters (:mod:`.workspace`), and every trace adds
-it. On CUDA, the cuBLAS workspace and :attr:`TrainingStep.untraced` (e.g. DDP's gradient buckets)
-are added as ``untraced_bytes``; cuDNN's workspaces and the CUDA context are not counted.
-
-Nothing is allocated on the device and nothing changes: parameters, buffers, gradients, module
-attributes and the RNG states are as before. A step that cannot be traced (``.item()``,
-data-dependent control flow, an op without a fake kernel) gets torchinfo's figures plus the
-parameters, gradients and a rule for the optimizer state instead (:func:`optimizer_state_rule_bytes`),
-and :attr:`MemoryEstimate.not_traced_reason` says why.
+What kernels allocate inside themselves (oneDNN's reorders, BatchNorm's backward temporaries) is
+learned for a step on the host from one small real step (:mod:`.workspace`) and added to every
+trace. On CUDA the cuBLAS workspace and :attr:`TrainingStep.untraced` (DDP's gradient buckets) are
+added as ``untraced_bytes``; cuDNN's workspaces and the CUDA context are not counted. Nothing is
+allocated on the device and nothing changes (parameters, buffers, gradients, attributes, RNG
+states). A step that cannot be traced (``.item()``, data-dependent control flow, an op without a
+fake kernel) gets torchinfo's figures plus parameters, gradients and :func:`optimizer_state_rule_bytes`
+instead, and :attr:`MemoryEstimate.not_traced_reason` says why.
 
 Example::
 
@@ -46,7 +42,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import torch
@@ -205,11 +201,8 @@ class MemoryEstimate:
 
 
 class StepEstimator:
-    """Predicts the peak memory of ``step`` (see the module docstring).
-
-    Kernel workspaces (:attr:`workspaces`) are learned once, on first use, and serve every trace;
-    ``workspaces=False`` counts none.
-    """
+    """Predicts the peak memory of ``step``; its kernel workspaces (:attr:`workspaces`) are learned once,
+    on first use, for every trace (``workspaces=False``: none counted)."""
 
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
         self.step = step
@@ -217,15 +210,7 @@ class StepEstimator:
 
     def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
         """The peak, traced at the step's batch size and twice it, and the largest batch for
-        ``capacity_bytes``; when the step cannot be traced, torchinfo's figures and why in ``notes``.
-
-        Example::
-
-            >>> model = torch.nn.Linear(64, 64)
-            >>> estimate = StepEstimator(TrainingStep(model, torch.ones(32, 64), lambda x: model(x).sum(), batch_size=32)).estimate()
-            >>> estimate.params_bytes, estimate.grads_bytes, estimate.method
-            (16640, 16640, 'traced')
-        """
+        ``capacity_bytes``; when the step cannot be traced, torchinfo's figures and why in ``notes``."""
         step, notes = self.step, []
         summary = None
         if step.forward_input is not None:
@@ -345,8 +330,8 @@ class StepEstimator:
         granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
         profile = self.workspaces
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with _fake_module(step.module, mode) as twin_of:
-            fake_batch = _batch_twin(step.batch, mode, step.batch_size, batch_size)
+        with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
+            fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
             params = list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
             existing = (step.module, fake_batch)
@@ -461,19 +446,14 @@ class StepEstimator:
 def _estimate_of(
     figures: TracedStep, method: str, fixed: float | None, per_sample: float | None, **changes: Any
 ) -> MemoryEstimate:
+    shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
     known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
     return MemoryEstimate(
-        params_bytes=figures.params_bytes,
-        grads_bytes=figures.grads_bytes,
-        optimizer_bytes=figures.optimizer_bytes,
+        **shared,
         activation_bytes=None if method == "parameters-only" else figures.peak_bytes - known - figures.batch_bytes,
         torchinfo_total_bytes=None,
         predicted_peak_bytes=figures.peak_bytes,
         method=method,
-        batch_size=figures.batch_size,
-        buffers_bytes=figures.buffers_bytes,
-        batch_bytes=figures.batch_bytes,
-        workspace_bytes=figures.workspace_bytes,
         fixed_bytes=fixed,
         bytes_per_sample=per_sample,
         **changes,
@@ -481,14 +461,7 @@ def _estimate_of(
 
 
 def _workspace_notes(profile: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
-    """What the notes say about kernel workspaces (nothing where the probe does not apply).
-
-    Example::
-
-        >>> traced = TracedStep(32, 5000, 0, 0, 0, 0, 0, 0.0, workspace_bytes=1200)
-        >>> _workspace_notes(WorkspaceProfile((), batch_size=16), traced)[0][-47:]
-        'sees, 0.00 s): 1200 bytes of the predicted peak'
-    """
+    """What the notes say about kernel workspaces (nothing where the probe does not apply)."""
     if profile is None:
         return []
     if not profile.learned:
@@ -591,23 +564,11 @@ def restored_attributes(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _host_rngs_kept() -> Iterator[None]:
-    """Python's and NumPy's global generators as they were after the block (the step may draw from them)."""
-    state = random.getstate()
-    numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
-
-
-@contextlib.contextmanager
-def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[dict[int, Any]]:
+def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
     """Inside the block each parameter and buffer of ``module`` is ``make(tensor)`` (tied weights stay
-    tied); attributes and RNG states are restored after it. Yields real id -> twin."""
+    tied) and the loggers named in ``quiet`` are silent; after it the module's attributes, the logger
+    levels and torch's, Python's and NumPy's RNG states (the step may draw from them) are restored.
+    Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
     slots: list[tuple[dict[str, Any], str, torch.Tensor]] = [
         (store, name, tensor)
@@ -617,12 +578,13 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tenso
         if tensor is not None
     ]
     device = _module_device(module)
-    with (
-        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-        _host_rngs_kept(),
-        restored_attributes(module),
-    ):
+    numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
+    host_rngs = random.getstate(), None if numpy is None else numpy.random.get_state()
+    levels = [(logger, logger.level) for logger in map(logging.getLogger, quiet)]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_attributes(module):
         try:
+            for logger, _ in levels:
+                logger.setLevel(logging.CRITICAL + 1)
             for store, name, tensor in slots:
                 if id(tensor) not in twin_of:
                     twin_of[id(tensor)] = make(tensor)
@@ -631,21 +593,11 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tenso
         finally:
             for store, name, tensor in slots:
                 store[name] = tensor
-
-
-@contextlib.contextmanager
-def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, Any]]:
-    """:func:`_twinned` with fake twins; torch logs no fake kernel's failure inside (the caller reports it)."""
-    loggers = [logging.getLogger(name) for name in FAKE_KERNEL_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
-    try:
-        with _twinned(module, mode.from_tensor) as twin_of:
-            yield twin_of
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+            random.setstate(host_rngs[0])
+            if numpy is not None:
+                numpy.random.set_state(host_rngs[1])
+            for logger, level in levels:
+                logger.setLevel(level)
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -674,23 +626,17 @@ def _is_batched(value: Any, batch_size: int | None) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
 
 
-def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, keep: Callable[[Any], Any]) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows replaced by zeros of ``new_batch_size`` rows
-    (fake ones under ``FakeTensorMode``), every other leaf by ``keep(leaf)``."""
+def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fake: FakeTensorMode | None) -> Any:
+    """``batch`` with each tensor of ``batch_size`` rows replaced by zeros of ``new_batch_size`` rows;
+    under ``fake`` those are fake and the other tensors fake twins."""
 
-    def rebatched(value: Any) -> Any:
-        if new_batch_size is None or not _is_batched(value, batch_size):
-            return keep(value)
-        return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    def resized(value: Any) -> Any:
+        if new_batch_size is not None and _is_batched(value, batch_size):
+            return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
+        return fake.from_tensor(value) if fake is not None and isinstance(value, torch.Tensor) else value
 
-    return tree_map(rebatched, batch)
-
-
-def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
-    with mode:
-        return _rebatched(
-            batch, batch_size, new_batch_size, lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-        )
+    with fake or contextlib.nullcontext():
+        return tree_map(resized, batch)
 
 
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
@@ -735,18 +681,15 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with _fake_module(module, mode):
-            fake_input = _batch_twin(forward_input, mode, size, step.batch_size)
+        with _twinned(module, mode.from_tensor, FAKE_KERNEL_LOGGERS):
+            fake_input = _resized(forward_input, size, step.batch_size, mode)
             with mode, context():  # device=None: torchinfo moves neither model nor input
-                return torchinfo.summary(
-                    module, input_data=fake_input, device=None, verbose=0
-                ), time.perf_counter() - start
+                statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
-        pass
-    start = time.perf_counter()
-    real_input = _rebatched(forward_input, size, step.batch_size, keep=lambda value: value)
-    with restored_attributes(module), context():
-        statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
+        start = time.perf_counter()
+        real_input = _resized(forward_input, size, step.batch_size, None)
+        with restored_attributes(module), context():
+            statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
     return statistics, time.perf_counter() - start
 
 
@@ -767,16 +710,14 @@ def optimizer_state_rule_bytes(optimizers: Optimizers) -> int | None:
     if not isinstance(optimizers, torch.optim.Optimizer):
         rules = [optimizer_state_rule_bytes(one) for one in optimizers or ()]
         return None if None in rules else sum(rules)  # type: ignore[arg-type]
-    total = 0
-    for group in optimizers.param_groups:
-        trainable = storage_bytes([p for p in group["params"] if p.requires_grad])
-        if isinstance(optimizers, (torch.optim.Adam, torch.optim.AdamW)):
-            total += trainable * (3 if group.get("amsgrad") else 2)
-        elif isinstance(optimizers, torch.optim.SGD):
-            total += trainable if group.get("momentum", 0) else 0
-        else:
-            return None
-    return total
+    adam = isinstance(optimizers, (torch.optim.Adam, torch.optim.AdamW))
+    if not adam and not isinstance(optimizers, torch.optim.SGD):
+        return None
+    return sum(
+        storage_bytes([p for p in group["params"] if p.requires_grad])
+        * ((3 if group.get("amsgrad") else 2) if adam else (1 if group.get("momentum", 0) else 0))
+        for group in optimizers.param_groups
+    )
 
 
 def _relative_error(predicted: float | None, measured: float | None) -> float | None:
