@@ -43,7 +43,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torchinfo
@@ -57,8 +57,6 @@ from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, 
 LossFn = Callable[[Any], torch.Tensor]
 #: a whole step under manual optimization, ``(batch, optimizers) -> None``: its own backward passes and steps
 ManualStep = Callable[[Any, list], None]
-#: one optimizer, several, or none
-Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 StepContext = Callable[[], ContextManager[Any]]
 
 
@@ -698,7 +696,9 @@ def _torchinfo_total(statistics: torchinfo.ModelStatistics) -> int:
     return int(statistics.total_input + statistics.total_output_bytes + statistics.total_param_bytes)
 
 
-def optimizer_state_rule_bytes(optimizers: Optimizers) -> int | None:
+def optimizer_state_rule_bytes(
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> int | None:
     """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x with amsgrad), SGD 1x with
     momentum, 0 without; summed over several; ``None`` when one has no rule.
 

@@ -1,16 +1,14 @@
 """Kernel memory in a step traced on fake tensors, learned per op call from a small real step.
 
-A fake trace counts each op's outputs as its meta implementation shapes them, and nothing a kernel
-allocates and frees inside itself (oneDNN's reorders around a convolution, BatchNorm's backward
-temporaries); some kernels also return more than their fake twin (oneDNN's LSTM workspace, which
-its meta kernel gives zero elements). :class:`WorkspaceRecorder` runs with a real step on the host
-and keeps, per op call, what the allocator needed inside it beyond its new outputs (from
-:mod:`.op_memory`) and how much larger each new output is than the meta kernel's. In a fake trace
-:class:`WorkspaceTracker` pairs the k-th call of each signature (the op, its tensor arguments'
-ranks and dtypes) in a step with the k-th in the probe and scales the probed bytes by how much the
-inputs that grew with the batch grew (:func:`_scaled_bytes`): the call holds its workspace while it
-runs, each output counts its surplus for as long as it lives. Only host kernels are probed: on
-CUDA, cuDNN and cuBLAS choose their own workspaces.
+A fake trace counts each op's outputs as its meta kernel shapes them and nothing a kernel allocates
+inside itself (oneDNN's reorders, BatchNorm's backward temporaries); some kernels also return more
+than their meta twin (oneDNN's LSTM workspace). :class:`WorkspaceRecorder` runs with a real step on
+the host and keeps, per op call, the allocator's peak inside it beyond its new outputs
+(:mod:`.op_memory`) and how much larger each output is than the meta kernel's. In a fake trace,
+:class:`WorkspaceTracker` pairs the k-th call of each signature (op, tensor arguments' ranks and
+dtypes) in a step with the k-th in the probe and scales the probed bytes with the inputs that grew
+(:func:`_scaled_bytes`): the call holds its workspace while it runs, each output counts its surplus
+while it lives. Only host kernels are probed: on CUDA, cuDNN and cuBLAS choose their own.
 
 Example::
 
@@ -170,11 +168,9 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 
 class WorkspaceTracker(LiveTensorTracker):
-    """The tracker of a fake trace with the kernel memory of ``profile`` added (see the module
-    docstring); without a profile a plain tracker. Takes the tracker's other arguments (its own
-    ``workspaces`` stays off: the calls are fake). Call :meth:`next_step` where each traced step
-    after the first begins: the optimizer's calls, absent from the probe, pair with nothing.
-    :attr:`workspace_bytes_at_peak` is the learned kernel memory in :attr:`peak_bytes`."""
+    """A fake trace's tracker with ``profile``'s kernel memory added (without one: a plain tracker);
+    :attr:`workspace_bytes_at_peak` is that memory in :attr:`peak_bytes`. Call :meth:`next_step`
+    where each step after the first begins (the optimizer's calls, not probed, pair with nothing)."""
 
     def __init__(self, profile: Optional[WorkspaceProfile] = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, workspaces=False, **kwargs)
