@@ -198,12 +198,6 @@ class _NativeSwitch:
     config_use_cache: Any
     had_input_grad_hooks: bool
 
-    def pause(self) -> list[Any]:
-        paused = [layer for layer in self.layers if getattr(layer, "gradient_checkpointing", False)]
-        for layer in paused:
-            layer.gradient_checkpointing = False
-        return paused
-
     def remove(self) -> None:
         owner = self.owner
         (getattr(owner, "activation_checkpointing_disable", None) or owner.gradient_checkpointing_disable)()
@@ -240,7 +234,9 @@ class CheckpointedBlocks:
     def paused(self) -> Iterator[None]:
         """Inside the block the blocks run plainly (checkpointing stays set up)."""
         forwards = [(module, vars(module).pop("forward")) for module in self._modules if "forward" in vars(module)]
-        layers = [layer for switch in self._native for layer in switch.pause()]
+        layers = [layer for s in self._native for layer in s.layers if getattr(layer, "gradient_checkpointing", False)]
+        for layer in layers:
+            layer.gradient_checkpointing = False
         try:
             yield
         finally:
@@ -357,11 +353,8 @@ def check_recomputation(
 ) -> Optional[str]:
     """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients
     and buffers (within ``rtol`` of each tensor's norm); else the first difference, or what the
-    checkpointed step raised (what the plain step raises propagates).
-
-    Both steps start from the same RNG state (the non-reentrant checkpoint replays dropout's masks);
-    gradients, buffers and the RNG state are as before on return and the optimizer does not step.
-    It costs two forward and backward passes: pass a small batch.
+    checkpointed step raised. Both start from the same RNG state; gradients, buffers and the RNG
+    state are as before on return (no optimizer step). Two forward and backward passes: pass a small batch.
 
     Example::
 

@@ -236,13 +236,13 @@ class StepEstimator:
             )
             estimate = replace(self._fallback(summary), not_traced_reason=reason)
         if summary is not None:
-            statistics, seconds = summary
+            info, seconds = summary  # "Estimated Total Size": input, forward/backward pass and parameters
             estimate = replace(
                 estimate,
-                torchinfo_total_bytes=_torchinfo_total(statistics),
-                torchinfo_params=int(statistics.total_params),
-                torchinfo_trainable_params=int(statistics.trainable_params),
-                torchinfo_mult_adds=int(statistics.total_mult_adds),
+                torchinfo_total_bytes=int(info.total_input + info.total_output_bytes + info.total_param_bytes),
+                torchinfo_params=int(info.total_params),
+                torchinfo_trainable_params=int(info.trainable_params),
+                torchinfo_mult_adds=int(info.total_mult_adds),
                 torchinfo_seconds=seconds,
             )
         params = list(step.module.parameters())
@@ -689,11 +689,6 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
         with restored_attributes(module), context():
             statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
     return statistics, time.perf_counter() - start
-
-
-def _torchinfo_total(statistics: torchinfo.ModelStatistics) -> int:
-    """torchinfo's "Estimated Total Size": input, forward/backward pass and parameters."""
-    return int(statistics.total_input + statistics.total_output_bytes + statistics.total_param_bytes)
 
 
 def optimizer_state_rule_bytes(
