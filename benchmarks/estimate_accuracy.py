@@ -40,7 +40,7 @@ from helpers import profiler_peak_bytes
 from models_memory import MODELS, make_model
 
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
-from lightning_gpuopt.core.estimate import MemoryEstimate, relative_error
+from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.report import format_bytes, format_seconds
 
 RUNS = Path(__file__).with_name("_runs")  # the trainers' reports (git-ignored)
@@ -121,7 +121,7 @@ def row(name: str, batch_size: int, estimate: MemoryEstimate, allocator_peak: in
         format_bytes(estimate.torchinfo_total_bytes),
         signed_percent(estimate.torchinfo_error),
         format_bytes(allocator_peak),
-        signed_percent(relative_error(estimate.predicted_peak_bytes, allocator_peak)),
+        signed_percent(estimate.with_measured_peak(allocator_peak).estimate_error),
         format_seconds(estimate.trace_seconds),
         format_seconds(estimate.torchinfo_seconds),
         str(estimate.max_batch_size),

@@ -18,19 +18,20 @@ from models_memory import ClassifierModule, make_model
 from lightning_gpuopt.callbacks.memory_estimator import METRIC_PREFIX, MemoryEstimator
 from lightning_gpuopt.core import estimate as estimate_module
 from lightning_gpuopt.core import workspace as workspace_module
-from lightning_gpuopt.core.estimate import (
-    MemoryEstimate,
-    estimate_memory,
-    learn_workspaces,
-    optimizer_state_rule_bytes,
-    trace_training_step,
-)
+from lightning_gpuopt.core.estimate import MemoryEstimate, StepEstimator, TrainingStep, optimizer_state_rule_bytes
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, storage_bytes
 from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
 
 TOLERANCE = 0.05
 #: the predicted peak against the host allocator's peak as the torch profiler records it
 ALLOCATOR_TOLERANCE = 0.05
+
+
+def estimate_step(model, loss_fn, batch, *, optimizer=None, workspaces=True, **step) -> MemoryEstimate:
+    optimizers = [] if optimizer is None else [optimizer]
+    return StepEstimator(
+        TrainingStep(model, batch, loss_fn, optimizers=optimizers, **step), workspaces=workspaces
+    ).estimate()
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +113,7 @@ def test_predicted_peak_is_within_five_percent_of_the_profilers_allocator_peak(n
     # 8: the workspace probe runs at the batch itself; 48: at 16, its workspaces scaled up 3x.
     # "decoder" and "unet" are held out: the estimate was not tuned on them
     model, optimizer, batch, loss_fn, step = steady_state_step(name, batch_size)
-    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
+    estimate = estimate_step(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
     assert estimate.method == "traced"
 
     step(), step()  # the steady state: the previous step's gradients and optimizer state are alive
@@ -133,7 +134,7 @@ def test_predicted_peak_is_within_five_percent_of_the_profilers_allocator_peak(n
 @pytest.mark.parametrize("name", ["cnn", "unet"])
 def test_the_line_predicts_the_profilers_peak_at_four_times_the_batch(name):
     model, optimizer, batch, loss_fn, _ = steady_state_step(name, 12)
-    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=12)
+    estimate = estimate_step(model, loss_fn, batch, optimizer=optimizer, batch_size=12)
     *_, step_at_48 = (large := steady_state_step(name, 48))
     step_at_48(), step_at_48()
     truth = profiler_peak_bytes(step_at_48, existing=large[:3])
@@ -164,7 +165,7 @@ def test_the_workspace_probe_touches_no_parameter_gradient_hook_statistic_or_rng
     state = {key: value.clone() for key, value in model.state_dict().items()}
     rng = torch.get_rng_state()
 
-    profile = learn_workspaces(model, loss_fn, batch, batch_size=32)
+    profile = StepEstimator(TrainingStep(model, batch, loss_fn, optimizers=[optimizer], batch_size=32)).workspaces
 
     assert profile.learned and profile.batch_size == 16 and profile.workspace_calls > 0
     assert hooked == [] and all(param.grad is None for param in model.parameters())
@@ -174,20 +175,16 @@ def test_the_workspace_probe_touches_no_parameter_gradient_hook_statistic_or_rng
 
 def test_a_profile_learned_once_serves_every_traced_batch_size():
     model, optimizer, batch, loss_fn, _ = steady_state_step("cnn", 8)
-    profile = learn_workspaces(model, loss_fn, batch, batch_size=8)
-    trace = dict(optimizer=optimizer, batch_size=8)
-    plain = trace_training_step(model, loss_fn, batch, trace_batch_size=64, **trace)
-    with_workspaces = trace_training_step(model, loss_fn, batch, trace_batch_size=64, workspaces=profile, **trace)
+    step = TrainingStep(model, batch, loss_fn, optimizers=[optimizer], batch_size=8)
+    estimator, without = StepEstimator(step), StepEstimator(step, workspaces=False)
+    plain, with_workspaces = without.trace(64), estimator.trace(64)
+    profile = estimator.workspaces
+    assert profile is not None and profile.learned and without.workspaces is None
     assert plain.workspace_bytes == 0 and with_workspaces.workspace_bytes > 0
     assert plain.peak_bytes < with_workspaces.peak_bytes <= plain.peak_bytes + with_workspaces.workspace_bytes
-    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=profile)
-    assert (
-        estimate.workspace_bytes > 0
-        and estimate.predicted_peak_bytes
-        > estimate_memory(
-            model, loss_fn, batch, optimizer=optimizer, batch_size=8, workspaces=False
-        ).predicted_peak_bytes
-    )
+    estimate = estimator.estimate()
+    assert estimator.workspaces is profile  # learned once, for every trace of the estimator
+    assert estimate.workspace_bytes > 0 and estimate.predicted_peak_bytes > without.estimate().predicted_peak_bytes
 
 
 class LstmClassifier(torch.nn.Module):
@@ -219,7 +216,7 @@ def test_an_output_the_real_kernel_makes_larger_than_the_fake_one_counts_at_its_
         loss.backward()
         optimizer.step()
 
-    estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
+    estimate = estimate_step(model, loss_fn, batch, optimizer=optimizer, batch_size=batch_size)
     step(), step()
     truth = profiler_peak_bytes(step, existing=(model, optimizer, batch))
     assert estimate.workspace_bytes > 0.3 * truth
@@ -229,7 +226,7 @@ def test_an_output_the_real_kernel_makes_larger_than_the_fake_one_counts_at_its_
 def test_workspaces_are_not_counted_under_another_profiler_and_the_notes_say_so():
     model, optimizer, batch, loss_fn, _ = steady_state_step("cnn", 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=8)
+        estimate = estimate_step(model, loss_fn, batch, optimizer=optimizer, batch_size=8)
     assert estimate.method == "traced" and estimate.workspace_bytes == 0
     assert any(
         note.startswith("kernel workspaces not counted (another profiler is running)") for note in estimate.notes
@@ -238,7 +235,8 @@ def test_workspaces_are_not_counted_under_another_profiler_and_the_notes_say_so(
 
 def test_no_workspace_probe_off_the_host():
     model = torch.nn.Linear(4, 4, device="meta")  # as on CUDA: the host's kernels say nothing about the device's
-    assert learn_workspaces(model, lambda x: model(x).sum(), torch.ones(2, 4, device="meta"), batch_size=2) is None
+    step = TrainingStep(model, torch.ones(2, 4, device="meta"), lambda x: model(x).sum(), batch_size=2)
+    assert StepEstimator(step).workspaces is None
 
 
 def test_the_line_predicts_a_four_times_larger_batch_and_its_max_batch_size():
@@ -320,7 +318,7 @@ def test_estimating_leaves_model_optimizer_and_rng_untouched():
     rng = torch.get_rng_state()
 
     model.log = lambda *args, **kwargs: None  # outside a Trainer there is nothing to log to
-    estimate = estimate_memory(
+    estimate = estimate_step(
         model,
         lambda b: model.training_step(b, 0),
         batch,

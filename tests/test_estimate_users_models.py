@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from lightning_gpuopt import GpuOpt, MemoryEstimator, cli
 from lightning_gpuopt.callbacks.memory_estimator import render_estimate
-from lightning_gpuopt.core.estimate import estimate_memory
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
 from lightning_gpuopt.core.op_memory import storage_bytes
 
@@ -82,9 +82,10 @@ def test_an_accumulating_step_is_traced_as_it_runs_and_matches_the_profiler(accu
     # a ResNet with many parameters for its activations: its peak is at the optimizer step, where
     # the gradients already live; adding a set of gradients on top overshot by 18%
     truth, (model, optimizer, batch, loss_fn) = resnet_group_peak(16, accumulate)
-    estimate = estimate_memory(
-        model, loss_fn, batch, optimizer=optimizer, batch_size=16, accumulate_grad_batches=accumulate
+    step = TrainingStep(
+        model, batch, loss_fn, optimizers=[optimizer], batch_size=16, accumulate_grad_batches=accumulate
     )
+    estimate = StepEstimator(step).estimate()
     assert estimate.method == "traced" and estimate.accumulate_grad_batches == accumulate
     error = (estimate.predicted_peak_bytes - truth) / truth
     assert abs(error) <= ALLOCATOR_TOLERANCE, (estimate.predicted_peak_bytes, truth)

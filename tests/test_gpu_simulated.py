@@ -334,16 +334,16 @@ def test_the_readme_example_gpuopt_fits_a_simulated_t4(tmp_path):
 def test_an_estimate_for_a_card_counts_its_blocks_and_cublas_without_allocating_there():
     """``gpuopt estimate --device cuda`` and MemoryFill's setup estimate a model for a card: the
     model is not moved, nothing is allocated on the card."""
-    from lightning_gpuopt.core.estimate import estimate_memory
+    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 
     model = make_model("mlp", num_samples=64, batch_size=32)
     batch = next(iter(model.train_dataloader()))
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     loss = lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1])  # noqa: E731
-    on_host = estimate_memory(model, loss, batch, batch_size=32)
+    on_host = StepEstimator(TrainingStep(model, batch, loss, batch_size=32)).estimate()
     with SimulatedGpu("H100", memory="1GiB") as gpu:
-        on_card = estimate_memory(model, loss, batch, batch_size=32, device="cuda")
-        probed = estimate_memory(model, loss, batch, batch_size=32)  # learns workspaces on the host first
+        on_card = StepEstimator(TrainingStep(model, batch, loss, batch_size=32, device="cuda")).estimate()
+        probed = StepEstimator(TrainingStep(model, batch, loss, batch_size=32)).estimate()  # learns workspaces first
     assert gpu.peak_allocated_bytes == 0  # the estimates allocated nothing on the card
     assert any("kernel workspaces learned" in note for note in probed.notes)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -358,7 +358,7 @@ def test_a_setup_estimate_for_a_cuda_run_casts_activations_as_the_run_will():
     """In ``setup`` the module is still on the host: a CUDA autocast does nothing to it, so the
     estimate counted float32 activations and switched checkpointing on where AMP alone fits. The
     run's own numbers: a real step in float16 autocast, measured at the allocator."""
-    from lightning_gpuopt.core.estimate import estimate_memory, host_step_context
+    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
     from lightning_gpuopt.core.op_memory import LiveTensorTracker
 
     model = make_model("transformer", num_samples=64, batch_size=64)
@@ -373,7 +373,7 @@ def test_a_setup_estimate_for_a_cuda_run_casts_activations_as_the_run_will():
     del value
     cuda_autocast = lambda: torch.autocast("cuda", dtype=torch.float16)  # noqa: E731
     with pytest.warns(UserWarning):  # on host tensors a CUDA autocast is disabled: float32 throughout
-        before = estimate_memory(model, loss, batch, batch_size=64, step_context=cuda_autocast)
-    now = estimate_memory(model, loss, batch, batch_size=64, step_context=amp)
+        before = StepEstimator(TrainingStep(model, batch, loss, batch_size=64, step_context=cuda_autocast)).estimate()
+    now = StepEstimator(TrainingStep(model, batch, loss, batch_size=64, step_context=amp)).estimate()
     assert abs(now.predicted_peak_bytes - truth.peak_bytes) <= 0.05 * truth.peak_bytes
     assert before.predicted_peak_bytes > 1.2 * truth.peak_bytes

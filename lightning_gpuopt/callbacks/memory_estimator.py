@@ -43,14 +43,7 @@ from lightning_gpuopt.callbacks._engine.steps import loss_function, manual_step
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import (
-    MemoryEstimate,
-    estimate_memory,
-    optimizer_state_rule_bytes,
-    with_measured_optimizer_state,
-    with_measured_peak,
-    with_untraced_bytes,
-)
+from lightning_gpuopt.core.estimate import MemoryEstimate, StepEstimator, TrainingStep, optimizer_state_rule_bytes
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.op_memory import storage_bytes
@@ -180,7 +173,7 @@ class MemoryEstimator(Callback):
             self._peaks.append(peak)
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False
-            self.estimate = with_measured_optimizer_state(self.estimate, storage_bytes(*trainer.optimizers))
+            self.estimate = self.estimate.with_measured_optimizer_state(storage_bytes(*trainer.optimizers))
         # with gradient accumulation the optimizer first steps (and creates its state) at batch
         # `accumulate_grad_batches`; the worst micro-batch (earlier gradients and the optimizer state
         # alive, then the step) is the last of the second group: measure until it
@@ -206,24 +199,24 @@ class MemoryEstimator(Callback):
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MemoryEstimate:
         device = pl_module.device
-        optimizer = list(trainer.optimizers)
+        optimizers = list(trainer.optimizers)
         if self.max_memory is not None:
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
-            capacity = device_for(device).usable_memory((pl_module, *trainer.optimizers))
-        estimate = estimate_memory(
+            capacity = device_for(device).usable_memory((pl_module, *optimizers))
+        step = TrainingStep(
             pl_module,
-            loss_function(pl_module),
             batch,
-            optimizer=optimizer,
+            loss_function(pl_module),
+            manual_step=None if pl_module.automatic_optimization else manual_step(trainer, pl_module),
+            optimizers=optimizers,
             batch_size=batch_samples(batch),  # unknown (None): no line, no max batch size
-            forward_input=_forward_input(trainer, pl_module, batch),
-            capacity_bytes=capacity,
             step_context=trainer.precision_plugin.train_step_context,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
-            manual_step=None if pl_module.automatic_optimization else manual_step(trainer, pl_module),
+            forward_input=_forward_input(trainer, pl_module, batch),
         )
-        self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizer) is None
+        estimate = StepEstimator(step).estimate(capacity)
+        self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None
         # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
         say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
         for note in estimate.notes:
@@ -233,7 +226,7 @@ class MemoryEstimator(Callback):
             self._unmeasured_steps = 2
             if not trainer.strategy.model.gradient_as_bucket_view:
                 buckets = storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
-                estimate = with_untraced_bytes(estimate, buckets, "DDP gradient buckets (a copy of the gradients)")
+                estimate = estimate.with_untraced_bytes(buckets, "DDP gradient buckets (a copy of the gradients)")
         return estimate
 
     # ------------------------------------------------------------------ measuring
@@ -248,7 +241,7 @@ class MemoryEstimator(Callback):
         self._measured = True
         if self.estimate is None:
             return
-        self.estimate = with_measured_peak(self.estimate, max(self._peaks, default=None))
+        self.estimate = self.estimate.with_measured_peak(max(self._peaks, default=None))
         metrics = {
             METRIC_PREFIX + name: float(value)
             for name in _LOGGED_FIELDS

@@ -83,7 +83,7 @@ from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, writ
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import estimate_memory
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.fill import (
     MIXED_PRECISIONS,
     FillRequest,
@@ -505,15 +505,16 @@ def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optiona
     try:
         with Trials(FitSession.of(trainer), 1, "batch_size") as trials:
             batch = trial_batch(trials, micro)
-            estimate = estimate_memory(
+            step = TrainingStep(
                 module,
-                loss_function(module),
                 batch,
-                optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+                loss_function(module),
+                optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
                 batch_size=batch_samples(batch),
                 step_context=trainer.precision_plugin.train_step_context,
                 accumulate_grad_batches=accumulate,
             )
+            estimate = StepEstimator(step).estimate()
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

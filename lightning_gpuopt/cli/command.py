@@ -272,7 +272,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     train_dataloader() to use self.trainer."""
     import torch
 
-    from lightning_gpuopt.core.estimate import estimate_memory, host_step_context, learn_workspaces
+    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
     from lightning_gpuopt.core.report import to_dict
 
     _check_estimate_numbers(args)
@@ -289,27 +289,24 @@ def run_estimate(args: argparse.Namespace) -> int:
     batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup, datamodule)
     setup.batch_size = _batch_size_of(batch)
     optimizer = _optimizer(module, args.optimizer, setup)
+    optimizers = [] if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
     capacity = _capacity(args.max_memory, device, module, setup)
-    trace = dict(
-        optimizer=optimizer,
+    step = TrainingStep(
+        module,
+        batch,
+        loss_fn,
+        manual_step=_manual_step(module, trainer, optimizers, args, setup),
+        optimizers=optimizers,
         batch_size=setup.batch_size,
         step_context=host_step_context(args.precision),
         device=device,
-        manual_step=_manual_step(module, trainer, optimizer, args, setup),
+        forward_input=forward_input,
     )
-    # kernel workspaces learned once (on the host), for the estimate and the re-traces near the limit
-    trace["workspaces"] = learn_workspaces(
-        module,
-        loss_fn,
-        batch,
-        batch_size=setup.batch_size,
-        step_context=trace["step_context"],
-        device=device,
-        manual_step=trace["manual_step"],
-        optimizer=optimizer,
-    )
-    estimate = estimate_memory(module, loss_fn, batch, forward_input=forward_input, capacity_bytes=capacity, **trace)
-    estimate = refined_near_capacity(estimate, module, loss_fn, batch, trace)
+    # kernel workspaces are learned once (on the host), for the estimate and the re-traces near the limit
+    estimator = StepEstimator(step)
+    estimate = estimator.estimate(capacity)
+    if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
+        estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
     estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
     if args.json:
         setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
@@ -319,14 +316,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
+def _manual_step(module: Any, trainer: Any, optimizers: list, args: argparse.Namespace, setup: EstimateSetup) -> Any:
     """For a LightningModule under manual optimization with a batch from a dataloader: its whole
     ``training_step`` (its backward passes and optimizer steps), traced with the Trainer attached
     (see :func:`lightning_gpuopt.callbacks._engine.steps.manual_step`); else ``None``."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_gpuopt.callbacks._engine.steps import manual_step
-    from lightning_gpuopt.core.estimate import optimizer_list
 
     if (
         trainer is None
@@ -336,7 +332,7 @@ def _manual_step(module: Any, trainer: Any, optimizer: Any, args: argparse.Names
         or not is_overridden("training_step", module)
     ):
         return None
-    trainer.strategy.optimizers = optimizer_list(optimizer)  # what self.optimizers() reads outside the trace
+    trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
     setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
     setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
     return manual_step(trainer, module)
@@ -346,42 +342,6 @@ def _check_estimate_numbers(args: argparse.Namespace) -> None:
     for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
         if value is not None and value < 1:
             raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
-
-
-def refined_near_capacity(estimate: Any, module: Any, loss_fn: Any, batch: Any, trace: dict) -> Any:
-    """The estimate with its line re-traced near the largest batch, as ``BatchSizeSearch`` does
-    (:func:`~lightning_gpuopt.core.estimate.refine_near_capacity`). The peak at the batch size
-    itself stays the exact trace."""
-    from lightning_gpuopt.core.estimate import refine_near_capacity, trace_training_step
-
-    first = estimate.max_batch_size
-    if estimate.method != "traced" or not trace["batch_size"] or not first or first <= 2 * trace["batch_size"]:
-        return estimate
-    refined = refine_near_capacity(
-        lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
-        first,
-        estimate.capacity_bytes,
-        estimate.untraced_bytes,
-    )
-    if refined.fixed_bytes is None:
-        return estimate
-    note = (
-        f"the line was re-traced near the limit (the line through batch sizes {trace['batch_size']} and "
-        f"{2 * trace['batch_size']} gave {first:,})"
-        if refined.max_batch_size != first
-        else ""
-    )
-    return dataclasses.replace(
-        estimate,
-        fixed_bytes=refined.fixed_bytes,
-        bytes_per_sample=refined.bytes_per_sample,
-        max_batch_size=refined.max_batch_size,
-        trace_seconds=(estimate.trace_seconds or 0.0) + refined.seconds,
-        notes=[*estimate.notes, note] if note else estimate.notes,
-    )
-
-
-# -- the output
 
 
 def estimate_table(estimate: Any, setup: EstimateSetup) -> str:

@@ -1,42 +1,27 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure.
 
-A checkpointed block keeps only its inputs during the forward pass and runs its forward again
-in the backward pass to get the activations back: the activations of all but one block no
-longer live at once, for about one extra forward pass of compute.
+A checkpointed block keeps only its inputs in the forward pass and runs its forward again in the
+backward pass: the activations of all but one block no longer live at once, for about one extra
+forward pass of compute.
 
-:func:`find_repeated_blocks` picks the blocks the way practitioners do by hand: the children of
-an ``nn.ModuleList`` / ``nn.Sequential`` that share a class, hold parameters and have submodules
-of their own (transformer layers, residual blocks -- not single ``nn.Linear`` layers, whose
-output is the next layer's saved input anyway). Blocks nested inside a chosen block are not
-chosen again. :func:`select_blocks` takes a user's choice instead: module classes, class names,
-or qualified module names.
-
-:func:`enable_checkpointing` replaces each block's ``forward`` *on the instance* with a
-checkpointed call (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, the
-implementation PyTorch recommends, which also works under DDP). The module tree, parameter
-names and ``state_dict`` keys stay as they were, so checkpoints load with or without it and
-:meth:`CheckpointedBlocks.remove` undoes it exactly. Two details that naive wrapping gets wrong:
-
-* the recomputation in backward would update BatchNorm running statistics a second time; they
-  are saved before and put back after each recomputation, so running stats equal those of an
-  uncheckpointed run;
-* outside autograd (``torch.no_grad()``, validation) blocks run plainly;
-* a key/value cache handed to a block (``past_key_values``, ``layer_past``, ``cache`` -- the name
-  transformers 5.24 gives it -- or any argument holding a cache object, ``use_cache=True``, as
-  HuggingFace layers take them) would be grown by the first pass and seen grown by the
-  recomputation: checkpointed calls get ``use_cache=False`` and no cache, as HuggingFace's own
-  ``GradientCheckpointingLayer`` does.
-
-A model that checkpoints itself -- a HuggingFace ``PreTrainedModel`` with
-``supports_gradient_checkpointing`` -- is better served by its own switch:
-:func:`enable_native_checkpointing` calls its ``activation_checkpointing_enable()`` (or
-``gradient_checkpointing_enable()`` on older transformers) with ``use_reentrant=False``, turns its
-``config.use_cache`` off while it is on, and :meth:`CheckpointedBlocks.remove` puts both back.
-
-Whichever way a block is checkpointed, :func:`check_recomputation` runs one step with it and one
-without, from the same RNG state, and says where they differ (loss, a gradient, a buffer) or what
-the checkpointed step raised: a block is only kept when its recomputation gives the plain step's
-numbers.
+* :func:`find_repeated_blocks` picks the blocks as practitioners do: the children of an
+  ``nn.ModuleList``/``nn.Sequential`` that share a class with a sibling, hold parameters and have
+  submodules (transformer layers, residual blocks; not single layers), outermost only.
+  :func:`select_blocks` takes a user's choice: module classes, class names or qualified names.
+* :func:`enable_checkpointing` replaces each block's ``forward`` *on the instance* with
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: module tree and ``state_dict``
+  keys stay as they are and :meth:`CheckpointedBlocks.remove` undoes it exactly. Outside autograd
+  blocks run plainly; the recomputation puts running statistics (BatchNorm's) back, so they equal
+  an uncheckpointed run's; a key/value cache handed to a block (``past_key_values``,
+  ``past_key_value``, ``layer_past`` or any argument holding a cache object) is dropped and
+  ``use_cache=False`` passed, as HuggingFace's own ``GradientCheckpointingLayer`` does.
+* :func:`enable_native_checkpointing` switches on a model's own checkpointing (a HuggingFace model
+  with ``supports_gradient_checkpointing``: ``activation_checkpointing_enable()``, or
+  ``gradient_checkpointing_enable()`` before transformers 5, with ``use_reentrant=False``) and
+  turns ``config.use_cache`` off; :meth:`CheckpointedBlocks.remove` puts both back.
+* :func:`check_recomputation` runs one step with the blocks checkpointed and one without, from the
+  same RNG state, and says where they differ: a block is only kept when its recomputation gives
+  the plain step's numbers.
 
 Example::
 
@@ -63,67 +48,44 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-#: what ``select_blocks`` accepts: module classes, class names or qualified module names
+#: what :func:`select_blocks` accepts: module classes, class names or qualified module names
 BlockSpec = Union[type, str]
 #: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+#: how a recomputed step may differ from the plain one: relative to each tensor's norm
+RECOMPUTATION_RTOL = 1e-3
+_MISSING = object()
 
 
-def is_key_value_cache(value: Any) -> bool:
-    """Whether ``value`` is a key/value cache object (HuggingFace's ``Cache`` and its subclasses:
-    ``update`` and ``get_seq_length``), whatever the argument holding it is called -- transformers
-    5.24 renamed GPT-2's ``past_key_values`` to ``cache``.
+def _is_key_value_cache(value: Any) -> bool:
+    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called.
 
-    >>> is_key_value_cache(None), is_key_value_cache(torch.zeros(2))
+    >>> _is_key_value_cache(None), _is_key_value_cache(torch.zeros(2))
     (False, False)
     """
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
-#: how a recomputed step may differ from the plain one: relative to each tensor's norm
-RECOMPUTATION_RTOL = 1e-3
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
-def _is_composite(module: nn.Module) -> bool:
-    return next(module.children(), None) is not None
-
-
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``model`` as ``(qualified name, module)``, outermost first.
-
-    A block is a child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class at least one
-    sibling shares, that holds parameters and has submodules of its own.
-    """
+    """The repeated blocks of ``model`` as ``(qualified name, module)``, outermost first (see the module docstring)."""
     chosen: list[tuple[str, nn.Module]] = []
-    inside: set[str] = set()
     for name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        if any(name == block or name.startswith(block + ".") for block in inside):
+        inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)
+        if inside or not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         by_class: dict[type, list[tuple[str, nn.Module]]] = collections.defaultdict(list)
         for child_name, child in container.named_children():
-            if _holds_parameters(child) and _is_composite(child):
+            if next(child.parameters(), None) is not None and next(child.children(), None) is not None:
                 by_class[type(child)].append((f"{name}.{child_name}" if name else child_name, child))
-        for members in by_class.values():
-            if len(members) >= 2:
-                chosen.extend(members)
-                inside.update(member_name for member_name, _ in members)
+        chosen.extend(member for members in by_class.values() if len(members) >= 2 for member in members)
     return chosen
 
 
 def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that ``spec`` names, outermost first (nested matches are skipped).
-
-    Each entry of ``spec`` is a module class, a class name (``"TransformerEncoderLayer"``) or a
-    qualified module name (``"encoder.layers.0"``).
+    """The modules of ``model`` that ``spec`` names (module classes, class names such as
+    ``"TransformerEncoderLayer"``, qualified names such as ``"encoder.layers.0"``), outermost first.
 
     Raises:
         ValueError: an entry matches no module (the message lists the model's repeated blocks).
@@ -136,7 +98,7 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
     for entry in spec:
         if isinstance(entry, type):
             matches = [pair for pair in modules if isinstance(pair[1], entry) and pair[1] is not model]
-        elif isinstance(entry, str) and entry in names and entry:
+        elif isinstance(entry, str) and entry and entry in names:
             matches = [(n, m) for n, m in modules if n == entry]
         elif isinstance(entry, str):
             matches = [(n, m) for n, m in modules if type(m).__name__ == entry and m is not model]
@@ -144,8 +106,9 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
             raise ValueError(f"`checkpointing` entry {entry!r} is not a module class, class name or module name.")
         if not matches:
             found = sorted({type(m).__name__ for _, m in find_repeated_blocks(model)})
+            named = entry.__name__ if isinstance(entry, type) else entry
             raise ValueError(
-                f"`checkpointing` entry {_spec_name(entry)!r} matches no module of {type(model).__name__}; its "
+                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its "
                 f"repeated blocks are of class {found or 'none'} (or give qualified module names such as "
                 f"{[n for n, _ in modules[1:3]]})."
             )
@@ -153,38 +116,33 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
     return _outermost(chosen)
 
 
-def _spec_name(entry: Any) -> str:
-    return entry.__name__ if isinstance(entry, type) else str(entry)
-
-
 def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     names = [name for name, _ in blocks]
-    return [
-        (name, module) for name, module in blocks if not any(other and name.startswith(other + ".") for other in names)
-    ]
+    return [(name, m) for name, m in blocks if not any(other and name.startswith(other + ".") for other in names)]
 
 
 @contextlib.contextmanager
-def _batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
-    """Running statistics of every training-mode BatchNorm in ``module`` put back on exit."""
-    norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+def _running_stats_kept(module: nn.Module) -> Iterator[None]:
+    """The running statistics of every norm layer of ``module`` that tracks them in training put back after the block."""
+    norms = [m for m in module.modules() if m.training and getattr(m, "track_running_stats", False)]
+    names = ("running_mean", "running_var", "num_batches_tracked")
     saved = [
-        [None if b is None else b.detach().clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
+        (m, name, t.detach().clone())
         for m in norms
+        for name in names
+        if isinstance(t := getattr(m, name, None), torch.Tensor)
     ]
     try:
         yield
     finally:
         with torch.no_grad():
-            for norm, buffers in zip(norms, saved):
-                for current, kept in zip((norm.running_mean, norm.running_var, norm.num_batches_tracked), buffers):
-                    if current is not None and kept is not None:
-                        current.copy_(kept)
+            for norm, name, kept in saved:
+                getattr(norm, name).copy_(kept)
 
 
 def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with the key/value cache cleared and ``use_cache=False``, wherever the
-    block's signature puts them (HuggingFace models pass the cache positionally too)."""
+    block's signature puts them (HuggingFace passes the cache positionally too)."""
     if signature is None:
         return args, kwargs
     try:
@@ -198,22 +156,18 @@ def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs:
     changed = False
     for store in stores:
         for name, value in list(store.items()):
-            if value is not None and (name in CACHE_ARGUMENTS or is_key_value_cache(value)):
+            if value is not None and (name in _CACHE_ARGUMENTS or _is_key_value_cache(value)):
                 store[name], changed = None, True
         if store.get("use_cache"):
             store["use_cache"], changed = False, True
     return (bound.args, bound.kwargs) if changed else (args, kwargs)
 
 
-def _signature(forward: Any) -> Optional[inspect.Signature]:
-    try:
-        return inspect.signature(forward)
-    except (TypeError, ValueError):
-        return None
-
-
 def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
-    signature = _signature(forward)
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(forward)
+    except (TypeError, ValueError):
+        signature = None
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -227,7 +181,7 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
             calls += 1
             if calls == 1:
                 return forward(*inner_args, **inner_kwargs)
-            with _batchnorm_stats_kept(module):  # the recomputation in backward
+            with _running_stats_kept(module):  # the recomputation in backward
                 return forward(*inner_args, **inner_kwargs)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -239,49 +193,34 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
 class _NativeSwitch:
     """A model's own checkpointing, switched on by :func:`enable_native_checkpointing`."""
 
-    #: a transformers model: its checkpointing methods and flags are not on ``nn.Module``'s type
-    owner: Any
+    owner: Any  # a transformers model: its checkpointing methods are not on nn.Module's type
     layers: list[Any]
     config_use_cache: Any
     had_input_grad_hooks: bool
 
-    def pause(self) -> list[Any]:
-        paused = [layer for layer in self.layers if getattr(layer, "gradient_checkpointing", False)]
-        for layer in paused:
-            layer.gradient_checkpointing = False
-        return paused
-
     def remove(self) -> None:
-        disable = (
-            getattr(self.owner, "activation_checkpointing_disable", None) or self.owner.gradient_checkpointing_disable
-        )
-        disable()
-        if not self.had_input_grad_hooks and callable(getattr(self.owner, "disable_input_require_grads", None)):
-            self.owner.disable_input_require_grads()  # the hook gradient_checkpointing_enable() added
-        config = getattr(self.owner, "config", None)
-        if config is not None and self.config_use_cache is not _MISSING:
-            config.use_cache = self.config_use_cache
-
-
-_MISSING = object()
+        owner = self.owner
+        (getattr(owner, "activation_checkpointing_disable", None) or owner.gradient_checkpointing_disable)()
+        if not self.had_input_grad_hooks and callable(getattr(owner, "disable_input_require_grads", None)):
+            owner.disable_input_require_grads()  # the hook gradient_checkpointing_enable() added
+        if getattr(owner, "config", None) is not None and self.config_use_cache is not _MISSING:
+            owner.config.use_cache = self.config_use_cache
 
 
 @dataclass
 class CheckpointedBlocks:
-    """Handle on the blocks :func:`enable_checkpointing` (or :func:`enable_native_checkpointing`)
-    changed; :meth:`remove` undoes it, :meth:`paused` suspends it for a block of code."""
+    """The blocks checkpointed; :meth:`remove` undoes it, :meth:`paused` suspends it for a block of code."""
 
     names: list[str]
     classes: list[str]
-    #: how the blocks are checkpointed, for a report: ``"torch.utils.checkpoint"`` or the model's own method
+    #: how, for a report: ``"torch.utils.checkpoint"`` or the model's own method
     method: str = "torch.utils.checkpoint"
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _native: list[_NativeSwitch] = field(default_factory=list, repr=False)
 
     @property
     def native(self) -> bool:
-        """Whether some of the blocks are checkpointed by the model's own switch
-        (:func:`enable_native_checkpointing`), not by ``torch.utils.checkpoint``."""
+        """Whether some blocks are checkpointed by the model's own switch."""
         return bool(self._native)
 
     def remove(self) -> None:
@@ -295,7 +234,9 @@ class CheckpointedBlocks:
     def paused(self) -> Iterator[None]:
         """Inside the block the blocks run plainly (checkpointing stays set up)."""
         forwards = [(module, vars(module).pop("forward")) for module in self._modules if "forward" in vars(module)]
-        layers = [layer for switch in self._native for layer in switch.pause()]
+        layers = [layer for s in self._native for layer in s.layers if getattr(layer, "gradient_checkpointing", False)]
+        for layer in layers:
+            layer.gradient_checkpointing = False
         try:
             yield
         finally:
@@ -307,32 +248,30 @@ class CheckpointedBlocks:
     @classmethod
     def joined(cls, handles: Sequence[CheckpointedBlocks]) -> CheckpointedBlocks:
         """One handle for all of ``handles`` (their methods joined, classes once)."""
-        methods = list(dict.fromkeys(handle.method for handle in handles))
-        classes = list(dict.fromkeys(name for handle in handles for name in handle.classes))
         return cls(
             names=[n for h in handles for n in h.names],
-            classes=classes,
-            method=" + ".join(methods),
+            classes=list(dict.fromkeys(name for h in handles for name in h.classes)),
+            method=" + ".join(dict.fromkeys(h.method for h in handles)),
             _modules=[m for h in handles for m in h._modules],
             _native=[s for h in handles for s in h._native],
         )
 
+    def _add(self, name: str, module: nn.Module) -> None:
+        self.names.append(name)
+        if type(module).__name__ not in self.classes:
+            self.classes.append(type(module).__name__)
+
 
 def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
-    """Checkpoint each ``(name, module)`` of ``blocks`` (see the module docstring)."""
+    """Checkpoint each ``(name, module)`` of ``blocks`` with ``torch.utils.checkpoint`` (see the module
+    docstring); a block whose ``forward`` is already set on the instance is left alone."""
     handle = CheckpointedBlocks(names=[], classes=[])
     for name, module in blocks:
-        if "forward" in vars(module):  # checkpointed already, or a forward the user patched: leave it
-            continue
-        module.forward = _checkpointed_forward(module, module.forward)
-        handle.names.append(name)
-        handle._modules.append(module)
-        if type(module).__name__ not in handle.classes:
-            handle.classes.append(type(module).__name__)
+        if "forward" not in vars(module):  # else checkpointed already, or a forward the user patched
+            module.forward = _checkpointed_forward(module, module.forward)
+            handle._add(name, module)
+            handle._modules.append(module)
     return handle
-
-
-# ----------------------------------------------------------------------------- a model's own checkpointing
 
 
 def _checkpoints_itself(module: nn.Module) -> bool:
@@ -345,42 +284,35 @@ def _checkpoints_itself(module: nn.Module) -> bool:
 def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost submodules of ``model`` (itself included) that checkpoint themselves.
 
-    Example::
-
-        >>> native_checkpointing_owners(torch.nn.Linear(2, 2))
-        []
+    >>> native_checkpointing_owners(torch.nn.Linear(2, 2))
+    []
     """
     if _checkpoints_itself(model):
         return [("", model)]
     return _outermost([(name, module) for name, module in model.named_modules() if _checkpoints_itself(module)])
 
 
-def _switch_on(owner: Any) -> None:  # a transformers model (see _NativeSwitch.owner)
-    enable = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5: the deprecation-free name
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        return
-    try:
-        owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    except TypeError:  # transformers < 4.35 takes no arguments
-        owner.gradient_checkpointing_enable()
-
-
-def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
-    """Switch on each model's own activation checkpointing (see the module docstring).
-
-    ``owners`` as :func:`native_checkpointing_owners` gives them; the handle names the layers the
-    model checkpoints (those whose ``gradient_checkpointing`` flag it set).
-    """
+def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> CheckpointedBlocks:
+    """Switch on each model's own activation checkpointing (``owners`` as
+    :func:`native_checkpointing_owners` gives them); the handle names the layers it checkpoints."""
     handle = CheckpointedBlocks(names=[], classes=[], method="")
     methods = []
     for owner_name, owner in owners:
         had_hooks = bool(getattr(owner, "_require_grads_hooks", None) or getattr(owner, "_require_grads_hook", None))
-        _switch_on(owner)
+        switch = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5
+        if switch is not None:
+            switch(activation_checkpointing_kwargs={"use_reentrant": False})
+            methods.append(f"{type(owner).__name__}.activation_checkpointing_enable()")
+        else:
+            try:
+                owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            except TypeError:  # transformers < 4.35 takes no arguments
+                owner.gradient_checkpointing_enable()
+            methods.append(f"{type(owner).__name__}.gradient_checkpointing_enable()")
         config = getattr(owner, "config", None)
-        use_cache = getattr(config, "use_cache", _MISSING) if config is not None else _MISSING
+        use_cache = _MISSING if config is None else getattr(config, "use_cache", _MISSING)
         if config is not None and use_cache is not _MISSING:
-            config.use_cache = False  # what HF's own training scripts do under checkpointing
+            config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
         flagged = [
             (name, module)
             for name, module in owner.named_modules()
@@ -390,87 +322,24 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, nn.Module]]) -> Chec
         ]
         handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
         # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
-        layers = [
-            (n, m) for n, m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
-        ]
+        layers = [(n, m) for n, m in flagged if "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}]
         for name, module in layers or flagged:
-            handle.names.append(".".join(part for part in (owner_name, name) if part))
-            if type(module).__name__ not in handle.classes:
-                handle.classes.append(type(module).__name__)
-        switch = (
-            "activation_checkpointing_enable"
-            if hasattr(owner, "activation_checkpointing_enable")
-            else "gradient_checkpointing_enable"
-        )
-        methods.append(f"{type(owner).__name__}.{switch}()")
+            handle._add(".".join(part for part in (owner_name, name) if part), module)
     handle.method = ", ".join(methods)
     return handle
 
 
-# ----------------------------------------------------------------------------- checking a recomputation
-
-
-@dataclass
-class _StepResult:
-    loss: torch.Tensor
-    grads: list[Optional[torch.Tensor]]
-    buffers: list[torch.Tensor]
-
-
-def _run_step(
-    loss_fn: Callable[[Any], torch.Tensor],
-    batch: Any,
-    params: list[nn.Parameter],
-    buffers: list[torch.Tensor],
-    step_context: Callable[[], ContextManager[Any]],
-) -> _StepResult:
-    for param in params:
-        param.grad = None
-    with step_context():
-        loss = loss_fn(batch)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-    loss.backward()
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-    return _StepResult(loss.detach().clone(), grads, [b.detach().clone() for b in buffers])
-
-
 def _relative_gap(plain: Optional[torch.Tensor], recomputed: Optional[torch.Tensor]) -> float:
     """``|recomputed - plain| / |plain|`` (norms); exact for integer tensors; inf where one is missing."""
-    if plain is None or recomputed is None:
+    if plain is None or recomputed is None or plain.shape != recomputed.shape:
         return 0.0 if plain is recomputed else float("inf")
-    if plain.shape != recomputed.shape:
-        return float("inf")
     if not plain.is_floating_point():
         return 0.0 if torch.equal(plain, recomputed) else float("inf")
     plain, recomputed = plain.double(), recomputed.double()
     if torch.equal(plain, recomputed):
         return 0.0
-    gap = float((recomputed - plain).norm())
     scale = float(plain.norm())
-    return gap / scale if scale > 0 else float("inf")
-
-
-def _first_difference(
-    plain: _StepResult, recomputed: _StepResult, param_names: list[str], buffer_names: list[str], rtol: float
-) -> Optional[str]:
-    gap = _relative_gap(plain.loss, recomputed.loss)
-    if gap > rtol:
-        return f"the loss is {float(recomputed.loss):.6g} recomputed, {float(plain.loss):.6g} plain"
-    for name, a, b in zip(param_names, plain.grads, recomputed.grads):
-        gap = _relative_gap(a, b)
-        if gap > rtol:
-            return f"the gradient of {name} differs by {gap:.2g} (relative)"
-    for name, a, b in zip(buffer_names, plain.buffers, recomputed.buffers):
-        gap = _relative_gap(a, b)
-        if gap > rtol:
-            return f"the buffer {name} differs by {gap:.2g} after the step (updated again by the recomputation?)"
-    return None
-
-
-def _reason(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+    return float((recomputed - plain).norm()) / scale if scale > 0 else float("inf")
 
 
 def check_recomputation(
@@ -482,14 +351,10 @@ def check_recomputation(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     rtol: float = RECOMPUTATION_RTOL,
 ) -> Optional[str]:
-    """``None`` when a training step with ``handle``'s blocks checkpointed gives the plain step's
-    loss, gradients and buffers (within ``rtol`` of each tensor's norm); else why not (the first
-    difference, or what the checkpointed step raised).
-
-    Both steps start from the same RNG state (dropout and drop-path draw the same masks; the
-    non-reentrant checkpoint replays them in the recomputation). Gradients, buffers and the RNG
-    state are as before on return; the optimizer does not step. It costs two forward and backward
-    passes on ``batch`` and a copy of the gradients, so pass a small batch.
+    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients
+    and buffers (within ``rtol`` of each tensor's norm); else the first difference, or what the
+    checkpointed step raised. Both start from the same RNG state; gradients, buffers and the RNG
+    state are as before on return (no optimizer step). Two forward and backward passes: pass a small batch.
 
     Example::
 
@@ -501,30 +366,52 @@ def check_recomputation(
     """
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     named_buffers = list(model.named_buffers())
-    params = [p for _, p in named_params]
-    buffers = [b for _, b in named_buffers]
-    saved_grads = [p.grad for p in params]
-    saved_buffers = [b.detach().clone() for b in buffers]
-    devices = sorted({t.device.index or 0 for t in [*params, *buffers] if t.device.type == "cuda"})
+    saved_grads = [p.grad for _, p in named_params]
+    saved_buffers = [b.detach().clone() for _, b in named_buffers]
+    tensors = [t for _, t in (*named_params, *named_buffers)]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
     def put_buffers_back() -> None:
         with torch.no_grad():
-            for buffer, saved in zip(buffers, saved_buffers):
+            for (_, buffer), saved in zip(named_buffers, saved_buffers):
                 buffer.copy_(saved)
+
+    def run() -> list[tuple[str, Any]]:
+        """One step: ``(what, tensor)`` for the loss, each gradient and each buffer after it."""
+        for _, param in named_params:
+            param.grad = None
+        with step_context():
+            loss = loss_fn(batch)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+        loss.backward()
+        return [
+            ("the loss", loss.detach().clone()),
+            *((f"the gradient of {n}", None if p.grad is None else p.grad.detach().clone()) for n, p in named_params),
+            *((f"the buffer {n}", b.detach().clone()) for n, b in named_buffers),
+        ]
 
     try:
         with torch.random.fork_rng(devices=devices):
-            # the plain step, RNG state put back; what it raises is the user's step failing, not the
-            # checkpointing: it propagates as it is
             with torch.random.fork_rng(devices=devices), handle.paused():
-                plain = _run_step(loss_fn, batch, params, buffers, step_context)
+                plain = run()  # the RNG state put back after it
             put_buffers_back()
             try:
-                recomputed = _run_step(loss_fn, batch, params, buffers, step_context)
+                recomputed = run()
             except Exception as error:  # noqa: BLE001 - the reason to refuse
-                return _reason(error)
-        return _first_difference(plain, recomputed, [n for n, _ in named_params], [n for n, _ in named_buffers], rtol)
+                lines = str(error).strip().splitlines()
+                return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+        for (what, a), (_, b) in zip(plain, recomputed):
+            gap = _relative_gap(a, b)
+            if gap <= rtol:
+                continue
+            if what == "the loss":
+                return f"the loss is {float(b):.6g} recomputed, {float(a):.6g} plain"
+            if what.startswith("the buffer"):
+                return f"{what} differs by {gap:.2g} after the step (updated again by the recomputation?)"
+            return f"{what} differs by {gap:.2g} (relative)"
+        return None
     finally:
         put_buffers_back()
-        for param, grad in zip(params, saved_grads):
+        for (_, param), grad in zip(named_params, saved_grads):
             param.grad = grad

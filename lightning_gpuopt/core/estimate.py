@@ -1,54 +1,30 @@
-"""Peak memory of a training step, predicted before it runs: torchinfo's summary and a traced step.
+"""Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-torchinfo's "Estimated Total Size" (input + forward/backward pass + parameters) leaves out
-gradients, optimizer state and what autograd saves beyond each layer's output, so it can be off
-by several times against a real step. This module keeps torchinfo's figures for reference and
-predicts the peak by *running* the step on fake tensors:
+:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory) under a
+:class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, in Lightning's order (forward in
+``step_context``, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a twin of each
+optimizer): the second step starts with the first one's gradients and optimizer state alive. The
+peak (on CUDA in the caching allocator's 512-byte blocks) traced at ``B`` and ``2B`` gives the line
+``fixed_bytes + bytes_per_sample * b`` and the largest batch for a capacity; :meth:`~StepEstimator.refined`
+re-traces it near that batch (the peak is convex piecewise-linear in the batch).
 
-1. the module's parameters and buffers are swapped for ``FakeTensor`` twins (no memory; shapes,
-   dtypes and devices kept), the batch is faked and, to vary the batch size, rebuilt with another
-   first dimension;
-2. under ``FakeTensorMode`` and a :class:`~lightning_gpuopt.core.op_memory.LiveTensorTracker`, two
-   steps run in Lightning's order: forward (in the caller's ``step_context``, e.g. autocast),
-   ``zero_grad(set_to_none=True)``, backward, the optimizer's ``step()`` on a twin of the real
-   optimizer (same class, same param-group options). The second step starts with the first
-   step's gradients and optimizer state alive, as every later real step does;
-3. the tracker's peak is the prediction (on CUDA each storage counts in the caching allocator's
-   512-byte blocks). Traced at batch sizes ``B`` and ``2B``, the peak gives a line
-   ``bytes(b) = fixed_bytes + bytes_per_sample * b``, and so the largest batch that fits a
-   capacity.
-
-What a fake trace cannot see is the memory kernels allocate and free inside themselves: on CPU,
-oneDNN's reorders around each convolution (as large as its output), BatchNorm backward's
-temporaries, scratch buffers -- a quarter of a small CNN's peak. On a module on the host,
-:func:`learn_workspaces` runs one real forward and backward at a small batch (at most
-:data:`~lightning_gpuopt.core.workspace.PROBE_BATCH_SIZE` samples) on copies of the parameters and
-buffers, learns what each op call needs beyond its outputs from the profiler's allocator events
-(:mod:`.op_memory`), and the trace adds each call's workspace, scaled to the traced call's inputs,
-while that call runs, and counts the outputs some real kernels make larger than their fake twins
-(oneDNN's LSTM workspace) at the real size (:mod:`.workspace`); :attr:`MemoryEstimate.notes` and
-:attr:`MemoryEstimate.workspace_bytes` say how much of the predicted peak that is. On
-CUDA the host's kernels say nothing about cuDNN's and cuBLAS's workspaces: they, the CUDA context
-and memory held outside the step (e.g. DDP's gradient buckets, which :func:`with_untraced_bytes`
-adds) are not traced.
-
-The trace allocates nothing real, and nothing is changed: module attributes, parameters,
-buffers, gradients and the RNG state are as before (the probe's own allocations, on the host, are
-freed when it ends). A step that needs real values (``.item()``, data-dependent control
-flow, ops without a fake implementation) cannot be traced; :func:`estimate_memory` then falls
-back to torchinfo's figures plus parameters, gradients and a rule for the optimizer state
-(Adam/AdamW: 2x the trainable parameters, 3x with ``amsgrad``; SGD with momentum: 1x, without: 0),
-and says why in :attr:`MemoryEstimate.notes`.
+What kernels allocate inside themselves (oneDNN's reorders, BatchNorm's backward temporaries) is
+learned for a step on the host from one small real step (:mod:`.workspace`) and added to every
+trace. On CUDA the cuBLAS workspace and :attr:`TrainingStep.untraced` (DDP's gradient buckets) are
+added as ``untraced_bytes``; cuDNN's workspaces and the CUDA context are not counted. Nothing is
+allocated on the device and nothing changes (parameters, buffers, gradients, attributes, RNG
+states). A step that cannot be traced (``.item()``, data-dependent control flow, an op without a
+fake kernel) gets torchinfo's figures plus parameters, gradients and :func:`optimizer_state_rule_bytes`
+instead, and :attr:`MemoryEstimate.not_traced_reason` says why.
 
 Example::
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    >>> optimizer = torch.optim.Adam(model.parameters())
     >>> batch = (torch.randn(16, 32), torch.randn(16, 1))
-    >>> loss_fn = lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1])
-    >>> estimate = estimate_memory(model, loss_fn, batch, optimizer=optimizer, batch_size=16,
-    ...                            forward_input=batch[0], capacity_bytes=10**6)
+    >>> step = TrainingStep(model, batch, loss_fn=lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]),
+    ...                     optimizers=[torch.optim.Adam(model.parameters())], batch_size=16, forward_input=batch[0])
+    >>> estimate = StepEstimator(step).estimate(capacity_bytes=10**6)
     >>> estimate.method, estimate.optimizer_bytes >= 2 * estimate.params_bytes  # exp_avg, exp_avg_sq, step
     ('traced', True)
     >>> estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
@@ -60,13 +36,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import logging
 import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torchinfo
@@ -77,22 +54,48 @@ from lightning_gpuopt.core.op_memory import learning_possible, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
 LossFn = Callable[[Any], torch.Tensor]
-#: a whole training step under manual optimization: ``(batch, optimizers)``, where the step runs its
-#: own backward passes and ``step()``/``zero_grad()`` calls on the optimizers it is given
+#: a whole step under manual optimization, ``(batch, optimizers) -> None``: its own backward passes and steps
 ManualStep = Callable[[Any, list], None]
-#: one optimizer, several (manual optimization), or none
-Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+StepContext = Callable[[], ContextManager[Any]]
 
 
 class NotTraceable(Exception):
-    """A step that cannot be traced, for a reason known before trying (e.g. ``training_step`` takes
-    ``dataloader_iter``); its message is the reason, shown as it is in :attr:`MemoryEstimate.notes`
-    and :attr:`MemoryEstimate.not_traced_reason`."""
+    """A step known not to be traceable; the message is the reason (:attr:`MemoryEstimate.not_traced_reason`)."""
+
+
+@dataclass
+class TrainingStep:
+    """One training step: ``module`` on ``batch``, by ``loss_fn`` or (manual optimization) ``manual_step``."""
+
+    module: torch.nn.Module
+    batch: Any
+    #: ``batch -> loss``: the forward pass and the loss (unused with ``manual_step``)
+    loss_fn: LossFn | None = None
+    #: the whole step under manual optimization, run with twins of ``optimizers`` in place of ``loss_fn``
+    manual_step: ManualStep | None = None
+    #: the real optimizers (twins of the same class and param-group options step); none: no optimizer step
+    optimizers: Sequence[torch.optim.Optimizer] = ()
+    #: the batch size of ``batch`` (its tensors with that first dimension are resized); ``None``: no line
+    batch_size: int | None = None
+    #: what the forward pass runs in (e.g. autocast; for a CUDA run traced on the host see :func:`host_step_context`)
+    step_context: StepContext = contextlib.nullcontext
+    #: where the step will run (default: the module's device): CUDA counts 512-byte blocks and the cuBLAS workspace
+    device: torch.device | str | None = None
+    #: above 1 the gradients of earlier micro-batches are alive through the next forward and backward pass
+    accumulate_grad_batches: int = 1
+    #: what ``module.forward`` takes, for torchinfo's figures (``None``: none)
+    forward_input: Any = None
+    #: memory the real step holds outside the traced one, as ``(reason, bytes)``: e.g. DDP's gradient buckets
+    untraced: Sequence[tuple[str, int]] = ()
+
+    def __post_init__(self) -> None:
+        if self.loss_fn is None and self.manual_step is None:
+            raise ValueError("a TrainingStep needs `loss_fn` (automatic optimization) or `manual_step` (manual).")
 
 
 @dataclass
 class TracedStep:
-    """Figures of one traced training step (all in bytes, as live at the step's end)."""
+    """Figures of one traced step at ``batch_size``, in bytes as live at its end (``peak_bytes``: its peak)."""
 
     batch_size: int | None
     peak_bytes: int
@@ -102,35 +105,18 @@ class TracedStep:
     optimizer_bytes: int
     batch_bytes: int
     seconds: float
-    #: kernel memory in the peak, learned by a probe (:func:`learn_workspaces`): workspaces, and
-    #: outputs the real kernels make larger than the fake ones
+    #: kernel memory in the peak learned by the probe: workspaces, outputs larger than the fake ones
     workspace_bytes: int = 0
 
 
 @dataclass
-class TorchinfoFigures:
-    """torchinfo's summary of one forward pass; ``total_bytes`` is its "Estimated Total Size"."""
-
-    total_params: int
-    trainable_params: int
-    mult_adds: int
-    input_bytes: int
-    forward_backward_bytes: int
-    params_bytes: int
-    total_bytes: int
-    on_fake_tensors: bool
-    seconds: float
-
-
-@dataclass
 class MemoryEstimate:
-    """Predicted (and, once measured, actual) peak memory of a training step.
+    """Predicted (and, once measured, actual) peak memory of a training step; the ``"memory"`` report.
 
-    ``predicted_peak_bytes`` = ``params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
-    batch_bytes + untraced_bytes + activation_bytes``, where ``activation_bytes`` is everything else live at the
-    peak (saved activations, temporaries, and the ``workspace_bytes`` that kernels allocate inside
-    themselves, learned on the host by :func:`learn_workspaces`). Errors are relative and signed:
-    ``(predicted - measured) / measured``, positive when the prediction is too high.
+    ``predicted_peak_bytes = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
+    batch_bytes + untraced_bytes + activation_bytes``; ``activation_bytes`` is everything else live at
+    the peak (saved activations, temporaries, ``workspace_bytes``). Errors are ``(predicted -
+    measured) / measured``: positive when the prediction is too high.
     """
 
     params_bytes: int
@@ -140,21 +126,21 @@ class MemoryEstimate:
     torchinfo_total_bytes: int | None
     predicted_peak_bytes: int
     measured_peak_bytes: int | None = None
+    #: the largest batch with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
     max_batch_size: int | None = None
     #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
     method: str = "traced"
     batch_size: int | None = None
     buffers_bytes: int = 0
     batch_bytes: int = 0
-    #: memory the real step holds outside the traced one (DDP's gradient buckets)
+    #: memory the real step holds outside the traced one (cuBLAS's workspace, DDP's gradient buckets)
     untraced_bytes: int = 0
-    #: kernel workspaces in the predicted peak (part of ``activation_bytes``; 0 where not learned:
-    #: not on the host, or another profiler was running)
+    #: kernel workspaces in the prediction (part of ``activation_bytes``; 0 where not learned)
     workspace_bytes: int = 0
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
-    #: the gradient accumulation the step was traced with (the gradients of earlier micro-batches alive)
+    #: the gradient accumulation traced (the gradients of earlier micro-batches alive)
     accumulate_grad_batches: int = 1
     param_dtype: str | None = None
     estimate_error: float | None = None
@@ -164,28 +150,373 @@ class MemoryEstimate:
     torchinfo_mult_adds: int | None = None
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
-    #: why the step was not traced (``method`` is then a fallback): what the estimate did not model
+    #: why the step was not traced (``method`` is then a fallback)
     not_traced_reason: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def with_measured_peak(self, measured_peak_bytes: int | None) -> MemoryEstimate:
+        """The estimate with the measured peak and both relative errors filled in."""
+        return replace(
+            self,
+            measured_peak_bytes=measured_peak_bytes,
+            estimate_error=_relative_error(self.predicted_peak_bytes, measured_peak_bytes),
+            torchinfo_error=_relative_error(self.torchinfo_total_bytes, measured_peak_bytes),
+        )
 
-# ----------------------------------------------------------------------------- fake twins
+    def with_measured_optimizer_state(self, optimizer_bytes: int) -> MemoryEstimate:
+        """For an optimizer without a rule: its state as measured after a real step, added to the prediction."""
+        return self._with_fixed_bytes_added(
+            optimizer_bytes - self.optimizer_bytes,
+            f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
+            optimizer_bytes=optimizer_bytes,
+        )
+
+    def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
+        """Memory the real step holds outside the traced one, added.
+
+        Example::
+
+            >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
+            >>> after = before.with_untraced_bytes(10, "DDP gradient buckets")
+            >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size, after.notes
+            (55, 10, 50, ['DDP gradient buckets: 10 bytes'])
+        """
+        return self._with_fixed_bytes_added(
+            untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=self.untraced_bytes + untraced_bytes
+        )
+
+    def _with_fixed_bytes_added(self, added: int, note: str, **changes: Any) -> MemoryEstimate:
+        fixed = None if self.fixed_bytes is None else self.fixed_bytes + added
+        return replace(
+            self,
+            predicted_peak_bytes=self.predicted_peak_bytes + added,
+            fixed_bytes=fixed,
+            max_batch_size=_max_batch_size_for(self.capacity_bytes, fixed, self.bytes_per_sample),
+            notes=[*self.notes, note],
+            **changes,
+        )
+
+
+class StepEstimator:
+    """Predicts the peak memory of ``step``; its kernel workspaces (:attr:`workspaces`) are learned once,
+    on first use, for every trace (``workspaces=False``: none counted)."""
+
+    def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
+        self.step = step
+        self._learns_workspaces = workspaces
+
+    def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
+        """The peak, traced at the step's batch size and twice it, and the largest batch for
+        ``capacity_bytes``; when the step cannot be traced, torchinfo's figures and why in ``notes``."""
+        step, notes = self.step, []
+        summary = None
+        if step.forward_input is not None:
+            try:
+                summary = _torchinfo_summary(step)
+            except Exception as error:  # noqa: BLE001 - a summary is optional
+                notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
+        untraced = list(step.untraced)
+        try:
+            estimate = self._traced()
+            card = device_for(step.device if step.device is not None else _module_device(step.module))
+            if card.is_cuda and card.capabilities.cublas_workspace_bytes:
+                reason = "the cuBLAS workspace (kept by the caching allocator)"
+                untraced.insert(0, (reason, card.capabilities.cublas_workspace_bytes))
+        except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
+            reason = _first_line(error)
+            uses = (
+                "torchinfo's figures"
+                if summary is not None
+                else "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
+            )
+            notes.append(
+                f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
+                f"{uses} and is less accurate"
+            )
+            estimate = replace(self._fallback(summary), not_traced_reason=reason)
+        if summary is not None:
+            info, seconds = summary  # "Estimated Total Size": input, forward/backward pass and parameters
+            estimate = replace(
+                estimate,
+                torchinfo_total_bytes=int(info.total_input + info.total_output_bytes + info.total_param_bytes),
+                torchinfo_params=int(info.total_params),
+                torchinfo_trainable_params=int(info.trainable_params),
+                torchinfo_mult_adds=int(info.total_mult_adds),
+                torchinfo_seconds=seconds,
+            )
+        params = list(step.module.parameters())
+        estimate = replace(
+            estimate,
+            capacity_bytes=capacity_bytes,
+            max_batch_size=_max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
+            accumulate_grad_batches=step.accumulate_grad_batches,
+            param_dtype=str(params[0].dtype) if params else None,
+            notes=[*notes, *estimate.notes],
+        )
+        for reason, num_bytes in untraced:
+            estimate = estimate.with_untraced_bytes(num_bytes, reason)
+        return estimate
+
+    def refined(self, estimate: MemoryEstimate, passes: int = 2) -> MemoryEstimate:
+        """``estimate`` (of this step) with its line re-traced near its largest batch: the line through
+        ``B`` and ``2B`` can be too flat and overshoot (at small batches the optimizer step can set the
+        peak). Each pass traces half the largest batch and the largest batch, counts the estimate's
+        ``untraced_bytes`` and solves the new line for its capacity; it stops when the answer no
+        longer moves or falls below 4. The predicted peak at the batch size stays as traced.
+
+        Example::
+
+            >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+            >>> step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
+            ...                     optimizers=[torch.optim.Adam(model.parameters())])
+            >>> estimator = StepEstimator(step)
+            >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
+            >>> refined.max_batch_size, refined.notes[-1]  # at 4 and 8 Adam's step sets the peak: the line is too flat
+            (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')
+        """
+        first = predicted = estimate.max_batch_size
+        if estimate.method != "traced" or not self.step.batch_size or not predicted:
+            return estimate
+        fixed = per_sample = None
+        seconds = 0.0
+        for _ in range(passes):
+            if predicted < 4:
+                break
+            half, full = self.trace(predicted // 2), self.trace(predicted)
+            seconds += half.seconds + full.seconds
+            per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
+            fixed = full.peak_bytes + estimate.untraced_bytes - per_sample * predicted
+            refined = _max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
+            if refined is None or refined == predicted:
+                break
+            predicted = refined
+        if fixed is None:
+            return estimate
+        size = self.step.batch_size
+        note = (
+            f"the line was re-traced near the limit (the line through batch sizes {size} and {2 * size} gave {first:,})"
+        )
+        return replace(
+            estimate,
+            fixed_bytes=fixed,
+            bytes_per_sample=per_sample,
+            max_batch_size=predicted,
+            trace_seconds=(estimate.trace_seconds or 0.0) + seconds,
+            notes=[*estimate.notes, note] if predicted != first else estimate.notes,
+        )
+
+    def trace(self, batch_size: int | None = None) -> TracedStep:
+        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces.
+
+        With ``accumulate_grad_batches`` above 1 the gradients are set to ``None`` only before the first
+        backward: the second step accumulates onto the first one's gradients and the optimizer steps
+        after each, so it is the worst micro-batch of any group (gradients and optimizer state alive,
+        then the optimizer's step). Raises what the step raises (e.g. ``DataDependentOutputException``).
+
+        Example::
+
+            >>> model = torch.nn.Linear(100, 10)
+            >>> step = TrainingStep(model, torch.ones(8, 100), lambda x: model(x).sum(),
+            ...                     optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)], batch_size=8)
+            >>> traced = StepEstimator(step).trace(1000)
+            >>> traced.params_bytes == traced.grads_bytes == 4040, traced.optimizer_bytes, traced.batch_bytes
+            (True, 0, 400000)
+        """
+        step, start = self.step, time.perf_counter()
+        target = _module_device(step.module) if step.device is None else torch.device(step.device)
+        granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
+        profile = self.workspaces
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
+            fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
+            params = list(step.module.parameters())
+            learned = profile if profile is not None and profile.learned else None
+            existing = (step.module, fake_batch)
+            with mode, WorkspaceTracker(learned, existing=existing, granularity=granularity) as tracker:
+                optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
+                _run_step(step, fake_batch, optimizers, zero_grads=params)
+                tracker.next_step()
+                _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
+                traced = TracedStep(
+                    batch_size=batch_size or step.batch_size,
+                    peak_bytes=tracker.peak_bytes,
+                    params_bytes=storage_bytes(params, granularity=granularity),
+                    buffers_bytes=storage_bytes(list(step.module.buffers()), granularity=granularity),
+                    grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
+                    optimizer_bytes=storage_bytes(*optimizers, granularity=granularity),
+                    batch_bytes=storage_bytes(fake_batch, granularity=granularity),
+                    seconds=0.0,
+                    workspace_bytes=tracker.workspace_bytes_at_peak,
+                )
+        traced.seconds = time.perf_counter() - start
+        return traced
+
+    @functools.cached_property
+    def workspaces(self) -> WorkspaceProfile | None:
+        """What each op call of the step allocates inside its kernel, from one real forward and backward
+        on the host at ``min(batch_size, PROBE_BATCH_SIZE)`` samples (the first rows of the batch).
+
+        It runs on copies of the parameters and buffers: the model, its gradients and hooks (DDP's),
+        BatchNorm's statistics, attributes, RNG states and optimizers are not touched, and what it
+        allocates is freed on return. ``None`` off the host or for a step that will run elsewhere (on
+        CUDA, cuDNN and cuBLAS choose their own workspaces); ``failure`` set when it could not run.
+
+        Example::
+
+            >>> conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+            >>> stats = conv[1].running_mean.clone()
+            >>> step = TrainingStep(conv, torch.randn(64, 3, 16, 16), lambda x: conv(x).sum(), batch_size=64)
+            >>> profile = StepEstimator(step).workspaces
+            >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
+            (16, True, True)
+        """
+        step = self.step
+        off_host = step.device is not None and torch.device(step.device).type != "cpu"
+        if not self._learns_workspaces or off_host or not _on_host(step.module, step.batch):
+            return None
+        size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
+        if not learning_possible():
+            return WorkspaceProfile(batch_size=size, failure="another profiler is running")
+        start = time.perf_counter()
+        small_batch = sliced_batch(step.batch, step.batch_size, size)
+        try:
+            with host_only(), _twinned(step.module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
+                # the optimizers only step inside a manual step (their kernels allocate nothing beyond their outputs)
+                optimizers = [_twin_optimizer(o, twin_of) for o in step.optimizers] if step.manual_step else []
+                _run_step(step, small_batch, optimizers, zero_grads=[])
+        except Exception as error:  # noqa: BLE001 - without a probe the trace counts no workspaces
+            return WorkspaceProfile(batch_size=size, seconds=time.perf_counter() - start, failure=_first_line(error))
+        return WorkspaceProfile(tuple(recorder.calls), size, time.perf_counter() - start)
+
+    def _traced(self) -> MemoryEstimate:
+        step, profile = self.step, self.workspaces
+        at_batch = self.trace()
+        seconds = at_batch.seconds + (0.0 if profile is None else profile.seconds)
+        fixed = per_sample = None
+        if step.batch_size:
+            at_double = self.trace(2 * step.batch_size)
+            seconds += at_double.seconds
+            per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
+            fixed = at_batch.peak_bytes - per_sample * step.batch_size
+        notes = _workspace_notes(profile, at_batch)
+        if step.accumulate_grad_batches > 1:
+            notes.append(
+                f"traced accumulating {step.accumulate_grad_batches} micro-batches per optimizer step: the gradients "
+                "of earlier micro-batches are alive through the next forward and backward pass"
+            )
+        if step.manual_step is not None:
+            notes.append(
+                "manual optimization: traced the whole training_step, its backward passes and the steps of its "
+                f"{len(step.optimizers)} optimizer(s)"
+            )
+        return _estimate_of(at_batch, "traced", fixed, per_sample, trace_seconds=seconds, notes=notes)
+
+    def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
+        step = self.step
+        params = list(step.module.parameters())
+        rule = optimizer_state_rule_bytes(step.optimizers)
+        notes = []
+        if rule is None:
+            names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
+            notes.append(f"no rule for {names}: its state is measured after the first real step")
+        figures = TracedStep(
+            batch_size=step.batch_size,
+            peak_bytes=0,
+            params_bytes=storage_bytes(params),
+            buffers_bytes=storage_bytes(list(step.module.buffers())),
+            grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
+            optimizer_bytes=rule or 0,
+            batch_bytes=storage_bytes(step.batch),
+            seconds=0.0,
+        )
+        fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
+        if summary is None:
+            figures.peak_bytes = fixed + figures.batch_bytes
+            return _estimate_of(figures, "parameters-only", None, None, notes=notes)
+        figures.batch_bytes = int(summary[0].total_input)
+        per_batch = figures.batch_bytes + int(summary[0].total_output_bytes)
+        figures.peak_bytes = fixed + per_batch
+        per_sample = per_batch / step.batch_size if step.batch_size else None
+        return _estimate_of(figures, "torchinfo-fallback", fixed, per_sample, notes=notes)
+
+
+def _estimate_of(
+    figures: TracedStep, method: str, fixed: float | None, per_sample: float | None, **changes: Any
+) -> MemoryEstimate:
+    shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
+    known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
+    return MemoryEstimate(
+        **shared,
+        activation_bytes=None if method == "parameters-only" else figures.peak_bytes - known - figures.batch_bytes,
+        torchinfo_total_bytes=None,
+        predicted_peak_bytes=figures.peak_bytes,
+        method=method,
+        fixed_bytes=fixed,
+        bytes_per_sample=per_sample,
+        **changes,
+    )
+
+
+def _workspace_notes(profile: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
+    """What the notes say about kernel workspaces (nothing where the probe does not apply)."""
+    if profile is None:
+        return []
+    if not profile.learned:
+        return [
+            f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
+            "kernels allocate inside themselves (e.g. oneDNN reorders)"
+        ]
+    at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
+    return [
+        f"kernel workspaces learned from a real forward and backward pass on the host{at} "
+        f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
+        f"sees, {profile.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"
+    ]
+
+
+def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
+    """``step.manual_step`` on ``optimizers``; or forward, the gradients of ``zero_grads`` set to
+    ``None``, backward and each optimizer's ``step()``."""
+    if step.manual_step is not None:
+        with step.step_context():
+            step.manual_step(batch, optimizers)
+        return
+    assert step.loss_fn is not None
+    with step.step_context():
+        loss = step.loss_fn(batch)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+    for param in zero_grads:
+        param.grad = None
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    del loss
+
+
+# ----------------------------------------------------------------------------- twins of the model and the batch
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
-    for tensor in module.parameters():
+    for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
-    for buffer in module.buffers():
-        return buffer.device
     return torch.device("cpu")
+
+
+def _on_host(*objects: Any) -> bool:
+    """Whether every tensor of ``objects`` (of a module: its parameters and buffers) is on the host."""
+    for obj in objects:
+        tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tree_leaves(obj)
+        if any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors):
+            return False
+    return True
 
 
 _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict)
 
 
 def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
-    """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through
-    tuples too), each once: a step that appends to ``self.outputs["train"]`` changes a nested list."""
+    """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through tuples too)."""
     if id(value) in seen or type(value) not in (*_CONTAINERS, tuple):
         return
     seen.add(id(value))
@@ -198,8 +529,7 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 @contextlib.contextmanager
 def restored_attributes(*objects: Any) -> Iterator[None]:
     """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
-    (re)bindings, and changes to the contents of list, dict and set attributes, nested ones included
-    (e.g. losses appended in a step to ``self.outputs["train"]``).
+    (re)bindings and the contents of list, dict and set attributes, nested ones included.
 
     Example::
 
@@ -214,9 +544,7 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()
-    contents = [
-        kept for _, attributes in saved for value in attributes.values() for kept in _container_contents(value, seen)
-    ]
+    contents = [kept for _, names in saved for value in names.values() for kept in _container_contents(value, seen)]
     try:
         yield
     finally:
@@ -234,165 +562,84 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _swapped_tensors(module: torch.nn.Module, twin: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Replace every parameter and buffer of ``module`` by ``twin(tensor)`` inside the block."""
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    store: dict[str, Any]  # parameters or buffers; a parameter's twin is a plain tensor
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
-            for name, tensor in store.items():
-                if tensor is not None:
-                    swapped.append((store, name, tensor))
-    try:
-        for store, name, tensor in swapped:
-            store[name] = twin(tensor)
-        yield
-    finally:
-        for store, name, tensor in swapped:
-            store[name] = tensor
+def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
+    """Inside the block each parameter and buffer of ``module`` is ``make(tensor)`` (tied weights stay
+    tied) and the loggers named in ``quiet`` are silent; after it the module's attributes, the logger
+    levels and torch's, Python's and NumPy's RNG states (the step may draw from them) are restored.
+    Yields real id -> twin."""
+    twin_of: dict[int, Any] = {}
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = [
+        (store, name, tensor)
+        for sub in module.modules()
+        for store in (sub._parameters, sub._buffers)
+        for name, tensor in store.items()
+        if tensor is not None
+    ]
+    device = _module_device(module)
+    numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
+    host_rngs = random.getstate(), None if numpy is None else numpy.random.get_state()
+    levels = [(logger, logger.level) for logger in map(logging.getLogger, quiet)]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_attributes(module):
+        try:
+            for logger, _ in levels:
+                logger.setLevel(logging.CRITICAL + 1)
+            for store, name, tensor in slots:
+                if id(tensor) not in twin_of:
+                    twin_of[id(tensor)] = make(tensor)
+                store[name] = twin_of[id(tensor)]
+            yield twin_of
+        finally:
+            for store, name, tensor in slots:
+                store[name] = tensor
+            random.setstate(host_rngs[0])
+            if numpy is not None:
+                numpy.random.set_state(host_rngs[1])
+            for logger, level in levels:
+                logger.setLevel(level)
 
 
-def _rebatched(batch: Any, batch_size: int | None, new_batch_size: int | None, keep: Callable[[Any], Any]) -> Any:
-    """``batch`` with each tensor whose first dimension is ``batch_size`` replaced by zeros with
-    ``new_batch_size`` rows (fake ones under ``FakeTensorMode``), and every other leaf ``keep(leaf)``."""
-
-    def rebatched(value: Any) -> Any:
-        is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
-        if new_batch_size is None or not is_batched:
-            return keep(value)
-        return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
-
-    return tree_map(rebatched, batch)
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy (same values, strides and ``requires_grad``; a parameter stays a parameter)."""
+    copied = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
+    return copied.requires_grad_(tensor.requires_grad)
 
 
-def _batch_twin(batch: Any, mode: FakeTensorMode, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` as fake tensors, resized from ``batch_size`` to ``new_batch_size`` rows."""
-
-    def keep(value: Any) -> Any:
-        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
-
-    with mode:
-        return _rebatched(batch, batch_size, new_batch_size, keep)
-
-
-def leading_dimension(batch: Any) -> int | None:
-    """The first dimension of the first tensor in ``batch`` (``None`` without one).
-
-    Example::
-
-        >>> leading_dimension({"x": torch.zeros(5, 2), "y": torch.zeros(5)})
-        5
-    """
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
-def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
-    """``optimizer`` as a list: ``[]`` for ``None``, ``[optimizer]`` for one.
-
-    Example::
-
-        >>> optimizer_list(None), len(optimizer_list(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)))
-        ([], 1)
-    """
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
-
-
-def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, Any]) -> torch.optim.Optimizer:
     """An optimizer of the same class and param-group options over the twins of its parameters."""
-    groups = []
-    for group in optimizer.param_groups:
-        options = {key: value for key, value in group.items() if key != "params"}
-        groups.append({**options, "params": [twin_of[id(param)] for param in group["params"]]})
+    groups = [
+        {
+            **{key: value for key, value in group.items() if key != "params"},
+            "params": [twin_of[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
     # a subclass of Optimizer: its __init__ takes the groups alone (Optimizer's own also wants defaults)
     optimizer_class: Callable[..., torch.optim.Optimizer] = type(optimizer)
     return optimizer_class(groups)
 
 
-@contextlib.contextmanager
-def _twinned_module(
-    module: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]
-) -> Iterator[dict[int, torch.Tensor]]:
-    """Inside the block ``module`` holds ``make(tensor)`` twins of its parameters and buffers (one
-    per tensor: tied weights stay tied), its attributes and the RNG state are restored after it;
-    yields real id -> twin."""
-    twin_of: dict[int, torch.Tensor] = {}
-
-    def twin(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in twin_of:
-            twin_of[id(tensor)] = make(tensor)
-        return twin_of[id(tensor)]
-
-    device = _module_device(module)
-    rng_devices = [device] if device.type == "cuda" else []
-    with (
-        torch.random.fork_rng(devices=rng_devices),
-        _host_rngs_kept(),
-        restored_attributes(module),
-        _swapped_tensors(module, twin),
-    ):
-        yield twin_of
+def _is_batched(value: Any, batch_size: int | None) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
 
 
-@contextlib.contextmanager
-def _host_rngs_kept() -> Iterator[None]:
-    """Python's ``random`` and NumPy's global generator are as they were after the block: a traced
-    step runs the user's code, which may draw from them (training must draw the same numbers)."""
-    state = random.getstate()
-    numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
+def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fake: FakeTensorMode | None) -> Any:
+    """``batch`` with each tensor of ``batch_size`` rows replaced by zeros of ``new_batch_size`` rows;
+    under ``fake`` those are fake and the other tensors fake twins."""
 
+    def resized(value: Any) -> Any:
+        if new_batch_size is not None and _is_batched(value, batch_size):
+            return torch.zeros((new_batch_size, *value.shape[1:]), dtype=value.dtype, device=value.device)
+        return fake.from_tensor(value) if fake is not None and isinstance(value, torch.Tensor) else value
 
-#: loggers that report, at error level and with a traceback, each op a fake kernel fails on
-#: before the error is raised (to the trace's caller, which reports it in one line)
-
-
-@contextlib.contextmanager
-def _fake_kernel_errors_quiet() -> Iterator[None]:
-    """Inside the block torch does not log the fake kernels' failures (the error still propagates)."""
-    loggers = [logging.getLogger(name) for name in FAKE_KERNEL_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> Iterator[dict[int, torch.Tensor]]:
-    """Inside the block ``module`` holds fake twins of its tensors (and torch logs no fake kernel
-    failure: the caller reports it); yields real id -> twin."""
-    with _fake_kernel_errors_quiet(), _twinned_module(module, mode.from_tensor) as twin_of:
-        yield twin_of
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached copy (same values, strides and ``requires_grad``; a parameter stays a parameter)."""
-    copy = tensor.detach().clone()
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy.requires_grad_(tensor.requires_grad)
+    with fake or contextlib.nullcontext():
+        return tree_map(resized, batch)
 
 
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` with each tensor whose first dimension is ``batch_size`` cut to its first
-    ``new_batch_size`` rows (views of the real data); other values as they are, and the whole batch
-    as it is when ``new_batch_size`` is ``None``.
+    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views);
+    the batch as it is for ``new_batch_size=None``.
 
     Example::
 
@@ -400,30 +647,13 @@ def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None)
         >>> {key: tuple(value.shape) for key, value in small.items()}
         {'x': (2, 3), 'y': (2,), 'w': (3,)}
     """
-
-    def cut(value: Any) -> Any:
-        is_batched = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
-        return value[:new_batch_size] if new_batch_size is not None and is_batched else value
-
-    return tree_map(cut, batch)
+    cut = new_batch_size is not None
+    return tree_map(lambda v: v[:new_batch_size] if cut and _is_batched(v, batch_size) else v, batch)
 
 
-# ----------------------------------------------------------------------------- tracing
-
-
-def _on_host(*objects: Any) -> bool:
-    """Whether every tensor of ``objects`` (modules: parameters and buffers) is a host tensor."""
-    for obj in objects:
-        tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tree_leaves(obj)
-        if any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors):
-            return False
-    return True
-
-
-def host_step_context(precision: str) -> Callable[[], ContextManager[Any]]:
-    """The step context for tracing on the host a step that will run in ``precision`` on a card:
-    a CPU autocast of the same dtype (a CUDA autocast does nothing to host tensors, and the trace
-    would then count float32 activations the run will not have).
+def host_step_context(precision: str) -> StepContext:
+    """The step context for tracing on the host a step that will run in ``precision`` on a card: a CPU
+    autocast of the same dtype (a CUDA autocast does nothing to host tensors).
 
     Example::
 
@@ -437,366 +667,63 @@ def host_step_context(precision: str) -> Callable[[], ContextManager[Any]]:
     return contextlib.nullcontext
 
 
-def learn_workspaces(
-    module: torch.nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    *,
-    batch_size: int | None = None,
-    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-    probe_batch_size: int = PROBE_BATCH_SIZE,
-    device: torch.device | str | None = None,
-    manual_step: ManualStep | None = None,
-    optimizer: Optimizers = None,
-) -> WorkspaceProfile | None:
-    """What each op call of a training step allocates inside its kernel, from one real forward and
-    backward pass on the host at ``min(batch_size, probe_batch_size)`` samples.
-
-    The pass runs on copies of the parameters and buffers (the model's own, their gradients and
-    hooks -- DDP's among them --, BatchNorm's running statistics and the optimizer are not touched;
-    attributes and the RNG state are restored) and on the first rows of ``batch``; the optimizer
-    does not step (its kernels allocate nothing beyond their outputs). It allocates on the host a
-    copy of the parameters and buffers and what a real step at that batch size does, without
-    optimizer state, and frees it all on return.
-
-    Returns ``None`` where the probe does not apply: tensors off the host or a step that will
-    run on another ``device`` than the host (on CUDA, cuDNN and
-    cuBLAS choose their own workspaces; this is the one place that decides), and a
-    :class:`~lightning_gpuopt.core.workspace.WorkspaceProfile` with ``failure`` set when it could
-    not run (another profiler running, the step raised).
-
-    Example::
-
-        >>> conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
-        >>> stats = conv[1].running_mean.clone()
-        >>> profile = learn_workspaces(conv, lambda x: conv(x).sum(), torch.randn(64, 3, 16, 16), batch_size=64)
-        >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
-        (16, True, True)
-    """
-    if not _on_host(module, batch) or (device is not None and torch.device(device).type != "cpu"):
-        return None  # the step will run on a card whose kernels are not the host's
-    probe_size = None if batch_size is None else max(1, min(batch_size, probe_batch_size))
-    if not learning_possible():
-        return WorkspaceProfile(batch_size=probe_size, failure="another profiler is running")
-    start = time.perf_counter()
-    small_batch = sliced_batch(batch, batch_size, probe_size)
-    try:
-        with host_only(), _twinned_module(module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
-            if manual_step is not None:  # the step's own backward passes and optimizer steps, on the copies
-                with step_context():
-                    manual_step(small_batch, [_twin_optimizer(o, twin_of) for o in optimizer_list(optimizer)])
-            else:
-                with step_context():
-                    loss = loss_fn(small_batch)
-                if not isinstance(loss, torch.Tensor):
-                    raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-                loss.backward()
-                del loss
-    except Exception as error:  # noqa: BLE001 - without a probe the trace counts no workspaces
-        return WorkspaceProfile(batch_size=probe_size, seconds=time.perf_counter() - start, failure=_first_line(error))
-    return WorkspaceProfile(tuple(recorder.calls), probe_size, time.perf_counter() - start)
+# ----------------------------------------------------------------------------- torchinfo and the rules
 
 
-def trace_training_step(
-    module: torch.nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    *,
-    optimizer: Optimizers = None,
-    batch_size: int | None = None,
-    trace_batch_size: int | None = None,
-    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-    steps: int = 2,
-    workspaces: WorkspaceProfile | None = None,
-    device: torch.device | str | None = None,
-    accumulate_grad_batches: int = 1,
-    manual_step: ManualStep | None = None,
-) -> TracedStep:
-    """Trace ``steps`` training steps of ``module`` on fake tensors and return their peak live bytes.
-
-    Args:
-        module: the model; ``loss_fn`` must reach its parameters through it.
-        loss_fn: ``batch -> loss`` (the forward pass and the loss).
-        batch: a real batch (tensors, or lists/tuples/dicts of them).
-        optimizer: the real optimizer (or, under manual optimization, optimizers); a twin of each
-            steps the fake parameters. ``None``: no step.
-        batch_size: the batch size of ``batch`` (tensors with that first dimension are resized).
-        trace_batch_size: the batch size to trace at (default: ``batch_size``).
-        step_context: a context manager factory the forward pass runs in (e.g. autocast).
-        steps: how many steps to trace; from the second one on gradients and optimizer state of
-            the previous step are alive, as in a real training loop.
-        workspaces: kernel memory learned by :func:`learn_workspaces`: each traced op call holds
-            its workspace while it runs, its outputs count what the real kernel allocates for them
-            (``None``: none counted).
-        device: the device the step will run on (default: the module's): on a CUDA card (real or
-            simulated) storages count in the caching allocator's 512-byte blocks. The trace itself
-            runs where the module is; for a module still on the host, pass a ``step_context`` that
-            acts on host tensors (e.g. a CPU autocast of the run's dtype, see
-            :func:`host_step_context`).
-        accumulate_grad_batches: the run's gradient accumulation. Above 1, the gradients are set to
-            ``None`` only before the first traced backward: later steps accumulate onto the earlier
-            step's gradients, as micro-batches after the first of a group do (and as the first does
-            in its forward pass: Lightning zeroes the gradients after it), and the optimizer still
-            steps after each, so the trace's last step is the worst micro-batch of any group of any
-            length: gradients and optimizer state alive from its start, then the optimizer's step.
-        manual_step: for manual optimization, the whole step (``(batch, optimizers)``: it runs its own
-            backward passes and steps the twin optimizers it is given) in place of ``loss_fn``'s
-            forward, ``zero_grad``, backward and step.
-
-    Raises:
-        Whatever the traced step raises; e.g. ``DataDependentOutputException`` for ``.item()``.
-
-    Example::
-
-        >>> model = torch.nn.Linear(100, 10)
-        >>> step = trace_training_step(model, lambda x: model(x).sum(), torch.ones(8, 100),
-        ...                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        ...                            batch_size=8, trace_batch_size=1000)
-        >>> step.params_bytes == step.grads_bytes == 4040, step.optimizer_bytes, step.batch_bytes
-        (True, 0, 400000)
-    """
-    start = time.perf_counter()
-    target = _module_device(module) if device is None else torch.device(device)
-    granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_module(module, mode) as twin_of:
-        fake_batch = _batch_twin(batch, mode, batch_size, trace_batch_size)
-        params = list(module.parameters())
-        learned = workspaces if workspaces is not None and workspaces.learned else None
-        with mode, WorkspaceTracker(learned, existing=(module, fake_batch), granularity=granularity) as tracker:
-            twin_optimizers = [_twin_optimizer(o, twin_of) for o in optimizer_list(optimizer)]
-            for step in range(steps):
-                if step:
-                    tracker.next_step()
-                if manual_step is not None:
-                    with step_context():
-                        manual_step(fake_batch, twin_optimizers)
-                    continue
-                with step_context():
-                    loss = loss_fn(fake_batch)
-                if not isinstance(loss, torch.Tensor):
-                    raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-                if step == 0 or accumulate_grad_batches <= 1:
-                    for param in params:
-                        param.grad = None
-                loss.backward()
-                for twin_optimizer in twin_optimizers:
-                    twin_optimizer.step()
-                del loss
-            figures = TracedStep(
-                batch_size=trace_batch_size or batch_size,
-                peak_bytes=tracker.peak_bytes,
-                params_bytes=storage_bytes(params, granularity=granularity),
-                buffers_bytes=storage_bytes(list(module.buffers()), granularity=granularity),
-                grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
-                optimizer_bytes=storage_bytes(*twin_optimizers, granularity=granularity),
-                batch_bytes=storage_bytes(fake_batch, granularity=granularity),
-                seconds=0.0,
-                workspace_bytes=tracker.workspace_bytes_at_peak,
-            )
-    figures.seconds = time.perf_counter() - start
-    return figures
-
-
-# ----------------------------------------------------------------------------- torchinfo
-
-
-def _figures_from(statistics: torchinfo.ModelStatistics, on_fake: bool, seconds: float) -> TorchinfoFigures:
-    return TorchinfoFigures(
-        total_params=int(statistics.total_params),
-        trainable_params=int(statistics.trainable_params),
-        mult_adds=int(statistics.total_mult_adds),
-        input_bytes=int(statistics.total_input),
-        forward_backward_bytes=int(statistics.total_output_bytes),
-        params_bytes=int(statistics.total_param_bytes),
-        total_bytes=int(statistics.total_input + statistics.total_output_bytes + statistics.total_param_bytes),
-        on_fake_tensors=on_fake,
-        seconds=seconds,
-    )
-
-
-def torchinfo_summary(
-    module: torch.nn.Module,
-    forward_input: Any,
-    *,
-    batch_size: int | None = None,
-    trace_batch_size: int | None = None,
-    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-) -> TorchinfoFigures:
-    """torchinfo's figures for ``module(forward_input)``, with the input resized to ``trace_batch_size``.
-
-    The forward pass runs in ``step_context`` (e.g. autocast), as the training step does.
-
-    Runs on fake tensors first (no memory, no side effects); a model that cannot run on them is
-    summarised with real tensors under ``torch.no_grad()`` in eval mode (torchinfo's default,
-    which leaves BatchNorm statistics alone), with ``device=`` the module's own device. Either
-    way torchinfo never moves the model.
-
-    Example::
-
-        >>> figures = torchinfo_summary(torch.nn.Linear(10, 5), torch.ones(4, 10))
-        >>> figures.total_params, figures.on_fake_tensors
-        (55, True)
-    """
-    device = _module_device(module)
+def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, float]:
+    """torchinfo's summary of ``module(forward_input)`` at the step's batch size in its step context,
+    and its seconds: on fake tensors, else on real ones (torchinfo's ``no_grad`` and eval mode);
+    torchinfo moves nothing."""
+    module, forward_input, context = step.module, step.forward_input, step.step_context
+    size = next((int(t.shape[0]) for t in tree_leaves(forward_input) if isinstance(t, torch.Tensor) and t.dim()), None)
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with _fake_module(module, mode):
-            fake_input = _batch_twin(forward_input, mode, batch_size, trace_batch_size)
-            with mode, step_context():
-                # device=None: with input_data given, torchinfo then moves neither model nor input
-                # (``.to()`` would try to swap the fake parameters)
+        with _twinned(module, mode.from_tensor, FAKE_KERNEL_LOGGERS):
+            fake_input = _resized(forward_input, size, step.batch_size, mode)
+            with mode, context():  # device=None: torchinfo moves neither model nor input
                 statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
-        return _figures_from(statistics, True, time.perf_counter() - start)
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
-        pass
-    start = time.perf_counter()
-    real_input = _rebatched(forward_input, batch_size, trace_batch_size, keep=lambda value: value)
-    with restored_attributes(module), step_context():
-        statistics = torchinfo.summary(module, input_data=real_input, device=device, verbose=0)
-    return _figures_from(statistics, False, time.perf_counter() - start)
+        start = time.perf_counter()
+        real_input = _resized(forward_input, size, step.batch_size, None)
+        with restored_attributes(module), context():
+            statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
+    return statistics, time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------- the estimate
-
-
-def optimizer_state_rule_bytes(optimizer: Optimizers) -> int | None:
-    """Optimizer state by rule: Adam/AdamW 2x trainable parameters (3x with amsgrad), SGD 1x with
-    momentum, 0 without; summed over several optimizers; ``None`` when one has no rule (measure
-    them after a real step).
+def optimizer_state_rule_bytes(
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> int | None:
+    """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x with amsgrad), SGD 1x with
+    momentum, 0 without; summed over several; ``None`` when one has no rule.
 
     Example::
 
-        >>> model = torch.nn.Linear(10, 10)
-        >>> optimizer_state_rule_bytes(torch.optim.Adam(model.parameters()))
+        >>> optimizer_state_rule_bytes(torch.optim.Adam(torch.nn.Linear(10, 10).parameters()))
         880
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        rules = [optimizer_state_rule_bytes(one) for one in optimizer_list(optimizer)]
+    if not isinstance(optimizers, torch.optim.Optimizer):
+        rules = [optimizer_state_rule_bytes(one) for one in optimizers or ()]
         return None if None in rules else sum(rules)  # type: ignore[arg-type]
-    total = 0
-    for group in optimizer.param_groups:
-        trainable = storage_bytes([p for p in group["params"] if p.requires_grad])
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            total += trainable * (3 if group.get("amsgrad") else 2)
-        elif isinstance(optimizer, torch.optim.SGD):
-            total += trainable if group.get("momentum", 0) else 0
-        else:
-            return None
-    return total
-
-
-def relative_error(predicted: float | None, measured: float | None) -> float | None:
-    """``(predicted - measured) / measured``; ``None`` when either is missing or measured is 0."""
-    if predicted is None or not measured:
+    adam = isinstance(optimizers, (torch.optim.Adam, torch.optim.AdamW))
+    if not adam and not isinstance(optimizers, torch.optim.SGD):
         return None
-    return (predicted - measured) / measured
+    return sum(
+        storage_bytes([p for p in group["params"] if p.requires_grad])
+        * ((3 if group.get("amsgrad") else 2) if adam else (1 if group.get("momentum", 0) else 0))
+        for group in optimizers.param_groups
+    )
 
 
-def max_batch_size_for(
-    capacity_bytes: int | None, fixed_bytes: float | None, bytes_per_sample: float | None
-) -> int | None:
-    """The largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes`` (``None`` if unknown)."""
-    if capacity_bytes is None or fixed_bytes is None or not bytes_per_sample or bytes_per_sample <= 0:
+def _relative_error(predicted: float | None, measured: float | None) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def _max_batch_size_for(capacity: int | None, fixed: float | None, per_sample: float | None) -> int | None:
+    """The largest ``b`` with ``fixed + per_sample * b <= capacity`` (``None`` if unknown)."""
+    if capacity is None or fixed is None or not per_sample or per_sample <= 0:
         return None
-    return max(0, math.floor((capacity_bytes - fixed_bytes) / bytes_per_sample))
-
-
-@dataclass
-class RefinedLine:
-    """The line re-traced near the largest batch, and the largest batch it gives."""
-
-    max_batch_size: int
-    fixed_bytes: float | None
-    bytes_per_sample: float | None
-    seconds: float
-
-
-def refine_near_capacity(
-    trace_at: Callable[[int], TracedStep],
-    predicted: int,
-    capacity_bytes: int | None,
-    extra_bytes: int = 0,
-    passes: int = 2,
-) -> RefinedLine:
-    """Re-trace the line near the largest batch: the peak is convex piecewise-linear in the batch
-    (at small batches the optimizer step can set it), so the line through ``B`` and ``2B`` can be
-    too flat and overshoot. Each pass traces ``predicted // 2`` and ``predicted`` with ``trace_at``
-    (batch size -> :class:`TracedStep`) and solves the new line for ``capacity_bytes``;
-    ``extra_bytes`` is memory the trace does not see. Stops when the answer no longer moves or
-    falls below 4. ``fixed_bytes``/``bytes_per_sample`` are ``None`` when nothing was traced.
-
-    Example::
-
-        >>> steps = lambda b: TracedStep(b, 1000 + 10 * b + (5 * b if b > 50 else 0), 0, 0, 0, 0, 0, 0.0)
-        >>> refine_near_capacity(steps, predicted=100, capacity_bytes=2000).max_batch_size  # steeper above 50: 66 fits
-        68
-    """
-    fixed = per_sample = None
-    seconds = 0.0
-    for _ in range(passes):
-        if predicted < 4:
-            break
-        half, full = trace_at(predicted // 2), trace_at(predicted)
-        seconds += half.seconds + full.seconds
-        per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
-        fixed = full.peak_bytes + extra_bytes - per_sample * predicted
-        refined = max_batch_size_for(capacity_bytes, fixed, per_sample)
-        if refined is None or refined == predicted:
-            break
-        predicted = refined
-    return RefinedLine(predicted, fixed, per_sample, seconds)
-
-
-def with_measured_peak(estimate: MemoryEstimate, measured_peak_bytes: int | None) -> MemoryEstimate:
-    """``estimate`` with the measured peak and both relative errors filled in."""
-    return replace(
-        estimate,
-        measured_peak_bytes=measured_peak_bytes,
-        estimate_error=relative_error(estimate.predicted_peak_bytes, measured_peak_bytes),
-        torchinfo_error=relative_error(estimate.torchinfo_total_bytes, measured_peak_bytes),
-    )
-
-
-def _with_fixed_bytes_added(estimate: MemoryEstimate, added: int, note: str, **changes: Any) -> MemoryEstimate:
-    fixed = None if estimate.fixed_bytes is None else estimate.fixed_bytes + added
-    return replace(
-        estimate,
-        predicted_peak_bytes=estimate.predicted_peak_bytes + added,
-        fixed_bytes=fixed,
-        max_batch_size=max_batch_size_for(estimate.capacity_bytes, fixed, estimate.bytes_per_sample),
-        notes=[*estimate.notes, note],
-        **changes,
-    )
-
-
-def with_measured_optimizer_state(estimate: MemoryEstimate, optimizer_bytes: int) -> MemoryEstimate:
-    """For an optimizer without a rule: add its state as measured after a real step to the prediction."""
-    return _with_fixed_bytes_added(
-        estimate,
-        optimizer_bytes - estimate.optimizer_bytes,
-        f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
-        optimizer_bytes=optimizer_bytes,
-    )
-
-
-def with_untraced_bytes(estimate: MemoryEstimate, untraced_bytes: int, reason: str) -> MemoryEstimate:
-    """Add memory the real step holds outside the traced one (e.g. DDP's gradient buckets).
-
-    Example::
-
-        >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
-        >>> after = with_untraced_bytes(before, 10, "DDP gradient buckets")
-        >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size
-        (55, 10, 50)
-    """
-    return _with_fixed_bytes_added(
-        estimate,
-        untraced_bytes,
-        f"{reason}: {untraced_bytes} bytes",
-        untraced_bytes=estimate.untraced_bytes + untraced_bytes,
-    )
+    return max(0, math.floor((capacity - fixed) / per_sample))
 
 
 def _first_line(error: BaseException) -> str:
@@ -807,288 +734,3 @@ def _first_line(error: BaseException) -> str:
         return str(error)[:300]
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _traced_estimate(
-    module: torch.nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    optimizer: Optimizers,
-    batch_size: int | None,
-    step_context: Callable[[], ContextManager[Any]],
-    workspaces: WorkspaceProfile | None,
-    device: torch.device | str | None = None,
-    accumulate_grad_batches: int = 1,
-    manual_step: ManualStep | None = None,
-) -> tuple[MemoryEstimate, float]:
-    trace: dict[str, Any] = dict(
-        optimizer=optimizer,
-        batch_size=batch_size,
-        step_context=step_context,
-        workspaces=workspaces,
-        device=device,
-        accumulate_grad_batches=accumulate_grad_batches,
-        manual_step=manual_step,
-    )
-    at_batch = trace_training_step(module, loss_fn, batch, **trace)
-    seconds = at_batch.seconds
-    fixed = per_sample = None
-    if batch_size:
-        at_double = trace_training_step(module, loss_fn, batch, trace_batch_size=2 * batch_size, **trace)
-        seconds += at_double.seconds
-        per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / batch_size
-        fixed = at_batch.peak_bytes - per_sample * batch_size
-    known = at_batch.params_bytes + at_batch.buffers_bytes + at_batch.grads_bytes + at_batch.optimizer_bytes
-    estimate = MemoryEstimate(
-        params_bytes=at_batch.params_bytes,
-        grads_bytes=at_batch.grads_bytes,
-        optimizer_bytes=at_batch.optimizer_bytes,
-        activation_bytes=at_batch.peak_bytes - known - at_batch.batch_bytes,
-        torchinfo_total_bytes=None,
-        predicted_peak_bytes=at_batch.peak_bytes,
-        method="traced",
-        batch_size=batch_size,
-        buffers_bytes=at_batch.buffers_bytes,
-        batch_bytes=at_batch.batch_bytes,
-        workspace_bytes=at_batch.workspace_bytes,
-        fixed_bytes=fixed,
-        bytes_per_sample=per_sample,
-        accumulate_grad_batches=accumulate_grad_batches,
-        notes=[
-            *workspace_notes(workspaces, at_batch),
-            *accumulation_notes(accumulate_grad_batches),
-            *(
-                [
-                    "manual optimization: traced the whole training_step, its backward passes and the steps of "
-                    f"its {len(optimizer_list(optimizer))} optimizer(s)"
-                ]
-                if manual_step is not None
-                else []
-            ),
-        ],
-    )
-    return estimate, seconds
-
-
-def accumulation_notes(accumulate_grad_batches: int) -> list[str]:
-    """What :attr:`MemoryEstimate.notes` says about gradient accumulation (nothing without it).
-
-    Example::
-
-        >>> accumulation_notes(1), accumulation_notes(4)[0][:52]
-        ([], 'traced accumulating 4 micro-batches per optimizer st')
-    """
-    if accumulate_grad_batches <= 1:
-        return []
-    return [
-        f"traced accumulating {accumulate_grad_batches} micro-batches per optimizer step: the gradients of "
-        "earlier micro-batches are alive through the next forward and backward pass"
-    ]
-
-
-def workspace_notes(workspaces: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
-    """What :attr:`MemoryEstimate.notes` says about kernel workspaces in ``traced`` (none where the
-    probe does not apply).
-
-    Example::
-
-        >>> traced = TracedStep(32, 5000, 0, 0, 0, 0, 0, 0.0, workspace_bytes=1200)
-        >>> workspace_notes(WorkspaceProfile((), batch_size=16), traced)[0][:60]
-        'kernel workspaces learned from a real forward and backward p'
-    """
-    if workspaces is None:
-        return []
-    if not workspaces.learned:
-        return [
-            f"kernel workspaces not counted ({workspaces.failure}): the predicted peak leaves out what "
-            "kernels allocate inside themselves (e.g. oneDNN reorders)"
-        ]
-    at = "" if workspaces.batch_size is None else f" at batch size {workspaces.batch_size}"
-    return [
-        f"kernel workspaces learned from a real forward and backward pass on the host{at} "
-        f"({workspaces.workspace_calls} of {len(workspaces.calls)} op calls allocate more than the fake trace "
-        f"sees, {workspaces.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"
-    ]
-
-
-def _fallback_estimate(
-    module: torch.nn.Module,
-    batch: Any,
-    optimizer: Optimizers,
-    batch_size: int | None,
-    torchinfo_figures: TorchinfoFigures | None,
-) -> MemoryEstimate:
-    params = list(module.parameters())
-    params_bytes = storage_bytes(params)
-    grads_bytes = storage_bytes([p for p in params if p.requires_grad])
-    optimizer_bytes = optimizer_state_rule_bytes(optimizer)
-    notes = []
-    if optimizer_bytes is None:
-        names = ", ".join(type(one).__name__ for one in optimizer_list(optimizer))
-        notes.append(f"no rule for {names}: its state is measured after the first real step")
-        optimizer_bytes = 0
-    buffers_bytes = storage_bytes(list(module.buffers()))
-    batch_bytes = storage_bytes(batch)
-    fixed = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes
-    if torchinfo_figures is None:
-        return MemoryEstimate(
-            params_bytes=params_bytes,
-            grads_bytes=grads_bytes,
-            optimizer_bytes=optimizer_bytes,
-            activation_bytes=None,
-            torchinfo_total_bytes=None,
-            predicted_peak_bytes=fixed + batch_bytes,
-            method="parameters-only",
-            batch_size=batch_size,
-            buffers_bytes=buffers_bytes,
-            batch_bytes=batch_bytes,
-            notes=notes,
-        )
-    activation_bytes = torchinfo_figures.forward_backward_bytes
-    per_batch = torchinfo_figures.input_bytes + activation_bytes
-    return MemoryEstimate(
-        params_bytes=params_bytes,
-        grads_bytes=grads_bytes,
-        optimizer_bytes=optimizer_bytes,
-        activation_bytes=activation_bytes,
-        torchinfo_total_bytes=torchinfo_figures.total_bytes,
-        predicted_peak_bytes=fixed + per_batch,
-        method="torchinfo-fallback",
-        batch_size=batch_size,
-        buffers_bytes=buffers_bytes,
-        batch_bytes=torchinfo_figures.input_bytes,
-        fixed_bytes=fixed,
-        bytes_per_sample=per_batch / batch_size if batch_size else None,
-        notes=notes,
-    )
-
-
-def estimate_memory(
-    module: torch.nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    *,
-    optimizer: Optimizers = None,
-    batch_size: int | None = None,
-    forward_input: Any = None,
-    capacity_bytes: int | None = None,
-    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-    workspaces: WorkspaceProfile | bool | None = True,
-    device: torch.device | str | None = None,
-    accumulate_grad_batches: int = 1,
-    manual_step: ManualStep | None = None,
-) -> MemoryEstimate:
-    """Predict the peak memory of a training step of ``module`` on ``batch``, and the largest batch.
-
-    Traces the step at ``batch_size`` and ``2 * batch_size`` (see :func:`trace_training_step`),
-    with the kernel workspaces of a module on the host learned first (:func:`learn_workspaces`);
-    when it cannot be traced, falls back to torchinfo's figures and says why in ``notes``.
-
-    Args:
-        module: the model.
-        loss_fn: ``batch -> loss``.
-        batch: a real batch.
-        optimizer: the real optimizer (its class and param-group options are reused); under manual
-            optimization a list of them.
-        batch_size: the batch size of ``batch``; without it there is no line and no max batch size.
-        forward_input: what ``module.forward`` takes, for torchinfo (``None``: no torchinfo figures);
-            resized to ``batch_size`` along the first dimension of its tensors.
-        capacity_bytes: the memory to plan with, for :attr:`MemoryEstimate.max_batch_size`.
-        step_context: a context manager factory the forward pass runs in (e.g. autocast).
-        workspaces: ``True``: learn the kernel workspaces with :func:`learn_workspaces` where it
-            applies (a module on the host); a profile it returned (to trace more batch sizes with
-            the same one, e.g. :func:`refine_near_capacity`); ``False``/``None``: count none.
-        device: the device the step will run on (default: the module's; see
-            :func:`trace_training_step`). On a CUDA card the cuBLAS workspace its matmuls keep is
-            added (32 MiB from Hopper on, 8.1 MiB before).
-        accumulate_grad_batches: the run's gradient accumulation (``Trainer.accumulate_grad_batches``):
-            the trace keeps the gradients of the previous micro-batch (see :func:`trace_training_step`).
-        manual_step: for manual optimization: the whole step, ``(batch, optimizers) -> None``, run
-            on fake tensors with twins of ``optimizer`` in place of ``loss_fn`` (see
-            :func:`trace_training_step`).
-
-    Example::
-
-        >>> model = torch.nn.Linear(64, 64)
-        >>> estimate = estimate_memory(model, lambda x: model(x).sum(), torch.ones(32, 64), batch_size=32)
-        >>> estimate.params_bytes, estimate.grads_bytes, estimate.method
-        (16640, 16640, 'traced')
-    """
-    notes: list[str] = []
-    torchinfo_figures = None
-    if forward_input is not None:
-        try:
-            torchinfo_figures = torchinfo_summary(
-                module,
-                forward_input,
-                batch_size=leading_dimension(forward_input),
-                trace_batch_size=batch_size,
-                step_context=step_context,
-            )
-        except Exception as error:  # noqa: BLE001 - a summary is optional
-            notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
-    if workspaces is True:
-        workspaces = learn_workspaces(
-            module,
-            loss_fn,
-            batch,
-            batch_size=batch_size,
-            step_context=step_context,
-            device=device,
-            manual_step=manual_step,
-            optimizer=optimizer,
-        )
-    profile = workspaces if isinstance(workspaces, WorkspaceProfile) else None
-    try:
-        estimate, trace_seconds = _traced_estimate(
-            module,
-            loss_fn,
-            batch,
-            optimizer,
-            batch_size,
-            step_context,
-            profile,
-            device,
-            accumulate_grad_batches,
-            manual_step,
-        )
-        card = device_for(device if device is not None else _module_device(module))
-        if card.is_cuda and card.capabilities.cublas_workspace_bytes:
-            estimate = with_untraced_bytes(
-                estimate,
-                card.capabilities.cublas_workspace_bytes,
-                "the cuBLAS workspace (kept by the caching allocator)",
-            )
-        trace_seconds += 0.0 if profile is None else profile.seconds
-    except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
-        reason = _first_line(error)
-        uses = (
-            "torchinfo's figures"
-            if torchinfo_figures is not None
-            else "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
-        )
-        notes.append(
-            f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
-            f"{uses} and is less accurate"
-        )
-        estimate, trace_seconds = _fallback_estimate(module, batch, optimizer, batch_size, torchinfo_figures), None
-        estimate = replace(estimate, not_traced_reason=reason)
-    if torchinfo_figures is not None:
-        estimate = replace(
-            estimate,
-            torchinfo_total_bytes=torchinfo_figures.total_bytes,
-            torchinfo_params=torchinfo_figures.total_params,
-            torchinfo_trainable_params=torchinfo_figures.trainable_params,
-            torchinfo_mult_adds=torchinfo_figures.mult_adds,
-            torchinfo_seconds=torchinfo_figures.seconds,
-        )
-    params = list(module.parameters())
-    return replace(
-        estimate,
-        capacity_bytes=capacity_bytes,
-        max_batch_size=max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
-        accumulate_grad_batches=accumulate_grad_batches,
-        param_dtype=str(params[0].dtype) if params else None,
-        trace_seconds=trace_seconds,
-        notes=[*notes, *estimate.notes],
-    )

@@ -12,13 +12,7 @@ from typing import Any, Optional
 
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._engine.trials import Trials
-from lightning_gpuopt.core.estimate import (
-    estimate_memory,
-    learn_workspaces,
-    refine_near_capacity,
-    trace_training_step,
-    with_untraced_bytes,
-)
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.loader import batch_samples
 
 
@@ -53,32 +47,23 @@ def predicted_largest_fit(
     notes = [note] if note else []
     try:
         batch = trial_batch(trials, batch_size)
-        trace: dict[str, Any] = dict(
-            optimizer=trainer.optimizers[0] if len(trainer.optimizers) == 1 else None,
+        untraced = [("DDP gradient buckets", trials.ddp_bucket_bytes)] if trials.ddp_bucket_bytes else []
+        step = TrainingStep(
+            module,
+            batch,
+            loss_function(module),
+            optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
             batch_size=batch_samples(batch),
             step_context=trainer.precision_plugin.train_step_context,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
+            untraced=untraced,
         )
-        loss_fn = loss_function(module)
-        trace["workspaces"] = learn_workspaces(
-            module, loss_fn, batch, batch_size=trace["batch_size"], step_context=trace["step_context"]
-        )
-        estimate = estimate_memory(module, loss_fn, batch, capacity_bytes=budget, **trace)
+        estimator = StepEstimator(step)
+        estimate = estimator.estimate(budget)
         if estimate.method != "traced":
             reason = f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); started at your batch size"
             return None, None, [reason, *notes]
-        if trials.ddp_bucket_bytes:
-            estimate = with_untraced_bytes(estimate, trials.ddp_bucket_bytes, "DDP gradient buckets")
-        predicted = estimate.max_batch_size
-        if not predicted or trace["batch_size"] is None:
-            return predicted, estimate.bytes_per_sample, notes
-        refined = refine_near_capacity(
-            lambda size: trace_training_step(module, loss_fn, batch, trace_batch_size=size, **trace),
-            predicted,
-            budget,
-            estimate.untraced_bytes,
-        )
-        per_sample = refined.bytes_per_sample if refined.bytes_per_sample is not None else estimate.bytes_per_sample
-        return refined.max_batch_size, per_sample, notes
+        refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
+        return refined.max_batch_size, refined.bytes_per_sample, notes
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
         return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size", *notes]
