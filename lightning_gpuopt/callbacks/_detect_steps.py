@@ -29,6 +29,7 @@ import torch
 from lightning_gpuopt.callbacks._detectors import Probe
 from lightning_gpuopt.core._torch_compat import TorchDispatchMode, current_dispatch_mode
 from lightning_gpuopt.core.device import Device, device_for
+from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.findings import Finding, graph_kept, host_sync
 
 #: step starts (0-based since the start of ``fit``) at which the module's attributes are scanned
@@ -127,7 +128,7 @@ class KeptGraphProbe(Probe):
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self._next_step = step + 1
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         # after the last step as well: a short run reaches few of the sampled steps
         if self._next_step and (not self._steps or self._next_step > self._steps[-1]):
             self._sample(pl_module, self._next_step)
@@ -278,7 +279,7 @@ class HostSyncProbe(Probe):
     def stop(self) -> None:
         self._exit()
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if not self.counts:
             return []
         found = host_sync(

@@ -1,30 +1,21 @@
 """Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra).
 
-Three figures, each drawn only when the report holds its section:
+Each figure is drawn when the report holds its section:
 
-* ``step_time.png`` (section ``"data_wait"``) -- where each training step's time went over
-  training: data wait, batch transfer, compute and other host work, stacked, in ms per step,
-  with the GPU's idle time between steps where it was measured (CUDA);
-* ``memory.png`` (section ``"batch_size_search"``, with ``"memory"`` when present) -- peak memory
-  of every trial against its batch size (fits / out of memory), the estimate's line
-  (``fixed + per-sample x batch``) or a line through the trials that fitted, the budget the
-  search planned with, the device's capacity, and the batch size chosen;
-* ``loader.png`` (section ``"dataloader"``) -- samples/s of every loader setting timed, the chosen
-  one and the user's own marked.
+* ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, batch transfer, compute and other,
+  stacked over training, with the GPU's idle time before each step where measured (CUDA);
+* ``memory.png`` (``"batch_size_search"``, and ``"memory"`` when present) -- each trial's peak memory
+  against its batch size, the estimate's line (or a line through the trials that fit), the budget, the
+  device's capacity and the batch size chosen;
+* ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen one and the
+  user's own marked.
 
-matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (no display
-needed, pyplot's global backend untouched), so the package imports without it; drawing without it raises :class:`PlotUnavailableError`, which says
-``pip install lightning-gpuopt[plot]``.
-
-Example::
-
-    from lightning_gpuopt.core.plot import save_plots
-
-    save_plots("lightning_logs/version_0/gpuopt_report.json")   # PNGs beside the report
-    # [PosixPath('lightning_logs/version_0/step_time.png'), ...memory.png, ...loader.png]
-    save_plots("s3://bucket/run/gpuopt_report.json")   # any fsspec URL (s3fs installed): beside it too
-
+matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (pyplot's backend
+untouched); without it, drawing raises :class:`PlotUnavailableError` naming ``lightning-gpuopt[plot]``.
 From the shell: ``gpuopt plot lightning_logs/version_0/gpuopt_report.json --out plots/``.
+
+    save_plots("lightning_logs/version_0/gpuopt_report.json")  # [.../step_time.png, .../memory.png, ...]
+    save_plots("s3://bucket/run/gpuopt_report.json")  # any fsspec URL: the PNGs beside it too
 """
 
 from __future__ import annotations
@@ -86,24 +77,19 @@ def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tu
 
 
 def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
-    """Milliseconds per step in data wait, transfer, compute and other, stacked, over training
-    (into ``axes`` when given, else a new figure).
-
-    A report without a timeline (written by an older version) is drawn as one bar of the totals.
-    """
+    """ms per step in data wait, transfer, compute and other, stacked over training (into ``axes`` when
+    given, else a new figure); a report without a timeline is drawn as one bar of the means."""
     figure, axes = _new_figure(axes)
-    timeline = report.timeline
-    title = f"Step time over training · {report.verdict}"
+    timeline, totals = report.timeline, report.totals
     if timeline is None or not timeline.step:
-        segments = [
-            ("data wait", report.data_wait_s),
-            ("transfer", report.transfer_s),
-            ("compute", report.compute_s),
-            ("other", report.other_s),
-        ]
         left = 0.0
-        for name, seconds in segments:
-            per_step_ms = 1e3 * seconds / report.steps if report.steps else 0.0
+        for name, seconds in (
+            ("data wait", totals.data_wait_s),
+            ("transfer", totals.transfer_s),
+            ("compute", totals.compute_s),
+            ("other", totals.other_s),
+        ):
+            per_step_ms = 1e3 * totals.per_step(seconds)
             axes.barh(["mean step"], [per_step_ms], left=left, label=name, color=_COLOURS[name])
             left += per_step_ms
         axes.set_xlabel("ms per step")
@@ -132,23 +118,21 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
                 linewidth=1.5,
                 label="GPU idle before the step",
             )
-        axes.set_xlabel(
-            "training step"
-            + (f" (mean of {timeline.steps_per_point} steps a point)" if timeline.steps_per_point > 1 else "")
-        )
+        every = timeline.steps_per_point
+        axes.set_xlabel("training step" + (f" (mean of {every} steps a point)" if every > 1 else ""))
         axes.set_ylabel("ms per step")
-        axes.set_xlim(steps[0], steps[-1] + timeline.steps_per_point)
+        axes.set_xlim(steps[0], steps[-1] + every)
         axes.set_ylim(bottom=0)
     shares = ", ".join(
         f"{name} {fraction:.0%}"
         for name, fraction in (
-            ("data wait", report.data_wait_fraction),
-            ("compute", report.compute_fraction),
-            ("GPU idle", report.gpu_idle_fraction),
+            ("data wait", totals.data_wait_fraction),
+            ("compute", totals.compute_fraction),
+            ("GPU idle", totals.gpu_idle_fraction),
         )
         if fraction is not None
     )
-    axes.set_title(f"{title}\n{shares}", fontsize=10)
+    axes.set_title(f"Step time over training · {report.verdict}\n{shares}", fontsize=10)
     axes.legend(loc="upper right", fontsize=8)
     return figure
 
@@ -279,7 +263,7 @@ def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str,
     drawers: dict[str, Callable[[], Optional[Figure]]] = {
         "step_time": lambda: (
             step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
-            if data.get("data_wait") and data["data_wait"].get("steps")
+            if (data.get("data_wait") or {}).get("totals", {}).get("steps")
             else None
         ),
         "memory": lambda: (
