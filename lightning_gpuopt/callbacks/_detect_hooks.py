@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any, Iterable, NamedTuple, Optional
 
+import psutil
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from torch.utils.data import ConcatDataset, Subset
@@ -394,60 +395,38 @@ def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
 
 
 def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: float = READ_SECONDS) -> Optional[DiskRead]:
-    """Read ``paths`` (up to ``max_bytes`` in all, shared evenly, for at most about ``max_seconds``),
-    each after dropping its pages from the page cache where the OS allows (``posix_fadvise``
-    ``DONTNEED``; pages not yet written back stay cached), and time it from the first open."""
-    if not paths:
-        return None
-    per_file = max(_CHUNK, max_bytes // len(paths))
-    drop = getattr(os, "posix_fadvise", None)
+    """Read ``paths`` (``max_bytes`` in all, shared evenly; for about ``max_seconds`` at most), each after
+    dropping its pages from the page cache where the OS allows (``posix_fadvise``), timed from the first open."""
+    per_file = max(_CHUNK, max_bytes // max(1, len(paths)))
     read = files = 0
     started = time.perf_counter()
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if drop is not None:
-                with contextlib.suppress(OSError):
-                    drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            left = per_file
-            while left > 0:
-                chunk = os.read(fd, min(_CHUNK, left))
-                if not chunk:
-                    break
-                read += len(chunk)
-                left -= len(chunk)
+            with open(path, "rb", buffering=0) as handle:
+                with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
+                    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                left = per_file
+                while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
+                    read, left = read + len(chunk), left - len(chunk)
             files += 1
         except OSError:
             pass
-        finally:
-            os.close(fd)
         if time.perf_counter() - started > max_seconds:
             break
     seconds = time.perf_counter() - started
-    if not files or not read:
-        return None
-    return DiskRead(files, read, seconds)
+    return DiskRead(files, read, seconds) if files and read else None
 
 
 def filesystem_type(path: str) -> Optional[str]:
-    """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path``, from
-    ``/proc/mounts`` (``None`` where there is none)."""
+    """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path`` (``None``: unknown)."""
+    target = os.path.realpath(path)
     try:
-        with open("/proc/mounts", encoding="utf-8") as mounts:
-            lines = mounts.read().splitlines()
+        mounts = [
+            mount
+            for mount in psutil.disk_partitions(all=True)
+            if target == mount.mountpoint or target.startswith(mount.mountpoint.rstrip("/") + "/")
+        ]
     except OSError:
         return None
-    target = os.path.realpath(path)
-    best, best_type = "", None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount_point = parts[1].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, best_type = mount_point, parts[2]
-    return best_type
+    # the longest mount point holding the path; of several mounts there, the last one (the visible one)
+    return max(reversed(mounts), key=lambda mount: len(mount.mountpoint)).fstype if mounts else None

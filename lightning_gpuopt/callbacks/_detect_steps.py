@@ -1,19 +1,13 @@
-"""Probes that look inside training steps: ``graph-kept`` and ``host-sync``
-(:mod:`lightning_gpuopt.core.findings` decides from what they count).
+"""Probes inside training steps: ``graph-kept`` and ``host-sync`` (:mod:`lightning_gpuopt.core.findings` decides).
 
-* :class:`KeptGraphProbe` scans the module's attributes at the start of a few sampled steps
-  (:data:`GRAPH_STEPS`, spread over the run, and once more at the end of ``fit``) for tensors that
-  still carry an autograd graph (``grad_fn``) between steps, and counts each graph's nodes.
-* :class:`HostSyncProbe` counts, on a CUDA device (real or simulated), the reads from the card to
-  the host inside a few warm-up steps (:data:`SYNC_STEPS`): ``aten._local_scalar_dense``
-  (``.item()``, ``float(loss)``, ``bool(tensor)``, ``if loss > 0:``) on a tensor the card holds,
-  and copies from the card to the host (``.cpu()``, ``.to("cpu")``, ``.tolist()`` on a real card).
-  Not seen: ``print(loss)``/``repr`` (torch formats tensors with dispatch modes disabled), and on
-  the simulated card ``.cpu()``/``.tolist()`` (its tensors already live on the host, so no op
-  runs). Each read is attributed to the innermost frame outside torch, Lightning,
-  lightning_gpuopt and the standard library; a read reached from Lightning's own code first is
-  Lightning's, not the user's. On a host-only run nothing waits for a card, so nothing is
-  counted (an ``.item()`` costs nothing there) and there is no ``host-sync`` finding.
+* :class:`KeptGraphProbe` scans the module's attributes at a few step starts (:data:`GRAPH_STEPS`, and
+  after the last step) for tensors carrying an autograd graph between steps, and counts its nodes.
+* :class:`HostSyncProbe` counts, on a CUDA device (real or simulated) in warm-up steps :data:`SYNC_STEPS`,
+  the reads from the card to the host: ``aten._local_scalar_dense`` (``.item()``, ``float(t)``,
+  ``if loss > 0:``) and copies to the host (``.cpu()``, ``.tolist()``; on the simulated card no op runs
+  for these). ``print(loss)`` is not seen (torch formats tensors with dispatch modes off). A read is the
+  user's when the innermost frame outside torch, lightning_gpuopt and the standard library is the
+  user's code, Lightning's when it is Lightning's. A host-only run counts nothing (nothing waits there).
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -36,8 +30,7 @@ from lightning_gpuopt.core.findings import Finding, graph_kept, host_sync
 GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: at most this many autograd nodes are walked per attribute (a larger graph counts as this many)
 MAX_GRAPH_NODES = 100_000
-#: warm-up steps inside which host reads are counted (the monitor's default ``warmup_steps=3``
-#: leaves steps 0, 1 and 2 unmeasured; step 0 is skipped: lazy initialisation, first optimizer step)
+#: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
 #: source lines kept per run for the message
 MAX_LINES = 5
@@ -46,18 +39,14 @@ MAX_LINES = 5
 # ----------------------------------------------------------------------------- graph-kept
 
 
-def _held_tensors(value: Any) -> Iterator[torch.Tensor]:
+def _held_tensors(value: Any) -> list[torch.Tensor]:
     """Tensors in ``value``: itself, or one level into a list, tuple, set or dict."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
-    elif isinstance(value, dict):
-        for item in value.values():
-            if isinstance(item, torch.Tensor):
-                yield item
+        return [value]
+    items = (
+        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set, frozenset)) else ()
+    )
+    return [item for item in items if isinstance(item, torch.Tensor)]
 
 
 def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
@@ -79,9 +68,8 @@ def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> in
 
 
 def graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
-    """``{attribute path: (autograd nodes, whether it is a container)}`` of every attribute of
-    ``pl_module`` and its submodules (buffers included, parameters and submodules not) that holds a
-    tensor with a ``grad_fn``, itself or one level into a list, tuple or dict."""
+    """``{attribute path: (autograd nodes, whether a container)}`` of each attribute (buffers included,
+    parameters and submodules not) of ``pl_module``'s modules holding a tensor with a ``grad_fn``."""
     held: dict[str, tuple[int, bool]] = {}
     for prefix, module in pl_module.named_modules():
         attributes = [
@@ -204,22 +192,16 @@ class _HostReadCounter(TorchDispatchMode):
 
     def _is_host_read(self, func: Any, args: tuple, out: Any) -> bool:
         if func is torch.ops.aten._local_scalar_dense.default:
-            return isinstance(args[0], torch.Tensor) and self.device.holds(args[0])
-        if func is torch.ops.aten._to_copy.default:
-            return (
-                isinstance(args[0], torch.Tensor)
-                and isinstance(out, torch.Tensor)
-                and self.device.holds(args[0])
-                and not self.device.holds(out)
-            )
-        if func is torch.ops.aten.copy_.default:
-            return (
-                len(args) > 1
-                and isinstance(args[1], torch.Tensor)
-                and self.device.holds(args[1])
-                and not self.device.holds(args[0])
-            )
-        return False
+            source, target = args[0], None
+        elif func is torch.ops.aten._to_copy.default:
+            source, target = args[0], out
+        elif func is torch.ops.aten.copy_.default and len(args) > 1:
+            source, target = args[1], args[0]
+        else:
+            return False
+        if not isinstance(source, torch.Tensor) or not self.device.holds(source):
+            return False
+        return target is None or (isinstance(target, torch.Tensor) and not self.device.holds(target))
 
     def _count(self) -> None:
         frame: Any = sys._getframe(2)
@@ -282,10 +264,6 @@ class HostSyncProbe(Probe):
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if not self.counts:
             return []
-        found = host_sync(
-            [step for step, _, _ in self.counts],
-            [user for _, user, _ in self.counts],
-            [lightning for _, _, lightning in self.counts],
-            self.lines,
-        )
+        steps, user, lightning = zip(*self.counts)
+        found = host_sync(steps, user, lightning, self.lines)
         return [found] if found is not None else []

@@ -39,8 +39,6 @@ from lightning_gpuopt.core.loader import IO_BOUND_WORKERS_PER_CORE
 from lightning_gpuopt.core.nvml import GpuUsage
 from lightning_gpuopt.core.timing import StepTimeline, StepTotals
 
-VERDICTS = ("input-bound", "compute-bound", "host-bound", "balanced")
-
 
 @dataclass(frozen=True)
 class Thresholds:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 from lightning_gpuopt.core.checks import check_int
+from lightning_gpuopt.core.device import Event
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,11 @@ class StepTotals:
     #: NVML: mean utilisation (%) of the GPU (``None`` without NVML)
     gpu_util_mean: Optional[float] = None
 
-    #: properties written to the JSON report beside the fields (read back from the fields)
-    JSON_PROPERTIES = (
-        "other_s",
-        "step_time_s",
-        "data_wait_fraction",
-        "transfer_fraction",
-        "compute_fraction",
-        "other_fraction",
-        "loader_cpu_fraction",
-        "gpu_idle_fraction",
-        "samples_per_second",
-    )
+    #: properties written to the JSON report beside the fields
+    # fmt: off
+    JSON_PROPERTIES = ("other_s", "step_time_s", "data_wait_fraction", "transfer_fraction", "compute_fraction",
+                       "other_fraction", "loader_cpu_fraction", "gpu_idle_fraction", "samples_per_second")
+    # fmt: on
 
     @property
     def other_s(self) -> float:
@@ -327,16 +321,6 @@ class StepClock:
             other_s=[max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)],
             gpu_idle_s=[point[0] for point in gpu_idle.points()] if same_steps else None,  # type: ignore[union-attr]
         )
-
-
-class Event(Protocol):
-    """A timing event recorded on the device's stream (a CUDA ``Event`` on a real card)."""
-
-    def query(self) -> bool: ...
-
-    def elapsed_time(self, end_event: Any) -> float: ...
-
-    def synchronize(self) -> None: ...
 
 
 class CudaStepTimer:
