@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
@@ -63,8 +63,8 @@ def _require_matplotlib() -> None:
 
 
 def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
-    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas. pyplot is
-    never used: no global backend is switched (a notebook keeps its own) and no figure is kept alive."""
+    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas (not pyplot:
+    no global backend switched, no figure kept alive)."""
     _require_matplotlib()
     if axes is not None:
         return axes.figure, axes
@@ -141,25 +141,15 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
     (into ``axes`` when given, else a new figure)."""
     figure, axes = _new_figure(axes)
-    fits = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
-    misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    axes.scatter(
-        [t.batch_size for t in fits],
-        [(t.peak_bytes or 0) / _MIB for t in fits],
-        color="#2ca02c",
-        zorder=3,
-        label="trial: fits (peak)",
-    )
-    axes.scatter(
-        [t.batch_size for t in misses],
-        [(t.peak_bytes or 0) / _MIB for t in misses],
-        color="#d62728",
-        marker="x",
-        zorder=3,
-        label="trial: out of memory (peak when it failed)",
-    )
+    for fits, colour, marker, label in (
+        (True, "#2ca02c", "o", "trial: fits (peak)"),
+        (False, "#d62728", "x", "trial: out of memory (peak when it failed)"),
+    ):
+        trials = [trial for trial in search.trials if trial.fits == fits and trial.peak_bytes is not None]
+        peaks = [(trial.peak_bytes or 0) / _MIB for trial in trials]
+        axes.scatter([t.batch_size for t in trials], peaks, color=colour, marker=marker, zorder=3, label=label)
     for number, trial in enumerate(search.trials, 1):
         if trial.peak_bytes is not None:
             axes.annotate(
@@ -257,53 +247,31 @@ def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
 
 
 def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Figure]:
-    """Every figure the report has data for, by name (:data:`PLOT_NAMES`); ``report`` is the
-    ``gpuopt_report.json`` content or its path."""
+    """Every figure the report (``gpuopt_report.json``'s content or its path) has data for, by name
+    (:data:`PLOT_NAMES`)."""
     data = read_json(report) if isinstance(report, (str, os.PathLike)) else report
-    drawers: dict[str, Callable[[], Optional[Figure]]] = {
-        "step_time": lambda: (
-            step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
-            if (data.get("data_wait") or {}).get("totals", {}).get("steps")
-            else None
-        ),
-        "memory": lambda: (
-            memory_figure(
-                from_dict(BatchSizeSearchResult, data["batch_size_search"]),
-                from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None,
-            )
-            if data.get("batch_size_search") and data["batch_size_search"].get("trials")
-            else None
-        ),
-        "loader": lambda: (
-            loader_figure(from_dict(LoaderTuneResult, data["dataloader"]))
-            if data.get("dataloader") and data["dataloader"].get("candidates")
-            else None
-        ),
-    }
-    figures = {name: draw() for name, draw in drawers.items()}
-    return {name: figure for name, figure in figures.items() if figure is not None}
+    wait, search, loader = (data.get(key) or {} for key in ("data_wait", "batch_size_search", "dataloader"))
+    figures = {}
+    if wait.get("totals", {}).get("steps"):
+        figures["step_time"] = step_time_figure(from_dict(DataWaitReport, wait))
+    if search.get("trials"):
+        estimate = from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None
+        figures["memory"] = memory_figure(from_dict(BatchSizeSearchResult, search), estimate)
+    if loader.get("candidates"):
+        figures["loader"] = loader_figure(from_dict(LoaderTuneResult, loader))
+    return figures
 
 
 def save_plots(
     report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
 ) -> list[Location]:
-    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``.
+    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``; return the
+    paths written (a URL string each for a URL), in :data:`PLOT_NAMES` order.
 
-    Args:
-        report: the path or URL (``s3://bucket/run/gpuopt_report.json``, any fsspec filesystem) of a
-            ``gpuopt_report.json``, or its content.
-        out_dir: where the PNGs go, a path or a URL; ``None``: beside the report (required when
-            ``report`` is a dict).
-
-    Returns:
-        The paths written (a ``Path`` each, or a URL string when ``out_dir`` is a URL), in
-        :data:`PLOT_NAMES` order (empty when the report holds none of the sections).
-
-    Raises:
-        PlotUnavailableError: matplotlib is not installed.
-        ValueError: ``out_dir`` is ``None`` and ``report`` is not a path.
-        FilesystemUnavailableError: a URL's filesystem package is not installed (``s3fs`` for ``s3://``;
-            :class:`lightning_gpuopt.core.storage.FilesystemUnavailableError`, an ``ImportError``).
+    ``report`` is the path or fsspec URL of a ``gpuopt_report.json``, or its content; ``out_dir`` a path
+    or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib,
+    ``ValueError`` for ``out_dir=None`` with a report given as a dict, and
+    :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` for a URL whose package is missing.
     """
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
@@ -315,14 +283,9 @@ def save_plots(
     out = as_location(out_dir)
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
-    written: list[Location] = []
+    written = []
     for name, figure in report_figures(report).items():
-        path = join_location(out, f"{name}.png")
-        if isinstance(path, Path):
-            figure.savefig(path)
-        else:  # a URL: drawn in memory, written through fsspec in one call
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png")
-            write_bytes(path, buffer.getvalue())
-        written.append(path)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        written.append(write_bytes(join_location(out, f"{name}.png"), buffer.getvalue()))
     return written

@@ -153,17 +153,10 @@ def update_json_section(
 def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[str, Any]:
     """The sections already in the report (none when there is no file); a file that is no JSON object
     is set aside as ``<name>.corrupt-<n>``, with a warning."""
-    if isinstance(location, Path):
-        if not location.exists():
-            return {}
-        raw, path, exists, move = location.read_bytes(), str(location), os.path.exists, os.replace
-    else:
-        fs, path = filesystem(location)
-        try:
-            raw = fs.cat_file(path)
-        except FileNotFoundError:
-            return {}
-        exists, move = fs.exists, fs.mv
+    try:
+        raw = read_bytes(location)
+    except FileNotFoundError:
+        return {}
     try:
         content = json.loads(raw)
         problem = None if isinstance(content, dict) else f"it holds a JSON {type(content).__name__}, not an object"
@@ -171,6 +164,11 @@ def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[
         problem = f"it is not valid JSON ({error})"
     if problem is None:
         return content
+    if isinstance(location, Path):
+        path, exists, move = str(location), os.path.exists, os.replace
+    else:
+        fs, path = filesystem(location)
+        exists, move = fs.exists, fs.mv
     number = 1
     while exists(f"{path}.corrupt-{number}"):
         number += 1
@@ -188,10 +186,7 @@ def _warn(message: str) -> None:
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """Read a JSON report written by :func:`write_json` (a local path or a URL)."""
-    location = as_location(path)
-    if not isinstance(location, Path):
-        return json.loads(read_bytes(location))
-    return json.loads(location.read_text())
+    return json.loads(read_bytes(as_location(path)))
 
 
 def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[str] = (), width: int = 100) -> str:
