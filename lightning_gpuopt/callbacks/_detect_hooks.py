@@ -60,13 +60,9 @@ class HookTimes(Probe):
         self._pending_saves = [0, 0.0]
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        callbacks = {}
         for callback in trainer.callbacks:
-            try:
-                callbacks[callback.state_key] = callback
-            except Exception:  # noqa: BLE001 - a state_key that fails only loses the callback's class name
-                continue
-        self._callbacks = callbacks
+            with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
+                self._callbacks[callback.state_key] = callback
         self._started_at = time.perf_counter()
         self._listening = True
 
@@ -307,25 +303,16 @@ def _named_files(dataset: Any) -> tuple[list[str], list[str]]:
     """Files named by ``dataset``'s attributes (paths, lists of paths or of (path, label)), and directories."""
     files: dict[str, None] = {}
     directories: list[str] = []
-    try:
-        attributes = list(vars(dataset).items())
-    except TypeError:
-        return [], []
-    for _, value in attributes:
-        path = _as_path(value) if not isinstance(value, (list, tuple)) else None
-        if path is not None:
+    for value in getattr(dataset, "__dict__", {}).values():
+        if isinstance(value, (list, tuple)):
+            entries = value[:_MAX_LISTED]
+            if entries and _isfile(_as_path(entries[0])) and _isfile(_as_path(entries[-1])):
+                files.update(dict.fromkeys(path for path in map(_as_path, entries) if path is not None))
+        elif (path := _as_path(value)) is not None:
             if _isfile(path):
                 files[path] = None
             elif os.path.isdir(path):
                 directories.append(path)
-        elif isinstance(value, (list, tuple)) and value:
-            entries = value[:_MAX_LISTED]
-            if not (_isfile(_as_path(entries[0])) and _isfile(_as_path(entries[-1]))):
-                continue
-            for entry in entries:
-                path = _as_path(entry)
-                if path is not None:
-                    files[path] = None
     return list(files), directories
 
 
@@ -368,10 +355,8 @@ def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
             continue
         sizes = []
         for path in _spread(files, _MAX_STAT):
-            try:
+            with contextlib.suppress(OSError):
                 sizes.append(os.stat(path).st_size)
-            except OSError:
-                continue
         if not sizes:
             continue
         leaf_bytes = sum(sizes) / len(sizes) * len(files)

@@ -43,9 +43,6 @@ class ProfilerTap:
         self.any_action = any_action
         self._started: dict[str, tuple[float, float]] = {}
 
-    def _watches(self, name: str) -> bool:
-        return self.any_action is not None or name in self.listeners or name in self.on_start
-
     def _begin(self, name: str) -> tuple[float, float]:
         started = self.on_start.get(name)
         if started is not None:
@@ -62,7 +59,7 @@ class ProfilerTap:
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
-        if self._watches(action_name):
+        if self.any_action is not None or action_name in self.listeners or action_name in self.on_start:
             self._started[action_name] = self._begin(action_name)
 
     def stop(self, action_name: str) -> None:
@@ -72,8 +69,12 @@ class ProfilerTap:
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
-        inner = self.inner.profile(action_name)
-        return _Timed(self, action_name, inner) if self._watches(action_name) else inner
+        # the fast paths first: it runs on every hook call
+        if action_name in self.listeners or action_name in self.on_start:
+            return _Timed(self, action_name, self.inner.profile(action_name))
+        if self.any_action is not None:
+            return _Walled(self.inner.profile(action_name), action_name, self.any_action)
+        return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "listeners", "on_start", "any_action", "_started"):  # not set yet (unpickling)
@@ -96,6 +97,23 @@ class _Timed:
 
     def __exit__(self, *exc_info: Any) -> Any:
         self.tap._end(self.name, self.started)
+        return self.inner.__exit__(*exc_info)
+
+
+class _Walled:
+    """:meth:`ProfilerTap.profile`'s context manager for the catch-all alone: wall-clock time only."""
+
+    __slots__ = ("any_action", "inner", "name", "started")
+
+    def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
+        self.inner, self.name, self.any_action = inner, name, any_action
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        self.any_action(self.name, time.perf_counter() - self.started)
         return self.inner.__exit__(*exc_info)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Optional, Sequence, cast
 
 from lightning_gpuopt.core.checks import check_number
@@ -64,16 +64,9 @@ class Thresholds:
     busy_gpu_util: float = 20.0
 
     def __post_init__(self) -> None:
-        for name, default in (
-            ("data_wait_high", 0.2),
-            ("data_wait_low", 0.05),
-            ("gpu_idle_high", 0.15),
-            ("host_overhead_high", 0.25),
-            ("straggler_slowdown", 0.2),
-        ):
-            check_number(
-                name, getattr(self, name), f"{name}={default}", low=0, high=1, low_inclusive=False, high_inclusive=False
-            )
+        for limit in fields(self)[:5]:
+            value, example = getattr(self, limit.name), f"{limit.name}={limit.default}"
+            check_number(limit.name, value, example, low=0, high=1, low_inclusive=False, high_inclusive=False)
         if not self.data_wait_low < self.data_wait_high:
             raise ValueError(
                 f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high}),"
