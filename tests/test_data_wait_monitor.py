@@ -48,7 +48,8 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
     assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
     assert report.totals.samples == report.totals.steps * batch_size
     assert report.gpu_idle_fraction is None and report.totals.gpu_util_mean is None  # CPU, no NVML
-    assert report.totals.loader_cpu_fraction is not None and report.totals.loader_cpu_fraction < 0.5  # sleeping, not computing
+    loader_cpu = report.totals.loader_cpu_fraction
+    assert loader_cpu is not None and loader_cpu < 0.5  # sleeping, not computing
     workers = [advice for advice in report.recommendations if advice.startswith("num_workers=0 → ")]
     assert len(workers) == 1, report.recommendations
 
@@ -77,14 +78,14 @@ def test_slow_host_hook_is_host_bound(tmp_path):
     monitor = DataWaitMonitor(warmup_steps=1)
     quiet_trainer(tmp_path, [monitor, SlowHook(hook_s)], max_steps=20).fit(MLP(), loader)
 
-    report = monitor.report
-    figures = (report.totals.steps, report.totals.wall_s, report.totals.data_wait_s, report.totals.compute_s, report.totals.other_s)
+    report, totals = monitor.report, monitor.report.totals
+    figures = (totals.steps, totals.wall_s, totals.data_wait_s, totals.compute_s, totals.other_s)
     assert report.verdict == "host-bound", (report.verdict_reason, figures)
-    assert report.totals.other_fraction > 0.5, figures
+    assert totals.other_fraction > 0.5, figures
     # a sleep never returns early: the hook's 50 ms a step land in "other" on any machine ...
-    assert report.totals.other_s / report.totals.steps >= 0.95 * hook_s, figures
+    assert totals.other_s / totals.steps >= 0.95 * hook_s, figures
     # ... and not in data wait, which would then hold at least 50 ms a step (and half the wall time)
-    assert report.totals.data_wait_s / report.totals.steps < hook_s / 5, figures
+    assert totals.data_wait_s / totals.steps < hook_s / 5, figures
     assert report.data_wait_fraction < 0.1, figures
     assert any(advice.startswith("batch_size=32 → 64") for advice in report.recommendations)
 

@@ -50,8 +50,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
-from lightning_gpuopt.callbacks._detect_steps import HostSyncProbe, KeptGraphProbe
-from lightning_gpuopt.callbacks._detectors import ModuleAndDeviceChecks, Probe, first_dataloader
+from lightning_gpuopt.callbacks._detectors import (
+    HostSyncProbe,
+    KeptGraphProbe,
+    ModuleAndDeviceChecks,
+    Probe,
+    first_dataloader,
+)
 from lightning_gpuopt.callbacks._namespace import check_trainer_namespace
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
