@@ -92,8 +92,12 @@ class DataWaitMonitor(Callback):
         log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps; ``None``
             follows ``Trainer(log_every_n_steps=...)``.
         nvml_interval_s: seconds between NVML samples of GPU utilisation and memory.
-        data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown: the
-            verdict's limits (:class:`~lightning_gpuopt.core.diagnosis.Thresholds`).
+        data_wait_high: data wait share of a step from which the run is input-bound.
+        data_wait_low: data wait share up to which the run is compute-bound.
+        gpu_idle_high: GPU idle share from which the GPU counts as starved.
+        host_overhead_high: on CPU, share of transfer + other host work from which the run is host-bound.
+        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median of the others
+            to reach the gradient sync is named a straggler.
         report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in
             ``trainer.log_dir`` (or ``default_root_dir``).
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
@@ -160,7 +164,6 @@ class DataWaitMonitor(Callback):
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[Probe] = []
-        self._steps_started = 0
 
     # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -282,7 +285,7 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        self._call_probes("step_start", trainer, pl_module, batch, self._steps_started)
+        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -293,12 +296,12 @@ class DataWaitMonitor(Callback):
         clock = self._clock
         if clock is None:
             return
+        step = clock.steps_seen
         # an opaque batch object: the loader's batch size
         clock.step_end(batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0)
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, self._steps_started)
-        self._steps_started += 1
+        self._call_probes("step_end", trainer, pl_module, batch, step)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())

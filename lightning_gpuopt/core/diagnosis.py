@@ -104,6 +104,8 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class Diagnosis:
+    """The verdict, its reason, the recommendations, the straggler rank and the idle GPUs (NVML indices)."""
+
     verdict: str
     reason: str
     recommendations: list[str] = field(default_factory=list)
