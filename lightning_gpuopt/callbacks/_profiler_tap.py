@@ -28,7 +28,8 @@ AnyListener = Callable[[str, float], None]
 
 
 class ProfilerTap:
-    """Wraps profiler ``inner``: see the module docstring for ``listeners``, ``any_action`` and ``on_start``."""
+    """Wraps profiler ``inner``: see the module docstring for ``listeners``, ``any_action`` and ``on_start``
+    (fixed at construction)."""
 
     def __init__(
         self,
@@ -37,83 +38,94 @@ class ProfilerTap:
         any_action: Optional[AnyListener] = None,
         on_start: Optional[dict[str, Callable[[], None]]] = None,
     ) -> None:
+        on_start = on_start or {}
         self.inner = inner
-        self.listeners = dict(listeners)
-        self.on_start = dict(on_start or {})
         self.any_action = any_action
-        self._started: dict[str, tuple[float, float]] = {}
-
-    def _begin(self, name: str) -> tuple[float, float]:
-        started = self.on_start.get(name)
-        if started is not None:
-            started()
-        return time.perf_counter(), time.thread_time() if name in self.listeners else 0.0
-
-    def _end(self, name: str, started: tuple[float, float]) -> None:
-        wall = time.perf_counter() - started[0]
-        listener = self.listeners.get(name)
-        if listener is not None:
-            listener(wall, time.thread_time() - started[1])
-        if self.any_action is not None:
-            self.any_action(name, wall)
+        #: action name -> (its listener, its on_start): one look-up per action
+        self._timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
+        self._started: dict[str, _Timed] = {}
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
-        if self.any_action is not None or action_name in self.listeners or action_name in self.on_start:
-            self._started[action_name] = self._begin(action_name)
+        listener, on_start = self._timed.get(action_name, (None, None))
+        if listener is not None or on_start is not None or self.any_action is not None:
+            timer = self._started[action_name] = _Timed(None, action_name, listener, on_start, self.any_action)
+            timer.__enter__()
 
     def stop(self, action_name: str) -> None:
-        started = self._started.pop(action_name, None)
-        if started is not None:
-            self._end(action_name, started)
+        timer = self._started.pop(action_name, None)
+        if timer is not None:
+            timer.__exit__(None, None, None)
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
-        # the fast paths first: it runs on every hook call
-        if action_name in self.listeners or action_name in self.on_start:
-            return _Timed(self, action_name, self.inner.profile(action_name))
+        # the common cases first and without a call of ours: this runs on every hook call
+        inner = self.inner.profile(action_name)
+        timed = self._timed.get(action_name)
+        if timed is not None:
+            return _Timed(inner, action_name, *timed, self.any_action)
         if self.any_action is not None:
-            return _Walled(self.inner.profile(action_name), action_name, self.any_action)
-        return self.inner.profile(action_name)
+            return _Walled(inner, action_name, self.any_action)
+        return inner
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "listeners", "on_start", "any_action", "_started"):  # not set yet (unpickling)
+        if name in ("inner", "any_action", "_timed", "_started"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
 
 class _Timed:
-    """:meth:`ProfilerTap.profile`'s context manager: the action timed inside the wrapped profiler's own
-    context (a class, not a generator: it runs on every hook call)."""
+    """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for
+    ``start``/``stop``); a class with slots, not a generator: it runs on every hook call."""
 
-    __slots__ = ("inner", "name", "started", "tap")
+    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
 
-    def __init__(self, tap: ProfilerTap, name: str, inner: Any) -> None:
-        self.tap, self.name, self.inner = tap, name, inner
+    def __init__(
+        self,
+        inner: Any,
+        name: str,
+        listener: Optional[Listener],
+        on_start: Optional[Callable[[], None]],
+        any_action: Optional[AnyListener],
+    ) -> None:
+        self.inner, self.name, self.listener, self.on_start, self.any_action = (
+            inner,
+            name,
+            listener,
+            on_start,
+            any_action,
+        )
 
     def __enter__(self) -> None:
-        self.inner.__enter__()
-        self.started = self.tap._begin(self.name)
+        if self.inner is not None:
+            self.inner.__enter__()
+        if self.on_start is not None:
+            self.on_start()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.listener is not None else 0.0
 
     def __exit__(self, *exc_info: Any) -> Any:
-        self.tap._end(self.name, self.started)
-        return self.inner.__exit__(*exc_info)
+        wall = time.perf_counter() - self.wall
+        if self.listener is not None:
+            self.listener(wall, time.thread_time() - self.cpu)
+        if self.any_action is not None:
+            self.any_action(self.name, wall)
+        return self.inner.__exit__(*exc_info) if self.inner is not None else None
 
 
 class _Walled:
-    """:meth:`ProfilerTap.profile`'s context manager for the catch-all alone: wall-clock time only."""
+    """The catch-all's timing alone: wall-clock seconds, inside the wrapped profiler's context."""
 
-    __slots__ = ("any_action", "inner", "name", "started")
+    __slots__ = ("any_action", "inner", "name", "wall")
 
     def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
         self.inner, self.name, self.any_action = inner, name, any_action
 
     def __enter__(self) -> None:
         self.inner.__enter__()
-        self.started = time.perf_counter()
+        self.wall = time.perf_counter()
 
     def __exit__(self, *exc_info: Any) -> Any:
-        self.any_action(self.name, time.perf_counter() - self.started)
+        self.any_action(self.name, time.perf_counter() - self.wall)
         return self.inner.__exit__(*exc_info)
 
 
@@ -133,8 +145,7 @@ def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
     """Undo :func:`install`: the tap goes quiet and leaves the chain of profilers, wherever it is in it."""
     if tap is None:
         return
-    tap.listeners.clear()
-    tap.on_start.clear()
+    tap._timed.clear()
     tap.any_action = None
     if trainer.profiler is tap:
         trainer.profiler = tap.inner
