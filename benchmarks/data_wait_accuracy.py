@@ -65,7 +65,7 @@ def run(delay_s: float, step_s: float, batch_size: int, batches: int, warmup: in
         f"{nominal:.3f}",
         f"{report.data_wait_fraction:.3f}",
         f"{report.data_wait_fraction - truth:+.3f}",
-        f"{report.data_wait_s:.3f} s",
+        f"{report.totals.data_wait_s:.3f} s",
         f"{loading:.3f} s",
         report.verdict,
     )

@@ -224,7 +224,7 @@ def main(out: Path) -> None:
         json.dumps(
             {
                 "verdict": report.verdict,
-                "straggler_rank": report.straggler_rank,
+                "straggler_rank": report.diagnosis.straggler_rank,
                 "world_size": report.world_size,
                 "recommendations": report.recommendations,
                 "loading_per_step_s": loading_per_step_s,

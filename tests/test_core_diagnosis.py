@@ -6,30 +6,31 @@ import pytest
 import torch
 
 from lightning_gpuopt.core.diagnosis import (
-    RankFigures,
     RunSettings,
-    StepShares,
     Thresholds,
-    build_data_wait_report,
     classify,
+    data_wait_report,
     diagnose,
     find_idle_gpus,
     find_straggler,
     workers_to_keep_up,
 )
 from lightning_gpuopt.core.nvml import GpuUsage, NvmlSampler, visible_gpu_indices
+from lightning_gpuopt.core.timing import StepTotals
 
 
-def shares(wait: float, gpu_idle=None, other: float = 0.01, step: float = 0.1, loader_cpu=None) -> StepShares:
-    return StepShares(
-        data_wait=wait,
-        transfer=0.0,
-        compute=1 - wait - other,
-        other=other,
-        gpu_idle=gpu_idle,
-        step_time_s=step,
-        data_wait_per_step_s=wait * step,
-        loader_cpu=loader_cpu,
+def shares(wait: float, gpu_idle=None, other: float = 0.01, step: float = 0.1, loader_cpu=0.0) -> StepTotals:
+    """A step of ``step`` seconds: ``wait`` of it waiting for data, ``other`` host work, the rest compute."""
+    wall = step
+    idle = 0.0 if gpu_idle is None else gpu_idle * wall
+    return StepTotals(
+        steps=1,
+        wall_s=wall,
+        data_wait_s=wait * wall,
+        data_wait_cpu_s=loader_cpu * wait * wall,
+        compute_s=(1 - wait - other) * wall,
+        gpu_busy_s=0.0 if gpu_idle is None else wall - idle,
+        gpu_idle_s=idle,
     )
 
 
@@ -106,34 +107,33 @@ def test_straggler_needs_a_real_gap():
 
 
 def test_report_aggregates_ranks_into_means_and_global_throughput():
-    def rank(r: int, wait: float) -> RankFigures:
-        return RankFigures(
-            rank=r,
-            steps=10,
-            samples=80,
-            wall_s=1.0,
-            data_wait_s=wait,
-            data_wait_cpu_s=0.0,
-            transfer_s=0.0,
-            compute_s=0.5,
-            forward_s=0.1,
-            validation_s=0.0,
-            checkpoint_s=0.0,
-            worker_startup_s=0.0,
-            gpu_busy_s=0.0,
-            gpu_idle_s=0.0,
-            gpu_util_mean=None,
-        )
+    def rank(wait: float) -> StepTotals:
+        return StepTotals(steps=10, samples=80, wall_s=1.0, data_wait_s=wait, compute_s=0.5, forward_s=0.1)
 
-    report = build_data_wait_report(
-        [rank(1, 0.4), rank(0, 0.1)], RunSettings(device_type="cpu", num_workers=0), Thresholds()
-    )
-    assert [figures.rank for figures in report.ranks] == [0, 1]
-    assert report.data_wait_s == pytest.approx(0.25)
-    assert report.samples_per_second == pytest.approx(160.0)
+    report = data_wait_report([rank(0.1), rank(0.4)], RunSettings(device_type="cpu", num_workers=0), Thresholds())
+    assert [figures.data_wait_s for figures in report.ranks] == [0.1, 0.4]
+    assert report.totals.data_wait_s == pytest.approx(0.25)
+    assert report.totals.samples_per_second == pytest.approx(160.0)
     assert report.rank_spread["data_wait_per_step_s"].max == pytest.approx(0.04)
-    assert report.straggler_rank == 1
-    assert RankFigures.from_vector(rank(1, 0.4).to_vector()) == rank(1, 0.4)
+    assert report.diagnosis.straggler_rank == 1
+    assert any(advice.startswith("rank 1 is a straggler") for advice in report.recommendations)
+    # a rank that measured no step is left out of the means, and the straggler keeps its own rank number
+    report = data_wait_report(
+        [StepTotals(), rank(0.1), rank(0.4)], RunSettings(device_type="cpu", num_workers=0), Thresholds()
+    )
+    assert report.totals.data_wait_s == pytest.approx(0.25) and report.world_size == 3
+    assert report.diagnosis.straggler_rank == 2
+    assert any(advice.startswith("rank 2 is a straggler") for advice in report.recommendations)
+
+
+def test_no_measured_step_is_balanced_with_no_advice():
+    report = data_wait_report([StepTotals()], RunSettings(device_type="cpu"), Thresholds())
+    assert (report.verdict, report.verdict_reason, report.recommendations) == (
+        "balanced",
+        "no training step was measured",
+        [],
+    )
+    assert report.data_wait_fraction is None and report.rank_spread == {}
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpuopt.core.timing import StepClock, StepTotals
+from lightning_gpuopt.core.timing import StepClock
 
 
 class ScriptedClock:
@@ -35,13 +35,13 @@ def test_steps_split_into_wait_compute_and_other():
     clock.epoch_start()
     for _ in range(5):
         run_step(clock, time, fetch=0.030, compute=0.010, other=0.002)
-    totals = clock.totals
+    totals = clock.totals()
     assert totals.steps == 4  # step 0: warm-up and the epoch's first
     assert totals.wall_s == pytest.approx(4 * 0.042)
     assert totals.data_wait_s == pytest.approx(4 * 0.030)
     assert totals.compute_s == pytest.approx(4 * 0.010)
     assert totals.other_s == pytest.approx(4 * 0.002)
-    assert totals.fraction(totals.data_wait_s) == pytest.approx(30 / 42)
+    assert totals.data_wait_fraction == pytest.approx(30 / 42)
     assert totals.loader_cpu_fraction == pytest.approx(0.5)
     assert totals.samples_per_second == pytest.approx(4 / 0.042)
     assert clock.worker_startup_s == [pytest.approx(0.032)]
@@ -62,9 +62,9 @@ def test_excluded_work_between_steps_is_totalled_apart():
     time.advance(0.01)
     clock.step_end(4)
     assert start.measured and not start.clean_gap  # the GPU-idle gap before it holds validation
-    assert clock.totals.steps == 2
-    assert clock.totals.wall_s == pytest.approx(0.04)
-    assert clock.excluded_s["validation"] == pytest.approx(0.5)
+    assert clock.totals().steps == 2
+    assert clock.totals().wall_s == pytest.approx(0.04)
+    assert clock.excluded_s["validation"] == pytest.approx(0.5) == clock.totals().validation_s
 
 
 def test_each_epoch_start_is_start_up_not_a_step():
@@ -76,8 +76,8 @@ def test_each_epoch_start_is_start_up_not_a_step():
         for _ in range(4):
             run_step(clock, time, fetch=0.001, compute=0.01)
         time.advance(1.0)  # epoch-end work never counts
-    assert clock.totals.steps == 3 * 3
-    assert clock.totals.wall_s == pytest.approx(9 * 0.011)
+    assert clock.totals().steps == 3 * 3
+    assert clock.totals().wall_s == pytest.approx(9 * 0.011)
     assert clock.worker_startup_s == [pytest.approx(0.201)] * 3
     assert clock.epochs_seen == 3
 
@@ -89,9 +89,10 @@ def test_take_window_resets_only_the_window():
     for _ in range(4):
         run_step(clock, time, fetch=0.01, compute=0.01)
     window = clock.take_window()
-    assert window.steps == 3 and clock.window == StepTotals()
+    assert window.steps == 3 and window.wall_s == pytest.approx(3 * 0.02)
     run_step(clock, time, fetch=0.01, compute=0.01)
-    assert clock.window.steps == 1 and clock.totals.steps == 4
+    window = clock.take_window()
+    assert window.steps == 1 and window.data_wait_s == pytest.approx(0.01) and clock.totals().steps == 4
 
 
 def test_negative_warmup_is_refused():

@@ -42,13 +42,14 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
     assert sum(loader.fetch_s) >= dataset.loading_time(0)  # the samples' own sleeps are inside it
     assert report.data_wait_fraction == pytest.approx(truth, abs=0.1)
     assert report.verdict == "input-bound"
-    assert report.steps == 60 - 2  # 60 batches less 2 warm-up steps (the epoch's first step is one of them)
+    assert report.totals.steps == 60 - 2  # 60 batches less 2 warm-up steps (the epoch's first step is one of them)
     # absolute figure: the measured steps fetched every batch after the 2 warm-up batches
     loading = dataset.loading_time(2 * batch_size)
-    assert loading <= report.data_wait_s <= loading * 1.1 + report.steps * 0.001
-    assert report.samples == report.steps * batch_size
-    assert report.gpu_idle_fraction is None and report.gpu_util_mean is None  # CPU, no NVML
-    assert report.loader_cpu_fraction is not None and report.loader_cpu_fraction < 0.5  # sleeping, not computing
+    assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
+    assert report.totals.samples == report.totals.steps * batch_size
+    assert report.gpu_idle_fraction is None and report.totals.gpu_util_mean is None  # CPU, no NVML
+    loader_cpu = report.totals.loader_cpu_fraction
+    assert loader_cpu is not None and loader_cpu < 0.5  # sleeping, not computing
     workers = [advice for advice in report.recommendations if advice.startswith("num_workers=0 → ")]
     assert len(workers) == 1, report.recommendations
 
@@ -64,7 +65,7 @@ def test_preloaded_data_and_heavy_model_is_compute_bound(tmp_path):
     report = monitor.report
     assert report.verdict == "compute-bound", report.verdict_reason
     assert report.data_wait_fraction < 0.05
-    assert report.compute_fraction > 0.75
+    assert report.totals.compute_fraction > 0.75
     assert not any(advice.startswith("num_workers") for advice in report.recommendations)
 
 
@@ -77,14 +78,14 @@ def test_slow_host_hook_is_host_bound(tmp_path):
     monitor = DataWaitMonitor(warmup_steps=1)
     quiet_trainer(tmp_path, [monitor, SlowHook(hook_s)], max_steps=20).fit(MLP(), loader)
 
-    report = monitor.report
-    figures = (report.steps, report.wall_s, report.data_wait_s, report.compute_s, report.other_s)
+    report, totals = monitor.report, monitor.report.totals
+    figures = (totals.steps, totals.wall_s, totals.data_wait_s, totals.compute_s, totals.other_s)
     assert report.verdict == "host-bound", (report.verdict_reason, figures)
-    assert report.other_fraction > 0.5, figures
+    assert totals.other_fraction > 0.5, figures
     # a sleep never returns early: the hook's 50 ms a step land in "other" on any machine ...
-    assert report.other_s / report.steps >= 0.95 * hook_s, figures
+    assert totals.other_s / totals.steps >= 0.95 * hook_s, figures
     # ... and not in data wait, which would then hold at least 50 ms a step (and half the wall time)
-    assert report.data_wait_s / report.steps < hook_s / 5, figures
+    assert totals.data_wait_s / totals.steps < hook_s / 5, figures
     assert report.data_wait_fraction < 0.1, figures
     assert any(advice.startswith("batch_size=32 → 64") for advice in report.recommendations)
 
@@ -109,14 +110,14 @@ def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
 
     report = monitor.report
     loading = train_data.loading_time(1 * batch_size)  # the batches of the measured steps
-    assert loading <= report.data_wait_s <= loading * 1.1 + report.steps * 0.001
+    assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
     assert len(val_data.durations) == 3 * 2 * 16  # validation after steps 10, 20, 30
-    assert report.validation_s >= val_data.loading_time(0)
-    assert report.checkpoint_s > 0
+    assert report.totals.validation_s >= val_data.loading_time(0)
+    assert report.totals.checkpoint_s > 0
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 6
     # the shares are of the training steps alone: validation and saving are outside their wall time
-    assert report.data_wait_fraction == pytest.approx(report.data_wait_s / report.wall_s)
-    assert report.wall_s + report.validation_s + report.checkpoint_s <= stopwatch.wall_s
+    assert report.data_wait_fraction == pytest.approx(report.totals.data_wait_s / report.totals.wall_s)
+    assert report.totals.wall_s + report.totals.validation_s + report.totals.checkpoint_s <= stopwatch.wall_s
 
 
 def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):
@@ -150,9 +151,9 @@ def test_report_goes_to_a_remote_log_dir_through_fsspec(memory_url, tmp_path):
     url = f"{memory_url}/run/version_0/gpuopt_report.json"
     assert trainer.log_dir == f"{memory_url}/run/version_0" and monitor.report_file == url
     saved = json.loads(memory_files(memory_url)[url])
-    assert {"steps", "data_wait_fraction", "gpu_idle_fraction", "verdict", "recommendations"} <= saved[
-        "data_wait"
-    ].keys()
+    section = saved["data_wait"]
+    assert {"verdict", "recommendations"} <= section["diagnosis"].keys()
+    assert {"steps", "data_wait_fraction", "gpu_idle_fraction", "other_s"} <= section["totals"].keys()
     assert from_dict(DataWaitReport, saved["data_wait"]) == monitor.report
     assert list(tmp_path.iterdir()) == []  # nothing local: no `memory:` folder made of a mangled URL
 
@@ -169,7 +170,7 @@ def test_users_profiler_keeps_working_and_is_restored(tmp_path):
     assert len(fetches) == 15
     # the profiler and the monitor timed the same calls
     measured = sum(fetches[1:])  # step 0 is warm-up (and the epoch's start-up)
-    assert monitor.report.data_wait_s == pytest.approx(measured, rel=0.05)
+    assert monitor.report.totals.data_wait_s == pytest.approx(measured, rel=0.05)
 
 
 def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):
@@ -178,10 +179,10 @@ def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):
     quiet_trainer(tmp_path, [monitor], max_epochs=3).fit(MLP(), loader)
 
     report = monitor.report
-    assert report.epochs == 3
+    assert report.settings.epochs == 3
     assert len(report.settings.worker_startup_s) == 3
     assert all(seconds > 0.008 for seconds in report.settings.worker_startup_s)  # >= one batch of 8 x 1 ms
-    assert report.steps == 3 * (8 - 1)
+    assert report.totals.steps == 3 * (8 - 1)
     assert report.settings.num_workers == 1 and report.settings.persistent_workers is False
 
 
@@ -211,3 +212,19 @@ def test_report_is_none_until_a_fit_ends_and_validate_alone_is_ignored(tmp_path)
     trainer = quiet_trainer(tmp_path, [monitor])
     trainer.validate(MLP(), DataLoader(preloaded_dataset(64, 32), batch_size=16))
     assert monitor.report is None
+
+
+def test_rank_totals_survive_the_all_gather():
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_gpuopt.callbacks.data_wait_monitor import gather_totals
+    from lightning_gpuopt.core.timing import StepTotals
+
+    own = StepTotals(steps=10, samples=80, wall_s=1.0, data_wait_s=0.4, compute_s=0.5, forward_s=0.1, gpu_idle_s=0.2)
+    one_rank = SimpleNamespace(strategy=SimpleNamespace(all_gather=lambda tensor: tensor))
+    assert gather_totals(one_rank, own, torch.device("cpu")) == [own]  # gpu_util_mean None survives as NaN
+    two_ranks = SimpleNamespace(strategy=SimpleNamespace(all_gather=lambda tensor: torch.stack([tensor, tensor])))
+    with_util = StepTotals(steps=3, gpu_util_mean=55.0)
+    assert gather_totals(two_ranks, with_util, torch.device("cpu")) == [with_util, with_util]

@@ -39,7 +39,7 @@ def test_io_latency_dataset_gets_workers_and_training_throughput_at_least_double
     assert result.baseline.setting == LoaderSetting(0, None, False, False)
     # what the fit used is what the tuner chose
     assert recorder.loader_settings == (result.num_workers, result.prefetch_factor, result.persistent_workers, False)
-    assert tuned.report.samples_per_second >= 2 * plain.report.samples_per_second
+    assert tuned.report.totals.samples_per_second >= 2 * plain.report.totals.samples_per_second
     # sleeping workers use little CPU, so more of them than the 2 cores were worth timing
     assert all(t.worker_cpu_fraction < 0.5 for t in result.candidates if t.worker_cpu_fraction is not None)
     assert "num_workers=0" in tuner.message and f"num_workers={result.num_workers}" in tuner.message

@@ -110,6 +110,32 @@ def test_uninstall_silences_the_catch_all():
     assert isinstance(holder.profiler, Inner) and tap.any_action is None
 
 
+def test_two_taps_one_over_the_other_both_see_every_action_its_start_and_its_end(tmp_path):
+    events: list[tuple[str, str]] = []
+    configure = "[LightningModule]MLP.configure_optimizers"
+
+    class Tap(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def setup(self, trainer, pl_module, stage):
+            self.tap = _profiler_tap.install(
+                trainer,
+                {configure: lambda wall, cpu: events.append((self.name, "end"))},
+                on_start={configure: lambda: events.append((self.name, "start"))},
+            )
+
+        def teardown(self, trainer, pl_module, stage):
+            _profiler_tap.uninstall(trainer, self.tap)
+
+    profiler = SimpleProfiler()
+    trainer = make_trainer(tmp_path, [Tap("first"), Tap("second")], max_steps=2, profiler=profiler)
+    trainer.fit(MLP(), loader())
+    # the second tap wraps the first and times the action inside the first's own timing
+    assert events == [("first", "start"), ("second", "start"), ("second", "end"), ("first", "end")]
+    assert len(profiler.recorded_durations[configure]) == 1 and trainer.profiler is profiler
+
+
 # ----------------------------------------------------------------------------- slow-hook
 
 
@@ -189,7 +215,7 @@ def test_a_hook_slow_only_inside_validation_is_no_finding(tmp_path):
         max_steps=12,
         val_check_interval=4,
     )
-    assert monitor.report.validation_s >= 2 * 4 * 0.05  # the hook did run, inside validation
+    assert monitor.report.totals.validation_s >= 2 * 4 * 0.05  # the hook did run, inside validation
     assert of_kind(monitor, "slow-hook") == []
 
 
@@ -234,7 +260,7 @@ def test_saving_every_step_a_large_checkpoint_is_found_with_the_setting_to_chang
     # the saves are not also a slow hook of ModelCheckpoint
     assert of_kind(monitor, "slow-hook") == []
     # the monitor's own figure agrees on what saving cost
-    assert monitor.report.checkpoint_s == pytest.approx(finding.figures["seconds"], rel=0.05)
+    assert monitor.report.totals.checkpoint_s == pytest.approx(finding.figures["seconds"], rel=0.05)
 
 
 def test_saving_once_an_epoch_over_many_steps_is_no_finding(tmp_path):
@@ -246,7 +272,7 @@ def test_saving_once_an_epoch_over_many_steps_is_no_finding(tmp_path):
         max_epochs=1,
         enable_checkpointing=True,
     )
-    assert monitor.report.checkpoint_s > 0  # the default ModelCheckpoint saved once
+    assert monitor.report.totals.checkpoint_s > 0  # the default ModelCheckpoint saved once
     assert of_kind(monitor, "checkpoint-time") == []
 
 
@@ -325,7 +351,7 @@ def test_files_read_slowly_by_a_slow_model_are_no_finding_and_the_read_rate_is_r
     needed = trainer.callback_metrics["gpuopt/dataset_needed_mb_s"].item()
     assert read > 0 and needed > 0
     # 64 KiB a sample at the samples per second the monitor measured
-    assert needed == pytest.approx(64 * 1024 * monitor.report.samples_per_second / 1e6, rel=1e-6)
+    assert needed == pytest.approx(64 * 1024 * monitor.report.totals.samples_per_second / 1e6, rel=1e-6)
 
 
 def test_a_slow_read_of_an_input_bound_run_is_found(tmp_path, monkeypatch):

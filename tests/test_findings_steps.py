@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import DataWaitMonitor
-from lightning_gpuopt.callbacks._detect_steps import GRAPH_STEPS, SYNC_STEPS, HostSyncProbe, KeptGraphProbe
+from lightning_gpuopt.callbacks._detectors import GRAPH_STEPS, SYNC_STEPS, HostSyncProbe, KeptGraphProbe
 from lightning_gpuopt.core.findings import graph_kept, host_sync
 from lightning_gpuopt.testing import SimulatedGpu
 
@@ -224,7 +224,7 @@ def test_a_plain_module_with_step_logging_progress_bar_and_logger_has_no_host_sy
 
 
 def test_a_host_run_counts_no_host_sync(tmp_path):
-    """On the CPU nothing waits for a card: ``.item()`` is no finding (see _detect_steps)."""
+    """On the CPU nothing waits for a card: ``.item()`` is no finding (see _detectors)."""
     monitor = fit(tmp_path, ReadsLoss(items=2))
     assert found(monitor, "host-sync") is None
     assert probe(monitor, HostSyncProbe).counts == []

@@ -68,7 +68,7 @@ def test_monitor_on_gpu_input_bound_with_an_idle_gpu_and_compute_bound_with_a_bu
     slow = DataWaitMonitor(warmup_steps=2)
     gpu_trainer(tmp_path, [slow], max_steps=30).fit(MLP(), DataLoader(SlowDataset(960, delay_s=0.001), batch_size=16))
     assert slow.report.verdict == "input-bound", slow.report.verdict_reason
-    assert slow.report.gpu_idle_fraction > 0.5 and slow.report.gpu_util_mean is not None
+    assert slow.report.gpu_idle_fraction > 0.5 and slow.report.totals.gpu_util_mean is not None
     assert any(advice.startswith("pin_memory=False → True") for advice in slow.report.recommendations)
 
     # ~5 TFLOP a step (4096 x 1024 -> 8192 x 4 layers, forward and backward): tens of ms on any GPU,

@@ -110,7 +110,7 @@ def test_monitor_on_a_card_input_bound_with_an_idle_gpu_and_compute_bound_with_a
             model, DataLoader(preloaded_batches(20, 512, 256), batch_size=None)
         )
     assert slow.report.verdict == "input-bound", slow.report.verdict_reason
-    assert slow.report.gpu_idle_fraction > 0.5 and slow.report.gpu_util_mean is not None
+    assert slow.report.gpu_idle_fraction > 0.5 and slow.report.totals.gpu_util_mean is not None
     assert busy.report.verdict == "compute-bound", busy.report.verdict_reason
     assert busy.report.gpu_idle_fraction < slow.report.gpu_idle_fraction
     assert profile in slow.report.device or "H100" in slow.report.device or "T4" in slow.report.device
@@ -131,7 +131,7 @@ def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
             SlowTransfer(), DataLoader(preloaded_batches(15, 16, 32), batch_size=None)
         )
     report = monitor.report
-    assert report.transfer_fraction > 0.5  # the copies dominate the step...
+    assert report.totals.transfer_fraction > 0.5  # the copies dominate the step...
     assert report.gpu_idle_fraction < 0.3  # ...and the card is busy with them, not waiting
 
 

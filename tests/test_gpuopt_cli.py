@@ -50,7 +50,7 @@ def test_fit_gpuopt_diagnose_measures_and_saves_its_settings(tmp_path):
     config = saved_config(tmp_path)["gpuopt"]
     assert config["preset"] == "diagnose" and config["monitor"] is True and config["fill_memory"] is False
     saved = report(tmp_path)
-    assert saved["gpuopt"]["changes"] == [] and saved["data_wait"]["verdict"]
+    assert saved["gpuopt"]["changes"] == [] and saved["data_wait"]["diagnosis"]["verdict"]
 
 
 def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path):

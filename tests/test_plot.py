@@ -267,6 +267,6 @@ def test_timeline_data_wait_follows_the_loading_time_of_each_batch(tmp_path):
     for step, wait in zip(timeline.step, timeline.data_wait_s):
         assert wait >= dataset.loading_time(8 * step, 8 * step + 8)
     assert min(timeline.data_wait_s[4:]) >= 8 * 0.004  # steps 6..11 read the slow samples
-    assert sum(timeline.wall_s) == pytest.approx(monitor.report.wall_s)
+    assert sum(timeline.wall_s) == pytest.approx(monitor.report.totals.wall_s)
     saved = json.loads((tmp_path / "gpuopt_report.json").read_text())["data_wait"]["timeline"]
     assert saved["data_wait_s"] == pytest.approx(timeline.data_wait_s)

@@ -210,5 +210,5 @@ def test_a_card_whose_nvml_refuses_still_trains_and_reports_no_utilisation(tmp_p
             MLP(), DataLoader(preloaded_batches(6, 16, 32), batch_size=None)
         )
     assert gpu.nvml.initialised == 0
-    assert monitor.report.steps == 5 and monitor.report.gpu_util_mean is None
+    assert monitor.report.totals.steps == 5 and monitor.report.totals.gpu_util_mean is None
     assert monitor.report.gpu_idle_fraction is not None  # the card's events still time it

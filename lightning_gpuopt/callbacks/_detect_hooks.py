@@ -1,14 +1,12 @@
-"""The measuring side of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings
+"""Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings
 (:mod:`lightning_gpuopt.core.findings` decides).
 
-* :class:`HookTimes` totals every hook call and every ``trainer.save_checkpoint`` from the
-  profiler tap's catch-all listener (one ``perf_counter`` pair a call, no per-step work of its
-  own), from ``on_train_start`` to ``on_train_end``.
-* :class:`DatasetDisk` finds the files the training dataset names and, once at train end, reads a
-  sample of them with the page cache dropped (at most :data:`READ_FILES` files,
-  :data:`READ_BYTES` bytes, :data:`READ_SECONDS` seconds), against the rate training consumed
-  them. It logs ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s`` whenever it
-  measured them, found or not.
+* :class:`HookTimes` totals every hook call and every ``trainer.save_checkpoint`` from ``on_train_start``
+  to ``on_train_end``, from the times the profiler tap hands the monitor (no per-step work of its own).
+* :class:`DatasetDisk` finds the files the training dataset names and, once at train end, reads a sample
+  of them with the page cache dropped (at most :data:`READ_FILES` files, :data:`READ_BYTES` bytes,
+  :data:`READ_SECONDS` seconds) against the rate training consumed them; it logs
+  ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s`` whenever it measured them.
 """
 
 from __future__ import annotations
@@ -16,53 +14,32 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
+import psutil
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from torch.utils.data import ConcatDataset, Subset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._detectors import Probe
+from lightning_gpuopt.callbacks._detectors import Probe, first_dataloader
+from lightning_gpuopt.callbacks._reporting import log_metrics
+from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_time, slow_disk, slow_hook
 
-#: hooks that are the step's compute or data path (already split by the monitor), run once per fit, or run
-#: inside a checkpoint save (counted by ``"checkpoint-time"``): never a ``"slow-hook"``
-NOT_USER_WORK = frozenset(
-    {
-        "training_step",
-        "backward",
-        "optimizer_step",
-        "optimizer_zero_grad",
-        "configure_gradient_clipping",
-        "clip_gradients",
-        "lr_scheduler_step",
-        "transfer_batch_to_device",
-        "on_before_batch_transfer",
-        "on_after_batch_transfer",
-        "batch_to_device",
-        "forward",
-        "setup",
-        "teardown",
-        "prepare_data",
-        "configure_optimizers",
-        "configure_model",
-        "configure_callbacks",
-        "configure_sharded_model",
-        "on_fit_start",
-        "on_fit_end",
-        "on_train_start",
-        "on_train_end",
-        "on_exception",
-        "train_dataloader",
-        "val_dataloader",
-        "on_sanity_check_start",
-        "on_sanity_check_end",
-        "on_save_checkpoint",
-        "on_load_checkpoint",
-        "state_dict",
-        "load_state_dict",
-    }
-)
+#: hooks on the step's compute or data path (split by the monitor), run once per fit, or run inside a
+#: checkpoint save (``"checkpoint-time"``): never a ``"slow-hook"``
+# fmt: off
+NOT_USER_WORK = frozenset((
+    "training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping",
+    "clip_gradients", "lr_scheduler_step", "transfer_batch_to_device", "on_before_batch_transfer",
+    "on_after_batch_transfer", "batch_to_device", "forward", "setup", "teardown", "prepare_data",
+    "configure_optimizers", "configure_model", "configure_callbacks", "configure_sharded_model", "on_fit_start",
+    "on_fit_end", "on_train_start", "on_train_end", "on_exception", "train_dataloader", "val_dataloader",
+    "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
+    "load_state_dict",
+))
+# fmt: on
 _OWNERS = compat.HOOK_ACTION_PREFIXES
 
 
@@ -83,13 +60,9 @@ class HookTimes(Probe):
         self._pending_saves = [0, 0.0]
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        callbacks = {}
         for callback in trainer.callbacks:
-            try:
-                callbacks[callback.state_key] = callback
-            except Exception:  # noqa: BLE001 - a state_key that fails only loses the callback's class name
-                continue
-        self._callbacks = callbacks
+            with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
+                self._callbacks[callback.state_key] = callback
         self._started_at = time.perf_counter()
         self._listening = True
 
@@ -136,14 +109,12 @@ class HookTimes(Probe):
             return callback, (type(callback).__name__ if callback is not None else owner), hook, False
         return None, owner, hook, prefix == compat.MODULE_ACTION
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if self._started_at is None or self._ended_at is None:
             return []
         fit_s = self._ended_at - self._started_at
-        report = self.report
-        validation_s = report.validation_s if report is not None else 0.0
-        epochs = max(1, report.epochs if report is not None else 1)
-        train_s = max(0.0, fit_s - validation_s)
+        epochs = max(1, report.settings.epochs)
+        train_s = max(0.0, fit_s - report.totals.validation_s)
         found: list[Optional[Finding]] = []
         for action, (seconds, calls) in self._hooks.items():
             callback, owner, hook, in_module = self._owner(action)
@@ -222,14 +193,8 @@ def _last_saved_bytes(callback: ModelCheckpoint) -> int:
 
 
 def _optimizer_state_bytes(optimizer: Any) -> int:
-    import torch
-
-    total = 0
-    for state in getattr(optimizer, "state", {}).values():
-        for value in state.values() if isinstance(state, dict) else ():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
+    states = [state for state in getattr(optimizer, "state", {}).values() if isinstance(state, dict)]
+    return sum(v.numel() * v.element_size() for state in states for v in state.values() if isinstance(v, torch.Tensor))
 
 
 # ----------------------------------------------------------------------------- the dataset's disk
@@ -252,18 +217,14 @@ class DatasetDisk(Probe):
 
     def __init__(self) -> None:
         self._dataset: Any = None
-        #: what was measured at train end (``None``: no files found, or not measured)
-        self.measured: Optional[DiskRead] = None
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from lightning_gpuopt.callbacks.data_wait_monitor import first_dataloader
-
         loader = first_dataloader(trainer.train_dataloader)
         self._dataset = loader.dataset if loader is not None else None
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
-        report = self.report
-        if self._dataset is None or report is None or not report.samples_per_second or trainer.local_rank != 0:
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
+        samples_per_second = report.totals.samples_per_second
+        if self._dataset is None or not samples_per_second or trainer.local_rank != 0:
             return []
         files = dataset_files(self._dataset)
         if files is None:
@@ -272,15 +233,10 @@ class DatasetDisk(Probe):
         if measured is None:
             return []
         # samples_per_second is every rank's together; this host's disk feeds this host's processes
-        host_share = trainer.num_devices / max(1, trainer.world_size)
-        needed_mb_s = files.bytes_per_sample * report.samples_per_second * host_share / 1e6
-        measured.needed_mb_s = needed_mb_s
-        self.measured = measured
-        from lightning_gpuopt.callbacks._reporting import log_metrics
-
-        log_metrics(
-            trainer, {"gpuopt/dataset_read_mb_s": measured.read_mb_s, "gpuopt/dataset_needed_mb_s": needed_mb_s}
-        )
+        host_samples_per_second = samples_per_second * trainer.num_devices / max(1, trainer.world_size)
+        needed_mb_s = files.bytes_per_sample * host_samples_per_second / 1e6
+        metrics = {"gpuopt/dataset_read_mb_s": measured.read_mb_s, "gpuopt/dataset_needed_mb_s": needed_mb_s}
+        log_metrics(trainer, metrics)
         finding = slow_disk(
             measured.read_mb_s,
             needed_mb_s,
@@ -291,25 +247,29 @@ class DatasetDisk(Probe):
             measured.bytes / 1e6,
             filesystem_type(files.directory),
             bytes_per_sample=files.bytes_per_sample,
-            samples_per_second=report.samples_per_second * host_share,
+            samples_per_second=host_samples_per_second,
         )
         return [finding] if finding is not None else []
 
 
-class DatasetFiles:
+class DatasetFiles(NamedTuple):
     """The files a dataset names: a spread sample of them, their directory and bytes per sample."""
 
-    def __init__(self, sample: list[str], directory: str, bytes_per_sample: float) -> None:
-        self.sample, self.directory, self.bytes_per_sample = sample, directory, bytes_per_sample
+    sample: list[str]
+    directory: str
+    bytes_per_sample: float
 
 
-class DiskRead:
-    """Files and bytes read, seconds, MB/s (and the MB/s training needed, once known)."""
+class DiskRead(NamedTuple):
+    """Files and bytes read, and the seconds it took."""
 
-    def __init__(self, files: int, num_bytes: int, seconds: float) -> None:
-        self.files, self.bytes, self.seconds = files, num_bytes, seconds
-        self.read_mb_s = num_bytes / seconds / 1e6 if seconds > 0 else 0.0
-        self.needed_mb_s: Optional[float] = None
+    files: int
+    bytes: int
+    seconds: float
+
+    @property
+    def read_mb_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
 
 def _leaves(dataset: Any, depth: int = 0) -> list[Any]:
@@ -343,25 +303,16 @@ def _named_files(dataset: Any) -> tuple[list[str], list[str]]:
     """Files named by ``dataset``'s attributes (paths, lists of paths or of (path, label)), and directories."""
     files: dict[str, None] = {}
     directories: list[str] = []
-    try:
-        attributes = list(vars(dataset).items())
-    except TypeError:
-        return [], []
-    for _, value in attributes:
-        path = _as_path(value) if not isinstance(value, (list, tuple)) else None
-        if path is not None:
+    for value in getattr(dataset, "__dict__", {}).values():
+        if isinstance(value, (list, tuple)):
+            entries = value[:_MAX_LISTED]
+            if entries and _isfile(_as_path(entries[0])) and _isfile(_as_path(entries[-1])):
+                files.update(dict.fromkeys(path for path in map(_as_path, entries) if path is not None))
+        elif (path := _as_path(value)) is not None:
             if _isfile(path):
                 files[path] = None
             elif os.path.isdir(path):
                 directories.append(path)
-        elif isinstance(value, (list, tuple)) and value:
-            entries = value[:_MAX_LISTED]
-            if not (_isfile(_as_path(entries[0])) and _isfile(_as_path(entries[-1]))):
-                continue
-            for entry in entries:
-                path = _as_path(entry)
-                if path is not None:
-                    files[path] = None
     return list(files), directories
 
 
@@ -404,10 +355,8 @@ def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
             continue
         sizes = []
         for path in _spread(files, _MAX_STAT):
-            try:
+            with contextlib.suppress(OSError):
                 sizes.append(os.stat(path).st_size)
-            except OSError:
-                continue
         if not sizes:
             continue
         leaf_bytes = sum(sizes) / len(sizes) * len(files)
@@ -431,60 +380,38 @@ def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
 
 
 def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: float = READ_SECONDS) -> Optional[DiskRead]:
-    """Read ``paths`` (up to ``max_bytes`` in all, shared evenly, for at most about ``max_seconds``),
-    each after dropping its pages from the page cache where the OS allows (``posix_fadvise``
-    ``DONTNEED``; pages not yet written back stay cached), and time it from the first open."""
-    if not paths:
-        return None
-    per_file = max(_CHUNK, max_bytes // len(paths))
-    drop = getattr(os, "posix_fadvise", None)
+    """Read ``paths`` (``max_bytes`` in all, shared evenly; for about ``max_seconds`` at most), each after
+    dropping its pages from the page cache where the OS allows (``posix_fadvise``), timed from the first open."""
+    per_file = max(_CHUNK, max_bytes // max(1, len(paths)))
     read = files = 0
     started = time.perf_counter()
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if drop is not None:
-                with contextlib.suppress(OSError):
-                    drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            left = per_file
-            while left > 0:
-                chunk = os.read(fd, min(_CHUNK, left))
-                if not chunk:
-                    break
-                read += len(chunk)
-                left -= len(chunk)
+            with open(path, "rb", buffering=0) as handle:
+                with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
+                    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                left = per_file
+                while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
+                    read, left = read + len(chunk), left - len(chunk)
             files += 1
         except OSError:
             pass
-        finally:
-            os.close(fd)
         if time.perf_counter() - started > max_seconds:
             break
     seconds = time.perf_counter() - started
-    if not files or not read:
-        return None
-    return DiskRead(files, read, seconds)
+    return DiskRead(files, read, seconds) if files and read else None
 
 
 def filesystem_type(path: str) -> Optional[str]:
-    """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path``, from
-    ``/proc/mounts`` (``None`` where there is none)."""
+    """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path`` (``None``: unknown)."""
+    target = os.path.realpath(path)
     try:
-        with open("/proc/mounts", encoding="utf-8") as mounts:
-            lines = mounts.read().splitlines()
+        mounts = [
+            mount
+            for mount in psutil.disk_partitions(all=True)
+            if target == mount.mountpoint or target.startswith(mount.mountpoint.rstrip("/") + "/")
+        ]
     except OSError:
         return None
-    target = os.path.realpath(path)
-    best, best_type = "", None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount_point = parts[1].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, best_type = mount_point, parts[2]
-    return best_type
+    # the longest mount point holding the path; of several mounts there, the last one (the visible one)
+    return max(reversed(mounts), key=lambda mount: len(mount.mountpoint)).fstype if mounts else None

@@ -1,83 +1,113 @@
-"""The measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
+"""Probes: the measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
 
-Each probe looks at a few sampled training steps, never at every one, and undoes whatever it
-installed in :meth:`Probe.stop` (called from ``teardown`` and ``on_exception``). The monitor
-calls, in order: ``fit_start`` (from ``on_train_start``), ``step_start``/``step_end`` around
-each training step with the step's index since the start of ``fit`` (0-based, warm-up
-included), ``stop``, then ``findings`` with :attr:`Probe.report` set to the run's report. A
-probe that overrides :meth:`Probe.action_timed` is also called with every action the trainer's
-profiler times (every hook call, ``save_checkpoint``, ...), from ``setup`` on.
+A probe looks at a few sampled training steps, never at every one. The monitor calls ``fit_start``
+(``on_train_start``), ``step_start``/``step_end`` around each training step with its index since the
+start of ``fit`` (0-based, warm-up included), ``action_timed`` with every action the trainer's profiler
+times (only for probes that override it), ``stop`` on every exit path (perhaps more than once: it
+undoes what the probe installed), then ``findings`` with the run's report. Here: the base, and
+
+* :class:`ModuleAndDeviceChecks` -- ``data-parallel``, ``oversubscribed``, ``tf32-off``,
+  ``cudnn-benchmark-off``, ``channels-last`` (from the module, torch's settings and the sampled batches);
+* :class:`KeptGraphProbe` -- ``graph-kept``: scans the module's attributes at a few step starts
+  (:data:`GRAPH_STEPS`, and after the last step) for tensors carrying an autograd graph between steps;
+* :class:`HostSyncProbe` -- ``host-sync``: counts, on a CUDA device (real or simulated) in warm-up
+  steps :data:`SYNC_STEPS`, the reads from the card to the host: ``aten._local_scalar_dense``
+  (``.item()``, ``float(t)``, ``if loss > 0:``) and copies to the host (``.cpu()``, ``.tolist()``; on the
+  simulated card no op runs for these). ``print(loss)`` is not seen (torch formats tensors with dispatch
+  modes off). A read is the user's when the innermost frame outside torch, lightning_gpuopt and the
+  standard library is the user's code, Lightning's when it is Lightning's. A host-only run counts
+  nothing (nothing waits there).
+
+The hook, checkpoint and disk probes are in ``_detect_hooks``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import importlib.util
+import os
+import sys
+import sysconfig
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core._torch_compat import TorchDispatchMode, current_dispatch_mode
+from lightning_gpuopt.core.device import Device, device_for
+from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.findings import (
     Finding,
     channels_last,
     cudnn_benchmark_off,
     data_parallel,
+    graph_kept,
+    host_sync,
     oversubscription,
     tf32_off,
 )
 from lightning_gpuopt.core.loader import usable_cpu_count
 
-if TYPE_CHECKING:
-    from lightning_gpuopt.core.diagnosis import DataWaitReport
-
-#: training steps (0-based from the start of ``fit``) on which the probes look at the batch
+#: training steps (0-based from the start of ``fit``) on which the module and device checks look at the batch
 SAMPLED_STEPS = (1, 2, 3)
+#: step starts (0-based since the start of ``fit``) at which the module's attributes are scanned
+GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: at most this many autograd nodes are walked per attribute (a larger graph counts as this many)
+MAX_GRAPH_NODES = 100_000
+#: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
+SYNC_STEPS = (1, 2)
+#: source lines kept per run for the message
+MAX_LINES = 5
 
 
 class Probe:
     """Base class: every hook does nothing."""
 
-    #: the run's report (numbers as ``samples_per_second``, ``data_wait_fraction``), set before :meth:`findings`
-    report: Optional[DataWaitReport] = None
-
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """Called once the loaders and the model are on their device (``on_train_start``)."""
+        """The loaders and the model are on their device (``on_train_start``)."""
 
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Called before training step ``step`` (0-based since the start of ``fit``)."""
+        """Training step ``step`` (0-based since the start of ``fit``) starts."""
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Called after training step ``step``."""
+        """Training step ``step`` ended."""
 
     def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
-        """Called with every profiled action's name and wall-clock seconds, and whether it ran in a
-        validation run inside ``fit`` (only for probes that override it: it runs on every hook call)."""
+        """A profiled action (a hook call, ``save_checkpoint``, ...) took ``seconds``; only for probes that
+        override it (it runs on every hook call)."""
 
     def stop(self) -> None:
-        """Undo everything installed; called on every exit path, perhaps more than once."""
+        """Undo everything installed."""
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
-        """What was found (after :meth:`stop`)."""
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
+        """What was found (after :meth:`stop`), given the run's report."""
         return []
 
 
+def first_dataloader(loaders: Any) -> Optional[DataLoader]:
+    """The first ``DataLoader`` in what ``trainer.train_dataloader`` returns (a loader or a collection)."""
+    if isinstance(loaders, DataLoader):
+        return loaders
+    for item in (
+        loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else ()
+    ):
+        found = first_dataloader(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
     if isinstance(batch, torch.Tensor):
-        found.append(batch)
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            found.extend(_tensors(value))
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            found.extend(_tensors(value))
-    return found
+        return [batch]
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return [tensor for item in items for tensor in _tensors(item)]
 
 
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
-    ``channels-last``: read from the module, the torch settings, the sampled batches' shapes and
-    (forward pre-hooks on the sampled steps) what each ``Conv2d`` is given."""
+    ``channels-last``: from the module, torch's settings, the sampled batches' shapes and (forward
+    pre-hooks on the sampled steps) what each ``Conv2d`` is given."""
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -100,13 +130,8 @@ class ModuleAndDeviceChecks(Probe):
             ]
 
     def _see_conv_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if (
-            args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].dim() == 4
-            and not args[0].is_contiguous(memory_format=torch.channels_last)
-        ):
-            self._inputs_nchw = True
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
+            self._inputs_nchw |= not args[0].is_contiguous(memory_format=torch.channels_last)
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self.stop()
@@ -116,59 +141,256 @@ class ModuleAndDeviceChecks(Probe):
             hook.remove()
         self._hooks = []
 
-    def findings(self, trainer: Any, pl_module: Any) -> list[Finding]:
-        processes = trainer.num_devices if trainer.world_size > 1 else 1
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
+        modules = list(pl_module.named_modules())
         found = [
-            data_parallel([name for name, module in pl_module.named_modules() if isinstance(module, nn.DataParallel)]),
-            oversubscription(torch.get_num_threads(), processes, usable_cpu_count()),
+            data_parallel([name for name, module in modules if isinstance(module, nn.DataParallel)]),
+            oversubscription(torch.get_num_threads(), report.settings.processes_per_host, usable_cpu_count()),
         ]
         if self._on_cuda:
-            card = device_for(pl_module.device)
             precision = str(trainer.precision)
-            convolutions = [
-                (name, module)
-                for name, module in pl_module.named_modules()
-                if isinstance(module, nn.modules.conv._ConvNd)
+            convolutions = [(name, module) for name, module in modules if isinstance(module, nn.modules.conv._ConvNd)]
+            conv2d = [(name, module) for name, module in convolutions if isinstance(module, nn.Conv2d)]
+            nchw = [
+                name for name, module in conv2d if not module.weight.is_contiguous(memory_format=torch.channels_last)
             ]
-            conv2d_nchw = [
-                name
-                for name, module in convolutions
-                if isinstance(module, nn.Conv2d) and not module.weight.is_contiguous(memory_format=torch.channels_last)
-            ]
-            has_conv2d = any(isinstance(module, nn.Conv2d) for _, module in convolutions)
+            capability = device_for(pl_module.device).capabilities.compute_capability
             found += [
-                tf32_off(card.capabilities.compute_capability, torch.get_float32_matmul_precision(), precision),
+                tf32_off(capability, torch.get_float32_matmul_precision(), precision),
                 cudnn_benchmark_off(bool(torch.backends.cudnn.benchmark), len(convolutions), len(self._shapes)),
-                channels_last(precision, conv2d_nchw, self._inputs_nchw) if has_conv2d else None,
+                channels_last(precision, nchw, self._inputs_nchw) if conv2d else None,
             ]
         return [finding for finding in found if finding is not None]
 
 
-def make_probes() -> list[Probe]:
-    """One probe of each kind, fresh for a ``fit``."""
-    from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
-    from lightning_gpuopt.callbacks._detect_steps import HostSyncProbe, KeptGraphProbe  # imports Probe from here
-
-    return [ModuleAndDeviceChecks(), HookTimes(), DatasetDisk(), KeptGraphProbe(), HostSyncProbe()]
+# ----------------------------------------------------------------------------- graph-kept
 
 
-def listens_to_actions(probe: Probe) -> bool:
-    """Whether ``probe`` overrides :meth:`Probe.action_timed`."""
-    return type(probe).action_timed is not Probe.action_timed
+def _held_tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors in ``value``: itself, or one level into a list, tuple, set or dict."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = (
+        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set, frozenset)) else ()
+    )
+    return [item for item in items if isinstance(item, torch.Tensor)]
 
 
-def run_probe_findings(probes: list[Probe], trainer: Any, pl_module: Any, warn: Any) -> list[Finding]:
-    """Every probe's findings; a probe that fails is named in a warning and skipped (a finding is
-    advice: it never costs the run)."""
-    found: list[Finding] = []
-    for probe in probes:
-        try:
-            found.extend(probe.findings(trainer, pl_module))
-        except Exception as error:  # noqa: BLE001 - advice must never end the run
-            warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
-    return found
+def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
+    """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most ``limit``).
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
+    3
+    """
+    seen: set[Any] = set()
+    stack = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return len(seen)
 
 
-def stop_probes(probes: Optional[list[Probe]]) -> None:
-    for probe in probes or ():
-        probe.stop()
+def graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
+    """``{attribute path: (autograd nodes, whether a container)}`` of each attribute (buffers included,
+    parameters and submodules not) of ``pl_module``'s modules holding a tensor with a ``grad_fn``."""
+    held: dict[str, tuple[int, bool]] = {}
+    for prefix, module in pl_module.named_modules():
+        attributes = [
+            (name, value)
+            for name, value in vars(module).items()
+            if name not in ("_parameters", "_buffers", "_modules")
+            and not name.startswith("_forward")
+            and not name.startswith("_backward")
+        ]
+        attributes += list(module._buffers.items())
+        for name, value in attributes:
+            tensors = [tensor for tensor in _held_tensors(value) if tensor.grad_fn is not None]
+            if tensors:
+                path = f"{prefix}.{name}" if prefix else name
+                held[path] = (graph_nodes(tensors), not isinstance(value, torch.Tensor))
+    return held
+
+
+class KeptGraphProbe(Probe):
+    """``graph-kept``: autograd graphs held by module attributes across steps."""
+
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._nodes: list[dict[str, int]] = []
+        self._live: list[Optional[int]] = []
+        self._containers: set[str] = set()
+        self._device: Optional[Device] = None
+        self._next_step = 0
+
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._device = device_for(pl_module.device)
+
+    def _sample(self, pl_module: Any, step: int) -> None:
+        held = graphs_held(pl_module)
+        self._steps.append(step)
+        self._nodes.append({path: nodes for path, (nodes, _) in held.items()})
+        self._containers.update(path for path, (_, container) in held.items() if container)
+        self._live.append(self._device.allocated_memory() if self._device is not None else None)
+
+    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+        if step in GRAPH_STEPS:
+            self._sample(pl_module, step)
+
+    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+        self._next_step = step + 1
+
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
+        # after the last step as well: a short run reaches few of the sampled steps
+        if self._next_step and (not self._steps or self._next_step > self._steps[-1]):
+            self._sample(pl_module, self._next_step)
+        paths = sorted({path for sample in self._nodes for path in sample})
+        found = graph_kept(
+            self._steps,
+            {path: [sample.get(path, 0) for sample in self._nodes] for path in paths},
+            self._live,
+            containers=sorted(self._containers),
+        )
+        return [found] if found is not None else []
+
+
+# ----------------------------------------------------------------------------- host-sync
+
+
+def _package_dir(name: str) -> Optional[str]:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(os.path.realpath(next(iter(spec.submodule_search_locations))), "")
+
+
+_LIGHTNING_DIRS = tuple(
+    path for path in map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric")) if path
+)
+_LIBRARY_DIRS = tuple(path for path in map(_package_dir, ("torch", "lightning_gpuopt")) if path)
+_STDLIB_DIRS = tuple(
+    {os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")}
+)
+
+
+def _where(filename: str, cache: dict[str, str]) -> str:
+    """``"lightning"``, ``"library"`` (torch, us, the standard library) or ``"user"``."""
+    kind = cache.get(filename)
+    if kind is None:
+        path = os.path.realpath(filename) if not filename.startswith("<") else filename
+        if path.startswith(_LIGHTNING_DIRS):
+            kind = "lightning"
+        elif (
+            path.startswith("<")
+            or path.startswith(_LIBRARY_DIRS)
+            or (path.startswith(_STDLIB_DIRS) and "-packages" not in path)
+        ):
+            kind = "library"
+        else:
+            kind = "user"
+        cache[filename] = kind
+    return kind
+
+
+class _HostReadCounter(TorchDispatchMode):
+    """Counts reads from ``device`` to the host, by whose code asked (the user's line or Lightning)."""
+
+    def __init__(self, device: Device) -> None:
+        super().__init__()
+        self.device = device
+        self.user = 0
+        self.lightning = 0
+        self.lines: dict[str, int] = {}
+        self.active = True
+        self._kinds: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active and self._is_host_read(func, args, out):
+            self._count()
+        return out
+
+    def _is_host_read(self, func: Any, args: tuple, out: Any) -> bool:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            source, target = args[0], None
+        elif func is torch.ops.aten._to_copy.default:
+            source, target = args[0], out
+        elif func is torch.ops.aten.copy_.default and len(args) > 1:
+            source, target = args[1], args[0]
+        else:
+            return False
+        if not isinstance(source, torch.Tensor) or not self.device.holds(source):
+            return False
+        return target is None or (isinstance(target, torch.Tensor) and not self.device.holds(target))
+
+    def _count(self) -> None:
+        frame: Any = sys._getframe(2)
+        while frame is not None:
+            kind = _where(frame.f_code.co_filename, self._kinds)
+            if kind == "lightning":
+                self.lightning += 1
+                return
+            if kind == "user":
+                self.user += 1
+                line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                if line in self.lines or len(self.lines) < MAX_LINES:
+                    self.lines[line] = self.lines.get(line, 0) + 1
+                return
+            frame = frame.f_back
+        self.lightning += 1  # no caller outside the libraries: not the user's code
+
+
+class HostSyncProbe(Probe):
+    """``host-sync``: reads from the card to the host inside the :data:`SYNC_STEPS` warm-up steps."""
+
+    def __init__(self) -> None:
+        self._device: Optional[Device] = None
+        self._mode: Optional[_HostReadCounter] = None
+        #: per counted step: (step, the user's reads, Lightning's reads)
+        self.counts: list[tuple[int, int, int]] = []
+        #: ``file:line`` of the user's reads and how many each made over the counted steps
+        self.lines: dict[str, int] = {}
+
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        device = device_for(pl_module.device)
+        self._device = device if device.is_cuda else None
+
+    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+        if self._device is None or step not in SYNC_STEPS or self._mode is not None:
+            return
+        self._mode = _HostReadCounter(self._device)
+        self._mode.__enter__()
+
+    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+        mode = self._exit()
+        if mode is not None:
+            self.counts.append((step, mode.user, mode.lightning))
+            for line, count in mode.lines.items():
+                if line in self.lines or len(self.lines) < MAX_LINES:
+                    self.lines[line] = self.lines.get(line, 0) + count
+
+    def _exit(self) -> Optional[_HostReadCounter]:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return None
+        mode.active = False  # counts nothing more, even where it cannot leave the stack
+        if current_dispatch_mode() is mode:
+            mode.__exit__(None, None, None)
+        return mode
+
+    def stop(self) -> None:
+        self._exit()
+
+    def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
+        if not self.counts:
+            return []
+        steps, user, lightning = zip(*self.counts)
+        found = host_sync(steps, user, lightning, self.lines)
+        return [found] if found is not None else []

@@ -1,18 +1,19 @@
-"""A stand-in for ``trainer.profiler`` that times chosen actions and delegates everything.
+"""A stand-in for ``trainer.profiler`` that times chosen actions and forwards every call.
 
-Lightning wraps the training dataloader ``next()`` in ``profiler.start/stop(
-"[_TrainingEpochLoop].train_dataloader_next")``, strategy hooks such as ``batch_to_device``
-and ``training_step`` in ``profiler.profile("[Strategy]<Strategy>.<hook>")``, and
-``trainer.save_checkpoint`` in ``profiler.profile("save_checkpoint")``. Installing a
-:class:`ProfilerTap` in a callback's ``setup()`` (after Lightning set its profiler up) gives
-the exact duration of each of those calls; actions nobody listens to go straight to the
-wrapped profiler, so the user's profiler (``SimpleProfiler``, ...) sees exactly what it saw.
+Lightning profiles the training dataloader's ``next()`` (``start``/``stop`` of
+``"[_TrainingEpochLoop].train_dataloader_next"``), strategy hooks (``"[Strategy]<Class>.<hook>"``:
+``batch_to_device``, ``training_step``), every hook call (``"[Callback]<state_key>.<hook>"``,
+``"[LightningModule]<Class>.<hook>"``, ``"[LightningDataModule]<Class>.<hook>"``) and
+``trainer.save_checkpoint`` (``"save_checkpoint"``). :func:`install`, in a callback's ``setup()``
+(after Lightning set its profiler up), wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
+is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds
+meanwhile), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action.
+Every call still reaches the wrapped profiler, so the user's profiler sees exactly what it saw, and
+taps installed one over another each see every action.
 
-Lightning also profiles every hook call, as ``[Callback]<state_key>.<hook>``,
-``[LightningModule]<Class>.<hook>``, ``[LightningDataModule]<Class>.<hook>`` and
-``[Strategy]<Class>.<hook>``. An optional catch-all listener (``any_action``) is called with
-the name and wall-clock seconds of every action (``perf_counter`` only: it runs on every hook
-call, dozens per step), the listened-to ones included.
+    tap = install(trainer, {"save_checkpoint": saved}, on_start={"save_checkpoint": saving})
+    ...
+    uninstall(trainer, tap)
 """
 
 from __future__ import annotations
@@ -20,114 +21,104 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+#: called with an action's wall-clock seconds and the main thread's CPU seconds meanwhile
 Listener = Callable[[float, float], None]
-"""Called with an action's wall-clock seconds and the CPU seconds of the calling (main) thread meanwhile."""
-
+#: called with every action's name and wall-clock seconds
 AnyListener = Callable[[str, float], None]
-"""Called with every action's name and wall-clock seconds."""
 
 
 class ProfilerTap:
-    """Times the listened-to actions and forwards every call to the wrapped profiler.
-
-    Args:
-        inner: the profiler being wrapped (``trainer.profiler``).
-        listeners: action name -> function called with the action's wall-clock and CPU seconds.
-        any_action: called with the name and wall-clock seconds of every action (optional).
-    """
+    """Wraps profiler ``inner``: see the module docstring for ``listeners``, ``any_action`` and ``on_start``
+    (fixed at construction)."""
 
     def __init__(
         self,
         inner: Any,
         listeners: dict[str, Listener],
         any_action: Optional[AnyListener] = None,
-        starts: Optional[dict[str, Callable[[], None]]] = None,
+        on_start: Optional[dict[str, Callable[[], None]]] = None,
     ) -> None:
+        on_start = on_start or {}
         self.inner = inner
-        self.listeners = dict(listeners)
         self.any_action = any_action
-        #: action name -> called when the action starts
-        self.starts = dict(starts or {})
-        self._started: dict[str, tuple[float, float]] = {}
-        self._any_started: dict[str, float] = {}
+        #: action name -> (its listener, its on_start): one look-up per action
+        self._timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
+        self._started: dict[str, _Timed] = {}
 
     def start(self, action_name: str) -> None:
-        if action_name in self.starts:
-            self.starts[action_name]()
         self.inner.start(action_name)
-        if action_name in self.listeners:
-            self._started[action_name] = (time.perf_counter(), time.thread_time())
-        if self.any_action is not None:
-            self._any_started[action_name] = time.perf_counter()
+        listener, on_start = self._timed.get(action_name, (None, None))
+        if listener is not None or on_start is not None or self.any_action is not None:
+            timer = self._started[action_name] = _Timed(None, action_name, listener, on_start, self.any_action)
+            timer.__enter__()
 
     def stop(self, action_name: str) -> None:
-        now = time.perf_counter()
-        started = self._started.pop(action_name, None)
-        if started is not None and action_name in self.listeners:
-            self.listeners[action_name](now - started[0], time.thread_time() - started[1])
-        any_started = self._any_started.pop(action_name, None)
-        if any_started is not None and self.any_action is not None:
-            self.any_action(action_name, now - any_started)
+        timer = self._started.pop(action_name, None)
+        if timer is not None:
+            timer.__exit__(None, None, None)
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
-        if action_name in self.starts:
-            self.starts[action_name]()
-        listener = self.listeners.get(action_name)
-        if listener is not None:
-            return _Timed(self.inner.profile(action_name), listener, action_name, self.any_action)
+        # the common cases first and without a call of ours: this runs on every hook call
+        inner = self.inner.profile(action_name)
+        timed = self._timed.get(action_name)
+        if timed is not None:
+            return _Timed(inner, action_name, *timed, self.any_action)
         if self.any_action is not None:
-            return _TimedName(self.inner.profile(action_name), action_name, self.any_action)
-        return self.inner.profile(action_name)
+            return _Walled(inner, action_name, self.any_action)
+        return inner
 
     def __getattr__(self, name: str) -> Any:
-        if name in (
-            "inner",
-            "listeners",
-            "any_action",
-            "starts",
-            "_started",
-            "_any_started",
-        ):  # not set yet (unpickling)
+        if name in ("inner", "any_action", "_timed", "_started"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
 
 class _Timed:
-    """Context manager timing the body inside the wrapped profiler's own context (a class, not a
-    generator: it runs on every step, so it is kept cheap)."""
+    """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for
+    ``start``/``stop``); a class with slots, not a generator: it runs on every hook call."""
 
-    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "wall")
+    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
 
     def __init__(
-        self, inner: Any, listener: Listener, name: str = "", any_action: Optional[AnyListener] = None
+        self,
+        inner: Any,
+        name: str,
+        listener: Optional[Listener],
+        on_start: Optional[Callable[[], None]],
+        any_action: Optional[AnyListener],
     ) -> None:
-        self.inner = inner
-        self.listener = listener
-        self.name = name
-        self.any_action = any_action
+        self.inner, self.name, self.listener, self.on_start, self.any_action = (
+            inner,
+            name,
+            listener,
+            on_start,
+            any_action,
+        )
 
     def __enter__(self) -> None:
-        self.inner.__enter__()
-        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        if self.inner is not None:
+            self.inner.__enter__()
+        if self.on_start is not None:
+            self.on_start()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.listener is not None else 0.0
 
     def __exit__(self, *exc_info: Any) -> Any:
         wall = time.perf_counter() - self.wall
-        self.listener(wall, time.thread_time() - self.cpu)
+        if self.listener is not None:
+            self.listener(wall, time.thread_time() - self.cpu)
         if self.any_action is not None:
             self.any_action(self.name, wall)
-        return self.inner.__exit__(*exc_info)
+        return self.inner.__exit__(*exc_info) if self.inner is not None else None
 
 
-class _TimedName:
-    """The catch-all's context manager: wall-clock time only, inside the wrapped profiler's context."""
+class _Walled:
+    """The catch-all's timing alone: wall-clock seconds, inside the wrapped profiler's context."""
 
     __slots__ = ("any_action", "inner", "name", "wall")
 
     def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
-        self.inner = inner
-        self.name = name
-        self.any_action = any_action
+        self.inner, self.name, self.any_action = inner, name, any_action
 
     def __enter__(self) -> None:
         self.inner.__enter__()
@@ -142,21 +133,19 @@ def install(
     trainer: Any,
     listeners: dict[str, Listener],
     any_action: Optional[AnyListener] = None,
-    starts: Optional[dict[str, Callable[[], None]]] = None,
+    on_start: Optional[dict[str, Callable[[], None]]] = None,
 ) -> ProfilerTap:
-    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` listening to ``listeners`` (and to every
-    action through ``any_action``; ``starts``: called when their action starts)."""
-    tap = ProfilerTap(trainer.profiler, listeners, any_action, starts)
+    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` and return it."""
+    tap = ProfilerTap(trainer.profiler, listeners, any_action, on_start)
     trainer.profiler = tap
     return tap
 
 
 def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
-    """Undo :func:`install`. When another tap was installed on top, this one only goes quiet."""
+    """Undo :func:`install`: the tap goes quiet and leaves the chain of profilers, wherever it is in it."""
     if tap is None:
         return
-    tap.listeners.clear()
-    tap.starts.clear()
+    tap._timed.clear()
     tap.any_action = None
     if trainer.profiler is tap:
         trainer.profiler = tap.inner

@@ -1,105 +1,77 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Every training step is split into data wait (the dataloader ``next()``, timed exactly
-through the Trainer's profiler), batch transfer, compute and other host work; validation,
-checkpoint saving and loader start-up at epoch starts are totalled apart. On CUDA, events
-recorded at step start and end (read lazily, never synchronising) give GPU busy and idle
-time, and an NVML thread samples the utilisation and memory of every GPU. At the end of
-``fit`` the figures of all ranks are gathered; rank 0 logs a table with the verdict
-(``input-bound``, ``compute-bound``, ``host-bound`` or ``balanced``) and recommendations,
-and writes the ``"data_wait"`` section of ``gpuopt_report.json`` in the trainer's log dir. Its
-``timeline`` keeps the split step by step over training (rank 0's steps, binned to at most 200
-points), which ``gpuopt plot`` draws.
+Each training step is split into data wait (the dataloader ``next()``, timed exactly through the
+Trainer's profiler), batch transfer, compute and other host work; validation, checkpoint saving and
+loader start-up at epoch starts are totalled apart (:mod:`lightning_gpuopt.core.timing`). On CUDA,
+device events at step start and end (read lazily, never synchronising) give GPU busy and idle time,
+and an NVML thread samples every GPU's utilisation and memory. At the end of ``fit`` the ranks' totals
+are all-gathered and every rank builds the same :class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`
+(its fields: :mod:`lightning_gpuopt.core.diagnosis`); rank 0 logs it as a table and writes it as the
+``"data_wait"`` section of ``gpuopt_report.json``.
 
-Logged metrics, every ``log_every_n_steps`` measured steps, each over the steps since the
-previous log (rank 0's figures; to every logger of the Trainer, and each rank's own to
-``trainer.callback_metrics`` so ``EarlyStopping``/``ModelCheckpoint`` can monitor them):
+Logged every ``log_every_n_steps`` measured steps, each over the steps since the previous log (this
+rank's figures, to the Trainer's loggers and to ``trainer.callback_metrics``, where ``EarlyStopping``
+and ``ModelCheckpoint`` can monitor them):
 
-+-------------------------------------+---------------------------------------------------------+
-| Key                                 | Meaning                                                 |
-+=====================================+=========================================================+
-| ``gpuopt/data_wait_fraction``       | share of step time spent waiting for the next batch     |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/transfer_fraction``        | share of step time copying the batch to the device      |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/compute_fraction``         | share of step time from step start to step end          |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/other_fraction``           | share of step time in hooks, logging, schedulers, ...   |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/step_time_ms``             | mean wall time of a training step (validation excluded) |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/data_wait_ms``             | mean data wait per step                                 |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/samples_per_second``       | samples trained per second on this rank                 |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/gpu_idle_fraction``        | CUDA only: share of GPU time idle between steps         |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/gpu_util``                 | NVML only: mean utilisation (%) of this rank's GPU      |
-+-------------------------------------+---------------------------------------------------------+
-| ``gpuopt/gpu_memory_used_fraction`` | NVML only: peak memory used / total of this rank's GPU  |
-+-------------------------------------+---------------------------------------------------------+
+* ``gpuopt/data_wait_fraction`` -- share of step time spent waiting for the next batch
+* ``gpuopt/transfer_fraction`` -- share of step time copying the batch to the device
+* ``gpuopt/compute_fraction`` -- share of step time from step start to step end
+* ``gpuopt/other_fraction`` -- share of step time in hooks, logging, schedulers, ...
+* ``gpuopt/step_time_ms`` -- mean wall time of a training step (validation excluded)
+* ``gpuopt/data_wait_ms`` -- mean data wait per step
+* ``gpuopt/samples_per_second`` -- samples trained per second on this rank
+* ``gpuopt/gpu_idle_fraction`` -- CUDA only: share of GPU time idle between steps
+* ``gpuopt/gpu_util`` -- NVML only: mean utilisation (%) of this rank's GPU
+* ``gpuopt/gpu_memory_used_fraction`` -- NVML only: peak memory used / total of this rank's GPU
 
-Once, at the end of ``fit`` (``find_patterns=True``), when slow patterns were found (``report.findings``, see
-:mod:`lightning_gpuopt.core.findings` for the kinds and their figures):
+Logged once, at the end of ``fit``, with ``find_patterns=True``:
 
-+----------------------------------------+------------------------------------------------------+
-| Key                                    | Meaning                                              |
-+========================================+======================================================+
-| ``gpuopt/findings``                    | number of slow patterns found on this rank           |
-+----------------------------------------+------------------------------------------------------+
-| ``gpuopt/finding/<kind>/<figure>``     | each finding's measured figures (``-`` in the kind   |
-|                                        | becomes ``_``: ``gpuopt/finding/host_sync/...``)     |
-+----------------------------------------+------------------------------------------------------+
-| ``gpuopt/dataset_read_mb_s``           | MB/s reading a sample of the training dataset's      |
-|                                        | files, page cache dropped first (at most 32 files,   |
-|                                        | 64 MiB, 2 s; each host's first process; logged       |
-|                                        | whenever the dataset names files)                    |
-+----------------------------------------+------------------------------------------------------+
-| ``gpuopt/dataset_needed_mb_s``         | MB/s training consumed those files at                |
-+----------------------------------------+------------------------------------------------------+
+* ``gpuopt/findings`` -- the number of slow patterns found on this rank (``report.findings``), when any
+* ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (``-`` in the kind becomes ``_``; kinds
+  and figures: :mod:`lightning_gpuopt.core.findings`)
+* ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache
+  dropped first (at most 32 files, 64 MiB, 2 s; each host's first process; whenever the dataset names files)
+* ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
+    HostSyncProbe,
+    KeptGraphProbe,
+    ModuleAndDeviceChecks,
     Probe,
-    listens_to_actions,
-    make_probes,
-    run_probe_findings,
-    stop_probes,
+    first_dataloader,
 )
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.diagnosis import (
-    DataWaitReport,
-    RankFigures,
-    RunSettings,
-    Thresholds,
-    build_data_wait_report,
-)
+from lightning_gpuopt.core.diagnosis import DataWaitReport, RunSettings, Thresholds, data_wait_report
 from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import data_wait_table, to_dict
 from lightning_gpuopt.core.storage import Location, as_location
-from lightning_gpuopt.core.timing import CudaStepTimer, GpuTotals, StepClock, StepTotals
+from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "data_wait"
+#: the probes of ``find_patterns=True``, one of each made fresh for every ``fit``
+PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
 
 
 class DataWaitMonitor(Callback):
@@ -107,36 +79,28 @@ class DataWaitMonitor(Callback):
 
     Example::
 
-        from lightning import Trainer
-        from lightning_gpuopt import DataWaitMonitor
-
         monitor = DataWaitMonitor()
-        trainer = Trainer(callbacks=[monitor])
-        trainer.fit(model, datamodule=dm)
+        Trainer(callbacks=[monitor]).fit(model, datamodule=dm)
         monitor.report.verdict            # 'input-bound'
         monitor.report.recommendations    # ['num_workers=0 → 2 (2 usable CPU cores): ...']
 
     Args:
-        warmup_steps: training steps at the start of ``fit`` that are not measured
-            (allocator growth, cuDNN autotuning, lazy initialisation). The first step of
-            every epoch is never measured as a step: the time to its batch is reported as
-            loader start-up.
-        log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps;
-            ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        warmup_steps: training steps at the start of ``fit`` that are not measured (allocator growth,
+            autotuning, lazy initialisation). The first step of each epoch is never measured: the time
+            to its batch is loader start-up.
+        log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps; ``None``
+            follows ``Trainer(log_every_n_steps=...)``.
         nvml_interval_s: seconds between NVML samples of GPU utilisation and memory.
         data_wait_high: data wait share of a step from which the run is input-bound.
         data_wait_low: data wait share up to which the run is compute-bound.
         gpu_idle_high: GPU idle share from which the GPU counts as starved.
-        host_overhead_high: on CPU, share of transfer + other host work from which the run
-            is host-bound.
-        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median
-            of the others to reach the gradient sync is named a straggler.
-        report_path: where to write the JSON report, a local path or a URL of any fsspec filesystem
-            (``s3://bucket/run/report.json``); ``None`` writes ``gpuopt_report.json`` into
-            ``trainer.log_dir`` (or ``default_root_dir``), a URL there too when it is one.
+        host_overhead_high: on CPU, share of transfer + other host work from which the run is host-bound.
+        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median of the others
+            to reach the gradient sync is named a straggler.
+        report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in
+            ``trainer.log_dir`` (or ``default_root_dir``).
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
-        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``,
-            see :mod:`lightning_gpuopt.core.findings`).
+        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``).
     """
 
     def __init__(
@@ -174,18 +138,14 @@ class DataWaitMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)
         self.thresholds = Thresholds(
-            data_wait_high=data_wait_high,
-            data_wait_low=data_wait_low,
-            gpu_idle_high=gpu_idle_high,
-            host_overhead_high=host_overhead_high,
-            straggler_slowdown=straggler_slowdown,
+            data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown
         )
         self.report_path = report_path
         self.verbose = verbose
         self.find_patterns = find_patterns
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
-        #: where the JSON report was written (rank 0): a ``Path``, or a URL string for a remote log dir
+        #: where rank 0 wrote the JSON report: a ``Path``, or a URL string
         self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
         self._reset_run_state()
@@ -193,17 +153,16 @@ class DataWaitMonitor(Callback):
     def _reset_run_state(self) -> None:
         self._tap: Optional[_profiler_tap.ProfilerTap] = None
         self._gpu: Optional[CudaStepTimer] = None
-        self._gpu_logged = GpuTotals()
+        self._gpu_logged = (0.0, 0.0)
         self._sampler: Optional[NvmlSampler] = None
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
-        self._log_every = 50
+        self._log_every = self._next_log = 50
         self._in_validation = False
         self._validation_wrapper: Any = None
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[Probe] = []
-        self._steps_started = 0
 
     # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -213,8 +172,8 @@ class DataWaitMonitor(Callback):
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)
-        self._probes = make_probes() if self.find_patterns else []
-        self._action_probes = [probe for probe in self._probes if listens_to_actions(probe)]
+        self._probes = [probe() for probe in PROBES] if self.find_patterns else []
+        self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
         self._tap = _profiler_tap.install(
             trainer,
             {
@@ -238,19 +197,27 @@ class DataWaitMonitor(Callback):
             self._clock.add_excluded("checkpoint", seconds)
 
     def _on_action(self, action: str, seconds: float) -> None:
-        """Every profiled action (each hook call): to the probes that listen (advice never costs the run)."""
         for probe in self._action_probes:
             try:
                 probe.action_timed(action, seconds, self._in_validation)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - advice never costs the run
                 self._drop_probe(probe, error)
+
+    def _call_probes(self, hook: str, *args: Any) -> list[Any]:
+        """Call ``hook`` on every probe and return what they return; one that fails is dropped with a
+        warning (advice never costs the run)."""
+        results = []
+        for probe in list(self._probes):
+            try:
+                results.append(getattr(probe, hook)(*args))
+            except Exception as error:  # noqa: BLE001 - advice never costs the run
+                self._drop_probe(probe, error)
+        return results
 
     def _drop_probe(self, probe: Probe, error: BaseException) -> None:
         probe.stop()
-        if probe in self._probes:
-            self._probes.remove(probe)
-        if probe in self._action_probes:
-            self._action_probes.remove(probe)
+        self._probes = [other for other in self._probes if other is not probe]
+        self._action_probes = [other for other in self._action_probes if other is not probe]
         rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _time_validation(self, trainer: Trainer) -> None:
@@ -281,7 +248,8 @@ class DataWaitMonitor(Callback):
         self._validation_wrapper = None
         if self._sampler is not None:
             self._sampler.stop()
-        stop_probes(self._probes)
+        for probe in self._probes:
+            probe.stop()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -298,7 +266,7 @@ class DataWaitMonitor(Callback):
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
-        self._log_every = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
+        self._log_every = self._next_log = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
         card = device_for(pl_module.device)
         if card.is_cuda:
             self._gpu = CudaStepTimer(card.new_event)
@@ -309,14 +277,6 @@ class DataWaitMonitor(Callback):
                 self._nvml_uuid = card.uuid
         self._call_probes("fit_start", trainer, pl_module)
 
-    def _call_probes(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every probe; one that fails is dropped with a warning (advice never costs the run)."""
-        for probe in list(self._probes):
-            try:
-                getattr(probe, hook)(*args)
-            except Exception as error:  # noqa: BLE001
-                self._drop_probe(probe, error)
-
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
             self._clock.epoch_start()
@@ -324,7 +284,7 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        self._call_probes("step_start", trainer, pl_module, batch, self._steps_started)
+        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -332,85 +292,68 @@ class DataWaitMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._clock is None:
+        clock = self._clock
+        if clock is None:
             return
-        self._clock.step_end(self._batch_size(batch))
+        step = clock.steps_seen
+        # an opaque batch object: the loader's batch size
+        clock.step_end(batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0)
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, self._steps_started)
-        self._steps_started += 1
-        if self._clock.window.steps >= self._log_every:
-            self._log_window(trainer, self._clock.take_window())
-
-    def _batch_size(self, batch: Any) -> int:
-        # an opaque batch object: fall back to the loader's batch size
-        return batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0
+        self._call_probes("step_end", trainer, pl_module, batch, step)
+        if clock.measured_steps >= self._next_log:
+            self._next_log = clock.measured_steps + self._log_every
+            self._log_window(trainer, clock.take_window())
 
     def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
-        if not window.steps:
-            return
         metrics = {
-            "gpuopt/data_wait_fraction": window.fraction(window.data_wait_s),
-            "gpuopt/transfer_fraction": window.fraction(window.transfer_s),
-            "gpuopt/compute_fraction": window.fraction(window.compute_s),
-            "gpuopt/other_fraction": window.fraction(window.other_s),
-            "gpuopt/step_time_ms": 1e3 * window.wall_s / window.steps,
-            "gpuopt/data_wait_ms": 1e3 * window.data_wait_s / window.steps,
+            "gpuopt/data_wait_fraction": window.data_wait_fraction,
+            "gpuopt/transfer_fraction": window.transfer_fraction,
+            "gpuopt/compute_fraction": window.compute_fraction,
+            "gpuopt/other_fraction": window.other_fraction,
+            "gpuopt/step_time_ms": 1e3 * window.step_time_s,
+            "gpuopt/data_wait_ms": 1e3 * window.data_wait_per_step_s,
             "gpuopt/samples_per_second": window.samples_per_second,
         }
         if self._gpu is not None:
-            totals = self._gpu.poll()
-            metrics["gpuopt/gpu_idle_fraction"] = totals.minus(self._gpu_logged).idle_fraction
-            self._gpu_logged = replace(totals)
+            gpu = self._gpu.poll()
+            busy, idle = gpu.busy_s - self._gpu_logged[0], gpu.idle_s - self._gpu_logged[1]
+            metrics["gpuopt/gpu_idle_fraction"] = idle / (busy + idle) if busy + idle > 0 else None
+            self._gpu_logged = (gpu.busy_s, gpu.idle_s)
         if self._sampler is not None and self._nvml_uuid is not None:
-            util, memory = self._sampler.take_window(self._nvml_uuid)
-            metrics["gpuopt/gpu_util"] = util
-            metrics["gpuopt/gpu_memory_used_fraction"] = memory
+            metrics["gpuopt/gpu_util"], metrics["gpuopt/gpu_memory_used_fraction"] = self._sampler.take_window(
+                self._nvml_uuid
+            )
         log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
 
     # -- reporting -------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._clock is None or self._settings is None:
-            return
-        gpu_totals = self._gpu.finish() if self._gpu is not None else GpuTotals()
-        gpus = self._sampler.stop() if self._sampler is not None else []
-        own_util = next((gpu.util_mean for gpu in gpus if gpu.uuid == self._nvml_uuid), None)
         clock = self._clock
-        figures = RankFigures(
-            rank=trainer.global_rank,
-            steps=clock.totals.steps,
-            samples=clock.totals.samples,
-            wall_s=clock.totals.wall_s,
-            data_wait_s=clock.totals.data_wait_s,
-            data_wait_cpu_s=clock.totals.data_wait_cpu_s,
-            transfer_s=clock.totals.transfer_s,
-            compute_s=clock.totals.compute_s,
-            forward_s=clock.totals.forward_s,
-            validation_s=clock.excluded_s.get("validation", 0.0),
-            checkpoint_s=clock.excluded_s.get("checkpoint", 0.0),
-            worker_startup_s=sum(clock.worker_startup_s),
-            gpu_busy_s=gpu_totals.busy_s,
-            gpu_idle_s=gpu_totals.idle_s,
-            gpu_util_mean=own_util,
+        if clock is None or self._settings is None:
+            return
+        gpu = self._gpu.finish() if self._gpu is not None else None
+        gpus = self._sampler.stop() if self._sampler is not None else []
+        own = replace(
+            clock.totals(),
+            gpu_busy_s=gpu.busy_s if gpu is not None else 0.0,
+            gpu_idle_s=gpu.idle_s if gpu is not None else 0.0,
+            gpu_util_mean=next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None),
         )
-        ranks = gather_rank_figures(trainer, figures, pl_module.device)
-        settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
-        self.report = build_data_wait_report(
-            ranks,
-            settings,
+        report = data_wait_report(
+            gather_totals(trainer, own, pl_module.device),
+            replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s)),
             self.thresholds,
             gpus,
             warmup_steps=self.warmup_steps,
             device=device_for(pl_module.device).describe(),
+            timeline=clock.timeline(gpu.idle_series if gpu is not None else None),
         )
-        self.report.timeline = clock.timeline(self._gpu.idle_series if self._gpu is not None else None)
-        stop_probes(self._probes)
-        for probe in self._probes:
-            probe.report = self.report
-        self.report.findings = run_probe_findings(self._probes, trainer, pl_module, rank_zero_warn)
-        if self.report.findings:
-            log_metrics(trainer, findings_metrics(self.report.findings))
-        if self.report.steps == 0:
+        self._call_probes("stop")
+        findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
+        self.report = replace(report, findings=findings)
+        if findings:
+            log_metrics(trainer, findings_metrics(findings))
+        if report.totals.steps == 0:
             rank_zero_warn(
                 f"DataWaitMonitor measured no training step: the run had {clock.steps_seen} step(s), of which"
                 f" {self.warmup_steps} warm-up and the first of each epoch are not measured. Train longer or lower"
@@ -425,43 +368,30 @@ class DataWaitMonitor(Callback):
                 rank_zero_info(f"gpuopt: report written to {self.report_file}")
 
 
-def gather_rank_figures(trainer: Trainer, figures: RankFigures, device: torch.device) -> list[RankFigures]:
-    """Every rank's figures, on every rank (one all-gather; a no-op on a single device)."""
+def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) -> list[StepTotals]:
+    """Every rank's totals in rank order, on every rank (one all-gather; a no-op on a single device)."""
+    row = [math.nan if value is None else float(value) for value in astuple(totals)]
     dtype = torch.float32 if device.type == "mps" else torch.float64
-    vector = torch.tensor(figures.to_vector(), dtype=dtype, device=device)
-    gathered = trainer.strategy.all_gather(vector)
-    if gathered.dim() == 1:
-        gathered = gathered.unsqueeze(0)
-    return [RankFigures.from_vector(row) for row in gathered.detach().cpu().double().tolist()]
-
-
-def first_dataloader(loaders: Any) -> Optional[DataLoader]:
-    """The first ``DataLoader`` in what ``trainer.train_dataloader`` returns (loader or collection)."""
-    if isinstance(loaders, DataLoader):
-        return loaders
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    if isinstance(loaders, (list, tuple)):
-        for item in loaders:
-            found = first_dataloader(item)
-            if found is not None:
-                return found
-    return None
+    gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=dtype, device=device))
+    ranks = []
+    for steps, samples, *seconds, util in gathered.reshape(-1, len(row)).detach().cpu().double().tolist():
+        figures = StepTotals(round(steps), round(samples), *seconds)  # the fields' order: seconds, then the util
+        ranks.append(replace(figures, gpu_util_mean=None if math.isnan(util) else util))
+    return ranks
 
 
 def read_run_settings(trainer: Trainer) -> RunSettings:
     """The loader and run settings the recommendations compare against."""
     loader = first_dataloader(trainer.train_dataloader)
-    batch_size = None
-    if loader is not None:
-        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return RunSettings(
         device_type=device_for(trainer.strategy.root_device).type,
         num_workers=loader.num_workers if loader is not None else None,
         pin_memory=loader.pin_memory if loader is not None else None,
         persistent_workers=loader.persistent_workers if loader is not None else None,
         prefetch_factor=loader.prefetch_factor if loader is not None else None,
-        batch_size=batch_size,
+        batch_size=(loader.batch_size or getattr(loader.batch_sampler, "batch_size", None))
+        if loader is not None
+        else None,
         usable_cpus=usable_cpu_count(),
         processes_per_host=trainer.num_devices if trainer.world_size > 1 else 1,
         precision=str(trainer.precision),

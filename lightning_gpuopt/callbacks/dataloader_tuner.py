@@ -311,8 +311,8 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
     """Samples/s training would reach with no data wait, from a DataWaitMonitor's last report."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         report = getattr(callback, "report", None) if isinstance(callback, DataWaitMonitor) else None
-        if report is not None and report.samples and report.wall_s > report.data_wait_s:
-            return report.samples / report.world_size / (report.wall_s - report.data_wait_s)
+        if report is not None and report.totals.samples and report.totals.wall_s > report.totals.data_wait_s:
+            return report.totals.samples / report.world_size / (report.totals.wall_s - report.totals.data_wait_s)
     return None
 
 

@@ -1,58 +1,42 @@
-"""Known slow patterns in users' training code, each found from measured numbers.
+"""Known slow patterns in users' training code, each decided from measured numbers.
 
-A :class:`Finding` names one pattern (``kind``), says what was measured (``message``, with the
-numbers, and ``figures``, the same numbers as a dict), where it is (``where``: an attribute, a
-hook, a ``file:line``), and what to change, with the value (``fix``). ``DataWaitMonitor``
-collects them in ``report.findings``; the functions here only decide, from figures its
-callback side measured on a few sampled steps, so each is tested on numbers as well as on a
-real run with and without the pattern.
+A :class:`Finding` names one pattern (``kind``), what was measured (``message``), where it is
+(``where``: an attribute, a hook, a ``file:line``; ``None``: the whole run), what to change, with the
+value (``fix``), and the numbers (``figures``), each logged as ``gpuopt/finding/<kind>/<figure>`` (``-``
+in the kind becomes ``_``; of several findings of one kind, the last one's). The probes
+(``callbacks/_detect*.py``) measure on a few sampled steps; these functions decide. Kinds
+(:data:`FINDING_KINDS`) and their figures:
 
-Kinds (:data:`FINDING_KINDS`):
-
-* ``"graph-kept"`` -- a module attribute holds a tensor with ``grad_fn`` between steps and its
-  autograd graph grows step over step (``self.total_loss += loss``, ``self.outputs.append(loss)``),
-  scanned at the starts of steps 2, 4, 8, 16, ... and after the last step. Figures: ``attributes``
-  (how many attributes do it), ``graph_nodes`` (autograd nodes held at the last sample, of the
-  attribute growing most), ``graph_nodes_per_step`` (its growth per step), and where the device
-  tells live memory (CUDA, the simulated card) ``memory_growth_bytes`` and
+* ``"graph-kept"`` -- a module attribute holds a tensor whose autograd graph grows step over step
+  (``self.total_loss += loss``), scanned at the starts of steps 2, 4, 8, ... and after the last step:
+  ``attributes`` (how many), ``graph_nodes`` (held at the last sample by the fastest-growing one),
+  ``graph_nodes_per_step``, and where the device tells live memory ``memory_growth_bytes`` and
   ``memory_growth_bytes_per_step`` (memory handed out at step start, first to last sample);
-* ``"host-sync"`` -- ``.item()``, ``float(t)``, ``.cpu()``, ``bool(t)``, ``if loss > 0:``: reads from
-  the card to the host per step, counted on a CUDA device (real or simulated) in warm-up steps 1
-  and 2 and named by the user's ``file:line``; a host-only run has none. Figures:
-  ``syncs_per_step`` (all reads), ``user_syncs_per_step`` (from the user's code; found from 1),
-  ``lightning_syncs_per_step`` (Lightning's own, 0 for a plain module with step logging, the
-  progress bar and a logger), ``lines`` (distinct source lines);
-* ``"slow-hook"`` -- a callback or module hook takes a large share of training time;
-* ``"checkpoint-time"`` -- saving checkpoints takes a large share of training time;
-* ``"data-parallel"`` -- ``nn.DataParallel`` inside the module;
-* ``"oversubscribed"`` -- intra-op threads x processes on the host exceed its cores;
-* ``"tf32-off"`` -- float32 matmuls without TF32 on a card with TF32 tensor cores;
-* ``"cudnn-benchmark-off"`` -- convolutions with fixed input shapes and ``cudnn.benchmark`` off;
+* ``"host-sync"`` -- reads from the card to the host (``.item()``, ``float(t)``, ``.cpu()``,
+  ``if loss > 0:``) counted on a CUDA device (real or simulated) in warm-up steps 1 and 2 and named
+  by the user's ``file:line``; none on the host: ``syncs_per_step``, ``user_syncs_per_step`` (found
+  from 1), ``lightning_syncs_per_step`` (Lightning's own), ``lines`` (distinct source lines);
+* ``"slow-hook"`` -- a callback or module hook takes a large share of training time: ``seconds``
+  (validation's calls and its own checkpoint saves left out), ``calls``, ``ms_per_call``, ``share`` (of
+  train start to end, validation excluded), ``suggested_every_n`` (the fix's interval, steps or epochs);
+* ``"checkpoint-time"`` -- saving checkpoints takes a large share of the fit: ``saves``, ``seconds``,
+  ``ms_per_save``, ``share`` (of train start to end), ``suggested_interval`` (the first saver's new
+  interval, as it is set), ``checkpoint_mb`` (the last file a ``ModelCheckpoint`` wrote);
+* ``"data-parallel"`` -- ``nn.DataParallel`` inside the module: ``wrappers``;
+* ``"oversubscribed"`` -- intra-op threads x processes on the host exceed its cores: ``threads``,
+  ``cores``, ``suggested_threads``;
+* ``"tf32-off"`` -- float32 matmuls without TF32 on a card with TF32 tensor cores: ``compute_capability``;
+* ``"cudnn-benchmark-off"`` -- convolutions with fixed input shapes and ``cudnn.benchmark`` off:
+  ``convolutions``;
 * ``"channels-last"`` -- convolutions under mixed precision with weights or inputs not in
-  ``channels_last``;
-* ``"slow-disk"`` -- the dataset's files read slower than training consumes them.
-
-Example::
+  ``channels_last``: ``convolutions_nchw``, ``input_nchw``;
+* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s`` (a
+  sample, page cache dropped first), ``needed_mb_s`` (bytes per sample x this host's samples/s),
+  ``data_wait_fraction``, ``files_read``.
 
     >>> finding = oversubscription(threads_per_process=8, processes=4, cores=16)
     >>> finding.kind, finding.fix
     ('oversubscribed', 'torch.set_num_threads(4) in each process (or OMP_NUM_THREADS=4): 4 processes x 4 threads = 16 cores')
-
-Figures of the hook, checkpoint and disk findings, each logged as ``gpuopt/finding/<kind>/<figure>``
-(``-`` in the kind becomes ``_``):
-
-* ``slow_hook/seconds``, ``calls``, ``ms_per_call`` -- the hook's total wall time over the run (its
-  calls inside validation not counted, checkpoint saves it made taken out), its calls, and the mean
-  per call; ``share`` -- seconds / training time (train start to end, validation excluded);
-  ``suggested_every_n`` -- the interval (steps, or epochs for a hook run once an epoch) of the fix.
-  With several slow hooks, the figures are the last one's (each is a finding in ``report.findings``).
-* ``checkpoint_time/saves``, ``seconds``, ``ms_per_save`` -- ``trainer.save_checkpoint`` calls and
-  their time (validation included); ``share`` -- seconds / the fit's time from train start to end;
-  ``suggested_interval`` -- the first saver's new interval (steps, epochs or seconds, as it is set);
-  ``checkpoint_mb`` -- the size of the last file a ``ModelCheckpoint`` wrote (when there is one).
-* ``slow_disk/read_mb_s`` -- MB/s reading a sample of the dataset's files (page cache dropped first);
-  ``needed_mb_s`` -- MB/s training consumed them (bytes per sample x samples per second, this host's
-  processes); ``data_wait_fraction`` -- the run's data wait share of a step; ``files_read``.
 """
 
 from __future__ import annotations
@@ -76,23 +60,16 @@ FINDING_KINDS = (
 
 @dataclass
 class Finding:
-    """One slow pattern found in a run, with its numbers and the fix.
+    """One slow pattern found in a run (fields: module docstring).
 
-    Example::
-
-        >>> Finding("data-parallel", "nn.DataParallel wraps `backbone`", "use DDP", where="backbone").kind
-        'data-parallel'
+    >>> Finding("data-parallel", "nn.DataParallel wraps `backbone`", "use DDP", where="backbone").kind
+    'data-parallel'
     """
 
-    #: one of :data:`FINDING_KINDS`
     kind: str
-    #: what was measured, with the numbers
     message: str
-    #: what to change, with the value
     fix: str
-    #: where: a module attribute, a hook, a ``file:line``; ``None`` when it is the whole run
     where: Optional[str] = None
-    #: the measured numbers behind the message (also logged as ``gpuopt/finding/<kind>/<name>``)
     figures: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -110,7 +87,7 @@ def metric_key(kind: str, name: str) -> str:
 
 
 def findings_metrics(findings: Sequence[Finding]) -> dict[str, float]:
-    """The ``gpuopt/*`` metrics of ``findings``: their count and every figure of each.
+    """``gpuopt/findings`` (their count) and every figure of each.
 
     >>> findings_metrics([oversubscription(8, 1, 2)])["gpuopt/findings"]
     1.0
@@ -131,8 +108,7 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     lines = []
     for finding in findings:
         where = f" [{finding.where}]" if finding.where else ""
-        lines.append(f"  • {finding.kind}{where}: {finding.message}")
-        lines.append(f"      fix: {finding.fix}")
+        lines += [f"  • {finding.kind}{where}: {finding.message}", f"      fix: {finding.fix}"]
     return lines
 
 
@@ -149,15 +125,12 @@ def graph_kept(
     live_bytes: Sequence[Optional[int]] = (),
     containers: Sequence[str] = (),
 ) -> Optional[Finding]:
-    """Module attributes that hold an autograd graph between steps, and whether it grows.
+    """Module attributes holding an autograd graph that grows between sampled steps.
 
-    ``steps`` are the sampled step starts; ``graph_nodes[path][i]`` the autograd nodes reachable
-    from what attribute ``path`` held at the start of ``steps[i]`` (0: no graph);
-    ``live_bytes[i]`` the memory the device had handed out then (``None`` where it cannot tell,
-    the host); ``containers`` the paths that are lists, tuples or dicts. An attribute is found
-    when it holds a graph at two or more sampled steps and that graph grows from the first of
-    them to the last (live memory alone is no evidence: the optimizer, caches and the data
-    move it too; its growth over those steps is reported where known).
+    ``graph_nodes[path][i]``: autograd nodes reachable from attribute ``path`` at the start of
+    ``steps[i]`` (0: none); ``live_bytes[i]``: memory handed out then (``None``: unknown);
+    ``containers``: the paths that are lists, tuples or dicts. Found when a graph is held at two or more
+    samples and grows from the first to the last (live memory alone is no evidence: it is only reported).
 
     >>> graph_kept([2, 4, 8], {"total_loss": [9, 17, 33]}).where
     'total_loss'
@@ -211,12 +184,10 @@ def host_sync(
     lightning_reads: Sequence[int],
     lines: Mapping[str, int],
 ) -> Optional[Finding]:
-    """Reads from the card to the host (each waits for the card to finish its queue) per step.
+    """Reads from the card to the host per step (each waits for the card's queue to drain).
 
-    ``user_reads[i]``/``lightning_reads[i]`` are the reads counted in step ``steps[i]`` made from
-    the user's code and from Lightning's own; ``lines`` the user's ``file:line`` with their
-    counts over those steps. Found when the user's code reads at least once per step on average:
-    Lightning's own reads are the baseline every run has.
+    ``user_reads[i]``/``lightning_reads[i]``: reads in step ``steps[i]`` from the user's code and from
+    Lightning's; ``lines``: the user's ``file:line`` and their counts. Found from one user read per step.
 
     >>> host_sync([1, 2], [2, 2], [0, 0], {"train.py:41": 4}).where
     'train.py:41'
@@ -300,10 +271,8 @@ def oversubscription(threads_per_process: int, processes: int, cores: int) -> Op
 
 
 def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, precision: str) -> Optional[Finding]:
-    """float32 matmuls in full precision on a card with TF32 tensor cores (compute capability >= 8.0).
-
-    ``matmul_precision`` is ``torch.get_float32_matmul_precision()``; ``precision`` the Trainer's.
-    Under mixed precision most matmuls run in 16 bits anyway, so only ``32-true`` counts.
+    """float32 matmuls in full precision (``matmul_precision`` ``"highest"``, Trainer ``precision``
+    ``32-true``) on a card with TF32 tensor cores (compute capability >= 8.0).
 
     >>> tf32_off((8, 0), "highest", "32-true").fix
     "torch.set_float32_matmul_precision('high') before Trainer(...): float32 matmuls on TF32 tensor cores"
@@ -322,9 +291,7 @@ def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, preci
 
 
 def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: int) -> Optional[Finding]:
-    """Convolutions on fixed input shapes with ``torch.backends.cudnn.benchmark`` off.
-
-    ``input_shapes_seen`` is the number of distinct batch shapes over the sampled steps (1: fixed).
+    """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off.
 
     >>> cudnn_benchmark_off(False, convolutions=12, input_shapes_seen=1).fix
     'Trainer(benchmark=True): cuDNN times its algorithms once per input shape and keeps the fastest'
@@ -346,7 +313,7 @@ def channels_last(
     precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool
 ) -> Optional[Finding]:
     """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or
-    4-D inputs are in NCHW: tensor-core kernels want NHWC and every convolution pays a transpose.
+    4-D inputs are in NCHW (tensor-core kernels work in NHWC).
 
     >>> channels_last("16-mixed", ["stem.conv"], inputs_not_channels_last=True).where
     'stem.conv'
@@ -378,13 +345,10 @@ def channels_last(
 
 # ----------------------------------------------------------------- hooks, checkpoints, disk
 
-#: share of training time from which one hook is a ``"slow-hook"`` finding
-SLOW_HOOK_SHARE = 0.10
-#: share of the fit's time from which saving checkpoints is a ``"checkpoint-time"`` finding
-CHECKPOINT_SHARE = 0.10
-#: the share the suggested setting brings a slow hook or checkpoint saving down to
+#: shares of training time from which a hook, checkpoint saving is a finding; the share the fix brings it to
+SLOW_HOOK_SHARE = CHECKPOINT_SHARE = 0.10
 TARGET_SHARE = 0.02
-#: the dataset's files are slow when their read throughput is below this many times the rate training needs
+#: the dataset's files are slow when read below this many times the rate training needs
 DISK_MARGIN = 1.5
 
 
@@ -398,14 +362,8 @@ def nice_ceil(value: float) -> int:
         raise ValueError(f"nice_ceil({value}) needs a finite number")
     nice = 1
     while nice < value:
-        nice = _next_nice(nice)
+        nice = nice * 5 // 2 if str(nice)[0] == "2" else nice * 2
     return nice
-
-
-def _next_nice(nice: int) -> int:
-    digits = str(nice)
-    lead, zeros = int(digits[0]), 10 ** (len(digits) - 1)
-    return {1: 2, 2: 5, 5: 10}[lead] * zeros
 
 
 def reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
@@ -438,14 +396,9 @@ def slow_hook(
     threshold: float = SLOW_HOOK_SHARE,
     target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
-    """One hook (``hook``: ``"<Callback or module class>.<hook name>"``) that ran ``calls`` times for
-    ``total_s`` seconds of ``train_s`` seconds of training (from ``on_train_start`` to ``on_train_end``,
-    validation excluded, the hook's own calls inside validation not counted).
-
-    Found from ``threshold`` (10%: a tenth of the run in one piece of bookkeeping is worth a line of
-    code; below it the step itself is the better lever). Called more often than once an epoch, the fix
-    runs it every ``N`` steps, ``N`` (1, 2, 5, 10, ...) bringing it to about ``target`` (2%) of training
-    time; once an epoch or less, every ``N`` epochs.
+    """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of
+    training. Found from ``threshold`` of it; the fix runs it every ``N`` steps (every ``N`` epochs for a
+    hook run once an epoch or less), ``N`` a 1-2-5 value bringing it to about ``target``.
 
     >>> finding = slow_hook("SlowHook.on_train_batch_end", total_s=5.0, calls=100, train_s=10.0)
     >>> finding.figures["share"], finding.figures["suggested_every_n"]
@@ -494,12 +447,11 @@ def slow_hook(
 
 @dataclass
 class CheckpointSaver:
-    """What saved checkpoints in a run: a ``ModelCheckpoint`` (its settings) or a hook calling
-    ``trainer.save_checkpoint`` (``model_checkpoint=False``)."""
+    """What saved checkpoints: a ``ModelCheckpoint`` (``name`` shows its settings) or a hook calling
+    ``trainer.save_checkpoint`` (``model_checkpoint=False``, ``name``: ``"<class>.<hook>"``), its saves
+    and their seconds."""
 
-    #: ``"ModelCheckpoint(every_n_train_steps=1)"``, or the hook: ``"MyCallback.on_train_batch_end"``
     name: str
-    #: ``trainer.save_checkpoint`` calls and their total seconds
     saves: int
     seconds: float
     model_checkpoint: bool = True
@@ -520,16 +472,10 @@ def checkpoint_time(
     threshold: float = CHECKPOINT_SHARE,
     target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
-    """Checkpoint saving (every ``trainer.save_checkpoint`` of ``savers``) against ``fit_s``, the fit's
-    time from ``on_train_start`` to ``on_train_end`` (validation included: saves also happen there),
-    over ``steps`` training steps.
-
-    Found from ``threshold`` (10%, as a slow hook). The fix scales each saver's interval
-    (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``; for a hook, a step
-    interval) up to a 1-2-5 value bringing saving to about ``target`` (2%); with ``save_last=True``
-    it also names ``save_last="link"`` (the last checkpoint as a link, not a second file), and with an
-    optimizer state at least as large as the weights (``optimizer_bytes`` >= ``parameter_bytes``),
-    ``save_weights_only=True`` (when resuming the optimizer is not needed).
+    """Saving checkpoints (``savers``) against ``fit_s``, train start to end (validation included), over
+    ``steps`` steps. Found from ``threshold``; the fix scales each saver's interval to a 1-2-5 value
+    bringing saving to about ``target``, and names ``save_last="link"`` (for ``save_last=True``) and
+    ``save_weights_only=True`` (when the optimizer state is at least as large as the weights).
 
     >>> saver = CheckpointSaver("ModelCheckpoint(every_n_train_steps=1)", saves=100, seconds=5.0, every_n_train_steps=1)
     >>> checkpoint_time([saver], fit_s=10.0, steps=100).fix
@@ -549,40 +495,28 @@ def checkpoint_time(
     for saver in savers:
         if saver.saves < 1:
             continue
-        if saver.model_checkpoint:
-            if saver.every_n_train_steps:
-                new = nice_ceil(saver.every_n_train_steps * factor)
-                setting = f"every_n_train_steps={saver.every_n_train_steps} → {new}"
-                scales.append(new / saver.every_n_train_steps)
-                suggested = suggested or new
-            elif saver.train_time_interval_s:
-                new = nice_ceil(saver.train_time_interval_s * factor)
-                setting = (
-                    f"train_time_interval=timedelta(seconds={saver.train_time_interval_s:g}) → timedelta(seconds={new})"
-                )
-                scales.append(new / saver.train_time_interval_s)
-                suggested = suggested or new
-            else:
-                current = saver.every_n_epochs or 1
-                new = nice_ceil(current * factor)
-                setting = f"every_n_epochs={current} → {new}"
-                scales.append(new / current)
-                suggested = suggested or new
-            extras = []
-            if saver.save_last is True:
-                extras.append('save_last=True → "link"')
-            if not saver.save_weights_only and parameter_bytes > 0 and optimizer_bytes >= parameter_bytes:
-                extras.append("save_weights_only=True")
-            changes.append(f"ModelCheckpoint({', '.join([setting, *extras])})")
-        else:
-            interval = max(1.0, steps / saver.saves) if steps else 1.0
-            new = nice_ceil(interval * factor)
+        if not saver.model_checkpoint:
+            current = max(1.0, steps / saver.saves) if steps else 1.0
+            new = nice_ceil(current * factor)
             changes.append(
                 f"in {saver.name}, save every {new} steps: `if trainer.global_step % {new} == 0:`"
                 " around trainer.save_checkpoint(...)"
             )
-            scales.append(new / interval)
-            suggested = suggested or new
+        else:
+            if saver.every_n_train_steps:
+                current, setting = saver.every_n_train_steps, "every_n_train_steps={} → {}"
+            elif saver.train_time_interval_s:
+                current = saver.train_time_interval_s
+                setting = "train_time_interval=timedelta(seconds={:g}) → timedelta(seconds={})"
+            else:
+                current, setting = saver.every_n_epochs or 1, "every_n_epochs={} → {}"
+            new = nice_ceil(current * factor)
+            extras = ['save_last=True → "link"'] if saver.save_last is True else []
+            if not saver.save_weights_only and parameter_bytes > 0 and optimizer_bytes >= parameter_bytes:
+                extras.append("save_weights_only=True")
+            changes.append(f"ModelCheckpoint({', '.join([setting.format(current, new), *extras])})")
+        scales.append(new / current)
+        suggested = suggested or new
     after = _share_after(seconds, fit_s, max(1.0, min(scales, default=1.0)))
     fix = "; ".join(changes) + f" (about {after:.1%} of training time)"
     if any("save_weights_only" in change for change in changes):
@@ -624,14 +558,9 @@ def slow_disk(
     bytes_per_sample: Optional[float] = None,
     samples_per_second: Optional[float] = None,
 ) -> Optional[Finding]:
-    """The dataset's files (under ``directory``) read at ``read_mb_s`` (``files_read`` of them,
-    ``mb_read`` MB, page cache dropped first) against ``needed_mb_s``, the rate training consumes
-    them (``bytes_per_sample`` x ``samples_per_second``, both optional: only shown).
-
-    Found when the read is slower than ``margin`` (1.5) x the needed rate -- a disk barely faster
-    than training leaves no headroom for seeks, other readers or the next, faster epoch -- and the
-    run waits for data at least ``data_wait_high`` of each step (an input-bound run: otherwise a
-    slow disk costs nothing).
+    """The dataset's files under ``directory`` read at ``read_mb_s`` against ``needed_mb_s``, the rate
+    training consumes them. Found when the read is slower than ``margin`` x that rate (no headroom for
+    seeks, other readers, a faster epoch) on a run waiting for data at least ``data_wait_high`` of a step.
 
     >>> slow_disk(80.0, 100.0, 0.6, 0.2, "/data/imagenet", files_read=32, mb_read=64.0).fix.split(":")[0]
     'copy the dataset to a local SSD or to /dev/shm (RAM)'

@@ -1,30 +1,21 @@
 """Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra).
 
-Three figures, each drawn only when the report holds its section:
+Each figure is drawn when the report holds its section:
 
-* ``step_time.png`` (section ``"data_wait"``) -- where each training step's time went over
-  training: data wait, batch transfer, compute and other host work, stacked, in ms per step,
-  with the GPU's idle time between steps where it was measured (CUDA);
-* ``memory.png`` (section ``"batch_size_search"``, with ``"memory"`` when present) -- peak memory
-  of every trial against its batch size (fits / out of memory), the estimate's line
-  (``fixed + per-sample x batch``) or a line through the trials that fitted, the budget the
-  search planned with, the device's capacity, and the batch size chosen;
-* ``loader.png`` (section ``"dataloader"``) -- samples/s of every loader setting timed, the chosen
-  one and the user's own marked.
+* ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, batch transfer, compute and other,
+  stacked over training, with the GPU's idle time before each step where measured (CUDA);
+* ``memory.png`` (``"batch_size_search"``, and ``"memory"`` when present) -- each trial's peak memory
+  against its batch size, the estimate's line (or a line through the trials that fit), the budget, the
+  device's capacity and the batch size chosen;
+* ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen one and the
+  user's own marked.
 
-matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (no display
-needed, pyplot's global backend untouched), so the package imports without it; drawing without it raises :class:`PlotUnavailableError`, which says
-``pip install lightning-gpuopt[plot]``.
-
-Example::
-
-    from lightning_gpuopt.core.plot import save_plots
-
-    save_plots("lightning_logs/version_0/gpuopt_report.json")   # PNGs beside the report
-    # [PosixPath('lightning_logs/version_0/step_time.png'), ...memory.png, ...loader.png]
-    save_plots("s3://bucket/run/gpuopt_report.json")   # any fsspec URL (s3fs installed): beside it too
-
+matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (pyplot's backend
+untouched); without it, drawing raises :class:`PlotUnavailableError` naming ``lightning-gpuopt[plot]``.
 From the shell: ``gpuopt plot lightning_logs/version_0/gpuopt_report.json --out plots/``.
+
+    save_plots("lightning_logs/version_0/gpuopt_report.json")  # [.../step_time.png, .../memory.png, ...]
+    save_plots("s3://bucket/run/gpuopt_report.json")  # any fsspec URL: the PNGs beside it too
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
@@ -72,8 +63,8 @@ def _require_matplotlib() -> None:
 
 
 def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
-    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas. pyplot is
-    never used: no global backend is switched (a notebook keeps its own) and no figure is kept alive."""
+    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas (not pyplot:
+    no global backend switched, no figure kept alive)."""
     _require_matplotlib()
     if axes is not None:
         return axes.figure, axes
@@ -86,24 +77,19 @@ def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tu
 
 
 def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
-    """Milliseconds per step in data wait, transfer, compute and other, stacked, over training
-    (into ``axes`` when given, else a new figure).
-
-    A report without a timeline (written by an older version) is drawn as one bar of the totals.
-    """
+    """ms per step in data wait, transfer, compute and other, stacked over training (into ``axes`` when
+    given, else a new figure); a report without a timeline is drawn as one bar of the means."""
     figure, axes = _new_figure(axes)
-    timeline = report.timeline
-    title = f"Step time over training · {report.verdict}"
+    timeline, totals = report.timeline, report.totals
     if timeline is None or not timeline.step:
-        segments = [
-            ("data wait", report.data_wait_s),
-            ("transfer", report.transfer_s),
-            ("compute", report.compute_s),
-            ("other", report.other_s),
-        ]
         left = 0.0
-        for name, seconds in segments:
-            per_step_ms = 1e3 * seconds / report.steps if report.steps else 0.0
+        for name, seconds in (
+            ("data wait", totals.data_wait_s),
+            ("transfer", totals.transfer_s),
+            ("compute", totals.compute_s),
+            ("other", totals.other_s),
+        ):
+            per_step_ms = 1e3 * totals.per_step(seconds)
             axes.barh(["mean step"], [per_step_ms], left=left, label=name, color=_COLOURS[name])
             left += per_step_ms
         axes.set_xlabel("ms per step")
@@ -132,23 +118,21 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
                 linewidth=1.5,
                 label="GPU idle before the step",
             )
-        axes.set_xlabel(
-            "training step"
-            + (f" (mean of {timeline.steps_per_point} steps a point)" if timeline.steps_per_point > 1 else "")
-        )
+        every = timeline.steps_per_point
+        axes.set_xlabel("training step" + (f" (mean of {every} steps a point)" if every > 1 else ""))
         axes.set_ylabel("ms per step")
-        axes.set_xlim(steps[0], steps[-1] + timeline.steps_per_point)
+        axes.set_xlim(steps[0], steps[-1] + every)
         axes.set_ylim(bottom=0)
     shares = ", ".join(
         f"{name} {fraction:.0%}"
         for name, fraction in (
-            ("data wait", report.data_wait_fraction),
-            ("compute", report.compute_fraction),
-            ("GPU idle", report.gpu_idle_fraction),
+            ("data wait", totals.data_wait_fraction),
+            ("compute", totals.compute_fraction),
+            ("GPU idle", totals.gpu_idle_fraction),
         )
         if fraction is not None
     )
-    axes.set_title(f"{title}\n{shares}", fontsize=10)
+    axes.set_title(f"Step time over training · {report.verdict}\n{shares}", fontsize=10)
     axes.legend(loc="upper right", fontsize=8)
     return figure
 
@@ -157,25 +141,15 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
     (into ``axes`` when given, else a new figure)."""
     figure, axes = _new_figure(axes)
-    fits = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
-    misses = [trial for trial in search.trials if not trial.fits and trial.peak_bytes is not None]
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    axes.scatter(
-        [t.batch_size for t in fits],
-        [(t.peak_bytes or 0) / _MIB for t in fits],
-        color="#2ca02c",
-        zorder=3,
-        label="trial: fits (peak)",
-    )
-    axes.scatter(
-        [t.batch_size for t in misses],
-        [(t.peak_bytes or 0) / _MIB for t in misses],
-        color="#d62728",
-        marker="x",
-        zorder=3,
-        label="trial: out of memory (peak when it failed)",
-    )
+    for fits, colour, marker, label in (
+        (True, "#2ca02c", "o", "trial: fits (peak)"),
+        (False, "#d62728", "x", "trial: out of memory (peak when it failed)"),
+    ):
+        trials = [trial for trial in search.trials if trial.fits == fits and trial.peak_bytes is not None]
+        peaks = [(trial.peak_bytes or 0) / _MIB for trial in trials]
+        axes.scatter([t.batch_size for t in trials], peaks, color=colour, marker=marker, zorder=3, label=label)
     for number, trial in enumerate(search.trials, 1):
         if trial.peak_bytes is not None:
             axes.annotate(
@@ -273,53 +247,31 @@ def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
 
 
 def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Figure]:
-    """Every figure the report has data for, by name (:data:`PLOT_NAMES`); ``report`` is the
-    ``gpuopt_report.json`` content or its path."""
+    """Every figure the report (``gpuopt_report.json``'s content or its path) has data for, by name
+    (:data:`PLOT_NAMES`)."""
     data = read_json(report) if isinstance(report, (str, os.PathLike)) else report
-    drawers: dict[str, Callable[[], Optional[Figure]]] = {
-        "step_time": lambda: (
-            step_time_figure(from_dict(DataWaitReport, data["data_wait"]))
-            if data.get("data_wait") and data["data_wait"].get("steps")
-            else None
-        ),
-        "memory": lambda: (
-            memory_figure(
-                from_dict(BatchSizeSearchResult, data["batch_size_search"]),
-                from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None,
-            )
-            if data.get("batch_size_search") and data["batch_size_search"].get("trials")
-            else None
-        ),
-        "loader": lambda: (
-            loader_figure(from_dict(LoaderTuneResult, data["dataloader"]))
-            if data.get("dataloader") and data["dataloader"].get("candidates")
-            else None
-        ),
-    }
-    figures = {name: draw() for name, draw in drawers.items()}
-    return {name: figure for name, figure in figures.items() if figure is not None}
+    wait, search, loader = (data.get(key) or {} for key in ("data_wait", "batch_size_search", "dataloader"))
+    figures = {}
+    if wait.get("totals", {}).get("steps"):
+        figures["step_time"] = step_time_figure(from_dict(DataWaitReport, wait))
+    if search.get("trials"):
+        estimate = from_dict(MemoryEstimate, data["memory"]) if data.get("memory") else None
+        figures["memory"] = memory_figure(from_dict(BatchSizeSearchResult, search), estimate)
+    if loader.get("candidates"):
+        figures["loader"] = loader_figure(from_dict(LoaderTuneResult, loader))
+    return figures
 
 
 def save_plots(
     report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
 ) -> list[Location]:
-    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``.
+    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``; return the
+    paths written (a URL string each for a URL), in :data:`PLOT_NAMES` order.
 
-    Args:
-        report: the path or URL (``s3://bucket/run/gpuopt_report.json``, any fsspec filesystem) of a
-            ``gpuopt_report.json``, or its content.
-        out_dir: where the PNGs go, a path or a URL; ``None``: beside the report (required when
-            ``report`` is a dict).
-
-    Returns:
-        The paths written (a ``Path`` each, or a URL string when ``out_dir`` is a URL), in
-        :data:`PLOT_NAMES` order (empty when the report holds none of the sections).
-
-    Raises:
-        PlotUnavailableError: matplotlib is not installed.
-        ValueError: ``out_dir`` is ``None`` and ``report`` is not a path.
-        FilesystemUnavailableError: a URL's filesystem package is not installed (``s3fs`` for ``s3://``;
-            :class:`lightning_gpuopt.core.storage.FilesystemUnavailableError`, an ``ImportError``).
+    ``report`` is the path or fsspec URL of a ``gpuopt_report.json``, or its content; ``out_dir`` a path
+    or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib,
+    ``ValueError`` for ``out_dir=None`` with a report given as a dict, and
+    :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` for a URL whose package is missing.
     """
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
@@ -331,14 +283,9 @@ def save_plots(
     out = as_location(out_dir)
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
-    written: list[Location] = []
+    written = []
     for name, figure in report_figures(report).items():
-        path = join_location(out, f"{name}.png")
-        if isinstance(path, Path):
-            figure.savefig(path)
-        else:  # a URL: drawn in memory, written through fsspec in one call
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png")
-            write_bytes(path, buffer.getvalue())
-        written.append(path)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        written.append(write_bytes(join_location(out, f"{name}.png"), buffer.getvalue()))
     return written

@@ -1,15 +1,11 @@
-"""Report plumbing shared by every callback: dataclasses to JSON and back, and to a terminal table.
+"""Report plumbing shared by every callback: results to JSON and back, and to text tables.
 
-Results are plain dataclasses (``DataWaitReport``, ...). This module turns them into
-
-* JSON, written atomically (a temporary file renamed into place, so a crash never leaves a
-  half-written report; an existing unreadable report is kept aside, never dropped), and read back into the same dataclass (:func:`from_dict`);
-  a report's path may also be a URL of any fsspec filesystem (``s3://``, ``memory://``; see
-  :mod:`lightning_gpuopt.core.storage`), written in one call;
-* text tables rendered with ``rich`` into a string, which the callbacks hand to
-  ``rank_zero_info`` (library code never prints).
-
-Example::
+Results are plain dataclasses. :func:`to_dict` makes them JSON (with each class's ``JSON_PROPERTIES``
+beside its fields) and :func:`from_dict` reads them back; :func:`update_json_section` writes one
+callback's section of ``gpuopt_report.json`` atomically (a temporary file renamed into place; an
+existing unreadable report is kept aside, never dropped), to a local path or any fsspec URL
+(:mod:`lightning_gpuopt.core.storage`). :func:`render_table` renders ``rich`` tables into a string the
+callbacks hand to ``rank_zero_info`` (library code never prints).
 
     >>> from dataclasses import dataclass
     >>> @dataclass
@@ -53,9 +49,17 @@ T = TypeVar("T")
 REPORT_FILENAME = "gpuopt_report.json"
 
 
-def to_dict(result: Any) -> dict[str, Any]:
-    """A dataclass (nested dataclasses and lists included) as a JSON-ready dict."""
-    return dataclasses.asdict(result)
+def to_dict(result: Any) -> Any:
+    """A dataclass (nested dataclasses, lists and dicts included) as JSON-ready data; the names in a
+    class's ``JSON_PROPERTIES`` are written beside its fields (:func:`from_dict` skips them)."""
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        data = {field.name: to_dict(getattr(result, field.name)) for field in dataclasses.fields(result)}
+        return data | {name: to_dict(getattr(result, name)) for name in getattr(result, "JSON_PROPERTIES", ())}
+    if isinstance(result, (list, tuple)):
+        return [to_dict(item) for item in result]
+    if isinstance(result, dict):
+        return {key: to_dict(value) for key, value in result.items()}
+    return result
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -92,34 +96,23 @@ def _convert(hint: Any, value: Any) -> Any:
 
 
 def write_json(data: dict[str, Any], path: str | os.PathLike) -> Location:
-    """Write ``data`` as indented JSON to ``path`` atomically; returns the path (a URL stays a ``str``).
-
-    A local file gets the mode any file the user writes gets (``0o666`` less the umask, e.g. ``0o644``),
-    not the ``0o600`` of a private temporary file. A URL (``s3://...``, ``memory://...``) is written
-    through fsspec in one call (see :mod:`lightning_gpuopt.core.storage`). Raises ``OSError`` when it
-    cannot be written (a read-only directory, a full disk), :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the
-    URL's filesystem package is not installed: the callbacks turn both into a warning (see
-    :func:`update_json_section`).
-    """
+    """Write ``data`` as indented JSON to ``path`` and return it (a URL stays a ``str``, written through
+    fsspec in one call). A local file is written atomically, with the mode any file the user writes gets
+    (``0o666`` less the umask). Raises ``OSError`` when it cannot be written."""
     location = as_location(path)
+    text = json.dumps(data, indent=2, default=str) + "\n"
     if not isinstance(location, Path):
-        return write_bytes(location, _json_text(data).encode())
-    path = location
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_sibling(path)
+        return write_bytes(location, text.encode())
+    location.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _create_sibling(location)
     try:
         with os.fdopen(fd, "w") as handle:
-            handle.write(_json_text(data))
-        os.replace(tmp, path)
+            handle.write(text)
+        os.replace(tmp, location)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
-
-
-def _json_text(data: dict[str, Any]) -> str:
-    """The report's text: indented JSON, keys in their order, what JSON cannot hold as ``str()``."""
-    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+    return location
 
 
 def _create_sibling(path: Path) -> tuple[int, Path]:
@@ -136,17 +129,13 @@ def _create_sibling(path: Path) -> tuple[int, Path]:
 def update_json_section(
     path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
 ) -> Location:
-    """Set ``section`` of the JSON object in ``path`` to ``data``, keeping other sections.
+    """Set ``section`` of the JSON object in ``path`` (a local path or an fsspec URL) to ``data``, keeping
+    the other sections, and return where it was written.
 
-    Several callbacks share one ``gpuopt_report.json``; each owns one top-level key. An existing
-    file that is not a JSON object (a crash of another tool, a hand edit) is never dropped in
-    silence: it is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`)
-    says so; the new file then holds only ``section``. ``path`` may be a URL of any fsspec
-    filesystem (``s3://bucket/run/gpuopt_report.json``); it is then returned as that URL. Raises
-    ``OSError`` when the file cannot be written, :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the URL's
-    filesystem package is not installed.
-
-    Example::
+    Several callbacks share one ``gpuopt_report.json``, each owning one top-level key. An existing file
+    that is no JSON object is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default
+    :func:`warnings.warn`) says so. Raises ``OSError`` when the file cannot be written,
+    :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the URL's package is missing.
 
         >>> import tempfile
         >>> report = Path(tempfile.mkdtemp()) / "gpuopt_report.json"
@@ -156,67 +145,39 @@ def update_json_section(
         {'a': {'x': 1}, 'b': {'y': 2}}
     """
     location = as_location(path)
-    content: dict[str, Any] = {}
-    if not isinstance(location, Path):
-        content = _existing_remote_sections(location, warn or _warn)
-    elif location.exists():
-        content = _existing_sections(location, warn or _warn)
+    content = _existing_sections(location, warn or _warn)
     content[section] = data
     return write_json(content, location)
 
 
-def _existing_sections(path: Path, warn: Callable[[str], None]) -> dict[str, Any]:
-    """The sections already in ``path``; a file that is no JSON object is set aside, with a warning."""
-    content, problem = _parse_sections(path.read_bytes())
-    if problem is None:
-        return content
-    aside = Path(_free_name(str(path), "corrupt", os.path.exists))
-    os.replace(path, aside)
-    _warn_set_aside(warn, path, aside, problem)
-    return {}
-
-
-def _existing_remote_sections(url: str, warn: Callable[[str], None]) -> dict[str, Any]:
-    """:func:`_existing_sections` of a URL, through fsspec (no report yet: no sections)."""
-    fs, path = filesystem(url)
+def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[str, Any]:
+    """The sections already in the report (none when there is no file); a file that is no JSON object
+    is set aside as ``<name>.corrupt-<n>``, with a warning."""
     try:
-        raw = fs.cat_file(path)
+        raw = read_bytes(location)
     except FileNotFoundError:
         return {}
-    content, problem = _parse_sections(raw)
-    if problem is None:
-        return content
-    aside = _free_name(path, "corrupt", fs.exists)
-    fs.mv(path, aside)
-    _warn_set_aside(warn, url, url + aside.removeprefix(path), problem)  # the URL + ".corrupt-<n>"
-    return {}
-
-
-def _parse_sections(raw: bytes) -> tuple[dict[str, Any], str | None]:
-    """``(sections, None)`` for a JSON object, ``({}, what is wrong)`` for anything else."""
     try:
         content = json.loads(raw)
+        problem = None if isinstance(content, dict) else f"it holds a JSON {type(content).__name__}, not an object"
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return {}, f"it is not valid JSON ({error})"
-    if not isinstance(content, dict):
-        return {}, f"it holds a JSON {type(content).__name__}, not an object"
-    return content, None
-
-
-def _warn_set_aside(warn: Callable[[str], None], path: Location, aside: Location, problem: str) -> None:
-    warn(
-        f"gpuopt: the existing report {path} could not be read: {problem}. It was kept as {aside}; "
-        "the new report starts empty."
-    )
-
-
-def _free_name(path: str, tag: str, exists: Callable[[str], bool]) -> str:
-    """``<path>.<tag>-<n>`` with the smallest ``n`` >= 1 that names no file (``exists``: the local
-    filesystem's or a remote one's)."""
+        problem = f"it is not valid JSON ({error})"
+    if problem is None:
+        return content
+    if isinstance(location, Path):
+        path, exists, move = str(location), os.path.exists, os.replace
+    else:
+        fs, path = filesystem(location)
+        exists, move = fs.exists, fs.mv
     number = 1
-    while exists(f"{path}.{tag}-{number}"):
+    while exists(f"{path}.corrupt-{number}"):
         number += 1
-    return f"{path}.{tag}-{number}"
+    move(path, f"{path}.corrupt-{number}")
+    warn(
+        f"gpuopt: the existing report {location} could not be read: {problem}. It was kept as"
+        f" {location}.corrupt-{number}; the new report starts empty."
+    )
+    return {}
 
 
 def _warn(message: str) -> None:
@@ -225,10 +186,7 @@ def _warn(message: str) -> None:
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """Read a JSON report written by :func:`write_json` (a local path or a URL)."""
-    location = as_location(path)
-    if not isinstance(location, Path):
-        return json.loads(read_bytes(location))
-    return json.loads(location.read_text())
+    return json.loads(read_bytes(as_location(path)))
 
 
 def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[str] = (), width: int = 100) -> str:
@@ -272,64 +230,65 @@ def format_bytes(num_bytes: float | None) -> str:
 
 
 def data_wait_table(report: DataWaitReport) -> str:
-    """The ``DataWaitMonitor`` report as a text table with its recommendations below."""
-    per_step = (lambda seconds: seconds / report.steps) if report.steps else (lambda seconds: 0.0)
+    """The ``DataWaitMonitor`` report as a text table, its recommendations and findings below."""
+    totals = report.totals
+
+    def share_row(name: str, seconds: float) -> tuple[str, str]:
+        per_step = format_seconds(totals.per_step(seconds))
+        return name, f"{format_fraction(totals.share(seconds)):>6} of the step  ({per_step}/step)"
+
     rows = [
         ("verdict", f"{report.verdict.upper()}: {report.verdict_reason}"),
         (
             "measured",
-            f"{report.steps} steps after {report.warmup_steps} warm-up, {report.epochs} epoch(s),"
+            f"{totals.steps} steps after {report.warmup_steps} warm-up, {report.settings.epochs} epoch(s),"
             f" {report.world_size} rank(s), {report.device}",
         ),
         (
             "step time",
-            f"{format_seconds(report.step_time_s)}"
-            + (f"  ({report.samples_per_second:,.0f} samples/s)" if report.samples_per_second else ""),
+            format_seconds(totals.step_time_s if totals.steps else None)
+            + (f"  ({totals.samples_per_second:,.0f} samples/s)" if totals.samples_per_second else ""),
         ),
+        share_row("data wait", totals.data_wait_s),
     ]
-    for name, seconds, fraction in (
-        ("data wait", report.data_wait_s, report.data_wait_fraction),
-        ("batch transfer", report.transfer_s, report.transfer_fraction),
-        ("compute", report.compute_s, report.compute_fraction),
-        ("other (hooks, logging)", report.other_s, report.other_fraction),
-    ):
-        rows.append((name, f"{format_fraction(fraction):>6} of the step  ({format_seconds(per_step(seconds))}/step)"))
-    rows.append(("GPU idle", format_fraction(report.gpu_idle_fraction)))
-    rows.append(("GPU utilisation (NVML)", "n/a" if report.gpu_util_mean is None else f"{report.gpu_util_mean:.0f}%"))
-    for name, seconds, fraction in (
-        ("validation (apart)", report.validation_s, report.validation_fraction),
-        ("checkpoint saving (apart)", report.checkpoint_s, report.checkpoint_fraction),
+    if totals.loader_cpu_fraction is not None:
+        rows.append(("main thread busy while waiting", format_fraction(totals.loader_cpu_fraction)))
+    rows += [
+        share_row("batch transfer", totals.transfer_s),
+        share_row("compute", totals.compute_s),
+        share_row("other (hooks, logging)", totals.other_s),
+        ("GPU idle", format_fraction(totals.gpu_idle_fraction)),
+        ("GPU utilisation (NVML)", "n/a" if totals.gpu_util_mean is None else f"{totals.gpu_util_mean:.0f}%"),
+    ]
+    for name, seconds in (
+        ("validation (apart)", totals.validation_s),
+        ("checkpoint saving (apart)", totals.checkpoint_s),
     ):
         if seconds:
-            rows.append((name, f"{format_seconds(seconds)}  ({format_fraction(fraction)} of training time)"))
-    if report.worker_startup_s:
-        rows.append(("loader start-up at epoch starts", format_seconds(report.worker_startup_s)))
-    for name, spread in report.rank_spread.items():
+            share = format_fraction(totals.training_share(seconds))
+            rows.append((name, f"{format_seconds(seconds)}  ({share} of training time)"))
+    if totals.worker_startup_s:
+        rows.append(("loader start-up at epoch starts", format_seconds(totals.worker_startup_s)))
+    for name, (low, mean, high) in report.rank_spread.items():
+        shown = format_seconds if name.endswith("_s") else (lambda value: f"{value:,.1f}")
         rows.append(
             (
                 f"ranks: {name.removesuffix('_s').replace('_', ' ')}",
-                _spread_text(name, spread.min, spread.mean, spread.max),
+                f"min {shown(low)} · mean {shown(mean)} · max {shown(high)}",
             )
         )
     if report.world_size > 1:
-        rows.append(("straggler", "none" if report.straggler_rank is None else f"rank {report.straggler_rank}"))
+        straggler = report.diagnosis.straggler_rank
+        rows.append(("straggler", "none" if straggler is None else f"rank {straggler}"))
     for gpu in report.gpus:
         util = "n/a" if gpu.util_mean is None else f"{gpu.util_mean:.0f}% mean, {gpu.util_max:.0f}% max"
-        flag = "  IDLE" if gpu.index in report.idle_gpus else ("" if gpu.visible else "  (not visible)")
+        flag = "  IDLE" if gpu.index in report.diagnosis.idle_gpus else ("" if gpu.visible else "  (not visible)")
         memory = f"{format_bytes(gpu.memory_used_max_bytes)} / {format_bytes(gpu.memory_total_bytes)}"
         rows.append((f"GPU {gpu.index} {gpu.name}", f"{util}; memory {memory}{flag}"))
     notes = [f"  • {advice}" for advice in report.recommendations] or ["  • nothing to change in the input pipeline"]
     if report.findings:
         notes += [f"Slow patterns found ({len(report.findings)}):", *finding_lines(report.findings)]
-    if report.loader_cpu_fraction is not None:
-        rows.insert(4, ("main thread busy while waiting", format_fraction(report.loader_cpu_fraction)))
     return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
-
-
-def _spread_text(name: str, low: float, mean: float, high: float) -> str:
-    if name.endswith("_s"):
-        return f"min {format_seconds(low)} · mean {format_seconds(mean)} · max {format_seconds(high)}"
-    return f"min {low:,.1f} · mean {mean:,.1f} · max {high:,.1f}"
 
 
 def loader_tune_table(result: LoaderTuneResult, message: str) -> str:

@@ -102,7 +102,7 @@ class FitSession:
         self._tap = _profiler_tap.install(
             trainer,
             {action: lambda *_: self._configure_rng.__setitem__(1, rng_states())},
-            starts={action: lambda: self._configure_rng.__setitem__(0, rng_states())},
+            on_start={action: lambda: self._configure_rng.__setitem__(0, rng_states())},
         )
 
     @classmethod
