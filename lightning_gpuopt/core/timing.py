@@ -23,10 +23,19 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from lightning_gpuopt.core.checks import check_int
-from lightning_gpuopt.core.device import Event
+
+
+class Event(Protocol):
+    """A device timing event: ``torch.cuda.Event(enable_timing=True)`` or the simulated card's host event."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: Any) -> float: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
