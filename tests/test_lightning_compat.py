@@ -1,6 +1,6 @@
 """Every Lightning internal that :mod:`lightning_gpuopt.callbacks._lightning_compat` relies on, checked
-against the installed Lightning, under both namespaces (``lightning.pytorch`` and, through the mirror,
-``pytorch_lightning``).
+against the installed Lightning, under both namespaces (``lightning.pytorch`` and ``pytorch_lightning``:
+one compat module serves both, each internal is checked on each namespace's objects).
 
 A release that moves, renames or retypes one fails here with a message naming the attribute or import
 and the installed version, rather than somewhere deep inside a callback. The attributes are read on
@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
-from lightning_gpuopt._mirror import rewritten
-
 COMPAT = "lightning_gpuopt/callbacks/_lightning_compat.py"
 
 
@@ -46,9 +44,11 @@ class Namespace:
 
 
 def _renamed(path: str, namespace: str) -> str:
-    """As the mirror renames imports (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` ->
-    ``lightning_fabric``)."""
-    return path if namespace == "lightning.pytorch" else rewritten(path)
+    """As Lightning renames imports for ``pytorch_lightning`` (``lightning.pytorch`` -> ``pytorch_lightning``,
+    ``lightning.fabric`` -> ``lightning_fabric``)."""
+    if namespace == "lightning.pytorch":
+        return path
+    return path.replace("lightning.pytorch", "pytorch_lightning").replace("lightning.fabric", "lightning_fabric")
 
 
 NAMESPACES = [
@@ -59,15 +59,13 @@ NAMESPACES = [
         "pytorch_lightning",
         pytorch_lightning,
         pytorch_lightning.__version__,
-        "lightning_gpuopt.pytorch_lightning.callbacks._lightning_compat",
+        "lightning_gpuopt.callbacks._lightning_compat",
     ),
 ]
 
 
 @pytest.fixture(params=NAMESPACES, ids=[ns.name for ns in NAMESPACES], scope="module")
 def ns(request: Any) -> Namespace:
-    if request.param.name == "pytorch_lightning":
-        import lightning_gpuopt.pytorch_lightning  # noqa: F401 - installs the mirror
     return request.param
 
 
@@ -100,8 +98,8 @@ PRIVATE_IMPORTS = [
         (("model",), {}),
     ),
     ("lightning.pytorch.core.optimizer", "_MockOptimizer", "MockOptimizer", None),
-    ("lightning.pytorch.loops.loop", "_Loop", "Loop", None),
-    ("lightning.pytorch.loops.progress", "_BaseProgress", "BaseProgress", None),
+    ("lightning.pytorch.loops.loop", "_Loop", None, None),
+    ("lightning.pytorch.loops.progress", "_BaseProgress", None, None),
     ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource", "DataLoaderSource", None),
     (
         "lightning.pytorch.trainer.connectors.data_connector",
@@ -148,8 +146,17 @@ def test_private_import_exists_and_takes_our_arguments(ns, module, name, ours, c
                 f"a callable taking {args} and {sorted(kwargs)}",
                 f"{inspect.signature(found)}: {error}",
             )
-    if ours is not None and getattr(ns.compat, ours) is not found:
-        moved(ns, f"`{path}.{name}`", f"the object the compat module calls `{ours}`")
+    # one compat module serves both namespaces: it holds lightning.pytorch's, which must be pytorch_lightning's twin
+    ours_found = getattr(importlib.import_module(module), name)
+    if ours is not None and getattr(ns.compat, ours) is not ours_found:
+        moved(ns, f"`{module}.{name}`", f"the object the compat module calls `{ours}`")
+    if call is not None and _parameters(found) != _parameters(ours_found):
+        moved(ns, f"`{path}.{name}`", f"the parameters of `{module}.{name}`", str(inspect.signature(found)))
+
+
+def _parameters(function: Any) -> list[tuple]:
+    """Names, kinds and whether each has a default (the annotations name each namespace's own classes)."""
+    return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(function).parameters.values()]
 
 
 def test_lightning_optimizer_to_lightning_optimizer(ns):
@@ -174,7 +181,7 @@ def test_lightning_optimizer_to_lightning_optimizer(ns):
 
 def _is_source(value: Any, c: ModuleType) -> bool:
     return (
-        isinstance(value, c.DataLoaderSource)
+        type(value).__name__ == c.DataLoaderSource.__name__
         and hasattr(value, "instance")
         and hasattr(value, "name")
         and all(callable(getattr(value, m, None)) for m in ("dataloader", "is_module", "is_defined"))
@@ -246,7 +253,7 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
         lambda v, t, c: (
             isinstance(v, list)
             and len(v) == 1
-            and isinstance(v[0], c.LightningOptimizer)
+            and isinstance(v[0], c.any_namespace("core.optimizer", "LightningOptimizer"))
             and v[0].optimizer is t.strategy._optimizers[0]
             and c.strategy_optimizer_lists(t.strategy)[1] is v
         ),
@@ -255,10 +262,10 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
         lambda t, c: _progress(t, c),
         "the fit loop and its epoch loop being _Loop instances holding _BaseProgress counters",
         lambda v, t, c: (
-            isinstance(t.fit_loop, c.Loop)
-            and isinstance(t.fit_loop.epoch_loop, c.Loop)
+            isinstance(t.fit_loop, c.loop_classes())
+            and isinstance(t.fit_loop.epoch_loop, c.loop_classes())
             and len(v) >= 3
-            and all(isinstance(p, c.BaseProgress) and callable(p.reset) for p in v)
+            and all(isinstance(p, c.progress_classes()) and callable(p.reset) for p in v)
         ),
     ),
     "trainer._data_connector.attach_data": (

@@ -1,7 +1,7 @@
 """The callbacks under both Lightning namespaces: ``lightning.pytorch`` and ``pytorch_lightning``.
 
-``lightning_gpuopt`` is built on ``lightning.pytorch``; ``lightning_gpuopt.pytorch_lightning`` is the same
-source built on ``pytorch_lightning`` (see ``lightning_gpuopt._mirror``). Each test runs a real Trainer
+``lightning_gpuopt`` is built on ``lightning.pytorch``; ``lightning_gpuopt.pytorch_lightning``'s classes add
+``pytorch_lightning``'s ``Callback`` (and ``LightningCLI``) as a base, with one source for both. Each test runs a real Trainer
 of one namespace; the figures are checked by training (a found batch trains under the same cap, the
 first size that missed runs out of memory) and against the other namespace's run of the same model.
 """
@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch
 import pytest
 import pytorch_lightning
+import pytorch_lightning.cli
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -91,9 +92,11 @@ def test_a_callback_refuses_the_other_namespaces_trainer_and_names_the_import(
     assert model.net[0].weight.grad is None  # refused before any step
 
 
-def test_the_mirror_shares_core_results_and_subclasses_pytorch_lightnings_callback():
-    assert issubclass(gpuopt_pl.GpuOpt, pytorch_lightning.Callback)
-    assert not issubclass(gpuopt_pl.GpuOpt, lightning.pytorch.Callback)
+def test_the_pytorch_lightning_classes_share_the_source_and_core_results_and_subclass_its_callback():
+    assert issubclass(gpuopt_pl.GpuOpt, pytorch_lightning.Callback) and issubclass(
+        gpuopt_pl.GpuOpt, lightning_gpuopt.GpuOpt
+    )
+    assert issubclass(gpuopt_pl.GpuOptCLI, pytorch_lightning.cli.LightningCLI)
     assert gpuopt_pl.BatchSizeSearchResult is lightning_gpuopt.BatchSizeSearchResult
     assert gpuopt_pl.MemoryBudget is lightning_gpuopt.MemoryBudget
 

@@ -18,7 +18,6 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import psutil
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from torch.utils.data import ConcatDataset, Subset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -136,7 +135,7 @@ class HookTimes(Probe):
         sizes: list[int] = []
         for action, (saves, seconds) in self._saves.items():
             callback, owner, hook, _ = self._owner(action) if action else (None, "trainer.save_checkpoint", "", False)
-            if isinstance(callback, ModelCheckpoint):
+            if isinstance(callback, compat.any_namespace("callbacks", "ModelCheckpoint")):
                 saver = by_checkpoint.get(id(callback))
                 if saver is None:
                     saver = by_checkpoint[id(callback)] = _model_checkpoint_saver(callback)
@@ -160,10 +159,11 @@ def _ours_or_builtin(callback: Any) -> bool:
         return False
     if type(callback).__module__.startswith("lightning_gpuopt"):
         return True
-    return isinstance(callback, (ProgressBar, ModelSummary, ModelCheckpoint))
+    builtin = ("ProgressBar", "ModelSummary", "ModelCheckpoint")
+    return any(isinstance(callback, compat.any_namespace("callbacks", name)) for name in builtin)
 
 
-def _model_checkpoint_saver(callback: ModelCheckpoint) -> CheckpointSaver:
+def _model_checkpoint_saver(callback: Any) -> CheckpointSaver:
     every_steps, every_epochs, interval = compat.checkpoint_schedule(callback)
     settings = [
         f"every_n_train_steps={every_steps}" if every_steps else None,
@@ -182,7 +182,7 @@ def _model_checkpoint_saver(callback: ModelCheckpoint) -> CheckpointSaver:
     )
 
 
-def _last_saved_bytes(callback: ModelCheckpoint) -> int:
+def _last_saved_bytes(callback: Any) -> int:
     for path in (compat.last_checkpoint_saved(callback), callback.last_model_path, callback.best_model_path):
         try:
             if path and os.path.isfile(path):

@@ -2,10 +2,15 @@
 
 The rest of the package reaches Lightning's private attributes, private functions and profiler
 action names only through the names below; ``tests/test_lightning_compat.py`` checks each against the
-installed Lightning (``lightning>=2.6``, the floor ``make test-min`` runs; written against 2.6.6), so a release that moves or renames
-one fails there, naming it, rather than deep inside a callback. Built on ``lightning.pytorch``; under
-``lightning_gpuopt.pytorch_lightning`` the same source is built on ``pytorch_lightning`` and
-``lightning_fabric`` (see :mod:`lightning_gpuopt._mirror`).
+installed Lightning (``lightning>=2.6``, the floor ``make test-min`` runs; written against 2.6.6), so a release
+that moves or renames one fails there, naming it, rather than deep inside a callback.
+
+Lightning ships its trainer twice, ``lightning.pytorch`` and ``pytorch_lightning`` (the same source with
+the imports renamed), and their classes differ. Our callbacks are built on ``lightning.pytorch``;
+``lightning_gpuopt.pytorch_lightning`` adds ``pytorch_lightning``'s ``Callback`` as a base. What a
+callback makes for a Trainer comes from the Trainer's namespace (:func:`of_namespace`), what it
+recognises is checked against both (:func:`any_namespace`), and the private functions below behave
+the same in both, so one module serves both.
 
 Each internal, grouped, with the public API it stands in for or why there is none:
 
@@ -36,8 +41,9 @@ Loops and progress
       get); ``trainer.global_step`` counts optimizer steps, a different figure.
     * ``epoch_loop._broadcast_sigterm_tensor`` (:func:`skip_sigterm_broadcast`,
       :func:`restore_sigterm_broadcast`): no public API; the per-step SIGTERM collective under DDP.
-    * ``lightning.pytorch.loops.loop._Loop`` (:class:`Loop`), ``lightning.pytorch.loops.progress._BaseProgress``
-      (:class:`BaseProgress`): no public base classes; to find every progress counter of the fit loop.
+    * ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress``
+      (:func:`loop_classes`, :func:`progress_classes`): no public base classes; to find every progress
+      counter of the fit loop.
     * ``trainer._logger_connector.reset_results()/reset_metrics()`` (:func:`reset_logged_results`): no
       public API; drops what trial steps logged.
     * ``trainer._signal_connector`` and its ``received_sigterm`` (:func:`signal_connector`): the public
@@ -90,13 +96,13 @@ Profiler action names (what Lightning passes to ``trainer.profiler``; strings, n
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
 from lightning.pytorch.utilities.parsing import _lightning_get_all_attr_holders
@@ -183,12 +189,42 @@ def built_train_loader(trainer: Any) -> Any:
 attribute_holders = _lightning_get_all_attr_holders
 
 
+# -- the two namespaces ---------------------------------------------------------------------------
+
+
+def _namespace(obj: Any) -> str:
+    mro = type(obj).__mro__ if not isinstance(obj, type) else obj.__mro__
+    return "pytorch_lightning" if any(c.__module__.split(".")[0] == "pytorch_lightning" for c in mro) else "lightning"
+
+
+def of_namespace(obj: Any, module: str, name: str) -> Any:
+    """``name`` from ``module`` (a path under ``lightning.pytorch``; ``""``: the package) of ``obj``'s namespace.
+
+    >>> import lightning.pytorch as pl
+    >>> of_namespace(pl.Trainer, "loggers.logger", "DummyLogger").__module__
+    'lightning.pytorch.loggers.logger'
+    """
+    root = "pytorch_lightning" if _namespace(obj) == "pytorch_lightning" else "lightning.pytorch"
+    return getattr(importlib.import_module(f"{root}.{module}".rstrip(".")), name)
+
+
+def any_namespace(module: str, name: str) -> tuple[type, ...]:
+    """``name`` from ``module`` of ``lightning.pytorch`` and, once imported, of ``pytorch_lightning`` (for ``isinstance``)."""
+    roots = ["lightning.pytorch", *(["pytorch_lightning"] if "pytorch_lightning" in sys.modules else [])]
+    return tuple(getattr(importlib.import_module(f"{root}.{module}".rstrip(".")), name) for root in roots)
+
+
 # -- loops and progress -------------------------------------------------------------------------
 
-# no public base class: every loop
-Loop = _Loop
-# no public base class: every progress counter of a loop
-BaseProgress = _BaseProgress
+
+def loop_classes() -> tuple[type, ...]:
+    """``lightning.pytorch.loops.loop._Loop`` (no public base class): every loop."""
+    return any_namespace("loops.loop", "_Loop")
+
+
+def progress_classes() -> tuple[type, ...]:
+    """``lightning.pytorch.loops.progress._BaseProgress`` (no public base class): every progress counter."""
+    return any_namespace("loops.progress", "_BaseProgress")
 
 
 def batches_that_stepped(trainer: Any) -> int:
@@ -249,8 +285,9 @@ def set_strategy_optimizer_lists(strategy: Any, optimizers: Any, lightning_optim
 
 
 def to_lightning_optimizer(optimizer: Any, strategy: Any) -> LightningOptimizer:
-    """``LightningOptimizer._to_lightning_optimizer`` (no public constructor binding one to a strategy)."""
-    return LightningOptimizer._to_lightning_optimizer(optimizer, strategy)
+    """``LightningOptimizer._to_lightning_optimizer`` of the strategy's namespace (no public constructor
+    binding one to a strategy)."""
+    return of_namespace(strategy, "core.optimizer", "LightningOptimizer")._to_lightning_optimizer(optimizer, strategy)
 
 
 # -- dataloaders --------------------------------------------------------------------------------
@@ -336,26 +373,22 @@ def strategy_action(trainer: Any, hook: str) -> str:
 
 # -- the namespace a Trainer comes from ----------------------------------------------------------
 
-_IMPORT_FOR = {"lightning": "lightning_gpuopt", "pytorch_lightning": "lightning_gpuopt.pytorch_lightning"}
+_PACKAGE_FOR = {"lightning": "lightning_gpuopt", "pytorch_lightning": "lightning_gpuopt.pytorch_lightning"}
 
 
 def check_trainer_namespace(trainer: Any, callback: Any) -> None:
-    """Raise ``TypeError`` unless ``trainer`` comes from the Lightning namespace ``callback`` is built on
-    (``lightning.pytorch`` or ``pytorch_lightning``: their classes differ), naming the import that fits."""
-    from lightning.pytorch import Trainer
-
-    if isinstance(trainer, Trainer):
+    """Raise ``TypeError`` unless ``trainer`` comes from the namespace ``callback`` is built on, naming the
+    import that fits. A callback the Trainer does not hold (a part of GpuOpt) is its owner's to check."""
+    if callback not in getattr(trainer, "callbacks", [callback]):
         return
-    name = type(callback).__name__
-    ours = Trainer.__module__.split(".")[0]
-    theirs = type(trainer).__module__.split(".")[0]
-    fix = _IMPORT_FOR.get(theirs)
+    ours, theirs = _namespace(callback), type(trainer).__module__.split(".")[0]
+    if ours == theirs:
+        return
+    name, kind = type(callback).__name__, f"`{type(trainer).__module__}.{type(trainer).__name__}`"
+    fix = _PACKAGE_FOR.get(theirs)
     advice = (
         f"import it as `from {fix} import {name}`"
         if fix
-        else f"use it with a Trainer from `{ours}` (`{type(trainer).__module__}.{type(trainer).__name__}` is neither)"
+        else f"use it with a Trainer from `{ours}` ({kind} is neither)"
     )
-    raise TypeError(
-        f"{name} from `{_IMPORT_FOR[ours]}` is built on `{ours}`, but the Trainer is "
-        f"`{type(trainer).__module__}.{type(trainer).__name__}`: {advice}."
-    )
+    raise TypeError(f"{name} from `{_PACKAGE_FOR[ours]}` is built on `{ours}`, but the Trainer is {kind}: {advice}.")

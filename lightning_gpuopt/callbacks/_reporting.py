@@ -24,7 +24,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -105,9 +104,10 @@ def _log_pngs(logger: Any, paths: list[Location], step: int) -> None:
     """TensorBoard: ``add_image`` each PNG under ``gpuopt/NAME``; W&B (a logger with ``log_image``, as
     ``WandbLogger``): one ``log_image`` call per PNG (its path when local, its pixels when the PNG is at a
     URL); any other logger: nothing."""
-    if isinstance(logger, TensorBoardLogger):
+    if isinstance(logger, compat.any_namespace("loggers", "TensorBoardLogger")):
         for path in paths:
-            logger.experiment.add_image(f"gpuopt/{_stem(path)}", _read_png(path)[..., :3], step, dataformats="HWC")
+            writer: Any = getattr(logger, "experiment")  # noqa: B009 - a TensorBoardLogger of either namespace
+            writer.add_image(f"gpuopt/{_stem(path)}", _read_png(path)[..., :3], step, dataformats="HWC")
     elif callable(getattr(logger, "log_image", None)):
         for path in paths:
             image = str(path) if isinstance(path, Path) else _read_png(path)

@@ -468,9 +468,9 @@ def _why_batch_size_is_not_the_loaders(loader: Any) -> Optional[str]:
 
 
 def _holder_name(holder: Any, name: str) -> str:
-    if isinstance(holder, pl.LightningModule):
+    if isinstance(holder, compat.any_namespace("", "LightningModule")):
         return f"`model.{name}`"
-    if isinstance(holder, pl.LightningDataModule):
+    if isinstance(holder, compat.any_namespace("", "LightningDataModule")):
         return f"`datamodule.{name}`"
     return f"`hparams.{name}`"
 

@@ -60,7 +60,6 @@ from typing import Any, Literal, Optional, Sequence, Union, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -294,12 +293,14 @@ class MemoryFill(Callback):
             if self.amp is True and str(trainer.precision) not in (*MIXED_PRECISIONS, "32-true"):
                 rank_zero_warn(f"MemoryFill: amp=True but {reason}.")
             return
-        if type(trainer.strategy.precision_plugin) is not Precision:
+        if type(trainer.strategy.precision_plugin) not in compat.any_namespace("plugins.precision", "Precision"):
             raise MisconfigurationException(
                 f"MemoryFill: cannot switch to {precision}: the run uses the precision plugin "
                 f"{type(trainer.strategy.precision_plugin).__name__}. Pass amp=False, or set the precision yourself."
             )
-        plugin = MixedPrecision(cast(Any, precision), device=card.autocast_device_type)
+        plugin = compat.of_namespace(trainer, "plugins.precision", "MixedPrecision")(
+            precision, card.autocast_device_type
+        )
         self._undo.set(trainer.strategy, "precision_plugin", plugin)
 
     # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation

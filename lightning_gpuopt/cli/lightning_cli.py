@@ -20,19 +20,75 @@ from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset
 _KEY = "gpuopt"
 
 
-class GpuOptArgumentParser(LightningArgumentParser):
-    """Lightning's parser, whose dumps (``--print_config``, the saved ``config.yaml``) hold the resolved
-    ``gpuopt`` settings: the preset's values with the overrides applied."""
+class ResolvedDumps:
+    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, the saved ``config.yaml``) hold
+    the resolved ``gpuopt`` settings, the preset's values with the overrides applied."""
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
         if isinstance(group, Namespace):
             cfg = cfg.clone()
             cfg[_KEY] = Namespace(_resolved(self, group.as_dict()))
-        return super().dump(cfg, *args, **kwargs)
+        return super().dump(cfg, *args, **kwargs)  # type: ignore[misc]
 
 
-class GpuOptCLI(LightningCLI):
+class GpuOptArgumentParser(ResolvedDumps, LightningArgumentParser):
+    """Lightning's parser with :class:`ResolvedDumps`."""
+
+
+class WithGpuOpt:
+    """Mixed into a ``LightningCLI``: the ``--gpuopt`` flag (see :class:`GpuOptCLI`); one source for both
+    Lightning namespaces (``lightning_gpuopt.pytorch_lightning.GpuOptCLI`` mixes it into theirs)."""
+
+    #: the callback the flag adds, and the parser class used unless one is passed
+    gpuopt_class: type = GpuOpt
+    default_parser_class: type = GpuOptArgumentParser
+    config: Any
+    config_init: Any
+    subcommand: Any
+    parser: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", self.default_parser_class)  # keep dumps resolved: subclass it for your own
+        super().__init__(*args, **kwargs)
+
+    def add_default_arguments_to_parser(self, parser: Any) -> None:
+        """Lightning's defaults, then ``--gpuopt`` (here, so a subclass's ``add_arguments_to_parser`` need not
+        call ``super()``)."""
+        super().add_default_arguments_to_parser(parser)  # type: ignore[misc]
+        parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
+        parser.set_defaults({f"{_KEY}.preset": None})
+        actions = compat.parser_option_actions(parser)
+        actions[f"--{_KEY}"].help, actions[f"--{_KEY}"].metavar = _flag_help(), "PRESET_OR_YAML"
+        actions[f"--{_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
+        for key, meaning in PRESET_KEYS.items():
+            actions[f"--{_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        if args is None:
+            sys.argv[1:] = preset_flag_as_key(sys.argv[1:])
+        elif isinstance(args, list):
+            args = preset_flag_as_key(args)
+        super().parse_arguments(parser, args)  # type: ignore[misc]
+
+    def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()  # type: ignore[misc]
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get(_KEY) is not None:
+            config[_KEY] = Namespace(_resolved(self.parser, config[_KEY].as_dict()))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        group = self.config.get(str(self.subcommand), self.config).get(_KEY)
+        settings = {key: value for key, value in (group.as_dict() if group else {}).items() if value is not None}
+        if not settings:  # --gpuopt not used
+            return super().instantiate_trainer(**kwargs)  # type: ignore[misc]
+        trainer = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        callbacks = kwargs.pop("callbacks", trainer.get("callbacks"))
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        return super().instantiate_trainer(callbacks=[*callbacks, self.gpuopt_class(**settings)], **kwargs)  # type: ignore[misc]
+
+
+class GpuOptCLI(WithGpuOpt, LightningCLI):
     r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset's name or a YAML file, plus dotted overrides.
 
     Without it nothing changes. With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the
@@ -47,47 +103,8 @@ class GpuOptCLI(LightningCLI):
         python train.py fit --config config.yaml       # a config with a `gpuopt:` section
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("parser_class", GpuOptArgumentParser)  # keep dumps resolved: subclass it for your own
-        super().__init__(*args, **kwargs)
 
-    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Lightning's defaults, then ``--gpuopt`` (here, so that a subclass's ``add_arguments_to_parser``
-        need not call ``super()``)."""
-        super().add_default_arguments_to_parser(parser)
-        parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
-        parser.set_defaults({f"{_KEY}.preset": None})
-        actions = compat.parser_option_actions(parser)
-        actions[f"--{_KEY}"].help, actions[f"--{_KEY}"].metavar = _flag_help(), "PRESET_OR_YAML"
-        actions[f"--{_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
-        for key, meaning in PRESET_KEYS.items():
-            actions[f"--{_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        if args is None:
-            sys.argv[1:] = preset_flag_as_key(sys.argv[1:])
-        elif isinstance(args, list):
-            args = preset_flag_as_key(args)
-        super().parse_arguments(parser, args)
-
-    def before_instantiate_classes(self) -> None:
-        super().before_instantiate_classes()
-        config = self.config.get(str(self.subcommand), self.config)
-        if config.get(_KEY) is not None:
-            config[_KEY] = Namespace(_resolved(self.parser, config[_KEY].as_dict()))
-
-    def instantiate_trainer(self, **kwargs: Any) -> Any:
-        group = self.config.get(str(self.subcommand), self.config).get(_KEY)
-        settings = {key: value for key, value in (group.as_dict() if group else {}).items() if value is not None}
-        if not settings:  # --gpuopt not used
-            return super().instantiate_trainer(**kwargs)
-        trainer = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
-        callbacks = kwargs.pop("callbacks", trainer.get("callbacks"))
-        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        return super().instantiate_trainer(callbacks=[*callbacks, GpuOpt(**settings)], **kwargs)
-
-
-def _resolved(parser: LightningArgumentParser, settings: dict[str, Any]) -> dict[str, Any]:
+def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` with the preset's values filled in (the overrides win), checked by building a
     :class:`GpuOpt`; a bad one is the parser's usage error (exit 2). Unused (all ``None``): as they are."""
     if not any(value is not None for value in settings.values()):

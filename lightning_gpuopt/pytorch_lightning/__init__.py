@@ -1,9 +1,11 @@
 """lightning-gpuopt for code that imports ``pytorch_lightning`` rather than ``lightning.pytorch``.
 
-The same callbacks, built on the ``pytorch_lightning`` package's classes (see
-:mod:`lightning_gpuopt._mirror`). Use these with ``pytorch_lightning.Trainer``; the callbacks from
-``lightning_gpuopt`` itself are for ``lightning.pytorch.Trainer`` (``from lightning import Trainer``),
-and each refuses the other namespace's Trainer with a message naming the import to use.
+Lightning ships its trainer twice, with distinct classes; our callbacks are built on ``lightning.pytorch``
+and make what a Trainer needs from that Trainer's own namespace
+(:mod:`lightning_gpuopt.callbacks._lightning_compat`). The classes here add ``pytorch_lightning``'s
+``Callback`` (and ``LightningCLI``) as a base, so a ``pytorch_lightning.Trainer`` and its CLI take them;
+each refuses the other namespace's Trainer with a message naming the import to use. Results and
+``core`` are shared.
 
 Example:
     >>> import pytorch_lightning as pl
@@ -12,28 +14,56 @@ Example:
     True
 """
 
-from lightning_gpuopt import _mirror
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
-_mirror.install()
+from lightning_gpuopt import callbacks as _callbacks
+from lightning_gpuopt.cli import lightning_cli as _cli
+from lightning_gpuopt.core.diagnosis import DataWaitReport
+from lightning_gpuopt.core.estimate import MemoryEstimate
+from lightning_gpuopt.core.fill import MemoryFillPlan
+from lightning_gpuopt.core.loader import LoaderTuneResult
+from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
+from lightning_gpuopt.core.search import BatchSizeSearchResult
+from lightning_gpuopt.presets import available_presets, load_preset
 
-from lightning_gpuopt.core.diagnosis import DataWaitReport  # noqa: E402
-from lightning_gpuopt.core.estimate import MemoryEstimate  # noqa: E402
-from lightning_gpuopt.core.fill import MemoryFillPlan  # noqa: E402
-from lightning_gpuopt.core.loader import LoaderTuneResult  # noqa: E402
-from lightning_gpuopt.core.memory import MemoryBudget, parse_memory  # noqa: E402
-from lightning_gpuopt.core.search import BatchSizeSearchResult  # noqa: E402
-from lightning_gpuopt.presets import available_presets, load_preset  # noqa: E402
-from lightning_gpuopt.pytorch_lightning.callbacks import (  # noqa: E402
-    BatchSizeSearch,
-    DataLoaderTuner,
-    DataWaitMonitor,
-    GpuOpt,
-    GpuOptReport,
-    MemoryEstimator,
-    MemoryFill,
-    NoBatchSizeFitsError,
-)
-from lightning_gpuopt.pytorch_lightning.cli import GpuOptCLI  # noqa: E402
+NoBatchSizeFitsError = _callbacks.NoBatchSizeFitsError
+GpuOptReport = _callbacks.GpuOptReport
+
+
+class BatchSizeSearch(_callbacks.BatchSizeSearch, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.BatchSizeSearch.__doc__
+
+
+class DataLoaderTuner(_callbacks.DataLoaderTuner, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.DataLoaderTuner.__doc__
+
+
+class DataWaitMonitor(_callbacks.DataWaitMonitor, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.DataWaitMonitor.__doc__
+
+
+class GpuOpt(_callbacks.GpuOpt, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.GpuOpt.__doc__
+
+
+class MemoryEstimator(_callbacks.MemoryEstimator, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.MemoryEstimator.__doc__
+
+
+class MemoryFill(_callbacks.MemoryFill, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
+    __doc__ = _callbacks.MemoryFill.__doc__
+
+
+class GpuOptArgumentParser(_cli.ResolvedDumps, LightningArgumentParser):
+    """``pytorch_lightning``'s parser with :class:`~lightning_gpuopt.cli.lightning_cli.ResolvedDumps`."""
+
+
+class GpuOptCLI(_cli.WithGpuOpt, LightningCLI):
+    __doc__ = _cli.GpuOptCLI.__doc__
+    gpuopt_class = GpuOpt
+    default_parser_class = GpuOptArgumentParser
+
 
 __all__ = [
     "BatchSizeSearch",

@@ -83,10 +83,10 @@ def _clone(collection: Any) -> Any:
 def _progress_objects(loop: Any, seen: set[int]) -> Iterator[Any]:
     """Every progress counter of ``loop`` and its child loops."""
     for value in list(vars(loop).values()):
-        if isinstance(value, compat.BaseProgress) and id(value) not in seen:
+        if isinstance(value, compat.progress_classes()) and id(value) not in seen:
             seen.add(id(value))
             yield value
-        elif isinstance(value, compat.Loop):
+        elif isinstance(value, compat.loop_classes()):
             yield from _progress_objects(value, seen)
 
 

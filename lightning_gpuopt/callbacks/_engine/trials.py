@@ -27,7 +27,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.parsing import lightning_setattr
 from torch.nn.parallel import DistributedDataParallel
 
@@ -130,7 +129,8 @@ class Trials:
             name = self.batch_arg_name
             undo.set(holder, name, holder[name] if isinstance(holder, dict) else getattr(holder, name))
         undo.set(trainer, "callbacks", [])
-        undo.set(trainer, "loggers", [DummyLogger()] if trainer.loggers else [])
+        dummy = compat.of_namespace(trainer, "loggers.logger", "DummyLogger")
+        undo.set(trainer, "loggers", [dummy()] if trainer.loggers else [])
         undo.set(trainer, "limit_val_batches", 0)
         undo.set(trainer, "limit_train_batches", self.batches)
         undo.set(loop.epoch_loop, "max_steps", -1 if self.manual else self.steps_per_trial)

@@ -36,7 +36,6 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -181,7 +180,7 @@ def signals_stop_our_work(trainer: Any, undo: Optional[Undo] = None, raise_at_on
             previous_term(signum, frame)
         connector.received_sigterm = True  # a trial's loop raises SIGTERMException after its step
         if raise_at_once and first:
-            raise SIGTERMException()
+            raise compat.of_namespace(trainer, "utilities.exceptions", "SIGTERMException")()
 
     if installed:
         connector.received_sigterm = False  # a SIGTERM of an earlier fit must not stop this one
@@ -198,7 +197,7 @@ def signals_stop_our_work(trainer: Any, undo: Optional[Undo] = None, raise_at_on
             if not received:
                 connector.received_sigterm = received_before
     if received:  # our work ended before it saw the flag: stop as a training step would
-        raise SIGTERMException()
+        raise compat.of_namespace(trainer, "utilities.exceptions", "SIGTERMException")()
 
 
 def _set_handler(signum: int, handler: Any) -> None:
