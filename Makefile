@@ -65,7 +65,7 @@ bench: $(STAMP)
 
 # the CUDA paths (events, NVML, max_memory_allocated, pinned memory); skipped without a GPU
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(BENCH_PY) -m pytest -q tests/test_gpu.py
+	PYTHONPATH=$(CURDIR) $(BENCH_PY) -m pytest -q tests/gpu
 
 bench-gpu:
 	for script in $(GPU_BENCHMARKS); do PYTHONPATH=$(CURDIR) $(BENCH_PY) $$script --accelerator gpu || exit 1; done

@@ -1,5 +1,32 @@
+"""The suite, in groups a newcomer can run alone (``pytest -m unit``, ``tests/unit``):
+
+* ``unit/`` -- no Trainer: core decisions, memory accounting, the simulated card, argument checks, the
+  house rules (seconds);
+* ``integration/`` -- real CPU Trainers: every callback, preset and CLI, users' models, leaving no trace;
+* ``ddp/`` -- 2 CPU processes (gloo) launched as users launch them;
+* ``gpu/`` -- the CUDA paths, skipped without a card (``make test-gpu``).
+
+The support modules (``helpers``, the model zoos, the DDP script) live beside this file; it puts this
+folder on ``sys.path`` so every group imports them by name.
+"""
+
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+GROUPS = ("unit", "integration", "ddp", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test is marked with its folder's group; the doctests of the package are unit tests."""
+    for item in items:
+        relative = Path(str(item.fspath)).resolve()
+        group = next((g for g in GROUPS if (TESTS / g) in relative.parents), "unit")
+        item.add_marker(getattr(pytest.mark, group))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from lightning import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+
+#: the tests' folder (support modules, data, the DDP script) and the repository
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 def usable_cores_from_the_os() -> int:
@@ -352,3 +362,71 @@ def missing_protocol() -> tuple[str, str]:
         if importlib.util.find_spec(package) is None:
             return protocol, package
     pytest.skip("every remote filesystem package tried (s3fs, gcsfs, adlfs, ocifs, ossfs) is installed")
+
+
+class BudgetAroundTraining(Callback):
+    """The independent measurement: a MemoryBudget entered at train start, left at train end."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.budget: Optional[MemoryBudget] = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.budget = MemoryBudget(self.cap_bytes, existing=(pl_module, *trainer.optimizers), device="cpu")
+        self.budget.__enter__()
+
+    def _leave(self) -> None:
+        if self.budget is not None:
+            budget, self.budget = self.budget, None
+            budget.__exit__(None, None, None)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self._leave()
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._leave()
+
+
+def fits_independently(
+    tmp_path: Any, name: str, batch_size: int, cap_bytes: int, steps: int = 2, samples: int = 4096
+) -> bool:
+    """Do ``steps`` real training steps of a fresh model at ``batch_size`` fit in ``cap_bytes``?"""
+    from models_memory import make_model
+
+    model = make_model(name, num_samples=samples, batch_size=batch_size)
+    trainer = quiet_trainer(tmp_path / f"check{batch_size}", [BudgetAroundTraining(cap_bytes)], max_steps=steps)
+    try:
+        trainer.fit(model)
+    except Exception as error:
+        if is_out_of_memory_error(error):
+            return False
+        raise
+    return True
+
+
+def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
+    # Lightning's own variables (PL_GLOBAL_SEED, MASTER_PORT, ...) set by earlier in-process runs stay out
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))
+    }
+    # the ranks import this checkout's package, as the tests do (not an install of another checkout)
+    paths = [str(TESTS), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**inherited, "PYTHONPATH": os.pathsep.join(paths)}
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "ddp_script.py"), str(out), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def rank_json(result: subprocess.CompletedProcess, path: Path) -> dict:
+    """A rank's output file; when a rank wrote none (it failed after rank 0 exited with 0), its
+    processes' output says why, in the failure."""
+    assert path.exists(), f"{path.name} missing; the ranks' output:\n{(result.stdout + result.stderr)[-6000:]}"
+    return json.loads(path.read_text())

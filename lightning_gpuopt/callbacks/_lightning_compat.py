@@ -1,7 +1,7 @@
 """Every use of Lightning's private internals in lightning-gpuopt, in one place.
 
 The rest of the package reaches Lightning's private attributes, private functions and profiler
-action names only through the names below; ``tests/test_lightning_compat.py`` checks each against the
+action names only through the names below; ``tests/integration/test_lightning_compat.py`` checks each against the
 installed Lightning (``lightning>=2.6``, the floor ``make test-min`` runs; written against 2.6.6), so a release
 that moves or renames one fails there, naming it, rather than deep inside a callback.
 

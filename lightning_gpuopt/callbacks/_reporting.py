@@ -47,7 +47,7 @@ def report_dir(trainer: Trainer) -> Location:
     when local, the URL string when remote (``s3://bucket/run``: ``Path`` would make it ``s3:/bucket/run``).
     ``trainer.log_dir`` is a collective under DDP (it broadcasts rank 0's value): call this on every rank.
     Local or remote is :func:`~lightning_gpuopt.core.storage.as_location`'s decision, the same one as
-    Lightning's for its own logs (``tests/test_lightning_compat.py`` checks that they agree)."""
+    Lightning's for its own logs (``tests/integration/test_lightning_compat.py`` checks that they agree)."""
     return as_location(trainer.log_dir or trainer.default_root_dir)
 
 

@@ -1,7 +1,7 @@
 """Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning).
 
 The rest of the package reaches torch's private modules and attributes only through the names
-below; ``tests/test_torch_compat.py`` checks each against the installed torch and names the
+below; ``tests/unit/test_torch_compat.py`` checks each against the installed torch and names the
 internal and the torch version when a release moves one. Written against torch 2.13.
 
 * ``torch.utils._pytree`` (:func:`tree_leaves`, :func:`tree_map`, :func:`tree_flatten`): no public

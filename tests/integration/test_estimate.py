@@ -446,7 +446,7 @@ def test_module_examples_run():
 
 def test_each_ddp_rank_estimates_its_own_without_deadlock(tmp_path):
     # launched as users launch DDP (strategy="ddp", a script): 2 CPU processes, gloo
-    from test_ddp import run_ddp
+    from helpers import run_ddp
 
     run_ddp(tmp_path, "memory")
     report = read_json(tmp_path / REPORT_FILENAME)["memory"]  # written by rank 0

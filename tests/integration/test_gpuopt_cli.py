@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO as ROOT
 
 from lightning_gpuopt.cli.lightning_cli import preset_flag_as_key
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "cli_train.py"
 CONFIGS = ROOT / "examples" / "configs"
 QUICK = ["--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", "--model.num_samples", "256"]

@@ -16,7 +16,10 @@ from typing import ClassVar, Literal, Optional
 
 import pytest
 import torch
-from helpers import usable_cores_from_the_os
+from helpers import (
+    REPO,
+    usable_cores_from_the_os,
+)
 
 from lightning_gpuopt import cli
 from lightning_gpuopt.cli.command import DEFAULT_BATCH_SIZE
@@ -25,7 +28,6 @@ from lightning_gpuopt.core.loader import usable_cpu_count
 from lightning_gpuopt.core.op_memory import LiveTensorTracker
 from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_MODELS = REPO / "examples" / "models.py"
 TOLERANCE = 0.10
 CHECK_NAMES = [

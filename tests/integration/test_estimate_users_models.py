@@ -8,13 +8,12 @@ a :class:`~lightning_gpuopt.core.memory.MemoryBudget` at the reported batch size
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
 import pytest
 import torch
-from helpers import profiler_peak_bytes
+from helpers import TESTS, profiler_peak_bytes
 from models_users import DataloaderIterModule, DictBatchModule, DictDataModule, GanModule, ResNetModule
 from torch.nn import functional as F
 
@@ -142,7 +141,7 @@ def test_gpuopt_report_under_accumulation_agrees_with_the_plan_and_the_real_peak
 
 # --------------------------------------------------------------------------- 12.7: gpuopt estimate
 
-USERS_MODELS = str(Path(__file__).parent / "models_users.py")
+USERS_MODELS = str(TESTS / "models_users.py")
 
 
 def cli_estimate(capsys, *args: str) -> dict:

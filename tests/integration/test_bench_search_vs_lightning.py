@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "search_vs_lightning.py"
+from helpers import REPO
+
+SCRIPT = REPO / "benchmarks" / "search_vs_lightning.py"
 METHODS = ["BatchSizeSearch()", "BatchSizeSearch(margin=0)", "Lightning power", "Lightning binsearch"]
 
 

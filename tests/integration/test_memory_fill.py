@@ -378,7 +378,7 @@ def test_without_an_estimate_the_trials_turn_checkpointing_on(tmp_path, transfor
 def test_accumulating_training_stays_within_the_budget_the_trials_kept(tmp_path):
     """Training keeps earlier micro-batches' gradients alive through the next backward: the trials
     must measure that, or the real steps go past the budget (they did, before the trials accumulated)."""
-    from test_batch_size_search import BudgetAroundTraining
+    from helpers import BudgetAroundTraining
 
     # without accumulation 32 fits this cap and 33 does not: a global batch of 64 = 32 x 2 would
     # be planned from trials that never accumulated

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "oom_recovery.py"
+from helpers import REPO
+
+SCRIPT = REPO / "benchmarks" / "oom_recovery.py"
 
 
 def load_benchmark():

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import REPO, TESTS, quiet_trainer
 from lightning import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
@@ -402,7 +402,7 @@ _CHILD = textwrap.dedent(
     import json, os, signal, sys
     # Ctrl+C as in a terminal: a process started in the background inherits SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     from test_leave_no_trace import CALLBACKS, Net, fresh_model, make_trainer, state_before, assert_as_before
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -455,10 +455,10 @@ _CHILD = textwrap.dedent(
 )
 def test_a_signal_during_our_work_restores_everything_and_ends_fit_as_lightning_does(tmp_path, name, signame, where):
     script = tmp_path / "child.py"
-    script.write_text(_CHILD.format(tests=str(Path(__file__).parent), root=str(tmp_path)))
+    script.write_text(_CHILD.format(tests=[str(Path(__file__).parent), str(TESTS)], root=str(tmp_path)))
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     child = subprocess.run(
         [sys.executable, str(script), name, signame, where], capture_output=True, text=True, env=env, timeout=600

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import BudgetAroundTraining, fits_independently, quiet_trainer
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt.callbacks._reporting import report_dir
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
-from lightning_gpuopt.core.memory import MemoryBudget, is_out_of_memory_error
+from lightning_gpuopt.core.memory import is_out_of_memory_error
 from lightning_gpuopt.core.report import format_bytes
 
 BUDGET = "20MB"
@@ -31,44 +31,6 @@ SAMPLES = 4096
 
 def trainer_for(tmp_path, callbacks, max_steps: int = 1, **kwargs: Any) -> Trainer:
     return quiet_trainer(tmp_path, callbacks, max_steps=max_steps, **kwargs)
-
-
-class BudgetAroundTraining(Callback):
-    """The independent measurement: a MemoryBudget entered at train start, left at train end."""
-
-    def __init__(self, cap_bytes: int) -> None:
-        self.cap_bytes = cap_bytes
-        self.budget: Optional[MemoryBudget] = None
-
-    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
-        self.budget = MemoryBudget(self.cap_bytes, existing=(pl_module, *trainer.optimizers), device="cpu")
-        self.budget.__enter__()
-
-    def _leave(self) -> None:
-        if self.budget is not None:
-            budget, self.budget = self.budget, None
-            budget.__exit__(None, None, None)
-
-    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self._leave()
-
-    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
-        self._leave()
-
-
-def fits_independently(
-    tmp_path, name: str, batch_size: int, cap_bytes: int, steps: int = 2, samples: int = SAMPLES
-) -> bool:
-    """Do ``steps`` real training steps of a fresh model at ``batch_size`` fit in ``cap_bytes``?"""
-    model = make_model(name, num_samples=samples, batch_size=batch_size)
-    trainer = trainer_for(tmp_path / f"check{batch_size}", [BudgetAroundTraining(cap_bytes)], max_steps=steps)
-    try:
-        trainer.fit(model)
-    except Exception as error:
-        if is_out_of_memory_error(error):
-            return False
-        raise
-    return True
 
 
 def search(tmp_path, name: str, samples: int = SAMPLES, max_steps: int = 1, **kwargs: Any):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
-from helpers import MLP, SlowDataset, memory_files, missing_protocol, quiet_trainer
+from helpers import MLP, TESTS, SlowDataset, memory_files, missing_protocol, quiet_trainer
 from lightning.pytorch.loggers import Logger
 from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.image import imread
@@ -25,7 +25,7 @@ from lightning_gpuopt.cli import main
 from lightning_gpuopt.core.plot import PlotUnavailableError, report_figures, save_plots
 from lightning_gpuopt.core.timing import BinnedSeries
 
-REPORT = Path(__file__).parent / "data" / "gpuopt_report.json"
+REPORT = TESTS / "data" / "gpuopt_report.json"
 
 
 @pytest.fixture(scope="module")

@@ -3,45 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from helpers import usable_cores_from_the_os
+from helpers import rank_json, run_ddp, usable_cores_from_the_os
 
 from lightning_gpuopt import DataWaitReport
 from lightning_gpuopt.core.report import from_dict
-
-HERE = Path(__file__).parent
-
-
-def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
-    # Lightning's own variables (PL_GLOBAL_SEED, MASTER_PORT, ...) set by earlier in-process runs stay out
-    inherited = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))
-    }
-    # the ranks import this checkout's package, as the tests do (not an install of another checkout)
-    paths = [str(HERE), str(HERE.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**inherited, "PYTHONPATH": os.pathsep.join(paths)}
-    result = subprocess.run(
-        [sys.executable, str(HERE / "ddp_script.py"), str(out), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def rank_json(result: subprocess.CompletedProcess, path: Path) -> dict:
-    """A rank's output file; when a rank wrote none (it failed after rank 0 exited with 0), its
-    processes' output says why, in the failure."""
-    assert path.exists(), f"{path.name} missing; the ranks' output:\n{(result.stdout + result.stderr)[-6000:]}"
-    return json.loads(path.read_text())
 
 
 def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(tmp_path):
@@ -85,8 +51,8 @@ def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_
 
 
 def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
+    from helpers import fits_independently
     from models_memory import make_model
-    from test_batch_size_search import fits_independently
 
     from lightning_gpuopt.core.memory import parse_memory
     from lightning_gpuopt.core.op_memory import storage_bytes
