@@ -1,38 +1,24 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
-In ``on_fit_start`` the callback predicts the largest batch from a calibrated estimate (a step
-traced on fake tensors, :mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
-:func:`lightning_gpuopt.core.search.search_largest_fit` picks (probe the prediction, extrapolate from
-the measured peaks, bisect once a size misses): ``steps_per_trial`` real training steps each,
-through the Trainer's loop, strategy and precision plugin (:mod:`lightning_gpuopt.callbacks._engine.trials`).
-A trial fits when it ran without running out of memory and its peak stayed within
-``max_memory * (1 - margin)``: on a CUDA card (real or simulated) the peak of *reserved* memory,
-with the allocator capped at ``max_memory``; elsewhere a :class:`~lightning_gpuopt.core.memory.MemoryBudget`
-over everything the step holds (on CPU ``max_memory`` is required: there is no device to fill).
+In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
+(:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
+:func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps
+each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`). A trial fits
+when it did not run out of memory and its peak stayed within ``max_memory * (1 - margin)``: on a CUDA
+card the peak of *reserved* memory under the allocator's cap, elsewhere a
+:class:`~lightning_gpuopt.core.memory.MemoryBudget` over everything the step holds (so on CPU
+``max_memory`` is required). The size found is set wherever ``batch_arg_name`` lives and kept after
+the fit, applied as a run by hand has it (``configure_optimizers()`` again, so a schedule sized by
+``estimated_stepping_batches`` counts the new steps; :mod:`._engine.session`); nothing else of the
+trials is left, and a failed fit puts the user's size back. Under DDP a size fits only if it fitted on
+every rank.
 
-The size found is set wherever ``batch_arg_name`` lives (the model, its hparams, the datamodule) and
-kept after the fit; ``configure_optimizers()`` runs again when it changed, so a schedule sized with
-``trainer.estimated_stepping_batches`` counts the new steps, and training builds its loader with the
-user's ``train_dataloader()`` as a run by hand at that size would (:mod:`._engine.session`). Nothing
-else of the trials is left: weights, optimizer and scheduler state, loop progress, RNG states, the
-module's attributes; callbacks and loggers never see a trial step. A fit that fails (an exception,
-Ctrl+C, SIGTERM) puts the user's batch size back. Under DDP every rank runs each trial and a size
-fits only if it fitted on every rank.
-
-Logged metrics, once when training starts (to every logger, and to ``trainer.callback_metrics``):
-
-* ``gpuopt/batch_size``: the batch size found and set.
-* ``gpuopt/batch_search_trials``: how many trials the search ran.
-* ``gpuopt/batch_search_steps``: training steps the trials were given (trials x ``steps_per_trial``).
-* ``gpuopt/batch_search_seconds``: wall-clock seconds of the whole search.
-* ``gpuopt/batch_search_peak_bytes``: the peak the trial of the chosen size measured (the largest
-  over ranks under DDP).
-* ``gpuopt/batch_search_budget_bytes``: the cap every trial ran under, ``max_memory * (1 - margin)``
-  (under DDP the tightest rank's).
-* ``gpuopt/batch_search_predicted``: the estimate's predicted largest batch (when it could trace).
-
-Rank 0 logs a table of the trials and writes the result as the ``"batch_size_search"`` section of
-``gpuopt_report.json`` in ``trainer.log_dir``.
+Logged once when training starts (to every logger and ``trainer.callback_metrics``):
+``gpuopt/batch_size`` (found and set), ``gpuopt/batch_search_trials``, ``gpuopt/batch_search_steps``
+(trials x ``steps_per_trial``), ``gpuopt/batch_search_seconds``, ``gpuopt/batch_search_peak_bytes``
+(the chosen size's trial, the largest over ranks), ``gpuopt/batch_search_budget_bytes`` (the cap of
+every trial, the tightest rank's) and ``gpuopt/batch_search_predicted`` (the estimate's largest batch,
+when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section.
 """
 
 from __future__ import annotations
@@ -96,21 +82,15 @@ class BatchSizeSearch(Callback):
         search.result.batch_size, [(t.batch_size, t.fits) for t in search.result.trials]
 
     Args:
-        max_memory: what a training step may use: bytes, ``"20GiB"``, or a fraction of the device
-            (``0.9``). ``None``: on CUDA what is free plus what torch holds; required on CPU.
+        max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: a CUDA card's free
+            memory plus what torch holds (required on CPU).
         margin: a trial fits only if its peak stays within ``max_memory * (1 - margin)``.
         steps_per_trial: real training steps per trial (from the second on, optimizer state exists).
-        max_trials: at most this many trials; the largest size that fitted is kept.
-        min_batch_size, max_batch_size: the sizes considered (also capped at the samples of a rank's loader).
+        max_trials, min_batch_size, max_batch_size: the search's bounds (sizes also stop at a rank's samples).
         batch_arg_name: the model attribute, ``hparams`` key or datamodule attribute holding the batch size.
-        multiple_of: every size tried and returned is a multiple of this (e.g. 8 for tensor cores).
-        mode: ``"fill"``: as large as fits; ``"cap"``: never above the batch size the user set.
+        multiple_of: every size tried is a multiple of this (e.g. 8 for tensor cores).
+        mode: ``"fill"`` (as large as fits) or ``"cap"`` (never above the user's batch size).
         verbose: log the table of trials (the JSON report is written either way).
-
-    Raises:
-        ValueError: an argument out of range (naming it, its value and what works); on CPU without ``max_memory``.
-        MisconfigurationException: the batch size cannot be found or set for this fit's loader.
-        NoBatchSizeFitsError: not even ``min_batch_size`` fits.
     """
 
     def __init__(
@@ -129,39 +109,24 @@ class BatchSizeSearch(Callback):
         if max_memory is not None:  # a fraction is resolved against the device later
             parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
-        check_int(
-            "steps_per_trial", steps_per_trial, 1, "steps_per_trial=2, so that optimizer state exists in the trial"
-        )
+        check_int("steps_per_trial", steps_per_trial, 1, "steps_per_trial=2, so that optimizer state exists")
         check_int("max_trials", max_trials, 1, "max_trials=10")
         check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
-        check_int(
-            "max_batch_size",
-            max_batch_size,
-            min_batch_size,
-            f"max_batch_size=65536 (at least min_batch_size={min_batch_size})",
-        )
+        check_int("max_batch_size", max_batch_size, min_batch_size, f"max_batch_size=65536 (>= {min_batch_size})")
         check_int("multiple_of", multiple_of, 1, "multiple_of=1 or multiple_of=8")
         if multiple_of > max_batch_size:
             raise ValueError(
-                f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; "
-                "expected a multiple_of <= max_batch_size."
+                f"`multiple_of`={multiple_of} is above `max_batch_size`={max_batch_size}; expected one <= it."
             )
         check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
-        check_choice(
-            "mode",
-            mode,
-            MODES,
-            "mode='fill' (as large as fits) or mode='cap' (as large as fits, never above your batch size)",
-        )
+        check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (never above your batch size)")
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory, self.margin = max_memory, float(margin)
         self.steps_per_trial, self.max_trials = steps_per_trial, max_trials
         self.min_batch_size, self.max_batch_size, self.multiple_of = min_batch_size, max_batch_size, multiple_of
         self.batch_arg_name, self.mode, self.verbose = batch_arg_name, mode, verbose
-        #: report each trial as it ends (a line, or a bar with the Trainer's progress bar); follows ``verbose``
-        self.progress = verbose
-        #: what the search found (the same on every rank); ``None`` before ``fit``
-        self.result: Optional[BatchSizeSearchResult] = None
+        self.progress = verbose  #: report each trial as it ends (a line, or a bar with the Trainer's)
+        self.result: Optional[BatchSizeSearchResult] = None  #: what the search found; ``None`` before ``fit``
         self._undo = Undo()
         self._memory_cap: Any = None
 
@@ -251,16 +216,9 @@ class BatchSizeSearch(Callback):
                 f"the datamodule's `train_dataloader()` with `batch_size=self.{name}`."
             )
 
-    def search(
-        self, trainer: pl.Trainer, min_batch_size: Optional[int] = None, max_batch_size: Optional[int] = None
-    ) -> BatchSizeSearchResult:
-        """Run the search now (in ``on_fit_start`` or later, before training) and return :attr:`result`; sets
-        nothing (``on_fit_start`` sets the size; :class:`MemoryFill` searches its micro-batch with this).
-
-        Raises:
-            MisconfigurationException: see :meth:`check_usable`.
-            NoBatchSizeFitsError: when not even the smallest size fits.
-        """
+    def search(self, trainer: Any, min_batch_size: Optional[int] = None, max_batch_size: Optional[int] = None) -> Any:
+        """Run the search now (from ``on_fit_start`` on, before training) and return :attr:`result`, setting
+        nothing (:class:`MemoryFill` searches its micro-batch with it). Raises :class:`NoBatchSizeFitsError`."""
         compat.check_trainer_namespace(trainer, self)
         module = trainer.lightning_module
         self.check_usable(trainer, module)
@@ -295,11 +253,8 @@ class BatchSizeSearch(Callback):
                     bytes_per_sample=per_sample,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
-            message = (
-                self._nothing_fits_message(trials, outcomes, result, budget, capacity)
-                if result.batch_size is None
-                else ""
-            )
+            missed = result.batch_size is None
+            message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if missed else ""
         result = replace(
             result,
             initial_batch_size=initial,
@@ -331,14 +286,7 @@ class BatchSizeSearch(Callback):
 
     # ------------------------------------------------------------------ reporting
 
-    def _nothing_fits_message(
-        self,
-        trials: Trials,
-        outcomes: dict[int, TrialOutcome],
-        result: BatchSizeSearchResult,
-        budget: int,
-        capacity: int,
-    ) -> str:
+    def _nothing_fits_message(self, trials: Trials, outcomes: dict, result: Any, budget: int, capacity: int) -> str:
         """Why no size fitted: the smallest size tried and why its trial failed, in its own figures; on a
         simulated cap, also what a step at that size needs, measured again without the cap."""
         smallest = min(result.trials, key=lambda trial: trial.batch_size)
@@ -346,11 +294,8 @@ class BatchSizeSearch(Callback):
         if size <= result.lower_bound:
             headline = f"even min_batch_size={size} does not fit"
         else:
-            count = len(result.trials)
-            headline = (
-                f"no size fitted in {count} trial{'s' if count != 1 else ''} (max_trials={self.max_trials}); "
-                f"the smallest tried, {size}, does not fit"
-            )
+            count, plural = len(result.trials), "s" if len(result.trials) != 1 else ""
+            headline = f"no size fitted in {count} trial{plural} (max_trials={self.max_trials}); the smallest tried, {size}, does not fit"
         if trainer.world_size > 1:
             where = f"the budget of the tightest rank, {_bytes(result.budget_bytes)}"
             why = f"its trial, rank by rank: {_why_each_rank_missed(trainer, outcomes.get(size), budget)}"
@@ -381,17 +326,15 @@ class BatchSizeSearch(Callback):
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
     """The metrics the callback logs for ``result`` (see the module docstring)."""
     metrics = {
-        "gpuopt/batch_size": float(result.batch_size or 0),
-        "gpuopt/batch_search_trials": float(result.num_trials),
-        "gpuopt/batch_search_steps": float(result.num_trials * result.steps_per_trial),
-        "gpuopt/batch_search_seconds": result.seconds,
-        "gpuopt/batch_search_budget_bytes": float(result.budget_bytes),
+        "batch_size": result.batch_size or 0,
+        "batch_search_trials": result.num_trials,
+        "batch_search_steps": result.num_trials * result.steps_per_trial,
+        "batch_search_seconds": result.seconds,
+        "batch_search_budget_bytes": result.budget_bytes,
+        "batch_search_peak_bytes": result.peak_bytes,
+        "batch_search_predicted": result.predicted_batch_size,
     }
-    if result.peak_bytes is not None:
-        metrics["gpuopt/batch_search_peak_bytes"] = float(result.peak_bytes)
-    if result.predicted_batch_size is not None:
-        metrics["gpuopt/batch_search_predicted"] = float(result.predicted_batch_size)
-    return metrics
+    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
 
 
 def trial_line(trial: Trial, budget_bytes: int) -> str:

@@ -1,54 +1,24 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-The user names the global batch (samples per optimizer step over all devices; by default the batch
-size x ``accumulate_grad_batches`` x devices the run already has). MemoryFill decides, from
-measurements, with the pure plan of :mod:`lightning_gpuopt.core.fill`:
+For the global batch asked for (by default the run's batch size x ``accumulate_grad_batches`` x devices)
+it decides, from measurements and the pure plan of :mod:`lightning_gpuopt.core.fill`: mixed precision
+in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else ``16-mixed``; on CPU only with ``amp=True``;
+only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
+repeated blocks (always with ``True`` or named classes; with ``"auto"`` when the largest micro-batch
+would fall below ``min_micro_batch_size``; each group checked to give the plain step's loss and
+gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and
+as few accumulation steps as that allows. Both are applied as a run by hand has them
+(:mod:`._engine.session`); a short last accumulation group of an epoch is scaled to a mean. With
+``on_oom="adapt"`` an out-of-memory error in a step retrains that batch in smaller micro-batches
+(:mod:`._engine.oom_recovery`). Levers that cannot apply are refused with the reason. Everything is
+put back at teardown and after a failed fit; checkpoints keep the user's batch size.
 
-1. **mixed precision** (in ``setup``, before the strategy sets the model up): ``bf16-mixed`` on a GPU
-   with bfloat16, else ``16-mixed`` with a gradient scaler; on CPU only with ``amp=True``; only when
-   the run was left at ``32-true``;
-2. **activation checkpointing** on the model's repeated blocks (:mod:`lightning_gpuopt.core.checkpointing`):
-   with ``checkpointing=True`` or a list of classes always; with ``"auto"`` when the largest micro-batch
-   that fits would be below ``min_micro_batch_size`` (predicted by the calibrated estimate, else found by
-   the trials). A HuggingFace model is checkpointed with its own switch, other blocks with
-   ``torch.utils.checkpoint``. Before anything trains, each group of blocks is checked: a step with it
-   must give the plain step's loss, gradients and buffers, else it is refused with the reason;
-3. **the largest micro-batch** that fits, with real training steps (:class:`BatchSizeSearch`'s search,
-   capped at what each rank contributes to the global batch);
-4. **gradient accumulation**: as few steps as the largest fit allows, the micro-batch evened out over
-   them, so the effective batch stays the one asked for.
-
-The optimizer steps once per accumulation group; when an epoch ends in a shorter group, its gradients
-are scaled back to a mean over the micro-batches it had. The batch size and the accumulation are
-applied as a run by hand has them (``configure_optimizers()`` again, schedules sized by
-``estimated_stepping_batches`` counting the real optimizer steps; :mod:`._engine.session`).
-
-With ``on_oom="adapt"`` an out-of-memory error in a training step trains the same batch again as
-smaller micro-batches accumulated inside the step, and keeps that micro-batch for samples of that size
-(:mod:`lightning_gpuopt.callbacks._engine.oom_recovery`; manual optimization is not adapted).
-
-Levers that cannot apply are refused with the reason (accumulation under manual optimization,
-precision and checkpointing under FSDP/DeepSpeed, a precision or accumulation the user set). At
-``teardown``, and after an exception, Ctrl+C or SIGTERM, the Trainer and the model get their
-precision, accumulation, batch size and forward methods back; checkpoints saved during training keep
-the user's batch size in their ``hyper_parameters``. The plan stays in :attr:`MemoryFill.plan`.
-
-Logged metrics, once when training starts (to every logger, and to ``trainer.callback_metrics``):
-
-* ``gpuopt/micro_batch_size``: the batch size each step trains on.
-* ``gpuopt/accumulate_grad_batches``: micro-batches per optimizer step.
-* ``gpuopt/global_batch_size``: samples per optimizer step over all ranks.
-* ``gpuopt/mixed_precision``: 1 when the run trains in a mixed precision, else 0.
-* ``gpuopt/checkpointed_blocks``: how many blocks are checkpointed.
-* ``gpuopt/fill_measured_peak_bytes``: the peak the trial of the largest fitting micro-batch measured.
-* ``gpuopt/fill_predicted_peak_bytes``: the estimate's peak at the micro-batch (when it could be traced).
-
-Logged at each out-of-memory adaptation (``on_oom="adapt"``), at its step:
-
-* ``gpuopt/oom_adaptations``: out-of-memory errors absorbed so far.
-* ``gpuopt/oom_micro_batch_size``: the micro-batch the failed batch was trained in.
-
-Rank 0 logs the plan and writes it as the ``"memory_fill"`` section of ``gpuopt_report.json``.
+Logged once when training starts (to every logger and ``trainer.callback_metrics``):
+``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``, ``gpuopt/global_batch_size`` (samples per
+optimizer step over all ranks), ``gpuopt/mixed_precision`` (1 or 0), ``gpuopt/checkpointed_blocks``,
+``gpuopt/fill_measured_peak_bytes`` (the trial of the largest fit), ``gpuopt/fill_predicted_peak_bytes``
+(the estimate at the micro-batch). At each out-of-memory adaptation: ``gpuopt/oom_adaptations`` (so far)
+and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"`` section of ``gpuopt_report.json``.
 """
 
 from __future__ import annotations
@@ -75,14 +45,13 @@ from lightning_gpuopt.callbacks._engine import (
     warn_failed,
 )
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
-from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit, trial_batch
-from lightning_gpuopt.callbacks._engine.steps import loss_function
+from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit, training_step, trial_batch
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
+from lightning_gpuopt.core.estimate import StepEstimator
 from lightning_gpuopt.core.fill import (
     MIXED_PRECISIONS,
     FillRequest,
@@ -91,7 +60,6 @@ from lightning_gpuopt.core.fill import (
     choose_precision,
     plan_micro_batches,
 )
-from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
@@ -114,23 +82,15 @@ class MemoryFill(Callback):
         fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches, fill.plan.changes
 
     Args:
-        global_batch_size: samples per optimizer step over all devices (``None``: the run's batch size x
-            ``accumulate_grad_batches`` x devices). Must divide by the device count.
-        amp: mixed precision: ``"auto"`` (on GPUs), ``True`` (also on CPU, as bf16-mixed), ``False``.
-        checkpointing: ``"auto"`` (when the micro-batch would fall below ``min_micro_batch_size``), ``True``
-            (the repeated blocks, always), ``False``, or a list of module classes, class names or names.
-        accumulation: ``"auto"`` (as many steps as the global batch needs) or ``False`` (one step).
+        global_batch_size: samples per optimizer step over all devices; must divide by their count.
+        amp: ``"auto"`` (mixed precision on GPUs), ``True`` (also on CPU, as bf16-mixed) or ``False``.
+        checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
+        accumulation: ``"auto"`` (as many steps as needed) or ``False`` (the global batch in one step).
         max_memory, margin, batch_arg_name, steps_per_trial, max_trials: as :class:`BatchSizeSearch`'s.
-        min_micro_batch_size: below this micro-batch ``checkpointing="auto"`` switches checkpointing on.
-        objective: ``"throughput"`` (the largest micro-batch that fits) or ``"memory"`` (the smallest
-            footprint: micro-batch ``min_micro_batch_size``, checkpointing on with ``"auto"``).
-        verbose: log the plan (and the search's trials).
-        on_oom: an out-of-memory error in a training step: ``"raise"`` or ``"adapt"`` (see the module docstring).
-
-    Raises:
-        ValueError: an argument out of range (the message names it, its value and what works).
-        MisconfigurationException: in ``setup`` for a lever that cannot apply.
-        NoBatchSizeFitsError: when not even a micro-batch of 1 fits with every allowed lever.
+        min_micro_batch_size: below this micro-batch, ``checkpointing="auto"`` switches checkpointing on.
+        objective: ``"throughput"`` (the largest micro-batch) or ``"memory"`` (the smallest footprint).
+        verbose: log the plan and the trials.
+        on_oom: ``"raise"``, or ``"adapt"``: retrain a batch that ran out of memory in smaller micro-batches.
     """
 
     def __init__(
@@ -149,62 +109,36 @@ class MemoryFill(Callback):
         verbose: bool = True,
         on_oom: OnOom = "raise",
     ) -> None:
-        check_int(
-            "global_batch_size",
-            global_batch_size,
-            1,
-            "global_batch_size=512 (or None: your batch size x accumulate_grad_batches x devices)",
-            allow_none=True,
-        )
-        check_choice("amp", amp, ("auto", True, False), "amp='auto' (bf16-mixed / 16-mixed on GPUs, off on CPU)")
+        check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None)", allow_none=True)
+        check_choice("amp", amp, ("auto", True, False), "amp='auto' (mixed precision on GPUs, not on CPU)")
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
         checkpointing = checked_setting(checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
-        check_choice(
-            "objective",
-            objective,
-            OBJECTIVES,
-            "objective='throughput' (largest micro-batch that fits) or objective='memory' (smallest footprint)",
-        )
+        check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
-        check_choice(
-            "on_oom",
-            on_oom,
-            ON_OOM,
-            "on_oom='adapt' (smaller micro-batches after an out-of-memory error in training) or on_oom='raise'",
-        )
-        self._search_options: dict[str, Any] = dict(
-            max_memory=max_memory,
-            margin=margin,
-            steps_per_trial=steps_per_trial,
-            max_trials=max_trials,
-            batch_arg_name=batch_arg_name,
-        )
+        check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
+        options = (max_memory, margin, steps_per_trial, max_trials, batch_arg_name)
+        keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
+        self._search_options: dict[str, Any] = dict(zip(keys, options))
         BatchSizeSearch(**self._search_options)  # validates them
         self.global_batch_size, self.amp, self.accumulation = global_batch_size, amp, accumulation
         self.checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
         self.max_memory, self.margin, self.batch_arg_name = max_memory, float(margin), batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom = verbose, on_oom
-        #: report each batch-size trial as it ends; follows ``verbose``
-        self.progress = verbose
-        #: what was decided and measured (the same on every rank); ``None`` before ``fit``
-        self.plan: Optional[MemoryFillPlan] = None
-        #: the search of the last ``fit`` (its ``.result`` has the trials)
-        self.search: Optional[BatchSizeSearch] = None
+        self.progress = verbose  #: report each trial as it ends
+        self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
+        self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
         self._reset()
 
     def _reset(self) -> None:
         self._blocks: Optional[Checkpointing] = None
-        self._reasons: list[str] = []
-        self._started = 0.0
         self._request: Optional[FillRequest] = None
-        self._requested = 0
-        self._initial: dict[str, Any] = {}
-        self._micro_batches_in_group = 0
-        self._correct_short_groups = False
         self._oom_recovery: Optional[OomRecovery] = None
+        self._reasons: list[str] = []
+        self._initial: dict[str, Any] = {}
+        self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
 
     # ------------------------------------------------------------------ setup: precision and checkpointing
 
@@ -248,15 +182,10 @@ class MemoryFill(Callback):
                 "MemoryFill: on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
                 "backward and the optimizer); out-of-memory errors are raised as before."
             )
-        fixed, reason = None, ""
+        fixed: Optional[int] = None
+        reason = "manual optimization: Lightning cannot accumulate gradients for it (accumulate in your training_step)"
         if manual:
-            fixed, reason = (
-                1,
-                (
-                    "manual optimization: Lightning cannot accumulate gradients for it (accumulate "
-                    "in your training_step); the whole global batch must fit in one step"
-                ),
-            )
+            fixed, reason = 1, f"{reason}; the whole global batch must fit in one step"
         elif accumulate != 1:
             fixed, reason = accumulate, f"accumulate_grad_batches={accumulate} was set explicitly: kept"
         elif self.accumulation is False:
@@ -283,9 +212,7 @@ class MemoryFill(Callback):
                 self._reasons.append(f"{strategy}: mixed precision left to the strategy")
             return
         card = device_for(trainer.strategy.root_device)
-        bf16 = (
-            card.capabilities.native_bf16 if card.is_cuda else True
-        )  # native only: is_bf16_supported counts emulation
+        bf16 = card.capabilities.native_bf16 if card.is_cuda else True  # is_bf16_supported counts emulation
         precision, reason = choose_precision(self.amp, card.type, current=str(trainer.precision), bf16_supported=bf16)
         if self.amp is not False:
             self._reasons.append(reason)
@@ -298,10 +225,8 @@ class MemoryFill(Callback):
                 f"MemoryFill: cannot switch to {precision}: the run uses the precision plugin "
                 f"{type(trainer.strategy.precision_plugin).__name__}. Pass amp=False, or set the precision yourself."
             )
-        plugin = compat.of_namespace(trainer, "plugins.precision", "MixedPrecision")(
-            precision, card.autocast_device_type
-        )
-        self._undo.set(trainer.strategy, "precision_plugin", plugin)
+        mixed = compat.of_namespace(trainer, "plugins.precision", "MixedPrecision")
+        self._undo.set(trainer.strategy, "precision_plugin", mixed(precision, card.autocast_device_type))
 
     # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation
 
@@ -335,9 +260,8 @@ class MemoryFill(Callback):
             predicted = self._predicted_largest(trainer, search)
             if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
                 ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
-                blocks.switch_on(
-                    f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
-                )
+                why = f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
+                blocks.switch_on(why)
                 blocks.check(session)
         request = replace(request, may_checkpoint=blocks.may_switch_on)
 
@@ -346,17 +270,16 @@ class MemoryFill(Callback):
             blocks.check(session)
             return blocks.on is not None
 
+        def largest_fit(upper: int, accumulating: bool) -> Optional[int]:
+            return self._largest_fit(trainer, upper, accumulating)
+
         try:
-            decision = plan_micro_batches(
-                request, lambda upper, acc: self._largest_fit(trainer, upper, acc), checkpoint
-            )
+            decision = plan_micro_batches(request, largest_fit, checkpoint)
         except NoFit as missed:
             raise NoBatchSizeFitsError(self._nothing_fits_message(missed)) from None
         self._reasons.extend(decision.reasons)
         self._correct_short_groups = decision.accumulate_grad_batches > 1 and request.fixed_accumulation is None
-        self.plan = self._make_plan(
-            trainer, decision.micro_batch_size, decision.accumulate_grad_batches, decision.largest_fit
-        )
+        self.plan = self._make_plan(trainer, decision)
         return self.plan
 
     def _largest_fit(self, trainer: pl.Trainer, upper: int, accumulating: bool) -> Optional[int]:
@@ -393,8 +316,9 @@ class MemoryFill(Callback):
             "global_batch_size, or more memory."
         )
 
-    def _make_plan(self, trainer: pl.Trainer, micro: int, accumulate: int, largest: int) -> MemoryFillPlan:
+    def _make_plan(self, trainer: pl.Trainer, decision: Any) -> MemoryFillPlan:
         assert self.search is not None and self.search.result is not None and self._request is not None
+        micro, accumulate, largest = decision.micro_batch_size, decision.accumulate_grad_batches, decision.largest_fit
         blocks = self._blocks.on if self._blocks is not None else None
         plan = MemoryFillPlan(
             precision=str(trainer.precision),
@@ -438,9 +362,7 @@ class MemoryFill(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._micro_batches_in_group += 1
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -502,20 +424,9 @@ class MemoryFill(Callback):
 
 def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optional[int]:
     """The estimate's peak at the planned micro-batch and accumulation, with every lever in place."""
-    module = trainer.lightning_module
     try:
         with Trials(FitSession.of(trainer), 1, "batch_size") as trials:
-            batch = trial_batch(trials, micro)
-            step = TrainingStep(
-                module,
-                batch,
-                loss_function(module),
-                optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
-                batch_size=batch_samples(batch),
-                step_context=trainer.precision_plugin.train_step_context,
-                accumulate_grad_batches=accumulate,
-            )
-            estimate = StepEstimator(step).estimate()
+            estimate = StepEstimator(training_step(trials, trial_batch(trials, micro), accumulate)).estimate()
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None
@@ -524,17 +435,15 @@ def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optiona
 def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
     """The metrics the callback logs for ``plan`` (see the module docstring)."""
     metrics = {
-        "gpuopt/micro_batch_size": float(plan.micro_batch_size),
-        "gpuopt/accumulate_grad_batches": float(plan.accumulate_grad_batches),
-        "gpuopt/global_batch_size": float(plan.global_batch_size),
-        "gpuopt/mixed_precision": float(plan.precision in MIXED_PRECISIONS),
-        "gpuopt/checkpointed_blocks": float(len(plan.checkpointed_modules)),
+        "micro_batch_size": plan.micro_batch_size,
+        "accumulate_grad_batches": plan.accumulate_grad_batches,
+        "global_batch_size": plan.global_batch_size,
+        "mixed_precision": plan.precision in MIXED_PRECISIONS,
+        "checkpointed_blocks": len(plan.checkpointed_modules),
+        "fill_measured_peak_bytes": plan.measured_peak_bytes,
+        "fill_predicted_peak_bytes": plan.predicted_peak_bytes,
     }
-    if plan.measured_peak_bytes is not None:
-        metrics["gpuopt/fill_measured_peak_bytes"] = float(plan.measured_peak_bytes)
-    if plan.predicted_peak_bytes is not None:
-        metrics["gpuopt/fill_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
-    return metrics
+    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
 
 
 def plan_table(plan: MemoryFillPlan) -> str:
@@ -542,6 +451,7 @@ def plan_table(plan: MemoryFillPlan) -> str:
     changed = plan.precision != plan.initial_precision
     blocks = f"{len(plan.checkpointed_modules)} blocks ({', '.join(plan.checkpointed_classes)})"
     world = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
+    peak = format_bytes(plan.measured_peak_bytes)
     rows = [
         ("precision", f"{plan.initial_precision} → {plan.precision}" if changed else plan.precision),
         ("activation checkpointing", blocks if plan.checkpointing else "off"),
@@ -549,10 +459,7 @@ def plan_table(plan: MemoryFillPlan) -> str:
         ("accumulate_grad_batches", f"{plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"),
         ("global batch", f"{plan.global_batch_size} (asked: {plan.requested_global_batch_size}, {world})"),
         ("budget", format_bytes(plan.budget_bytes)),
-        (
-            "peak: predicted / measured",
-            f"{format_bytes(plan.predicted_peak_bytes)} / {format_bytes(plan.measured_peak_bytes)} (at {plan.largest_fit})",
-        ),
+        ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / {peak} (at {plan.largest_fit})"),
     ]
     if plan.on_oom == "adapt" or plan.oom_adaptations:
         rows.append(("on out of memory", oom_summary(plan)))
@@ -563,7 +470,8 @@ def oom_summary(plan: MemoryFillPlan) -> str:
     """``on_oom`` and each adaptation as ``step S: old → new (why)``."""
     if not plan.oom_adaptations:
         return f"{plan.on_oom} (no out-of-memory error so far)"
+    adaptations = plan.oom_adaptations
     steps = "; ".join(
-        f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in plan.oom_adaptations
+        f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in adaptations
     )
     return f"{plan.on_oom}: {len(plan.oom_adaptations)} adaptation(s): {steps}"

@@ -38,27 +38,29 @@ def sizes_note(trials: Trials) -> Optional[str]:
     )
 
 
+def training_step(trials: Trials, batch: Any, accumulate: Optional[int] = None) -> TrainingStep:
+    """The module's training step on ``batch``, as training runs it (precision, accumulation, DDP's buckets)."""
+    trainer, module = trials.trainer, trials.module
+    return TrainingStep(
+        module,
+        batch,
+        loss_function(module),
+        optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
+        batch_size=batch_samples(batch),
+        step_context=trainer.precision_plugin.train_step_context,
+        accumulate_grad_batches=trainer.accumulate_grad_batches if accumulate is None else accumulate,
+        untraced=[("DDP gradient buckets", trials.ddp_bucket_bytes)] if trials.ddp_bucket_bytes else [],
+    )
+
+
 def predicted_largest_fit(
     trials: Trials, batch_size: int, budget: int
 ) -> tuple[Optional[int], Optional[float], list[str]]:
     """The estimate's largest batch for ``budget`` and its bytes per sample (``None``: no estimate), and notes."""
-    trainer, module = trials.trainer, trials.module
     note = sizes_note(trials)
     notes = [note] if note else []
     try:
-        batch = trial_batch(trials, batch_size)
-        untraced = [("DDP gradient buckets", trials.ddp_bucket_bytes)] if trials.ddp_bucket_bytes else []
-        step = TrainingStep(
-            module,
-            batch,
-            loss_function(module),
-            optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
-            batch_size=batch_samples(batch),
-            step_context=trainer.precision_plugin.train_step_context,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            untraced=untraced,
-        )
-        estimator = StepEstimator(step)
+        estimator = StepEstimator(training_step(trials, trial_batch(trials, batch_size)))
         estimate = estimator.estimate(budget)
         if estimate.method != "traced":
             reason = f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); started at your batch size"
