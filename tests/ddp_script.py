@@ -1,4 +1,7 @@
-"""Run by test_ddp.py under DDP, 2 CPU processes (gloo): ``ddp_script.py OUT [monitor|tune]``.
+"""Run by test_ddp.py under DDP, 2 CPU processes (gloo): ``ddp_script.py OUT MODE[,MODE...]``.
+
+One launch runs the modes one after the other in the same two processes (their own folder each,
+``OUT/MODE``), as a user's script may fit several times:
 
 monitor: rank 1's dataset sleeps longer per sample, so it is the straggler. Every rank writes
 what its DataWaitMonitor concluded to ``OUT/rank<N>.json``; rank 0 also writes
@@ -234,16 +237,20 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    modes = {
+        "monitor": main,
+        "tune": tune,
+        "memory": memory,
+        "search": search,
+        "fill": fill,
+        "simulated": simulated,
+        "nothing-fits": nothing_fits,
+        "oom": oom,
+    }
     try:
-        {
-            "tune": tune,
-            "memory": memory,
-            "search": search,
-            "fill": fill,
-            "simulated": simulated,
-            "nothing-fits": nothing_fits,
-            "oom": oom,
-        }.get(sys.argv[2] if len(sys.argv) > 2 else "", main)(Path(sys.argv[1]))
+        for mode in (sys.argv[2] if len(sys.argv) > 2 else "monitor").split(","):
+            (Path(sys.argv[1]) / mode).mkdir(parents=True, exist_ok=True)
+            modes[mode](Path(sys.argv[1]) / mode)
     finally:
         # as a user's script must under gloo: a process that exits with its process group alive can be
         # killed by SIGABRT ("terminate called without an active exception") while Python shuts down

@@ -404,7 +404,7 @@ def fits_independently(
     return True
 
 
-def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
+def run_ddp(out: Path, mode: str, timeout: float = 150) -> subprocess.CompletedProcess:
     # Lightning's own variables (PL_GLOBAL_SEED, MASTER_PORT, ...) set by earlier in-process runs stay out
     inherited = {
         k: v
@@ -419,7 +419,7 @@ def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -1,17 +1,34 @@
-"""DataWaitMonitor under DDP: 2 CPU processes (gloo) launched the way users launch them."""
+"""Every callback under DDP: 2 CPU processes (gloo) launched the way users launch them.
+
+One launch of ``ddp_script.py`` runs every scenario in turn (a process start and a process group for
+all of them, as a user's script that fits several times); each test reads its scenario's files.
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
+import pytest
 from helpers import rank_json, run_ddp, usable_cores_from_the_os
 
 from lightning_gpuopt import DataWaitReport
-from lightning_gpuopt.core.report import from_dict
+from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
+
+pytestmark = pytest.mark.xdist_group("ddp")  # one worker runs the launch, once
+MODES = ("monitor", "tune", "memory", "search", "fill", "oom", "simulated", "nothing-fits")
 
 
-def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(tmp_path):
-    result = run_ddp(tmp_path, "monitor")
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("ddp")
+    return run_ddp(out, ",".join(MODES), timeout=900), out
+
+
+def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(launched):
+    result, out = launched
+    tmp_path = out / "monitor"
 
     report = from_dict(DataWaitReport, json.loads((tmp_path / "gpuopt_report.json").read_text())["data_wait"])
     assert report.world_size == 2
@@ -39,9 +56,8 @@ def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(
     assert "rank 1 is a straggler" in result.stdout + result.stderr  # rank 0 logged the table
 
 
-def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_path):
-    run_ddp(tmp_path, "tune")
-    ranks = [json.loads((tmp_path / f"tune{rank}.json").read_text()) for rank in (0, 1)]
+def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(launched):
+    ranks = [json.loads((launched[1] / "tune" / f"tune{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0]["chosen"] == ranks[1]["chosen"]
     for rank in ranks:
         assert rank["used"] == rank["chosen"][:1] + rank["chosen"][1:]  # what each rank's fit used
@@ -50,15 +66,14 @@ def test_ddp_tuner_ranks_use_rank_zeros_choice_with_the_distributed_sampler(tmp_
         assert rank["sampler"] == "DistributedSampler"  # Lightning still injected it into the rebuilt loader
 
 
-def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
+def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(launched, tmp_path):
     from helpers import fits_independently
     from models_memory import make_model
 
     from lightning_gpuopt.core.memory import parse_memory
     from lightning_gpuopt.core.op_memory import storage_bytes
 
-    run_ddp(tmp_path, "search")
-    ranks = [json.loads((tmp_path / f"search{rank}.json").read_text()) for rank in (0, 1)]
+    ranks = [json.loads((launched[1] / "search" / f"search{rank}.json").read_text()) for rank in (0, 1)]
     size = ranks[0]["result"]["batch_size"]
     assert ranks[1]["result"]["batch_size"] == size and [r["used"] for r in ranks] == [size, size]
     assert [t["batch_size"] for t in ranks[0]["result"]["trials"]] == [
@@ -75,9 +90,8 @@ def test_ddp_batch_size_search_ranks_agree_on_the_smaller_fit(tmp_path):
     assert fits_independently(tmp_path, "mlp", size + 1, large, samples=2048)
 
 
-def test_ddp_memory_fill_ranks_agree_on_one_plan(tmp_path):
-    run_ddp(tmp_path, "fill")
-    plans = [json.loads((tmp_path / f"fill{rank}.json").read_text()) for rank in (0, 1)]
+def test_ddp_memory_fill_ranks_agree_on_one_plan(launched):
+    plans = [json.loads((launched[1] / "fill" / f"fill{rank}.json").read_text()) for rank in (0, 1)]
     first = plans[0]["plan"]
     # rank 1's budget needs checkpointing for micro-batches of 8; rank 0's does not: both checkpoint
     assert first["checkpointing"] and first["checkpointed_classes"] == ["TransformerEncoderLayer"]
@@ -92,9 +106,8 @@ def test_ddp_memory_fill_ranks_agree_on_one_plan(tmp_path):
     assert first["micro_batch_size"] < 32  # the tight rank's budget set it
 
 
-def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(tmp_path):
-    run_ddp(tmp_path, "simulated")
-    ranks = [json.loads((tmp_path / f"simulated{rank}.json").read_text()) for rank in (0, 1)]
+def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(launched):
+    ranks = [json.loads((launched[1] / "simulated" / f"simulated{rank}.json").read_text()) for rank in (0, 1)]
     plans = [rank["plan"] for rank in ranks]
     keys = ("precision", "micro_batch_size", "accumulate_grad_batches", "largest_fit")
     assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
@@ -105,14 +118,14 @@ def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(tmp_path):
     assert all(rank["peak_reserved"] <= rank["card"] for rank in ranks)  # no card ran out
 
 
-def test_ddp_nothing_fits_names_each_ranks_own_budget_and_cap(tmp_path):
+def test_ddp_nothing_fits_names_each_ranks_own_budget_and_cap(launched):
     import re
 
     from ddp_script import NOTHING_FITS_BUDGETS
 
     from lightning_gpuopt.core.memory import parse_memory
 
-    result = run_ddp(tmp_path, "nothing-fits")
+    result, tmp_path = launched[0], launched[1] / "nothing-fits"
     caps = [int(parse_memory(budget) * (1 - 0.1)) for budget in NOTHING_FITS_BUDGETS]  # max_memory less margin
     for rank in (0, 1):
         message = rank_json(result, tmp_path / f"nothing{rank}.json")["message"]
@@ -126,13 +139,13 @@ def test_ddp_nothing_fits_names_each_ranks_own_budget_and_cap(tmp_path):
         assert "max_memory='60KB'" not in message  # rank 0's setting is not set beside rank 1's budget
 
 
-def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_match_a_run_by_hand(tmp_path):
+def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_match_a_run_by_hand(launched):
     import torch
     from ddp_script import OOM_LONG, oom_rank_indices
     from oom_models import TokenModel, VariableLengthDataset, pad_collate
     from torch.nn import functional as F
 
-    result = run_ddp(tmp_path, "oom")  # a hang would time out here
+    result, tmp_path = launched[0], launched[1] / "oom"  # a hang would time out the launch
     ranks = [rank_json(result, tmp_path / f"oom{rank}.json") for rank in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["global_step"] == 4
     adaptations = ranks[0]["adaptations"]
@@ -157,3 +170,10 @@ def test_ddp_out_of_memory_on_rank_1_only_both_ranks_adapt_in_the_same_step_and_
         trained = torch.load(tmp_path / f"oom{rank}.pt")
         for name, value in model.state_dict().items():
             torch.testing.assert_close(trained[name], value, rtol=1e-6, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_each_ddp_rank_estimates_its_own_without_deadlock(launched):
+    report = read_json(launched[1] / "memory" / REPORT_FILENAME)["memory"]  # written by rank 0
+    assert report["method"] == "traced" and report["measured_peak_bytes"] > 0
+    assert report["untraced_bytes"] == report["grads_bytes"]  # DDP's gradient buckets
+    assert abs(report["estimate_error"]) <= 0.05  # the estimate's tolerance (integration/test_estimate.py)

@@ -442,14 +442,3 @@ def test_bad_constructor_arguments_fail_early(kwargs, argument):
 def test_module_examples_run():
     assert doctest.testmod(estimate_module).failed == 0
     assert doctest.testmod(workspace_module).failed == 0
-
-
-def test_each_ddp_rank_estimates_its_own_without_deadlock(tmp_path):
-    # launched as users launch DDP (strategy="ddp", a script): 2 CPU processes, gloo
-    from helpers import run_ddp
-
-    run_ddp(tmp_path, "memory")
-    report = read_json(tmp_path / REPORT_FILENAME)["memory"]  # written by rank 0
-    assert report["method"] == "traced" and report["measured_peak_bytes"] > 0
-    assert report["untraced_bytes"] == report["grads_bytes"]  # DDP's gradient buckets
-    assert abs(report["estimate_error"]) <= TOLERANCE
