@@ -1,45 +1,17 @@
-"""Out-of-memory recovery inside a Lightning run: the adapter :class:`MemoryFill` installs with ``on_oom="adapt"``.
+"""Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"``.
 
-For the duration of training (``on_train_start`` to ``teardown`` or ``on_exception``) the
-LightningModule's ``training_step`` is wrapped (an instance attribute, registered in the callback's
-:class:`~lightning_gpuopt.callbacks._engine.undo.Undo`), and
-the strategy's ``training_step`` marks the calls the fit loop makes: only those are real steps
-(a callback that calls ``training_step`` itself, e.g. to trace it, gets the original). Under
-automatic optimization Lightning runs, per batch: ``training_step`` → zero the gradients (first
-batch of an accumulation group) → ``backward`` of the returned loss → optimizer step (last batch
-of a group). The wrapper does the batch's forward *and* backward itself, inside ``training_step``:
-
-1. the gradients accumulated so far are set aside (first batch of a group: dropped, as the zero
-   that follows would), so a failed try leaves them untouched;
-2. the batch runs whole, or, once a limit was learned for samples of its size, as micro-batches
-   of at most that many samples (:func:`~lightning_gpuopt.core.oom.split_batch`), each loss
-   weighted by its share of the samples, divided by ``accumulate_grad_batches`` and scaled by the
-   AMP gradient scaler, as Lightning's own backward would;
-3. on an out-of-memory error the try's gradients are dropped, memory is released
-   (:func:`~lightning_gpuopt.core.device.release_memory`), the limit for that size of sample is
-   halved (:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and the same batch is tried
-   again; after a micro-batch of 1 the error is raised with what was tried;
-4. the new gradients are put aside and the wrapper returns the loss value through a small
-   autograd function whose backward hands them to the parameters: Lightning's own backward,
-   its zero_grad before it, the optimizer step and the LR schedule run as they would have. The
-   optimizer update is the one of the unsplit batch (float32: equal within summation order).
-
-Under DDP every rank does steps 1-3 with no gradient reduced (the backward inside
-``training_step`` is not seen by DDP's reducer), then the ranks exchange one small tensor (an
-all-gather: which rank ran out of memory, at which micro-batch, for which size of sample); if
-any did, every rank records the same new limit and the ranks that failed try again, so all ranks
-take the same decision in the same step and none waits in a collective another will not reach.
-The gradients are reduced by DDP during Lightning's backward of the returned value, after the
-exchange.
-
-Costs, only with ``on_oom="adapt"``: one elementwise pass over the gradients per step; with
-gradient accumulation, the new micro-batch's gradients are held apart from the accumulated ones
-until its backward ends (up to one gradient-sized buffer more at the end of a backward); under
-DDP one all-gather of 3 integers per step and the gradient reduction no longer overlaps the
-backward. The split assumes the loss is a **mean over the batch's samples** (see
-:mod:`lightning_gpuopt.core.oom`). Values a ``training_step`` logs with ``self.log`` in a split
-step are those of its micro-batches (the last one's for ``on_step``). A ``LightningModule.backward``
-override is not called for the backward inside ``training_step``.
+From ``on_train_start`` to the fit's end the module's ``training_step`` is wrapped (through the
+callback's :class:`Undo`), and the strategy's marks the calls the fit loop makes: only those are real
+steps. The wrapper runs the batch's forward *and* backward itself: it sets the accumulated gradients
+aside, runs the batch whole or, once a limit was learned for samples of its size, in micro-batches of
+at most that many (each loss weighted by its share, divided by the accumulation and scaled by the AMP
+scaler, as Lightning's backward would); on an out-of-memory error it frees memory, halves the limit
+(:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and tries again, down to one sample. It returns the
+loss through an autograd function whose backward hands the gradients it computed to the parameters, so
+Lightning's backward, zero_grad, optimizer step and schedule run as they would (the update is the
+unsplit batch's). Under DDP the ranks exchange one small tensor per step (who ran out of memory, at
+which micro-batch, for which sample size) so all take the same decision in the same step; DDP reduces
+the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples.
 """
 
 from __future__ import annotations
@@ -97,26 +69,12 @@ class _HandGradients(torch.autograd.Function):
 
 
 class OomRecovery:
-    """Wraps ``training_step`` so that out-of-memory errors are absorbed (see the module docstring); installed
-    on creation, registered in ``undo`` (put back at teardown or on an exception).
+    """Wraps ``training_step`` so that out-of-memory errors are absorbed (see the module docstring), from its
+    creation until ``undo`` unwinds; each adaptation goes to ``plan.oom_adaptations``, warned and logged."""
 
-    Args:
-        trainer, pl_module: the run.
-        plan: the MemoryFill plan; each adaptation is added to ``plan.oom_adaptations``, warned and logged.
-        undo: where the wrappers are registered.
-        limits: the limits learned so far (default: none).
-    """
-
-    def __init__(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        plan: Any,
-        undo: Undo,
-        limits: Optional[MicroBatchLimits] = None,
-    ) -> None:
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any, undo: Undo) -> None:
         self.trainer, self.module, self.plan = trainer, pl_module, plan
-        self.limits = limits if limits is not None else MicroBatchLimits()
+        self.limits = MicroBatchLimits()
         self._original = pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
         self._in_loop_step = False
@@ -180,15 +138,7 @@ class OomRecovery:
             )
 
     def _train_until_it_fits(
-        self,
-        batch: Any,
-        batch_size: int,
-        elements: int,
-        batch_idx: Any,
-        params: list[torch.Tensor],
-        kept: list,
-        args: tuple,
-        kwargs: dict,
+        self, batch: Any, size: int, elements: int, idx: Any, params: list, kept: list, *call: Any
     ) -> tuple:
         """Forward and backward of the batch in micro-batches, halving after each out-of-memory
         error (agreed over the ranks), until every rank's try fitted."""
@@ -198,11 +148,11 @@ class OomRecovery:
             error = attempted = phase = None
             if not done:
                 limit = self.limits.limit_for(elements)
-                attempted = min(limit or batch_size, batch_size)
+                attempted = min(limit or size, size)
                 for param in params:
                     param.grad = None
                 try:
-                    value, output = self._forward_backward(batch, batch_size, attempted, args, kwargs)
+                    value, output = self._forward_backward(batch, size, attempted, *call)
                     grads = [p.grad for p in params]
                 except BaseException as exc:
                     if not is_out_of_memory_error(exc):
@@ -218,7 +168,7 @@ class OomRecovery:
             if not failures:
                 return value, output, grads
             done = error is None
-            self._adapt(failures, error, batch_idx)
+            self._adapt(failures, error, idx)
 
     def _forward_backward(self, batch: Any, batch_size: int, size: int, args: tuple, kwargs: dict) -> tuple:
         """Each micro-batch's forward, then backward of its weighted loss as Lightning would backward it."""
@@ -272,12 +222,9 @@ class OomRecovery:
             reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {where}"
         else:
             reason = error or "out of memory"
+        step, index = self.trainer.global_step, int(batch_idx or 0)
         adaptation = self.limits.adapt(
-            step=self.trainer.global_step,
-            attempted=attempted,
-            elements=elements,
-            reason=reason,
-            batch_idx=int(batch_idx or 0),
+            step=step, attempted=attempted, elements=elements, reason=reason, batch_idx=index
         )
         _report(self.trainer, self.plan, adaptation)
 
@@ -295,11 +242,8 @@ def _report(trainer: pl.Trainer, plan: Any, adaptation: OomAdaptation) -> None:
         f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
         f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
     )
-    metrics = {
-        "gpuopt/oom_adaptations": float(len(plan.oom_adaptations)),
-        "gpuopt/oom_micro_batch_size": float(adaptation.new_micro_batch_size),
-    }
-    log_metrics(trainer, metrics)
+    count, micro = float(len(plan.oom_adaptations)), float(adaptation.new_micro_batch_size)
+    log_metrics(trainer, {"gpuopt/oom_adaptations": count, "gpuopt/oom_micro_batch_size": micro})
 
 
 def _enabled_scaler(trainer: pl.Trainer) -> Any:
