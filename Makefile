@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
+# the groups of tests/ (unit, integration, ddp) on 2 workers; the DDP launch stays on one of them
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 LINT_PATHS := lightning_gpuopt tests examples benchmarks
 
@@ -52,7 +53,7 @@ $(MIN_STAMP): pyproject.toml Makefile ci/min-constraints.txt
 	touch $(MIN_STAMP)
 
 test-min: $(MIN_STAMP)
-	$(MIN_VENV)/bin/python -m pytest -q
+	$(MIN_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
 
 GPU_BENCHMARKS := benchmarks/overhead.py benchmarks/data_wait_accuracy.py benchmarks/dataloader.py \
                   benchmarks/estimate_accuracy.py benchmarks/memory_fill.py
