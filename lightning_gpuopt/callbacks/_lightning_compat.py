@@ -1,46 +1,32 @@
 """Every use of Lightning's private internals, in one place; ``tests/integration/test_lightning_compat.py``
-checks each against the installed Lightning (``>=2.6``; written against 2.6.6), so a release that moves one
-fails there, by name. One module serves both ``lightning.pytorch`` and ``pytorch_lightning`` (the same
-source renamed): what a callback makes for a Trainer comes from the Trainer's namespace
-(:func:`of_namespace`), what it recognises is checked against both (:func:`any_namespace`).
+checks each against the installed Lightning (``>=2.6``, written against 2.6.6), so a release that moves one fails
+there, by name. One module serves ``lightning.pytorch`` and ``pytorch_lightning`` (the same source renamed): what
+a callback makes comes from the Trainer's namespace (:func:`of_namespace`), what it recognises is checked against
+both (:func:`any_namespace`). Each internal, with why no public API will do (none exists unless named):
 
-Each internal, with the public API it stands in for (none, unless named):
-
-* ``fit_loop._data_source`` (:func:`train_source`, :data:`TRAIN_SOURCE_ATTRIBUTE`), of class
-  ``data_connector._DataLoaderSource`` (:class:`DataLoaderSource`; ``instance``, ``name``, ``dataloader()``,
-  ``is_module()``, ``is_defined()``): where Lightning asks for the train loader; swapped to rebuild it.
-* ``data_connector._request_dataloader`` (:data:`request_dataloader`): a source's loader, asked as Lightning asks.
-* ``fit_loop._data_fetcher`` (:func:`data_fetcher`; ``teardown()``, ``batches``): the prefetched batches.
-* ``fit_loop._combined_loader`` (:func:`built_train_loader`, :func:`reset_train_loader`): the public
+* ``fit_loop._data_source`` (:func:`train_source`, :data:`TRAIN_SOURCE_ATTRIBUTE`), a ``_DataLoaderSource``
+  (``instance``, ``name``, ``dataloader()``, ``is_module()``, ``is_defined()``): where Lightning asks for the
+  train loader, swapped to rebuild it; ``_request_dataloader`` asks a source for it as Lightning does.
+* ``fit_loop._data_fetcher`` (``teardown()``, ``batches``) and ``_combined_loader`` (:func:`built_train_loader`):
   ``trainer.train_dataloader`` gives ``.iterables``, not ``.flattened[0]``, and cannot make the loop rebuild it.
-* ``parsing._lightning_get_all_attr_holders`` (:data:`attribute_holders`): ``lightning_getattr``/``setattr``
-  do not say where ``batch_size`` is held (model, ``hparams``, datamodule).
-* ``epoch_loop._batches_that_stepped`` (:func:`batches_that_stepped`): the logged step has no public setter
-  (``trainer.global_step`` counts optimizer steps).
-* ``epoch_loop._broadcast_sigterm_tensor`` (:func:`skip_sigterm_broadcast`): the per-step SIGTERM collective.
-* ``loops.loop._Loop``, ``loops.progress._BaseProgress`` (:func:`loop_classes`, :func:`progress_classes`):
-  no public base classes, to find every progress counter.
-* ``trainer._logger_connector.reset_results()/reset_metrics()`` (:func:`reset_logged_results`).
-* ``trainer._signal_connector.received_sigterm`` (:func:`signal_connector`): ``trainer.received_sigterm``
-  has no setter.
-* ``strategy._optimizers``/``_lightning_optimizers`` (:func:`strategy_optimizer_lists`): the
-  ``strategy.optimizers`` setter builds new wrappers, dropping the step hooks set on the old ones.
-* ``LightningOptimizer._to_lightning_optimizer`` (:func:`to_lightning_optimizer`).
-* ``core.optimizer._init_optimizers_and_lr_schedulers``, ``_MockOptimizer``: read every return form of
-  ``configure_optimizers()`` as ``fit`` does.
-* ``utilities.data._update_dataloader``, ``_get_dataloader_init_args_and_kwargs``,
-  ``fabric.utilities.data._reinstantiate_wrapped_cls``, a loader's ``__pl_saved_arg_names``
-  (:func:`saved_arg_names`): re-create a loader with other arguments, as Lightning does for its sampler.
-* ``fabric.utilities.seed._collect_rng_states``/``_set_rng_states``: ``seed_everything`` seeds, it does not
-  save and restore the torch, numpy and Python states.
-* ``ModelCheckpoint._every_n_train_steps``/``_every_n_epochs``/``_train_time_interval``,
-  ``_last_checkpoint_saved`` (:func:`checkpoint_schedule`, :func:`last_checkpoint_saved`): the constructor's
-  arguments are not kept publicly; read with defaults.
-* ``trainer._data_connector.attach_data`` (:func:`attach_data`): attach model and datamodule without ``fit``.
-* ``LightningArgumentParser._option_string_actions`` (:func:`parser_option_actions`): find a flag's action.
-* Profiler action names (undocumented strings): ``"[<epoch loop>].train_dataloader_next"``
-  (:func:`fetch_action`), ``"[Strategy]<class>.<hook>"`` (:func:`strategy_action`), ``"save_checkpoint"``,
-  ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` + ``"<owner>.<hook>"``.
+* ``_lightning_get_all_attr_holders``: ``lightning_getattr``/``setattr`` do not say where ``batch_size`` is held.
+* ``epoch_loop._batches_that_stepped``: the logged step has no setter (``trainer.global_step`` counts optimizer
+  steps); ``epoch_loop._broadcast_sigterm_tensor``: the per-step SIGTERM collective, skipped in trials.
+* ``loops.loop._Loop``, ``loops.progress._BaseProgress``: no public base classes, to find every progress counter.
+* ``trainer._logger_connector.reset_results()/reset_metrics()``; ``trainer._signal_connector.received_sigterm``
+  (``trainer.received_sigterm`` has no setter).
+* ``strategy._optimizers``/``_lightning_optimizers``: the ``strategy.optimizers`` setter builds new wrappers,
+  dropping the step hooks set on the old ones; ``LightningOptimizer._to_lightning_optimizer``.
+* ``_init_optimizers_and_lr_schedulers``, ``_MockOptimizer``: read ``configure_optimizers()`` as ``fit`` does.
+* ``_update_dataloader``, ``_get_dataloader_init_args_and_kwargs``, ``_reinstantiate_wrapped_cls`` and a loader's
+  ``__pl_saved_arg_names``: re-create a loader with other arguments, as Lightning does for its sampler.
+* ``_collect_rng_states``/``_set_rng_states``: ``seed_everything`` seeds; it does not save and restore states.
+* ``ModelCheckpoint._every_n_train_steps``/``_every_n_epochs``/``_train_time_interval``/``_last_checkpoint_saved``:
+  the constructor's arguments are not kept publicly (read with defaults).
+* ``trainer._data_connector.attach_data``: attach model and datamodule without ``fit``;
+  ``LightningArgumentParser._option_string_actions``: find a flag's action to set its help.
+* Profiler action names (undocumented): ``"[<epoch loop>].train_dataloader_next"``, ``"[Strategy]<class>.<hook>"``,
+  ``"save_checkpoint"``, and ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` hooks.
 """
 
 from __future__ import annotations
@@ -67,25 +53,15 @@ reinstantiate_wrapped_cls = _reinstantiate_wrapped_cls
 collect_rng_states = _collect_rng_states
 set_rng_states = _set_rng_states
 
-# -- train data (the fit loop) ------------------------------------------------------------------
-
 #: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
 TRAIN_SOURCE_ATTRIBUTE = "_data_source"
-#: what ``fit_loop.setup_data()`` sets when it builds the train loader (the loop's, then the trainer's)
-_LOADER_STATE = (
-    ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch"),
-    ("val_check_batch",),
-)
+#: what ``fit_loop.setup_data()`` sets in the loop when it builds the train loader (and ``trainer.val_check_batch``)
+_LOOP_STATE = ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch")
 
 
 def train_source(trainer: Any) -> Any:
     """``trainer.fit_loop._data_source``: where the train loader comes from."""
     return trainer.fit_loop._data_source
-
-
-def set_train_source(trainer: Any, source: Any) -> None:
-    """Set ``trainer.fit_loop._data_source``."""
-    trainer.fit_loop._data_source = source
 
 
 def data_fetcher(trainer: Any) -> Any:
@@ -104,9 +80,9 @@ def reset_train_loader(trainer: Any) -> None:
 
 def detach_train_loader(trainer: Any) -> tuple[dict, dict]:
     """Take the built train loader and what ``setup_data()`` set with it out of the loop (fetcher kept as is)."""
-    loop_names, trainer_names = _LOADER_STATE
-    saved = ({n: getattr(trainer.fit_loop, n) for n in loop_names}, {n: getattr(trainer, n) for n in trainer_names})
-    trainer.fit_loop._combined_loader, trainer.fit_loop._data_fetcher = None, None
+    loop = trainer.fit_loop
+    saved = ({n: getattr(loop, n) for n in _LOOP_STATE}, {"val_check_batch": trainer.val_check_batch})
+    loop._combined_loader, loop._data_fetcher = None, None
     return saved
 
 
@@ -125,12 +101,7 @@ def train_loader_built(trainer: Any) -> bool:
 
 def built_train_loader(trainer: Any) -> Any:
     """``fit_loop._combined_loader.flattened[0]``, the first train loader."""
-    combined = trainer.fit_loop._combined_loader
-    assert combined is not None
-    return combined.flattened[0]
-
-
-# -- the two namespaces ---------------------------------------------------------------------------
+    return trainer.fit_loop._combined_loader.flattened[0]
 
 
 def _namespace(obj: Any) -> str:
@@ -176,9 +147,6 @@ def check_trainer_namespace(trainer: Any, callback: Any) -> None:
     raise TypeError(f"{name} from `{_PACKAGE_FOR[ours]}` is built on `{ours}`, but the Trainer is {kind}: {advice}.")
 
 
-# -- loops, progress, logging -----------------------------------------------------------------------
-
-
 def loop_classes() -> tuple[type, ...]:
     """``loops.loop._Loop``: every loop."""
     return any_namespace("loops.loop", "_Loop")
@@ -219,9 +187,6 @@ def reset_logged_results(trainer: Any) -> None:
 def signal_connector(trainer: Any) -> Any:
     """``trainer._signal_connector``, whose ``received_sigterm`` is settable."""
     return trainer._signal_connector
-
-
-# -- optimizers, loaders, checkpoints, the CLI ------------------------------------------------------
 
 
 def strategy_optimizer_lists(strategy: Any) -> tuple[Any, Any]:
@@ -266,8 +231,6 @@ def parser_option_actions(parser: Any) -> dict[str, Any]:
     """The parser's flag -> action map (argparse's ``_option_string_actions``)."""
     return parser._option_string_actions
 
-
-# -- profiler action names ----------------------------------------------------------------------
 
 SAVE_CHECKPOINT_ACTION = "save_checkpoint"
 #: hook actions are ``"<prefix><owner>.<hook>"``: a callback's state key, a module's or datamodule's class

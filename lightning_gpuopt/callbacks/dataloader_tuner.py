@@ -63,6 +63,12 @@ class DataLoaderTuner(Callback):
         max_num_workers: at most this many workers (default: 4 x the usable cores per process).
         persistent_workers: keep workers alive between epochs (not with pinned memory and reloaded loaders).
         verbose: log the table of timed settings (the JSON report is written either way).
+
+    Example::
+
+        tuner = DataLoaderTuner(max_seconds=10)
+        Trainer(callbacks=[tuner]).fit(model, datamodule=dm)
+        tuner.result.num_workers, tuner.result.speedup
     """
 
     def __init__(

@@ -18,7 +18,6 @@ At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -63,6 +62,12 @@ class MemoryEstimator(Callback):
             (``0.9``); ``None``: what the device has free plus what torch already holds.
         measure_steps: real steps to measure the peak over (at least ``2 * accumulate_grad_batches`` batches).
         verbose: log the estimate's table (the JSON report is written either way).
+
+    Example::
+
+        estimator = MemoryEstimator(max_memory="20GiB")
+        Trainer(callbacks=[estimator]).fit(model)
+        estimator.estimate.predicted_peak_bytes, estimator.estimate.measured_peak_bytes
     """
 
     def __init__(
@@ -77,20 +82,14 @@ class MemoryEstimator(Callback):
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
-        self._batches_started = 0
-        self._unmeasured_steps = 0
-        self._peaks: list[int] = []
-        self._measured = False
-        self._optimizer_needs_measuring = False
-        self._report_file: Location = Path(".")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_trainer_namespace(trainer, self)
         # a collective under DDP: asked here, as one right before the processes exit makes teardown racy
-        self._report_file = report_file(trainer)
+        self._report_file: Location = report_file(trainer)
         self.estimate = None
         self._batches_started = self._unmeasured_steps = 0
-        self._peaks = []
+        self._peaks: list[int] = []
         self._measured = self._optimizer_needs_measuring = False
 
     def on_train_batch_start(
@@ -167,10 +166,8 @@ class MemoryEstimator(Callback):
         return estimate
 
     def _stop_meter(self) -> int | None:
-        if self._meter is None:
-            return None
         meter, self._meter = self._meter, None
-        return meter.stop() if meter.running else None
+        return meter.stop() if meter is not None and meter.running else None
 
     def _finish_measuring(self, trainer: pl.Trainer) -> None:
         self._measured = True
