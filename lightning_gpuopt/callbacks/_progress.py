@@ -1,17 +1,5 @@
-"""Progress of long work before training (batch-size trials, loader candidates), on rank 0.
-
-Each finished unit of work is one line through ``rank_zero_info`` -- or, when the Trainer shows a
-progress bar (its ``TQDMProgressBar`` or ``RichProgressBar`` is present and enabled), a rich
-progress bar that advances once a unit and shows the last line. Nothing at all when the callback
-is quiet (``verbose=False``, or ``progress=False``).
-
-Example::
-
-    with WorkProgress(trainer, "BatchSizeSearch trial", total=10, enabled=True) as progress:
-        for size in (64, 128, 96):
-            ...
-            progress.done(f"trial: batch size {size} fits")
-"""
+"""Progress of long work before training (batch-size trials, loader candidates), on rank 0: a line a unit
+(``rank_zero_info``), or a rich bar when the Trainer shows a progress bar; nothing when the callback is quiet."""
 
 from __future__ import annotations
 
@@ -29,24 +17,14 @@ def shows_progress_bar(trainer: Trainer) -> bool:
 
 
 class WorkProgress:
-    """Reports units of work as they end: a line each (``rank_zero_info``), or a rich bar.
-
-    Args:
-        trainer: whose progress bar setting is followed (and whose rank decides who reports).
-        title: what a unit is (``"BatchSizeSearch trial"``): the prefix of every line and the bar's label.
-        total: how many units at most (``None``: unknown).
-        enabled: ``False`` reports nothing.
-        bar: whether to show a bar; ``None`` asks :func:`shows_progress_bar` (ask before the trainer's
-            callbacks are swapped out, as for batch-size trials).
-    """
+    """Reports units of work as they end: ``title`` (``"BatchSizeSearch trial"``) is each line's prefix and the
+    bar's label, ``total`` the most units (``None``: unknown); ``bar=None`` asks :func:`shows_progress_bar`."""
 
     def __init__(
         self, trainer: Trainer, title: str, total: Optional[int], enabled: bool, bar: Optional[bool] = None
     ) -> None:
-        self.title = title
-        self.total = total
+        self.title, self.total, self.count = title, total, 0
         self.enabled = enabled and trainer.is_global_zero
-        self.count = 0
         self._bar: Any = None
         self._task: Any = None
         self._use_bar = self.enabled and (shows_progress_bar(trainer) if bar is None else bar)

@@ -1,25 +1,16 @@
-"""``DataLoaderTuner``: choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and
-``pin_memory`` for the train loader by timing it, before training starts.
+"""``DataLoaderTuner``: choose the train loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``
+and ``pin_memory`` by timing copies of it in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`);
+Lightning then builds the chosen setting each time it asks for the loader, until ``teardown``.
 
-In ``on_fit_start`` the tuner times copies of the user's train loader (the one loader the fit's
-:class:`~lightning_gpuopt.callbacks._engine.session.FitSession` builds: same dataset, sampler,
-collate_fn and batch size) with :func:`lightning_gpuopt.core.loader.tune_loader`, and makes Lightning
-build the chosen setting every time it requests the loader. The RNG states (global, and the loader's
-own generators) are put back after the timing: training equals the chosen setting written by hand.
-Under DDP every rank times its loader at once (as they will load at once) and rank 0's choice is
-broadcast. Lightning gets its own loader source back at ``teardown`` and after a failed fit. A SIGTERM
-during the timing stops it at once, and ``fit`` ends with Lightning's ``SIGTERMException``.
+RNG states are put back after the timing, so training equals the setting written by hand. Under DDP every rank
+times at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores (affinity
+within the cgroup quota, shared by the host's processes), more only while workers wait on I/O. An
+``IterableDataset``, several loaders, or a loader that is not a ``DataLoader`` is left alone, with the reason.
 
-The ``num_workers`` tried are 0, 1, 2, 4, ... up to the usable CPU cores of the process
-(:func:`lightning_gpuopt.core.loader.usable_cpu_count`: its CPU affinity within the cgroup CPU
-quota; under DDP shared among the processes of the host), and past them only while the workers are
-measured waiting on I/O. The loader is left alone, with the reason, when it cannot be rebuilt: an
-``IterableDataset``, several train loaders, or not a ``torch.utils.data.DataLoader``.
-
-Logged metrics, once when training starts (to every logger, and to ``trainer.callback_metrics``):
+Logged once when training starts:
 
 * ``gpuopt/loader_num_workers``: the ``num_workers`` chosen.
-* ``gpuopt/loader_samples_per_second``: loader throughput measured with the chosen setting.
+* ``gpuopt/loader_samples_per_second``: loader throughput with the chosen setting.
 * ``gpuopt/loader_speedup``: that throughput over the user's own setting's.
 """
 
@@ -59,41 +50,25 @@ from lightning_gpuopt.core.loader import (
 )
 from lightning_gpuopt.core.report import format_seconds, loader_tune_table, to_dict
 
-#: section of ``gpuopt_report.json`` this callback writes
-REPORT_SECTION = "dataloader"
-
 
 class DataLoaderTuner(Callback):
-    r"""Time the real train loader over worker settings before training, and apply the best.
+    """Time the real train loader over worker settings before training, and apply the best.
+
+    Args:
+        max_seconds: no new candidate is timed after this long (one candidate stops after a quarter of it).
+        batches_per_candidate: batches timed per candidate at least (``W`` more with ``W`` workers).
+        tolerance: the cheapest setting within this fraction of the best throughput is chosen.
+        target_samples_per_second: what training consumes, if known (the cheapest setting keeping up wins);
+            ``None``: the compute ceiling a ``DataWaitMonitor`` of the Trainer measured in an earlier ``fit``.
+        max_num_workers: at most this many workers (default: 4 x the usable cores per process).
+        persistent_workers: keep workers alive between epochs (not with pinned memory and reloaded loaders).
+        verbose: log the table of timed settings (the JSON report is written either way).
 
     Example::
 
-        from lightning import Trainer
-        from lightning_gpuopt import DataLoaderTuner
-
         tuner = DataLoaderTuner(max_seconds=10)
-        trainer = Trainer(callbacks=[tuner])
-        trainer.fit(model, datamodule=dm)
-        tuner.result.num_workers          # e.g. 8
-        tuner.result.speedup              # loader throughput over the user's own setting
-
-    Args:
-        max_seconds: no new candidate is timed once tuning has taken this long (a candidate
-            itself stops after a quarter of it); a few seconds plus a few batches in all.
-        batches_per_candidate: batches timed per candidate at least (``W`` more with ``W``
-            workers, whose first batches are pipeline fill).
-        tolerance: the cheapest setting (fewest workers, then smallest prefetch) within this
-            fraction of the best throughput is chosen.
-        target_samples_per_second: what training consumes, if known: the cheapest setting that
-            keeps up with it wins. ``None`` uses the compute ceiling measured by a
-            ``DataWaitMonitor`` in the same Trainer on an earlier ``fit``, when there is one.
-        max_num_workers: never more workers than this (default: 4 x the usable cores per
-            process, the affinity within the cgroup CPU quota; more workers than cores are tried
-            only while the workers are measured waiting on I/O).
-        persistent_workers: keep workers alive between epochs (skipped when the Trainer
-            reloads dataloaders every n epochs together with pinned memory, which PyTorch
-            does not support reliably).
-        verbose: log the table of timed settings with ``rank_zero_info`` (the JSON report is written either way).
+        Trainer(callbacks=[tuner]).fit(model, datamodule=dm)
+        tuner.result.num_workers, tuner.result.speedup
     """
 
     def __init__(
@@ -110,13 +85,8 @@ class DataLoaderTuner(Callback):
         check_int("batches_per_candidate", batches_per_candidate, 2, "batches_per_candidate=16")
         check_number("tolerance", tolerance, "tolerance=0.05", low=0, high=1, high_inclusive=False)
         if target_samples_per_second is not None:
-            check_number(
-                "target_samples_per_second",
-                target_samples_per_second,
-                "target_samples_per_second=5000, or None to measure it",
-                low=0,
-                low_inclusive=False,
-            )
+            example = "target_samples_per_second=5000, or None to measure it"
+            check_number("target_samples_per_second", target_samples_per_second, example, low=0, low_inclusive=False)
         check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
         check_bool("persistent_workers", persistent_workers, "persistent_workers=False")
         check_bool("verbose", verbose, "verbose=False")
@@ -127,13 +97,11 @@ class DataLoaderTuner(Callback):
         self.max_num_workers = max_num_workers
         self.persistent_workers = persistent_workers
         self.verbose = verbose
-        #: report each candidate as it is timed (a line, or a bar when the Trainer shows one); follows ``verbose``
-        self.progress = verbose
+        self.progress = verbose  # report each candidate as it is timed
         #: the measurement and the choice (the same on every rank); ``None`` if not tuned
         self.result: Optional[LoaderTuneResult] = None
         #: what the tuner did, or why it left the loader alone
         self.message: str = ""
-        #: the train-loader source swapped in, undone at teardown and on an exception
         self._undo = Undo()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -152,41 +120,35 @@ class DataLoaderTuner(Callback):
 
     def rebuild(self, loader: DataLoader) -> DataLoader:
         """``loader`` with the chosen worker settings (as it is when it cannot be rebuilt or nothing was chosen)."""
-        if self.result is None or why_not_tunable(loader) is not None:
+        if self.result is None or _why_not_tunable(loader) is not None:
             return loader
         return rebuild_loader(loader, **self.result.setting.loader_kwargs())
 
     def decide(self, trainer: Trainer, batch_size: Optional[int] = None) -> Optional[LoaderTuneResult]:
-        """Time the loader (at ``batch_size``, when given: the size training will load) and set :attr:`result`;
-        applying it is the caller's (``on_fit_start``, or GpuOpt)."""
+        """Time the loader (at ``batch_size`` when given) and set :attr:`result`; the caller applies it."""
         self.result, self.message = None, ""
         if not compat.train_source(trainer).is_defined():
             return None
         session = FitSession.of(trainer)
         loader = session.probe_loader()
-        refusal = why_not_tunable(loader)
+        refusal = _why_not_tunable(loader)
+        if refusal is None and batch_size is not None and batch_size != loader.batch_size:
+            loader = session.loader(batch_size=batch_size)
+        card = device_for(trainer.strategy.root_device)
+        on_gpu = card.is_cuda
+        if refusal is None and on_gpu:
+            with rng_kept(loader):  # reading a sample may draw random augmentations
+                refusal = _samples_on_device(loader, card)
         if refusal is not None:
             self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
             rank_zero_warn(self.message)
             return None
-        if batch_size is not None and batch_size != loader.batch_size:
-            loader = session.loader(batch_size=batch_size)
-        card = device_for(trainer.strategy.root_device)
-        on_gpu = card.is_cuda
-        if on_gpu:
-            with rng_kept(loader):  # reading a sample may draw random augmentations
-                refusal = samples_on_device(loader, card)
-            if refusal is not None:
-                self.message = f"DataLoaderTuner left the train loader alone: {refusal}"
-                rank_zero_warn(self.message)
-                return None
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
         persistent = self.persistent_workers and not (on_gpu and reloads > 0)
         baseline = LoaderSetting(
             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
         )
-        # a SIGTERM stops the timing at once (as it would stop a training step's loading)
         with (
             rng_kept(loader),
             signals_stop_our_work(trainer, raise_at_once=True),
@@ -203,37 +165,33 @@ class DataLoaderTuner(Callback):
                 persistent_workers=persistent,
                 max_workers=self.max_num_workers,
                 baseline=baseline,
-                on_timed=lambda timing: progress.done(candidate_line(timing, baseline)),
+                on_timed=lambda timing: progress.done(_candidate_line(timing, baseline)),
             )
-        self.result = trainer.strategy.broadcast(result, src=0)
-        changed = self.result.setting != baseline
-        self.message = (
-            f"DataLoaderTuner: {baseline.describe()} → {self.result.setting.describe()}"
-            if changed
-            else f"DataLoaderTuner: kept {baseline.describe()}"
-        ) + f" ({self.result.reason}; {len(self.result.candidates)} settings timed in {self.result.seconds:.1f} s)"
-        chosen = next((t for t in self.result.candidates if t.setting == self.result.setting), None)
-        if self.result.num_workers > cores and chosen is not None and chosen.worker_cpu_fraction is not None:
+        self.result = res = trainer.strategy.broadcast(result, src=0)
+        kept = res.setting == baseline
+        what = f"kept {baseline.describe()}" if kept else f"{baseline.describe()} → {res.setting.describe()}"
+        timed = f"{len(res.candidates)} settings timed in {res.seconds:.1f} s"
+        self.message = f"DataLoaderTuner: {what} ({res.reason}; {timed})"
+        chosen = next((t for t in res.candidates if t.setting == res.setting), None)
+        busy = chosen.worker_cpu_fraction if chosen else None
+        if res.num_workers > cores and busy is not None:
             # PyTorch's DataLoader warns past the CPU affinity alone, not past a cgroup quota
-            warns = self.result.num_workers > usable_cpu_count(within_quota=False)
+            warns = "PyTorch will warn that " if res.num_workers > usable_cpu_count(within_quota=False) else ""
             self.message += (
-                f". {'PyTorch will warn that ' if warns else ''}{self.result.num_workers} workers exceed the {cores}"
-                " usable cores: they"
-                f" were measured busy only {chosen.worker_cpu_fraction:.0%} of the time (waiting on I/O), so more"
-                " workers than cores is what keeps up here"
+                f". {warns}{res.num_workers} workers exceed the {cores} usable cores: they were measured busy only"
+                f" {busy:.0%} of the time (waiting on I/O), so more workers than cores is what keeps up here"
             )
-        if not self.result.settled:
+        if not res.settled:
             rank_zero_warn(
-                f"DataLoaderTuner: the choice is uncertain ({self.result.reason.rsplit('; ', 1)[-1]}); set"
-                " `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
+                f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); set `num_workers`"
+                " yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
             )
-        if trainer.strategy.root_device.type == "cpu":
-            warning = oversubscription(
-                torch.get_num_threads(), self.result.num_workers, chosen.worker_cpu_fraction if chosen else None, cores
-            )
-            if warning:
-                rank_zero_warn(f"DataLoaderTuner: {warning}")
-        return self.result
+        warning = trainer.strategy.root_device.type == "cpu" and oversubscription(
+            torch.get_num_threads(), res.num_workers, busy, cores
+        )
+        if warning:
+            rank_zero_warn(f"DataLoaderTuner: {warning}")
+        return res
 
     def _report(self, trainer: Trainer) -> None:
         if self.result is None:
@@ -242,18 +200,13 @@ class DataLoaderTuner(Callback):
         if trainer.is_global_zero:
             if self.verbose:
                 rank_zero_info(loader_tune_table(self.result, self.message))
-            write_report_section(path, REPORT_SECTION, {"message": self.message, **to_dict(self.result)})
+            write_report_section(path, "dataloader", {"message": self.message, **to_dict(self.result)})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.result is None:
+        if (r := self.result) is None:
             return
-        metrics = {
-            "gpuopt/loader_num_workers": float(self.result.num_workers),
-            "gpuopt/loader_samples_per_second": self.result.samples_per_second,
-        }
-        if self.result.speedup is not None:
-            metrics["gpuopt/loader_speedup"] = self.result.speedup
-        log_metrics(trainer, metrics)
+        metrics = {"gpuopt/loader_num_workers": r.num_workers, "gpuopt/loader_samples_per_second": r.samples_per_second}
+        log_metrics(trainer, metrics if r.speedup is None else {**metrics, "gpuopt/loader_speedup": r.speedup})
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         FitSession.close(trainer)
@@ -265,15 +218,13 @@ class DataLoaderTuner(Callback):
             raise_failed("DataLoaderTuner", self._undo.finish())
 
 
-def why_not_tunable(loader: Any) -> Optional[str]:
+def _why_not_tunable(loader: Any) -> Optional[str]:
     """``None`` when ``loader`` can be rebuilt with other worker settings, else the reason."""
     if isinstance(loader, (list, tuple, dict)):
         return "there are several train loaders; tune each by hand or pass one loader."
     if not isinstance(loader, DataLoader):
-        return (
-            f"it is a {type(loader).__name__}, not a torch.utils.data.DataLoader, so its worker settings cannot be"
-            " rebuilt."
-        )
+        kind = type(loader).__name__
+        return f"it is a {kind}, not a torch.utils.data.DataLoader, so its worker settings cannot be rebuilt."
     if isinstance(loader.dataset, IterableDataset):
         return (
             f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): with more workers each would yield"
@@ -283,17 +234,14 @@ def why_not_tunable(loader: Any) -> Optional[str]:
     return None
 
 
-def samples_on_device(loader: Any, device: Device) -> Optional[str]:
-    """Why a loader whose samples already live on ``device`` must be left alone (``None`` if they do
-    not, or if the dataset cannot be looked at without drawing from it: an iterable dataset).
-    One sample is read: its tensors tell."""
+def _samples_on_device(loader: Any, device: Device) -> Optional[str]:
+    """Why a loader whose first sample has tensors on ``device`` must be left alone (``None``: it has none,
+    or the dataset cannot be indexed)."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None or isinstance(dataset, IterableDataset):
         return None
     try:
-        if len(dataset) == 0:
-            return None
-        sample = dataset[0]
+        sample = dataset[0] if len(dataset) else None
     except Exception:  # noqa: BLE001 - a dataset that cannot be indexed so is not ours to judge
         return None
     on_device = [leaf for leaf in tree_leaves(sample) if isinstance(leaf, torch.Tensor) and device.holds(leaf)]
@@ -316,18 +264,13 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
     return None
 
 
-def candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = None) -> str:
+def _candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = None) -> str:
     """One timed loader setting in words, for progress reporting.
 
-    Example::
-
-        >>> timing = LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25)
-        >>> candidate_line(timing)
-        '2 workers, prefetch 2, persistent: 5,064 samples/s (start-up 210.0 ms)'
+    >>> _candidate_line(LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25))
+    '2 workers, prefetch 2, persistent: 5,064 samples/s (start-up 210.0 ms)'
     """
     yours = " [yours]" if timing.setting == baseline else ""
     early = ", stopped early: slower than the best" if timing.stopped_early else ""
-    return (
-        f"{timing.setting.short()}{yours}: {timing.samples_per_second:,.0f} samples/s "
-        f"(start-up {format_seconds(timing.startup_s)}{early})"
-    )
+    speed, startup = f"{timing.samples_per_second:,.0f} samples/s", format_seconds(timing.startup_s)
+    return f"{timing.setting.short()}{yours}: {speed} (start-up {startup}{early})"

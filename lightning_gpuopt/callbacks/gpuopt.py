@@ -1,37 +1,21 @@
 """GpuOpt: one callback composed from a preset (name or YAML) plus keyword overrides.
 
-It runs, in the hooks where each belongs and in this order:
-
-1. :class:`MemoryFill` -- mixed precision in ``setup``, activation checkpointing, the micro-batch
-   (real trials) and gradient accumulation in ``on_fit_start``;
-2. :class:`DataLoaderTuner` -- in ``on_fit_start``, timed at the micro-batch MemoryFill chose, so the
-   loader is tuned for the batch size that trains; both decisions are then applied at once, as a run by
-   hand has them (``configure_optimizers()`` again only when the batch or the accumulation changed);
-3. :class:`MemoryEstimator` -- the estimate before the first step, checked against the real
-   peak of the first steps;
-4. :class:`DataWaitMonitor` -- data wait vs compute, GPU idle and utilisation, the verdict.
-
-The parts stay quiet (``verbose=False``); at the end of ``fit`` rank 0 logs one combined report
--- what was changed, then each part's figures -- and writes the ``"gpuopt"`` section of
-``gpuopt_report.json`` (preset, settings, changes) beside the parts' own sections. The combined
-result is :attr:`GpuOpt.report`. With ``plots=True`` it also draws the report's pictures as PNGs
-beside it (:mod:`lightning_gpuopt.core.plot`) and logs them to a TensorBoard or W&B logger. Batch-size
-trials and loader candidates are reported as they end (a line each, or a bar with the Trainer's
-progress bar). Metrics are logged by the parts under their documented
-``gpuopt/…`` keys (see each callback's module docstring).
-
-Presets (``lightning_gpuopt/presets/*.yaml``; ``gpuopt presets`` lists them): ``diagnose``
-(measure, change nothing), ``fill-memory``, ``max-throughput``, ``low-memory``.
+It runs its parts, quiet, in this order: :class:`MemoryFill` (precision in ``setup``; checkpointing, the
+micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (timed at MemoryFill's micro-batch;
+both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
+of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
+section of ``gpuopt_report.json`` and, with ``plots=True``, draws its PNGs. The parts log their own
+``gpuopt/...`` metrics. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
+``fill-memory``, ``max-throughput``, ``low-memory``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -49,29 +33,15 @@ from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.fill import MemoryFillPlan
 from lightning_gpuopt.core.loader import LoaderTuneResult
-from lightning_gpuopt.core.report import (
-    batch_search_table,
-    data_wait_table,
-    loader_tune_table,
-    render_table,
-)
+from lightning_gpuopt.core.report import batch_search_table, data_wait_table, loader_tune_table, render_table
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
-#: section of ``gpuopt_report.json`` GpuOpt writes
-REPORT_SECTION = "gpuopt"
 _FILL_KEYS = (
-    "global_batch_size",
-    "amp",
-    "checkpointing",
-    "accumulation",
-    "max_memory",
-    "margin",
-    "min_micro_batch_size",
-    "objective",
-    "batch_arg_name",
-    "on_oom",
-)
+    "global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
+    "objective", "batch_arg_name", "on_oom",
+)  # fmt: skip
+_SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
 
 
 @dataclass
@@ -89,40 +59,40 @@ class GpuOptReport:
     data_wait: Optional[DataWaitReport] = None
 
 
+def _to_parts(hook: str) -> Any:
+    """A GpuOpt hook that calls ``hook`` of each part, in order."""
+
+    def forward(self: GpuOpt, *args: Any) -> None:
+        for part in self.parts:
+            getattr(part, hook)(*args)
+
+    forward.__name__ = forward.__qualname__ = hook
+    return override(forward)
+
+
 class GpuOpt(Callback):
-    r"""The whole checklist in one callback: a preset, plus any of its settings overridden by keyword.
+    """The whole checklist in one callback: a preset, plus any of its settings overridden by keyword.
 
     Example::
 
-        from lightning import Trainer
-        from lightning_gpuopt import GpuOpt
-
         trainer = Trainer(callbacks=[GpuOpt("fill-memory", global_batch_size=256)])
-        trainer = Trainer(callbacks=[GpuOpt("my-team.yaml", amp=False)])   # a YAML file extending a preset
         trainer.fit(model, datamodule=dm)
         trainer.callbacks[0].report.changes
 
     Args:
-        preset: a shipped preset (``"diagnose"``, ``"fill-memory"``, ``"max-throughput"``,
-            ``"low-memory"``) or the path of a YAML file of settings (which may say
-            ``preset: NAME`` to extend one). ``None``: no preset, only the settings given here.
-        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator,
-            DataLoaderTuner, MemoryFill.
+        preset: a shipped preset or a YAML file of settings (``preset: NAME`` extends one); ``None``: no preset.
+        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner,
+            MemoryFill.
         max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
-            min_micro_batch_size, batch_arg_name, on_oom: MemoryFill's arguments (``max_memory`` also
-            MemoryEstimator's; ``on_oom="adapt"`` in the fill-memory, max-throughput and low-memory presets).
+            min_micro_batch_size, batch_arg_name, on_oom: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
-        plots: at the end of ``fit``, draw the report's pictures (step time over training, memory vs
-            batch size, loader settings) as PNGs beside ``gpuopt_report.json`` and log them to a
-            TensorBoard or W&B logger of the Trainer; needs matplotlib (``pip install
-            lightning-gpuopt[plot]``), and warns instead of failing the run when it cannot draw. ``None``
-            (the default) is ``False``: drawing costs seconds (importing matplotlib), so it is asked for.
+        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
+            TensorBoard or W&B logger (needs ``lightning-gpuopt[plot]``; a warning when it cannot draw).
 
-        Every setting left at ``None`` comes from the preset (or the part's own default).
+        A setting left at ``None`` comes from the preset (or the part's default).
 
     Raises:
-        ValueError: an unknown preset or key (the message lists the valid ones), or a bad value
-            (the part that takes it names it).
+        ValueError: an unknown preset or key, or a bad value (named by the part that takes it).
     """
 
     def __init__(
@@ -145,9 +115,7 @@ class GpuOpt(Callback):
         on_oom: Optional[OnOom] = None,
         plots: Optional[bool] = None,
     ) -> None:
-        overrides = {
-            key: value for key, value in locals().items() if key not in ("self", "preset", "plots", "__class__")
-        }
+        overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "plots", "__class__")}
         if plots is not None and not isinstance(plots, bool):
             raise ValueError(
                 f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
@@ -158,35 +126,27 @@ class GpuOpt(Callback):
         overrides = {key: value for key, value in overrides.items() if value is not None}
         self.preset = preset
         from_preset, sources = load_preset_with_sources(preset) if preset is not None else ({}, {})
-        self.settings = {**from_preset, **overrides}
-        settings = self.settings
+        self.settings = settings = {**from_preset, **overrides}
         for key, value in settings.items():  # every setting, also of the parts that do not run
-            check_setting(key, value, source=None if key in overrides else sources.get(key))
-        self.fill = (
-            MemoryFill(**{k: settings[k] for k in _FILL_KEYS if k in settings}, verbose=False)
-            if settings.get("fill_memory")
-            else None
-        )
+            _check_setting(key, value, source=None if key in overrides else sources.get(key))
+        fill_options = {k: settings[k] for k in _FILL_KEYS if k in settings}
+        self.fill = MemoryFill(**fill_options, verbose=False) if settings.get("fill_memory") else None
         tuner_options = {"max_seconds": settings["loader_max_seconds"]} if "loader_max_seconds" in settings else {}
         self.tuner = DataLoaderTuner(**tuner_options, verbose=False) if settings.get("tune_loader") else None
-        self.estimator = (
-            MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if settings.get("estimate") else None
-        )
+        estimate = settings.get("estimate")
+        self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if estimate else None
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
         for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
             if part is not None:
                 part.progress = True
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
-        #: what GpuOpt applied for its parts (batch size, accumulation, loader settings) and the SIGINT handler
-        self._undo = Undo()
+        self._undo = Undo()  # what GpuOpt applied for its parts, and the SIGINT handler
 
     @property
     def parts(self) -> list[Callback]:
         """The callbacks GpuOpt runs, in hook order."""
         return [part for part in (self.fill, self.tuner, self.estimator, self.monitor) if part is not None]
-
-    # ------------------------------------------------------------------ hooks with an order of their own
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -242,63 +202,19 @@ class GpuOpt(Callback):
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             rank_zero_info(render_report(self.report))
-            written = write_report_section(
-                path, REPORT_SECTION, {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
-            )
+            section = {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
+            written = write_report_section(path, "gpuopt", section)
             if self.plots and written is not None:
                 save_report_plots(trainer, written)
 
-    # ------------------------------------------------------------------ hooks each part gets in turn
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for part in self.parts:
-            part.on_train_start(trainer, pl_module)
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for part in self.parts:
-            part.on_train_epoch_start(trainer, pl_module)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        for part in self.parts:
-            part.on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    @override
-    def on_before_zero_grad(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        for part in self.parts:
-            part.on_before_zero_grad(trainer, pl_module, optimizer)
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        for part in self.parts:
-            part.on_before_optimizer_step(trainer, pl_module, optimizer)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        for part in self.parts:
-            part.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        for part in self.parts:
-            part.on_save_checkpoint(trainer, pl_module, checkpoint)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for part in self.parts:
-            part.on_train_end(trainer, pl_module)
+    on_train_start = _to_parts("on_train_start")
+    on_train_epoch_start = _to_parts("on_train_epoch_start")
+    on_train_batch_start = _to_parts("on_train_batch_start")
+    on_before_zero_grad = _to_parts("on_before_zero_grad")
+    on_before_optimizer_step = _to_parts("on_before_optimizer_step")
+    on_train_batch_end = _to_parts("on_train_batch_end")
+    on_save_checkpoint = _to_parts("on_save_checkpoint")
+    on_train_end = _to_parts("on_train_end")
 
     def _combined_report(self) -> GpuOptReport:
         changes = list(self.fill.plan.changes) if self.fill is not None and self.fill.plan is not None else []
@@ -317,19 +233,13 @@ class GpuOpt(Callback):
         )
 
 
-_SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
+def _check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
+    """Refuse a bad value of one setting with the message of the part that takes it (and the preset file).
 
-
-def check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
-    """Refuse a bad value of one GpuOpt setting with the message of the part that takes it (which
-    names the setting and the value), prefixed by the preset file that set it, if one did.
-
-    Example::
-
-        >>> check_setting("fill_memory", "false")
-        Traceback (most recent call last):
-        ...
-        ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
+    >>> _check_setting("fill_memory", "false")
+    Traceback (most recent call last):
+    ...
+    ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
     """
     try:
         if key in _SWITCHES:
@@ -356,28 +266,21 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
         except Exception as error:  # noqa: BLE001 - the other parts must still undo their changes
             errors.append(error)
     if errors and name == "on_exception":
-        for failure in errors:
-            rank_zero_warn(
-                f"GpuOpt: a part failed to undo its changes after the failed fit: {type(failure).__name__}: {failure}"
-            )
+        for e in errors:
+            rank_zero_warn(f"GpuOpt: a part failed to undo its changes after the failed fit: {type(e).__name__}: {e}")
     elif errors:
         raise errors[0]
 
 
 def render_report(report: GpuOptReport) -> str:
     """The combined report: what changed, then each part's table."""
-    changes = report.changes or ["nothing (measured only)"]
-    sections = [
-        render_table(f"gpuopt · preset {report.preset} · changed", [(str(i + 1), c) for i, c in enumerate(changes)])
+    rows = [(str(i), change) for i, change in enumerate(report.changes or ["nothing (measured only)"], 1)]
+    sections = [render_table(f"gpuopt · preset {report.preset} · changed", rows)]
+    tables: list[tuple[Any, Callable[[Any], str]]] = [
+        (report.memory_fill, plan_table),
+        (report.batch_size_search, batch_search_table),
+        (report.dataloader, lambda result: loader_tune_table(result, "")),
+        (report.memory, render_estimate),
+        (report.data_wait, data_wait_table),
     ]
-    if report.memory_fill is not None:
-        sections.append(plan_table(report.memory_fill))
-    if report.batch_size_search is not None:
-        sections.append(batch_search_table(report.batch_size_search))
-    if report.dataloader is not None:
-        sections.append(loader_tune_table(report.dataloader, ""))
-    if report.memory is not None:
-        sections.append(render_estimate(report.memory))
-    if report.data_wait is not None:
-        sections.append(data_wait_table(report.data_wait))
-    return "\n".join(sections)
+    return "\n".join(sections + [table(value) for value, table in tables if value is not None])

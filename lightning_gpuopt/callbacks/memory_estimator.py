@@ -1,34 +1,23 @@
 """MemoryEstimator: predict a training step's peak memory before it runs, then measure it.
 
-Before the first training step the callback traces one step of the model on fake tensors (see
-:mod:`lightning_gpuopt.core.estimate`) and keeps torchinfo's summary next to it; over the first
-``measure_steps`` real steps it measures the peak (through the device layer: on
-CUDA the allocated peak, on the host what the allocator handed out, op workspaces included) and reports how far both predictions were.
+Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
+torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
+Logged once, when the measurement ends (or at the end of training); unknown values are not logged:
 
-Logged metrics (to every logger of the Trainer and to ``trainer.callback_metrics``, once, at the
-step where the measurement ends, or at the end of training if that comes first; a key whose value
-is unknown is not logged):
-
-* ``gpuopt/mem_predicted_peak_bytes``: our predicted peak of a training step at the current batch size.
+* ``gpuopt/mem_predicted_peak_bytes``: the predicted peak of a step at the current batch size.
 * ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
-* ``gpuopt/mem_estimate_error``: ``(predicted - measured) / measured``; positive when we predicted too much.
+* ``gpuopt/mem_estimate_error``: ``(predicted - measured) / measured``.
 * ``gpuopt/mem_torchinfo_total_bytes``: torchinfo's "Estimated Total Size" at the current batch size.
 * ``gpuopt/mem_torchinfo_error``: ``(torchinfo total - measured) / measured``.
-* ``gpuopt/mem_params_bytes``: bytes of the parameters.
-* ``gpuopt/mem_grads_bytes``: bytes of the gradients.
-* ``gpuopt/mem_optimizer_bytes``: bytes of the optimizer state.
-* ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations saved for backward,
-  temporaries), without parameters, buffers, gradients, optimizer state and the batch.
+* ``gpuopt/mem_params_bytes``, ``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``: those bytes.
+* ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations, temporaries).
 * ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the capacity.
 
-At the end of ``fit`` rank 0 logs a table with ``rank_zero_info`` and writes the
-:class:`~lightning_gpuopt.core.estimate.MemoryEstimate` as the ``"memory"`` section of
-``gpuopt_report.json`` in ``trainer.log_dir`` (``trainer.default_root_dir`` without a logger).
+At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of ``gpuopt_report.json``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,88 +29,51 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine.steps import loss_function, manual_step
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_dir, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import MemoryEstimate, StepEstimator, TrainingStep, optimizer_state_rule_bytes
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.op_memory import storage_bytes
-from lightning_gpuopt.core.report import (
-    REPORT_FILENAME,
-    format_bytes,
-    format_fraction,
-    format_seconds,
-    render_table,
-    to_dict,
-)
-from lightning_gpuopt.core.storage import Location, join_location
+from lightning_gpuopt.core.report import format_bytes, format_fraction, format_seconds, render_table, to_dict
+from lightning_gpuopt.core.storage import Location
 
 #: prefix of every metric this callback logs
 METRIC_PREFIX = "gpuopt/mem_"
 _LOGGED_FIELDS = (
-    "predicted_peak_bytes",
-    "measured_peak_bytes",
-    "estimate_error",
-    "torchinfo_total_bytes",
-    "torchinfo_error",
-    "params_bytes",
-    "grads_bytes",
-    "optimizer_bytes",
-    "activation_bytes",
-    "max_batch_size",
-)
+    "predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes", "torchinfo_error",
+    "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "max_batch_size",
+)  # fmt: skip
 
 
 class MemoryEstimator(Callback):
-    r"""Predicts the peak memory of a training step before the first one, and measures it after.
+    """Predicts the peak memory of a training step before the first one, and measures it after.
 
-    The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake
-    tensors (no memory is allocated, the model is left untouched), in the precision the Trainer
-    uses, at the current batch size and at twice it; the line through both gives the largest batch
-    size that fits ``max_memory``. Under manual optimization the whole ``training_step`` is traced,
-    its ``manual_backward`` calls and the steps of twins of every optimizer included. A step that
-    cannot be traced (``.item()`` or data-dependent control flow in ``training_step``, a
-    ``training_step(self, dataloader_iter)`` that pulls its own batches) falls back to torchinfo's
-    figures with a warning that says why (also in ``estimate.not_traced_reason``). Each rank estimates its own step; there are no collectives. Under
-    DDP the prediction adds DDP's gradient buckets (a copy of the gradients, unless
-    ``gradient_as_bucket_view=True``) and the measurement starts at the third step, after DDP
-    has rebuilt its buckets. Under gradient accumulation (set by the user or by
-    :class:`MemoryFill`) the trace keeps the previous micro-batch's gradients alive, as the run
-    does; mixed precision and activation checkpointing are traced as they run (the precision
-    plugin's step context, the checkpointed blocks). Gradient clipping's temporaries (one norm per
-    parameter) are not counted.
+    The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
+    Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
+    batch size and at twice it; the line through both gives the largest batch size that fits ``max_memory``.
+    A step that cannot be traced (``.item()``, data-dependent control flow, ``dataloader_iter``) falls back to
+    torchinfo's figures with a warning saying why. Under DDP the gradient buckets are added and the measurement
+    starts at the third step; gradient clipping's temporaries are not counted.
+
+    Args:
+        max_memory: what to plan the largest batch size with: bytes, ``"20GiB"``, or a fraction of the device
+            (``0.9``); ``None``: what the device has free plus what torch already holds.
+        measure_steps: real steps to measure the peak over (at least ``2 * accumulate_grad_batches`` batches).
+        verbose: log the estimate's table (the JSON report is written either way).
 
     Example::
 
-        from lightning import Trainer
-        from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator
-
         estimator = MemoryEstimator(max_memory="20GiB")
-        trainer = Trainer(callbacks=[estimator])
-        trainer.fit(model)
+        Trainer(callbacks=[estimator]).fit(model)
         estimator.estimate.predicted_peak_bytes, estimator.estimate.measured_peak_bytes
-        estimator.estimate.max_batch_size
-
-    Args:
-        max_memory: the memory to plan the largest batch size with: bytes, a string such as
-            ``"20GiB"`` or ``"300MB"``, or a fraction of the device such as ``0.9``. ``None``:
-            what the device has free when the estimate runs, plus what torch already holds there.
-        measure_steps: how many real training steps to measure the peak over (the first step has
-            no gradients or optimizer state yet, so measure at least 2 for the steady state). With
-            gradient accumulation, at least ``2 * accumulate_grad_batches`` batches are measured:
-            the second group's micro-batches run with the optimizer state alive.
-        verbose: log the estimate's table with ``rank_zero_info`` (the JSON report is written either way).
-
-    Raises:
-        ValueError: if ``max_memory`` is not a memory size or ``measure_steps`` is not a positive int.
     """
 
     def __init__(
         self, max_memory: int | float | str | None = None, measure_steps: int = 3, verbose: bool = True
     ) -> None:
-        if max_memory is not None:
-            # validates early; a fraction is resolved against the real device in the first step
+        if max_memory is not None:  # validated now; a fraction is resolved on the device in the first step
             parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
@@ -130,24 +82,14 @@ class MemoryEstimator(Callback):
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
-        self._batches_started = 0
-        self._unmeasured_steps = 0
-        self._peaks: list[int] = []
-        self._measured = False
-        self._optimizer_needs_measuring = False
-        self._report_dir: Location = Path(".")
-
-    # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Each ``fit`` gets its own estimate and measurement."""
         compat.check_trainer_namespace(trainer, self)
-        # trainer.log_dir broadcasts from rank 0, so every rank asks, here rather than at the very
-        # end of fit: a collective right before the processes exit makes DDP teardown racy
-        self._report_dir = report_dir(trainer)
+        # a collective under DDP: asked here, as one right before the processes exit makes teardown racy
+        self._report_file: Location = report_file(trainer)
         self.estimate = None
         self._batches_started = self._unmeasured_steps = 0
-        self._peaks = []
+        self._peaks: list[int] = []
         self._measured = self._optimizer_needs_measuring = False
 
     def on_train_batch_start(
@@ -174,9 +116,7 @@ class MemoryEstimator(Callback):
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False
             self.estimate = self.estimate.with_measured_optimizer_state(storage_bytes(*trainer.optimizers))
-        # with gradient accumulation the optimizer first steps (and creates its state) at batch
-        # `accumulate_grad_batches`; the worst micro-batch (earlier gradients and the optimizer state
-        # alive, then the step) is the last of the second group: measure until it
+        # under accumulation the worst micro-batch (gradients and optimizer state alive) ends the second group
         if len(self._peaks) >= max(self.measure_steps, 2 * trainer.accumulate_grad_batches):
             self._finish_measuring(trainer)
 
@@ -187,15 +127,13 @@ class MemoryEstimator(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.estimate is not None and trainer.is_global_zero:
-            self._report(self._report_dir)
+            self._report(self._report_file)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_meter()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_meter()
-
-    # ------------------------------------------------------------------ predicting
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MemoryEstimate:
         device = pl_module.device
@@ -217,59 +155,44 @@ class MemoryEstimator(Callback):
         )
         estimate = StepEstimator(step).estimate(capacity)
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None
-        # a traced estimate's notes say what was added to it; a fallback's why it is less accurate
         say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
         for note in estimate.notes:
             say(f"MemoryEstimator: {note}")
         if isinstance(trainer.strategy.model, DistributedDataParallel):
-            # DDP rebuilds its buckets once, in the second step: measure the steady state after it
-            self._unmeasured_steps = 2
+            self._unmeasured_steps = 2  # DDP rebuilds its buckets in the second step
             if not trainer.strategy.model.gradient_as_bucket_view:
                 buckets = storage_bytes([p for p in pl_module.parameters() if p.requires_grad])
                 estimate = estimate.with_untraced_bytes(buckets, "DDP gradient buckets (a copy of the gradients)")
         return estimate
 
-    # ------------------------------------------------------------------ measuring
-
     def _stop_meter(self) -> int | None:
-        if self._meter is None:
-            return None
         meter, self._meter = self._meter, None
-        return meter.stop() if meter.running else None
+        return meter.stop() if meter is not None and meter.running else None
 
     def _finish_measuring(self, trainer: pl.Trainer) -> None:
         self._measured = True
         if self.estimate is None:
             return
         self.estimate = self.estimate.with_measured_peak(max(self._peaks, default=None))
-        metrics = {
-            METRIC_PREFIX + name: float(value)
-            for name in _LOGGED_FIELDS
-            if (value := getattr(self.estimate, name)) is not None
-        }
-        log_metrics(trainer, metrics)
-
-    # ------------------------------------------------------------------ reporting
+        fields = {METRIC_PREFIX + name: getattr(self.estimate, name) for name in _LOGGED_FIELDS}
+        log_metrics(trainer, {key: value for key, value in fields.items() if value is not None})
 
     @rank_zero_only
-    def _report(self, directory: Location) -> None:
+    def _report(self, path: Location) -> None:
         assert self.estimate is not None
         if self.verbose:
             rank_zero_info(render_estimate(self.estimate))
-        write_report_section(join_location(directory, REPORT_FILENAME), "memory", to_dict(self.estimate))
+        write_report_section(path, "memory", to_dict(self.estimate))
 
 
 def render_estimate(estimate: MemoryEstimate) -> str:
     """The estimate as a text table (rich), for ``rank_zero_info``."""
+    accumulation = estimate.accumulate_grad_batches
     rows = [
         ("method", estimate.method),
         *([("not traced because", estimate.not_traced_reason)] if estimate.not_traced_reason else []),
         ("batch size", str(estimate.batch_size)),
-        *(
-            [("micro-batches per optimizer step", str(estimate.accumulate_grad_batches))]
-            if estimate.accumulate_grad_batches > 1
-            else []
-        ),
+        *([("micro-batches per optimizer step", str(accumulation))] if accumulation > 1 else []),
         ("parameters", format_bytes(estimate.params_bytes)),
         ("gradients", format_bytes(estimate.grads_bytes)),
         ("optimizer state", format_bytes(estimate.optimizer_bytes)),
@@ -287,9 +210,6 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
     return render_table("gpuopt: memory estimate", rows, notes=estimate.notes)
-
-
-# ---------------------------------------------------------------------- helpers
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

@@ -423,7 +423,7 @@ def test_train_loader_reset_and_rebuild(ns, fitted):
         moved(ns, "fit_loop.setup_data() then _combined_loader.flattened[0]", "a rebuilt DataLoader")
     c.reset_train_loader(trainer)
     source = c.train_source(trainer)
-    c.set_train_source(trainer, source)
+    setattr(trainer.fit_loop, c.TRAIN_SOURCE_ATTRIBUTE, source)
     if trainer.fit_loop._data_source is not source:
         moved(ns, "fit_loop._data_source", "settable")
 
