@@ -1,9 +1,7 @@
 """lightning-gpuopt: Lightning callbacks that measure why a GPU waits and keep it busy and its memory full.
 
-The public names below are imported on first use (PEP 562 module ``__getattr__``), so that importing
-a light part of the package -- ``lightning_gpuopt.cli`` for the ``gpuopt`` command, ``presets``,
-``core`` -- does not import Lightning. ``from lightning_gpuopt import GpuOpt`` works as with eager
-imports; ``dir()`` and ``__all__`` list every name.
+The public names are imported on first use (PEP 562 ``__getattr__``), so that the ``gpuopt`` command,
+``presets`` and ``core`` do not import Lightning.
 """
 
 import importlib as _importlib

@@ -1,13 +1,8 @@
 """lightning-gpuopt for code that imports ``pytorch_lightning`` rather than ``lightning.pytorch``.
 
-Lightning ships its trainer twice, with distinct classes; our callbacks are built on ``lightning.pytorch``
-and make what a Trainer needs from that Trainer's own namespace
-(:mod:`lightning_gpuopt.callbacks._lightning_compat`). The classes here add ``pytorch_lightning``'s
-``Callback`` (and ``LightningCLI``) as a base, so a ``pytorch_lightning.Trainer`` and its CLI take them;
-each refuses the other namespace's Trainer with a message naming the import to use. Results and
-``core`` are shared.
+The classes here add ``pytorch_lightning``'s ``Callback`` (and ``LightningCLI``) as a base over the
+same source, so a ``pytorch_lightning.Trainer`` takes them; results and ``core`` are shared.
 
-Example:
     >>> import pytorch_lightning as pl
     >>> from lightning_gpuopt.pytorch_lightning import GpuOpt
     >>> isinstance(GpuOpt("diagnose"), pl.Callback)
