@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import os
 import random
-import resource
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from resource import RUSAGE_CHILDREN, getrusage
 from typing import Callable, Iterator, Optional
 
 import psutil
@@ -162,11 +162,6 @@ def usable_cpu_count(within_quota: bool = True) -> int:
     return affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _child_pids() -> Optional[set[int]]:
     """This process's children (the loader's workers); None when the platform does not list them."""
     try:
@@ -211,19 +206,6 @@ def batch_samples(batch: object) -> Optional[int]:
     return next((found for found in map(batch_samples, items) if found is not None), None)
 
 
-def _shutdown(iterator: Iterator, threads_before: set[threading.Thread], timeout_s: float = 5.0) -> None:
-    """Stop the iterator's workers (their CPU time then counts in ``RUSAGE_CHILDREN``) and join the queue
-    feeder threads torch leaves running: one alive at the next ``fork()`` can hold a lock the new worker
-    inherits locked, and that worker deadlocks."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
-    deadline = time.monotonic() + timeout_s
-    for thread in set(threading.enumerate()) - threads_before:
-        if thread.name.startswith("QueueFeederThread"):
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
 def time_loader(
     loader: DataLoader,
     setting: LoaderSetting,
@@ -239,7 +221,8 @@ def time_loader(
     workers = setting.num_workers
     fill = workers * (setting.prefetch_factor or 2) if workers else 1
     wanted = max(batches, fill + 8)
-    cpu_before, threads_before, children_before = _children_cpu_s(), set(threading.enumerate()), _child_pids()
+    cpu_before = sum(getrusage(RUSAGE_CHILDREN)[:2])
+    threads_before, children_before = set(threading.enumerate()), _child_pids()
     started = time.perf_counter()
     iterator = iter(loader)
     scheduled: Optional[tuple[float, float]] = None
@@ -259,9 +242,8 @@ def time_loader(
                 fill_ready = now
             elif fetched > fill:
                 steady_samples += size
-            if (fetched >= wanted and now - started >= min_seconds) or (
-                fetched >= fill + 2 and now - started > max_seconds
-            ):
+            spent = now - started
+            if (fetched >= wanted and spent >= min_seconds) or (fetched >= fill + 2 and spent > max_seconds):
                 break
             # judged from the first batch on: a slow start is timed apart, and persistent workers pay it once
             if give_up_after_s is not None and now - first_ready > give_up_after_s(fetched):
@@ -273,7 +255,15 @@ def time_loader(
         children = _child_pids()
         if workers and children is not None and children_before is not None:
             scheduled = _scheduled_seconds([f"/proc/{pid}/schedstat" for pid in children - children_before])
-        _shutdown(iterator, threads_before)
+        # joined workers count in RUSAGE_CHILDREN; torch leaves its queue feeder threads running, and one alive
+        # at the next fork() can hold a lock the new worker inherits locked: that worker deadlocks
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        deadline = time.monotonic() + 5.0
+        for thread in set(threading.enumerate()) - threads_before:
+            if thread.name.startswith("QueueFeederThread"):
+                thread.join(max(0.0, deadline - time.monotonic()))
         del iterator
     elapsed = ended - started
     if fetched >= fill + 2 and ended > fill_ready:
@@ -282,8 +272,8 @@ def time_loader(
         rate = samples / max(elapsed, 1e-9)
     worker_cpu = loading_cpu = None
     if workers:  # without schedstat: CPU time of the reaped workers over their wall time
-        cpu_s, waiting_s = scheduled if scheduled is not None else (_children_cpu_s() - cpu_before, 0.0)
-        worker_cpu = worker_cpu_fraction(cpu_s, waiting_s, workers, elapsed)
+        reaped = (sum(getrusage(RUSAGE_CHILDREN)[:2]) - cpu_before, 0.0)
+        worker_cpu = worker_cpu_fraction(*(scheduled or reaped), workers, elapsed)
     if main_before is not None and main_after is not None:
         loading_cpu = worker_cpu_fraction(main_after[0] - main_before[0], main_after[1] - main_before[1], 1, elapsed)
     return LoaderTiming(
@@ -322,6 +312,7 @@ def tune_loader(
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
+    grown = 1 + tolerance
 
     def best() -> Optional[LoaderTiming]:
         finished = [t for t in timings if not t.stopped_early]
@@ -355,40 +346,36 @@ def tune_loader(
         if target_samples_per_second and timing.samples_per_second >= target_samples_per_second:
             break
         # one worker only moves loading off the main process, so growth is judged from two workers on
-        grew = previous is None or _grew(previous, timing, tolerance)
+        grew = previous is None or timing.samples_per_second > grown * previous.samples_per_second
         if workers >= 2 and not grew and previous is not None and time.perf_counter() - started <= max_seconds:
             # one disturbed timing must not end the walk: both timed once more, the faster kept
             previous, timing = _faster(previous, run(previous.setting)), _faster(timing, run(setting))
-            grew = _grew(previous, timing, tolerance)
+            grew = timing.samples_per_second > grown * previous.samples_per_second
         if workers >= 2 and not grew:
             break
         previous = timing
-        if workers == counts[-1] and _waits_on_io(timings, timing) and workers * 2 <= max_workers:
-            counts.append(workers * 2)  # workers wait on I/O: more of them than cores still help
+        # waiting on I/O, judged without workers when timed: workers also idle when the main process falls behind
+        alone = [t.loading_cpu_fraction for t in timings if t.loading_cpu_fraction is not None]
+        fraction = max(alone) if alone else timing.worker_cpu_fraction
+        if workers == counts[-1] and fraction is not None and fraction < 0.5 and workers * 2 <= max_workers:
+            counts.append(workers * 2)  # more workers than cores still help
     leader = best()
     if leader is not None and leader.setting.num_workers > 0 and walking():
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
-
-    def choose(kept: list[LoaderTiming]) -> LoaderTuneResult:
-        spent = time.perf_counter() - started
-        return _choose(kept, baseline_timing, tolerance, target_samples_per_second, usable_cpus, spent)
-
-    return _settled(timings, run, choose, started, max_seconds)
-
-
-def _waits_on_io(timings: list[LoaderTiming], timing: LoaderTiming) -> bool:
-    """Do the samples mostly wait on I/O (so more workers than cores still help)? Judged without workers
-    when timed (the main thread loads alone): workers also idle when the main process falls behind."""
-    alone = [t.loading_cpu_fraction for t in timings if t.loading_cpu_fraction is not None]
-    if alone:
-        return max(alone) < 0.5
-    return timing.worker_cpu_fraction is not None and timing.worker_cpu_fraction < 0.5
-
-
-def _grew(previous: LoaderTiming, timing: LoaderTiming, tolerance: float) -> bool:
-    return timing.samples_per_second > previous.samples_per_second * (1 + tolerance)
+    chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started, max_seconds)
+    return LoaderTuneResult(
+        **vars(chosen.setting),
+        samples_per_second=chosen.samples_per_second,
+        baseline=baseline_timing,
+        candidates=_fastest_each(timings),
+        target_samples_per_second=target_samples_per_second,
+        usable_cpus=usable_cpus,
+        seconds=time.perf_counter() - started,
+        reason=reason,
+        settled=settled,
+    )
 
 
 def _faster(kept: LoaderTiming, timing: LoaderTiming) -> LoaderTiming:
@@ -406,51 +393,11 @@ def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
     return list(fastest.values())
 
 
-def _settled(
-    timings: list[LoaderTiming],
-    run: Callable[[LoaderSetting], LoaderTiming],
-    choose: Callable[[list[LoaderTiming]], LoaderTuneResult],
-    started: float,
-    max_seconds: float,
-) -> LoaderTuneResult:
-    """Time the contenders again, round after round in alternating order, until the choice is the same
-    after a round as before it; one still changing after the last round (or past ``max_seconds``) is
-    returned with ``settled=False`` and says so in its reason."""
-    result = choose(_fastest_each(timings))
-    changes = [result.setting]
-    for round_index in range(_SETTLING_ROUNDS):
-        if time.perf_counter() - started > max_seconds:
-            break
-        finished = [t for t in _fastest_each(timings) if not t.stopped_early]
-        if not finished:
-            return result
-        top = max(t.samples_per_second for t in finished)
-        contenders = [t.setting for t in finished if t.samples_per_second >= _CONTENDER_FRACTION * top]
-        for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
-            run(setting)  # appended to ``timings``
-        again = choose(_fastest_each(timings))
-        if again.setting == result.setting:
-            return again
-        result = again
-        changes.append(result.setting)
-    result.settled = False
-    if len(changes) > 1:
-        steps = " → ".join(f"{setting.num_workers} workers" for setting in changes)
-        result.reason += f"; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy"
-    else:
-        result.reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
-    return result
-
-
-def _choose(
-    timings: list[LoaderTiming],
-    baseline: Optional[LoaderTiming],
-    tolerance: float,
-    target: Optional[float],
-    usable_cpus: int,
-    seconds: float,
-) -> LoaderTuneResult:
-    finished = [t for t in timings if not t.stopped_early] or list(timings)
+def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[float]) -> tuple[LoaderTiming, str]:
+    """The cheapest of each setting's least disturbed timing that keeps up with ``target``, else within
+    ``tolerance`` of the best; and why."""
+    timings = _fastest_each(timings)
+    finished = [t for t in timings if not t.stopped_early] or timings
     top = max(t.samples_per_second for t in finished)
     if target and any(t.samples_per_second >= target for t in finished):
         pool = [t for t in finished if t.samples_per_second >= target]
@@ -458,17 +405,44 @@ def _choose(
     else:
         pool = [t for t in finished if t.samples_per_second >= (1 - tolerance) * top]
         reason = f"the cheapest setting within {tolerance:.0%} of the best ({top:,.0f} samples/s)"
-    chosen = min(pool, key=lambda t: t.setting.cost)
-    return LoaderTuneResult(
-        **vars(chosen.setting),
-        samples_per_second=chosen.samples_per_second,
-        baseline=baseline,
-        candidates=list(timings),
-        target_samples_per_second=target,
-        usable_cpus=usable_cpus,
-        seconds=seconds,
-        reason=reason,
-    )
+    return min(pool, key=lambda t: t.setting.cost), reason
+
+
+def _settled(
+    timings: list[LoaderTiming],
+    run: Callable[[LoaderSetting], LoaderTiming],
+    tolerance: float,
+    target: Optional[float],
+    started: float,
+    max_seconds: float,
+) -> tuple[LoaderTiming, str, bool]:
+    """``(chosen, reason, settled)``: the contenders timed again, round after round in alternating order,
+    until the choice is the same after a round as before it (``settled``; else the reason says so)."""
+    chosen, reason = _choose(timings, tolerance, target)
+    changes = [chosen.setting]
+    for round_index in range(_SETTLING_ROUNDS):
+        if time.perf_counter() - started > max_seconds:
+            break
+        finished = [t for t in _fastest_each(timings) if not t.stopped_early]
+        if not finished:
+            return chosen, reason, True
+        top = max(t.samples_per_second for t in finished)
+        contenders = [t.setting for t in finished if t.samples_per_second >= _CONTENDER_FRACTION * top]
+        for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
+            run(setting)  # appended to ``timings``
+        again, reason = _choose(timings, tolerance, target)
+        if again.setting == chosen.setting:
+            return again, reason, True
+        chosen = again
+        changes.append(chosen.setting)
+    if len(changes) > 1:
+        steps = " → ".join(f"{setting.num_workers} workers" for setting in changes)
+        return (
+            chosen,
+            f"{reason}; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy",
+            False,
+        )
+    return chosen, f"{reason}; unconfirmed: `max_seconds` ran out before the choice was timed twice", False
 
 
 def oversubscription(
