@@ -4,7 +4,8 @@
 
 * ``torch.utils._pytree``: no public pytree; Lightning's ``apply_to_collection`` does not flatten any nest;
 * ``torch._subclasses.fake_tensor``: tensors a step is traced on without allocating;
-* ``torch.utils._python_dispatch``: the mode that sees every op (storage counting, the simulated card);
+* ``torch.utils._python_dispatch``: the mode that sees every op (storage counting, the simulated card),
+  and :func:`current_dispatch_mode`, the innermost active one;
 * ``UntypedStorage._cdata`` (:func:`storage_key`): a storage's identity (``data_ptr()`` is 0 when fake);
 * the legacy profiler (:func:`start_allocation_events`): the allocator's events, cheaper than ``torch.profiler``;
 * ``GradScaler._scale`` (:func:`grad_scale`): the scale without the host sync of ``get_scale()``.
@@ -12,24 +13,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: F401 - re-exported
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map as tree_map
 
 #: the loggers fake-tensor kernels report to (quieted while a trace falls back)
 FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
-
-
-def current_dispatch_mode() -> Optional[TorchDispatchMode]:
-    """The innermost active ``TorchDispatchMode``."""
-    return _get_current_dispatch_mode()
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:

@@ -144,9 +144,8 @@ class MemoryFillPlan:
     checkpointing: bool
     micro_batch_size: int
     accumulate_grad_batches: int
-    #: samples per optimizer step over all ranks: ``micro_batch_size * accumulate_grad_batches * world_size``
+    #: samples per optimizer step over all ranks, and the number asked for (they differ when no split is exact)
     global_batch_size: int
-    #: the global batch asked for (``global_batch_size`` differs only when no split is exact)
     requested_global_batch_size: int
     world_size: int = 1
     #: qualified names and classes of the checkpointed blocks
@@ -156,19 +155,17 @@ class MemoryFillPlan:
     initial_precision: str = "32-true"
     initial_batch_size: int = 0
     initial_accumulate_grad_batches: int = 1
-    #: the largest micro-batch the trials found to fit (``micro_batch_size`` is at most this)
+    #: the largest micro-batch that fitted, the budget every trial ran under, the estimate's peak at
+    #: ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
     largest_fit: Optional[int] = None
-    #: the budget every trial ran under (``max_memory * (1 - margin)``)
     budget_bytes: Optional[int] = None
-    #: the estimate's peak at ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
     predicted_peak_bytes: Optional[int] = None
     measured_peak_bytes: Optional[int] = None
     #: why each lever was (not) used, in the order decided
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    #: what an out-of-memory error in a training step does: ``"adapt"`` (smaller micro-batches) or ``"raise"``
+    #: ``"adapt"`` (smaller micro-batches after an out-of-memory error in training) or ``"raise"``; each one absorbed
     on_oom: str = "raise"
-    #: each out-of-memory error absorbed during training (step, old → new micro-batch, why)
     oom_adaptations: list[OomAdaptation] = field(default_factory=list)
 
     @property

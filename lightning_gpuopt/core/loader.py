@@ -1,11 +1,9 @@
 """Choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and ``pin_memory`` by timing the real loader.
 
-:func:`time_loader` times a ``DataLoader``'s start-up, its steady throughput and whether its workers
-compute or wait on I/O. :func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the
-usable cores (:func:`usable_cpu_count`), past them only while the workers wait on I/O and throughput
-grows, stops candidates that are clearly slower, tries ``prefetch_factor=4`` on the best, times the
-contenders again, and picks the cheapest setting within ``tolerance`` of the best (or the cheapest
-that keeps up with the target).
+:func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
+while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
+``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
+``tolerance`` of the best (or the cheapest that keeps up with the target).
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -62,12 +60,9 @@ class LoaderSetting:
         }
 
     def describe(self) -> str:
-        if self.num_workers == 0:
-            return f"num_workers=0, pin_memory={self.pin_memory}"
-        return (
-            f"num_workers={self.num_workers}, prefetch_factor={self.prefetch_factor or 2},"
-            f" persistent_workers={self.persistent_workers}, pin_memory={self.pin_memory}"
-        )
+        """``'num_workers=0, pin_memory=False'``: the arguments that apply."""
+        kwargs = self.loader_kwargs().items()
+        return ", ".join(f"{k}={v}" for k, v in kwargs if self.num_workers or k in ("num_workers", "pin_memory"))
 
     def short(self) -> str:
         """``'8 workers, prefetch 2, persistent'``-style label for tables."""
@@ -149,13 +144,9 @@ def cgroup_cpu_quota() -> Optional[float]:
 
 
 def usable_cpu_count(within_quota: bool = True) -> int:
-    """CPU cores this process may keep busy: its affinity (not ``os.cpu_count()``), at most the cgroup
-    quota rounded up (``docker run --cpus=1`` on 16 cores: 1). Unlike Lightning's
-    ``suggested_max_num_workers`` it heeds the quota and keeps the main process's core (the tuner times it).
-
-        >>> 1 <= usable_cpu_count() <= usable_cpu_count(within_quota=False) <= (os.cpu_count() or 1)
-        True
-    """
+    """CPU cores this process may keep busy: its affinity (not ``os.cpu_count()``), at most the cgroup quota
+    rounded up (``docker run --cpus=1`` on 16 cores: 1). Unlike Lightning's ``suggested_max_num_workers``
+    it heeds the quota and keeps the main process's core (the tuner times it)."""
     getter = getattr(os, "sched_getaffinity", None)
     affinity = len(getter(0)) if getter is not None else (os.cpu_count() or 1)
     quota = cgroup_cpu_quota() if within_quota else None
@@ -225,7 +216,7 @@ def time_loader(
     threads_before, children_before = set(threading.enumerate()), _child_pids()
     started = time.perf_counter()
     iterator = iter(loader)
-    scheduled: Optional[tuple[float, float]] = None
+    scheduled: Optional[tuple[float, float]]
     main_thread = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
     main_before = _scheduled_seconds(main_thread) if not workers else None
     first_ready = fill_ready = started
@@ -252,7 +243,7 @@ def time_loader(
     finally:
         ended = time.perf_counter()
         main_after = _scheduled_seconds(main_thread) if main_before is not None else None
-        children = _child_pids()
+        children, scheduled = _child_pids(), None
         if workers and children is not None and children_before is not None:
             scheduled = _scheduled_seconds([f"/proc/{pid}/schedstat" for pid in children - children_before])
         # joined workers count in RUSAGE_CHILDREN; torch leaves its queue feeder threads running, and one alive
@@ -294,21 +285,10 @@ def tune_loader(
     baseline: Optional[LoaderSetting] = None,
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
 ) -> LoaderTuneResult:
-    """Time candidate settings of one loader and choose one (see the module docstring).
-
-    Args:
-        build: makes the loader for a setting (same dataset, sampler, collate_fn, batch size).
-        usable_cpus: CPU cores this process may use for workers.
-        batches: batches timed per candidate (worker start-up is timed on top, in the first).
-        max_seconds: no new candidate starts once tuning has taken this long.
-        tolerance: a cheaper setting within this fraction of the best throughput is chosen.
-        target_samples_per_second: what training consumes: the cheapest setting that keeps up wins.
-        pin_memory: set on every candidate (on CUDA).
-        persistent_workers: set on every candidate with workers.
-        max_workers: never more workers (default ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``).
-        baseline: the user's own setting, timed first for comparison.
-        on_timed: called with each candidate's timing as it ends (progress reporting).
-    """
+    """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one:
+    ``batches`` per candidate, none started past ``max_seconds``, at most ``max_workers`` (default
+    ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all;
+    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
@@ -437,12 +417,10 @@ def _settled(
         changes.append(chosen.setting)
     if len(changes) > 1:
         steps = " → ".join(f"{setting.num_workers} workers" for setting in changes)
-        return (
-            chosen,
-            f"{reason}; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy",
-            False,
-        )
-    return chosen, f"{reason}; unconfirmed: `max_seconds` ran out before the choice was timed twice", False
+        reason += f"; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy"
+    else:
+        reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
+    return chosen, reason, False
 
 
 def oversubscription(

@@ -1,11 +1,7 @@
 """Out-of-memory recovery in training (``MemoryFill(on_oom="adapt")``): split a batch into micro-batches,
-and decide how small.
-
-After an error at a micro-batch of ``m`` samples of ``e`` elements each, samples of ``e`` elements or
-more train in micro-batches of at most ``m // 2`` (memory per sample is assumed not to fall as samples
-grow). Each micro-batch's loss is weighted by its share of the samples: the gradient is the batch's
-own **when the loss is a mean over the batch's samples** (torch's default ``reduction="mean"``), which
-recovery assumes.
+and decide how small: after an error at ``m`` samples of ``e`` elements each, samples of ``e`` elements
+or more train in at most ``m // 2``. Micro-batch losses weighted by their share of the samples give the
+batch's gradient **when the loss is a mean over the batch's samples** (``reduction="mean"``).
 
     >>> batch = {"x": torch.arange(10.0).reshape(5, 2), "y": torch.arange(5)}
     >>> [(len(part["y"]), weight) for part, weight in split_batch(batch, 2, batch_size=5)]
@@ -37,14 +33,11 @@ class OutOfMemoryAtOneSampleError(torch.OutOfMemoryError):
 class OomAdaptation:
     """One out-of-memory error absorbed by smaller micro-batches."""
 
-    #: the optimizer step (``trainer.global_step``) and the batch index in its epoch
-    step: int
+    step: int  # trainer.global_step
     batch_idx: int
-    #: the micro-batch that ran out of memory and the one used from then on
     old_micro_batch_size: int
     new_micro_batch_size: int
-    #: elements per sample of the batch (the new limit holds for samples at least this large)
-    sample_elements: int
+    sample_elements: int  # the new limit holds for samples at least this large
     #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
     reason: str
 

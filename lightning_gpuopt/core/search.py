@@ -1,21 +1,16 @@
 """The largest batch size that fits a memory budget, found in a handful of trials.
 
-Pure standard library: the search sees an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that
-runs a real trial, and decides what to try next:
+Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that runs a real trial, and
 
-1. **probe** ``start`` (the calibrated estimate's predicted maximum: usually within a few percent);
-2. **extrapolate** while everything fits, with ``peak(b) = a + s * b`` through the two largest fits
-   (one fit: the estimate's slope, or the line through zero), each jump at most ``max_growth`` times
-   the largest fit;
-3. once a size missed, **interpolate** inside the bracket (largest fit, smallest miss) with that line;
-4. **bisect** the bracket (or, with no miss yet, double) when the line is flat or contradicts a trial
-   (says the smallest miss fits, or the largest fit does not), and for good once two of its guesses
-   missed: the peaks then do not decide a fit (allocator, a cap measured elsewhere, unseen memory).
-   One miss alone keeps the line: a convex peak misses once at its kink and is then exact again;
-5. stop once the largest fit plus ``multiple_of`` missed, at the upper bound, or after ``max_trials``.
+1. **probes** ``start`` (the estimate's predicted maximum);
+2. **extrapolates** while all fit, on the line ``peak(b) = a + s * b`` through the two largest fits (one
+   fit: the estimate's slope, or through zero), at most ``max_growth`` times the largest fit;
+3. **interpolates** on that line inside the bracket (largest fit, smallest miss) once a size missed;
+4. **bisects** (or doubles, with no miss yet) when the line is flat or contradicts a trial, and for good
+   once two of its guesses missed (one alone may be a convex peak's kink): the peaks then do not decide;
+5. **stops** once the largest fit + ``multiple_of`` missed, at the upper bound, or after ``max_trials``.
 
-The answer is the largest size that was tested and fitted, never an extrapolated one; sizes are
-multiples of ``multiple_of`` in ``[min_batch_size, max_batch_size]``.
+The answer was tested and fitted, never extrapolated.
 
     >>> def fits(batch_size):                 # peak = 1 MB + 10 kB per sample, budget 11 MB
     ...     peak = 1_000_000 + 10_000 * batch_size
@@ -24,8 +19,7 @@ multiples of ``multiple_of`` in ``[min_batch_size, max_batch_size]``.
     >>> result.batch_size, result.stop_reason, [trial.batch_size for trial in result.trials]
     (1000, 'bracketed', [64, 256, 1000, 1001])
 
-A meter that under-reports (1 MB a sample needed, 1/1.3 of it measured: the line says 130 fit): the
-first miss contradicts the line, and the search bisects::
+A meter that under-reports (the line says 130 fit): the first miss contradicts it, and the search bisects:
 
     >>> def fits(batch_size):                 # true limit 100
     ...     needed = 1_000_000 * batch_size
@@ -70,11 +64,9 @@ class BatchSizeSearchResult:
     #: ``"bracketed"`` (largest fit + multiple_of missed), ``"upper bound"``, ``"max trials"`` or ``"nothing fits"``
     stop_reason: str = ""
     start_batch_size: int = 0
-    #: the smallest and largest size the search could return
     lower_bound: int = 1
     upper_bound: int = 1
-    #: filled in by the callback: the batch size before the search, the estimate's predicted maximum,
-    #: training steps per trial, ranks that agreed, total seconds, notes
+    #: filled in by the callback
     initial_batch_size: Optional[int] = None
     predicted_batch_size: Optional[int] = None
     steps_per_trial: int = 0
@@ -189,23 +181,15 @@ def search_largest_fit(
     max_growth: float = 4.0,
     on_trial: Optional[Callable[[Trial], None]] = None,
 ) -> BatchSizeSearchResult:
-    """The largest batch size in ``[min_batch_size, max_batch_size]`` (a multiple of ``multiple_of``)
-    that ``fits``, in few calls (see the module docstring).
+    """The largest batch size in ``[min_batch_size, max_batch_size]``, a multiple of ``multiple_of``, that
+    ``fits``, in at most ``max_trials`` calls; a guess is at most ``max_growth`` times the largest fit.
 
     Args:
         fits: runs a real trial at a batch size: ``(fitted, peak_bytes)``, ``peak_bytes`` ``None`` when unknown.
         budget_bytes: the memory a trial's peak must stay within (for the extrapolation).
         start: the first size to try (rounded and clamped), e.g. the estimate's predicted maximum.
-        max_batch_size: the largest size that may be tried (e.g. the data set length).
-        min_batch_size: the smallest size that may be tried.
-        multiple_of: every size tried is a multiple of this.
-        max_trials: at most this many calls of ``fits``.
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
-        max_growth: a guess is at most this many times the largest fit.
         on_trial: called with each trial as it ends (progress reporting).
-
-    Raises:
-        ValueError: when no multiple of ``multiple_of`` lies in the range, or an argument is out of range.
     """
     if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1:
         raise ValueError(

@@ -29,11 +29,8 @@ class FilesystemUnavailableError(ImportError):
 
     def __init__(self, url: str, protocol: str, package: Optional[str], reason: str) -> None:
         self.url, self.protocol, self.package, self.reason = url, protocol, package, reason
-        remedy = (
-            f"install it with `pip install {package}`"
-            if package
-            else "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
-        )
+        known = "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
+        remedy = f"install it with `pip install {package}`" if package else known
         super().__init__(
             f"{url} needs the fsspec filesystem of {protocol!r}, which is not available ({reason}): {remedy}"
         )
@@ -81,14 +78,13 @@ def filesystem(url: str) -> tuple[Any, str]:
 
     try:
         return url_to_fs(url)
-    except ImportError as error:
-        protocol, package = _missing_implementation(url, str(error))
-        raise FilesystemUnavailableError(url, protocol, package, str(error) or type(error).__name__) from error
-    except ValueError as error:
-        if "protocol not known" not in str(error).lower():
+    except (ImportError, ValueError) as error:
+        missing = isinstance(error, ImportError)  # else a ValueError: is it an unknown protocol?
+        if not missing and "protocol not known" not in str(error).lower():
             raise
-        protocol, _ = _missing_implementation(url, "")
-        raise FilesystemUnavailableError(url, protocol, None, str(error)) from error
+        protocol, package = _missing_implementation(url, str(error) if missing else "")
+        reason = str(error) or type(error).__name__
+        raise FilesystemUnavailableError(url, protocol, package if missing else None, reason) from error
 
 
 def _missing_implementation(url: str, message: str) -> tuple[str, Optional[str]]:
