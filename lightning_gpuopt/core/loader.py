@@ -175,10 +175,10 @@ def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
     return on_cpu / 1e9, waiting / 1e9
 
 
-def worker_cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
+def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
     """The share of the time a worker could run that it spent computing, 0..1.
 
-    >>> worker_cpu_fraction(cpu_s=0.5, waiting_s=1.0, workers=2, elapsed_s=1.0)  # busy machine, CPU-bound
+    >>> _cpu_fraction(cpu_s=0.5, waiting_s=1.0, workers=2, elapsed_s=1.0)  # busy machine, CPU-bound
     0.5
     """
     return min(1.0, cpu_s / max(workers * elapsed_s - waiting_s, 1e-9))
@@ -264,9 +264,9 @@ def time_loader(
     worker_cpu = loading_cpu = None
     if workers:  # without schedstat: CPU time of the reaped workers over their wall time
         reaped = (sum(getrusage(RUSAGE_CHILDREN)[:2]) - cpu_before, 0.0)
-        worker_cpu = worker_cpu_fraction(*(scheduled or reaped), workers, elapsed)
+        worker_cpu = _cpu_fraction(*(scheduled or reaped), workers, elapsed)
     if main_before is not None and main_after is not None:
-        loading_cpu = worker_cpu_fraction(main_after[0] - main_before[0], main_after[1] - main_before[1], 1, elapsed)
+        loading_cpu = _cpu_fraction(main_after[0] - main_before[0], main_after[1] - main_before[1], 1, elapsed)
     return LoaderTiming(
         setting, fetched, samples, first_ready - started, elapsed, rate, worker_cpu, stopped_early, loading_cpu
     )
