@@ -1,14 +1,9 @@
 """Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning).
 
-``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13):
-
-* ``torch.utils._pytree``: no public pytree; Lightning's ``apply_to_collection`` does not flatten any nest;
-* ``torch._subclasses.fake_tensor``: tensors a step is traced on without allocating;
-* ``torch.utils._python_dispatch``: the mode that sees every op (storage counting, the simulated card),
-  and :func:`current_dispatch_mode`, the innermost active one;
-* ``UntypedStorage._cdata`` (:func:`storage_key`): a storage's identity (``data_ptr()`` is 0 when fake);
-* the legacy profiler (:func:`start_allocation_events`): the allocator's events, cheaper than ``torch.profiler``;
-* ``GradScaler._scale`` (:func:`grad_scale`): the scale without the host sync of ``get_scale()``.
+``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
+pytree (no public one), fake tensors, the dispatch mode that sees every op, ``UntypedStorage._cdata``
+(``data_ptr()`` is 0 when fake), the legacy profiler's allocator events (cheaper than ``torch.profiler``)
+and ``GradScaler._scale`` (no host sync, unlike ``get_scale()``).
 """
 
 from __future__ import annotations
@@ -29,12 +24,7 @@ FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """A storage's identity, the same for every view of it.
-
-    >>> base = torch.zeros(4)
-    >>> storage_key(base[2:].untyped_storage()) == storage_key(base.untyped_storage())
-    True
-    """
+    """A storage's identity, the same for every view of it."""
     return storage._cdata
 
 

@@ -1,9 +1,6 @@
-"""The memory levers' decisions for :class:`~lightning_gpuopt.MemoryFill`: mixed precision, activation
-checkpointing, micro-batch and accumulation.
-
-Pure (no Lightning): measurements come in as figures or, as for :mod:`.search`, as oracles that run
-real trials. :class:`MemoryFillPlan` is what was decided and measured.
-"""
+"""The memory levers' decisions for :class:`~lightning_gpuopt.MemoryFill` (mixed precision, activation
+checkpointing, micro-batch and accumulation), pure: measurements come in as figures or as oracles that
+run real trials. :class:`MemoryFillPlan` is what was decided and measured."""
 
 from __future__ import annotations
 
@@ -171,15 +168,11 @@ class MemoryFillPlan:
     @property
     def changes(self) -> list[str]:
         """The settings the plan changed, as ``"name: before → after"`` lines (empty: nothing changed)."""
-        changes = []
-        if self.precision != self.initial_precision:
-            changes.append(f"precision: {self.initial_precision} → {self.precision}")
-        if self.checkpointing:
-            classes = ", ".join(self.checkpointed_classes)
-            changes.append(f"activation checkpointing: on for {len(self.checkpointed_modules)} blocks ({classes})")
-        if self.micro_batch_size != self.initial_batch_size:
-            changes.append(f"batch size: {self.initial_batch_size} → {self.micro_batch_size}")
-        if self.accumulate_grad_batches != self.initial_accumulate_grad_batches:
-            before, after = self.initial_accumulate_grad_batches, self.accumulate_grad_batches
-            changes.append(f"accumulate_grad_batches: {before} → {after}")
-        return changes
+        blocks = f"on for {len(self.checkpointed_modules)} blocks ({', '.join(self.checkpointed_classes)})"
+        settings = [
+            ("precision", self.initial_precision, self.precision),
+            ("activation checkpointing", None, blocks if self.checkpointing else None),
+            ("batch size", self.initial_batch_size, self.micro_batch_size),
+            ("accumulate_grad_batches", self.initial_accumulate_grad_batches, self.accumulate_grad_batches),
+        ]
+        return [f"{name}: {'' if old is None else f'{old} → '}{new}" for name, old, new in settings if old != new]

@@ -32,12 +32,6 @@ from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
-#: candidates at least this fraction of the best throughput are timed again
-_CONTENDER_FRACTION = 0.5
-#: rounds of repeated timings at most, while the choice keeps changing
-_SETTLING_ROUNDS = 3
-#: no new candidate starts past this share of ``max_seconds``: the rest confirms the choice
-_WALK_SHARE = 0.7
 
 
 @dataclass(frozen=True)
@@ -89,8 +83,7 @@ class LoaderTiming:
     samples_per_second: float
     worker_cpu_fraction: Optional[float]
     stopped_early: bool = False
-    #: without workers: the main thread's computing share of the loading time, run-queue waits
-    #: taken out (Linux); below 0.5 the loader mostly waits on I/O
+    #: without workers: the main thread's computing share of the loading time (below 0.5: waits on I/O)
     loading_cpu_fraction: Optional[float] = None
 
     @property
@@ -176,11 +169,7 @@ def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
 
 
 def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
-    """The share of the time a worker could run that it spent computing, 0..1.
-
-    >>> _cpu_fraction(cpu_s=0.5, waiting_s=1.0, workers=2, elapsed_s=1.0)  # busy machine, CPU-bound
-    0.5
-    """
+    """The share of the time ``workers`` could run (``elapsed_s``, less run-queue waits) they spent computing."""
     return min(1.0, cpu_s / max(workers * elapsed_s - waiting_s, 1e-9))
 
 
@@ -311,8 +300,8 @@ def tune_loader(
             on_timed(timing)
         return timing
 
-    def walking() -> bool:
-        return time.perf_counter() - started <= _WALK_SHARE * max_seconds
+    def walking() -> bool:  # no new candidate past 70% of max_seconds: the rest confirms the choice
+        return time.perf_counter() - started <= 0.7 * max_seconds
 
     baseline_timing = run(baseline) if baseline is not None else None
     previous: Optional[LoaderTiming] = None
@@ -396,18 +385,18 @@ def _settled(
     started: float,
     max_seconds: float,
 ) -> tuple[LoaderTiming, str, bool]:
-    """``(chosen, reason, settled)``: the contenders timed again, round after round in alternating order,
-    until the choice is the same after a round as before it (``settled``; else the reason says so)."""
+    """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
+    alternating order, until the choice is the same after a round as before it (else the reason says so)."""
     chosen, reason = _choose(timings, tolerance, target)
     changes = [chosen.setting]
-    for round_index in range(_SETTLING_ROUNDS):
+    for round_index in range(3):
         if time.perf_counter() - started > max_seconds:
             break
         finished = [t for t in _fastest_each(timings) if not t.stopped_early]
         if not finished:
             return chosen, reason, True
         top = max(t.samples_per_second for t in finished)
-        contenders = [t.setting for t in finished if t.samples_per_second >= _CONTENDER_FRACTION * top]
+        contenders = [t.setting for t in finished if t.samples_per_second >= 0.5 * top]
         for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
             run(setting)  # appended to ``timings``
         again, reason = _choose(timings, tolerance, target)

@@ -38,9 +38,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-#: after this many of the line's guesses missed, the rest of the search bisects
-_LINE_MISSES_TO_BISECT = 2
-
 
 @dataclass
 class Trial:
@@ -148,24 +145,21 @@ def _next_guess(
         return None, "bracketed", None
     if miss is None and best >= hi:
         return None, "upper bound", None
-    ceiling = hi if miss is None else miss - m
-    if miss is None:
-        ceiling = min(ceiling, max(best + m, round_down(best * max_growth, m)))
-    if miss is None and len(state.points) == 1 and bytes_per_sample:
-        # one fit, no miss: the estimate's slope (after a miss, one point uses the line through zero)
-        predicted = predicted_largest_fit(state.points, budget_bytes, bytes_per_sample)
-        return ceiling if predicted is None else _clamp(round_down(predicted, m), best + m, ceiling), "", None
-    predicted = predicted_largest_fit(state.points, budget_bytes)
+    ceiling = miss - m if miss is not None else min(hi, max(best + m, round_down(best * max_growth, m)))
+    # one fit, no miss: the estimate's slope (after a miss, one point uses the line through zero)
+    estimated = miss is None and len(state.points) == 1 and bool(bytes_per_sample)
+    predicted = predicted_largest_fit(state.points, budget_bytes, bytes_per_sample if estimated else None)
+    line = None
     if predicted is None:  # a flat line: no information; bisect, or grow as far as allowed
-        target: float = ceiling if miss is None else (best + miss) / 2
-        return _clamp(round_down(target, m), best + m, ceiling), "", None
-    contradicted = predicted < best or (miss is not None and predicted >= miss)
-    if state.line_misses >= _LINE_MISSES_TO_BISECT or contradicted:
-        # the peaks do not decide a fit: bisect the bracket, or double until a size misses
+        target = ceiling if miss is None else (best + miss) / 2
+    elif estimated:
+        target = predicted
+    elif state.line_misses >= 2 or predicted < best or (miss is not None and predicted >= miss):
+        # the line contradicts a trial, or two of its guesses missed: bisect the bracket, or double until a miss
         target = best * 2 if miss is None else (best + miss) / 2
-        return _clamp(round_down(target, m), best + m, ceiling), "", None
-    # a prediction below the next size up says "the largest fit is the limit": test the next size up
-    return _clamp(round_down(predicted, m), best + m, ceiling), "", predicted
+    else:  # a prediction below the next size up says "the largest fit is the limit": test the next size up
+        target = line = predicted
+    return _clamp(round_down(target, m), best + m, ceiling), "", line
 
 
 def search_largest_fit(

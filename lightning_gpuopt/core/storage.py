@@ -37,11 +37,7 @@ class FilesystemUnavailableError(ImportError):
 
 
 def is_url(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` is on a non-local fsspec filesystem: Lightning's ``_is_local_file_protocol``, negated.
-
-    >>> is_url("s3://bucket/run"), is_url("memory://run"), is_url("logs/run"), is_url("file:///tmp/run")
-    (True, True, False, False)
-    """
+    """Whether ``path`` is on a non-local fsspec filesystem: Lightning's ``_is_local_file_protocol``, negated."""
     if isinstance(path, Path):
         return False
     from fsspec.utils import get_protocol

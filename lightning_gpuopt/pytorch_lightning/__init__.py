@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lightning_gpuopt import callbacks as _callbacks
+from lightning_gpuopt.callbacks import GpuOptReport, NoBatchSizeFitsError
 from lightning_gpuopt.cli import lightning_cli as _cli
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
@@ -21,9 +22,6 @@ from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import available_presets, load_preset
-
-NoBatchSizeFitsError = _callbacks.NoBatchSizeFitsError
-GpuOptReport = _callbacks.GpuOptReport
 
 
 class BatchSizeSearch(_callbacks.BatchSizeSearch, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
