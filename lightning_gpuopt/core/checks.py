@@ -37,17 +37,15 @@ def check_number(
 ) -> float:
     """``value`` as a float within the given bounds, else a ``ValueError`` that states them."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if (
-        number
-        and (low is None or value > low or (low_inclusive and value == low))
-        and (high is None or value < high or (high_inclusive and value == high))
-    ):
+    above = low is None or (number and (value > low or (low_inclusive and value == low)))
+    below = high is None or (number and (value < high or (high_inclusive and value == high)))
+    if number and above and below:
         return float(value)
-    above = f"{'>=' if low_inclusive else '>'} {low:g}" if low is not None else ""
-    below = f"{'<=' if high_inclusive else '<'} {high:g}" if high is not None else ""
+    lower = f"{'>=' if low_inclusive else '>'} {low:g}" if low is not None else ""
+    upper = f"{'<=' if high_inclusive else '<'} {high:g}" if high is not None else ""
     if low is not None and high is not None:
-        above, below = f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}", ""
-    raise ValueError(f"`{name}` must be a number {above or below or '(int or float)'}, got {value!r}; e.g. {example}.")
+        lower, upper = f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}", ""
+    raise ValueError(f"`{name}` must be a number {lower or upper or '(int or float)'}, got {value!r}; e.g. {example}.")
 
 
 def check_bool(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[bool]:

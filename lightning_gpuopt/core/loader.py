@@ -32,6 +32,8 @@ from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
+#: times a candidate's loader
+_Run = Callable[["LoaderSetting"], "LoaderTiming"]
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,8 @@ class LoaderTuneResult:
 
     @property
     def speedup(self) -> Optional[float]:
-        if self.baseline is None or self.baseline.samples_per_second <= 0:
-            return None
-        return self.samples_per_second / self.baseline.samples_per_second
+        base = self.baseline.samples_per_second if self.baseline is not None else 0.0
+        return self.samples_per_second / base if base > 0 else None
 
 
 def cgroup_cpu_quota() -> Optional[float]:
@@ -246,10 +247,8 @@ def time_loader(
                 thread.join(max(0.0, deadline - time.monotonic()))
         del iterator
     elapsed = ended - started
-    if fetched >= fill + 2 and ended > fill_ready:
-        rate = steady_samples / (ended - fill_ready)
-    else:  # too few batches to see a steady state: the overall rate
-        rate = samples / max(elapsed, 1e-9)
+    steady = fetched >= fill + 2 and ended > fill_ready  # else too few batches for a steady state: the overall rate
+    rate = steady_samples / (ended - fill_ready) if steady else samples / max(elapsed, 1e-9)
     worker_cpu = loading_cpu = None
     if workers:  # without schedstat: CPU time of the reaped workers over their wall time
         reaped = (sum(getrusage(RUSAGE_CHILDREN)[:2]) - cpu_before, 0.0)
@@ -333,7 +332,7 @@ def tune_loader(
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
-    chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started, max_seconds)
+    chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started + max_seconds)
     return LoaderTuneResult(
         **vars(chosen.setting),
         samples_per_second=chosen.samples_per_second,
@@ -378,19 +377,14 @@ def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[floa
 
 
 def _settled(
-    timings: list[LoaderTiming],
-    run: Callable[[LoaderSetting], LoaderTiming],
-    tolerance: float,
-    target: Optional[float],
-    started: float,
-    max_seconds: float,
+    timings: list[LoaderTiming], run: _Run, tolerance: float, target: Optional[float], deadline: float
 ) -> tuple[LoaderTiming, str, bool]:
     """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
     alternating order, until the choice is the same after a round as before it (else the reason says so)."""
     chosen, reason = _choose(timings, tolerance, target)
     changes = [chosen.setting]
     for round_index in range(3):
-        if time.perf_counter() - started > max_seconds:
+        if time.perf_counter() > deadline:
             break
         finished = [t for t in _fastest_each(timings) if not t.stopped_early]
         if not finished:
@@ -445,8 +439,7 @@ class ProbedSizes:
     smallest: int
     largest: int
     probed: int
-    #: samples in the dataset; all of them were looked at when ``probed == total``
-    total: int = 0
+    total: int = 0  # samples in the dataset
 
     @property
     def complete(self) -> bool:
