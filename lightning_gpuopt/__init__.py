@@ -1,9 +1,7 @@
 """lightning-gpuopt: Lightning callbacks that measure why a GPU waits and keep it busy and its memory full.
 
-The public names below are imported on first use (PEP 562 module ``__getattr__``), so that importing
-a light part of the package -- ``lightning_gpuopt.cli`` for the ``gpuopt`` command, ``presets``,
-``core`` -- does not import Lightning. ``from lightning_gpuopt import GpuOpt`` works as with eager
-imports; ``dir()`` and ``__all__`` list every name.
+The public names are imported on first use (PEP 562 ``__getattr__``), so that the ``gpuopt`` command,
+``presets`` and ``core`` do not import Lightning.
 """
 
 import importlib as _importlib
@@ -14,25 +12,21 @@ __version__ = "0.1.0"
 
 #: public name -> the module it is defined in
 _PUBLIC = {
-    "BatchSizeSearch": "lightning_gpuopt.callbacks",
-    "DataLoaderTuner": "lightning_gpuopt.callbacks",
-    "DataWaitMonitor": "lightning_gpuopt.callbacks",
-    "GpuOpt": "lightning_gpuopt.callbacks",
-    "GpuOptReport": "lightning_gpuopt.callbacks",
-    "MemoryEstimator": "lightning_gpuopt.callbacks",
-    "MemoryFill": "lightning_gpuopt.callbacks",
-    "NoBatchSizeFitsError": "lightning_gpuopt.callbacks",
-    "GpuOptCLI": "lightning_gpuopt.cli.lightning_cli",
-    "DataWaitReport": "lightning_gpuopt.core.diagnosis",
-    "MemoryEstimate": "lightning_gpuopt.core.estimate",
-    "MemoryFillPlan": "lightning_gpuopt.core.fill",
-    "LoaderTuneResult": "lightning_gpuopt.core.loader",
-    "MemoryBudget": "lightning_gpuopt.core.memory",
-    "parse_memory": "lightning_gpuopt.core.memory",
-    "save_plots": "lightning_gpuopt.core.plot",
-    "BatchSizeSearchResult": "lightning_gpuopt.core.search",
-    "available_presets": "lightning_gpuopt.presets",
-    "load_preset": "lightning_gpuopt.presets",
+    name: f"lightning_gpuopt.{module}"
+    for module, names in [
+        ("callbacks", "BatchSizeSearch DataLoaderTuner DataWaitMonitor GpuOpt GpuOptReport MemoryEstimator MemoryFill"),
+        ("callbacks", "NoBatchSizeFitsError"),
+        ("cli.lightning_cli", "GpuOptCLI"),
+        ("core.diagnosis", "DataWaitReport"),
+        ("core.estimate", "MemoryEstimate"),
+        ("core.fill", "MemoryFillPlan"),
+        ("core.loader", "LoaderTuneResult"),
+        ("core.memory", "MemoryBudget parse_memory"),
+        ("core.plot", "save_plots"),
+        ("core.search", "BatchSizeSearchResult"),
+        ("presets", "available_presets load_preset"),
+    ]
+    for name in names.split()
 }
 #: subpackages that ``import lightning_gpuopt`` used to import, reachable as attributes (imported on first use)
 _SUBMODULES = ("callbacks", "cli", "core", "presets")

@@ -1,72 +1,35 @@
 """Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning).
 
-The rest of the package reaches torch's private modules and attributes only through the names
-below; ``tests/unit/test_torch_compat.py`` checks each against the installed torch and names the
-internal and the torch version when a release moves one. Written against torch 2.13.
-
-* ``torch.utils._pytree`` (:func:`tree_leaves`, :func:`tree_map`, :func:`tree_flatten`): no public
-  pytree module; Lightning's ``apply_to_collection`` does not flatten arbitrary nests.
-* ``torch._subclasses.fake_tensor`` (:class:`FakeTensor`, :class:`FakeTensorMode`): the fake tensors a
-  step is traced on without allocating; no public API.
-* ``torch.utils._python_dispatch`` (:class:`TorchDispatchMode`, :func:`current_dispatch_mode`): the
-  mode that sees every op at the dispatcher (storage counting, the simulated card, host reads).
-* ``UntypedStorage._cdata`` (:func:`storage_key`): the identity of a storage shared by its views;
-  ``data_ptr()`` is 0 for fake and meta storages, so it cannot tell them apart.
-* ``torch.autograd._enable_profiler_legacy`` / ``_disable_profiler_legacy`` / ``_profiler_enabled``
-  and ``torch._C._profiler._ExperimentalConfig`` (:func:`start_allocation_events`,
-  :func:`stop_allocation_events`, :func:`profiler_running`): the allocator's events op by op,
-  cheaper than ``torch.profiler.profile`` (no trace object); no public API.
-* ``GradScaler._scale`` (:func:`grad_scale`): the scale as a tensor, read without a host sync
-  (``get_scale()`` calls ``.item()``).
-* :data:`FAKE_KERNEL_LOGGERS`: the loggers fake-tensor kernels report their failures to.
+``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
+pytree (no public one), fake tensors, the dispatch mode that sees every op, ``UntypedStorage._cdata``
+(``data_ptr()`` is 0 when fake), the legacy profiler's allocator events (cheaper than ``torch.profiler``)
+and ``GradScaler._scale`` (no host sync, unlike ``get_scale()``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
-
-__all__ = [
-    "FAKE_KERNEL_LOGGERS",
-    "FakeTensor",
-    "FakeTensorMode",
-    "TorchDispatchMode",
-    "current_dispatch_mode",
-    "grad_scale",
-    "profiler_running",
-    "start_allocation_events",
-    "stop_allocation_events",
-    "storage_key",
-    "tree_flatten",
-    "tree_leaves",
-    "tree_map",
-]
+from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: F401 - re-exported
+from torch.utils._pytree import tree_flatten as tree_flatten
+from torch.utils._pytree import tree_leaves as tree_leaves
+from torch.utils._pytree import tree_map as tree_map
 
 #: the loggers fake-tensor kernels report to (quieted while a trace falls back)
 FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
 
 
-def current_dispatch_mode() -> Optional[TorchDispatchMode]:
-    """The innermost active ``TorchDispatchMode`` (``torch.utils._python_dispatch._get_current_dispatch_mode``)."""
-    return _get_current_dispatch_mode()
-
-
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """A storage's identity, the same for every view of it (``UntypedStorage._cdata``).
-
-    >>> base = torch.zeros(4)
-    >>> storage_key(base[2:].untyped_storage()) == storage_key(base.untyped_storage())
-    True
-    """
+    """A storage's identity, the same for every view of it."""
     return storage._cdata
 
 
 def profiler_running() -> bool:
-    """Whether a torch profiler runs in this process (``torch.autograd._profiler_enabled``)."""
+    """Whether a torch profiler runs in this process."""
     return torch.autograd._profiler_enabled()
 
 
@@ -85,5 +48,5 @@ def stop_allocation_events() -> list:
 
 
 def grad_scale(scaler: Any) -> Any:
-    """A ``GradScaler``'s current scale as its tensor (``_scale``; ``None`` before the first ``scale()``)."""
+    """A ``GradScaler``'s current scale as its tensor (``None`` before the first ``scale()``)."""
     return scaler._scale

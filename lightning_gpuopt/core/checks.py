@@ -1,16 +1,8 @@
-"""Argument checks shared by every constructor: fail early, naming the argument, the value
-and what would work.
+"""Argument checks shared by every constructor: fail early, naming the argument, the value and what would work.
 
-Example::
-
-    >>> check_int("warmup_steps", 3, minimum=0, example="warmup_steps=3")
-    3
-    >>> check_number("tolerance", 1.5, low=0, high=1, high_inclusive=False, example="tolerance=0.05")
-    Traceback (most recent call last):
-    ValueError: `tolerance` must be a number in [0, 1), got 1.5; e.g. tolerance=0.05.
-    >>> check_bool("fill_memory", "false", example="fill_memory=False")
-    Traceback (most recent call last):
-    ValueError: `fill_memory` must be True or False, got 'false' (a str); e.g. fill_memory=False.
+>>> check_number("tolerance", 1.5, low=0, high=1, high_inclusive=False, example="tolerance=0.05")
+Traceback (most recent call last):
+ValueError: `tolerance` must be a number in [0, 1), got 1.5; e.g. tolerance=0.05.
 """
 
 from __future__ import annotations
@@ -18,10 +10,6 @@ from __future__ import annotations
 import math
 import os
 from typing import Any, Literal, Optional, Sequence, overload
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @overload
@@ -48,30 +36,21 @@ def check_number(
     high_inclusive: bool = True,
 ) -> float:
     """``value`` as a float within the given bounds, else a ``ValueError`` that states them."""
-    fits = _is_number(value)
-    if fits and low is not None:
-        fits = value >= low if low_inclusive else value > low
-    if fits and high is not None:
-        fits = value <= high if high_inclusive else value < high
-    if not fits:
-        if low is not None and high is not None:
-            bounds = f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}"
-        elif low is not None:
-            bounds = f"{'>=' if low_inclusive else '>'} {low:g}"
-        elif high is not None:
-            bounds = f"{'<=' if high_inclusive else '<'} {high:g}"
-        else:
-            bounds = "(int or float)"
-        raise ValueError(f"`{name}` must be a number {bounds}, got {value!r}; e.g. {example}.")
-    return float(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    above = low is None or (number and (value > low or (low_inclusive and value == low)))
+    below = high is None or (number and (value < high or (high_inclusive and value == high)))
+    if number and above and below:
+        return float(value)
+    lower = f"{'>=' if low_inclusive else '>'} {low:g}" if low is not None else ""
+    upper = f"{'<=' if high_inclusive else '<'} {high:g}" if high is not None else ""
+    if low is not None and high is not None:
+        lower, upper = f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}", ""
+    raise ValueError(f"`{name}` must be a number {lower or upper or '(int or float)'}, got {value!r}; e.g. {example}.")
 
 
 def check_bool(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[bool]:
-    """``value`` when it is ``True`` or ``False`` (or ``None`` when allowed), else a ``ValueError``.
-
-    Strings such as ``"false"`` or ``"no"`` and numbers are refused: ``bool("false")`` is ``True``,
-    and a switch read that way would run the very part the user meant to turn off.
-    """
+    """``value`` when it is ``True`` or ``False`` (or ``None`` when allowed), else a ``ValueError``: ``"false"``
+    and numbers are refused, as ``bool("false")`` would turn on what the user meant to turn off."""
     if value is None and allow_none:
         return None
     if not isinstance(value, bool):
@@ -83,8 +62,7 @@ def check_bool(name: str, value: Any, example: str, allow_none: bool = False) ->
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any], example: str) -> Any:
-    """``value`` when it is one of ``choices`` (compared with its type: ``1`` is not ``True``), else a
-    ``ValueError`` listing them."""
+    """``value`` when it is one of ``choices`` (of the same type: ``1`` is not ``True``), else a ``ValueError``."""
     if not any(type(value) is type(choice) and value == choice for choice in choices):
         listed = ", ".join(repr(choice) for choice in choices)
         raise ValueError(f"`{name}` must be one of {listed}, got {value!r}; e.g. {example}.")
@@ -99,11 +77,8 @@ def check_name(name: str, value: Any, example: str) -> str:
 
 
 def check_path(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[str | os.PathLike]:
-    """``value`` when it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed), else a
-    ``ValueError``."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, os.PathLike):
+    """``value`` when it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed), else a ``ValueError``."""
+    if (value is None and allow_none) or isinstance(value, os.PathLike):
         return value
     if not isinstance(value, str) or not value.strip():
         none = " or None" if allow_none else ""

@@ -1,27 +1,6 @@
-"""Deciding the memory levers: mixed precision, activation checkpointing, micro-batch and accumulation.
-
-Pure decisions for :class:`~lightning_gpuopt.MemoryFill` (no Lightning; measurements come in as
-figures or, as for :mod:`.search`, as oracles that run real trials):
-
-* :func:`choose_precision` -- which mixed precision a device gets, if any;
-* :func:`plan_micro_batches` -- the largest micro-batch that fits, checkpointing switched on when it
-  would fall below the wanted size, and the split of each rank's samples into accumulation steps;
-* :func:`split_global_batch` -- micro-batch and accumulation steps for the samples each rank
-  must contribute to an optimizer step, given the largest micro-batch that fits;
-* :class:`MemoryFillPlan` -- what was decided and measured, and :func:`plan_changes`, the
-  list of changes a report shows.
-
-Example::
-
-    >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
-    ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
-    >>> choose_precision("auto", "cpu", current="32-true", bf16_supported=True)[0] is None
-    True
-    >>> split_global_batch(100, largest_fit=32)      # 4 steps of 25, not 4 of 32 (= 128)
-    (25, 4)
-    >>> split_global_batch(64, largest_fit=200)      # fits whole: no accumulation
-    (64, 1)
-"""
+"""The memory levers' decisions for :class:`~lightning_gpuopt.MemoryFill` (mixed precision, activation
+checkpointing, micro-batch and accumulation), pure: measurements come in as figures or as oracles that
+run real trials. :class:`MemoryFillPlan` is what was decided and measured."""
 
 from __future__ import annotations
 
@@ -31,20 +10,18 @@ from typing import Callable, Optional, Union
 
 from lightning_gpuopt.core.oom import OomAdaptation
 
-#: what ``amp`` accepts
-AmpSetting = Union[str, bool]
 #: precisions MemoryFill may switch to
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
 
 
 def choose_precision(
-    amp: AmpSetting, device_type: str, *, current: str, bf16_supported: bool
+    amp: Union[str, bool], device_type: str, *, current: str, bf16_supported: bool
 ) -> tuple[Optional[str], str]:
-    """The mixed precision to switch to (``None``: leave the precision alone) and why.
+    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``amp="auto"`` on
+    CUDA only (bf16-mixed, else 16-mixed with a scaler), ``amp=True`` also on CPU (bf16-mixed).
 
-    Only a run left at ``32-true`` is changed. ``amp="auto"`` switches on CUDA only (bf16-mixed
-    where the GPU has bfloat16, else 16-mixed with a gradient scaler); ``amp=True`` also on CPU
-    (bf16-mixed, the CPU autocast type).
+    >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
+    ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
     """
     if amp is False:
         return None, "amp=False"
@@ -62,16 +39,16 @@ def choose_precision(
 
 
 def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, int]:
-    """``(micro_batch_size, accumulate_grad_batches)`` for ``samples_per_rank`` per optimizer step.
+    """``(micro_batch_size, accumulate_grad_batches)`` for ``samples_per_rank`` per optimizer step: as few
+    steps as the largest fit allows, an exact split if one is near, else the micro-batch evened out.
 
-    As few accumulation steps as the largest fitting micro-batch allows, then the micro-batch
-    evened out over them (``ceil(samples / steps)``), so the product overshoots the target only
-    when no split is exact: by fewer than ``steps`` samples.
+    >>> split_global_batch(100, largest_fit=32), split_global_batch(64, largest_fit=200)  # 4 x 25, not 4 x 32
+    ((25, 4), (64, 1))
     """
     if samples_per_rank < 1 or largest_fit < 1:
         raise ValueError(f"samples_per_rank={samples_per_rank} and largest_fit={largest_fit} must be >= 1")
     steps = math.ceil(samples_per_rank / largest_fit)
-    for exact in range(steps, min(2 * steps, samples_per_rank) + 1):  # an exact split, if one is near
+    for exact in range(steps, min(2 * steps, samples_per_rank) + 1):
         if samples_per_rank % exact == 0:
             return samples_per_rank // exact, exact
     return math.ceil(samples_per_rank / steps), steps
@@ -80,8 +57,8 @@ def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, in
 @dataclass(frozen=True)
 class FillRequest:
     """What a plan must reach: ``samples_per_rank`` per optimizer step, in micro-batches of at least
-    ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is not
-    ours to choose (set by the user, manual optimization, ``accumulation=False``)."""
+    ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is
+    not ours to choose (set by the user, manual optimization, ``accumulation=False``)."""
 
     samples_per_rank: int
     min_micro_batch_size: int = 8
@@ -121,20 +98,16 @@ class NoFit(Exception):
 
 
 def plan_micro_batches(
-    request: FillRequest,
-    largest_fit: Callable[[int, bool], Optional[int]],
-    checkpoint: Callable[[str], bool],
+    request: FillRequest, largest_fit: Callable[[int, bool], Optional[int]], checkpoint: Callable[[str], bool]
 ) -> FillDecision:
     """The plan, from two oracles: ``largest_fit(upper, accumulating)`` searches the largest micro-batch up
-    to ``upper`` that fits (``accumulating``: with the earlier micro-batches' gradients alive; ``None``:
-    not even 1), ``checkpoint(reason)`` switches activation checkpointing on (``True``: it is on).
+    to ``upper`` that fits (``accumulating``: with earlier micro-batches' gradients alive; ``None``: not
+    even 1); ``checkpoint(reason)`` switches activation checkpointing on (``True``: it is on).
 
     >>> fits = lambda upper, accumulating: min(upper, 24 if accumulating else 32)
     >>> decision = plan_micro_batches(FillRequest(100), fits, checkpoint=lambda reason: False)
     >>> decision.micro_batch_size, decision.accumulate_grad_batches, decision.largest_fit  # 5 x 20: exact
     (20, 5, 24)
-    >>> plan_micro_batches(FillRequest(64, fixed_accumulation=2), fits, lambda reason: False).micro_batch_size
-    32
     """
     reasons: list[str] = []
     needed, wanted = request.needed, request.wanted
@@ -157,8 +130,7 @@ def plan_micro_batches(
         raise NoFit(largest, needed)
     if not free_accumulation:
         return FillDecision(needed, request.fixed_accumulation or 1, largest, reasons)
-    micro, accumulate = split_global_batch(request.samples_per_rank, largest)
-    return FillDecision(micro, accumulate, largest, reasons)
+    return FillDecision(*split_global_batch(request.samples_per_rank, largest), largest, reasons)
 
 
 @dataclass
@@ -169,9 +141,8 @@ class MemoryFillPlan:
     checkpointing: bool
     micro_batch_size: int
     accumulate_grad_batches: int
-    #: samples per optimizer step over all ranks: ``micro_batch_size * accumulate_grad_batches * world_size``
+    #: samples per optimizer step over all ranks, and the number asked for (they differ when no split is exact)
     global_batch_size: int
-    #: the global batch asked for (``global_batch_size`` differs only when no split is exact)
     requested_global_batch_size: int
     world_size: int = 1
     #: qualified names and classes of the checkpointed blocks
@@ -181,38 +152,27 @@ class MemoryFillPlan:
     initial_precision: str = "32-true"
     initial_batch_size: int = 0
     initial_accumulate_grad_batches: int = 1
-    #: the largest micro-batch the trials found to fit (``micro_batch_size`` is at most this)
+    #: the largest micro-batch that fitted, the budget every trial ran under, the estimate's peak at
+    #: ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
     largest_fit: Optional[int] = None
-    #: the budget every trial ran under (``max_memory * (1 - margin)``)
     budget_bytes: Optional[int] = None
-    #: the estimate's peak at ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
     predicted_peak_bytes: Optional[int] = None
     measured_peak_bytes: Optional[int] = None
     #: why each lever was (not) used, in the order decided
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    #: what an out-of-memory error in a training step does: ``"adapt"`` (smaller micro-batches) or ``"raise"``
+    #: ``"adapt"`` (smaller micro-batches after an out-of-memory error in training) or ``"raise"``; each one absorbed
     on_oom: str = "raise"
-    #: each out-of-memory error absorbed during training (step, old → new micro-batch, why)
     oom_adaptations: list[OomAdaptation] = field(default_factory=list)
 
     @property
     def changes(self) -> list[str]:
-        return plan_changes(self)
-
-
-def plan_changes(plan: MemoryFillPlan) -> list[str]:
-    """The settings the plan changed, as ``"name: before → after"`` lines (empty: nothing changed)."""
-    changes = []
-    if plan.precision != plan.initial_precision:
-        changes.append(f"precision: {plan.initial_precision} → {plan.precision}")
-    if plan.checkpointing:
-        classes = ", ".join(plan.checkpointed_classes)
-        changes.append(f"activation checkpointing: on for {len(plan.checkpointed_modules)} blocks ({classes})")
-    if plan.micro_batch_size != plan.initial_batch_size:
-        changes.append(f"batch size: {plan.initial_batch_size} → {plan.micro_batch_size}")
-    if plan.accumulate_grad_batches != plan.initial_accumulate_grad_batches:
-        changes.append(
-            f"accumulate_grad_batches: {plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"
-        )
-    return changes
+        """The settings the plan changed, as ``"name: before → after"`` lines (empty: nothing changed)."""
+        blocks = f"on for {len(self.checkpointed_modules)} blocks ({', '.join(self.checkpointed_classes)})"
+        settings = [
+            ("precision", self.initial_precision, self.precision),
+            ("activation checkpointing", None, blocks if self.checkpointing else None),
+            ("batch size", self.initial_batch_size, self.micro_batch_size),
+            ("accumulate_grad_batches", self.initial_accumulate_grad_batches, self.accumulate_grad_batches),
+        ]
+        return [f"{name}: {'' if old is None else f'{old} → '}{new}" for name, old, new in settings if old != new]

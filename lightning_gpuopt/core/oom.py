@@ -1,29 +1,8 @@
-"""Out-of-memory recovery in training: split a batch into micro-batches, and decide how small.
+"""Out-of-memory recovery in training (``MemoryFill(on_oom="adapt")``): split a batch into micro-batches,
+and decide how small: after an error at ``m`` samples of ``e`` elements each, samples of ``e`` elements
+or more train in at most ``m // 2``. Micro-batch losses weighted by their share of the samples give the
+batch's gradient **when the loss is a mean over the batch's samples** (``reduction="mean"``).
 
-Pure torch + standard library (no Lightning import); :mod:`lightning_gpuopt.callbacks._oom_recovery`
-applies it to a Lightning run (``MemoryFill(on_oom="adapt")``).
-
-* :func:`split_batch` -- a batch (tensors, possibly nested in dicts, lists and tuples) cut into
-  micro-batches of at most ``size`` samples along dimension 0, with each micro-batch's weight in
-  the mean over the batch (its samples / the batch's samples);
-* :func:`sample_elements` -- elements per sample of a batch (summed over its tensors): what a
-  "size of sample" is for the limits below (a padded batch of long sequences has more);
-* :class:`MicroBatchLimits` -- the limits learned from out-of-memory errors: after an error at a
-  micro-batch of ``m`` samples whose samples had ``e`` elements, batches whose samples have ``e``
-  elements or more train in micro-batches of at most ``m // 2``; smaller samples are not limited
-  by it (memory per sample is assumed not to fall as samples grow). :meth:`MicroBatchLimits.adapt`
-  halves and records, and refuses below 1 (:class:`OutOfMemoryAtOneSampleError`);
-* :class:`OomAdaptation` -- one recorded adaptation (step, old → new micro-batch, why).
-
-The gradient of a batch is the same whether it is computed whole or as micro-batches whose
-losses are weighted by their share of the samples **when the loss is a mean over the samples of
-the batch** (``reduction="mean"``, the default of torch's losses). A loss summed over samples, or
-averaged over a number of tokens that differs between micro-batches, is weighted differently by
-this split; recovery assumes the mean.
-
-Example::
-
-    >>> import torch
     >>> batch = {"x": torch.arange(10.0).reshape(5, 2), "y": torch.arange(5)}
     >>> [(len(part["y"]), weight) for part, weight in split_batch(batch, 2, batch_size=5)]
     [(2, 0.4), (2, 0.4), (1, 0.2)]
@@ -54,21 +33,18 @@ class OutOfMemoryAtOneSampleError(torch.OutOfMemoryError):
 class OomAdaptation:
     """One out-of-memory error absorbed by smaller micro-batches."""
 
-    #: the optimizer step (``trainer.global_step``) and the batch index in its epoch
-    step: int
+    step: int  # trainer.global_step
     batch_idx: int
-    #: the micro-batch that ran out of memory and the one used from then on
     old_micro_batch_size: int
     new_micro_batch_size: int
-    #: elements per sample of the batch (the new limit holds for samples at least this large)
-    sample_elements: int
+    sample_elements: int  # the new limit holds for samples at least this large
     #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
     reason: str
 
 
 @dataclass
 class MicroBatchLimits:
-    """Micro-batch limits learned from out-of-memory errors, by size of sample (see the module docstring)."""
+    """Micro-batch limits learned from out-of-memory errors, by size of sample."""
 
     #: ``(sample_elements, micro_batch_size)``: samples this large or larger train in at most this many
     limits: list[tuple[int, int]] = field(default_factory=list)
@@ -76,69 +52,48 @@ class MicroBatchLimits:
 
     def limit_for(self, elements: int) -> Optional[int]:
         """The largest micro-batch allowed for samples of ``elements`` elements (``None``: no limit)."""
-        allowed = [size for threshold, size in self.limits if threshold <= elements]
-        return min(allowed) if allowed else None
+        return min((size for threshold, size in self.limits if threshold <= elements), default=None)
 
     def adapt(self, *, step: int, attempted: int, elements: int, reason: str, batch_idx: int = 0) -> OomAdaptation:
-        """Record that a micro-batch of ``attempted`` samples of ``elements`` elements ran out of
-        memory; the next try uses half as many. Raises :class:`OutOfMemoryAtOneSampleError` at 1."""
+        """Record that ``attempted`` samples of ``elements`` elements ran out of memory; the next try uses
+        half as many. Raises :class:`OutOfMemoryAtOneSampleError` at 1."""
         if attempted <= 1:
-            tried = (
-                ", ".join(
-                    f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})" for a in self.adaptations
-                )
-                or "none"
-            )
+            done = [f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})" for a in self.adaptations]
             raise OutOfMemoryAtOneSampleError(
                 f"out of memory with a micro-batch of 1 sample ({elements} elements per sample) at step {step}: "
-                f"nothing smaller can be tried. Adaptations so far: {tried}. Last error: {reason}. Free memory "
-                "(a smaller model, mixed precision, activation checkpointing, shorter samples) or use a larger device."
+                f"nothing smaller can be tried. Adaptations so far: {', '.join(done) or 'none'}. Last error: "
+                f"{reason}. Free memory (a smaller model, mixed precision, activation checkpointing, shorter "
+                "samples) or use a larger device."
             )
-        new = max(1, attempted // 2)
-        adaptation = OomAdaptation(step, batch_idx, attempted, new, elements, reason)
-        self.limits.append((elements, new))
+        adaptation = OomAdaptation(step, batch_idx, attempted, attempted // 2, elements, reason)
+        self.limits.append((elements, attempted // 2))
         self.adaptations.append(adaptation)
         return adaptation
 
 
-def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
     """The tensors of a batch nested in dicts, lists and tuples."""
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            yield from batch_tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from batch_tensors(value)
+    elif isinstance(batch, (dict, list, tuple)):
+        for value in batch.values() if isinstance(batch, dict) else batch:
+            yield from _tensors(value)
 
 
 def sample_elements(batch: Any, batch_size: int) -> int:
-    """Elements per sample of ``batch`` (its tensors' elements / ``batch_size``, summed).
-
-    Example::
-
-        >>> sample_elements((torch.zeros(4, 128), torch.zeros(4)), batch_size=4)
-        129
-    """
-    return sum(tensor.numel() // max(1, batch_size) for tensor in batch_tensors(batch) if tensor.dim() > 0)
+    """Elements per sample of ``batch`` (its tensors' elements / ``batch_size``, summed): the size of sample
+    :class:`MicroBatchLimits` keys on (a padded batch of long sequences has more)."""
+    return sum(tensor.numel() // max(1, batch_size) for tensor in _tensors(batch) if tensor.dim() > 0)
 
 
 def split_batch(batch: Any, size: int, *, batch_size: int) -> list[tuple[Any, float]]:
-    """``batch`` cut into micro-batches of at most ``size`` samples, each with its weight ``samples / batch_size``.
-
-    Tensors whose first dimension is ``batch_size`` are cut along it (views, no copy); dicts,
-    lists, tuples and named tuples are rebuilt around the parts; 0-dimensional tensors and other
-    leaves are shared by every micro-batch. A tensor with another first dimension raises
-    :class:`BatchSplitError` (its samples cannot be told apart).
-    """
+    """``batch`` cut into micro-batches of at most ``size`` samples along dimension 0 (views; containers
+    rebuilt; 0-dim tensors and other leaves shared), each with its weight ``samples / batch_size``. A tensor with another
+    first dimension raises :class:`BatchSplitError`."""
     if size < 1 or batch_size < 1:
         raise ValueError(f"size={size} and batch_size={batch_size} must be >= 1")
-    parts = []
-    for start in range(0, batch_size, size):
-        stop = min(start + size, batch_size)
-        parts.append((_slice(batch, start, stop, batch_size), (stop - start) / batch_size))
-    return parts
+    bounds = [(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
+    return [(_slice(batch, start, stop, batch_size), (stop - start) / batch_size) for start, stop in bounds]
 
 
 def _slice(batch: Any, start: int, stop: int, batch_size: int) -> Any:

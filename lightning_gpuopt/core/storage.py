@@ -1,24 +1,15 @@
 """Where a report and its PNGs live: a local path, or a URL of any fsspec filesystem.
 
-A local path (no protocol: ``lightning_logs/version_0``; or ``file://``) is a :class:`~pathlib.Path`
-and is read and written with the standard library (:mod:`lightning_gpuopt.core.report` replaces the
-file atomically, with the umask's mode). Anything with another protocol (``s3://bucket/run``,
-``gcs://...``, ``memory://run``, ``simplecache::s3://...``) stays the URL string and goes through
-fsspec, as Lightning's own loggers and checkpoints do: a file is written in one call
+A local path (no protocol, or ``file://``) is a :class:`~pathlib.Path` handled by the standard
+library. Any other protocol (``s3://bucket/run``, ``memory://run``, ``simplecache::s3://...``) stays
+the URL string and goes through fsspec, as Lightning's loggers do: a file is written in one call
 (``pipe_file``), so on an object store it appears whole or not at all. A protocol whose package is
-not installed (``s3://`` without ``s3fs``) raises :class:`FilesystemUnavailableError`, whose message
-names the URL and the package to install.
+missing raises :class:`FilesystemUnavailableError`, naming the URL and the package to install.
 
-Example::
-
-    >>> as_location("lightning_logs/version_0")
-    PosixPath('lightning_logs/version_0')
-    >>> as_location("s3://bucket/run")
-    's3://bucket/run'
-    >>> join_location(as_location("s3://bucket/run/"), "gpuopt_report.json")
-    's3://bucket/run/gpuopt_report.json'
-    >>> parent_location("memory://run/gpuopt_report.json")
-    'memory://run'
+    >>> as_location("lightning_logs/version_0"), as_location("s3://bucket/run")
+    (PosixPath('lightning_logs/version_0'), 's3://bucket/run')
+    >>> join_location("s3://bucket/run/", "gpuopt_report.json"), parent_location("memory://run/report.json")
+    ('s3://bucket/run/gpuopt_report.json', 'memory://run')
 """
 
 from __future__ import annotations
@@ -31,38 +22,22 @@ from typing import Any, Optional, Union
 #: a local directory or file (a ``Path``), or the URL of one on an fsspec filesystem (a ``str``)
 Location = Union[Path, str]
 
-_FILE_SCHEME = "file://"
-
 
 class FilesystemUnavailableError(ImportError):
-    """The URL's protocol has no usable fsspec filesystem here: its package is not installed (``s3fs``
-    for ``s3://``), or fsspec knows no such protocol. ``str()`` names the URL and what to install."""
+    """The URL's protocol has no usable fsspec filesystem here (its package is not installed, or fsspec
+    knows no such protocol); the message names the URL and what to install."""
 
     def __init__(self, url: str, protocol: str, package: Optional[str], reason: str) -> None:
-        self.url = url
-        self.protocol = protocol
-        self.package = package
-        self.reason = reason
-        remedy = (
-            f"install it with `pip install {package}`"
-            if package
-            else "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
-        )
+        self.url, self.protocol, self.package, self.reason = url, protocol, package, reason
+        known = "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
+        remedy = f"install it with `pip install {package}`" if package else known
         super().__init__(
             f"{url} needs the fsspec filesystem of {protocol!r}, which is not available ({reason}): {remedy}"
         )
 
 
 def is_url(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` names a file on a non-local fsspec filesystem (its protocol is not ``file``).
-
-    The same test as Lightning's ``lightning.fabric.utilities.cloud_io._is_local_file_protocol``
-    (negated), which decides where Lightning writes its own logs and checkpoints. A ``Path`` is
-    always local.
-
-        >>> is_url("s3://bucket/run"), is_url("memory://run"), is_url("logs/run"), is_url("file:///tmp/run")
-        (True, True, False, False)
-    """
+    """Whether ``path`` is on a non-local fsspec filesystem: Lightning's ``_is_local_file_protocol``, negated."""
     if isinstance(path, Path):
         return False
     from fsspec.utils import get_protocol
@@ -75,16 +50,12 @@ def as_location(path: Union[str, os.PathLike]) -> Location:
     if is_url(path):
         return str(os.fspath(path))
     text = os.fspath(path)
-    if isinstance(text, str) and text.startswith(_FILE_SCHEME):
-        return Path(text[len(_FILE_SCHEME) :])
-    return Path(path)
+    return Path(text.removeprefix("file://") if isinstance(text, str) else path)
 
 
 def join_location(location: Location, name: str) -> Location:
     """``location / name``: a ``Path`` joined as a path, a URL with one ``/``."""
-    if isinstance(location, Path):
-        return location / name
-    return f"{location.rstrip('/')}/{name}"
+    return location / name if isinstance(location, Path) else f"{location.rstrip('/')}/{name}"
 
 
 def parent_location(location: Location) -> Location:
@@ -93,34 +64,28 @@ def parent_location(location: Location) -> Location:
         return location.parent
     head, scheme, rest = location.rpartition("://")
     rest = rest.rstrip("/")
-    parent = rest.rsplit("/", 1)[0] if "/" in rest else ""
-    return f"{head}{scheme}{parent}"
+    return f"{head}{scheme}{rest.rsplit('/', 1)[0] if '/' in rest else ''}"
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path in it)`` for ``url`` (``fsspec.core.url_to_fs``).
-
-    Raises:
-        FilesystemUnavailableError: the protocol's package is not installed, or the protocol is unknown.
-    """
+    """``(fsspec filesystem, path in it)`` for ``url``; :class:`FilesystemUnavailableError` when the
+    protocol's package is not installed or the protocol is unknown."""
     from fsspec.core import url_to_fs
 
     try:
         return url_to_fs(url)
-    except ImportError as error:
-        protocol, package = _missing_implementation(url, str(error))
-        raise FilesystemUnavailableError(url, protocol, package, str(error) or type(error).__name__) from error
-    except ValueError as error:
-        if "protocol not known" not in str(error).lower():
+    except (ImportError, ValueError) as error:
+        missing = isinstance(error, ImportError)  # else a ValueError: is it an unknown protocol?
+        if not missing and "protocol not known" not in str(error).lower():
             raise
-        protocol, _ = _missing_implementation(url, "")
-        raise FilesystemUnavailableError(url, protocol, None, str(error)) from error
+        protocol, package = _missing_implementation(url, str(error) if missing else "")
+        reason = str(error) or type(error).__name__
+        raise FilesystemUnavailableError(url, protocol, package if missing else None, reason) from error
 
 
 def _missing_implementation(url: str, message: str) -> tuple[str, Optional[str]]:
-    """The protocol of ``url`` (of a chain ``a::b://...``, the one whose package failed to import) and
-    the package that implements it, as fsspec's registry names it (``s3`` -> ``s3fs``); ``None`` when
-    fsspec knows no such protocol."""
+    """The protocol of ``url`` (of a chain ``a::b://...``, the one whose import failed) and the package
+    fsspec's registry names for it (``s3`` -> ``s3fs``; ``None``: unknown protocol)."""
     from fsspec.registry import known_implementations
     from fsspec.utils import get_protocol
 
@@ -142,8 +107,7 @@ def read_bytes(location: Location) -> bytes:
 
 
 def write_bytes(location: Location, payload: bytes) -> Location:
-    """Write ``payload`` to ``location`` in one call; a URL's missing parent folders are made when
-    the filesystem has folders (an object store has none). Returns ``location``."""
+    """Write ``payload`` to ``location`` in one call, making missing parent folders; returns ``location``."""
     if isinstance(location, Path):
         location.parent.mkdir(parents=True, exist_ok=True)
         location.write_bytes(payload)

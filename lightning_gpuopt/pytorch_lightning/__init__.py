@@ -1,13 +1,8 @@
 """lightning-gpuopt for code that imports ``pytorch_lightning`` rather than ``lightning.pytorch``.
 
-Lightning ships its trainer twice, with distinct classes; our callbacks are built on ``lightning.pytorch``
-and make what a Trainer needs from that Trainer's own namespace
-(:mod:`lightning_gpuopt.callbacks._lightning_compat`). The classes here add ``pytorch_lightning``'s
-``Callback`` (and ``LightningCLI``) as a base, so a ``pytorch_lightning.Trainer`` and its CLI take them;
-each refuses the other namespace's Trainer with a message naming the import to use. Results and
-``core`` are shared.
+The classes here add ``pytorch_lightning``'s ``Callback`` (and ``LightningCLI``) as a base over the
+same source, so a ``pytorch_lightning.Trainer`` takes them; results and ``core`` are shared.
 
-Example:
     >>> import pytorch_lightning as pl
     >>> from lightning_gpuopt.pytorch_lightning import GpuOpt
     >>> isinstance(GpuOpt("diagnose"), pl.Callback)
@@ -18,6 +13,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lightning_gpuopt import callbacks as _callbacks
+from lightning_gpuopt.callbacks import GpuOptReport, NoBatchSizeFitsError
 from lightning_gpuopt.cli import lightning_cli as _cli
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
@@ -26,9 +22,6 @@ from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import available_presets, load_preset
-
-NoBatchSizeFitsError = _callbacks.NoBatchSizeFitsError
-GpuOptReport = _callbacks.GpuOptReport
 
 
 class BatchSizeSearch(_callbacks.BatchSizeSearch, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
