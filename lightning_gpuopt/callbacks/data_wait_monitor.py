@@ -1,17 +1,13 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Each training step is split into data wait (the dataloader ``next()``, timed exactly through the
-Trainer's profiler), batch transfer, compute and other host work; validation, checkpoint saving and
-loader start-up at epoch starts are totalled apart (:mod:`lightning_gpuopt.core.timing`). On CUDA,
-device events at step start and end (read lazily, never synchronising) give GPU busy and idle time,
-and an NVML thread samples every GPU's utilisation and memory. At the end of ``fit`` the ranks' totals
-are all-gathered and every rank builds the same :class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`
-(its fields: :mod:`lightning_gpuopt.core.diagnosis`); rank 0 logs it as a table and writes it as the
-``"data_wait"`` section of ``gpuopt_report.json``.
+Each training step is split into data wait (the dataloader ``next()``, timed through the Trainer's profiler),
+transfer, compute and other host work; validation, checkpoint saving and loader start-up are totalled apart
+(:mod:`lightning_gpuopt.core.timing`). On CUDA, device events (read lazily) give GPU busy and idle time and an
+NVML thread samples every GPU. At the end of ``fit`` the ranks' totals are all-gathered and every rank builds
+the same :class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`; rank 0 logs it as a table and writes it as
+the ``"data_wait"`` section of ``gpuopt_report.json``.
 
-Logged every ``log_every_n_steps`` measured steps, each over the steps since the previous log (this
-rank's figures, to the Trainer's loggers and to ``trainer.callback_metrics``, where ``EarlyStopping``
-and ``ModelCheckpoint`` can monitor them):
+Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
 * ``gpuopt/data_wait_fraction`` -- share of step time spent waiting for the next batch
 * ``gpuopt/transfer_fraction`` -- share of step time copying the batch to the device
@@ -26,11 +22,9 @@ and ``ModelCheckpoint`` can monitor them):
 
 Logged once, at the end of ``fit``, with ``find_patterns=True``:
 
-* ``gpuopt/findings`` -- the number of slow patterns found on this rank (``report.findings``), when any
-* ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (``-`` in the kind becomes ``_``; kinds
-  and figures: :mod:`lightning_gpuopt.core.findings`)
-* ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache
-  dropped first (at most 32 files, 64 MiB, 2 s; each host's first process; whenever the dataset names files)
+* ``gpuopt/findings`` -- the number of slow patterns found on this rank, when any
+* ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (:mod:`lightning_gpuopt.core.findings`)
+* ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache dropped
 * ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at
 """
 
@@ -70,7 +64,7 @@ from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "data_wait"
-#: the probes of ``find_patterns=True``, one of each made fresh for every ``fit``
+#: the probes of ``find_patterns=True``, made fresh for every ``fit``
 PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
 
 
@@ -85,20 +79,15 @@ class DataWaitMonitor(Callback):
         monitor.report.recommendations    # ['num_workers=0 → 2 (2 usable CPU cores): ...']
 
     Args:
-        warmup_steps: training steps at the start of ``fit`` that are not measured (allocator growth,
-            autotuning, lazy initialisation). The first step of each epoch is never measured: the time
-            to its batch is loader start-up.
-        log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps; ``None``
-            follows ``Trainer(log_every_n_steps=...)``.
+        warmup_steps: training steps at the start of ``fit`` not measured (nor is each epoch's first step).
+        log_every_n_steps: log the metrics every this many measured steps; ``None``: the Trainer's.
         nvml_interval_s: seconds between NVML samples of GPU utilisation and memory.
         data_wait_high: data wait share of a step from which the run is input-bound.
         data_wait_low: data wait share up to which the run is compute-bound.
         gpu_idle_high: GPU idle share from which the GPU counts as starved.
         host_overhead_high: on CPU, share of transfer + other host work from which the run is host-bound.
-        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median of the others
-            to reach the gradient sync is named a straggler.
-        report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in
-            ``trainer.log_dir`` (or ``default_root_dir``).
+        straggler_slowdown: under DDP, a rank this much slower than the median of the others is a straggler.
+        report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in the log dir.
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
         find_patterns: look for known slow patterns on a few sampled steps (``report.findings``).
     """
@@ -118,20 +107,10 @@ class DataWaitMonitor(Callback):
         find_patterns: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
-        check_int(
-            "log_every_n_steps",
-            log_every_n_steps,
-            1,
-            "log_every_n_steps=50 (None follows the Trainer)",
-            allow_none=True,
-        )
+        check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)", True)
         check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
-        check_path(
-            "report_path",
-            report_path,
-            "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
-            allow_none=True,
-        )
+        example = "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)"
+        check_path("report_path", report_path, example, allow_none=True)
         check_bool("verbose", verbose, "verbose=False")
         check_bool("find_patterns", find_patterns, "find_patterns=False")
         self.warmup_steps = warmup_steps
@@ -204,8 +183,7 @@ class DataWaitMonitor(Callback):
                 self._drop_probe(probe, error)
 
     def _call_probes(self, hook: str, *args: Any) -> list[Any]:
-        """Call ``hook`` on every probe and return what they return; one that fails is dropped with a
-        warning (advice never costs the run)."""
+        """Call ``hook`` on every probe and return what they return; one that fails is dropped with a warning."""
         results = []
         for probe in list(self._probes):
             try:
@@ -236,8 +214,7 @@ class DataWaitMonitor(Callback):
                 self._in_validation = False
                 self._clock.add_excluded("validation", time.perf_counter() - started)
 
-        val_loop.run = timed_run  # type: ignore[method-assign]  # on the instance, for this fit; _restore deletes it
-        self._validation_wrapper = timed_run
+        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -262,7 +239,7 @@ class DataWaitMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is None:
             return
-        self._settings = read_run_settings(trainer)
+        self._settings = _read_run_settings(trainer)
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
@@ -321,9 +298,8 @@ class DataWaitMonitor(Callback):
             metrics["gpuopt/gpu_idle_fraction"] = idle / (busy + idle) if busy + idle > 0 else None
             self._gpu_logged = (gpu.busy_s, gpu.idle_s)
         if self._sampler is not None and self._nvml_uuid is not None:
-            metrics["gpuopt/gpu_util"], metrics["gpuopt/gpu_memory_used_fraction"] = self._sampler.take_window(
-                self._nvml_uuid
-            )
+            util, memory = self._sampler.take_window(self._nvml_uuid)
+            metrics |= {"gpuopt/gpu_util": util, "gpuopt/gpu_memory_used_fraction": memory}
         log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
 
     # -- reporting -------------------------------------------------------------------------
@@ -380,20 +356,18 @@ def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) ->
     return ranks
 
 
-def read_run_settings(trainer: Trainer) -> RunSettings:
+def _read_run_settings(trainer: Trainer) -> RunSettings:
     """The loader and run settings the recommendations compare against."""
     loader = first_dataloader(trainer.train_dataloader)
+    names = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+    settings = {name: getattr(loader, name) for name in names} if loader is not None else {}
+    if loader is not None:
+        settings["batch_size"] = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return RunSettings(
         device_type=device_for(trainer.strategy.root_device).type,
-        num_workers=loader.num_workers if loader is not None else None,
-        pin_memory=loader.pin_memory if loader is not None else None,
-        persistent_workers=loader.persistent_workers if loader is not None else None,
-        prefetch_factor=loader.prefetch_factor if loader is not None else None,
-        batch_size=(loader.batch_size or getattr(loader.batch_sampler, "batch_size", None))
-        if loader is not None
-        else None,
         usable_cpus=usable_cpu_count(),
         processes_per_host=trainer.num_devices if trainer.world_size > 1 else 1,
         precision=str(trainer.precision),
         num_devices=trainer.num_devices,
+        **settings,
     )
