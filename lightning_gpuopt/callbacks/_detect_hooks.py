@@ -4,8 +4,7 @@
 ``on_train_end``, from the times the profiler tap hands the monitor. :class:`DatasetDisk` finds the files the
 training dataset names and, at train end, reads a sample of them with the page cache dropped (at most
 :data:`READ_FILES` files, :data:`READ_BYTES` bytes, :data:`READ_SECONDS` seconds) against the rate training
-consumed them, logging ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s``.
-"""
+consumed them, logging ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s``."""
 
 from __future__ import annotations
 

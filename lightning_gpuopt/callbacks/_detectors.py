@@ -5,8 +5,7 @@ calls; here are :class:`ModuleAndDeviceChecks` (module, torch settings and batch
 (module attributes holding an autograd graph across steps) and :class:`HostSyncProbe` (reads from a CUDA
 device, real or simulated, to the host inside :data:`SYNC_STEPS`, by the innermost frame outside torch,
 lightning_gpuopt and the standard library: the user's code or Lightning's; ``print(loss)`` is not seen, torch
-formats tensors with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``.
-"""
+formats tensors with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 

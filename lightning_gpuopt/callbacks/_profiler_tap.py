@@ -6,8 +6,7 @@ strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<
 :func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
 is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds),
 ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action. Every call still
-reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action.
-"""
+reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ Logged once, at the end of ``fit``, with ``find_patterns=True``:
 * ``gpuopt/findings`` -- the number of slow patterns found on this rank, when any
 * ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (:mod:`lightning_gpuopt.core.findings`)
 * ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache dropped
-* ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at
-"""
+* ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at"""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ class DataWaitMonitor(Callback):
         straggler_slowdown: under DDP, a rank this much slower than the median of the others is a straggler.
         report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in the log dir.
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
-        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``).
-    """
+        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``)."""
 
     def __init__(
         self,

@@ -23,8 +23,7 @@ attribute, a hook, a ``file:line``; ``None``: the whole run), the fix with its v
 * ``"channels-last"`` -- convolutions under mixed precision not in ``channels_last``: ``convolutions_nchw``,
   ``input_nchw``;
 * ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``,
-  ``needed_mb_s``, ``data_wait_fraction``, ``files_read``.
-"""
+  ``needed_mb_s``, ``data_wait_fraction``, ``files_read``."""
 
 from __future__ import annotations
 
@@ -58,11 +57,7 @@ class Finding:
 
 
 def findings_metrics(findings: Sequence[Finding]) -> dict[str, float]:
-    """``gpuopt/findings`` (their count) and every figure of each (of several of one kind, the last one's).
-
-    >>> findings_metrics([oversubscription(8, 1, 2)])["gpuopt/finding/oversubscribed/cores"]
-    2.0
-    """
+    """``gpuopt/findings`` (their count) and every figure of each (of several of one kind, the last one's)."""
     metrics = {"gpuopt/findings": float(len(findings))}
     for finding in findings:
         for name, value in finding.figures.items():
@@ -78,11 +73,7 @@ def graph_kept(
 ) -> Optional[Finding]:
     """Module attributes whose autograd graph (``graph_nodes[path][i]`` nodes at the start of ``steps[i]``)
     is held at two or more samples and grows; ``live_bytes[i]``: memory handed out then (only reported);
-    ``containers``: the paths that are lists, tuples or dicts.
-
-    >>> graph_kept([2, 4, 8], {"total_loss": [9, 17, 33]}).where
-    'total_loss'
-    """
+    ``containers``: the paths that are lists, tuples or dicts."""
     found: list[tuple[str, list[int], list[int], Optional[int]]] = []
     for path, nodes in graph_nodes.items():
         held = [i for i, count in enumerate(nodes) if count > 0]
@@ -125,11 +116,7 @@ def host_sync(
 ) -> Optional[Finding]:
     """Reads from the card to the host (each waits for the card's queue to drain): ``user_reads[i]`` and
     ``lightning_reads[i]`` in step ``steps[i]``; ``lines``: the user's ``file:line`` and their counts. Found
-    from one user read per step.
-
-    >>> host_sync([1, 2], [2, 2], [0, 0], {"train.py:41": 4}).where
-    'train.py:41'
-    """
+    from one user read per step."""
     if not steps:
         return None
     user, lightning = sum(user_reads) / len(steps), sum(lightning_reads) / len(steps)
@@ -159,11 +146,7 @@ def host_sync(
 
 
 def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
-    """``nn.DataParallel`` found at the module paths ``wrapped`` (``""`` is the module itself).
-
-    >>> data_parallel(["encoder"]).where
-    'encoder'
-    """
+    """``nn.DataParallel`` found at the module paths ``wrapped`` (``""`` is the module itself)."""
     if not wrapped:
         return None
     names = ", ".join(f"`{path or 'the LightningModule itself'}`" for path in wrapped)
@@ -178,11 +161,7 @@ def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
 
 
 def oversubscription(threads_per_process: int, processes: int, cores: int) -> Optional[Finding]:
-    """Intra-op threads x processes on the host against its usable cores.
-
-    >>> oversubscription(threads_per_process=8, processes=4, cores=16).fix
-    'torch.set_num_threads(4) in each process (or OMP_NUM_THREADS=4): 4 processes x 4 threads = 16 cores'
-    """
+    """Intra-op threads x processes on the host against its usable cores."""
     wanted = threads_per_process * processes
     if cores < 1 or wanted <= cores:
         return None
@@ -199,11 +178,7 @@ def oversubscription(threads_per_process: int, processes: int, cores: int) -> Op
 
 def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, precision: str) -> Optional[Finding]:
     """float32 matmuls in full precision (``"highest"``, Trainer ``precision`` ``32-true``) on a card with
-    TF32 tensor cores (compute capability >= 8.0).
-
-    >>> tf32_off((7, 0), "highest", "32-true") is None  # a V100 has no TF32
-    True
-    """
+    TF32 tensor cores (compute capability >= 8.0)."""
     if capability is None or capability < (8, 0) or matmul_precision != "highest" or precision not in ("32-true", "32"):
         return None
     return Finding(
@@ -216,11 +191,7 @@ def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, preci
 
 
 def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: int) -> Optional[Finding]:
-    """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off.
-
-    >>> cudnn_benchmark_off(False, convolutions=12, input_shapes_seen=3) is None  # shapes vary: autotuning repeats
-    True
-    """
+    """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off."""
     if benchmark or convolutions == 0 or input_shapes_seen != 1:
         return None
     return Finding(
@@ -236,11 +207,7 @@ def channels_last(
     precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool
 ) -> Optional[Finding]:
     """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or 4-D
-    inputs are in NCHW (tensor-core kernels work in NHWC).
-
-    >>> channels_last("16-mixed", ["stem.conv"], inputs_not_channels_last=True).where
-    'stem.conv'
-    """
+    inputs are in NCHW (tensor-core kernels work in NHWC)."""
     if "mixed" not in precision and precision not in ("16-true", "bf16-true"):
         return None
     if not not_channels_last and not inputs_not_channels_last:
@@ -301,11 +268,7 @@ def slow_hook(
 ) -> Optional[Finding]:
     """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of training.
     Found from ``threshold`` of it; the fix runs it every ``N`` steps (epochs, for a hook run once an epoch or
-    less), ``N`` a 1-2-5 value bringing it to about ``target``.
-
-    >>> slow_hook("SlowHook.on_train_batch_end", total_s=5.0, calls=100, train_s=10.0).figures["suggested_every_n"]
-    50.0
-    """
+    less), ``N`` a 1-2-5 value bringing it to about ``target``."""
     if calls < 1 or train_s <= 0 or total_s <= 0 or total_s / train_s < threshold:
         return None
     share, per_call = total_s / train_s, total_s / calls
@@ -439,11 +402,7 @@ def slow_disk(
     samples_per_second: Optional[float] = None,
 ) -> Optional[Finding]:
     """The dataset's files under ``directory`` read at ``read_mb_s`` against ``needed_mb_s``, the rate training
-    consumes them: found below ``margin`` x that rate on a run waiting for data ``data_wait_high`` of a step.
-
-    >>> slow_disk(80.0, 100.0, 0.05, 0.2, "/data/imagenet", 32, 64.0) is None  # not input-bound
-    True
-    """
+    consumes them: found below ``margin`` x that rate on a run waiting for data ``data_wait_high`` of a step."""
     if read_mb_s <= 0 or needed_mb_s <= 0 or data_wait_fraction is None:
         return None
     if read_mb_s >= margin * needed_mb_s or data_wait_fraction < data_wait_high:

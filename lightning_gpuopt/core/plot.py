@@ -7,8 +7,7 @@
 * ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen and the user's marked.
 
 Figures are drawn on an ``Agg`` canvas (pyplot's backend untouched); without matplotlib drawing raises
-:class:`PlotUnavailableError`. From the shell: ``gpuopt plot REPORT.json --out plots/``.
-"""
+:class:`PlotUnavailableError`. From the shell: ``gpuopt plot REPORT.json --out plots/``."""
 
 from __future__ import annotations
 

@@ -215,8 +215,7 @@ class StepClock:
 
     Args:
         warmup_steps: steps at the start of the run that are not measured.
-        clock: a monotonic clock in seconds.
-    """
+        clock: a monotonic clock in seconds."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
