@@ -1,11 +1,11 @@
 """Probes: the measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
 
-A probe looks at a few sampled training steps, never at every one. :class:`Probe` is the protocol the monitor
-calls; here are :class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe`
-(module attributes holding an autograd graph across steps) and :class:`HostSyncProbe` (reads from a CUDA
-device, real or simulated, to the host inside :data:`SYNC_STEPS`, by the innermost frame outside torch,
-lightning_gpuopt and the standard library: the user's code or Lightning's; ``print(loss)`` is not seen, torch
-formats tensors with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
+A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
+:class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (module attributes
+holding an autograd graph across steps) and :class:`HostSyncProbe` (reads from a CUDA device, real or
+simulated, to the host inside :data:`SYNC_STEPS`, by the innermost frame outside torch, lightning_gpuopt and
+the standard library: the user's or Lightning's; ``print(loss)`` is not seen, torch formats tensors with
+dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -47,25 +47,18 @@ MAX_LINES = 5
 
 
 class Probe:
-    """Base class: every hook does nothing. ``step`` counts training steps from the start of ``fit``, 0-based."""
+    """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
+    profiled action (only on probes that override it: it runs on every hook call), ``stop`` on every exit path
+    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report."""
 
-    def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """``on_train_start``: the loaders and the model are on their device."""
-
-    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Training step ``step`` starts."""
-
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Training step ``step`` ended."""
-
-    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
-        """A profiled action took ``seconds``; called only on probes that override it (it runs on every hook)."""
-
-    def stop(self) -> None:
-        """Undo everything installed (on every exit path, perhaps more than once)."""
+    def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
+    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
+    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
+    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None: ...
+    def stop(self) -> None: ...
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
-        """What was found (after :meth:`stop`), given the run's report."""
         return []
 
 
@@ -138,11 +131,11 @@ class ModuleAndDeviceChecks(Probe):
         return [finding for finding in found if finding is not None]
 
 
-def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
+def _graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
     """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most ``limit``).
 
     >>> x = torch.ones(2, requires_grad=True)
-    >>> graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
+    >>> _graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
     3
     """
     seen: set[Any] = set()
@@ -156,24 +149,18 @@ def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> in
     return len(seen)
 
 
-def graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
+def _graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
     """``{attribute path: (autograd nodes, whether a container)}`` of each attribute (buffers included,
     parameters and submodules not) of ``pl_module``'s modules holding a tensor with a ``grad_fn``."""
     held: dict[str, tuple[int, bool]] = {}
     for prefix, module in pl_module.named_modules():
-        internal = ("_parameters", "_buffers", "_modules")
-        attributes = [
-            (name, value)
-            for name, value in vars(module).items()
-            if name not in internal and not name.startswith(("_forward", "_backward"))
-        ]
-        for name, value in attributes + list(module._buffers.items()):
+        skip = ("_parameters", "_buffers", "_modules")
+        own = [(n, v) for n, v in vars(module).items() if n not in skip and not n.startswith(("_forward", "_backward"))]
+        for name, value in own + list(module._buffers.items()):
             tensors = [tensor for tensor in _tensors(value, depth=1) if tensor.grad_fn is not None]
             if tensors:
-                held[f"{prefix}.{name}" if prefix else name] = (
-                    graph_nodes(tensors),
-                    not isinstance(value, torch.Tensor),
-                )
+                path = f"{prefix}.{name}" if prefix else name
+                held[path] = (_graph_nodes(tensors), not isinstance(value, torch.Tensor))
     return held
 
 
@@ -192,7 +179,7 @@ class KeptGraphProbe(Probe):
         self._device = device_for(pl_module.device)
 
     def _sample(self, pl_module: Any, step: int) -> None:
-        held = graphs_held(pl_module)
+        held = _graphs_held(pl_module)
         self._steps.append(step)
         self._nodes.append({path: nodes for path, (nodes, _) in held.items()})
         self._containers.update(path for path, (_, container) in held.items() if container)

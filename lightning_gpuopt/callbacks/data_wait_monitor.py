@@ -141,7 +141,6 @@ class DataWaitMonitor(Callback):
         self._probes: list[Probe] = []
         self._action_probes: list[Probe] = []
 
-    # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -233,7 +232,6 @@ class DataWaitMonitor(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore(trainer)
 
-    # -- measuring -------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is None:
             return
@@ -280,16 +278,11 @@ class DataWaitMonitor(Callback):
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
 
-    def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
-        metrics = {
-            "gpuopt/data_wait_fraction": window.data_wait_fraction,
-            "gpuopt/transfer_fraction": window.transfer_fraction,
-            "gpuopt/compute_fraction": window.compute_fraction,
-            "gpuopt/other_fraction": window.other_fraction,
-            "gpuopt/step_time_ms": 1e3 * window.step_time_s,
-            "gpuopt/data_wait_ms": 1e3 * window.data_wait_per_step_s,
-            "gpuopt/samples_per_second": window.samples_per_second,
-        }
+    def _log_window(self, trainer: Trainer, win: StepTotals) -> None:
+        parts = ("data_wait", "transfer", "compute", "other")
+        metrics = {f"gpuopt/{part}_fraction": win.share(getattr(win, f"{part}_s")) for part in parts}
+        metrics |= {"gpuopt/step_time_ms": 1e3 * win.step_time_s, "gpuopt/data_wait_ms": 1e3 * win.data_wait_per_step_s}
+        metrics["gpuopt/samples_per_second"] = win.samples_per_second
         if self._gpu is not None:
             gpu = self._gpu.poll()
             busy, idle = gpu.busy_s - self._gpu_logged[0], gpu.idle_s - self._gpu_logged[1]
@@ -300,28 +293,20 @@ class DataWaitMonitor(Callback):
             metrics |= {"gpuopt/gpu_util": util, "gpuopt/gpu_memory_used_fraction": memory}
         log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
 
-    # -- reporting -------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         clock = self._clock
         if clock is None or self._settings is None:
             return
         gpu = self._gpu.finish() if self._gpu is not None else None
         gpus = self._sampler.stop() if self._sampler is not None else []
-        own = replace(
-            clock.totals(),
-            gpu_busy_s=gpu.busy_s if gpu is not None else 0.0,
-            gpu_idle_s=gpu.idle_s if gpu is not None else 0.0,
-            gpu_util_mean=next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None),
-        )
-        report = data_wait_report(
-            gather_totals(trainer, own, pl_module.device),
-            replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s)),
-            self.thresholds,
-            gpus,
-            warmup_steps=self.warmup_steps,
-            device=device_for(pl_module.device).describe(),
-            timeline=clock.timeline(gpu.idle_series if gpu is not None else None),
-        )
+        busy, idle = (gpu.busy_s, gpu.idle_s) if gpu is not None else (0.0, 0.0)
+        util = next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None)
+        own = replace(clock.totals(), gpu_busy_s=busy, gpu_idle_s=idle, gpu_util_mean=util)
+        ranks = gather_totals(trainer, own, pl_module.device)
+        settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
+        timeline = clock.timeline(gpu.idle_series if gpu is not None else None)
+        device = device_for(pl_module.device).describe()
+        report = data_wait_report(ranks, settings, self.thresholds, gpus, self.warmup_steps, device, timeline)
         self._call_probes("stop")
         findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
         self.report = replace(report, findings=findings)

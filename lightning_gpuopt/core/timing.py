@@ -6,15 +6,6 @@ logging, schedulers); validation and checkpoint saving between steps are totalle
 each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
 :class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
 synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i.
-
-    >>> clock = StepClock(warmup_steps=0)
-    >>> clock.epoch_start()
-    >>> for _ in range(3):
-    ...     clock.add_fetch(0.0)
-    ...     _ = clock.step_start()
-    ...     clock.step_end(samples=8)
-    >>> clock.totals().steps  # the epoch's first step is start-up, not a measured step
-    2
 """
 
 from __future__ import annotations
@@ -31,9 +22,7 @@ class Event(Protocol):
     """A device timing event: ``torch.cuda.Event(enable_timing=True)`` or the simulated card's host event."""
 
     def query(self) -> bool: ...
-
     def elapsed_time(self, end: Any) -> float: ...
-
     def synchronize(self) -> None: ...
 
 
@@ -322,14 +311,7 @@ class CudaStepTimer:
     fetched), so the copy to the device is busy, not idle.
 
     Args:
-        new_event: records an event on the device's current stream and returns it (``Device.new_event``).
-
-    >>> from lightning_gpuopt.core.device import HostEvent
-    >>> timer = CudaStepTimer(HostEvent)
-    >>> timer.before_transfer(); timer.step_start(StepStart(measured=True, clean_gap=True)); timer.step_end()
-    >>> timer.finish().steps
-    1
-    """
+        new_event: records an event on the device's current stream and returns it (``Device.new_event``)."""
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
