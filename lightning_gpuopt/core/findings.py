@@ -126,6 +126,8 @@ def host_sync(
     shown = ", ".join(f"{line} ({count / len(steps):g}/step)" for line, count in per_line)
     where = ", ".join(line for line, _ in per_line) or None
     lightning_note = f" (and {lightning:g} by Lightning itself)" if lightning else ""
+    figures = {"syncs_per_step": user + lightning, "user_syncs_per_step": user}
+    figures |= {"lightning_syncs_per_step": lightning, "lines": float(len(lines))}
     return Finding(
         "host-sync",
         f"{user:g} read(s) from the GPU to the host per step in your code{lightning_note}, over steps"
@@ -136,12 +138,7 @@ def host_sync(
         " `self.log(name, value, on_step=True)` (read once every log_every_n_steps), take `.item()` only every N"
         " steps or at epoch end, and branch with tensor ops (`torch.where`) instead of `if tensor:`",
         where=where,
-        figures={
-            "syncs_per_step": user + lightning,
-            "user_syncs_per_step": user,
-            "lightning_syncs_per_step": lightning,
-            "lines": float(len(lines)),
-        },
+        figures=figures,
     )
 
 
@@ -240,7 +237,7 @@ def nice_ceil(value: float) -> int:
     return nice
 
 
-def _reduction_factor(seconds: float, total_s: float, target: float) -> float:
+def _reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
     """How many times fewer calls bring ``seconds`` of ``total_s`` down to ``target`` of the (shorter) total.
 
     >>> round(_reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
@@ -264,15 +261,14 @@ def slow_hook(
     epochs: int = 1,
     in_module: bool = False,
     threshold: float = SLOW_HOOK_SHARE,
-    target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
     """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of training.
     Found from ``threshold`` of it; the fix runs it every ``N`` steps (epochs, for a hook run once an epoch or
-    less), ``N`` a 1-2-5 value bringing it to about ``target``."""
+    less), ``N`` a 1-2-5 value bringing it to about :data:`TARGET_SHARE`."""
     if calls < 1 or train_s <= 0 or total_s <= 0 or total_s / train_s < threshold:
         return None
     share, per_call = total_s / train_s, total_s / calls
-    every = nice_ceil(_reduction_factor(total_s, train_s, target)) if total_s < train_s else nice_ceil(calls)
+    every = nice_ceil(_reduction_factor(total_s, train_s)) if total_s < train_s else nice_ceil(calls)
     every = max(2, every)
     owner, name = "self" if in_module else "trainer", hook.rsplit(".", 1)[-1]
     unit, counter = ("steps", "global_step") if calls > max(1, epochs) else ("epochs", "current_epoch")
@@ -282,19 +278,15 @@ def slow_hook(
     )
     if unit == "steps" and name != "on_train_epoch_end":
         fix += ", or move the work to on_train_epoch_end"
+    figures = {"seconds": float(total_s), "calls": float(calls), "ms_per_call": per_call * 1e3, "share": share}
+    figures["suggested_every_n"] = float(every)
     return Finding(
         "slow-hook",
         f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of training"
         f" time ({train_s:.2f} s from train start to end, validation excluded)",
         fix,
         where=hook,
-        figures={
-            "seconds": float(total_s),
-            "calls": float(calls),
-            "ms_per_call": per_call * 1e3,
-            "share": float(share),
-            "suggested_every_n": float(every),
-        },
+        figures=figures,
     )
 
 
@@ -321,22 +313,16 @@ def checkpoint_time(
     checkpoint_bytes: Optional[int] = None,
     optimizer_bytes: int = 0,
     parameter_bytes: int = 0,
-    threshold: float = CHECKPOINT_SHARE,
-    target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
-    """Saving checkpoints against ``fit_s``, train start to end, over ``steps`` steps. Found from ``threshold``;
-    the fix scales each saver's interval to a 1-2-5 value bringing saving to about ``target``, and names
-    ``save_last="link"`` and ``save_weights_only=True`` (when the optimizer state is as large as the weights).
-
-    >>> saver = CheckpointSaver("ModelCheckpoint(every_n_train_steps=1)", saves=100, seconds=5.0, every_n_train_steps=1)
-    >>> checkpoint_time([saver], fit_s=10.0, steps=100).fix
-    'ModelCheckpoint(every_n_train_steps=1 → 50) (about 2.0% of training time)'
-    """
+    """Saving checkpoints against ``fit_s``, train start to end, over ``steps`` steps. Found from
+    :data:`CHECKPOINT_SHARE`; the fix scales each saver's interval to a 1-2-5 value bringing saving to about
+    :data:`TARGET_SHARE`, and names ``save_last="link"`` and ``save_weights_only=True`` (when the optimizer
+    state is as large as the weights)."""
     saves, seconds = sum(saver.saves for saver in savers), sum(saver.seconds for saver in savers)
-    if saves < 1 or fit_s <= 0 or seconds <= 0 or seconds / fit_s < threshold:
+    if saves < 1 or fit_s <= 0 or seconds <= 0 or seconds / fit_s < CHECKPOINT_SHARE:
         return None
     share = seconds / fit_s
-    factor = _reduction_factor(seconds, fit_s, target) if seconds < fit_s else float(max(2, saves))
+    factor = _reduction_factor(seconds, fit_s) if seconds < fit_s else float(max(2, saves))
     changes: list[str] = []
     scales: list[float] = []
     suggested: Optional[int] = None
@@ -397,15 +383,14 @@ def slow_disk(
     files_read: int,
     mb_read: float,
     filesystem: Optional[str] = None,
-    margin: float = DISK_MARGIN,
     bytes_per_sample: Optional[float] = None,
     samples_per_second: Optional[float] = None,
 ) -> Optional[Finding]:
     """The dataset's files under ``directory`` read at ``read_mb_s`` against ``needed_mb_s``, the rate training
-    consumes them: found below ``margin`` x that rate on a run waiting for data ``data_wait_high`` of a step."""
+    consumes them: found below :data:`DISK_MARGIN` x that rate on a run waiting for data ``data_wait_high`` of a step."""
     if read_mb_s <= 0 or needed_mb_s <= 0 or data_wait_fraction is None:
         return None
-    if read_mb_s >= margin * needed_mb_s or data_wait_fraction < data_wait_high:
+    if read_mb_s >= DISK_MARGIN * needed_mb_s or data_wait_fraction < data_wait_high:
         return None
     in_memory = filesystem in ("tmpfs", "ramfs")
     where_from = f" ({filesystem}: already in memory)" if in_memory else (f" ({filesystem})" if filesystem else "")
@@ -418,6 +403,8 @@ def slow_disk(
     rate = ""
     if bytes_per_sample and samples_per_second:
         rate = f" ({bytes_per_sample / 1e3:.1f} kB a sample x {samples_per_second:.0f} samples/s)"
+    figures = {"read_mb_s": float(read_mb_s), "needed_mb_s": float(needed_mb_s)}
+    figures |= {"data_wait_fraction": float(data_wait_fraction), "files_read": float(files_read)}
     return Finding(
         "slow-disk",
         f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
@@ -425,10 +412,5 @@ def slow_disk(
         f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
         fix,
         where=directory,
-        figures={
-            "read_mb_s": float(read_mb_s),
-            "needed_mb_s": float(needed_mb_s),
-            "data_wait_fraction": float(data_wait_fraction),
-            "files_read": float(files_read),
-        },
+        figures=figures,
     )

@@ -96,15 +96,7 @@ def update_json_section(
     other sections (each callback owns one), and return where it was written. A local file is written
     atomically (a temporary file renamed into place, mode ``0o666`` less the umask). An existing file that
     is no JSON object is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`) says
-    so. Raises ``OSError`` when the file cannot be written.
-
-        >>> import tempfile
-        >>> report = Path(tempfile.mkdtemp()) / "gpuopt_report.json"
-        >>> _ = update_json_section(report, "a", {"x": 1})
-        >>> _ = update_json_section(report, "b", {"y": 2})
-        >>> read_json(report)
-        {'a': {'x': 1}, 'b': {'y': 2}}
-    """
+    so. Raises ``OSError`` when the file cannot be written."""
     location = as_location(path)
     content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
     content[section] = data
@@ -269,13 +261,7 @@ def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
 
 
 def _loader_tune_summary(result: LoaderTuneResult) -> str:
-    """One line on what the tuner did: kept the user's setting, or changed it and by how much.
-
-    >>> from lightning_gpuopt.core.loader import LoaderSetting, LoaderTiming, LoaderTuneResult
-    >>> yours = LoaderTiming(LoaderSetting(2, 2), 8, 256, 0.1, 0.5, 512.0, None)
-    >>> _loader_tune_summary(LoaderTuneResult(2, 2, False, False, 512.0, yours, [yours], reason="fastest"))
-    'kept your setting num_workers=2, prefetch_factor=2, persistent_workers=False, pin_memory=False (fastest)'
-    """
+    """One line on what the tuner did: kept the user's setting, or changed it and by how much."""
     reason = f" ({result.reason})" if result.reason else ""
     if result.baseline is not None and result.setting == result.baseline.setting:
         return f"kept your setting {result.setting.describe()}{reason}"

@@ -139,14 +139,7 @@ class StepTimeline:
 
 class BinnedSeries:
     """Per-step values summed into at most ``max_points`` bins of ``steps_per_point`` steps; when one bin too
-    many would start, neighbours merge in pairs and ``steps_per_point`` doubles.
-
-    >>> series = BinnedSeries(("wall_s",), max_points=2)
-    >>> for step in range(4):
-    ...     series.add(step, (float(step),))
-    >>> series.points(), series.steps_per_point, series.sums()
-    ([[0.5], [2.5]], 2, [6.0])
-    """
+    many would start, neighbours merge in pairs and ``steps_per_point`` doubles."""
 
     def __init__(self, columns: Sequence[str], max_points: int = TIMELINE_POINTS) -> None:
         self.columns = tuple(columns)
