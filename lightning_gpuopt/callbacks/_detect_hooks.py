@@ -130,18 +130,15 @@ class HookTimes(Probe):
                 savers[id(callback)].saves += int(saves)
                 savers[id(callback)].seconds += seconds
             else:
-                name = f"{owner}.{hook}" if hook else owner
-                savers[action] = CheckpointSaver(name, int(saves), seconds, model_checkpoint=False)
+                savers[action] = CheckpointSaver(f"{owner}.{hook}" if hook else owner, int(saves), seconds, False)
         if not savers:
             return None
         states = [state for optimizer in trainer.optimizers for state in getattr(optimizer, "state", {}).values()]
         tensors = [value for state in states if isinstance(state, dict) for value in state.values()]
-        optimizer_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
-        checkpoint_bytes = max(sizes, default=0) or None
-        return checkpoint_time(
-            list(savers.values()), fit_s, self._steps, checkpoint_bytes, optimizer_bytes, parameter_bytes
-        )
+        optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
+        size = max(sizes, default=0) or None
+        return checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters)
 
 
 def _ours_or_builtin(callback: Any) -> bool:
@@ -155,22 +152,12 @@ def _ours_or_builtin(callback: Any) -> bool:
 
 
 def _model_checkpoint_saver(callback: Any) -> CheckpointSaver:
-    every_steps, every_epochs, interval = compat.checkpoint_schedule(callback)
-    settings = [
-        f"every_n_train_steps={every_steps}" if every_steps else None,
-        f"train_time_interval={interval}" if interval else None,
-        f"every_n_epochs={every_epochs}" if every_epochs and not every_steps and not interval else None,
-    ]
-    return CheckpointSaver(
-        f"ModelCheckpoint({', '.join(setting for setting in settings if setting)})",
-        saves=0,
-        seconds=0.0,
-        every_n_train_steps=every_steps,
-        every_n_epochs=every_epochs,
-        train_time_interval_s=interval.total_seconds() if interval else None,
-        save_last=callback.save_last,
-        save_weights_only=bool(callback.save_weights_only),
-    )
+    steps, epochs, interval = compat.checkpoint_schedule(callback)
+    settings = [f"every_n_train_steps={steps}" if steps else "", f"train_time_interval={interval}" if interval else ""]
+    settings.append(f"every_n_epochs={epochs}" if epochs and not steps and not interval else "")
+    name = f"ModelCheckpoint({', '.join(setting for setting in settings if setting)})"
+    seconds, weights_only = interval.total_seconds() if interval else None, bool(callback.save_weights_only)
+    return CheckpointSaver(name, 0, 0.0, True, steps, epochs, seconds, callback.save_last, weights_only)
 
 
 def _last_saved_bytes(callback: Any) -> int:
@@ -208,23 +195,12 @@ class DatasetDisk(Probe):
         if files is None or measured is None:
             return []
         # samples_per_second is every rank's together; this host's disk feeds this host's processes
-        host_samples_per_second = samples_per_second * trainer.num_devices / max(1, trainer.world_size)
-        needed_mb_s = files.bytes_per_sample * host_samples_per_second / 1e6
-        log_metrics(
-            trainer, {"gpuopt/dataset_read_mb_s": measured.read_mb_s, "gpuopt/dataset_needed_mb_s": needed_mb_s}
-        )
-        finding = slow_disk(
-            measured.read_mb_s,
-            needed_mb_s,
-            report.data_wait_fraction,
-            report.thresholds.data_wait_high,
-            files.directory,
-            measured.files,
-            measured.bytes / 1e6,
-            filesystem_type(files.directory),
-            bytes_per_sample=files.bytes_per_sample,
-            samples_per_second=host_samples_per_second,
-        )
+        rate = samples_per_second * trainer.num_devices / max(1, trainer.world_size)
+        read, needed = measured.read_mb_s, files.bytes_per_sample * rate / 1e6
+        log_metrics(trainer, {"gpuopt/dataset_read_mb_s": read, "gpuopt/dataset_needed_mb_s": needed})
+        wait, high, where = report.data_wait_fraction, report.thresholds.data_wait_high, files.directory
+        done = (measured.files, measured.bytes / 1e6, filesystem_type(where), files.bytes_per_sample, rate)
+        finding = slow_disk(read, needed, wait, high, where, *done)
         return [finding] if finding is not None else []
 
 
