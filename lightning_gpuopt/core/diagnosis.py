@@ -210,8 +210,7 @@ def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int
 
 def _idle_gpu_advice(gpus: Sequence[GpuUsage], idle: Sequence[int], run: RunSettings) -> str:
     busy = [gpu for gpu in gpus if gpu.visible and gpu.index not in idle and gpu.util_mean is not None]
-    busy_text = ", ".join(f"GPU {gpu.index} at {gpu.util_mean:.0f}%" for gpu in busy)
-    many = len(idle) > 1
+    busy_text, many = ", ".join(f"GPU {gpu.index} at {gpu.util_mean:.0f}%" for gpu in busy), len(idle) > 1
     return (
         f"devices={run.num_devices} → {sum(gpu.visible for gpu in gpus)}: GPU{'s' if many else ''}"
         f" {', '.join(map(str, idle))} {'are' if many else 'is'} visible but idle while {busy_text} works;"
@@ -233,11 +232,9 @@ def find_straggler(arrival_s: Sequence[float], thresholds: Thresholds, step_time
 def _straggler_advice(rank: int, slowest: int, arrival_s: Sequence[float], data_wait_s: Sequence[float]) -> str:
     median = statistics.median(t for r, t in enumerate(arrival_s) if r != slowest)
     waits = statistics.median(t for r, t in enumerate(data_wait_s) if r != slowest)
-    cause = (
-        "its dataloader: check that host's workers, CPU contention and storage"
-        if data_wait_s[slowest] - waits > 0.5 * (arrival_s[slowest] - median)
-        else "its forward pass: check that device's clocks, temperature and other processes on it"
-    )
+    cause = "its forward pass: check that device's clocks, temperature and other processes on it"
+    if data_wait_s[slowest] - waits > 0.5 * (arrival_s[slowest] - median):
+        cause = "its dataloader: check that host's workers, CPU contention and storage"
     return (
         f"rank {rank} is a straggler: it takes {_ms(arrival_s[slowest])} per step to reach the gradient"
         f" synchronisation against {_ms(median)} for the others (data wait {_ms(data_wait_s[slowest])} vs"
@@ -263,11 +260,10 @@ def diagnose(
     measured = [rank for rank, figures in enumerate(ranks) if figures.steps]
     arrival = [ranks[rank].arrival_per_step_s for rank in measured]
     slowest = find_straggler(arrival, thresholds, totals.step_time_s)
-    if slowest is None:
-        return Diagnosis(verdict, reason, recommendations, None, idle)
-    waits = [ranks[rank].data_wait_per_step_s for rank in measured]
-    recommendations.append(_straggler_advice(measured[slowest], slowest, arrival, waits))
-    return Diagnosis(verdict, reason, recommendations, measured[slowest], idle)
+    if slowest is not None:
+        waits = [ranks[rank].data_wait_per_step_s for rank in measured]
+        recommendations.append(_straggler_advice(measured[slowest], slowest, arrival, waits))
+    return Diagnosis(verdict, reason, recommendations, None if slowest is None else measured[slowest], idle)
 
 
 def combine(ranks: Sequence[StepTotals]) -> StepTotals:
@@ -279,12 +275,9 @@ def combine(ranks: Sequence[StepTotals]) -> StepTotals:
     utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
     names = [name for name in StepTotals.__dataclass_fields__ if name.endswith("_s")]
     seconds = {name: statistics.fmean(getattr(figures, name) for figures in measured) for name in names}
-    return StepTotals(
-        steps=round(statistics.fmean(figures.steps for figures in measured)),
-        samples=sum(figures.samples for figures in measured),
-        gpu_util_mean=statistics.fmean(utils) if utils else None,
-        **seconds,
-    )
+    steps = round(statistics.fmean(figures.steps for figures in measured))
+    util = statistics.fmean(utils) if utils else None
+    return StepTotals(steps, sum(figures.samples for figures in measured), gpu_util_mean=util, **seconds)
 
 
 class Spread(NamedTuple):
@@ -356,7 +349,5 @@ def data_wait_report(
 ) -> DataWaitReport:
     """Combine each rank's totals (in rank order) and diagnose them (findings: none yet)."""
     totals = combine(ranks)
-    diagnosis = diagnose(totals, settings, thresholds, gpus, ranks)
-    return DataWaitReport(
-        diagnosis, totals, list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline
-    )
+    report = (list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline)
+    return DataWaitReport(diagnose(totals, settings, thresholds, gpus, ranks), totals, *report)
