@@ -111,15 +111,11 @@ class DataWaitMonitor(Callback):
         check_path("report_path", report_path, example, allow_none=True)
         check_bool("verbose", verbose, "verbose=False")
         check_bool("find_patterns", find_patterns, "find_patterns=False")
-        self.warmup_steps = warmup_steps
-        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps, self.log_every_n_steps = warmup_steps, log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)
-        self.thresholds = Thresholds(
-            data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown
-        )
-        self.report_path = report_path
-        self.verbose = verbose
-        self.find_patterns = find_patterns
+        limits = (data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown)
+        self.thresholds = Thresholds(*limits)
+        self.report_path, self.verbose, self.find_patterns = report_path, verbose, find_patterns
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
         #: where rank 0 wrote the JSON report: a ``Path``, or a URL string
@@ -173,27 +169,21 @@ class DataWaitMonitor(Callback):
             self._clock.add_excluded("checkpoint", seconds)
 
     def _on_action(self, action: str, seconds: float) -> None:
-        for probe in self._action_probes:
-            try:
-                probe.action_timed(action, seconds, self._in_validation)
-            except Exception as error:  # noqa: BLE001 - advice never costs the run
-                self._drop_probe(probe, error)
+        self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
 
-    def _call_probes(self, hook: str, *args: Any) -> list[Any]:
-        """Call ``hook`` on every probe and return what they return; one that fails is dropped with a warning."""
+    def _call_probes(self, hook: str, *args: Any, probes: Optional[list[Probe]] = None) -> list[Any]:
+        """Call ``hook`` on every probe (of ``probes``) and return what they return; one that fails is dropped
+        with a warning (advice never costs the run)."""
         results = []
-        for probe in list(self._probes):
+        for probe in self._probes if probes is None else probes:  # a dropped probe leaves a new list
             try:
                 results.append(getattr(probe, hook)(*args))
             except Exception as error:  # noqa: BLE001 - advice never costs the run
-                self._drop_probe(probe, error)
+                probe.stop()
+                self._probes = [other for other in self._probes if other is not probe]
+                self._action_probes = [other for other in self._action_probes if other is not probe]
+                rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
-
-    def _drop_probe(self, probe: Probe, error: BaseException) -> None:
-        probe.stop()
-        self._probes = [other for other in self._probes if other is not probe]
-        self._action_probes = [other for other in self._action_probes if other is not probe]
-        rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _time_validation(self, trainer: Trainer) -> None:
         """Time whole validation runs inside fit (loader start-up included), sanity check excluded."""
