@@ -105,12 +105,8 @@ def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
         return
     tap._timed.clear()
     tap.any_action = None
-    if trainer.profiler is tap:
-        trainer.profiler = tap.inner
-        return
-    outer = trainer.profiler
-    while isinstance(outer, ProfilerTap):
-        if outer.inner is tap:
-            outer.inner = tap.inner
-            return
-        outer = outer.inner
+    holder, name = trainer, "profiler"
+    while isinstance(getattr(holder, name), ProfilerTap):
+        if getattr(holder, name) is tap:
+            return setattr(holder, name, tap.inner)
+        holder, name = getattr(holder, name), "inner"

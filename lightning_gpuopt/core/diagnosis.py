@@ -11,10 +11,6 @@ Report fields (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuo
 (the job's: each rank's seconds averaged over the ranks that measured a step, their samples summed),
 ``ranks`` (each rank's totals), ``settings``, ``thresholds``, ``warmup_steps``, ``device``, ``gpus`` (NVML
 usage of every GPU), ``timeline`` (rank 0's steps, for ``gpuopt plot``) and ``findings``.
-
-    >>> totals = StepTotals(steps=100, wall_s=10.0, data_wait_s=6.2, compute_s=3.5)
-    >>> diagnose(totals, RunSettings(device_type="cpu", num_workers=0, usable_cpus=2), Thresholds()).verdict
-    'input-bound'
 """
 
 from __future__ import annotations

@@ -4,14 +4,6 @@ Results are plain dataclasses: :func:`to_dict` makes them JSON (each class's ``J
 fields), :func:`from_dict` reads them back, :func:`update_json_section` writes one callback's section of
 ``gpuopt_report.json`` atomically, to a local path or any fsspec URL. :func:`render_table` renders ``rich``
 tables into a string the callbacks hand to ``rank_zero_info`` (library code never prints).
-
-    >>> from dataclasses import dataclass
-    >>> @dataclass
-    ... class Point:
-    ...     x: float
-    ...     y: float = 0.0
-    >>> from_dict(Point, to_dict(Point(1.5)))
-    Point(x=1.5, y=0.0)
 """
 
 from __future__ import annotations

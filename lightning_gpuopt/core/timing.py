@@ -190,14 +190,10 @@ _COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s",
 
 
 class StepClock:
-    """Splits training steps into data wait, transfer, compute and other, from host timers.
-
-    Call, in a training loop's order: :meth:`epoch_start`; per step :meth:`add_fetch`, :meth:`add_transfer`,
-    :meth:`step_start`, :meth:`add_forward`, :meth:`step_end`; :meth:`add_excluded` for time between steps.
-
-    Args:
-        warmup_steps: steps at the start of the run that are not measured.
-        clock: a monotonic clock in seconds."""
+    """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
+    seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward`,
+    :meth:`step_end`; :meth:`add_excluded` for time between steps."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -301,10 +297,8 @@ class StepClock:
 class CudaStepTimer:
     """GPU busy and idle seconds per measured step from device events, read lazily; ``steps``, ``busy_s`` and
     ``idle_s`` total the resolved steps. A step's device time starts at :meth:`before_transfer` (its batch
-    fetched), so the copy to the device is busy, not idle.
-
-    Args:
-        new_event: records an event on the device's current stream and returns it (``Device.new_event``)."""
+    fetched), so the copy to the device is busy, not idle. ``new_event`` records an event on the device's
+    current stream and returns it (``Device.new_event``)."""
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
