@@ -76,10 +76,8 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
         if timeline.gpu_idle_s is not None:
             idle_ms = [1e3 * value for value in timeline.gpu_idle_s]
             axes.step(steps, idle_ms, where="post", color="#1f77b4", linewidth=1.5, label="GPU idle before the step")
-        axes.set_xlabel("training step" + (f" (mean of {every} steps a point)" if every > 1 else ""))
-        axes.set_ylabel("ms per step")
-        axes.set_xlim(steps[0], steps[-1] + every)
-        axes.set_ylim(bottom=0)
+        label = "training step" + (f" (mean of {every} steps a point)" if every > 1 else "")
+        axes.set(xlabel=label, ylabel="ms per step", xlim=(steps[0], steps[-1] + every), ylim=(0, None))
     shares = {"data wait": totals.data_wait_fraction, "compute": totals.compute_fraction}
     shares["GPU idle"] = totals.gpu_idle_fraction
     shown = ", ".join(f"{name} {part:.0%}" for name, part in shares.items() if part is not None)
@@ -118,10 +116,7 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"device capacity ({capacity:,.1f} MiB)")
     if search.batch_size is not None:
         axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
-    axes.set_xlim(0, right)
-    axes.set_ylim(bottom=0)
-    axes.set_xlabel("batch size (per rank)")
-    axes.set_ylabel("peak memory (MiB)")
+    axes.set(xlim=(0, right), ylim=(0, None), xlabel="batch size (per rank)", ylabel="peak memory (MiB)")
     axes.set_title(f"Memory vs batch size · {len(search.trials)} trials, stopped: {search.stop_reason}", fontsize=10)
     axes.legend(loc="lower right", fontsize=8)
     return figure
