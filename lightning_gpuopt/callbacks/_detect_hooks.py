@@ -243,10 +243,7 @@ def _as_path(value: Any) -> Optional[str]:
 
 
 def _isfile(path: Optional[str]) -> bool:
-    try:
-        return path is not None and os.path.isfile(path)
-    except (OSError, ValueError):
-        return False
+    return path is not None and os.path.isfile(path)  # False for an unreadable or malformed path
 
 
 def _named_files(dataset: Any) -> tuple[list[str], list[str]]:

@@ -188,13 +188,10 @@ def data_wait_table(report: DataWaitReport) -> str:
         return name, f"{format_fraction(totals.share(seconds)):>6} of the step  ({per_step}/step)"
 
     samples = f"  ({totals.samples_per_second:,.0f} samples/s)" if totals.samples_per_second else ""
+    measured = f"{totals.steps} steps after {report.warmup_steps} warm-up, {report.settings.epochs} epoch(s),"
     rows = [
         ("verdict", f"{report.verdict.upper()}: {report.verdict_reason}"),
-        (
-            "measured",
-            f"{totals.steps} steps after {report.warmup_steps} warm-up, {report.settings.epochs} epoch(s),"
-            f" {report.world_size} rank(s), {report.device}",
-        ),
+        ("measured", f"{measured} {report.world_size} rank(s), {report.device}"),
         ("step time", format_seconds(totals.step_time_s if totals.steps else None) + samples),
         share_row("data wait", totals.data_wait_s),
     ]
@@ -207,10 +204,8 @@ def data_wait_table(report: DataWaitReport) -> str:
         ("GPU idle", format_fraction(totals.gpu_idle_fraction)),
         ("GPU utilisation (NVML)", "n/a" if totals.gpu_util_mean is None else f"{totals.gpu_util_mean:.0f}%"),
     ]
-    for name, seconds in (
-        ("validation (apart)", totals.validation_s),
-        ("checkpoint saving (apart)", totals.checkpoint_s),
-    ):
+    apart = {"validation (apart)": totals.validation_s, "checkpoint saving (apart)": totals.checkpoint_s}
+    for name, seconds in apart.items():
         if seconds:
             share = format_fraction(totals.training_share(seconds))
             rows.append((name, f"{format_seconds(seconds)}  ({share} of training time)"))
