@@ -26,7 +26,7 @@ from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_
 #: hooks on the step's compute or data path (split by the monitor), run once per fit, or run inside a
 #: checkpoint save (``"checkpoint-time"``): never a ``"slow-hook"``
 # fmt: off
-NOT_USER_WORK = frozenset((
+_NOT_USER_WORK = frozenset((
     "training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping",
     "clip_gradients", "lr_scheduler_step", "transfer_batch_to_device", "on_before_batch_transfer",
     "on_after_batch_transfer", "batch_to_device", "forward", "setup", "teardown", "prepare_data",
@@ -111,7 +111,7 @@ class HookTimes(Probe):
         found: list[Optional[Finding]] = []
         for action, (seconds, calls) in self._hooks.items():
             callback, owner, hook, in_module = self._owner(action)
-            if hook not in NOT_USER_WORK and not _ours_or_builtin(callback):
+            if hook not in _NOT_USER_WORK and not _ours_or_builtin(callback):
                 found.append(slow_hook(f"{owner}.{hook}", seconds, int(calls), train_s, epochs, in_module))
         found.append(self._checkpoint_finding(trainer, pl_module, fit_s))
         return [finding for finding in found if finding is not None]

@@ -35,15 +35,15 @@ from lightning_gpuopt.core.findings import (
 from lightning_gpuopt.core.loader import usable_cpu_count
 
 #: training steps (0-based from the start of ``fit``) on which the module and device checks look at the batch
-SAMPLED_STEPS = (1, 2, 3)
+_SAMPLED_STEPS = (1, 2, 3)
 #: step starts at which the module's attributes are scanned (and after the last step)
 GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: at most this many autograd nodes are walked per attribute
-MAX_GRAPH_NODES = 100_000
+_MAX_GRAPH_NODES = 100_000
 #: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
 #: source lines kept per run for the message
-MAX_LINES = 5
+_MAX_LINES = 5
 
 
 class Probe:
@@ -92,7 +92,7 @@ class ModuleAndDeviceChecks(Probe):
         self._on_cuda = device_for(pl_module.device).is_cuda
 
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        if step not in SAMPLED_STEPS:
+        if step not in _SAMPLED_STEPS:
             return
         self._shapes.add(tuple(tuple(tensor.shape) for tensor in _tensors(batch)))
         if self._on_cuda:  # what the convolutions are given, after any conversion in training_step
@@ -131,7 +131,7 @@ class ModuleAndDeviceChecks(Probe):
         return [finding for finding in found if finding is not None]
 
 
-def _graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
+def _graph_nodes(tensors: list[torch.Tensor], limit: int = _MAX_GRAPH_NODES) -> int:
     """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most ``limit``).
 
     >>> x = torch.ones(2, requires_grad=True)
@@ -229,7 +229,7 @@ def _where(filename: str) -> str:
 
 
 def _count_line(lines: dict[str, int], line: str, count: int = 1) -> None:
-    if line in lines or len(lines) < MAX_LINES:
+    if line in lines or len(lines) < _MAX_LINES:
         lines[line] = lines.get(line, 0) + count
 
 

@@ -64,7 +64,7 @@ from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "data_wait"
 #: the probes of ``find_patterns=True``, made fresh for every ``fit``
-PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
+_PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
 
 
 class DataWaitMonitor(Callback):
@@ -144,7 +144,7 @@ class DataWaitMonitor(Callback):
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)
-        self._probes = [probe() for probe in PROBES] if self.find_patterns else []
+        self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
         self._tap = _profiler_tap.install(
             trainer,

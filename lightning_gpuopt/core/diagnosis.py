@@ -262,7 +262,7 @@ def diagnose(
     return Diagnosis(verdict, reason, recommendations, None if slowest is None else measured[slowest], idle)
 
 
-def combine(ranks: Sequence[StepTotals]) -> StepTotals:
+def _combine(ranks: Sequence[StepTotals]) -> StepTotals:
     """The job's totals: each rank's seconds, steps and utilisation averaged over the ranks that measured a
     step; their samples summed."""
     measured = [figures for figures in ranks if figures.steps] or list(ranks)
@@ -344,6 +344,6 @@ def data_wait_report(
     timeline: Optional[StepTimeline] = None,
 ) -> DataWaitReport:
     """Combine each rank's totals (in rank order) and diagnose them (findings: none yet)."""
-    totals = combine(ranks)
+    totals = _combine(ranks)
     report = (list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline)
     return DataWaitReport(diagnose(totals, settings, thresholds, gpus, ranks), totals, *report)

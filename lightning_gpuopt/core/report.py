@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 from lightning_gpuopt.core.storage import Location, as_location, filesystem, read_bytes, write_bytes
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 #: file name of the combined report written into the trainer's log dir
 REPORT_FILENAME = "gpuopt_report.json"
@@ -50,7 +50,7 @@ def to_dict(result: Any) -> Any:
     return result
 
 
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+def from_dict(cls: type[_T], data: dict[str, Any]) -> _T:
     """Rebuild dataclass ``cls`` from :func:`to_dict`'s output; unknown keys (a newer version's) are ignored."""
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]

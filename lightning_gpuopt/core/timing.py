@@ -119,7 +119,7 @@ class StepTotals:
 
 
 #: at most this many points in a :class:`StepTimeline` (pairs of points merge when a run has more)
-TIMELINE_POINTS = 200
+_TIMELINE_POINTS = 200
 
 
 @dataclass
@@ -141,9 +141,9 @@ class BinnedSeries:
     """Per-step values summed into at most ``max_points`` bins of ``steps_per_point`` steps; when one bin too
     many would start, neighbours merge in pairs and ``steps_per_point`` doubles."""
 
-    def __init__(self, columns: Sequence[str], max_points: int = TIMELINE_POINTS) -> None:
+    def __init__(self, columns: Sequence[str], max_points: int = _TIMELINE_POINTS) -> None:
         self.columns = tuple(columns)
-        self.max_points = check_int("max_points", max_points, 2, f"max_points={TIMELINE_POINTS}")
+        self.max_points = check_int("max_points", max_points, 2, f"max_points={_TIMELINE_POINTS}")
         self.steps_per_point = 1
         self.first_step: list[int] = []
         self._sums: list[list[float]] = []
