@@ -43,7 +43,7 @@ class HookTimes(Probe):
     checkpoint save, and the one hook each save ran in."""
 
     def __init__(self) -> None:
-        self._listening = False
+        #: train start and end: the probe listens in between
         self._started_at: Optional[float] = None
         self._ended_at: Optional[float] = None
         self._steps = 0
@@ -59,7 +59,6 @@ class HookTimes(Probe):
             with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
                 self._callbacks[callback.state_key] = callback
         self._started_at = time.perf_counter()
-        self._listening = True
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self._steps += 1
@@ -71,7 +70,7 @@ class HookTimes(Probe):
         self._pending_saves = [0.0, 0.0]
 
     def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
-        if not self._listening:
+        if self._started_at is None or self._ended_at is not None:
             return
         pending = self._pending_saves
         if action == compat.SAVE_CHECKPOINT_ACTION:
@@ -90,9 +89,8 @@ class HookTimes(Probe):
             totals[1] += 1
 
     def stop(self) -> None:
-        if self._listening:
+        if self._started_at is not None and self._ended_at is None:
             self._ended_at = time.perf_counter()
-            self._listening = False
 
     def _owner(self, action: str) -> tuple[Optional[Any], str, str, bool]:
         """(the callback or ``None``, its shown name, the hook name, whether a LightningModule hook)."""
