@@ -1,11 +1,9 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Each training step is split into data wait (the dataloader ``next()``, timed through the Trainer's profiler),
-transfer, compute and other host work; validation, checkpoint saving and loader start-up are totalled apart
-(:mod:`lightning_gpuopt.core.timing`). On CUDA, device events (read lazily) give GPU busy and idle time and an
-NVML thread samples every GPU. At the end of ``fit`` the ranks' totals are all-gathered and every rank builds
-the same :class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`; rank 0 logs it as a table and writes it as
-the ``"data_wait"`` section of ``gpuopt_report.json``.
+Each training step is split into data wait, transfer, compute and other host work
+(:mod:`lightning_gpuopt.core.timing`); on CUDA device events give GPU idle time and NVML the utilisation. At
+the end of ``fit`` the ranks' totals are all-gathered and every rank builds the same
+:class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`; rank 0 logs it and writes it to ``gpuopt_report.json``.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 

@@ -5,12 +5,8 @@
 ``"input-bound"`` (data wait from ``data_wait_high`` of the step; on a GPU, only while it is also idle from
 ``gpu_idle_high``), ``"host-bound"`` (a GPU idle although data wait is low; on a CPU, transfer and other host
 work from ``host_overhead_high``), ``"compute-bound"`` (data wait up to ``data_wait_low``), else ``"balanced"``.
-
-Report fields (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuopt_report.json``):
-``diagnosis`` (``verdict``, ``reason``, ``recommendations``, ``straggler_rank``, ``idle_gpus``), ``totals``
-(the job's: each rank's seconds averaged over the ranks that measured a step, their samples summed),
-``ranks`` (each rank's totals), ``settings``, ``thresholds``, ``warmup_steps``, ``device``, ``gpus`` (NVML
-usage of every GPU), ``timeline`` (rank 0's steps, for ``gpuopt plot``) and ``findings``.
+The report (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuopt_report.json``) holds them
+with the job's totals, each rank's, the settings, the NVML usage of every GPU, rank 0's timeline and findings.
 """
 
 from __future__ import annotations
