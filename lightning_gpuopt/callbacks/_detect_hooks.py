@@ -1,13 +1,10 @@
-"""Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings
-(:mod:`lightning_gpuopt.core.findings` decides).
+"""Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings (:mod:`lightning_gpuopt.core.findings` decides).
 
-* :class:`HookTimes` totals every hook call and every ``trainer.save_checkpoint`` from ``on_train_start``
-  to ``on_train_end``, from the times the profiler tap hands the monitor (no per-step work of its own).
-* :class:`DatasetDisk` finds the files the training dataset names and, once at train end, reads a sample
-  of them with the page cache dropped (at most :data:`READ_FILES` files, :data:`READ_BYTES` bytes,
-  :data:`READ_SECONDS` seconds) against the rate training consumed them; it logs
-  ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s`` whenever it measured them.
-"""
+:class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from ``on_train_start`` to
+``on_train_end``, from the times the profiler tap hands the monitor. :class:`DatasetDisk` finds the files the
+training dataset names and, at train end, reads a sample of them with the page cache dropped (at most
+:data:`READ_FILES` files, :data:`READ_BYTES` bytes, :data:`READ_SECONDS` seconds) against the rate training
+consumed them, logging ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s``."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_
 #: hooks on the step's compute or data path (split by the monitor), run once per fit, or run inside a
 #: checkpoint save (``"checkpoint-time"``): never a ``"slow-hook"``
 # fmt: off
-NOT_USER_WORK = frozenset((
+_NOT_USER_WORK = frozenset((
     "training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping",
     "clip_gradients", "lr_scheduler_step", "transfer_batch_to_device", "on_before_batch_transfer",
     "on_after_batch_transfer", "batch_to_device", "forward", "setup", "teardown", "prepare_data",
@@ -39,15 +36,14 @@ NOT_USER_WORK = frozenset((
     "load_state_dict",
 ))
 # fmt: on
-_OWNERS = compat.HOOK_ACTION_PREFIXES
 
 
 class HookTimes(Probe):
-    """``"slow-hook"`` and ``"checkpoint-time"``: every hook's total time and calls (training part),
-    every checkpoint save, and the one hook each save ran in."""
+    """``"slow-hook"`` and ``"checkpoint-time"``: every hook's total time and calls (training part), every
+    checkpoint save, and the one hook each save ran in."""
 
     def __init__(self) -> None:
-        self._listening = False
+        #: train start and end: the probe listens in between
         self._started_at: Optional[float] = None
         self._ended_at: Optional[float] = None
         self._steps = 0
@@ -56,48 +52,45 @@ class HookTimes(Probe):
         self._hooks: dict[str, list[float]] = {}
         #: action name of the hook the saves ran in ("" when none) -> [saves, seconds], validation included
         self._saves: dict[str, list[float]] = {}
-        self._pending_saves = [0, 0.0]
+        self._pending_saves = [0.0, 0.0]
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         for callback in trainer.callbacks:
             with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
                 self._callbacks[callback.state_key] = callback
         self._started_at = time.perf_counter()
-        self._listening = True
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self._steps += 1
 
+    def _add_saves(self, action: str) -> None:
+        saved = self._saves.setdefault(action, [0, 0.0])
+        saved[0] += self._pending_saves[0]
+        saved[1] += self._pending_saves[1]
+        self._pending_saves = [0.0, 0.0]
+
     def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
-        if not self._listening:
+        if self._started_at is None or self._ended_at is not None:
             return
         pending = self._pending_saves
         if action == compat.SAVE_CHECKPOINT_ACTION:
             pending[0] += 1
             pending[1] += seconds
             return
-        if not action.startswith(_OWNERS):
+        if not action.startswith(compat.HOOK_ACTION_PREFIXES):
             return
         if pending[0] and not action.endswith((".on_save_checkpoint", ".state_dict")):
             # the first hook to end after a save is the one it ran in (its own on_save_checkpoint hooks end inside)
-            saved = self._saves.setdefault(action, [0, 0.0])
-            saved[0] += pending[0]
-            saved[1] += pending[1]
             seconds = max(0.0, seconds - pending[1])
-            pending[0], pending[1] = 0, 0.0
-        if in_validation:
-            return
-        totals = self._hooks.get(action)
-        if totals is None:
-            self._hooks[action] = [seconds, 1]
-        else:
+            self._add_saves(action)
+        if not in_validation:
+            totals = self._hooks.setdefault(action, [0.0, 0])
             totals[0] += seconds
             totals[1] += 1
 
     def stop(self) -> None:
-        if self._listening:
+        if self._started_at is not None and self._ended_at is None:
             self._ended_at = time.perf_counter()
-            self._listening = False
 
     def _owner(self, action: str) -> tuple[Optional[Any], str, str, bool]:
         """(the callback or ``None``, its shown name, the hook name, whether a LightningModule hook)."""
@@ -112,108 +105,77 @@ class HookTimes(Probe):
         if self._started_at is None or self._ended_at is None:
             return []
         fit_s = self._ended_at - self._started_at
-        epochs = max(1, report.settings.epochs)
-        train_s = max(0.0, fit_s - report.totals.validation_s)
+        epochs, train_s = max(1, report.settings.epochs), max(0.0, fit_s - report.totals.validation_s)
         found: list[Optional[Finding]] = []
         for action, (seconds, calls) in self._hooks.items():
             callback, owner, hook, in_module = self._owner(action)
-            if hook in NOT_USER_WORK or _ours_or_builtin(callback):
-                continue
-            found.append(slow_hook(f"{owner}.{hook}", seconds, int(calls), train_s, epochs=epochs, in_module=in_module))
+            if hook not in _NOT_USER_WORK and not _ours_or_builtin(callback):
+                found.append(slow_hook(f"{owner}.{hook}", seconds, int(calls), train_s, epochs, in_module))
         found.append(self._checkpoint_finding(trainer, pl_module, fit_s))
         return [finding for finding in found if finding is not None]
 
     def _checkpoint_finding(self, trainer: Any, pl_module: Any, fit_s: float) -> Optional[Finding]:
         if self._pending_saves[0]:
-            self._saves.setdefault("", [0, 0.0])
-            self._saves[""][0] += self._pending_saves[0]
-            self._saves[""][1] += self._pending_saves[1]
-        if not self._saves:
-            return None
-        by_checkpoint: dict[int, CheckpointSaver] = {}
-        savers: list[CheckpointSaver] = []
+            self._add_saves("")
+        savers: dict[Any, CheckpointSaver] = {}  # one a ModelCheckpoint (by id), else one a hook
         sizes: list[int] = []
         for action, (saves, seconds) in self._saves.items():
             callback, owner, hook, _ = self._owner(action) if action else (None, "trainer.save_checkpoint", "", False)
             if isinstance(callback, compat.any_namespace("callbacks", "ModelCheckpoint")):
-                saver = by_checkpoint.get(id(callback))
-                if saver is None:
-                    saver = by_checkpoint[id(callback)] = _model_checkpoint_saver(callback)
-                    savers.append(saver)
+                if id(callback) not in savers:
+                    savers[id(callback)] = _model_checkpoint_saver(callback)
                     sizes.append(_last_saved_bytes(callback))
-                saver.saves += int(saves)
-                saver.seconds += seconds
+                savers[id(callback)].saves += int(saves)
+                savers[id(callback)].seconds += seconds
             else:
-                name = f"{owner}.{hook}" if hook else owner
-                savers.append(CheckpointSaver(name, int(saves), seconds, model_checkpoint=False))
-        optimizer_bytes = sum(_optimizer_state_bytes(optimizer) for optimizer in trainer.optimizers)
-        parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
-        checkpoint_bytes = max(sizes, default=0) or None
-        return checkpoint_time(savers, fit_s, self._steps, checkpoint_bytes, optimizer_bytes, parameter_bytes)
+                savers[action] = CheckpointSaver(f"{owner}.{hook}" if hook else owner, int(saves), seconds, False)
+        if not savers:
+            return None
+        states = [state for optimizer in trainer.optimizers for state in getattr(optimizer, "state", {}).values()]
+        tensors = [value for state in states if isinstance(state, dict) for value in state.values()]
+        optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
+        size = max(sizes, default=0) or None
+        return checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters)
 
 
 def _ours_or_builtin(callback: Any) -> bool:
-    """lightning_gpuopt's callbacks, Lightning's progress bars and model summaries, and ModelCheckpoint
-    (its saves are ``"checkpoint-time"``)."""
+    """lightning_gpuopt's callbacks, Lightning's progress bars, model summaries and ModelCheckpoint (its saves
+    are ``"checkpoint-time"``)."""
     if callback is None:
         return False
-    if type(callback).__module__.startswith("lightning_gpuopt"):
-        return True
     builtin = ("ProgressBar", "ModelSummary", "ModelCheckpoint")
-    return any(isinstance(callback, compat.any_namespace("callbacks", name)) for name in builtin)
+    ours = type(callback).__module__.startswith("lightning_gpuopt")
+    return ours or any(isinstance(callback, compat.any_namespace("callbacks", name)) for name in builtin)
 
 
 def _model_checkpoint_saver(callback: Any) -> CheckpointSaver:
-    every_steps, every_epochs, interval = compat.checkpoint_schedule(callback)
-    settings = [
-        f"every_n_train_steps={every_steps}" if every_steps else None,
-        f"train_time_interval={interval}" if interval else None,
-        f"every_n_epochs={every_epochs}" if every_epochs and not every_steps and not interval else None,
-    ]
-    return CheckpointSaver(
-        f"ModelCheckpoint({', '.join(setting for setting in settings if setting)})",
-        saves=0,
-        seconds=0.0,
-        every_n_train_steps=every_steps,
-        every_n_epochs=every_epochs,
-        train_time_interval_s=interval.total_seconds() if interval else None,
-        save_last=callback.save_last,
-        save_weights_only=bool(callback.save_weights_only),
-    )
+    steps, epochs, interval = compat.checkpoint_schedule(callback)
+    settings = [f"every_n_train_steps={steps}" if steps else "", f"train_time_interval={interval}" if interval else ""]
+    settings.append(f"every_n_epochs={epochs}" if epochs and not steps and not interval else "")
+    name = f"ModelCheckpoint({', '.join(setting for setting in settings if setting)})"
+    seconds, weights_only = interval.total_seconds() if interval else None, bool(callback.save_weights_only)
+    return CheckpointSaver(name, 0, 0.0, True, steps, epochs, seconds, callback.save_last, weights_only)
 
 
 def _last_saved_bytes(callback: Any) -> int:
     for path in (compat.last_checkpoint_saved(callback), callback.last_model_path, callback.best_model_path):
-        try:
+        with contextlib.suppress(OSError, TypeError):
             if path and os.path.isfile(path):
                 return os.path.getsize(path)
-        except (OSError, TypeError):
-            continue
     return 0
 
 
-def _optimizer_state_bytes(optimizer: Any) -> int:
-    states = [state for state in getattr(optimizer, "state", {}).values() if isinstance(state, dict)]
-    return sum(v.numel() * v.element_size() for state in states for v in state.values() if isinstance(v, torch.Tensor))
-
-
-# ----------------------------------------------------------------------------- the dataset's disk
-
 #: the most files read, bytes read and seconds spent reading at train end
-READ_FILES = 32
-READ_BYTES = 64 * 2**20
-READ_SECONDS = 2.0
+READ_FILES, READ_BYTES, READ_SECONDS = 32, 64 * 2**20, 2.0
 #: the most entries looked at in one list attribute, files walked in a directory (in at most a second), files
-#: stat-ed for their size
-_MAX_LISTED = 1_000_000
-_MAX_WALKED = 20_000
-_MAX_STAT = 256
-_CHUNK = 2**20
+#: stat-ed for their size; the read size
+_MAX_LISTED, _MAX_WALKED, _MAX_STAT, _CHUNK = 1_000_000, 20_000, 256, 2**20
 
 
 class DatasetDisk(Probe):
-    """``"slow-disk"``: read throughput of a sample of the training dataset's files against the rate
-    training consumed them, decided only when the run was input-bound-ish."""
+    """``"slow-disk"``: read throughput of a sample of the training dataset's files against the rate training
+    consumed them, decided only when the run was input-bound-ish."""
 
     def __init__(self) -> None:
         self._dataset: Any = None
@@ -227,28 +189,16 @@ class DatasetDisk(Probe):
         if self._dataset is None or not samples_per_second or trainer.local_rank != 0:
             return []
         files = dataset_files(self._dataset)
-        if files is None:
-            return []
-        measured = read_sample(files.sample)
-        if measured is None:
+        measured = read_sample(files.sample) if files is not None else None
+        if files is None or measured is None:
             return []
         # samples_per_second is every rank's together; this host's disk feeds this host's processes
-        host_samples_per_second = samples_per_second * trainer.num_devices / max(1, trainer.world_size)
-        needed_mb_s = files.bytes_per_sample * host_samples_per_second / 1e6
-        metrics = {"gpuopt/dataset_read_mb_s": measured.read_mb_s, "gpuopt/dataset_needed_mb_s": needed_mb_s}
-        log_metrics(trainer, metrics)
-        finding = slow_disk(
-            measured.read_mb_s,
-            needed_mb_s,
-            report.data_wait_fraction,
-            report.thresholds.data_wait_high,
-            files.directory,
-            measured.files,
-            measured.bytes / 1e6,
-            filesystem_type(files.directory),
-            bytes_per_sample=files.bytes_per_sample,
-            samples_per_second=host_samples_per_second,
-        )
+        rate = samples_per_second * trainer.num_devices / max(1, trainer.world_size)
+        read, needed = measured.read_mb_s, files.bytes_per_sample * rate / 1e6
+        log_metrics(trainer, {"gpuopt/dataset_read_mb_s": read, "gpuopt/dataset_needed_mb_s": needed})
+        wait, high, where = report.data_wait_fraction, report.thresholds.data_wait_high, files.directory
+        done = (measured.files, measured.bytes / 1e6, filesystem_type(where), files.bytes_per_sample, rate)
+        finding = slow_disk(read, needed, wait, high, where, *done)
         return [finding] if finding is not None else []
 
 
@@ -286,17 +236,12 @@ def _leaves(dataset: Any, depth: int = 0) -> list[Any]:
 def _as_path(value: Any) -> Optional[str]:
     if isinstance(value, (list, tuple)) and value:  # (path, label) entries of ImageFolder's samples/imgs
         value = value[0]
-    if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        return path if isinstance(path, str) and path else None
-    return None
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    return path if isinstance(path, str) and path else None
 
 
 def _isfile(path: Optional[str]) -> bool:
-    try:
-        return path is not None and os.path.isfile(path)
-    except (OSError, ValueError):
-        return False
+    return path is not None and os.path.isfile(path)  # False for an unreadable or malformed path
 
 
 def _named_files(dataset: Any) -> tuple[list[str], list[str]]:
@@ -321,50 +266,39 @@ def _walk(directories: Iterable[str], max_seconds: float = 1.0) -> list[str]:
     stack = list(directories)
     started = time.perf_counter()
     while stack and len(found) < _MAX_WALKED and time.perf_counter() - started < max_seconds:
-        try:
-            with os.scandir(stack.pop()) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    elif entry.is_file():
-                        found.append(entry.path)
-                        if len(found) >= _MAX_WALKED:
-                            break
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file():
+                    found.append(entry.path)
+                    if len(found) >= _MAX_WALKED:
+                        break
     return found
 
 
 def _spread(items: list[str], count: int) -> list[str]:
-    if len(items) <= count:
-        return list(items)
-    return [items[(index * len(items)) // count] for index in range(count)]
+    return list(items) if len(items) <= count else [items[(index * len(items)) // count] for index in range(count)]
 
 
 def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
-    """The regular files ``dataset`` names (in its attributes, under ``Subset``/``ConcatDataset``; a
-    directory attribute such as ``root`` is walked when it names no file), or ``None``."""
-    total_bytes = 0.0
-    samples = 0
-    every: list[str] = []
+    """The regular files ``dataset`` names (in its attributes, under ``Subset``/``ConcatDataset``; a directory
+    attribute such as ``root`` is walked when it names no file), or ``None``."""
+    total_bytes, samples, every = 0.0, 0, []
     for leaf in _leaves(dataset):
         files, directories = _named_files(leaf)
-        if not files:
-            files = _walk(directories)
-        if not files:
-            continue
+        files = files or _walk(directories)
         sizes = []
         for path in _spread(files, _MAX_STAT):
             with contextlib.suppress(OSError):
                 sizes.append(os.stat(path).st_size)
         if not sizes:
             continue
-        leaf_bytes = sum(sizes) / len(sizes) * len(files)
         try:
             leaf_samples = len(leaf)
         except TypeError:
             leaf_samples = len(files)  # an iterable dataset: a file a sample
-        total_bytes += leaf_bytes
+        total_bytes += sum(sizes) / len(sizes) * len(files)
         samples += max(1, leaf_samples)
         every.extend(files)
     if not every or samples == 0:
@@ -386,16 +320,13 @@ def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: floa
     read = files = 0
     started = time.perf_counter()
     for path in paths:
-        try:
-            with open(path, "rb", buffering=0) as handle:
-                with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
-                    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                left = per_file
-                while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
-                    read, left = read + len(chunk), left - len(chunk)
+        with contextlib.suppress(OSError), open(path, "rb", buffering=0) as handle:
+            with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            left = per_file
+            while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
+                read, left = read + len(chunk), left - len(chunk)
             files += 1
-        except OSError:
-            pass
         if time.perf_counter() - started > max_seconds:
             break
     seconds = time.perf_counter() - started
@@ -406,12 +337,9 @@ def filesystem_type(path: str) -> Optional[str]:
     """The type (``ext4``, ``tmpfs``, ``nfs``, ...) of the filesystem holding ``path`` (``None``: unknown)."""
     target = os.path.realpath(path)
     try:
-        mounts = [
-            mount
-            for mount in psutil.disk_partitions(all=True)
-            if target == mount.mountpoint or target.startswith(mount.mountpoint.rstrip("/") + "/")
-        ]
+        partitions = psutil.disk_partitions(all=True)
     except OSError:
         return None
+    mounts = [m for m in partitions if target == m.mountpoint or target.startswith(m.mountpoint.rstrip("/") + "/")]
     # the longest mount point holding the path; of several mounts there, the last one (the visible one)
     return max(reversed(mounts), key=lambda mount: len(mount.mountpoint)).fstype if mounts else None

@@ -1,25 +1,11 @@
 """Probes: the measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
 
-A probe looks at a few sampled training steps, never at every one. The monitor calls ``fit_start``
-(``on_train_start``), ``step_start``/``step_end`` around each training step with its index since the
-start of ``fit`` (0-based, warm-up included), ``action_timed`` with every action the trainer's profiler
-times (only for probes that override it), ``stop`` on every exit path (perhaps more than once: it
-undoes what the probe installed), then ``findings`` with the run's report. Here: the base, and
-
-* :class:`ModuleAndDeviceChecks` -- ``data-parallel``, ``oversubscribed``, ``tf32-off``,
-  ``cudnn-benchmark-off``, ``channels-last`` (from the module, torch's settings and the sampled batches);
-* :class:`KeptGraphProbe` -- ``graph-kept``: scans the module's attributes at a few step starts
-  (:data:`GRAPH_STEPS`, and after the last step) for tensors carrying an autograd graph between steps;
-* :class:`HostSyncProbe` -- ``host-sync``: counts, on a CUDA device (real or simulated) in warm-up
-  steps :data:`SYNC_STEPS`, the reads from the card to the host: ``aten._local_scalar_dense``
-  (``.item()``, ``float(t)``, ``if loss > 0:``) and copies to the host (``.cpu()``, ``.tolist()``; on the
-  simulated card no op runs for these). ``print(loss)`` is not seen (torch formats tensors with dispatch
-  modes off). A read is the user's when the innermost frame outside torch, lightning_gpuopt and the
-  standard library is the user's code, Lightning's when it is Lightning's. A host-only run counts
-  nothing (nothing waits there).
-
-The hook, checkpoint and disk probes are in ``_detect_hooks``.
-"""
+A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
+:class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (module attributes
+holding an autograd graph across steps) and :class:`HostSyncProbe` (reads from a CUDA device, real or
+simulated, to the host inside :data:`SYNC_STEPS`, by the innermost frame outside torch, lightning_gpuopt and
+the standard library: the user's or Lightning's; ``print(loss)`` is not seen, torch formats tensors with
+dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -49,38 +35,30 @@ from lightning_gpuopt.core.findings import (
 from lightning_gpuopt.core.loader import usable_cpu_count
 
 #: training steps (0-based from the start of ``fit``) on which the module and device checks look at the batch
-SAMPLED_STEPS = (1, 2, 3)
-#: step starts (0-based since the start of ``fit``) at which the module's attributes are scanned
+_SAMPLED_STEPS = (1, 2, 3)
+#: step starts at which the module's attributes are scanned (and after the last step)
 GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-#: at most this many autograd nodes are walked per attribute (a larger graph counts as this many)
-MAX_GRAPH_NODES = 100_000
+#: at most this many autograd nodes are walked per attribute
+_MAX_GRAPH_NODES = 100_000
 #: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
 #: source lines kept per run for the message
-MAX_LINES = 5
+_MAX_LINES = 5
 
 
 class Probe:
-    """Base class: every hook does nothing."""
+    """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
+    profiled action (only on probes that override it: it runs on every hook call), ``stop`` on every exit path
+    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report."""
 
-    def fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """The loaders and the model are on their device (``on_train_start``)."""
-
-    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Training step ``step`` (0-based since the start of ``fit``) starts."""
-
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        """Training step ``step`` ended."""
-
-    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
-        """A profiled action (a hook call, ``save_checkpoint``, ...) took ``seconds``; only for probes that
-        override it (it runs on every hook call)."""
-
-    def stop(self) -> None:
-        """Undo everything installed."""
+    def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
+    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
+    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
+    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None: ...
+    def stop(self) -> None: ...
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
-        """What was found (after :meth:`stop`), given the run's report."""
         return []
 
 
@@ -88,46 +66,38 @@ def first_dataloader(loaders: Any) -> Optional[DataLoader]:
     """The first ``DataLoader`` in what ``trainer.train_dataloader`` returns (a loader or a collection)."""
     if isinstance(loaders, DataLoader):
         return loaders
-    for item in (
-        loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else ()
-    ):
-        found = first_dataloader(item)
-        if found is not None:
-            return found
-    return None
+    items = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else ()
+    return next((found for found in map(first_dataloader, items) if found is not None), None)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    return [tensor for item in items for tensor in _tensors(item)]
+def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
+    """The tensors in ``batch``: itself, or in its lists, tuples and dicts (``depth`` levels deep, sets too)."""
+    if isinstance(batch, torch.Tensor) or depth == 0:
+        return [batch] if isinstance(batch, torch.Tensor) else []
+    sequences = (list, tuple) if depth is None else (list, tuple, set, frozenset)
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, sequences) else ()
+    return [tensor for item in items for tensor in _tensors(item, None if depth is None else depth - 1)]
 
 
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
-    ``channels-last``: from the module, torch's settings, the sampled batches' shapes and (forward
-    pre-hooks on the sampled steps) what each ``Conv2d`` is given."""
+    ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
-        self._inputs_nchw = False
-        self._on_cuda = False
+        self._inputs_nchw = self._on_cuda = False
         self._hooks: list[Any] = []
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._on_cuda = device_for(pl_module.device).is_cuda
 
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        if step not in SAMPLED_STEPS:
+        if step not in _SAMPLED_STEPS:
             return
         self._shapes.add(tuple(tuple(tensor.shape) for tensor in _tensors(batch)))
         if self._on_cuda:  # what the convolutions are given, after any conversion in training_step
-            self._hooks = [
-                module.register_forward_pre_hook(self._see_conv_input)
-                for module in pl_module.modules()
-                if isinstance(module, nn.Conv2d)
-            ]
+            convolutions = [module for module in pl_module.modules() if isinstance(module, nn.Conv2d)]
+            self._hooks = [module.register_forward_pre_hook(self._see_conv_input) for module in convolutions]
 
     def _see_conv_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
@@ -151,9 +121,7 @@ class ModuleAndDeviceChecks(Probe):
             precision = str(trainer.precision)
             convolutions = [(name, module) for name, module in modules if isinstance(module, nn.modules.conv._ConvNd)]
             conv2d = [(name, module) for name, module in convolutions if isinstance(module, nn.Conv2d)]
-            nchw = [
-                name for name, module in conv2d if not module.weight.is_contiguous(memory_format=torch.channels_last)
-            ]
+            nchw = [name for name, conv in conv2d if not conv.weight.is_contiguous(memory_format=torch.channels_last)]
             capability = device_for(pl_module.device).capabilities.compute_capability
             found += [
                 tf32_off(capability, torch.get_float32_matmul_precision(), precision),
@@ -163,24 +131,11 @@ class ModuleAndDeviceChecks(Probe):
         return [finding for finding in found if finding is not None]
 
 
-# ----------------------------------------------------------------------------- graph-kept
-
-
-def _held_tensors(value: Any) -> list[torch.Tensor]:
-    """Tensors in ``value``: itself, or one level into a list, tuple, set or dict."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = (
-        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set, frozenset)) else ()
-    )
-    return [item for item in items if isinstance(item, torch.Tensor)]
-
-
-def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> int:
+def _graph_nodes(tensors: list[torch.Tensor], limit: int = _MAX_GRAPH_NODES) -> int:
     """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most ``limit``).
 
     >>> x = torch.ones(2, requires_grad=True)
-    >>> graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
+    >>> _graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
     3
     """
     seen: set[Any] = set()
@@ -194,24 +149,18 @@ def graph_nodes(tensors: list[torch.Tensor], limit: int = MAX_GRAPH_NODES) -> in
     return len(seen)
 
 
-def graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
+def _graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
     """``{attribute path: (autograd nodes, whether a container)}`` of each attribute (buffers included,
     parameters and submodules not) of ``pl_module``'s modules holding a tensor with a ``grad_fn``."""
     held: dict[str, tuple[int, bool]] = {}
     for prefix, module in pl_module.named_modules():
-        attributes = [
-            (name, value)
-            for name, value in vars(module).items()
-            if name not in ("_parameters", "_buffers", "_modules")
-            and not name.startswith("_forward")
-            and not name.startswith("_backward")
-        ]
-        attributes += list(module._buffers.items())
-        for name, value in attributes:
-            tensors = [tensor for tensor in _held_tensors(value) if tensor.grad_fn is not None]
+        skip = ("_parameters", "_buffers", "_modules")
+        own = [(n, v) for n, v in vars(module).items() if n not in skip and not n.startswith(("_forward", "_backward"))]
+        for name, value in own + list(module._buffers.items()):
+            tensors = [tensor for tensor in _tensors(value, depth=1) if tensor.grad_fn is not None]
             if tensors:
                 path = f"{prefix}.{name}" if prefix else name
-                held[path] = (graph_nodes(tensors), not isinstance(value, torch.Tensor))
+                held[path] = (_graph_nodes(tensors), not isinstance(value, torch.Tensor))
     return held
 
 
@@ -230,7 +179,7 @@ class KeptGraphProbe(Probe):
         self._device = device_for(pl_module.device)
 
     def _sample(self, pl_module: Any, step: int) -> None:
-        held = graphs_held(pl_module)
+        held = _graphs_held(pl_module)
         self._steps.append(step)
         self._nodes.append({path: nodes for path, (nodes, _) in held.items()})
         self._containers.update(path for path, (_, container) in held.items() if container)
@@ -248,16 +197,9 @@ class KeptGraphProbe(Probe):
         if self._next_step and (not self._steps or self._next_step > self._steps[-1]):
             self._sample(pl_module, self._next_step)
         paths = sorted({path for sample in self._nodes for path in sample})
-        found = graph_kept(
-            self._steps,
-            {path: [sample.get(path, 0) for sample in self._nodes] for path in paths},
-            self._live,
-            containers=sorted(self._containers),
-        )
+        nodes = {path: [sample.get(path, 0) for sample in self._nodes] for path in paths}
+        found = graph_kept(self._steps, nodes, self._live, containers=sorted(self._containers))
         return [found] if found is not None else []
-
-
-# ----------------------------------------------------------------------------- host-sync
 
 
 def _package_dir(name: str) -> Optional[str]:
@@ -270,32 +212,25 @@ def _package_dir(name: str) -> Optional[str]:
     return os.path.join(os.path.realpath(next(iter(spec.submodule_search_locations))), "")
 
 
-_LIGHTNING_DIRS = tuple(
-    path for path in map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric")) if path
-)
-_LIBRARY_DIRS = tuple(path for path in map(_package_dir, ("torch", "lightning_gpuopt")) if path)
+_LIGHTNING_DIRS = tuple(filter(None, map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric"))))
+_LIBRARY_DIRS = tuple(filter(None, map(_package_dir, ("torch", "lightning_gpuopt"))))
 _STDLIB_DIRS = tuple(
     {os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")}
 )
 
 
-def _where(filename: str, cache: dict[str, str]) -> str:
+def _where(filename: str) -> str:
     """``"lightning"``, ``"library"`` (torch, us, the standard library) or ``"user"``."""
-    kind = cache.get(filename)
-    if kind is None:
-        path = os.path.realpath(filename) if not filename.startswith("<") else filename
-        if path.startswith(_LIGHTNING_DIRS):
-            kind = "lightning"
-        elif (
-            path.startswith("<")
-            or path.startswith(_LIBRARY_DIRS)
-            or (path.startswith(_STDLIB_DIRS) and "-packages" not in path)
-        ):
-            kind = "library"
-        else:
-            kind = "user"
-        cache[filename] = kind
-    return kind
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    if path.startswith(_LIGHTNING_DIRS):
+        return "lightning"
+    stdlib = path.startswith(_STDLIB_DIRS) and "-packages" not in path
+    return "library" if path.startswith(("<", *_LIBRARY_DIRS)) or stdlib else "user"
+
+
+def _count_line(lines: dict[str, int], line: str, count: int = 1) -> None:
+    if line in lines or len(lines) < _MAX_LINES:
+        lines[line] = lines.get(line, 0) + count
 
 
 class _HostReadCounter(TorchDispatchMode):
@@ -304,15 +239,13 @@ class _HostReadCounter(TorchDispatchMode):
     def __init__(self, device: Device) -> None:
         super().__init__()
         self.device = device
-        self.user = 0
-        self.lightning = 0
+        self.user = self.lightning = 0
         self.lines: dict[str, int] = {}
         self.active = True
         self._kinds: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         if self.active and self._is_host_read(func, args, out):
             self._count()
         return out
@@ -333,18 +266,16 @@ class _HostReadCounter(TorchDispatchMode):
     def _count(self) -> None:
         frame: Any = sys._getframe(2)
         while frame is not None:
-            kind = _where(frame.f_code.co_filename, self._kinds)
+            filename = frame.f_code.co_filename
+            kind = self._kinds.get(filename) or self._kinds.setdefault(filename, _where(filename))
             if kind == "lightning":
-                self.lightning += 1
-                return
+                break
             if kind == "user":
                 self.user += 1
-                line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-                if line in self.lines or len(self.lines) < MAX_LINES:
-                    self.lines[line] = self.lines.get(line, 0) + 1
+                _count_line(self.lines, f"{filename}:{frame.f_lineno}")
                 return
             frame = frame.f_back
-        self.lightning += 1  # no caller outside the libraries: not the user's code
+        self.lightning += 1  # Lightning's, or no caller outside the libraries: not the user's code
 
 
 class HostSyncProbe(Probe):
@@ -363,26 +294,23 @@ class HostSyncProbe(Probe):
         self._device = device if device.is_cuda else None
 
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        if self._device is None or step not in SYNC_STEPS or self._mode is not None:
-            return
-        self._mode = _HostReadCounter(self._device)
-        self._mode.__enter__()
+        if self._device is not None and step in SYNC_STEPS and self._mode is None:
+            self._mode = _HostReadCounter(self._device)
+            self._mode.__enter__()
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         mode = self._exit()
         if mode is not None:
             self.counts.append((step, mode.user, mode.lightning))
             for line, count in mode.lines.items():
-                if line in self.lines or len(self.lines) < MAX_LINES:
-                    self.lines[line] = self.lines.get(line, 0) + count
+                _count_line(self.lines, line, count)
 
     def _exit(self) -> Optional[_HostReadCounter]:
         mode, self._mode = self._mode, None
-        if mode is None:
-            return None
-        mode.active = False  # counts nothing more, even where it cannot leave the stack
-        if current_dispatch_mode() is mode:
-            mode.__exit__(None, None, None)
+        if mode is not None:
+            mode.active = False  # counts nothing more, even where it cannot leave the stack
+            if current_dispatch_mode() is mode:
+                mode.__exit__(None, None, None)
         return mode
 
     def stop(self) -> None:

@@ -1,20 +1,12 @@
 """A stand-in for ``trainer.profiler`` that times chosen actions and forwards every call.
 
-Lightning profiles the training dataloader's ``next()`` (``start``/``stop`` of
-``"[_TrainingEpochLoop].train_dataloader_next"``), strategy hooks (``"[Strategy]<Class>.<hook>"``:
-``batch_to_device``, ``training_step``), every hook call (``"[Callback]<state_key>.<hook>"``,
-``"[LightningModule]<Class>.<hook>"``, ``"[LightningDataModule]<Class>.<hook>"``) and
-``trainer.save_checkpoint`` (``"save_checkpoint"``). :func:`install`, in a callback's ``setup()``
-(after Lightning set its profiler up), wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
-is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds
-meanwhile), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action.
-Every call still reaches the wrapped profiler, so the user's profiler sees exactly what it saw, and
-taps installed one over another each see every action.
-
-    tap = install(trainer, {"save_checkpoint": saved}, on_start={"save_checkpoint": saving})
-    ...
-    uninstall(trainer, tap)
-"""
+Lightning profiles the training dataloader's ``next()`` (``"[_TrainingEpochLoop].train_dataloader_next"``),
+strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<state_key>.<hook>"``,
+``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
+:func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
+is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds),
+``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action. Every call still
+reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ AnyListener = Callable[[str, float], None]
 
 
 class ProfilerTap:
-    """Wraps profiler ``inner``: see the module docstring for ``listeners``, ``any_action`` and ``on_start``
-    (fixed at construction)."""
+    """Wraps profiler ``inner`` (``listeners``, ``any_action`` and ``on_start``: the module docstring)."""
 
     def __init__(
         self,
@@ -39,8 +30,7 @@ class ProfilerTap:
         on_start: Optional[dict[str, Callable[[], None]]] = None,
     ) -> None:
         on_start = on_start or {}
-        self.inner = inner
-        self.any_action = any_action
+        self.inner, self.any_action = inner, any_action
         #: action name -> (its listener, its on_start): one look-up per action
         self._timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
         self._started: dict[str, _Timed] = {}
@@ -59,14 +49,12 @@ class ProfilerTap:
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
-        # the common cases first and without a call of ours: this runs on every hook call
+        # this runs on every hook call: the common case (nothing to time) returns the inner context as it is
         inner = self.inner.profile(action_name)
         timed = self._timed.get(action_name)
         if timed is not None:
             return _Timed(inner, action_name, *timed, self.any_action)
-        if self.any_action is not None:
-            return _Walled(inner, action_name, self.any_action)
-        return inner
+        return inner if self.any_action is None else _Walled(inner, action_name, self.any_action)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "any_action", "_timed", "_started"):  # not set yet (unpickling)
@@ -75,26 +63,14 @@ class ProfilerTap:
 
 
 class _Timed:
-    """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for
-    ``start``/``stop``); a class with slots, not a generator: it runs on every hook call."""
+    """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for ``start``/``stop``);
+    a class with slots, not a generator: it runs on every hook call."""
 
     __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
 
-    def __init__(
-        self,
-        inner: Any,
-        name: str,
-        listener: Optional[Listener],
-        on_start: Optional[Callable[[], None]],
-        any_action: Optional[AnyListener],
-    ) -> None:
-        self.inner, self.name, self.listener, self.on_start, self.any_action = (
-            inner,
-            name,
-            listener,
-            on_start,
-            any_action,
-        )
+    def __init__(self, inner: Any, name: str, listener: Optional[Listener], on_start: Any, any_action: Any) -> None:
+        self.inner, self.name, self.listener, self.on_start = inner, name, listener, on_start
+        self.any_action: Optional[AnyListener] = any_action
 
     def __enter__(self) -> None:
         if self.inner is not None:
@@ -113,7 +89,7 @@ class _Timed:
 
 
 class _Walled:
-    """The catch-all's timing alone: wall-clock seconds, inside the wrapped profiler's context."""
+    """The catch-all's timing alone (wall-clock seconds), inside the wrapped profiler's context: the lean path."""
 
     __slots__ = ("any_action", "inner", "name", "wall")
 
@@ -136,8 +112,7 @@ def install(
     on_start: Optional[dict[str, Callable[[], None]]] = None,
 ) -> ProfilerTap:
     """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` and return it."""
-    tap = ProfilerTap(trainer.profiler, listeners, any_action, on_start)
-    trainer.profiler = tap
+    tap = trainer.profiler = ProfilerTap(trainer.profiler, listeners, any_action, on_start)
     return tap
 
 
@@ -147,12 +122,8 @@ def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:
         return
     tap._timed.clear()
     tap.any_action = None
-    if trainer.profiler is tap:
-        trainer.profiler = tap.inner
-        return
-    outer = trainer.profiler
-    while isinstance(outer, ProfilerTap):
-        if outer.inner is tap:
-            outer.inner = tap.inner
-            return
-        outer = outer.inner
+    holder, name = trainer, "profiler"
+    while isinstance(getattr(holder, name), ProfilerTap):
+        if getattr(holder, name) is tap:
+            return setattr(holder, name, tap.inner)
+        holder, name = getattr(holder, name), "inner"

@@ -1,17 +1,11 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Each training step is split into data wait (the dataloader ``next()``, timed exactly through the
-Trainer's profiler), batch transfer, compute and other host work; validation, checkpoint saving and
-loader start-up at epoch starts are totalled apart (:mod:`lightning_gpuopt.core.timing`). On CUDA,
-device events at step start and end (read lazily, never synchronising) give GPU busy and idle time,
-and an NVML thread samples every GPU's utilisation and memory. At the end of ``fit`` the ranks' totals
-are all-gathered and every rank builds the same :class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`
-(its fields: :mod:`lightning_gpuopt.core.diagnosis`); rank 0 logs it as a table and writes it as the
-``"data_wait"`` section of ``gpuopt_report.json``.
+Each training step is split into data wait, transfer, compute and other host work
+(:mod:`lightning_gpuopt.core.timing`); on CUDA device events give GPU idle time and NVML the utilisation. At
+the end of ``fit`` the ranks' totals are all-gathered and every rank builds the same
+:class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`; rank 0 logs it and writes it to ``gpuopt_report.json``.
 
-Logged every ``log_every_n_steps`` measured steps, each over the steps since the previous log (this
-rank's figures, to the Trainer's loggers and to ``trainer.callback_metrics``, where ``EarlyStopping``
-and ``ModelCheckpoint`` can monitor them):
+Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
 * ``gpuopt/data_wait_fraction`` -- share of step time spent waiting for the next batch
 * ``gpuopt/transfer_fraction`` -- share of step time copying the batch to the device
@@ -26,13 +20,10 @@ and ``ModelCheckpoint`` can monitor them):
 
 Logged once, at the end of ``fit``, with ``find_patterns=True``:
 
-* ``gpuopt/findings`` -- the number of slow patterns found on this rank (``report.findings``), when any
-* ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (``-`` in the kind becomes ``_``; kinds
-  and figures: :mod:`lightning_gpuopt.core.findings`)
-* ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache
-  dropped first (at most 32 files, 64 MiB, 2 s; each host's first process; whenever the dataset names files)
-* ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at
-"""
+* ``gpuopt/findings`` -- the number of slow patterns found on this rank, when any
+* ``gpuopt/finding/<kind>/<figure>`` -- each finding's figures (:mod:`lightning_gpuopt.core.findings`)
+* ``gpuopt/dataset_read_mb_s`` -- MB/s reading a sample of the training dataset's files, page cache dropped
+* ``gpuopt/dataset_needed_mb_s`` -- MB/s training consumed those files at"""
 
 from __future__ import annotations
 
@@ -70,8 +61,8 @@ from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "data_wait"
-#: the probes of ``find_patterns=True``, one of each made fresh for every ``fit``
-PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
+#: the probes of ``find_patterns=True``, made fresh for every ``fit``
+_PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
 
 
 class DataWaitMonitor(Callback):
@@ -85,23 +76,17 @@ class DataWaitMonitor(Callback):
         monitor.report.recommendations    # ['num_workers=0 → 2 (2 usable CPU cores): ...']
 
     Args:
-        warmup_steps: training steps at the start of ``fit`` that are not measured (allocator growth,
-            autotuning, lazy initialisation). The first step of each epoch is never measured: the time
-            to its batch is loader start-up.
-        log_every_n_steps: log the ``gpuopt/*`` metrics every this many measured steps; ``None``
-            follows ``Trainer(log_every_n_steps=...)``.
+        warmup_steps: training steps at the start of ``fit`` not measured (nor is each epoch's first step).
+        log_every_n_steps: log the metrics every this many measured steps; ``None``: the Trainer's.
         nvml_interval_s: seconds between NVML samples of GPU utilisation and memory.
         data_wait_high: data wait share of a step from which the run is input-bound.
         data_wait_low: data wait share up to which the run is compute-bound.
         gpu_idle_high: GPU idle share from which the GPU counts as starved.
         host_overhead_high: on CPU, share of transfer + other host work from which the run is host-bound.
-        straggler_slowdown: under DDP, a rank this much slower (0.2 = 20%) than the median of the others
-            to reach the gradient sync is named a straggler.
-        report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in
-            ``trainer.log_dir`` (or ``default_root_dir``).
+        straggler_slowdown: under DDP, a rank this much slower than the median of the others is a straggler.
+        report_path: the JSON report's path or fsspec URL; ``None``: ``gpuopt_report.json`` in the log dir.
         verbose: log the report table with ``rank_zero_info`` (the JSON report is written either way).
-        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``).
-    """
+        find_patterns: look for known slow patterns on a few sampled steps (``report.findings``)."""
 
     def __init__(
         self,
@@ -118,31 +103,17 @@ class DataWaitMonitor(Callback):
         find_patterns: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
-        check_int(
-            "log_every_n_steps",
-            log_every_n_steps,
-            1,
-            "log_every_n_steps=50 (None follows the Trainer)",
-            allow_none=True,
-        )
+        check_int("log_every_n_steps", log_every_n_steps, 1, "log_every_n_steps=50 (None follows the Trainer)", True)
         check_number("nvml_interval_s", nvml_interval_s, "nvml_interval_s=0.5", low=0, low_inclusive=False)
-        check_path(
-            "report_path",
-            report_path,
-            "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)",
-            allow_none=True,
-        )
+        example = "report_path='logs/gpuopt_report.json' (None: the Trainer's log dir)"
+        check_path("report_path", report_path, example, allow_none=True)
         check_bool("verbose", verbose, "verbose=False")
         check_bool("find_patterns", find_patterns, "find_patterns=False")
-        self.warmup_steps = warmup_steps
-        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps, self.log_every_n_steps = warmup_steps, log_every_n_steps
         self.nvml_interval_s = float(nvml_interval_s)
-        self.thresholds = Thresholds(
-            data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown
-        )
-        self.report_path = report_path
-        self.verbose = verbose
-        self.find_patterns = find_patterns
+        limits = (data_wait_high, data_wait_low, gpu_idle_high, host_overhead_high, straggler_slowdown)
+        self.thresholds = Thresholds(*limits)
+        self.report_path, self.verbose, self.find_patterns = report_path, verbose, find_patterns
         #: the result of the last ``fit`` (on every rank); ``None`` before one ended
         self.report: Optional[DataWaitReport] = None
         #: where rank 0 wrote the JSON report: a ``Path``, or a URL string
@@ -164,7 +135,6 @@ class DataWaitMonitor(Callback):
         self._probes: list[Probe] = []
         self._action_probes: list[Probe] = []
 
-    # -- set up and tear down -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -172,7 +142,7 @@ class DataWaitMonitor(Callback):
         self._reset_run_state()
         self.report = None
         self._clock = StepClock(self.warmup_steps)
-        self._probes = [probe() for probe in PROBES] if self.find_patterns else []
+        self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
         self._tap = _profiler_tap.install(
             trainer,
@@ -197,28 +167,21 @@ class DataWaitMonitor(Callback):
             self._clock.add_excluded("checkpoint", seconds)
 
     def _on_action(self, action: str, seconds: float) -> None:
-        for probe in self._action_probes:
-            try:
-                probe.action_timed(action, seconds, self._in_validation)
-            except Exception as error:  # noqa: BLE001 - advice never costs the run
-                self._drop_probe(probe, error)
+        self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
 
-    def _call_probes(self, hook: str, *args: Any) -> list[Any]:
-        """Call ``hook`` on every probe and return what they return; one that fails is dropped with a
-        warning (advice never costs the run)."""
+    def _call_probes(self, hook: str, *args: Any, probes: Optional[list[Probe]] = None) -> list[Any]:
+        """Call ``hook`` on every probe (of ``probes``) and return what they return; one that fails is dropped
+        with a warning (advice never costs the run)."""
         results = []
-        for probe in list(self._probes):
+        for probe in self._probes if probes is None else probes:  # a dropped probe leaves a new list
             try:
                 results.append(getattr(probe, hook)(*args))
             except Exception as error:  # noqa: BLE001 - advice never costs the run
-                self._drop_probe(probe, error)
+                probe.stop()
+                self._probes = [other for other in self._probes if other is not probe]
+                self._action_probes = [other for other in self._action_probes if other is not probe]
+                rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
-
-    def _drop_probe(self, probe: Probe, error: BaseException) -> None:
-        probe.stop()
-        self._probes = [other for other in self._probes if other is not probe]
-        self._action_probes = [other for other in self._action_probes if other is not probe]
-        rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _time_validation(self, trainer: Trainer) -> None:
         """Time whole validation runs inside fit (loader start-up included), sanity check excluded."""
@@ -236,8 +199,7 @@ class DataWaitMonitor(Callback):
                 self._in_validation = False
                 self._clock.add_excluded("validation", time.perf_counter() - started)
 
-        val_loop.run = timed_run  # type: ignore[method-assign]  # on the instance, for this fit; _restore deletes it
-        self._validation_wrapper = timed_run
+        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -258,11 +220,10 @@ class DataWaitMonitor(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore(trainer)
 
-    # -- measuring -------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is None:
             return
-        self._settings = read_run_settings(trainer)
+        self._settings = _read_run_settings(trainer)
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
@@ -305,49 +266,35 @@ class DataWaitMonitor(Callback):
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
 
-    def _log_window(self, trainer: Trainer, window: StepTotals) -> None:
-        metrics = {
-            "gpuopt/data_wait_fraction": window.data_wait_fraction,
-            "gpuopt/transfer_fraction": window.transfer_fraction,
-            "gpuopt/compute_fraction": window.compute_fraction,
-            "gpuopt/other_fraction": window.other_fraction,
-            "gpuopt/step_time_ms": 1e3 * window.step_time_s,
-            "gpuopt/data_wait_ms": 1e3 * window.data_wait_per_step_s,
-            "gpuopt/samples_per_second": window.samples_per_second,
-        }
+    def _log_window(self, trainer: Trainer, win: StepTotals) -> None:
+        parts = ("data_wait", "transfer", "compute", "other")
+        metrics = {f"gpuopt/{part}_fraction": win.share(getattr(win, f"{part}_s")) for part in parts}
+        metrics |= {"gpuopt/step_time_ms": 1e3 * win.step_time_s, "gpuopt/data_wait_ms": 1e3 * win.data_wait_per_step_s}
+        metrics["gpuopt/samples_per_second"] = win.samples_per_second
         if self._gpu is not None:
             gpu = self._gpu.poll()
             busy, idle = gpu.busy_s - self._gpu_logged[0], gpu.idle_s - self._gpu_logged[1]
             metrics["gpuopt/gpu_idle_fraction"] = idle / (busy + idle) if busy + idle > 0 else None
             self._gpu_logged = (gpu.busy_s, gpu.idle_s)
         if self._sampler is not None and self._nvml_uuid is not None:
-            metrics["gpuopt/gpu_util"], metrics["gpuopt/gpu_memory_used_fraction"] = self._sampler.take_window(
-                self._nvml_uuid
-            )
+            util, memory = self._sampler.take_window(self._nvml_uuid)
+            metrics |= {"gpuopt/gpu_util": util, "gpuopt/gpu_memory_used_fraction": memory}
         log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
 
-    # -- reporting -------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         clock = self._clock
         if clock is None or self._settings is None:
             return
         gpu = self._gpu.finish() if self._gpu is not None else None
         gpus = self._sampler.stop() if self._sampler is not None else []
-        own = replace(
-            clock.totals(),
-            gpu_busy_s=gpu.busy_s if gpu is not None else 0.0,
-            gpu_idle_s=gpu.idle_s if gpu is not None else 0.0,
-            gpu_util_mean=next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None),
-        )
-        report = data_wait_report(
-            gather_totals(trainer, own, pl_module.device),
-            replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s)),
-            self.thresholds,
-            gpus,
-            warmup_steps=self.warmup_steps,
-            device=device_for(pl_module.device).describe(),
-            timeline=clock.timeline(gpu.idle_series if gpu is not None else None),
-        )
+        busy, idle = (gpu.busy_s, gpu.idle_s) if gpu is not None else (0.0, 0.0)
+        util = next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None)
+        own = replace(clock.totals(), gpu_busy_s=busy, gpu_idle_s=idle, gpu_util_mean=util)
+        ranks = gather_totals(trainer, own, pl_module.device)
+        settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))
+        timeline = clock.timeline(gpu.idle_series if gpu is not None else None)
+        device = device_for(pl_module.device).describe()
+        report = data_wait_report(ranks, settings, self.thresholds, gpus, self.warmup_steps, device, timeline)
         self._call_probes("stop")
         findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
         self.report = replace(report, findings=findings)
@@ -380,20 +327,18 @@ def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) ->
     return ranks
 
 
-def read_run_settings(trainer: Trainer) -> RunSettings:
+def _read_run_settings(trainer: Trainer) -> RunSettings:
     """The loader and run settings the recommendations compare against."""
     loader = first_dataloader(trainer.train_dataloader)
+    names = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+    settings = {name: getattr(loader, name) for name in names} if loader is not None else {}
+    if loader is not None:
+        settings["batch_size"] = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return RunSettings(
         device_type=device_for(trainer.strategy.root_device).type,
-        num_workers=loader.num_workers if loader is not None else None,
-        pin_memory=loader.pin_memory if loader is not None else None,
-        persistent_workers=loader.persistent_workers if loader is not None else None,
-        prefetch_factor=loader.prefetch_factor if loader is not None else None,
-        batch_size=(loader.batch_size or getattr(loader.batch_sampler, "batch_size", None))
-        if loader is not None
-        else None,
         usable_cpus=usable_cpu_count(),
         processes_per_host=trainer.num_devices if trainer.world_size > 1 else 1,
         precision=str(trainer.precision),
         num_devices=trainer.num_devices,
+        **settings,
     )

@@ -1,29 +1,12 @@
 """What bounds a run and what to change, from its measured step totals: :class:`DataWaitReport`.
 
-:func:`diagnose` is a pure function of the totals (:class:`~lightning_gpuopt.core.timing.StepTotals`),
-the settings in use (:class:`RunSettings`) and the limits (:class:`Thresholds`); each recommendation
-reads ``setting=current → suggested: measured reason``. Verdicts, checked in this order:
-
-* ``"input-bound"`` -- data wait is at least ``data_wait_high`` of the step (on a GPU, only when it is
-  also idle at least ``gpu_idle_high`` of the time: a wait that overlaps GPU work costs nothing);
-* ``"host-bound"`` -- on a GPU, idle at least ``gpu_idle_high`` although data wait is low; on a CPU,
-  transfer plus other host work is at least ``host_overhead_high`` of the step;
-* ``"compute-bound"`` -- data wait is at most ``data_wait_low``;
-* ``"balanced"`` -- in between: loading and compute both matter.
-
-Report fields (``DataWaitMonitor.report``; the ``"data_wait"`` section of ``gpuopt_report.json``):
-``diagnosis`` (``verdict``, ``reason``, ``recommendations``, ``straggler_rank``, ``idle_gpus``: NVML
-indices of GPUs idle beside a busy one), ``totals`` (the job's: each rank's seconds averaged over the
-ranks that measured a step, their samples summed; its shares are written beside it), ``ranks`` (each
-rank's totals, in rank order), ``settings``, ``thresholds``, ``warmup_steps``, ``device``, ``gpus``
-(NVML usage of every GPU), ``timeline`` (rank 0's steps over training, for ``gpuopt plot``) and
-``findings`` (:mod:`lightning_gpuopt.core.findings`).
-
-    >>> wall = 10.0  # 100 steps of 0.1 s, of which 62% waiting for data
-    >>> totals = StepTotals(steps=100, wall_s=wall, data_wait_s=0.62 * wall, compute_s=0.35 * wall)
-    >>> run = RunSettings(device_type="cpu", num_workers=0, pin_memory=False, usable_cpus=2)
-    >>> diagnose(totals, run, Thresholds()).verdict
-    'input-bound'
+:func:`diagnose` is a pure function of the totals, the settings in use (:class:`RunSettings`) and the limits
+(:class:`Thresholds`); each recommendation reads ``setting=current → suggested: measured reason``. Verdicts:
+``"input-bound"`` (data wait from ``data_wait_high`` of the step; on a GPU, only while it is also idle from
+``gpu_idle_high``), ``"host-bound"`` (a GPU idle although data wait is low; on a CPU, transfer and other host
+work from ``host_overhead_high``), ``"compute-bound"`` (data wait up to ``data_wait_low``), else ``"balanced"``.
+The report (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuopt_report.json``) holds them
+with the job's totals, each rank's, the settings, the NVML usage of every GPU, rank 0's timeline and findings.
 """
 
 from __future__ import annotations
@@ -42,18 +25,8 @@ from lightning_gpuopt.core.timing import StepTimeline, StepTotals
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Limits of the verdict rules; the first five are fractions in (0, 1).
-
-    Args:
-        data_wait_high: data wait share of the step from which a run is input-bound.
-        data_wait_low: data wait share up to which a run is compute-bound.
-        gpu_idle_high: GPU idle share from which the GPU is starved.
-        host_overhead_high: on CPU, share of transfer + other host work from which a run is host-bound.
-        straggler_slowdown: a rank this much slower (0.2 = 20%) than the median of the others to reach
-            the gradient sync is a straggler.
-        idle_gpu_util: a visible GPU whose mean utilisation (%) is below this is idle ...
-        busy_gpu_util: ... while another visible GPU's is at least this.
-    """
+    """Limits of the verdict rules (``DataWaitMonitor``'s arguments); the first five are fractions in (0, 1). A
+    visible GPU below ``idle_gpu_util`` (%) is idle while another is at least at ``busy_gpu_util``."""
 
     data_wait_high: float = 0.2
     data_wait_low: float = 0.05
@@ -123,10 +96,8 @@ def _ms(seconds: float) -> str:
 
 def classify(totals: StepTotals, thresholds: Thresholds) -> tuple[str, str]:
     """The verdict and a one-line reason with the figures behind it."""
-    wait_share, idle = totals.data_wait_fraction or 0.0, totals.gpu_idle_fraction
-    wait = (
-        f"data wait is {_pct(wait_share)} of the step ({_ms(totals.data_wait_per_step_s)} of {_ms(totals.step_time_s)})"
-    )
+    wait_share, idle, step = totals.data_wait_fraction or 0.0, totals.gpu_idle_fraction, _ms(totals.step_time_s)
+    wait = f"data wait is {_pct(wait_share)} of the step ({_ms(totals.data_wait_per_step_s)} of {step})"
     starved = idle is not None and idle >= thresholds.gpu_idle_high
     if wait_share >= thresholds.data_wait_high and (idle is None or starved):
         return "input-bound", wait + (f"; the GPU is idle {_pct(idle)} of the time" if idle is not None else "")
@@ -147,11 +118,8 @@ def classify(totals: StepTotals, thresholds: Thresholds) -> tuple[str, str]:
 
 
 def workers_to_keep_up(totals: StepTotals, num_workers: int) -> int:
-    """Workers needed so loading keeps pace with the rest of the step (before any core cap).
-
-    With ``W`` workers a batch takes ``f = W·(wait + rest)`` per worker (``f = wait`` in the main
-    process when ``W = 0``); keeping up with ``rest`` needs ``ceil(f / rest)``.
-    """
+    """Workers needed so loading keeps pace with the rest of the step (before any core cap): with ``W`` workers
+    a batch takes ``f = W·(wait + rest)`` per worker (``f = wait`` when ``W = 0``), so ``ceil(f / rest)``."""
     wait = totals.data_wait_per_step_s
     rest = max(totals.step_time_s - wait, 1e-6)
     per_batch = wait if num_workers == 0 else num_workers * (wait + rest)
@@ -178,10 +146,8 @@ def _workers_advice(totals: StepTotals, run: RunSettings, core_text: str) -> str
         need = f"~{needed} would keep up; " if needed > suggested else ""
         why = f"{need}{core_text}"
         if io_bound and suggested > cores:
-            why = (
-                f"{need}loading waits on I/O: the main process used {_pct(loader_cpu)} of a CPU while"
-                f" fetching, so workers beyond the {core_text} help"
-            )
+            why = f"{need}loading waits on I/O: the main process used {_pct(loader_cpu)} of a CPU while fetching,"
+            why += f" so workers beyond the {core_text} help"
         return f"num_workers={run.num_workers} → {suggested} ({why}): {wait}."
     return (
         f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'}"
@@ -194,14 +160,9 @@ def _workers_advice(totals: StepTotals, run: RunSettings, core_text: str) -> str
 def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
     """Concrete changes, each naming the setting, its value now, the value to try and why."""
     advice: list[str] = []
-    on_gpu = run.device_type == "cuda"
-    cores = run.cpus_per_process
-    core_text = f"{cores} usable CPU core{'s' if cores != 1 else ''}" + (
-        f" per process ({run.usable_cpus} shared by {run.processes_per_host} processes)"
-        if run.processes_per_host > 1
-        else ""
-    )
-    transfer = totals.transfer_fraction or 0.0
+    on_gpu, cores, transfer = run.device_type == "cuda", run.cpus_per_process, totals.transfer_fraction or 0.0
+    shared = f" per process ({run.usable_cpus} shared by {run.processes_per_host} processes)"
+    core_text = f"{cores} usable CPU core{'s' if cores != 1 else ''}" + (shared if run.processes_per_host > 1 else "")
     if verdict in ("input-bound", "balanced") and run.num_workers is not None:
         advice.append(_workers_advice(totals, run, core_text))
     if on_gpu and run.pin_memory is False and (verdict in ("input-bound", "host-bound") or transfer >= 0.05):
@@ -241,8 +202,7 @@ def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int
 
 def _idle_gpu_advice(gpus: Sequence[GpuUsage], idle: Sequence[int], run: RunSettings) -> str:
     busy = [gpu for gpu in gpus if gpu.visible and gpu.index not in idle and gpu.util_mean is not None]
-    busy_text = ", ".join(f"GPU {gpu.index} at {gpu.util_mean:.0f}%" for gpu in busy)
-    many = len(idle) > 1
+    busy_text, many = ", ".join(f"GPU {gpu.index} at {gpu.util_mean:.0f}%" for gpu in busy), len(idle) > 1
     return (
         f"devices={run.num_devices} → {sum(gpu.visible for gpu in gpus)}: GPU{'s' if many else ''}"
         f" {', '.join(map(str, idle))} {'are' if many else 'is'} visible but idle while {busy_text} works;"
@@ -251,32 +211,22 @@ def _idle_gpu_advice(gpus: Sequence[GpuUsage], idle: Sequence[int], run: RunSett
 
 
 def find_straggler(arrival_s: Sequence[float], thresholds: Thresholds, step_time_s: float) -> Optional[int]:
-    """The index of the rank that takes longest to deliver its batch, when it is a straggler.
-
-    ``arrival_s`` is, per rank, the mean time per step before the gradient sync (under DDP every rank
-    waits for the slowest at the all-reduce, so only this part tells them apart). A rank is named when
-    it is ``straggler_slowdown`` slower than the median of the others and the gap is at least 5% of the
-    step (microseconds of jitter never are).
-    """
+    """The index of the slowest rank to reach the gradient sync (``arrival_s``: per rank, per step) when it is
+    ``straggler_slowdown`` slower than the median of the others and the gap is at least 5% of the step."""
     if len(arrival_s) < 2:
         return None
     slowest = max(range(len(arrival_s)), key=lambda rank: arrival_s[rank])
     others = statistics.median(t for rank, t in enumerate(arrival_s) if rank != slowest)
     excess = arrival_s[slowest] - others
-    if excess > thresholds.straggler_slowdown * others and excess >= 0.05 * step_time_s:
-        return slowest
-    return None
+    return slowest if excess > thresholds.straggler_slowdown * others and excess >= 0.05 * step_time_s else None
 
 
 def _straggler_advice(rank: int, slowest: int, arrival_s: Sequence[float], data_wait_s: Sequence[float]) -> str:
-    """Advice on rank ``rank``, at index ``slowest`` of the per-rank ``arrival_s`` and ``data_wait_s``."""
     median = statistics.median(t for r, t in enumerate(arrival_s) if r != slowest)
     waits = statistics.median(t for r, t in enumerate(data_wait_s) if r != slowest)
-    cause = (
-        "its dataloader: check that host's workers, CPU contention and storage"
-        if data_wait_s[slowest] - waits > 0.5 * (arrival_s[slowest] - median)
-        else "its forward pass: check that device's clocks, temperature and other processes on it"
-    )
+    cause = "its forward pass: check that device's clocks, temperature and other processes on it"
+    if data_wait_s[slowest] - waits > 0.5 * (arrival_s[slowest] - median):
+        cause = "its dataloader: check that host's workers, CPU contention and storage"
     return (
         f"rank {rank} is a straggler: it takes {_ms(arrival_s[slowest])} per step to reach the gradient"
         f" synchronisation against {_ms(median)} for the others (data wait {_ms(data_wait_s[slowest])} vs"
@@ -291,8 +241,7 @@ def diagnose(
     gpus: Sequence[GpuUsage] = (),
     ranks: Sequence[StepTotals] = (),
 ) -> Diagnosis:
-    """Verdict, reason and recommendations from the job's ``totals`` (see :func:`combine`), the NVML
-    usage of every GPU (idle visible ones) and each rank's totals (a straggler)."""
+    """Verdict, reason and recommendations from the job's ``totals``, every GPU's NVML usage and each rank's."""
     if not totals.steps:
         return Diagnosis("balanced", "no training step was measured")
     verdict, reason = classify(totals, thresholds)
@@ -303,31 +252,24 @@ def diagnose(
     measured = [rank for rank, figures in enumerate(ranks) if figures.steps]
     arrival = [ranks[rank].arrival_per_step_s for rank in measured]
     slowest = find_straggler(arrival, thresholds, totals.step_time_s)
-    if slowest is None:
-        return Diagnosis(verdict, reason, recommendations, None, idle)
-    waits = [ranks[rank].data_wait_per_step_s for rank in measured]
-    recommendations.append(_straggler_advice(measured[slowest], slowest, arrival, waits))
-    return Diagnosis(verdict, reason, recommendations, measured[slowest], idle)
+    if slowest is not None:
+        waits = [ranks[rank].data_wait_per_step_s for rank in measured]
+        recommendations.append(_straggler_advice(measured[slowest], slowest, arrival, waits))
+    return Diagnosis(verdict, reason, recommendations, None if slowest is None else measured[slowest], idle)
 
 
-def combine(ranks: Sequence[StepTotals]) -> StepTotals:
-    """The job's totals: the mean over the ranks that measured a step of each rank's seconds (and
-    steps, and NVML utilisation where known); their samples summed."""
+def _combine(ranks: Sequence[StepTotals]) -> StepTotals:
+    """The job's totals: each rank's seconds, steps and utilisation averaged over the ranks that measured a
+    step; their samples summed."""
     measured = [figures for figures in ranks if figures.steps] or list(ranks)
     if not measured:
         return StepTotals()
     utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
-    seconds = {
-        name: statistics.fmean(getattr(figures, name) for figures in measured)
-        for name in StepTotals.__dataclass_fields__
-        if name.endswith("_s")
-    }
-    return StepTotals(
-        steps=round(statistics.fmean(figures.steps for figures in measured)),
-        samples=sum(figures.samples for figures in measured),
-        gpu_util_mean=statistics.fmean(utils) if utils else None,
-        **seconds,
-    )
+    names = [name for name in StepTotals.__dataclass_fields__ if name.endswith("_s")]
+    seconds = {name: statistics.fmean(getattr(figures, name) for figures in measured) for name in names}
+    steps = round(statistics.fmean(figures.steps for figures in measured))
+    util = statistics.fmean(utils) if utils else None
+    return StepTotals(steps, sum(figures.samples for figures in measured), gpu_util_mean=util, **seconds)
 
 
 class Spread(NamedTuple):
@@ -355,7 +297,6 @@ class DataWaitReport:
 
     @property
     def verdict(self) -> str:
-        """``"input-bound"``, ``"compute-bound"``, ``"host-bound"`` or ``"balanced"``."""
         return self.diagnosis.verdict
 
     @property
@@ -368,12 +309,10 @@ class DataWaitReport:
 
     @property
     def data_wait_fraction(self) -> Optional[float]:
-        """Share of step time spent waiting for the next batch (``None`` without a measured step)."""
         return self.totals.data_wait_fraction
 
     @property
     def gpu_idle_fraction(self) -> Optional[float]:
-        """CUDA: share of GPU time idle between steps (``None`` elsewhere)."""
         return self.totals.gpu_idle_fraction
 
     @property
@@ -386,15 +325,9 @@ class DataWaitReport:
         measured = [figures for figures in self.ranks if figures.steps]
         if len(self.ranks) < 2 or not measured:
             return {}
-        return {
-            name: Spread(min(values), statistics.fmean(values), max(values))
-            for name, values in (
-                ("step_time_s", [figures.step_time_s for figures in measured]),
-                ("data_wait_per_step_s", [figures.data_wait_per_step_s for figures in measured]),
-                ("arrival_per_step_s", [figures.arrival_per_step_s for figures in measured]),
-                ("samples_per_second", [figures.samples_per_second or 0.0 for figures in measured]),
-            )
-        }
+        names = ("step_time_s", "data_wait_per_step_s", "arrival_per_step_s", "samples_per_second")
+        values = {name: [getattr(figures, name) or 0.0 for figures in measured] for name in names}
+        return {name: Spread(min(v), statistics.fmean(v), max(v)) for name, v in values.items()}
 
 
 def data_wait_report(
@@ -407,8 +340,6 @@ def data_wait_report(
     timeline: Optional[StepTimeline] = None,
 ) -> DataWaitReport:
     """Combine each rank's totals (in rank order) and diagnose them (findings: none yet)."""
-    totals = combine(ranks)
-    diagnosis = diagnose(totals, settings, thresholds, gpus, ranks)
-    return DataWaitReport(
-        diagnosis, totals, list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline
-    )
+    totals = _combine(ranks)
+    report = (list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline)
+    return DataWaitReport(diagnose(totals, settings, thresholds, gpus, ranks), totals, *report)

@@ -1,70 +1,49 @@
 """Known slow patterns in users' training code, each decided from measured numbers.
 
-A :class:`Finding` names one pattern (``kind``), what was measured (``message``), where it is
-(``where``: an attribute, a hook, a ``file:line``; ``None``: the whole run), what to change, with the
-value (``fix``), and the numbers (``figures``), each logged as ``gpuopt/finding/<kind>/<figure>`` (``-``
-in the kind becomes ``_``; of several findings of one kind, the last one's). The probes
-(``callbacks/_detect*.py``) measure on a few sampled steps; these functions decide. Kinds
-(:data:`FINDING_KINDS`) and their figures:
+A :class:`Finding` names one pattern (``kind``), what was measured (``message``), where it is (``where``: an
+attribute, a hook, a ``file:line``; ``None``: the whole run), the fix with its value (``fix``) and the numbers
+(``figures``), each logged as ``gpuopt/finding/<kind>/<figure>`` (``-`` in the kind becomes ``_``). The probes
+(``callbacks/_detect*.py``) measure on a few sampled steps; these functions decide. Kinds and their figures:
 
-* ``"graph-kept"`` -- a module attribute holds a tensor whose autograd graph grows step over step
-  (``self.total_loss += loss``), scanned at the starts of steps 2, 4, 8, ... and after the last step:
-  ``attributes`` (how many), ``graph_nodes`` (held at the last sample by the fastest-growing one),
-  ``graph_nodes_per_step``, and where the device tells live memory ``memory_growth_bytes`` and
-  ``memory_growth_bytes_per_step`` (memory handed out at step start, first to last sample);
-* ``"host-sync"`` -- reads from the card to the host (``.item()``, ``float(t)``, ``.cpu()``,
-  ``if loss > 0:``) counted on a CUDA device (real or simulated) in warm-up steps 1 and 2 and named
-  by the user's ``file:line``; none on the host: ``syncs_per_step``, ``user_syncs_per_step`` (found
-  from 1), ``lightning_syncs_per_step`` (Lightning's own), ``lines`` (distinct source lines);
-* ``"slow-hook"`` -- a callback or module hook takes a large share of training time: ``seconds``
-  (validation's calls and its own checkpoint saves left out), ``calls``, ``ms_per_call``, ``share`` (of
-  train start to end, validation excluded), ``suggested_every_n`` (the fix's interval, steps or epochs);
+* ``"graph-kept"`` -- a module attribute holds an autograd graph that grows step over step
+  (``self.total_loss += loss``): ``attributes``, ``graph_nodes``, ``graph_nodes_per_step``, and where the
+  device tells live memory ``memory_growth_bytes`` and ``memory_growth_bytes_per_step``;
+* ``"host-sync"`` -- reads from the card to the host (``.item()``, ``.cpu()``, ``if loss > 0:``) in warm-up
+  steps 1 and 2, named by the user's ``file:line``: ``syncs_per_step``, ``user_syncs_per_step``,
+  ``lightning_syncs_per_step``, ``lines``;
+* ``"slow-hook"`` -- a callback or module hook takes a large share of training time: ``seconds``, ``calls``,
+  ``ms_per_call``, ``share``, ``suggested_every_n``;
 * ``"checkpoint-time"`` -- saving checkpoints takes a large share of the fit: ``saves``, ``seconds``,
-  ``ms_per_save``, ``share`` (of train start to end), ``suggested_interval`` (the first saver's new
-  interval, as it is set), ``checkpoint_mb`` (the last file a ``ModelCheckpoint`` wrote);
+  ``ms_per_save``, ``share``, ``suggested_interval``, ``checkpoint_mb``;
 * ``"data-parallel"`` -- ``nn.DataParallel`` inside the module: ``wrappers``;
-* ``"oversubscribed"`` -- intra-op threads x processes on the host exceed its cores: ``threads``,
-  ``cores``, ``suggested_threads``;
+* ``"oversubscribed"`` -- intra-op threads x processes exceed the host's cores: ``threads``, ``cores``,
+  ``suggested_threads``;
 * ``"tf32-off"`` -- float32 matmuls without TF32 on a card with TF32 tensor cores: ``compute_capability``;
-* ``"cudnn-benchmark-off"`` -- convolutions with fixed input shapes and ``cudnn.benchmark`` off:
-  ``convolutions``;
-* ``"channels-last"`` -- convolutions under mixed precision with weights or inputs not in
-  ``channels_last``: ``convolutions_nchw``, ``input_nchw``;
-* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s`` (a
-  sample, page cache dropped first), ``needed_mb_s`` (bytes per sample x this host's samples/s),
-  ``data_wait_fraction``, ``files_read``.
-
-    >>> finding = oversubscription(threads_per_process=8, processes=4, cores=16)
-    >>> finding.kind, finding.fix
-    ('oversubscribed', 'torch.set_num_threads(4) in each process (or OMP_NUM_THREADS=4): 4 processes x 4 threads = 16 cores')
-"""
+* ``"cudnn-benchmark-off"`` -- convolutions on fixed input shapes, ``cudnn.benchmark`` off: ``convolutions``;
+* ``"channels-last"`` -- convolutions under mixed precision not in ``channels_last``: ``convolutions_nchw``,
+  ``input_nchw``;
+* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``,
+  ``needed_mb_s``, ``data_wait_fraction``, ``files_read``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-FINDING_KINDS = (
-    "graph-kept",
-    "host-sync",
-    "slow-hook",
-    "checkpoint-time",
-    "data-parallel",
-    "oversubscribed",
-    "tf32-off",
-    "cudnn-benchmark-off",
-    "channels-last",
-    "slow-disk",
-)
+# fmt: off
+FINDING_KINDS = ("graph-kept", "host-sync", "slow-hook", "checkpoint-time", "data-parallel", "oversubscribed",
+                 "tf32-off", "cudnn-benchmark-off", "channels-last", "slow-disk")
+# fmt: on
+#: shares of training time from which a hook, checkpoint saving is a finding; the share the fix brings it to
+SLOW_HOOK_SHARE = CHECKPOINT_SHARE = 0.10
+TARGET_SHARE = 0.02
+#: the dataset's files are slow when read below this many times the rate training needs
+DISK_MARGIN = 1.5
 
 
 @dataclass
 class Finding:
-    """One slow pattern found in a run (fields: module docstring).
-
-    >>> Finding("data-parallel", "nn.DataParallel wraps `backbone`", "use DDP", where="backbone").kind
-    'data-parallel'
-    """
+    """One slow pattern found in a run (fields: module docstring)."""
 
     kind: str
     message: str
@@ -77,46 +56,13 @@ class Finding:
             raise ValueError(f"Finding kind={self.kind!r} is not one of {', '.join(FINDING_KINDS)}")
 
 
-def metric_key(kind: str, name: str) -> str:
-    """The logged metric key of figure ``name`` of a finding of ``kind``.
-
-    >>> metric_key("host-sync", "syncs_per_step")
-    'gpuopt/finding/host_sync/syncs_per_step'
-    """
-    return f"gpuopt/finding/{kind.replace('-', '_')}/{name}"
-
-
 def findings_metrics(findings: Sequence[Finding]) -> dict[str, float]:
-    """``gpuopt/findings`` (their count) and every figure of each.
-
-    >>> findings_metrics([oversubscription(8, 1, 2)])["gpuopt/findings"]
-    1.0
-    """
+    """``gpuopt/findings`` (their count) and every figure of each (of several of one kind, the last one's)."""
     metrics = {"gpuopt/findings": float(len(findings))}
     for finding in findings:
         for name, value in finding.figures.items():
-            metrics[metric_key(finding.kind, name)] = float(value)
+            metrics[f"gpuopt/finding/{finding.kind.replace('-', '_')}/{name}"] = float(value)
     return metrics
-
-
-def finding_lines(findings: Sequence[Finding]) -> list[str]:
-    """The findings as the report table's notes: the measurement, then the fix.
-
-    >>> finding_lines([])
-    []
-    """
-    lines = []
-    for finding in findings:
-        where = f" [{finding.where}]" if finding.where else ""
-        lines += [f"  • {finding.kind}{where}: {finding.message}", f"      fix: {finding.fix}"]
-    return lines
-
-
-# ------------------------------------------------------------------- inside the steps
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def graph_kept(
@@ -125,53 +71,40 @@ def graph_kept(
     live_bytes: Sequence[Optional[int]] = (),
     containers: Sequence[str] = (),
 ) -> Optional[Finding]:
-    """Module attributes holding an autograd graph that grows between sampled steps.
-
-    ``graph_nodes[path][i]``: autograd nodes reachable from attribute ``path`` at the start of
-    ``steps[i]`` (0: none); ``live_bytes[i]``: memory handed out then (``None``: unknown);
-    ``containers``: the paths that are lists, tuples or dicts. Found when a graph is held at two or more
-    samples and grows from the first to the last (live memory alone is no evidence: it is only reported).
-
-    >>> graph_kept([2, 4, 8], {"total_loss": [9, 17, 33]}).where
-    'total_loss'
-    >>> graph_kept([2, 4, 8], {"last_loss": [9, 9, 9]}) is None  # one step's graph, not growing
-    True
-    """
+    """Module attributes whose autograd graph (``graph_nodes[path][i]`` nodes at the start of ``steps[i]``)
+    is held at two or more samples and grows; ``live_bytes[i]``: memory handed out then (only reported);
+    ``containers``: the paths that are lists, tuples or dicts."""
     found: list[tuple[str, list[int], list[int], Optional[int]]] = []
     for path, nodes in graph_nodes.items():
         held = [i for i, count in enumerate(nodes) if count > 0]
-        if len(held) < 2:
+        if len(held) < 2 or nodes[held[-1]] <= nodes[held[0]]:
             continue
-        first, last = held[0], held[-1]
         known = [i for i in held if i < len(live_bytes) and live_bytes[i] is not None]
         growth = live_bytes[known[-1]] - live_bytes[known[0]] if len(known) >= 2 else None  # type: ignore[operator]
-        if nodes[last] > nodes[first]:
-            found.append((path, [steps[i] for i in held], [nodes[i] for i in held], growth))
+        found.append((path, [steps[i] for i in held], [nodes[i] for i in held], growth))
     if not found:
         return None
     found.sort(key=lambda item: item[2][-1] - item[2][0], reverse=True)
     path, held_steps, nodes, growth = found[0]
     span = max(1, held_steps[-1] - held_steps[0])
-    shown = " → ".join(str(count) for count in nodes)
-    memory = f"; live memory at step start grew by {_mib(growth)} over those steps" if growth is not None else ""
+    memory = (
+        f"; live memory at step start grew by {growth / 2**20:.1f} MiB over those steps" if growth is not None else ""
+    )
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
-    name = path.rsplit(".", 1)[-1]
-    owner = "self." + path.rsplit(".", 1)[0] + "." if "." in path else "self."
-    example = f"`{owner}{name}.append(loss.detach())`" if path in containers else f"`{owner}{name} += loss.detach()`"
-    figures = {
-        "attributes": float(len(found)),
-        "graph_nodes": float(nodes[-1]),
-        "graph_nodes_per_step": (nodes[-1] - nodes[0]) / span,
-    }
+    owner, _, name = path.rpartition(".")
+    target = f"self.{owner}.{name}" if owner else f"self.{name}"
+    example = f"`{target}.append(loss.detach())`" if path in containers else f"`{target} += loss.detach()`"
+    figures = {"attributes": float(len(found)), "graph_nodes": float(nodes[-1])}
+    figures["graph_nodes_per_step"] = (nodes[-1] - nodes[0]) / span
     if growth is not None:
-        figures["memory_growth_bytes"] = float(growth)
-        figures["memory_growth_bytes_per_step"] = growth / span
+        figures |= {"memory_growth_bytes": float(growth), "memory_growth_bytes_per_step": growth / span}
     return Finding(
         "graph-kept",
         f"`{path}`{others} holds a tensor with an autograd graph (grad_fn) between steps, and the graph grows:"
-        f" {shown} autograd nodes at the starts of steps {', '.join(map(str, held_steps))}{memory}. Every step's"
-        " graph stays reachable from the module, so memory and the time of a backward through it grow over the run",
-        f"keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
+        f" {' → '.join(map(str, nodes))} autograd nodes at the starts of steps {', '.join(map(str, held_steps))}"
+        f"{memory}. Every step's graph stays reachable from the module, so memory and the time of a backward"
+        " through it grow over the run",
+        "keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
         f" {example}",
         where=", ".join(item[0] for item in found),
         figures=figures,
@@ -179,31 +112,22 @@ def graph_kept(
 
 
 def host_sync(
-    steps: Sequence[int],
-    user_reads: Sequence[int],
-    lightning_reads: Sequence[int],
-    lines: Mapping[str, int],
+    steps: Sequence[int], user_reads: Sequence[int], lightning_reads: Sequence[int], lines: Mapping[str, int]
 ) -> Optional[Finding]:
-    """Reads from the card to the host per step (each waits for the card's queue to drain).
-
-    ``user_reads[i]``/``lightning_reads[i]``: reads in step ``steps[i]`` from the user's code and from
-    Lightning's; ``lines``: the user's ``file:line`` and their counts. Found from one user read per step.
-
-    >>> host_sync([1, 2], [2, 2], [0, 0], {"train.py:41": 4}).where
-    'train.py:41'
-    >>> host_sync([1, 2], [0, 0], [1, 1], {}) is None
-    True
-    """
+    """Reads from the card to the host (each waits for the card's queue to drain): ``user_reads[i]`` and
+    ``lightning_reads[i]`` in step ``steps[i]``; ``lines``: the user's ``file:line`` and their counts. Found
+    from one user read per step."""
     if not steps:
         return None
-    user = sum(user_reads) / len(steps)
-    lightning = sum(lightning_reads) / len(steps)
+    user, lightning = sum(user_reads) / len(steps), sum(lightning_reads) / len(steps)
     if user < 1:
         return None
     per_line = sorted(lines.items(), key=lambda item: item[1], reverse=True)
     shown = ", ".join(f"{line} ({count / len(steps):g}/step)" for line, count in per_line)
     where = ", ".join(line for line, _ in per_line) or None
     lightning_note = f" (and {lightning:g} by Lightning itself)" if lightning else ""
+    figures = {"syncs_per_step": user + lightning, "user_syncs_per_step": user}
+    figures |= {"lightning_syncs_per_step": lightning, "lines": float(len(lines))}
     return Finding(
         "host-sync",
         f"{user:g} read(s) from the GPU to the host per step in your code{lightning_note}, over steps"
@@ -214,26 +138,12 @@ def host_sync(
         " `self.log(name, value, on_step=True)` (read once every log_every_n_steps), take `.item()` only every N"
         " steps or at epoch end, and branch with tensor ops (`torch.where`) instead of `if tensor:`",
         where=where,
-        figures={
-            "syncs_per_step": user + lightning,
-            "user_syncs_per_step": user,
-            "lightning_syncs_per_step": lightning,
-            "lines": float(len(lines)),
-        },
+        figures=figures,
     )
 
 
-# ------------------------------------------------------------------- the module and the host
-
-
 def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
-    """``nn.DataParallel`` found at the module paths ``wrapped`` (``""`` is the module itself).
-
-    >>> data_parallel(["encoder"]).where
-    'encoder'
-    >>> data_parallel([]) is None
-    True
-    """
+    """``nn.DataParallel`` found at the module paths ``wrapped`` (``""`` is the module itself)."""
     if not wrapped:
         return None
     names = ", ".join(f"`{path or 'the LightningModule itself'}`" for path in wrapped)
@@ -248,11 +158,7 @@ def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
 
 
 def oversubscription(threads_per_process: int, processes: int, cores: int) -> Optional[Finding]:
-    """Intra-op threads x processes on the host against its usable cores.
-
-    >>> oversubscription(threads_per_process=1, processes=2, cores=2) is None
-    True
-    """
+    """Intra-op threads x processes on the host against its usable cores."""
     wanted = threads_per_process * processes
     if cores < 1 or wanted <= cores:
         return None
@@ -267,18 +173,9 @@ def oversubscription(threads_per_process: int, processes: int, cores: int) -> Op
     )
 
 
-# ---------------------------------------------------------------------------------- CUDA
-
-
 def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, precision: str) -> Optional[Finding]:
-    """float32 matmuls in full precision (``matmul_precision`` ``"highest"``, Trainer ``precision``
-    ``32-true``) on a card with TF32 tensor cores (compute capability >= 8.0).
-
-    >>> tf32_off((8, 0), "highest", "32-true").fix
-    "torch.set_float32_matmul_precision('high') before Trainer(...): float32 matmuls on TF32 tensor cores"
-    >>> tf32_off((7, 0), "highest", "32-true") is None  # a V100 has no TF32
-    True
-    """
+    """float32 matmuls in full precision (``"highest"``, Trainer ``precision`` ``32-true``) on a card with
+    TF32 tensor cores (compute capability >= 8.0)."""
     if capability is None or capability < (8, 0) or matmul_precision != "highest" or precision not in ("32-true", "32"):
         return None
     return Finding(
@@ -291,13 +188,7 @@ def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, preci
 
 
 def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: int) -> Optional[Finding]:
-    """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off.
-
-    >>> cudnn_benchmark_off(False, convolutions=12, input_shapes_seen=1).fix
-    'Trainer(benchmark=True): cuDNN times its algorithms once per input shape and keeps the fastest'
-    >>> cudnn_benchmark_off(False, convolutions=12, input_shapes_seen=3) is None  # shapes vary: autotuning repeats
-    True
-    """
+    """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off."""
     if benchmark or convolutions == 0 or input_shapes_seen != 1:
         return None
     return Finding(
@@ -312,44 +203,24 @@ def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: i
 def channels_last(
     precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool
 ) -> Optional[Finding]:
-    """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or
-    4-D inputs are in NCHW (tensor-core kernels work in NHWC).
-
-    >>> channels_last("16-mixed", ["stem.conv"], inputs_not_channels_last=True).where
-    'stem.conv'
-    >>> channels_last("32-true", ["stem.conv"], True) is None
-    True
-    """
+    """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or 4-D
+    inputs are in NCHW (tensor-core kernels work in NHWC)."""
     if "mixed" not in precision and precision not in ("16-true", "bf16-true"):
         return None
     if not not_channels_last and not inputs_not_channels_last:
         return None
-    what = []
-    if not_channels_last:
-        what.append(f"{len(not_channels_last)} Conv2d weight(s)")
-    if inputs_not_channels_last:
-        what.append("the 4-D batch")
-    shown = ", ".join(not_channels_last[:3]) + (
-        f" and {len(not_channels_last) - 3} more" if len(not_channels_last) > 3 else ""
-    )
+    weights = [f"{len(not_channels_last)} Conv2d weight(s)"] if not_channels_last else []
+    what = " and ".join(weights + (["the 4-D batch"] if inputs_not_channels_last else []))
+    more = f" and {len(not_channels_last) - 3} more" if len(not_channels_last) > 3 else ""
     return Finding(
         "channels-last",
-        f"{' and '.join(what)} in NCHW (contiguous) memory format under {precision}: tensor-core convolution kernels"
+        f"{what} in NCHW (contiguous) memory format under {precision}: tensor-core convolution kernels"
         " work in NHWC, so each convolution transposes its input and output",
         "model = model.to(memory_format=torch.channels_last) in the LightningModule's __init__ or setup(), and"
         " x = x.to(memory_format=torch.channels_last) for 4-D inputs in training_step",
-        where=shown or None,
+        where=", ".join(not_channels_last[:3]) + more or None,
         figures={"convolutions_nchw": float(len(not_channels_last)), "input_nchw": float(inputs_not_channels_last)},
     )
-
-
-# ----------------------------------------------------------------- hooks, checkpoints, disk
-
-#: shares of training time from which a hook, checkpoint saving is a finding; the share the fix brings it to
-SLOW_HOOK_SHARE = CHECKPOINT_SHARE = 0.10
-TARGET_SHARE = 0.02
-#: the dataset's files are slow when read below this many times the rate training needs
-DISK_MARGIN = 1.5
 
 
 def nice_ceil(value: float) -> int:
@@ -366,23 +237,19 @@ def nice_ceil(value: float) -> int:
     return nice
 
 
-def reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
-    """How many times fewer calls bring ``seconds`` out of ``total_s`` down to ``target`` of the (shorter) total.
+def _reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
+    """How many times fewer calls bring ``seconds`` of ``total_s`` down to ``target`` of the (shorter) total.
 
-    >>> round(reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
+    >>> round(_reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
     5.4
     """
-    rest = total_s - seconds
     if seconds <= 0:
         return 1.0
-    if rest <= 0:
-        return float("inf")
-    return seconds * (1 - target) / (target * rest)
+    return seconds * (1 - target) / (target * (total_s - seconds)) if total_s > seconds else float("inf")
 
 
 def _share_after(seconds: float, total_s: float, factor: float) -> float:
-    rest = max(0.0, total_s - seconds)
-    after = seconds / factor
+    rest, after = max(0.0, total_s - seconds), seconds / factor
     return after / (rest + after) if rest + after > 0 else 0.0
 
 
@@ -394,62 +261,39 @@ def slow_hook(
     epochs: int = 1,
     in_module: bool = False,
     threshold: float = SLOW_HOOK_SHARE,
-    target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
-    """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of
-    training. Found from ``threshold`` of it; the fix runs it every ``N`` steps (every ``N`` epochs for a
-    hook run once an epoch or less), ``N`` a 1-2-5 value bringing it to about ``target``.
-
-    >>> finding = slow_hook("SlowHook.on_train_batch_end", total_s=5.0, calls=100, train_s=10.0)
-    >>> finding.figures["share"], finding.figures["suggested_every_n"]
-    (0.5, 50.0)
-    >>> slow_hook("SlowHook.on_train_batch_end", total_s=0.5, calls=100, train_s=10.0) is None
-    True
-    """
-    if calls < 1 or train_s <= 0 or total_s <= 0:
+    """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of training.
+    Found from ``threshold`` of it; the fix runs it every ``N`` steps (epochs, for a hook run once an epoch or
+    less), ``N`` a 1-2-5 value bringing it to about :data:`TARGET_SHARE`."""
+    if calls < 1 or train_s <= 0 or total_s <= 0 or total_s / train_s < threshold:
         return None
-    share = total_s / train_s
-    if share < threshold:
-        return None
-    per_call = total_s / calls
-    every = nice_ceil(reduction_factor(total_s, train_s, target)) if total_s < train_s else max(2, nice_ceil(calls))
+    share, per_call = total_s / train_s, total_s / calls
+    every = nice_ceil(_reduction_factor(total_s, train_s)) if total_s < train_s else nice_ceil(calls)
     every = max(2, every)
-    after = _share_after(total_s, train_s, every)
-    owner = "self" if in_module else "trainer"
-    name = hook.rsplit(".", 1)[-1]
-    if calls > max(1, epochs):
-        fix = (
-            f"run it every {every} steps: `if {owner}.global_step % {every} == 0:` around its work in `{name}`"
-            f" (about {after:.1%} of training time)"
-        )
-        if name != "on_train_epoch_end":
-            fix += ", or move the work to on_train_epoch_end"
-    else:
-        fix = (
-            f"run it every {every} epochs: `if {owner}.current_epoch % {every} == 0:` around its work in `{name}`"
-            f" (about {after:.1%} of training time)"
-        )
+    owner, name = "self" if in_module else "trainer", hook.rsplit(".", 1)[-1]
+    unit, counter = ("steps", "global_step") if calls > max(1, epochs) else ("epochs", "current_epoch")
+    fix = (
+        f"run it every {every} {unit}: `if {owner}.{counter} % {every} == 0:` around its work in `{name}`"
+        f" (about {_share_after(total_s, train_s, every):.1%} of training time)"
+    )
+    if unit == "steps" and name != "on_train_epoch_end":
+        fix += ", or move the work to on_train_epoch_end"
+    figures = {"seconds": float(total_s), "calls": float(calls), "ms_per_call": per_call * 1e3, "share": share}
+    figures["suggested_every_n"] = float(every)
     return Finding(
         "slow-hook",
         f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of training"
         f" time ({train_s:.2f} s from train start to end, validation excluded)",
         fix,
         where=hook,
-        figures={
-            "seconds": float(total_s),
-            "calls": float(calls),
-            "ms_per_call": per_call * 1e3,
-            "share": float(share),
-            "suggested_every_n": float(every),
-        },
+        figures=figures,
     )
 
 
 @dataclass
 class CheckpointSaver:
     """What saved checkpoints: a ``ModelCheckpoint`` (``name`` shows its settings) or a hook calling
-    ``trainer.save_checkpoint`` (``model_checkpoint=False``, ``name``: ``"<class>.<hook>"``), its saves
-    and their seconds."""
+    ``trainer.save_checkpoint`` (``model_checkpoint=False``, ``name``: ``"<class>.<hook>"``), and its saves."""
 
     name: str
     saves: int
@@ -469,29 +313,19 @@ def checkpoint_time(
     checkpoint_bytes: Optional[int] = None,
     optimizer_bytes: int = 0,
     parameter_bytes: int = 0,
-    threshold: float = CHECKPOINT_SHARE,
-    target: float = TARGET_SHARE,
 ) -> Optional[Finding]:
-    """Saving checkpoints (``savers``) against ``fit_s``, train start to end (validation included), over
-    ``steps`` steps. Found from ``threshold``; the fix scales each saver's interval to a 1-2-5 value
-    bringing saving to about ``target``, and names ``save_last="link"`` (for ``save_last=True``) and
-    ``save_weights_only=True`` (when the optimizer state is at least as large as the weights).
-
-    >>> saver = CheckpointSaver("ModelCheckpoint(every_n_train_steps=1)", saves=100, seconds=5.0, every_n_train_steps=1)
-    >>> checkpoint_time([saver], fit_s=10.0, steps=100).fix
-    'ModelCheckpoint(every_n_train_steps=1 → 50) (about 2.0% of training time)'
-    """
-    saves = sum(saver.saves for saver in savers)
-    seconds = sum(saver.seconds for saver in savers)
-    if saves < 1 or fit_s <= 0 or seconds <= 0:
+    """Saving checkpoints against ``fit_s``, train start to end, over ``steps`` steps. Found from
+    :data:`CHECKPOINT_SHARE`; the fix scales each saver's interval to a 1-2-5 value bringing saving to about
+    :data:`TARGET_SHARE`, and names ``save_last="link"`` and ``save_weights_only=True`` (when the optimizer
+    state is as large as the weights)."""
+    saves, seconds = sum(saver.saves for saver in savers), sum(saver.seconds for saver in savers)
+    if saves < 1 or fit_s <= 0 or seconds <= 0 or seconds / fit_s < CHECKPOINT_SHARE:
         return None
     share = seconds / fit_s
-    if share < threshold:
-        return None
-    factor = reduction_factor(seconds, fit_s, target) if seconds < fit_s else float(max(2, saves))
+    factor = _reduction_factor(seconds, fit_s) if seconds < fit_s else float(max(2, saves))
     changes: list[str] = []
-    suggested: Optional[int] = None
     scales: list[float] = []
+    suggested: Optional[int] = None
     for saver in savers:
         if saver.saves < 1:
             continue
@@ -524,17 +358,12 @@ def checkpoint_time(
             f"; the optimizer state is {optimizer_bytes / 1e6:.1f} MB against {parameter_bytes / 1e6:.1f} MB of"
             " weights, and a weights-only checkpoint cannot resume the optimizer"
         )
-    size = f", {checkpoint_bytes / 1e6:.1f} MB each" if checkpoint_bytes else ""
-    figures = {
-        "saves": float(saves),
-        "seconds": float(seconds),
-        "ms_per_save": 1e3 * seconds / saves,
-        "share": float(share),
-    }
+    figures = {"saves": float(saves), "seconds": float(seconds), "ms_per_save": 1e3 * seconds / saves, "share": share}
     if suggested is not None:
         figures["suggested_interval"] = float(suggested)
     if checkpoint_bytes:
         figures["checkpoint_mb"] = checkpoint_bytes / 1e6
+    size = f", {checkpoint_bytes / 1e6:.1f} MB each" if checkpoint_bytes else ""
     return Finding(
         "checkpoint-time",
         f"{saves} checkpoint save(s) took {seconds:.2f} s ({1e3 * seconds / saves:.0f} ms each{size}), {share:.0%} of"
@@ -554,22 +383,14 @@ def slow_disk(
     files_read: int,
     mb_read: float,
     filesystem: Optional[str] = None,
-    margin: float = DISK_MARGIN,
     bytes_per_sample: Optional[float] = None,
     samples_per_second: Optional[float] = None,
 ) -> Optional[Finding]:
-    """The dataset's files under ``directory`` read at ``read_mb_s`` against ``needed_mb_s``, the rate
-    training consumes them. Found when the read is slower than ``margin`` x that rate (no headroom for
-    seeks, other readers, a faster epoch) on a run waiting for data at least ``data_wait_high`` of a step.
-
-    >>> slow_disk(80.0, 100.0, 0.6, 0.2, "/data/imagenet", files_read=32, mb_read=64.0).fix.split(":")[0]
-    'copy the dataset to a local SSD or to /dev/shm (RAM)'
-    >>> slow_disk(80.0, 100.0, 0.05, 0.2, "/data/imagenet", 32, 64.0) is None  # not input-bound
-    True
-    """
+    """The dataset's files under ``directory`` read at ``read_mb_s`` against ``needed_mb_s``, the rate training
+    consumes them: found below :data:`DISK_MARGIN` x that rate on a run waiting for data ``data_wait_high`` of a step."""
     if read_mb_s <= 0 or needed_mb_s <= 0 or data_wait_fraction is None:
         return None
-    if read_mb_s >= margin * needed_mb_s or data_wait_fraction < data_wait_high:
+    if read_mb_s >= DISK_MARGIN * needed_mb_s or data_wait_fraction < data_wait_high:
         return None
     in_memory = filesystem in ("tmpfs", "ramfs")
     where_from = f" ({filesystem}: already in memory)" if in_memory else (f" ({filesystem})" if filesystem else "")
@@ -582,6 +403,8 @@ def slow_disk(
     rate = ""
     if bytes_per_sample and samples_per_second:
         rate = f" ({bytes_per_sample / 1e3:.1f} kB a sample x {samples_per_second:.0f} samples/s)"
+    figures = {"read_mb_s": float(read_mb_s), "needed_mb_s": float(needed_mb_s)}
+    figures |= {"data_wait_fraction": float(data_wait_fraction), "files_read": float(files_read)}
     return Finding(
         "slow-disk",
         f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
@@ -589,10 +412,5 @@ def slow_disk(
         f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
         fix,
         where=directory,
-        figures={
-            "read_mb_s": float(read_mb_s),
-            "needed_mb_s": float(needed_mb_s),
-            "data_wait_fraction": float(data_wait_fraction),
-            "files_read": float(files_read),
-        },
+        figures=figures,
     )

@@ -1,22 +1,13 @@
-"""Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra).
+"""Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra), one a section:
 
-Each figure is drawn when the report holds its section:
+* ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, transfer, compute and other, stacked over
+  training, with the GPU's idle time before each step where measured (CUDA);
+* ``memory.png`` (``"batch_size_search"``, ``"memory"``) -- each trial's peak memory against its batch size,
+  the estimate's line (or a line through the trials that fit), the budget, the capacity and the chosen size;
+* ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen and the user's marked.
 
-* ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, batch transfer, compute and other,
-  stacked over training, with the GPU's idle time before each step where measured (CUDA);
-* ``memory.png`` (``"batch_size_search"``, and ``"memory"`` when present) -- each trial's peak memory
-  against its batch size, the estimate's line (or a line through the trials that fit), the budget, the
-  device's capacity and the batch size chosen;
-* ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen one and the
-  user's own marked.
-
-matplotlib is imported inside the functions and figures are drawn on an ``Agg`` canvas (pyplot's backend
-untouched); without it, drawing raises :class:`PlotUnavailableError` naming ``lightning-gpuopt[plot]``.
-From the shell: ``gpuopt plot lightning_logs/version_0/gpuopt_report.json --out plots/``.
-
-    save_plots("lightning_logs/version_0/gpuopt_report.json")  # [.../step_time.png, .../memory.png, ...]
-    save_plots("s3://bucket/run/gpuopt_report.json")  # any fsspec URL: the PNGs beside it too
-"""
+Figures are drawn on an ``Agg`` canvas (pyplot's backend untouched); without matplotlib drawing raises
+:class:`PlotUnavailableError`. From the shell: ``gpuopt plot REPORT.json --out plots/``."""
 
 from __future__ import annotations
 
@@ -38,21 +29,16 @@ if TYPE_CHECKING:
 #: the figures :func:`report_figures` can draw, by name (the PNG is ``NAME.png``)
 PLOT_NAMES = ("step_time", "memory", "loader")
 _MIB = 2**20
-_COLOURS = {
-    "data wait": "#d62728",
-    "transfer": "#ff7f0e",
-    "compute": "#2ca02c",
-    "other": "#9e9e9e",
-    "gpu idle": "#1f77b4",
-}
+_COLOURS = {"data wait": "#d62728", "transfer": "#ff7f0e", "compute": "#2ca02c", "other": "#9e9e9e"}
 
 
 class PlotUnavailableError(ImportError):
     """matplotlib is not installed: the message names the extra that brings it."""
 
 
-def _require_matplotlib() -> None:
-    """Import matplotlib, or raise a clear error naming the ``[plot]`` extra."""
+def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
+    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas (not pyplot: no
+    global backend switched, no figure kept alive)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:
@@ -60,12 +46,6 @@ def _require_matplotlib() -> None:
             "Drawing the gpuopt report needs matplotlib: `pip install lightning-gpuopt[plot]`"
             f" (or `pip install matplotlib`). ({error})"
         ) from None
-
-
-def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
-    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas (not pyplot:
-    no global backend switched, no figure kept alive)."""
-    _require_matplotlib()
     if axes is not None:
         return axes.figure, axes
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -78,68 +58,37 @@ def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tu
 
 def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
     """ms per step in data wait, transfer, compute and other, stacked over training (into ``axes`` when
-    given, else a new figure); a report without a timeline is drawn as one bar of the means."""
+    given); a report without a timeline is drawn as one bar of the means."""
     figure, axes = _new_figure(axes)
     timeline, totals = report.timeline, report.totals
     if timeline is None or not timeline.step:
         left = 0.0
-        for name, seconds in (
-            ("data wait", totals.data_wait_s),
-            ("transfer", totals.transfer_s),
-            ("compute", totals.compute_s),
-            ("other", totals.other_s),
-        ):
+        for name, seconds in zip(_COLOURS, (totals.data_wait_s, totals.transfer_s, totals.compute_s, totals.other_s)):
             per_step_ms = 1e3 * totals.per_step(seconds)
             axes.barh(["mean step"], [per_step_ms], left=left, label=name, color=_COLOURS[name])
             left += per_step_ms
         axes.set_xlabel("ms per step")
     else:
-        steps = timeline.step
-        columns = [
-            ("data wait", timeline.data_wait_s),
-            ("transfer", timeline.transfer_s),
-            ("compute", timeline.compute_s),
-            ("other", timeline.other_s),
-        ]
-        axes.stackplot(
-            steps,
-            *[[1e3 * value for value in values] for _, values in columns],
-            labels=[name for name, _ in columns],
-            colors=[_COLOURS[name] for name, _ in columns],
-            step="post",
-            alpha=0.85,
-        )
+        steps, every = timeline.step, timeline.steps_per_point
+        columns = (timeline.data_wait_s, timeline.transfer_s, timeline.compute_s, timeline.other_s)
+        ms = [[1e3 * value for value in values] for values in columns]
+        axes.stackplot(steps, *ms, labels=list(_COLOURS), colors=list(_COLOURS.values()), step="post", alpha=0.85)
         if timeline.gpu_idle_s is not None:
-            axes.step(
-                steps,
-                [1e3 * value for value in timeline.gpu_idle_s],
-                where="post",
-                color=_COLOURS["gpu idle"],
-                linewidth=1.5,
-                label="GPU idle before the step",
-            )
-        every = timeline.steps_per_point
-        axes.set_xlabel("training step" + (f" (mean of {every} steps a point)" if every > 1 else ""))
-        axes.set_ylabel("ms per step")
-        axes.set_xlim(steps[0], steps[-1] + every)
-        axes.set_ylim(bottom=0)
-    shares = ", ".join(
-        f"{name} {fraction:.0%}"
-        for name, fraction in (
-            ("data wait", totals.data_wait_fraction),
-            ("compute", totals.compute_fraction),
-            ("GPU idle", totals.gpu_idle_fraction),
-        )
-        if fraction is not None
-    )
-    axes.set_title(f"Step time over training · {report.verdict}\n{shares}", fontsize=10)
+            idle_ms = [1e3 * value for value in timeline.gpu_idle_s]
+            axes.step(steps, idle_ms, where="post", color="#1f77b4", linewidth=1.5, label="GPU idle before the step")
+        label = "training step" + (f" (mean of {every} steps a point)" if every > 1 else "")
+        axes.set(xlabel=label, ylabel="ms per step", xlim=(steps[0], steps[-1] + every), ylim=(0, None))
+    shares = {"data wait": totals.data_wait_fraction, "compute": totals.compute_fraction}
+    shares["GPU idle"] = totals.gpu_idle_fraction
+    shown = ", ".join(f"{name} {part:.0%}" for name, part in shares.items() if part is not None)
+    axes.set_title(f"Step time over training · {report.verdict}\n{shown}", fontsize=10)
     axes.legend(loc="upper right", fontsize=8)
     return figure
 
 
 def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None) -> Figure:
-    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size
-    (into ``axes`` when given, else a new figure)."""
+    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size (into
+    ``axes`` when given)."""
     figure, axes = _new_figure(axes)
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
@@ -152,40 +101,22 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         axes.scatter([t.batch_size for t in trials], peaks, color=colour, marker=marker, zorder=3, label=label)
     for number, trial in enumerate(search.trials, 1):
         if trial.peak_bytes is not None:
-            axes.annotate(
-                str(number),
-                (trial.batch_size, trial.peak_bytes / _MIB),
-                textcoords="offset points",
-                xytext=(4, 4),
-                fontsize=7,
-                color="#555555",
-            )
+            place = (trial.batch_size, trial.peak_bytes / _MIB)
+            axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=7, color="#555555")
     line = _memory_line(search, estimate)
     if line is not None:
         fixed, per_sample, label = line
-        axes.plot(
-            [0, right],
-            [fixed / _MIB, (fixed + per_sample * right) / _MIB],
-            linestyle="--",
-            color="#555555",
-            label=label,
-        )
+        ends = [fixed / _MIB, (fixed + per_sample * right) / _MIB]
+        axes.plot([0, right], ends, linestyle="--", color="#555555", label=label)
     if search.budget_bytes:
         budget_mib = search.budget_bytes / _MIB
         axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
     if estimate is not None and estimate.capacity_bytes:
-        axes.axhline(
-            estimate.capacity_bytes / _MIB,
-            color="#000000",
-            linewidth=0.8,
-            label=f"device capacity ({estimate.capacity_bytes / _MIB:,.1f} MiB)",
-        )
+        capacity = estimate.capacity_bytes / _MIB
+        axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"device capacity ({capacity:,.1f} MiB)")
     if search.batch_size is not None:
         axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
-    axes.set_xlim(0, right)
-    axes.set_ylim(bottom=0)
-    axes.set_xlabel("batch size (per rank)")
-    axes.set_ylabel("peak memory (MiB)")
+    axes.set(xlim=(0, right), ylim=(0, None), xlabel="batch size (per rank)", ylabel="peak memory (MiB)")
     axes.set_title(f"Memory vs batch size · {len(search.trials)} trials, stopped: {search.stop_reason}", fontsize=10)
     axes.legend(loc="lower right", fontsize=8)
     return figure
@@ -194,48 +125,32 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
 def _memory_line(
     search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate]
 ) -> Optional[tuple[float, float, str]]:
-    """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line
-    through the trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
+    """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line through the
+    trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
-        per_sample = estimate.bytes_per_sample
-        return (
-            estimate.fixed_bytes,
-            per_sample,
-            f"estimate: {estimate.fixed_bytes / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch",
-        )
+        fixed, per_sample = estimate.fixed_bytes, estimate.bytes_per_sample
+        return fixed, per_sample, f"estimate: {fixed / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch"
     points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
     if len(points) < 2:
         return None
-    mean_x = sum(points) / len(points)
-    mean_y = sum(points.values()) / len(points)
+    mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)
     covariance = sum((x - mean_x) * (y - mean_y) for x, y in points.items())
     slope = covariance / sum((x - mean_x) ** 2 for x in points)
-    if slope <= 0:
-        return None
-    return mean_y - slope * mean_x, slope, "line through the trials that fit"
+    return (mean_y - slope * mean_x, slope, "line through the trials that fit") if slope > 0 else None
 
 
 def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
     """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked
-    (into ``axes`` when given, else a new figure)."""
+    (into ``axes`` when given)."""
     timings = sorted(result.candidates, key=lambda timing: timing.samples_per_second)
     figure, axes = _new_figure(axes, height=max(2.5, 1.2 + 0.4 * len(timings)))
     baseline = result.baseline.setting if result.baseline is not None else None
     labels, colours = [], []
     for timing in timings:
-        marks = [
-            mark
-            for mark, on in (
-                ("chosen", timing.setting == result.setting),
-                ("yours", timing.setting == baseline),
-                ("stopped early", timing.stopped_early),
-            )
-            if on
-        ]
+        on = (timing.setting == result.setting, timing.setting == baseline, timing.stopped_early)
+        marks = [mark for mark, shown in zip(("chosen", "yours", "stopped early"), on) if shown]
         labels.append(timing.setting.short() + (f"  [{', '.join(marks)}]" if marks else ""))
-        colours.append(
-            "#2ca02c" if timing.setting == result.setting else "#1f77b4" if timing.setting == baseline else "#9e9e9e"
-        )
+        colours.append("#2ca02c" if on[0] else "#1f77b4" if on[1] else "#9e9e9e")
     bars = axes.barh(range(len(timings)), [timing.samples_per_second for timing in timings], color=colours)
     axes.bar_label(bars, labels=[f"{timing.samples_per_second:,.0f}" for timing in timings], padding=3, fontsize=8)
     axes.set_yticks(range(len(timings)), labels, fontsize=8)
@@ -247,8 +162,7 @@ def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
 
 
 def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Figure]:
-    """Every figure the report (``gpuopt_report.json``'s content or its path) has data for, by name
-    (:data:`PLOT_NAMES`)."""
+    """Every figure the report (``gpuopt_report.json``'s content or its path) has data for, by name."""
     data = read_json(report) if isinstance(report, (str, os.PathLike)) else report
     wait, search, loader = (data.get(key) or {} for key in ("data_wait", "batch_size_search", "dataloader"))
     figures = {}
@@ -265,14 +179,9 @@ def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str,
 def save_plots(
     report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
 ) -> list[Location]:
-    """Draw every figure the report has data for and save each as ``out_dir/NAME.png``; return the
-    paths written (a URL string each for a URL), in :data:`PLOT_NAMES` order.
-
-    ``report`` is the path or fsspec URL of a ``gpuopt_report.json``, or its content; ``out_dir`` a path
-    or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib,
-    ``ValueError`` for ``out_dir=None`` with a report given as a dict, and
-    :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` for a URL whose package is missing.
-    """
+    """Draw every figure the report has data for, save each as ``out_dir/NAME.png`` and return the paths (URL
+    strings for a URL). ``report``: a ``gpuopt_report.json``'s path, fsspec URL or content; ``out_dir``: a path
+    or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib."""
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
             raise ValueError(

@@ -1,25 +1,14 @@
 """Report plumbing shared by every callback: results to JSON and back, and to text tables.
 
-Results are plain dataclasses. :func:`to_dict` makes them JSON (with each class's ``JSON_PROPERTIES``
-beside its fields) and :func:`from_dict` reads them back; :func:`update_json_section` writes one
-callback's section of ``gpuopt_report.json`` atomically (a temporary file renamed into place; an
-existing unreadable report is kept aside, never dropped), to a local path or any fsspec URL
-(:mod:`lightning_gpuopt.core.storage`). :func:`render_table` renders ``rich`` tables into a string the
-callbacks hand to ``rank_zero_info`` (library code never prints).
-
-    >>> from dataclasses import dataclass
-    >>> @dataclass
-    ... class Point:
-    ...     x: float
-    ...     y: float = 0.0
-    >>> from_dict(Point, to_dict(Point(1.5)))
-    Point(x=1.5, y=0.0)
+Results are plain dataclasses: :func:`to_dict` makes them JSON (each class's ``JSON_PROPERTIES`` beside its
+fields), :func:`from_dict` reads them back, :func:`update_json_section` writes one callback's section of
+``gpuopt_report.json`` atomically, to a local path or any fsspec URL. :func:`render_table` renders ``rich``
+tables into a string the callbacks hand to ``rank_zero_info`` (library code never prints).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import json
 import os
@@ -40,10 +29,9 @@ if TYPE_CHECKING:
     from lightning_gpuopt.core.loader import LoaderTuneResult
     from lightning_gpuopt.core.search import BatchSizeSearchResult
 
-from lightning_gpuopt.core.findings import finding_lines
 from lightning_gpuopt.core.storage import Location, as_location, filesystem, read_bytes, write_bytes
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 #: file name of the combined report written into the trainer's log dir
 REPORT_FILENAME = "gpuopt_report.json"
@@ -62,28 +50,19 @@ def to_dict(result: Any) -> Any:
     return result
 
 
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    """Rebuild dataclass ``cls`` from :func:`to_dict`'s output, nested dataclasses included.
-
-    Unknown keys are ignored so that a report written by a newer version still loads.
-    """
+def from_dict(cls: type[_T], data: dict[str, Any]) -> _T:
+    """Rebuild dataclass ``cls`` from :func:`to_dict`'s output; unknown keys (a newer version's) are ignored."""
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if field.name in data and field.init:
-            kwargs[field.name] = _convert(hints[field.name], data[field.name])
-    return cls(**kwargs)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return cls(**{f.name: _convert(hints[f.name], data[f.name]) for f in fields if f.name in data and f.init})
 
 
 def _convert(hint: Any, value: Any) -> Any:
     if value is None:
         return None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
-        for arg in args:
-            if arg is not type(None):
-                return _convert(arg, value)
+        return _convert(next(arg for arg in args if arg is not type(None)), value)
     if dataclasses.is_dataclass(hint) and isinstance(value, dict):
         return from_dict(typing.cast(type, hint), value)  # a dataclass hint is a class
     if origin in (list, Sequence) and args:
@@ -95,12 +74,25 @@ def _convert(hint: Any, value: Any) -> Any:
     return value
 
 
-def write_json(data: dict[str, Any], path: str | os.PathLike) -> Location:
-    """Write ``data`` as indented JSON to ``path`` and return it (a URL stays a ``str``, written through
-    fsspec in one call). A local file is written atomically, with the mode any file the user writes gets
-    (``0o666`` less the umask). Raises ``OSError`` when it cannot be written."""
+def _create_sibling(path: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``path``, opened for writing with mode ``0o666`` less the umask, as
+    ``open()`` gives (``mkstemp`` would give ``0o600``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+
+
+def update_json_section(
+    path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
+) -> Location:
+    """Set ``section`` of the JSON object in ``path`` (a local path or an fsspec URL) to ``data``, keeping the
+    other sections (each callback owns one), and return where it was written. A local file is written
+    atomically (a temporary file renamed into place, mode ``0o666`` less the umask). An existing file that
+    is no JSON object is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`) says
+    so. Raises ``OSError`` when the file cannot be written."""
     location = as_location(path)
-    text = json.dumps(data, indent=2, default=str) + "\n"
+    content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
+    content[section] = data
+    text = json.dumps(content, indent=2, default=str) + "\n"
     if not isinstance(location, Path):
         return write_bytes(location, text.encode())
     location.parent.mkdir(parents=True, exist_ok=True)
@@ -115,44 +107,8 @@ def write_json(data: dict[str, Any], path: str | os.PathLike) -> Location:
     return location
 
 
-def _create_sibling(path: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``path``, opened for writing, with the umask-respecting mode."""
-    for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        try:  # os.open applies the umask to 0o666, as open() does; mkstemp would give 0o600
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
-
-
-def update_json_section(
-    path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
-) -> Location:
-    """Set ``section`` of the JSON object in ``path`` (a local path or an fsspec URL) to ``data``, keeping
-    the other sections, and return where it was written.
-
-    Several callbacks share one ``gpuopt_report.json``, each owning one top-level key. An existing file
-    that is no JSON object is renamed to ``<name>.corrupt-<n>`` and ``warn`` (default
-    :func:`warnings.warn`) says so. Raises ``OSError`` when the file cannot be written,
-    :class:`~lightning_gpuopt.core.storage.FilesystemUnavailableError` when the URL's package is missing.
-
-        >>> import tempfile
-        >>> report = Path(tempfile.mkdtemp()) / "gpuopt_report.json"
-        >>> _ = update_json_section(report, "a", {"x": 1})
-        >>> _ = update_json_section(report, "b", {"y": 2})
-        >>> read_json(report)
-        {'a': {'x': 1}, 'b': {'y': 2}}
-    """
-    location = as_location(path)
-    content = _existing_sections(location, warn or _warn)
-    content[section] = data
-    return write_json(content, location)
-
-
 def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[str, Any]:
-    """The sections already in the report (none when there is no file); a file that is no JSON object
-    is set aside as ``<name>.corrupt-<n>``, with a warning."""
+    """The sections already in the report; a file that is no JSON object is set aside, with a warning."""
     try:
         raw = read_bytes(location)
     except FileNotFoundError:
@@ -180,12 +136,8 @@ def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[
     return {}
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, UserWarning, stacklevel=3)
-
-
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON report written by :func:`write_json` (a local path or a URL)."""
+    """Read a JSON report (a local path or a URL)."""
     return json.loads(read_bytes(as_location(path)))
 
 
@@ -207,9 +159,7 @@ def format_seconds(seconds: float | None) -> str:
     """``0.0123`` -> ``'12.3 ms'``; ``None`` -> ``'n/a'``."""
     if seconds is None:
         return "n/a"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1.0 else f"{seconds:.2f} s"
 
 
 def format_fraction(fraction: float | None) -> str:
@@ -237,18 +187,12 @@ def data_wait_table(report: DataWaitReport) -> str:
         per_step = format_seconds(totals.per_step(seconds))
         return name, f"{format_fraction(totals.share(seconds)):>6} of the step  ({per_step}/step)"
 
+    samples = f"  ({totals.samples_per_second:,.0f} samples/s)" if totals.samples_per_second else ""
+    measured = f"{totals.steps} steps after {report.warmup_steps} warm-up, {report.settings.epochs} epoch(s),"
     rows = [
         ("verdict", f"{report.verdict.upper()}: {report.verdict_reason}"),
-        (
-            "measured",
-            f"{totals.steps} steps after {report.warmup_steps} warm-up, {report.settings.epochs} epoch(s),"
-            f" {report.world_size} rank(s), {report.device}",
-        ),
-        (
-            "step time",
-            format_seconds(totals.step_time_s if totals.steps else None)
-            + (f"  ({totals.samples_per_second:,.0f} samples/s)" if totals.samples_per_second else ""),
-        ),
+        ("measured", f"{measured} {report.world_size} rank(s), {report.device}"),
+        ("step time", format_seconds(totals.step_time_s if totals.steps else None) + samples),
         share_row("data wait", totals.data_wait_s),
     ]
     if totals.loader_cpu_fraction is not None:
@@ -260,10 +204,8 @@ def data_wait_table(report: DataWaitReport) -> str:
         ("GPU idle", format_fraction(totals.gpu_idle_fraction)),
         ("GPU utilisation (NVML)", "n/a" if totals.gpu_util_mean is None else f"{totals.gpu_util_mean:.0f}%"),
     ]
-    for name, seconds in (
-        ("validation (apart)", totals.validation_s),
-        ("checkpoint saving (apart)", totals.checkpoint_s),
-    ):
+    apart = {"validation (apart)": totals.validation_s, "checkpoint saving (apart)": totals.checkpoint_s}
+    for name, seconds in apart.items():
         if seconds:
             share = format_fraction(totals.training_share(seconds))
             rows.append((name, f"{format_seconds(seconds)}  ({share} of training time)"))
@@ -271,12 +213,8 @@ def data_wait_table(report: DataWaitReport) -> str:
         rows.append(("loader start-up at epoch starts", format_seconds(totals.worker_startup_s)))
     for name, (low, mean, high) in report.rank_spread.items():
         shown = format_seconds if name.endswith("_s") else (lambda value: f"{value:,.1f}")
-        rows.append(
-            (
-                f"ranks: {name.removesuffix('_s').replace('_', ' ')}",
-                f"min {shown(low)} · mean {shown(mean)} · max {shown(high)}",
-            )
-        )
+        label = f"ranks: {name.removesuffix('_s').replace('_', ' ')}"
+        rows.append((label, f"min {shown(low)} · mean {shown(mean)} · max {shown(high)}"))
     if report.world_size > 1:
         straggler = report.diagnosis.straggler_rank
         rows.append(("straggler", "none" if straggler is None else f"rank {straggler}"))
@@ -287,7 +225,10 @@ def data_wait_table(report: DataWaitReport) -> str:
         rows.append((f"GPU {gpu.index} {gpu.name}", f"{util}; memory {memory}{flag}"))
     notes = [f"  • {advice}" for advice in report.recommendations] or ["  • nothing to change in the input pipeline"]
     if report.findings:
-        notes += [f"Slow patterns found ({len(report.findings)}):", *finding_lines(report.findings)]
+        notes.append(f"Slow patterns found ({len(report.findings)}):")
+        for finding in report.findings:
+            where = f" [{finding.where}]" if finding.where else ""
+            notes += [f"  • {finding.kind}{where}: {finding.message}", f"      fix: {finding.fix}"]
     return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
 
 
@@ -295,39 +236,19 @@ def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
     """The ``DataLoaderTuner`` result: one row per timed setting, the chosen one marked."""
     rows = []
     for timing in result.candidates:
-        marks = [
-            mark
-            for mark, on in (
-                ("CHOSEN", timing.setting == result.setting),
-                ("yours", result.baseline is timing),
-                ("stopped early", timing.stopped_early),
-            )
-            if on
-        ]
+        on = (timing.setting == result.setting, result.baseline is timing, timing.stopped_early)
+        marks = [mark for mark, shown in zip(("CHOSEN", "yours", "stopped early"), on) if shown]
         cpu = "" if timing.worker_cpu_fraction is None else f", workers {timing.worker_cpu_fraction:.0%} CPU"
-        rows.append(
-            (
-                timing.setting.short(),
-                f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
-                + (f"  [{', '.join(marks)}]" if marks else ""),
-            )
-        )
+        figures = f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
+        rows.append((timing.setting.short(), figures + (f"  [{', '.join(marks)}]" if marks else "")))
     kept = result.baseline is not None and result.setting == result.baseline.setting
     speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None and not kept else ""
-    notes = [f"  {message}{speedup}" if message else f"  {loader_tune_summary(result)}"]
+    notes = [f"  {message}{speedup}" if message else f"  {_loader_tune_summary(result)}"]
     return render_table("gpuopt · DataLoaderTuner", rows, notes)
 
 
-def loader_tune_summary(result: LoaderTuneResult) -> str:
-    """One line on what the tuner did: kept the user's setting, or changed it and by how much.
-
-    Example::
-
-        >>> from lightning_gpuopt.core.loader import LoaderSetting, LoaderTiming, LoaderTuneResult
-        >>> yours = LoaderTiming(LoaderSetting(2, 2), 8, 256, 0.1, 0.5, 512.0, None)
-        >>> loader_tune_summary(LoaderTuneResult(2, 2, False, False, 512.0, yours, [yours], reason="fastest"))
-        'kept your setting num_workers=2, prefetch_factor=2, persistent_workers=False, pin_memory=False (fastest)'
-    """
+def _loader_tune_summary(result: LoaderTuneResult) -> str:
+    """One line on what the tuner did: kept the user's setting, or changed it and by how much."""
     reason = f" ({result.reason})" if result.reason else ""
     if result.baseline is not None and result.setting == result.baseline.setting:
         return f"kept your setting {result.setting.describe()}{reason}"
@@ -338,11 +259,9 @@ def loader_tune_summary(result: LoaderTuneResult) -> str:
 
 def batch_search_table(result: BatchSizeSearchResult) -> str:
     """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
+    predicted = f"was {result.initial_batch_size}; estimate predicted {result.predicted_batch_size}"
     rows = [
-        (
-            "batch size",
-            f"{result.batch_size} (was {result.initial_batch_size}; estimate predicted {result.predicted_batch_size})",
-        ),
+        ("batch size", f"{result.batch_size} ({predicted})"),
         ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
         (
             "search",

@@ -1,21 +1,11 @@
 """Where each training step's wall time goes, and how long the GPU sat idle.
 
-:class:`StepClock` is fed host timings by ``DataWaitMonitor`` and splits every measured training step
-into data wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step start to step
-end) and other (the rest: hooks, logging, schedulers). Validation and checkpoint saving between steps
-are totalled apart; the first step of each epoch is not measured (the time to its batch is loader
-start-up), nor are the first ``warmup_steps`` of the run. :class:`CudaStepTimer` records device events
-at the start and end of each measured step and reads them lazily (``Event.query()``), never
+:class:`StepClock`, fed host timings by ``DataWaitMonitor``, splits every measured training step into data
+wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step start to end) and other (hooks,
+logging, schedulers); validation and checkpoint saving between steps are totalled apart. The first step of
+each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
+:class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
 synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i.
-
-    >>> clock = StepClock(warmup_steps=0)
-    >>> clock.epoch_start()
-    >>> for _ in range(3):
-    ...     clock.add_fetch(0.0)
-    ...     _ = clock.step_start()
-    ...     clock.step_end(samples=8)
-    >>> clock.totals().steps  # the epoch's first step is start-up, not a measured step
-    2
 """
 
 from __future__ import annotations
@@ -32,17 +22,14 @@ class Event(Protocol):
     """A device timing event: ``torch.cuda.Event(enable_timing=True)`` or the simulated card's host event."""
 
     def query(self) -> bool: ...
-
     def elapsed_time(self, end: Any) -> float: ...
-
     def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class StepTotals:
-    """Sums over measured training steps (seconds, but ``steps``, ``samples`` and ``gpu_util_mean``), with
-    shares and per-step means as properties. Validation, checkpoint saving and loader start-up at epoch
-    starts happen between steps and are not in ``wall_s``."""
+    """Sums over measured training steps (seconds, but ``steps``, ``samples`` and ``gpu_util_mean``), with shares
+    and per-step means as properties. Validation, checkpoint saving and loader start-up are not in ``wall_s``."""
 
     steps: int = 0
     samples: int = 0
@@ -82,6 +69,11 @@ class StepTotals:
     def per_step(self, seconds: float) -> float:
         return seconds / self.steps if self.steps else 0.0
 
+    def training_share(self, seconds: float) -> Optional[float]:
+        """``seconds`` as a share of training time: steps, validation, checkpoint saving and loader start-up."""
+        total = self.wall_s + self.validation_s + self.checkpoint_s + self.worker_startup_s
+        return seconds / total if total > 0 else None
+
     @property
     def step_time_s(self) -> float:
         return self.per_step(self.wall_s)
@@ -113,13 +105,11 @@ class StepTotals:
 
     @property
     def loader_cpu_fraction(self) -> Optional[float]:
-        """Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process;
-        near 0: it waits on I/O or on workers)."""
+        """Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process)."""
         return min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None
 
     @property
     def gpu_idle_fraction(self) -> Optional[float]:
-        """Share of GPU time idle between steps (``None`` where no device events were recorded)."""
         total = self.gpu_busy_s + self.gpu_idle_s
         return self.gpu_idle_s / total if total > 0 else None
 
@@ -127,21 +117,15 @@ class StepTotals:
     def samples_per_second(self) -> Optional[float]:
         return self.samples / self.wall_s if self.wall_s > 0 and self.samples > 0 else None
 
-    def training_share(self, seconds: float) -> Optional[float]:
-        """``seconds`` as a share of training time: steps, validation, checkpoint saving and loader start-up."""
-        total = self.wall_s + self.validation_s + self.checkpoint_s + self.worker_startup_s
-        return seconds / total if total > 0 else None
-
 
 #: at most this many points in a :class:`StepTimeline` (pairs of points merge when a run has more)
-TIMELINE_POINTS = 200
+_TIMELINE_POINTS = 200
 
 
 @dataclass
 class StepTimeline:
-    """Measured steps in consecutive groups of ``steps_per_point``, each column the group's mean per step
-    (seconds); ``step`` is the training step (0-based, warm-up counted) each group starts at;
-    ``gpu_idle_s`` is ``None`` off CUDA."""
+    """Measured steps in groups of ``steps_per_point``, each column the group's mean per step (seconds);
+    ``step``: the training step each group starts at; ``gpu_idle_s``: ``None`` off CUDA."""
 
     steps_per_point: int = 1
     step: list[int] = field(default_factory=list)
@@ -154,19 +138,12 @@ class StepTimeline:
 
 
 class BinnedSeries:
-    """Per-step values summed into at most ``max_points`` bins of ``steps_per_point`` consecutive steps;
-    when one bin too many would start, neighbours merge in pairs and ``steps_per_point`` doubles.
+    """Per-step values summed into at most ``max_points`` bins of ``steps_per_point`` steps; when one bin too
+    many would start, neighbours merge in pairs and ``steps_per_point`` doubles."""
 
-    >>> series = BinnedSeries(("wall_s",), max_points=2)
-    >>> for step in range(4):
-    ...     series.add(step, (float(step),))
-    >>> series.points(), series.steps_per_point, series.sums()
-    ([[0.5], [2.5]], 2, [6.0])
-    """
-
-    def __init__(self, columns: Sequence[str], max_points: int = TIMELINE_POINTS) -> None:
+    def __init__(self, columns: Sequence[str], max_points: int = _TIMELINE_POINTS) -> None:
         self.columns = tuple(columns)
-        self.max_points = check_int("max_points", max_points, 2, f"max_points={TIMELINE_POINTS}")
+        self.max_points = check_int("max_points", max_points, 2, f"max_points={_TIMELINE_POINTS}")
         self.steps_per_point = 1
         self.first_step: list[int] = []
         self._sums: list[list[float]] = []
@@ -178,7 +155,11 @@ class BinnedSeries:
 
     def add(self, step: int, values: Sequence[float]) -> None:
         if (not self._counts or self._counts[-1] >= self.steps_per_point) and len(self._counts) == self.max_points:
-            self._merge_pairs()
+            self.steps_per_point *= 2
+            pairs = range(0, len(self._counts), 2)
+            self.first_step = [self.first_step[i] for i in pairs]
+            self._sums = [[sum(values) for values in zip(*self._sums[i : i + 2])] for i in pairs]
+            self._counts = [sum(self._counts[i : i + 2]) for i in pairs]
         if self._counts and self._counts[-1] < self.steps_per_point:
             self._counts[-1] += 1
             self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
@@ -186,13 +167,6 @@ class BinnedSeries:
             self.first_step.append(step)
             self._counts.append(1)
             self._sums.append([float(value) for value in values])
-
-    def _merge_pairs(self) -> None:
-        self.steps_per_point *= 2
-        pairs = range(0, len(self._counts), 2)
-        self.first_step = [self.first_step[i] for i in pairs]
-        self._sums = [[sum(values) for values in zip(*self._sums[i : i + 2])] for i in pairs]
-        self._counts = [sum(self._counts[i : i + 2]) for i in pairs]
 
     def points(self) -> list[list[float]]:
         """Each bin's values as means per step, in step order."""
@@ -205,8 +179,7 @@ class BinnedSeries:
 
 @dataclass(frozen=True)
 class StepStart:
-    """Whether a starting step is measured, and whether the gap before it is a plain step-to-step gap
-    (no validation, checkpoint or epoch start)."""
+    """Whether a starting step is measured, and whether the gap before it is a plain step-to-step gap."""
 
     measured: bool
     clean_gap: bool
@@ -217,35 +190,25 @@ _COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s",
 
 
 class StepClock:
-    """Splits training steps into data wait, transfer, compute and other, from host timers.
-
-    Call, in a training loop's order: :meth:`epoch_start`; per step :meth:`add_fetch` and
-    :meth:`add_transfer` (durations around the dataloader ``next()`` and the device copy),
-    :meth:`step_start`, :meth:`add_forward`, :meth:`step_end`; :meth:`add_excluded` for
-    validation or checkpoint time between steps.
-
-    Args:
-        warmup_steps: steps at the start of the run that are not measured.
-        clock: a monotonic clock in seconds.
-    """
+    """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
+    seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward`,
+    :meth:`step_end`; :meth:`add_excluded` for time between steps."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
         self._clock = clock
-        self.steps_seen = 0
-        self.epochs_seen = 0
+        self.steps_seen = self.epochs_seen = self.measured_steps = 0
         self.worker_startup_s: list[float] = []
         self.excluded_s: dict[str, float] = collections.defaultdict(float)
         #: every measured step's figures (:data:`_COLUMNS`), binned
         self.series = BinnedSeries(_COLUMNS)
-        #: measured steps so far, and at the last :meth:`take_window`
-        self.measured_steps = 0
         self._window_start = StepTotals()
-        self._fetch_s = self._fetch_cpu_s = self._transfer_s = self._forward_s = self._excluded_s = 0.0
         self._epoch_started_at: Optional[float] = None
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
+        self._clear_pending()
 
     def epoch_start(self) -> None:
         """A training epoch starts: its first batch carries the loader's start-up cost."""
@@ -314,12 +277,11 @@ class StepClock:
         return StepTotals(**{name: getattr(now, name) - getattr(start, name) for name in ("steps", *_COLUMNS)})
 
     def timeline(self, gpu_idle: Optional[BinnedSeries] = None) -> StepTimeline:
-        """The measured steps binned; ``gpu_idle`` (:attr:`CudaStepTimer.idle_series`) is kept only when it
-        covers the same steps."""
+        """The measured steps binned; ``gpu_idle`` (:attr:`CudaStepTimer.idle_series`) is kept when it covers
+        the same steps."""
         points = self.series.points()
-        columns = [list(column) for column in zip(*points)] if points else [[] for _ in _COLUMNS]
-        _, wall, wait, _, transfer, compute, _ = columns
-        same_steps = gpu_idle is not None and gpu_idle.steps == self.series.steps and points
+        _, wall, wait, _, transfer, compute, _ = [list(column) for column in zip(*points)] if points else [[]] * 7
+        idle = gpu_idle.points() if gpu_idle is not None and gpu_idle.steps == self.series.steps and points else None
         return StepTimeline(
             steps_per_point=self.series.steps_per_point,
             step=list(self.series.first_step),
@@ -328,27 +290,15 @@ class StepClock:
             transfer_s=transfer,
             compute_s=compute,
             other_s=[max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)],
-            gpu_idle_s=[point[0] for point in gpu_idle.points()] if same_steps else None,  # type: ignore[union-attr]
+            gpu_idle_s=[point[0] for point in idle] if idle is not None else None,
         )
 
 
 class CudaStepTimer:
-    """GPU busy and idle seconds per measured step from device events, read lazily.
-
-    A step's device time starts at :meth:`before_transfer` (its batch fetched), so the copy to the device
-    is busy, not idle. Only unresolved steps are held. ``steps``, ``busy_s`` and ``idle_s`` are the
-    totals over resolved steps.
-
-    Args:
-        new_event: records an event on the device's current stream and returns it
-            (:meth:`lightning_gpuopt.core.device.Device.new_event`).
-
-    >>> from lightning_gpuopt.core.device import HostEvent
-    >>> timer = CudaStepTimer(HostEvent)
-    >>> timer.before_transfer(); timer.step_start(StepStart(measured=True, clean_gap=True)); timer.step_end()
-    >>> timer.finish().steps
-    1
-    """
+    """GPU busy and idle seconds per measured step from device events, read lazily; ``steps``, ``busy_s`` and
+    ``idle_s`` total the resolved steps. A step's device time starts at :meth:`before_transfer` (its batch
+    fetched), so the copy to the device is busy, not idle. ``new_event`` records an event on the device's
+    current stream and returns it (``Device.new_event``)."""
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
@@ -376,8 +326,7 @@ class CudaStepTimer:
         end = self._new_event()
         if self._start is not None:
             self._pending.append((self._start, end, self._previous_end if self._clean_gap else None))
-        self._previous_end = end
-        self._start = None
+        self._previous_end, self._start = end, None
         self.poll()
 
     def poll(self) -> CudaStepTimer:
