@@ -16,10 +16,7 @@ from typing import ClassVar, Literal, Optional
 
 import pytest
 import torch
-from helpers import (
-    REPO,
-    usable_cores_from_the_os,
-)
+from helpers import REPO, TESTS, usable_cores_from_the_os
 
 from lightning_gpuopt import cli
 from lightning_gpuopt.cli.command import DEFAULT_BATCH_SIZE
@@ -46,9 +43,10 @@ CHECK_NAMES = [
 
 
 def run_gpuopt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m lightning_gpuopt.cli ARGS`` from the repository root, this checkout first on the path."""
+    """``python -m lightning_gpuopt.cli ARGS`` from the repository root, this checkout first on the path (and the
+    tests' support modules, which a model file given as ``FILE:CLASS`` may import)."""
     environment = {**os.environ, **(env or {})}
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "lightning_gpuopt.cli", *args],
         cwd=REPO,
