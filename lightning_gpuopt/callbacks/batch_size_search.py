@@ -40,9 +40,7 @@ from lightning_gpuopt.callbacks._engine import (
     FitSession,
     Trials,
     Undo,
-    raise_failed,
     signals_stop_our_work,
-    warn_failed,
 )
 from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
@@ -158,12 +156,12 @@ class BatchSizeSearch(Callback):
         self.release_memory_cap()
         FitSession.close(trainer)
         if stage == "fit":
-            raise_failed(type(self).__name__, self._undo.finish())
+            self._undo.after_success(type(self).__name__)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.release_memory_cap()
         FitSession.close(trainer)
-        warn_failed(type(self).__name__, self._undo.undo())
+        self._undo.after_failure(type(self).__name__)
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
         """On a CUDA card with an explicit ``max_memory``: training reserves at most that much, as the

@@ -28,11 +28,9 @@ from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import (
     FitSession,
     Undo,
-    raise_failed,
     rebuild_loader,
     rng_kept,
     signals_stop_our_work,
-    warn_failed,
 )
 from lightning_gpuopt.callbacks._progress import WorkProgress
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
@@ -210,12 +208,12 @@ class DataLoaderTuner(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         FitSession.close(trainer)
-        warn_failed("DataLoaderTuner", self._undo.undo())
+        self._undo.after_failure("DataLoaderTuner")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         FitSession.close(trainer)
         if stage == "fit":
-            raise_failed("DataLoaderTuner", self._undo.finish())
+            self._undo.after_success("DataLoaderTuner")
 
 
 def _why_not_tunable(loader: Any) -> Optional[str]:

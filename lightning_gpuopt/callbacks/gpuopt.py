@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._engine import FitSession, Undo, raise_failed, signals_stop_our_work, warn_failed
+from lightning_gpuopt.callbacks._engine import FitSession, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import OnOom
 from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -182,7 +182,7 @@ class GpuOpt(Callback):
         """Each part undoes its changes, last part first; one that fails does not stop the others."""
         _each_part(reversed(self.parts), "on_exception", trainer, pl_module, exception)
         FitSession.close(trainer)
-        warn_failed("GpuOpt", self._undo.undo())
+        self._undo.after_failure("GpuOpt")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -191,8 +191,7 @@ class GpuOpt(Callback):
             _each_part(reversed(self.parts), "teardown", trainer, pl_module, stage)
         finally:
             FitSession.close(trainer)
-            failed = self._undo.finish()
-        raise_failed("GpuOpt", failed)
+            self._undo.after_success("GpuOpt")
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

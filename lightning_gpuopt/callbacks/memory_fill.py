@@ -40,9 +40,7 @@ from lightning_gpuopt.callbacks._engine import (
     FitSession,
     Trials,
     Undo,
-    raise_failed,
     signals_stop_our_work,
-    warn_failed,
 )
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit, training_step, trial_batch
@@ -395,7 +393,7 @@ class MemoryFill(Callback):
         if self.search is not None:
             self.search.release_memory_cap()
         FitSession.close(trainer)
-        warn_failed("MemoryFill", self._undo.undo())
+        self._undo.after_failure("MemoryFill")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
@@ -406,7 +404,7 @@ class MemoryFill(Callback):
         if self.search is not None:
             self.search.release_memory_cap()
         FitSession.close(trainer)
-        raise_failed("MemoryFill", self._undo.finish())
+        self._undo.after_success("MemoryFill")
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None and self.search is not None

@@ -15,16 +15,14 @@
 from lightning_gpuopt.callbacks._engine.session import FitSession, rebuild_loader
 from lightning_gpuopt.callbacks._engine.state import TrainingState, rng_kept
 from lightning_gpuopt.callbacks._engine.trials import Trials
-from lightning_gpuopt.callbacks._engine.undo import Undo, raise_failed, signals_stop_our_work, warn_failed
+from lightning_gpuopt.callbacks._engine.undo import Undo, signals_stop_our_work
 
 __all__ = [
     "FitSession",
     "TrainingState",
     "Trials",
     "Undo",
-    "raise_failed",
     "rebuild_loader",
     "rng_kept",
     "signals_stop_our_work",
-    "warn_failed",
 ]

@@ -149,7 +149,7 @@ class Trials:
     def __exit__(self, *exc_info: Any) -> None:
         failed = self._undo.undo()
         if failed and exc_info[0] is None:
-            raise failed[0].error
+            raise failed[0][1]
 
     def loader(self, batch_size: int) -> Any:
         """A copy of the user's loader at ``batch_size`` whose every batch is full, of the largest samples."""

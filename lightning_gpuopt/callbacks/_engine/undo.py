@@ -1,29 +1,20 @@
 """The one undo mechanism: every change our callbacks make to the Trainer, the model and the process.
 
-A change is registered together with how to undo it, at the moment it is made. ``finish()`` (the
-fit ended well: ``teardown``) undoes the temporary changes and keeps the *lasting* ones (the batch
-size a search found is its result); ``undo()`` (the fit failed: ``on_exception``) undoes them all.
-Both unwind last change first, and an undo that raises skips none of the others. ``scope()`` is a
-nested log unwound when its block ends (a trial's settings, a measurement's state).
+A change is registered with how to undo it when it is made. After a fit that ended well
+(:meth:`Undo.after_success`, in ``teardown``) the temporary changes are undone and the *lasting* ones
+kept (the batch size a search found); after a failed one (:meth:`Undo.after_failure`, in
+``on_exception``) all are. Last change first; an undo that raises skips none of the others.
 
-SIGTERM and Ctrl+C during our work before training (:func:`signals_stop_our_work`): Lightning
-installs its SIGTERM handler only after ``on_fit_start``, so around our work a handler does what
-Lightning's does during training (logs, stops the launcher's processes, chains the user's handler,
-sets ``received_sigterm`` so a trial stops after its step, then ``SIGTERMException`` leaves ``fit``).
-Lightning ignores SIGINT from the moment it catches a ``KeyboardInterrupt`` and never puts it back:
-when the interrupt came during our work, the handler the process had is put back last.
+Lightning installs its SIGTERM handler only after ``on_fit_start`` and ignores SIGINT for good once it
+caught a ``KeyboardInterrupt``: :func:`signals_stop_our_work` handles both around our work as Lightning
+does during training (a trial stops after its step, ``SIGTERMException`` leaves ``fit``; the SIGINT
+handler the process had is put back last).
 
-Example::
-
-    >>> class Settings: precision = "32-true"
-    >>> settings, undo = Settings(), Undo()
-    >>> undo.set(settings, "precision", "bf16-mixed")
-    >>> settings.precision
-    'bf16-mixed'
-    >>> undo.undo()
-    []
-    >>> settings.precision
-    '32-true'
+>>> class Settings: precision = "32-true"
+>>> settings, undo = Settings(), Undo()
+>>> undo.set(settings, "precision", "bf16-mixed")
+>>> undo.after_failure("doctest"), settings.precision
+(None, '32-true')
 """
 
 from __future__ import annotations
@@ -51,12 +42,6 @@ class Change:
     description: str
     undo: Callable[[], Any]
     lasting: bool = False
-
-
-@dataclass
-class FailedUndo:
-    change: Change
-    error: BaseException
 
 
 class Undo:
@@ -89,33 +74,41 @@ class Undo:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Undo]:
-        """A nested log whose changes are undone when the block ends (first failure raised after all ran)."""
+        """A nested log whose changes are undone when the block ends (the first failure raised after all ran)."""
         inner = Undo()
         try:
             yield inner
         finally:
-            failed = inner.undo()
-            if failed:
-                raise RuntimeError(f"could not undo {failed[0].change.description}") from failed[0].error
+            inner.after_success("Undo.scope", keep_lasting=False)
 
-    def undo(self) -> list[FailedUndo]:
+    def undo(self) -> list[tuple[Change, BaseException]]:
         """Undo every change, last first; returns the undos that raised."""
         return self._unwind(keep_lasting=False)
 
-    def finish(self) -> list[FailedUndo]:
-        """Undo the temporary changes and forget the lasting ones."""
-        return self._unwind(keep_lasting=True)
+    def after_failure(self, owner: str) -> None:
+        """The fit failed: undo everything, and warn of what could not be undone (raising would hide the error)."""
+        for change, error in self._unwind(keep_lasting=False):
+            message = f"could not undo the change of {change.description} after the failed fit"
+            rank_zero_warn(f"{owner}: {message} ({type(error).__name__}: {error}).")
 
-    def _unwind(self, keep_lasting: bool) -> list[FailedUndo]:
-        failed: list[FailedUndo] = []
+    def after_success(self, owner: str, keep_lasting: bool = True) -> None:
+        """The fit ended well: undo the temporary changes (all undos run), then raise the first that failed."""
+        failed = self._unwind(keep_lasting)
+        if failed:
+            names, (_, error) = ", ".join(change.description for change, _ in failed), failed[0]
+            raise RuntimeError(
+                f"{owner}: could not undo the change of {names} at teardown: {type(error).__name__}: {error}"
+            ) from error
+
+    def _unwind(self, keep_lasting: bool) -> list[tuple[Change, BaseException]]:
+        failed: list[tuple[Change, BaseException]] = []
         while self._stack:
             change = self._stack.pop()
-            if keep_lasting and change.lasting:
-                continue
-            try:
-                change.undo()
-            except Exception as error:  # noqa: BLE001 - the other undos must still run
-                failed.append(FailedUndo(change, error))
+            if not (keep_lasting and change.lasting):
+                try:
+                    change.undo()
+                except Exception as error:  # noqa: BLE001 - the other undos must still run
+                    failed.append((change, error))
         return failed
 
 
@@ -138,25 +131,6 @@ def _put_back(owner: Any, name: str, before: Any) -> None:
             delattr(owner, name)
     else:
         setattr(owner, name, before)
-
-
-def warn_failed(owner: str, failed: list[FailedUndo]) -> None:
-    """After an exception: say which changes could not be undone (raising would hide the exception)."""
-    for item in failed:
-        rank_zero_warn(
-            f"{owner}: could not undo the change of {item.change.description} after the failed fit "
-            f"({type(item.error).__name__}: {item.error})."
-        )
-
-
-def raise_failed(owner: str, failed: list[FailedUndo]) -> None:
-    """At teardown: every undo ran; raise the first failure, naming all of them."""
-    if failed:
-        names = ", ".join(item.change.description for item in failed)
-        raise RuntimeError(
-            f"{owner}: could not undo the change of {names} at teardown: "
-            f"{type(failed[0].error).__name__}: {failed[0].error}"
-        ) from failed[0].error
 
 
 @contextlib.contextmanager
