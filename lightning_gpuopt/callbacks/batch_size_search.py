@@ -128,8 +128,6 @@ class BatchSizeSearch(Callback):
         self._undo = Undo()
         self._memory_cap: Any = None
 
-    # ------------------------------------------------------------------ hooks
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             compat.check_trainer_namespace(trainer, self)
@@ -176,8 +174,6 @@ class BatchSizeSearch(Callback):
         cap, self._memory_cap = self._memory_cap, None
         if cap is not None:
             cap.stop()
-
-    # ------------------------------------------------------------------ the search
 
     def capacity_bytes(self, device: torch.device) -> int:
         """``max_memory`` in bytes; without one, what a CUDA card has free plus what torch holds."""
@@ -282,8 +278,6 @@ class BatchSizeSearch(Callback):
             upper, note = samples, f"each rank's loader holds {samples} samples"
         return upper, note
 
-    # ------------------------------------------------------------------ reporting
-
     def _nothing_fits_message(self, trials: Trials, outcomes: dict, result: Any, budget: int, capacity: int) -> str:
         """Why no size fitted: the smallest size tried and why its trial failed, in its own figures; on a
         simulated cap, also what a step at that size needs, measured again without the cap."""
@@ -346,9 +340,6 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
         f"batch size {trial.batch_size} {outcome}: peak {format_bytes(trial.peak_bytes)}, "
         f"budget {format_bytes(budget_bytes)} ({format_seconds(trial.seconds)})"
     )
-
-
-# ---------------------------------------------------------------------- the user's batch size
 
 
 def _initial_batch_size(session: FitSession, name: str) -> int:
@@ -414,9 +405,6 @@ def _holder_name(holder: Any, name: str) -> str:
     if isinstance(holder, compat.any_namespace("", "LightningDataModule")):
         return f"`datamodule.{name}`"
     return f"`hparams.{name}`"
-
-
-# ---------------------------------------------------------------------- ranks and messages
 
 
 def _agree_plan(

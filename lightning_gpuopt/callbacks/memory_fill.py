@@ -138,8 +138,6 @@ class MemoryFill(Callback):
         self._initial: dict[str, Any] = {}
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
 
-    # ------------------------------------------------------------------ setup: precision and checkpointing
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -225,8 +223,6 @@ class MemoryFill(Callback):
             )
         mixed = compat.of_namespace(trainer, "plugins.precision", "MixedPrecision")
         self._undo.set(trainer.strategy, "precision_plugin", mixed(precision, card.autocast_device_type))
-
-    # ------------------------------------------------------------------ on_fit_start: micro-batch and accumulation
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
@@ -344,8 +340,6 @@ class MemoryFill(Callback):
                 f"of at most {largest}: the global batch is {plan.global_batch_size}"
             )
         return replace(plan, seconds=time.perf_counter() - self._started)
-
-    # ------------------------------------------------------------------ training
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0

@@ -96,8 +96,6 @@ class OomRecovery:
         """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
         self._zeroed_seen = True
 
-    # ------------------------------------------------------------------ the wrapped step
-
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.trainer
         if not self._in_loop_step or not trainer.training or not self.module.automatic_optimization:
@@ -199,8 +197,6 @@ class OomRecovery:
         if isinstance(output, Mapping):
             output = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
         return total, output
-
-    # ------------------------------------------------------------------ deciding over the ranks
 
     def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
         """``(rank, phase, attempted, elements)`` of every rank whose try ran out of memory (one

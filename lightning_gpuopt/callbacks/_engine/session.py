@@ -121,8 +121,6 @@ class FitSession:
             _profiler_tap.uninstall(trainer, session._tap)
             session._probe = None
 
-    # ------------------------------------------------------------------ the user's loader, once
-
     def probe_loader(self) -> Any:
         """The user's train loader as ``train_dataloader()`` returns it, built at most once (see the module docstring)."""
         if self._probe is None:
@@ -173,8 +171,6 @@ class FitSession:
             return None
         finally:
             compat.reset_train_loader(self.trainer)
-
-    # ------------------------------------------------------------------ our changes, once
 
     def apply(
         self,
