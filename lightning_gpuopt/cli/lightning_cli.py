@@ -21,8 +21,8 @@ _KEY = "gpuopt"
 
 
 class ResolvedDumps:
-    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, the saved ``config.yaml``) hold
-    the resolved ``gpuopt`` settings, the preset's values with the overrides applied."""
+    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, ``config.yaml``) hold the resolved
+    ``gpuopt`` settings, the preset's values with the overrides applied."""
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
@@ -37,8 +37,7 @@ class GpuOptArgumentParser(ResolvedDumps, LightningArgumentParser):
 
 
 class WithGpuOpt:
-    """Mixed into a ``LightningCLI``: the ``--gpuopt`` flag (see :class:`GpuOptCLI`); one source for both
-    Lightning namespaces (``lightning_gpuopt.pytorch_lightning.GpuOptCLI`` mixes it into theirs)."""
+    """Mixed into a ``LightningCLI`` (of either Lightning namespace): the ``--gpuopt`` flag of :class:`GpuOptCLI`."""
 
     #: the callback the flag adds, and the parser class used unless one is passed
     gpuopt_class: type = GpuOpt
@@ -53,8 +52,7 @@ class WithGpuOpt:
         super().__init__(*args, **kwargs)
 
     def add_default_arguments_to_parser(self, parser: Any) -> None:
-        """Lightning's defaults, then ``--gpuopt`` (here, so a subclass's ``add_arguments_to_parser`` need not
-        call ``super()``)."""
+        """Lightning's defaults, then ``--gpuopt`` (here, so a subclass's ``add_arguments_to_parser`` need not)."""
         super().add_default_arguments_to_parser(parser)  # type: ignore[misc]
         parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
         parser.set_defaults({f"{_KEY}.preset": None})
@@ -105,8 +103,8 @@ class GpuOptCLI(WithGpuOpt, LightningCLI):
 
 
 def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with the preset's values filled in (the overrides win), checked by building a
-    :class:`GpuOpt`; a bad one is the parser's usage error (exit 2). Unused (all ``None``): as they are."""
+    """``settings`` with the preset's values under the overrides, checked by building a :class:`GpuOpt`; a bad
+    one is the parser's usage error (exit 2)."""
     if not any(value is not None for value in settings.values()):
         return settings
     try:
@@ -120,7 +118,7 @@ def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flag_help() -> str:
-    """The help of ``--gpuopt``: what it takes, and each shipped preset with the gist of what it does."""
+    """The help of ``--gpuopt``: what it takes, and the gist of each shipped preset."""
     gists = (re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0] for name in available_presets())
     presets = "; ".join(f"{name} ({gist.rstrip('.')})" for name, gist in zip(available_presets(), gists))
     return (
@@ -131,12 +129,10 @@ def _flag_help() -> str:
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:
-    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``: the group's key that takes a preset or a file.
+    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``.
 
-    Example::
-
-        >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false", "--gpuopt=x.yaml"])
-        ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false', '--gpuopt.preset=x.yaml']
+    >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false", "--gpuopt=x.yaml"])
+    ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false', '--gpuopt.preset=x.yaml']
     """
     flag = f"--{_KEY}"
     return [f"{flag}.preset{arg[len(flag) :]}" if arg == flag or arg.startswith(f"{flag}=") else arg for arg in argv]

@@ -1,23 +1,11 @@
 """Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files.
 
-A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment
-at its top is its description. A YAML file may extend a preset (or another file, relative to its own
-folder) with ``preset: NAME_OR_PATH`` and override some of its keys::
-
-    # my-team.yaml
-    preset: fill-memory
-    max_memory: 0.85
-
-Example::
+A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment at its
+top is its description. A YAML file may extend a preset (or another file, relative to its own folder) with
+``preset: NAME_OR_PATH`` and override some of its keys.
 
     >>> available_presets()
     ['diagnose', 'fill-memory', 'low-memory', 'max-throughput']
-    >>> load_preset("fill-memory")["checkpointing"]
-    'auto'
-    >>> load_preset("no-such-preset")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown preset 'no-such-preset': expected one of 'diagnose', 'fill-memory', 'low-memory', 'max-throughput', or the path of a YAML file.
 """
 
 from __future__ import annotations
@@ -54,18 +42,18 @@ PRESET_KEYS: dict[str, str] = {
 }
 
 
+def _expected() -> str:
+    return f"expected one of {', '.join(map(repr, available_presets()))}, or the path of a YAML file."
+
+
 def available_presets() -> list[str]:
     """Names of the shipped presets, sorted."""
     return sorted(path.stem for path in _DIR.glob("*.yaml"))
 
 
 def preset_path(name_or_path: str | os.PathLike) -> Path:
-    """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file.
-
-    Raises:
-        ValueError: neither (the message lists the presets).
-    """
-    expected = f"expected one of {', '.join(map(repr, available_presets()))}, or the path of a YAML file."
+    """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file."""
+    expected = _expected()
     text = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text:
         raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
@@ -85,24 +73,13 @@ def preset_description(name_or_path: str | os.PathLike) -> str:
 
 
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved.
-
-    Raises:
-        ValueError: an unknown preset or key, a file that is not a YAML mapping (naming the file and the
-            line), or a cycle of ``preset:`` references (naming the chain).
-    """
+    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved; a ``ValueError`` names
+    the unknown preset or key, the file and line that is no YAML mapping, or the cycle of ``preset:`` lines."""
     return load_preset_with_sources(name_or_path)[0]
 
 
 def load_preset_with_sources(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Path]]:
-    """:func:`load_preset`'s settings, and for each key the file that set it.
-
-    Example::
-
-        >>> settings, sources = load_preset_with_sources("diagnose")
-        >>> settings["monitor"], sources["monitor"].name
-        (True, 'diagnose.yaml')
-    """
+    """:func:`load_preset`'s settings, and for each key the file that set it."""
     return _load_chain(preset_path(name_or_path), ())
 
 
@@ -118,17 +95,13 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     if base is None:
         return settings, sources
     if not isinstance(base, str) or not base:
-        raise ValueError(
-            f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
-            f"{', '.join(map(repr, available_presets()))}, or the path of a YAML file."
-        )
+        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
     relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
     base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
     return {**base_settings, **settings}, {**base_sources, **sources}
 
 
 def _read_settings(path: Path) -> dict[str, Any]:
-    """The mapping in a preset file; a ``ValueError`` naming the file (and the line) for anything else."""
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

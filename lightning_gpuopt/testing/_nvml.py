@@ -1,20 +1,9 @@
 """A fake NVML: :class:`FakeNvml` answers the ``pynvml`` calls lightning-gpuopt makes, over fake devices.
 
 Install one with :func:`lightning_gpuopt.core.nvml.using_nvml_library`. Like real NVML: a call before
-``nvmlInit`` (or after the last ``nvmlShutdown``; both are counted) raises ``NVMLError_Uninitialized``;
-MIG instances are not counted by ``nvmlDeviceGetCount`` nor numbered by ``nvmlDeviceGetHandleByIndex``;
-``nvmlDeviceGetHandleByUUID`` wants the prefix; errors are ``pynvml``'s own classes. A handle is the
+``nvmlInit`` (or after the last ``nvmlShutdown``) raises ``NVMLError_Uninitialized``; MIG instances have no
+index; ``nvmlDeviceGetHandleByUUID`` wants the prefix; errors are ``pynvml``'s own classes. A handle is the
 :class:`FakeNvmlDevice` itself.
-
-Example::
-
-    >>> nvml = FakeNvml([FakeNvmlDevice("NVIDIA T4", "GPU-4b1c", memory_total=16 << 30, utilization=lambda: 87)])
-    >>> nvml.nvmlInit()
-    >>> nvml.nvmlDeviceGetUtilizationRates(nvml.nvmlDeviceGetHandleByIndex(0)).gpu
-    87
-    >>> nvml.nvmlShutdown()
-    >>> nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised
-    (1, 1, 0)
 """
 
 from __future__ import annotations
@@ -37,10 +26,8 @@ Reading = Union[int, Callable[[], int]]
 class FakeNvmlDevice:
     """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``).
 
-    ``memory_used`` and ``utilization`` (%) are read at every query (an int, or a callable);
-    ``utilization=None`` makes NVML answer ``NotSupported`` (MIG) while memory is still read.
-    ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it
-    (no-permission also ``nvmlDeviceGetHandleByIndex``). ``processes``: ``(pid, used bytes)``.
+    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at
+    every query; ``error`` (a :data:`DEVICE_ERRORS` key) makes every query on the device raise it.
     """
 
     name: str
@@ -70,9 +57,8 @@ def _read(value: Reading) -> int:
 class FakeNvml:
     """A stand-in for the ``pynvml`` module over ``devices`` (GPUs are numbered in list order).
 
-    ``process_names``: pid -> ``nvmlSystemGetProcessName`` (another pid raises ``NotFound``);
-    ``failures``: call name -> the exception it raises (change it any time); ``calls``: a ``Counter``
-    of calls by name, failed ones included; ``initialised``: successful inits minus shutdowns.
+    ``process_names``: pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises
+    (change it any time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns.
     """
 
     NVMLError = pynvml.NVMLError
@@ -99,7 +85,7 @@ class FakeNvml:
         self._lock = threading.Lock()
 
     def _enter(self, call: str, handle: Any = None) -> Any:
-        """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``, if any."""
+        """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``."""
         with self._lock:
             self.calls[call] += 1
             failure, initialised = self.failures.get(call), self.initialised
@@ -178,20 +164,18 @@ class FakeNvml:
         return str(self._enter("nvmlDeviceGetName", handle).name)
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> SimpleNamespace:
-        """``.total``, ``.used`` and ``.free`` in bytes, like ``c_nvmlMemory_t``."""
         device = self._enter("nvmlDeviceGetMemoryInfo", handle)
         used = _read(device.memory_used)
         return SimpleNamespace(total=device.memory_total, used=used, free=device.memory_total - used)
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> SimpleNamespace:
-        """``.gpu`` (the device's utilisation) and ``.memory`` (0), like ``c_nvmlUtilization_t``."""
         device = self._enter("nvmlDeviceGetUtilizationRates", handle)
         if device.utilization is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(gpu=_read(device.utilization), memory=0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[SimpleNamespace]:
-        """The processes (``pid``, ``usedGpuMemory``) on the device and, for a GPU, on its MIG instances."""
+        """The processes on the device and, for a GPU, on its MIG instances."""
         device = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
         owners = [device, *(child for child in self.devices if child.mig and child.parent == device.uuid)]
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for owner in owners for pid, used in owner.processes]
