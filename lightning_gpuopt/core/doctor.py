@@ -56,7 +56,6 @@ def worst_status(checks: list[Check]) -> str:
     return max((check.status for check in checks), key=STATUSES.index, default="ok")
 
 
-
 def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
     """Judge torch's ``version``, CUDA ``build`` and cuDNN, CUDA being ``available``, and the visible ``gpus``."""
     value = f"torch {version}, CUDA build {build or 'none (CPU-only wheel)'}" + (f", cuDNN {cudnn}" if cudnn else "")
@@ -219,7 +218,6 @@ def _gpu_processes() -> Check:
     return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
 
 
-
 @dataclass(frozen=True)
 class CardPeaks:
     """Dense (no sparsity) peak matmul TFLOP/s of a card from its datasheet; ``None``: not supported."""
@@ -319,7 +317,6 @@ def _matmul(seconds: float = 2.0) -> Check:
     return Check("matmul", "info", value, details={"device": "cpu", "size": size, "gflops": gflops, "threads": threads})
 
 
-
 def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
     """Compare the machine's cores, the process's affinity and the cgroup quota."""
     details = {"cpu_count": count, "affinity": affinity, "cgroup_quota": quota}
@@ -392,7 +389,6 @@ def _blas() -> Check:
         fix = "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS"
         return Check("blas", "info", value + " (two BLAS libraries, each with its own thread pool)", fix, details)
     return Check("blas", "ok", value, details=details)
-
 
 
 def pinned_memory_check(num_bytes: int, seconds: float, pinned_gbps: float, pageable_gbps: float) -> Check:

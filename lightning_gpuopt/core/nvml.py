@@ -123,7 +123,6 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-
 def _uuid_candidates(uuid: str) -> list[str]:
     """NVML's spellings of a UUID: as given with a prefix, else with ``"GPU-"`` and ``"MIG-"``."""
     uuid = uuid.strip()
@@ -173,7 +172,6 @@ def visible_gpu_indices(
     env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
     entries = _visible_entries(gpu_uuids, env, mig_parents or {})
     return list(range(len(gpu_uuids))) if entries is None else [index for index, _ in entries]
-
 
 
 @dataclass
@@ -258,7 +256,6 @@ def _mig_parents(lib: Any, env: Optional[str]) -> dict[str, str]:
     return parents
 
 
-
 def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
     """``(utilisation % or None on MIG, memory used, memory total)`` of a device now."""
     memory = lib.nvmlDeviceGetMemoryInfo(handle)
@@ -285,7 +282,6 @@ def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
 def driver_versions(lib: Any) -> tuple[int, str]:
     """``(CUDA version the driver supports, e.g. 12040; driver release, e.g. "550.54.15")``."""
     return int(lib.nvmlSystemGetCudaDriverVersion()), _text(lib.nvmlSystemGetDriverVersion())
-
 
 
 class NvmlSampler:
