@@ -1,7 +1,7 @@
-"""What ``gpuopt estimate`` is built from, made from its arguments: the model and ``--datamodule`` (as
-LightningCLI builds its classes: jsonargparse checks ``--init-args`` against ``__init__``'s types and builds
-nested ``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer,
-the memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
+"""What ``gpuopt estimate`` computes, from its arguments: the model and ``--datamodule`` built as LightningCLI
+builds its classes (jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested
+``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer and the
+memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 if TYPE_CHECKING:
     import torch
 
-#: precisions ``gpuopt estimate`` takes (Lightning's names), and the optimizers it builds
 ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
 #: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
 DEFAULT_BATCH_SIZE = 8
 #: the Trainer a LightningModule gets (nothing is trained; ``estimated_stepping_batches`` reads ``max_steps``)
-ESTIMATE_TRAINER_STEPS = 1000
-_ESTIMATE_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=ESTIMATE_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+_TRAINER_STEPS = 1000
+_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -52,12 +51,65 @@ class EstimateSetup:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-# -- the model
+def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
+    """The ``MemoryEstimate`` of ``gpuopt estimate ARGS`` and the setup it ran with."""
+    import torch
+
+    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
+
+    for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
+        if value is not None and value < 1:
+            raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
+    device = _estimate_device(args.device, args.precision)
+    cls = _import_class(args.target, "MODULE:CLASS", torch.nn.Module, "torch.nn.Module")
+    module = _instantiate(cls, args.init_args, "--init-args", "model")
+    datamodule = _datamodule(args)
+    setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
+    # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
+    # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
+    host = torch.device("cpu")
+    module = module.to(host).train()
+    module = module.to(torch.bfloat16) if args.precision == "bf16-true" else module
+    trainer = _attach_trainer(module, datamodule, args, setup)
+    batch, loss_fn, inputs = _batch_and_loss(module, args, host, setup, datamodule)
+    setup.batch_size = _batch_size_of(batch)
+    optimizer = _optimizer(module, args.optimizer, setup)
+    optimizers = [] if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+    capacity = _capacity(args.max_memory, device, module, setup)
+    context, manual = host_step_context(args.precision), _manual_step(module, trainer, optimizers, args, setup)
+    step = TrainingStep(
+        module, batch, loss_fn, manual, optimizers, setup.batch_size, context, device, forward_input=inputs
+    )
+    estimator = StepEstimator(step)  # kernel workspaces are learned once, for the estimate and the re-traces
+    estimate = estimator.estimate(capacity)
+    if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
+        estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
+    return dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes]), setup
+
+
+def _manual_step(module: Any, trainer: Any, optimizers: list, args: argparse.Namespace, setup: EstimateSetup) -> Any:
+    """A manually optimized LightningModule's whole ``training_step`` on a dataloader's batch; else ``None``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks._engine.steps import manual_step
+
+    if (
+        trainer is None
+        or module.automatic_optimization
+        or args.input_size
+        or not setup.batch_source.endswith("train_dataloader()")
+        or not is_overridden("training_step", module)
+    ):
+        return None
+    trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
+    setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
+    setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
+    return manual_step(trainer, module)
 
 
 def _import_class(target: str, argument: str, base: type, base_name: str) -> type:
     """The ``base`` class named by ``MODULE:CLASS``, a dotted module or ``path/to/file.py`` (imported with its
-    folder first on ``sys.path``); errors name ``argument`` and the part that failed."""
+    folder first on ``sys.path``)."""
     label = f"`{argument}`={target!r}"
     module_part, _, class_part = target.rpartition(":")
     if not module_part or not class_part:
@@ -173,13 +225,11 @@ def _signature(cls: type) -> inspect.Signature | None:
 
 
 def _datamodule(args: argparse.Namespace) -> Any:
-    """The ``--datamodule`` instance (``None`` without one)."""
     from lightning.pytorch import LightningDataModule
 
     if args.datamodule is not None:
-        cls = _import_class(
-            args.datamodule, "--datamodule", LightningDataModule, "lightning.pytorch.LightningDataModule"
-        )
+        base = "lightning.pytorch.LightningDataModule"
+        cls = _import_class(args.datamodule, "--datamodule", LightningDataModule, base)
         return _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
     if args.datamodule_init_args.strip() not in ("", "{}"):
         raise UsageError(
@@ -211,7 +261,7 @@ def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setu
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
     try:
-        trainer = Trainer(**_ESTIMATE_TRAINER)
+        trainer = Trainer(**_TRAINER)
     finally:
         quiet.setLevel(level)
     compat.attach_data(trainer, module, datamodule=datamodule)
@@ -247,16 +297,6 @@ def _estimate_device(requested: str | None, precision: str) -> torch.device:
             f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
         )
     return device
-
-
-def _prepare_module(module: Any, device: torch.device, precision: str) -> Any:
-    import torch
-
-    module = module.to(device).train()
-    return module.to(torch.bfloat16) if precision == "bf16-true" else module
-
-
-# -- the batch and the loss
 
 
 def _batch_and_loss(
@@ -428,9 +468,6 @@ def _stand_in_loss_fn(
     return loss_of
 
 
-# -- the optimizer and the memory
-
-
 def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
     """``--optimizer``'s optimizer; for ``auto``, a LightningModule's ``configure_optimizers()`` as
     ``Trainer.fit`` builds it (any return form, the Trainer attached), else Adam. ``None``: none."""
@@ -446,7 +483,7 @@ def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
         except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
             raise UsageError(
                 f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
-                f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
+                f"(with a CPU Trainer attached, max_steps={_TRAINER_STEPS}); fix it, or estimate "
                 "with one of ours: --optimizer adam|adamw|sgd|none."
             ) from None
         optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
