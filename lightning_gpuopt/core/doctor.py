@@ -182,7 +182,9 @@ def _gpus() -> Check:
         value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
     visible = [gpu for gpu in gpus if gpu["visible"]]
-    busy = ", ".join(str(g["index"]) for g in visible if (g["utilization_percent"] or 0) > BUSY_UTILISATION or (g["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0))  # fmt: skip
+    hot = [g for g in visible if (g["utilization_percent"] or 0) > BUSY_UTILISATION]
+    full = [g for g in visible if (g["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)]
+    busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
     unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
     unreadable_fix = f"NVML could not read GPU(s) {unreadable}: NoPermission means this user may not query the device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the driver's logs"
