@@ -65,10 +65,8 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
         raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
     device = torch.device(args.device or ("cuda" if cuda_available() else "cpu"))
     if args.precision == "16-mixed" and device.type != "cuda":
-        why = (
-            f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
-        )
-        raise UsageError(why)
+        why = f"needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
+        raise UsageError(f"`--precision`='16-mixed' {why}")
     cls = _import_class(args.target, "MODULE:CLASS", torch.nn.Module, "torch.nn.Module")
     module = _instantiate(cls, args.init_args, "--init-args", "model")
     datamodule = _datamodule(args)

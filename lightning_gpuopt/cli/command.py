@@ -25,14 +25,8 @@ from lightning_gpuopt.cli._estimate_inputs import (
 )
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
-_INIT_ARGS_HELP = (
-    "the class's keyword arguments: JSON or YAML text, or a .yaml/.json file; a class-typed one takes "
-    "{class_path: ..., init_args: {...}}; e.g. 'width: 256'"
-)
-_INPUT_SIZE_HELP = (
-    "a sample's shape without the batch dimension, e.g. 3,224,224 (once per input of forward): random "
-    "inputs and a stand-in loss, the mean of the output"
-)
+_INIT_ARGS_HELP = "the class's keyword arguments: JSON or YAML text, or a .yaml/.json file; a class-typed one takes {class_path: ..., init_args: {...}}; e.g. 'width: 256'"
+_INPUT_SIZE_HELP = "a sample's shape without the batch dimension, e.g. 3,224,224 (once per input of forward): random inputs and a stand-in loss, the mean of the output"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gpuopt`` argument parser and its subcommands."""
     from lightning_gpuopt import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="gpuopt", description="Check a machine for GPU training, show presets, estimate a model's memory."
-    )
+    about = "Check a machine for GPU training, show presets, estimate a model's memory."
+    parser = argparse.ArgumentParser(prog="gpuopt", description=about)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -198,10 +191,8 @@ def run_plot(args: argparse.Namespace) -> int:
         # a local file: OSError or ValueError; a URL: whatever its filesystem raises (credentials, network)
         if isinstance(report, Path) and not isinstance(error, (OSError, ValueError)):
             raise
-        raise UsageError(
-            f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the gpuopt_report.json "
-            "in the trainer's log dir, e.g. lightning_logs/version_0/gpuopt_report.json"
-        ) from None
+        why = f"is not a readable JSON report ({error}); expected the gpuopt_report.json in the trainer's log dir, e.g. lightning_logs/version_0/gpuopt_report.json"
+        raise UsageError(f"`REPORT`={args.report!r} {why}") from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
     out = as_location(args.out) if args.out is not None else parent_location(report)

@@ -121,11 +121,7 @@ def _flag_help() -> str:
     """The help of ``--gpuopt``: what it takes, and the gist of each shipped preset."""
     gists = (re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0] for name in available_presets())
     presets = "; ".join(f"{name} ({gist.rstrip('.')})" for name, gist in zip(available_presets(), gists))
-    return (
-        "a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): "
-        f"adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
-        "`gpuopt presets NAME` shows one's settings."
-    )
+    return f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. `gpuopt presets NAME` shows one's settings."
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:

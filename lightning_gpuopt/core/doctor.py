@@ -1,10 +1,8 @@
-"""``gpuopt doctor``: environment checks for GPU training, each a :class:`Check` with a status and a fix.
+"""``gpuopt doctor``: the environment checks of :data:`CHECKS`, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library; NVML through :mod:`.nvml`, so a fake can answer. What only a real card
-runs reads it and hands the figures to a pure ``*_check`` function that judges them. :func:`run_check`
-turns an exception inside a check into a "warn" naming it, so a check never raises. :data:`CHECKS`
-lists them: torch build, driver's CUDA, GPU architecture, the GPUs and the processes on them, a matmul
-benchmark against the datasheet, CPU cores, torch threads, BLAS, pinned memory and ``/dev/shm``.
+Pure torch + standard library; NVML through :mod:`.nvml`, so a fake can answer. What only a real card runs
+reads it and hands the figures to a pure ``*_check`` function that judges them; :func:`run_check` turns an
+exception inside a check into a "warn" naming it.
 """
 
 from __future__ import annotations
@@ -48,11 +46,7 @@ class Check:
 
 
 def worst_status(checks: list[Check]) -> str:
-    """The worst status among ``checks`` ("ok" for none).
-
-    >>> worst_status([Check("a", "ok", ""), Check("b", "warn", "")])
-    'warn'
-    """
+    """The worst status among ``checks`` ("ok" for none)."""
     return max((check.status for check in checks), key=STATUSES.index, default="ok")
 
 
@@ -335,14 +329,9 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
 
 
 def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
-    """Intra-op threads times processes on the host against the usable cores.
-
-    >>> torch_threads_check(threads=4, cores=16, processes=8).fix
-    'torch.set_num_threads(2) (or OMP_NUM_THREADS=2) in each process'
-    """
+    """Intra-op threads times processes on the host against the usable cores."""
     total, per_process = threads * processes, max(1, cores // processes)
-    who = f"{threads} intra-op thread(s)"
-    who = f"{processes} process(es) x {who}" if processes > 1 else who
+    who = (f"{processes} process(es) x " if processes > 1 else "") + f"{threads} intra-op thread(s)"
     details = dict(threads=threads, cores=cores, processes=processes, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     if total > cores:
         fix = f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process"

@@ -77,11 +77,11 @@ def nvml_library() -> Any:
     """What :func:`using_nvml_library` installed, else ``pynvml`` (``None`` when it is not installed)."""
     if _override is not _NO_OVERRIDE:
         return _override
-    try:
+    with contextlib.suppress(ImportError):  # nvidia-ml-py is a dependency, but be forgiving in odd environments
         import pynvml
-    except ImportError:  # nvidia-ml-py is a dependency, but be forgiving in odd environments
-        return None
-    return pynvml
+
+        return pynvml
+    return None
 
 
 @contextlib.contextmanager
@@ -134,9 +134,7 @@ def _unique_prefix_match(entry: str, uuids: Sequence[str]) -> Optional[int]:
     return matches[0] if len(matches) == 1 else None
 
 
-def _visible_entries(
-    gpu_uuids: Sequence[str], env: Optional[str], mig_parents: Mapping[str, str]
-) -> Optional[list[tuple[int, Optional[str]]]]:
+def _visible_entries(gpu_uuids: Sequence[str], env: Optional[str], mig_parents: Mapping[str, str]) -> Optional[list]:
     """``(GPU index, MIG UUID or None)`` per ``CUDA_VISIBLE_DEVICES`` entry (``None``: unset)."""
     if env is None:
         return None
@@ -198,15 +196,6 @@ def _gpu_uuid(lib: Any, mig_handle: Any) -> str:
     return _text(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
 
 
-def _handle_by_uuid(lib: Any, uuid: str) -> tuple[Any, str]:
-    """``(handle, the spelling NVML accepted)``."""
-    *others, last = _uuid_candidates(uuid)
-    for candidate in others:
-        with contextlib.suppress(lib.NVMLError_NotFound, lib.NVMLError_InvalidArgument):
-            return lib.nvmlDeviceGetHandleByUUID(candidate), candidate
-    return lib.nvmlDeviceGetHandleByUUID(last), last
-
-
 def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uuid: str = "") -> NvmlDevice:
     """The GPU at NVML ``index``, or the GPU or MIG instance with ``uuid`` (``gpus`` give its GPU's index)."""
     device = NvmlDevice(index, uuid)
@@ -215,7 +204,13 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
             device.handle = lib.nvmlDeviceGetHandleByIndex(index)
             device.uuid = _text(lib.nvmlDeviceGetUUID(device.handle))
         else:
-            device.handle, device.uuid = _handle_by_uuid(lib, uuid)
+            *others, last = _uuid_candidates(uuid)
+            for candidate in others:  # the spelling NVML accepts
+                with contextlib.suppress(lib.NVMLError_NotFound, lib.NVMLError_InvalidArgument):
+                    device.handle, device.uuid = lib.nvmlDeviceGetHandleByUUID(candidate), candidate
+                    break
+            if device.handle is None:
+                device.handle, device.uuid = lib.nvmlDeviceGetHandleByUUID(last), last
             device.mig = device.uuid.startswith("MIG-")
             gpu_uuid = _gpu_uuid(lib, device.handle) if device.mig else device.uuid
             device.index = next((gpu.index for gpu in gpus if gpu.uuid == gpu_uuid), None)

@@ -30,15 +30,13 @@ PRESET_KEYS: dict[str, str] = {
     "margin": "headroom kept free: a size fits only if its peak stays within max_memory * (1 - margin)",
     "global_batch_size": "samples per optimizer step over all devices; default: batch size x accumulation x devices",
     "amp": "mixed precision: 'auto' (bf16-mixed / 16-mixed on GPUs, off on CPU), true, or false",
-    "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, "
-    "or a list of module class names",
+    "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, or a list of module class names",
     "accumulation": "gradient accumulation: 'auto' (as many steps as the global batch needs) or false",
     "objective": "'throughput' (largest micro-batch that fits) or 'memory' (smallest footprint)",
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
     "batch_arg_name": "where the batch size lives: attribute of the model, its hparams or the datamodule",
     "loader_max_seconds": "time budget of DataLoaderTuner, in seconds",
-    "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, "
-    "keep them) or 'raise'",
+    "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, keep them) or 'raise'",
 }
 
 
@@ -112,9 +110,8 @@ def _read_settings(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"preset file {path} cannot be read: {error}.") from None
     if loaded is not None and not isinstance(loaded, dict):
-        raise ValueError(
-            f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
-        )
+        why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
+        raise ValueError(f"preset file {path} {why}")
     return dict(loaded or {})
 
 
@@ -122,7 +119,5 @@ def check_keys(settings: dict[str, Any], source: str) -> None:
     """Raise ``ValueError`` naming the unknown keys of ``settings`` (from ``source``) and the valid ones."""
     unknown = [key for key in settings if key not in PRESET_KEYS]
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join(map(repr, unknown))} in {source}: valid keys are "
-            f"{', '.join(PRESET_KEYS)} (and `preset` to extend a preset)."
-        )
+        why = f"valid keys are {', '.join(PRESET_KEYS)} (and `preset` to extend a preset)."
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in {source}: {why}")
