@@ -54,9 +54,12 @@ class EstimateSetup:
 def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     """The ``MemoryEstimate`` of ``gpuopt estimate ARGS`` and the setup it ran with."""
     import torch
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_gpuopt.core.device import cuda_available
+    from lightning_gpuopt.callbacks._engine.steps import manual_step
+    from lightning_gpuopt.core.device import cuda_available, device_for
     from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
+    from lightning_gpuopt.core.memory import parse_memory
 
     for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
         if value is not None and value < 1:
@@ -78,10 +81,26 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     trainer = _attach_trainer(module, datamodule, args, setup)
     batch, loss_fn, inputs = _batch_and_loss(module, args, setup, datamodule)
     setup.batch_size = _batch_size_of(batch)
-    optimizer = _optimizer(module, args.optimizer, setup)
-    optimizers = [] if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
-    capacity = _capacity(args.max_memory, device, module, setup)
-    context, manual = host_step_context(args.precision), _manual_step(module, trainer, optimizers, args, setup)
+    optimizers = _optimizers(module, args.optimizer, setup)
+    if args.max_memory is None:
+        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
+        capacity = device_for(device).usable_memory([module])
+    else:
+        text, setup.memory_source = args.max_memory.strip(), f"--max-memory {args.max_memory}"
+        value = int(text) if text.isdigit() else float(text) if re.fullmatch(r"\d*\.\d+", text) else args.max_memory
+        try:
+            capacity = parse_memory(value, device, name="--max-memory")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    # a manually optimized LightningModule on a dataloader's batch: its whole training_step, the Trainer attached
+    manual = None
+    loaded = setup.batch_source.endswith("train_dataloader()") and not args.input_size
+    if trainer is not None and not module.automatic_optimization and loaded and is_overridden("training_step", module):
+        trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
+        setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
+        setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
+        manual = manual_step(trainer, module)
+    context = host_step_context(args.precision)
     step = TrainingStep(
         module, batch, loss_fn, manual, optimizers, setup.batch_size, context, device, forward_input=inputs
     )
@@ -90,21 +109,6 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
         estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
     return dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes]), setup
-
-
-def _manual_step(module: Any, trainer: Any, optimizers: list, args: argparse.Namespace, setup: EstimateSetup) -> Any:
-    """A manually optimized LightningModule's whole ``training_step`` on a dataloader's batch; else ``None``."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_gpuopt.callbacks._engine.steps import manual_step
-
-    loaded = setup.batch_source.endswith("train_dataloader()") and not args.input_size
-    if trainer is None or module.automatic_optimization or not loaded or not is_overridden("training_step", module):
-        return None
-    trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
-    setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
-    setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
-    return manual_step(trainer, module)
 
 
 def _import_class(target: str, argument: str, base: type, base_name: str) -> type:
@@ -295,21 +299,15 @@ def _batch_of_sizes(module: Any, args: argparse.Namespace) -> Any:
             raise UsageError(f"`--input-size`={text!r} {why}")
         shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
         if args.dtype == "long":
-            tensors.append(torch.randint(0, _vocab(module, args.vocab), shape, device="cpu"))
+            embeddings = [int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)]
+            if args.vocab is None and not embeddings:
+                why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
+                raise UsageError(f"`--dtype`='long' {why}")
+            tensors.append(torch.randint(0, embeddings[0] if args.vocab is None else args.vocab, shape, device="cpu"))
         else:
             dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
             tensors.append(torch.randn(shape, device="cpu").to(dtype))
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
-
-
-def _vocab(module: Any, vocab: int | None) -> int:
-    import torch
-
-    embeddings = [int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)]
-    if vocab is None and not embeddings:
-        why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
-        raise UsageError(f"`--dtype`='long' {why}")
-    return embeddings[0] if vocab is None else vocab
 
 
 def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, datamodule: Any) -> tuple | None:
@@ -411,7 +409,7 @@ def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = 
     return loss_of
 
 
-def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
+def _optimizers(module: Any, choice: str, setup: EstimateSetup) -> list:
     """``--optimizer``'s (``auto``: ``configure_optimizers()`` as ``Trainer.fit`` builds it, else Adam)."""
     import torch
     from lightning.pytorch import LightningModule
@@ -433,31 +431,14 @@ def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
         elif len(optimizers) > 1:  # Lightning allows several only with manual optimization
             note = f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step steps each of them"
             setup.notes.append(note)
-        return optimizers[0] if len(optimizers) == 1 else optimizers or None
+        return optimizers
     if choice == "auto":
         setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
         choice = "adam"
     setup.optimizer = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD (momentum 0.9)", "none": "none"}[choice]
     params = [p for p in module.parameters() if p.requires_grad]
     if choice == "none" or not params:
-        return None
+        return []
     if choice == "sgd":
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    return (torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)
-
-
-def _capacity(max_memory: str | None, device: torch.device, module: Any, setup: EstimateSetup) -> int:
-    from lightning_gpuopt.core.device import device_for
-    from lightning_gpuopt.core.memory import parse_memory
-
-    if max_memory is None:
-        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
-        return device_for(device).usable_memory([module])
-    text = max_memory.strip()
-    value = int(text) if text.isdigit() else float(text) if re.fullmatch(r"\d*\.\d+", text) else max_memory
-    try:
-        capacity = parse_memory(value, device, name="--max-memory")
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    setup.memory_source = f"--max-memory {max_memory}"
-    return capacity
+        return [torch.optim.SGD(params, lr=0.01, momentum=0.9)]
+    return [(torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)]
