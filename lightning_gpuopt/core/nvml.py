@@ -225,30 +225,22 @@ def nvml_devices(lib: Any, uuids: Optional[Sequence[str]] = None) -> tuple[list[
     a device NVML refuses comes back with ``error`` set, only a failing ``nvmlDeviceGetCount`` raises."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [_open(lib, [], index=index) for index in range(int(lib.nvmlDeviceGetCount()))]
-    devices = gpus
-    if uuids is not None:
-        devices = []
-        for uuid in uuids:
-            device = _open(lib, gpus, uuid=uuid)
-            if device.handle is None or all(device.uuid != other.uuid for other in devices):
-                devices.append(device)
-    entries = _visible_entries([gpu.uuid for gpu in gpus], env, _mig_parents(lib, env))
+    devices = gpus if uuids is None else []
+    for device in (_open(lib, gpus, uuid=uuid) for uuid in uuids or ()):
+        if device.handle is None or all(device.uuid != other.uuid for other in devices):
+            devices.append(device)
+    parents = {}  # MIG UUID -> its GPU's, for each MIG-<uuid> entry of CUDA_VISIBLE_DEVICES NVML resolves
+    for entry in (part.strip() for part in (env or "").split(",")):
+        if entry.startswith("MIG-") and not entry.startswith("MIG-GPU-"):
+            with contextlib.suppress(lib.NVMLError):
+                parents[entry] = _gpu_uuid(lib, lib.nvmlDeviceGetHandleByUUID(entry))
+    entries = _visible_entries([gpu.uuid for gpu in gpus], env, parents)
     if entries is None:
         return devices, list(range(len(gpus)))
     for device in devices:
         on_its_gpu = [mig for index, mig in entries if index == device.index]  # None: the GPU itself
         device.visible = (None in on_its_gpu or device.uuid in on_its_gpu) if device.mig else bool(on_its_gpu)
     return devices, [index for index, _ in entries]
-
-
-def _mig_parents(lib: Any, env: Optional[str]) -> dict[str, str]:
-    """MIG UUID -> its GPU's UUID, for each ``"MIG-<uuid>"`` entry of ``env`` NVML resolves."""
-    parents = {}
-    for entry in (part.strip() for part in (env or "").split(",")):
-        if entry.startswith("MIG-") and not entry.startswith("MIG-GPU-"):
-            with contextlib.suppress(lib.NVMLError):  # an entry NVML cannot resolve names no device
-                parents[entry] = _gpu_uuid(lib, lib.nvmlDeviceGetHandleByUUID(entry))
-    return parents
 
 
 def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
@@ -312,13 +304,11 @@ class NvmlSampler:
         self._devices, self._visible = [], []
         with contextlib.ExitStack() as session:
             lib, _ = session.enter_context(nvml_session())
-            if lib is None:
-                return False
-            try:
-                devices, visible = nvml_devices(lib, self.uuids)
-            except (lib.NVMLError, OSError):
-                return False
-            if all(device.handle is None for device in devices):
+            devices, visible = [], []
+            if lib is not None:
+                with contextlib.suppress(lib.NVMLError, OSError):
+                    devices, visible = nvml_devices(lib, self.uuids)
+            if all(device.handle is None for device in devices):  # no driver, no count, no device that answers
                 return False
             self._lib, self._devices, self._visible = lib, devices, visible
             self._sample_once()
@@ -359,8 +349,6 @@ class NvmlSampler:
             return None, None
         with self._lock:
             window, device.window = device.window, _Stats()
-        if not window.samples:
-            return None, None
         return window.util_mean, window.used_max / window.total if window.total else None
 
     def usage(self) -> list[GpuUsage]:
