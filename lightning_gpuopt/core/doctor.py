@@ -228,21 +228,14 @@ class CardPeaks:
 # (RTX). Not Lightning's `get_available_flops`: it reads torch.cuda itself and its H200/H100 NVL rows are sparse.
 #: (pattern on the card's name, peaks); the first match wins
 CARD_PEAKS: list[tuple[str, CardPeaks]] = [
-    (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),
-    (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
-    (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),
-    (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
-    (r"H100", CardPeaks("H100 SXM", 67.0, 494.7, 989.4)),
-    (r"A100", CardPeaks("A100", 19.5, 156.0, 312.0)),
-    (r"L40S", CardPeaks("L40S", 91.6, 183.0, 362.0)),
-    (r"\bL4\b", CardPeaks("L4", 30.3, 60.0, 121.0)),
-    (r"\bA10\b", CardPeaks("A10", 31.2, 62.5, 125.0)),
-    (r"V100.*PCIE", CardPeaks("V100 PCIe", 14.0, None, None)),
-    (r"V100", CardPeaks("V100 SXM2", 15.7, None, None)),
-    (r"RTX 4090", CardPeaks("RTX 4090", 82.6, 82.6, 165.2)),
-    (r"RTX 3090", CardPeaks("RTX 3090", 35.6, 35.6, 71.0)),
-    (r"\bT4\b", CardPeaks("T4", 8.1, None, None)),
-]
+    (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
+    (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),     (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
+    (r"H100", CardPeaks("H100 SXM", 67.0, 494.7, 989.4)),         (r"A100", CardPeaks("A100", 19.5, 156.0, 312.0)),
+    (r"L40S", CardPeaks("L40S", 91.6, 183.0, 362.0)),             (r"\bL4\b", CardPeaks("L4", 30.3, 60.0, 121.0)),
+    (r"\bA10\b", CardPeaks("A10", 31.2, 62.5, 125.0)),            (r"V100.*PCIE", CardPeaks("V100 PCIe", 14.0, None, None)),
+    (r"V100", CardPeaks("V100 SXM2", 15.7, None, None)),          (r"RTX 4090", CardPeaks("RTX 4090", 82.6, 82.6, 165.2)),
+    (r"RTX 3090", CardPeaks("RTX 3090", 35.6, 35.6, 71.0)),       (r"\bT4\b", CardPeaks("T4", 8.1, None, None)),
+]  # fmt: skip
 
 
 def card_peaks(device_name: str) -> Optional[CardPeaks]:
@@ -439,18 +432,11 @@ def _shm(path: str = "/dev/shm") -> Check:
 
 #: every check by name, in order (the GPU processes before the benchmark puts this process on the GPU)
 CHECKS: dict[str, Callable[..., Check]] = {
-    "torch_build": _torch_build,
-    "cuda_driver": _cuda_driver,
-    "gpu_arch": _gpu_arch,
-    "gpus": _gpus,
-    "gpu_processes": _gpu_processes,
-    "matmul": _matmul,
+    "torch_build": _torch_build, "cuda_driver": _cuda_driver, "gpu_arch": _gpu_arch, "gpus": _gpus,
+    "gpu_processes": _gpu_processes, "matmul": _matmul,
     "cpu_cores": lambda: cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota()),
-    "torch_threads": _torch_threads,
-    "blas": _blas,
-    "pinned_memory": _pinned_memory,
-    "shm": _shm,
-}
+    "torch_threads": _torch_threads, "blas": _blas, "pinned_memory": _pinned_memory, "shm": _shm,
+}  # fmt: skip
 
 
 def run_check(name: str, *args: Any) -> Check:
