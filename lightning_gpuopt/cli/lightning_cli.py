@@ -1,8 +1,5 @@
-""":class:`GpuOptCLI`: Lightning's ``LightningCLI`` with ``--gpuopt PRESET`` and ``--gpuopt.KEY`` flags.
-
-Kept apart from :mod:`lightning_gpuopt.cli.command` because it imports Lightning, which the ``gpuopt``
-command must not do before a subcommand runs.
-"""
+""":class:`GpuOptCLI`: ``LightningCLI`` with ``--gpuopt PRESET`` and ``--gpuopt.KEY`` flags (it imports Lightning,
+which :mod:`.command` must not do before a subcommand runs)."""
 
 from __future__ import annotations
 
@@ -89,12 +86,9 @@ class WithGpuOpt:
 class GpuOptCLI(WithGpuOpt, LightningCLI):
     r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset's name or a YAML file, plus dotted overrides.
 
-    Without it nothing changes. With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the
-    overrides joins the Trainer's callbacks, and the saved ``config.yaml`` holds every resolved setting in
-    its ``gpuopt:`` section, so ``--config config.yaml`` runs the same again. A bad preset or setting ends
-    the command before anything is built, with a usage error (exit status 2) naming what works::
-
-        GpuOptCLI(MyModel, MyDataModule)  # train.py
+    With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the overrides joins the Trainer's
+    callbacks and the saved ``config.yaml`` holds every resolved setting, so ``--config config.yaml`` runs the
+    same again; a bad preset or setting is a usage error (exit status 2). In ``GpuOptCLI(MyModel)``'s train.py::
 
         python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.amp false
         python train.py fit --gpuopt my-team.yaml      # GpuOpt settings; `preset: NAME` extends a preset

@@ -1,10 +1,6 @@
-"""A fake NVML: :class:`FakeNvml` answers the ``pynvml`` calls lightning-gpuopt makes, over fake devices.
-
-Install one with :func:`lightning_gpuopt.core.nvml.using_nvml_library`. Like real NVML: a call before
-``nvmlInit`` (or after the last ``nvmlShutdown``) raises ``NVMLError_Uninitialized``; MIG instances have no
-index; ``nvmlDeviceGetHandleByUUID`` wants the prefix; errors are ``pynvml``'s own classes. A handle is the
-:class:`FakeNvmlDevice` itself.
-"""
+"""A fake NVML (install it with :func:`lightning_gpuopt.core.nvml.using_nvml_library`): :class:`FakeNvml` answers
+the ``pynvml`` calls lightning-gpuopt makes as NVML does (uninitialised calls, MIG instances without an index,
+``pynvml``'s error classes), over :class:`FakeNvmlDevice` handles."""
 
 from __future__ import annotations
 
@@ -16,10 +12,9 @@ from typing import Any, Callable, Optional, Union
 
 import pynvml
 
-#: ``FakeNvmlDevice.error`` values and the NVML return codes they raise
-DEVICE_ERRORS = {"no-permission": pynvml.NVML_ERROR_NO_PERMISSION, "not-supported": pynvml.NVML_ERROR_NOT_SUPPORTED}
+_DEVICE_ERRORS = {"no-permission": pynvml.NVML_ERROR_NO_PERMISSION, "not-supported": pynvml.NVML_ERROR_NOT_SUPPORTED}
 
-Reading = Union[int, Callable[[], int]]
+_Reading = Union[int, Callable[[], int]]
 
 
 @dataclass(eq=False)
@@ -27,14 +22,14 @@ class FakeNvmlDevice:
     """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``).
 
     ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at
-    every query; ``error`` (a :data:`DEVICE_ERRORS` key) makes every query on the device raise it.
+    every query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it.
     """
 
     name: str
     uuid: str
     memory_total: int
-    memory_used: Reading = 0
-    utilization: Optional[Reading] = 0
+    memory_used: _Reading = 0
+    utilization: Optional[_Reading] = 0
     error: Optional[str] = None
     mig: bool = False
     processes: list[tuple[int, int]] = field(default_factory=list)
@@ -44,13 +39,13 @@ class FakeNvmlDevice:
         prefix = "MIG-" if self.mig else "GPU-"
         if not self.uuid.startswith(prefix):
             raise ValueError(f"uuid={self.uuid!r}: a {'MIG instance' if self.mig else 'GPU'} has a {prefix!r} UUID")
-        if self.error is not None and self.error not in DEVICE_ERRORS:
-            raise ValueError(f"error={self.error!r}: use None or one of {sorted(DEVICE_ERRORS)}")
+        if self.error is not None and self.error not in _DEVICE_ERRORS:
+            raise ValueError(f"error={self.error!r}: use None or one of {sorted(_DEVICE_ERRORS)}")
         if self.parent is not None and not self.mig:
             raise ValueError("parent= is for a MIG instance (mig=True)")
 
 
-def _read(value: Reading) -> int:
+def _read(value: _Reading) -> int:
     return int(value() if callable(value) else value)
 
 
@@ -98,7 +93,7 @@ class FakeNvml:
         if handle not in self.devices:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if handle.error is not None:
-            raise pynvml.NVMLError(DEVICE_ERRORS[handle.error])
+            raise pynvml.NVMLError(_DEVICE_ERRORS[handle.error])
         return handle
 
     def nvmlInit(self) -> None:
