@@ -72,13 +72,12 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
         raise UsageError(f"`--precision`='16-mixed' {why}")
     cls = _import_class(args.target, "MODULE:CLASS", torch.nn.Module, "torch.nn.Module")
     module = _instantiate(cls, args.init_args, "--init-args", "model")
-    datamodule = _datamodule(args)
     setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
     # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
     # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
     module = module.to("cpu").train()
     module = module.to(torch.bfloat16) if args.precision == "bf16-true" else module
-    trainer = _attach_trainer(module, datamodule, args, setup)
+    trainer, datamodule = _trainer_and_datamodule(module, args, setup)
     batch, loss_fn, inputs = _batch_and_loss(module, args, setup, datamodule)
     setup.batch_size = _batch_size_of(batch)
     optimizers = _optimizers(module, args.optimizer, setup)
@@ -215,34 +214,29 @@ def _signature(cls: type) -> inspect.Signature | None:
     return None
 
 
-def _datamodule(args: argparse.Namespace) -> Any:
-    from lightning.pytorch import LightningDataModule
-
-    if args.datamodule is not None:
-        base = "lightning.pytorch.LightningDataModule"
-        cls = _import_class(args.datamodule, "--datamodule", LightningDataModule, base)
-        return _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
-    if args.datamodule_init_args.strip() not in ("", "{}"):
-        why = "without --datamodule: name the class too, e.g. --datamodule my_package.data:MyData."
-        raise UsageError(f"`--datamodule-init-args`={args.datamodule_init_args!r} {why}")
-    return None
-
-
-def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
-    """A CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit`` attaches it."""
+def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
+    """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
+    attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
     import logging
 
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_gpuopt.callbacks import _lightning_compat as compat
 
-    if datamodule is not None:
+    datamodule = None
+    if args.datamodule is not None:
+        base = "lightning.pytorch.LightningDataModule"
+        cls = _import_class(args.datamodule, "--datamodule", LightningDataModule, base)
+        datamodule = _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
         setup.datamodule = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
+    elif args.datamodule_init_args.strip() not in ("", "{}"):
+        why = "without --datamodule: name the class too, e.g. --datamodule my_package.data:MyData."
+        raise UsageError(f"`--datamodule-init-args`={args.datamodule_init_args!r} {why}")
     if not isinstance(module, LightningModule):
         if datamodule is not None:
             why = f"needs a LightningModule to train on its batches; `MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
             raise UsageError(f"`--datamodule`={args.datamodule!r} {why}")
-        return None
+        return None, None
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
@@ -255,7 +249,7 @@ def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setu
     if datamodule is not None:
         datamodule.prepare_data()
         datamodule.setup(stage="fit")
-    return trainer
+    return trainer, datamodule
 
 
 def _batch_size_of(batch: Any) -> int | None:
@@ -271,9 +265,30 @@ def _batch_size_of(batch: Any) -> int | None:
 
 def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup, datamodule: Any) -> tuple:
     """``(batch, loss_fn, forward_input)`` from --input-size, a dataloader, else example_input_array."""
+    import torch
+
     setup.parameters = sum(p.numel() for p in module.parameters())
     if args.input_size:
-        batch = _batch_of_sizes(module, args)
+        tensors = []
+        for text in args.input_size:
+            sizes = [int(size) for size in re.findall(r"\d+", text)]
+            if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or min(sizes) < 1:
+                why = "is not a list of positive integers; give one sample's shape without the batch dimension, e.g. --input-size 3,224,224."
+                raise UsageError(f"`--input-size`={text!r} {why}")
+            shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
+            if args.dtype == "long":
+                embeddings = [
+                    int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)
+                ]
+                if args.vocab is None and not embeddings:
+                    why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
+                    raise UsageError(f"`--dtype`='long' {why}")
+                vocab = embeddings[0] if args.vocab is None else args.vocab
+                tensors.append(torch.randint(0, vocab, shape, device="cpu"))
+            else:
+                dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
+                tensors.append(torch.randn(shape, device="cpu").to(dtype))
+        batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
         setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
         return batch, _stand_in_loss_fn(module, setup), batch
     found = _loader_batch(module, args.batch_size, setup, datamodule)
@@ -286,28 +301,6 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
     batch = _resized(_on_host(example, module), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
     return batch, _stand_in_loss_fn(module, setup), batch
-
-
-def _batch_of_sizes(module: Any, args: argparse.Namespace) -> Any:
-    import torch
-
-    tensors = []
-    for text in args.input_size:
-        sizes = [int(size) for size in re.findall(r"\d+", text)]
-        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or min(sizes) < 1:
-            why = "is not a list of positive integers; give one sample's shape without the batch dimension, e.g. --input-size 3,224,224."
-            raise UsageError(f"`--input-size`={text!r} {why}")
-        shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
-        if args.dtype == "long":
-            embeddings = [int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)]
-            if args.vocab is None and not embeddings:
-                why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
-                raise UsageError(f"`--dtype`='long' {why}")
-            tensors.append(torch.randint(0, embeddings[0] if args.vocab is None else args.vocab, shape, device="cpu"))
-        else:
-            dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
-            tensors.append(torch.randn(shape, device="cpu").to(dtype))
-    return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
 def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, datamodule: Any) -> tuple | None:

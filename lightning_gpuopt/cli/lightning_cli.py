@@ -119,10 +119,6 @@ def _flag_help() -> str:
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:
-    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``.
-
-    >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false", "--gpuopt=x.yaml"])
-    ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false', '--gpuopt.preset=x.yaml']
-    """
+    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``."""
     flag = f"--{_KEY}"
     return [f"{flag}.preset{arg[len(flag) :]}" if arg == flag or arg.startswith(f"{flag}=") else arg for arg in argv]

@@ -75,11 +75,7 @@ def _torch_build() -> Check:
 
 
 def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_release: str = "") -> Check:
-    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (NVML's ``12040``).
-
-    >>> cuda_driver_check("12.4", 12080, "570.86.10").value
-    'driver supports CUDA 12.8 (driver 570.86.10); torch built for CUDA 12.4'
-    """
+    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (NVML's ``12040``)."""
     if driver is None:
         torch_text = "a CPU-only build" if build is None else f"built for CUDA {build}"
         return Check("cuda_driver", "info", f"no NVIDIA driver; torch is {torch_text}")

@@ -6,16 +6,6 @@ no utilisation, and every successful ``nvmlInit`` gets exactly one ``nvmlShutdow
 through :func:`nvml_library` (``pynvml``, or a fake from :func:`using_nvml_library`). Devices are matched
 by UUID (NVML numbers GPUs in PCI order, CUDA fastest first), in NVML's form (``"GPU-…"``, ``"MIG-…"``)
 or torch's without the prefix.
-
-    >>> from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
-    >>> nvml = FakeNvml([FakeNvmlDevice("NVIDIA T4", "GPU-5d2e", 16 << 30, memory_used=4 << 30, utilization=90)])
-    >>> with using_nvml_library(nvml):
-    ...     sampler = NvmlSampler(interval_s=0.5, uuids=["5d2e"])   # as torch prints the UUID
-    ...     sampler.start(), sampler.take_window("5d2e")          # (mean utilisation %, max memory fraction)
-    ...     usage = sampler.stop()
-    (True, (90.0, 0.25))
-    >>> usage[0].util_mean, nvml.initialised
-    (90.0, 0)
 """
 
 from __future__ import annotations
@@ -162,11 +152,7 @@ def visible_gpu_indices(
 ) -> list[int]:
     """NVML indices of the GPUs ``env`` (default: ``CUDA_VISIBLE_DEVICES``) leaves visible, in ``cuda:i`` order:
     its entries are indices, GPU UUIDs or unique prefixes, MIG UUIDs (their GPU, ``mig_parents[mig]``) or legacy
-    ``MIG-GPU-<uuid>/<gi>/<ci>``; like CUDA, the list stops at the first entry that names no device.
-
-    >>> visible_gpu_indices(["GPU-aa", "GPU-bb"], "MIG-cc,0,7,1", mig_parents={"MIG-cc": "GPU-bb"})
-    [1, 0]
-    """
+    ``MIG-GPU-<uuid>/<gi>/<ci>``; like CUDA, the list stops at the first entry that names no device."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
     entries = _visible_entries(gpu_uuids, env, mig_parents or {})
     return list(range(len(gpu_uuids))) if entries is None else [index for index, _ in entries]

@@ -3,9 +3,6 @@
 A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment at its
 top is its description. A YAML file may extend a preset (or another file, relative to its own folder) with
 ``preset: NAME_OR_PATH`` and override some of its keys.
-
-    >>> available_presets()
-    ['diagnose', 'fill-memory', 'low-memory', 'max-throughput']
 """
 
 from __future__ import annotations
