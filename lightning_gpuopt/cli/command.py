@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     try:
-        args = build_parser().parse_args(argv)
+        args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: 2 on bad usage, 0 for --help
         return int(exit_.code or 0)
     try:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     """The ``gpuopt`` argument parser and its subcommands."""
     from lightning_gpuopt import __version__
 
@@ -59,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,presets,estimate,plot}")
     sub = {}
     for name, handler, summary in (
-        ("doctor", run_doctor, "environment checks, each with a status and a fix"),
-        ("presets", run_presets, "list the presets, or show one's settings"),
-        ("estimate", run_estimate, "a model's training-step memory and the largest batch that fits"),
-        ("plot", run_plot, "draw a gpuopt_report.json as PNGs (needs the [plot] extra)"),
+        ("doctor", _run_doctor, "environment checks, each with a status and a fix"),
+        ("presets", _run_presets, "list the presets, or show one's settings"),
+        ("estimate", _run_estimate, "a model's training-step memory and the largest batch that fits"),
+        ("plot", _run_plot, "draw a gpuopt_report.json as PNGs (needs the [plot] extra)"),
     ):
         description = " ".join((handler.__doc__ or "").split())  # the handler's docstring
         sub[name] = commands.add_parser(name, parents=[common], help=summary, description=description)
@@ -117,7 +117,7 @@ def _print_table(title: str, columns: list[str], rows: list[list[Any]], above: s
         console.print(below)
 
 
-def run_doctor(args: argparse.Namespace) -> int:
+def _run_doctor(args: argparse.Namespace) -> int:
     """Check torch/CUDA vs the driver and GPU, the GPUs and who else uses them, matmul speed, CPU cores and
     threads, BLAS, pinned memory and /dev/shm (lightning_gpuopt.core.doctor). Exit status 1 on a 'fail'."""
     from rich.text import Text
@@ -143,7 +143,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     return 1 if status == "fail" else 0
 
 
-def run_presets(args: argparse.Namespace) -> int:
+def _run_presets(args: argparse.Namespace) -> int:
     """Without NAME: the shipped presets and what each does. With NAME (or a YAML file): its settings,
     `preset:` extensions resolved, and what each key means."""
     from rich.text import Text
@@ -175,7 +175,7 @@ def run_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_plot(args: argparse.Namespace) -> int:
+def _run_plot(args: argparse.Namespace) -> int:
     """Draw step time over training, memory vs batch size and the loader settings timed, each from its section
     of the report, as PNGs (lightning_gpuopt.core.plot.save_plots), and print their paths. REPORT and --out may
     be URLs of any fsspec filesystem. Exit status 1 when nothing could be drawn."""
@@ -219,7 +219,7 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0 if written else 1
 
 
-def run_estimate(args: argparse.Namespace) -> int:
+def _run_estimate(args: argparse.Namespace) -> int:
     """Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained or allocated)
     and report the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The
     batch comes from --input-size, else --datamodule's train_dataloader(), else the model's, else its

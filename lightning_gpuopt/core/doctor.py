@@ -26,10 +26,10 @@ STATUSES = ("ok", "info", "warn", "fail")
 #: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
 SHM_WARN_BYTES = 2**30
 #: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
-MATMUL_WARN_FRACTION = 0.4
+_MATMUL_WARN_FRACTION = 0.4
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
-BUSY_UTILISATION = 20
-BUSY_MEMORY_FRACTION = 0.10
+_BUSY_UTILISATION = 20
+_BUSY_MEMORY_FRACTION = 0.10
 
 _GIB = 2**30
 
@@ -172,8 +172,10 @@ def _gpus() -> Check:
         value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
     visible = [gpu for gpu in gpus if gpu["visible"]]
-    hot = [g for g in visible if (g["utilization_percent"] or 0) > BUSY_UTILISATION]
-    full = [g for g in visible if (g["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)]
+    hot = [g for g in visible if (g["utilization_percent"] or 0) > _BUSY_UTILISATION]
+    full = [
+        g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)
+    ]
     busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
     unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
@@ -223,7 +225,7 @@ class CardPeaks:
 # Dense FP32/TF32/BF16 from NVIDIA's datasheets (their tensor-core figures, with sparsity, halved) and whitepapers
 # (RTX). Not Lightning's `get_available_flops`: it reads torch.cuda itself and its H200/H100 NVL rows are sparse.
 #: (pattern on the card's name, peaks); the first match wins
-CARD_PEAKS: list[tuple[str, CardPeaks]] = [
+_CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
     (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),     (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
     (r"H100", CardPeaks("H100 SXM", 67.0, 494.7, 989.4)),         (r"A100", CardPeaks("A100", 19.5, 156.0, 312.0)),
@@ -235,8 +237,8 @@ CARD_PEAKS: list[tuple[str, CardPeaks]] = [
 
 
 def card_peaks(device_name: str) -> Optional[CardPeaks]:
-    """The datasheet peaks of a GPU by its name, ``None`` for a card not in :data:`CARD_PEAKS`."""
-    return next((peaks for pattern, peaks in CARD_PEAKS if re.search(pattern, device_name, re.IGNORECASE)), None)
+    """The datasheet peaks of a GPU by its name, ``None`` for a card not in the table."""
+    return next((peaks for pattern, peaks in _CARD_PEAKS if re.search(pattern, device_name, re.IGNORECASE)), None)
 
 
 def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
@@ -246,13 +248,13 @@ def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
     for kind, achieved in tflops.items():
         peak = None if peaks is None else getattr(peaks, kind)
         parts.append(f"{kind} {achieved:.1f} TFLOP/s" + (f" ({achieved / peak:.0%} of {peak:g})" if peak else ""))
-        if peak and achieved < MATMUL_WARN_FRACTION * peak:
+        if peak and achieved < _MATMUL_WARN_FRACTION * peak:
             low.append(kind)
     datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
     value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
     peak_tflops = None if peaks is None else {kind: getattr(peaks, kind) for kind in tflops}
     details = dict(device=name, card=peaks and peaks.card, size=size, tflops=tflops, peak_tflops=peak_tflops)
-    fix = f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
+    fix = f"{', '.join(low)} below {_MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
     return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
 
 

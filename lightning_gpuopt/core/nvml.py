@@ -290,7 +290,8 @@ class NvmlSampler:
         self._devices, self._visible = [], []
         with contextlib.ExitStack() as session:
             lib, _ = session.enter_context(nvml_session())
-            devices, visible = [], []
+            devices: list[NvmlDevice] = []
+            visible: list[int] = []
             if lib is not None:
                 with contextlib.suppress(lib.NVMLError, OSError):
                     devices, visible = nvml_devices(lib, self.uuids)
