@@ -1,13 +1,4 @@
-"""Command lines: ``main``, the ``gpuopt`` console command, and :class:`GpuOptCLI`, ``LightningCLI`` with ``--gpuopt``.
-
-``main`` imports only the standard library until a subcommand runs; ``GpuOptCLI`` imports Lightning on first use.
-
-Example:
-    >>> from lightning_gpuopt.cli import main
-    >>> main(["--version"])  # doctest: +ELLIPSIS
-    gpuopt ...
-    0
-"""
+"""Command lines: ``main``, the ``gpuopt`` console command, and :class:`GpuOptCLI` (Lightning imported on first use)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""What ``gpuopt estimate`` is built from, made from its arguments: the model and ``--datamodule`` (as
-LightningCLI builds its classes: jsonargparse checks ``--init-args`` against ``__init__``'s types and builds
-nested ``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer,
-the memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
+"""What ``gpuopt estimate`` computes, from its arguments: the model and ``--datamodule`` built as LightningCLI
+builds its classes (jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested
+``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer and the
+memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 if TYPE_CHECKING:
     import torch
 
-#: precisions ``gpuopt estimate`` takes (Lightning's names), and the optimizers it builds
 ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
 #: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
 DEFAULT_BATCH_SIZE = 8
-#: the Trainer a LightningModule gets (nothing is trained; ``estimated_stepping_batches`` reads ``max_steps``)
-ESTIMATE_TRAINER_STEPS = 1000
-_ESTIMATE_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=ESTIMATE_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+#: the Trainer a LightningModule gets (``estimated_stepping_batches`` reads ``max_steps``)
+_TRAINER_STEPS = 1000
+_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -52,44 +51,91 @@ class EstimateSetup:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-# -- the model
+def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
+    """The ``MemoryEstimate`` of ``gpuopt estimate ARGS`` and the setup it ran with."""
+    import torch
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_gpuopt.callbacks._engine.steps import manual_step
+    from lightning_gpuopt.core.device import cuda_available, device_for
+    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
+    from lightning_gpuopt.core.memory import parse_memory
+
+    for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
+        if value is not None and value < 1:
+            raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
+    if args.device == "cuda" and not cuda_available():
+        raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
+    device = torch.device(args.device or ("cuda" if cuda_available() else "cpu"))
+    if args.precision == "16-mixed" and device.type != "cuda":
+        why = f"needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
+        raise UsageError(f"`--precision`='16-mixed' {why}")
+    cls = _import_class(args.target, "MODULE:CLASS", torch.nn.Module, "torch.nn.Module")
+    module = _instantiate(cls, args.init_args, "--init-args", "model")
+    setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
+    # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
+    # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
+    module = module.to("cpu").train()
+    module = module.to(torch.bfloat16) if args.precision == "bf16-true" else module
+    trainer, datamodule = _trainer_and_datamodule(module, args, setup)
+    batch, loss_fn, inputs = _batch_and_loss(module, args, setup, datamodule)
+    setup.batch_size = _batch_size_of(batch)
+    optimizers = _optimizers(module, args.optimizer, setup)
+    if args.max_memory is None:
+        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
+        capacity = device_for(device).usable_memory([module])
+    else:
+        text, setup.memory_source = args.max_memory.strip(), f"--max-memory {args.max_memory}"
+        value = int(text) if text.isdigit() else float(text) if re.fullmatch(r"\d*\.\d+", text) else args.max_memory
+        try:
+            capacity = parse_memory(value, device, name="--max-memory")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    # a manually optimized LightningModule on a dataloader's batch: its whole training_step, the Trainer attached
+    manual = None
+    loaded = setup.batch_source.endswith("train_dataloader()") and not args.input_size
+    if trainer is not None and not module.automatic_optimization and loaded and is_overridden("training_step", module):
+        trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
+        setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
+        setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
+        manual = manual_step(trainer, module)
+    context = host_step_context(args.precision)
+    step = TrainingStep(
+        module, batch, loss_fn, manual, optimizers, setup.batch_size, context, device, forward_input=inputs
+    )
+    estimator = StepEstimator(step)  # kernel workspaces are learned once, for the estimate and the re-traces
+    estimate = estimator.estimate(capacity)
+    if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
+        estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
+    return dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes]), setup
 
 
 def _import_class(target: str, argument: str, base: type, base_name: str) -> type:
-    """The ``base`` class named by ``MODULE:CLASS``, a dotted module or ``path/to/file.py`` (imported with its
-    folder first on ``sys.path``); errors name ``argument`` and the part that failed."""
+    """The ``base`` class named by ``MODULE:CLASS`` (a dotted module, or ``path/to/file.py``)."""
     label = f"`{argument}`={target!r}"
     module_part, _, class_part = target.rpartition(":")
     if not module_part or not class_part:
-        raise UsageError(
-            f"{label} is not MODULE:CLASS: give the module (dotted, or path/to/file.py), a colon and the class, "
-            "e.g. examples/models.py:TokenTransformer or my_package.models:MyModel."
-        )
+        why = "give the module (dotted, or path/to/file.py), a colon and the class, e.g. examples/models.py:TokenTransformer or my_package.models:MyModel."
+        raise UsageError(f"{label} is not MODULE:CLASS: {why}")
     path = Path(module_part).expanduser().resolve() if module_part.endswith(".py") or "/" in module_part else None
     if path is not None and not path.is_file():
-        raise UsageError(
-            f"{label}: the file {module_part!r} does not exist (looked for {path}); give an existing "
-            "path/to/file.py or a dotted module."
-        )
+        why = f"the file {module_part!r} does not exist (looked for {path}); give an existing path/to/file.py or a dotted module."
+        raise UsageError(f"{label}: {why}")
     folder, name = (str(path.parent), path.stem) if path is not None else (os.getcwd(), module_part)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     try:
         module = importlib.import_module(name)
     except Exception as error:  # noqa: BLE001 - the user's module, or one it imports, failed
-        raise UsageError(
-            f"{label}: the module part {module_part!r} cannot be imported ({type(error).__name__}: {error}); "
-            f"it is looked up on sys.path and in the current directory {os.getcwd()}; give a dotted module path "
-            "or path/to/file.py."
-        ) from None
+        why = f"the module part {module_part!r} cannot be imported ({type(error).__name__}: {error}); it is looked up on sys.path and in the current directory {os.getcwd()}; give a dotted module path or path/to/file.py."
+        raise UsageError(f"{label}: {why}") from None
     if path is not None and Path(getattr(module, "__file__", None) or "").resolve() != path:
         raise UsageError(f"{label}: another module named {name!r} is imported already ({module}); rename the file.")
     cls = getattr(module, class_part, None)
     if isinstance(cls, type) and issubclass(cls, base):
         return cls
-    ours = sorted(
-        k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v.__module__ == name
-    )
+    classes = {key: value for key, value in vars(module).items() if isinstance(value, type)}
+    ours = sorted(key for key, value in classes.items() if issubclass(value, base) and value.__module__ == name)
     close = difflib.get_close_matches(class_part, ours, 1) if cls is None else []
     problem = f"the module {module_part!r} has no attribute {class_part!r};"
     problem += f" did you mean {close[0]!r}?" if close else ""
@@ -112,10 +158,8 @@ def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:
     unknown = [name for name in given if name not in by_name]
     if signature is not None and unknown and all(p.kind is not p.VAR_KEYWORD for p in parameters.values()):
         close = difflib.get_close_matches(unknown[0], by_name, 1)
-        raise UsageError(
-            f"{label}: unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} "
-            f"(unknown key{f'; did you mean {close[0]!r}?' if close else ''}); the signature is {shown}."
-        )
+        why = f"unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} (unknown key{f'; did you mean {close[0]!r}?' if close else ''})"
+        raise UsageError(f"{label}: {why}; the signature is {shown}.")
     untyped = {name for name, parameter in parameters.items() if parameter.annotation is parameter.empty}
     typed = {name: value for name, value in given.items() if name in by_name and name not in untyped}
     parser = LightningArgumentParser(exit_on_error=False)
@@ -136,13 +180,12 @@ def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:
     try:
         return cls(**{**given, **typed})
     except Exception as error:  # noqa: BLE001 - the class's own checks of its arguments
-        raise UsageError(
-            f"{label}: {cls.__name__}(...) raised {type(error).__name__}: {error}; the signature is {shown}."
-        ) from None
+        why = f"{cls.__name__}(...) raised {type(error).__name__}: {error}; the signature is {shown}."
+        raise UsageError(f"{label}: {why}") from None
 
 
 def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
-    """The keyword arguments in ``text``: a JSON or YAML mapping, or a .yaml/.json file of one (empty: none)."""
+    """The keyword arguments in ``text``: a JSON or YAML mapping, or a .yaml/.json file of one."""
     from jsonargparse import get_loader
 
     works = f"give a mapping such as 'width: 256' or '{{\"width\": 256}}', or a .yaml/.json file of one; the signature is {signature}."
@@ -163,7 +206,6 @@ def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
 
 
 def _signature(cls: type) -> inspect.Signature | None:
-    """``cls``'s call signature, its annotations evaluated where they can be; ``None`` without one."""
     for eval_str in (True, False):
         try:
             return inspect.signature(cls, eval_str=eval_str).replace(return_annotation=inspect.Signature.empty)
@@ -172,46 +214,34 @@ def _signature(cls: type) -> inspect.Signature | None:
     return None
 
 
-def _datamodule(args: argparse.Namespace) -> Any:
-    """The ``--datamodule`` instance (``None`` without one)."""
-    from lightning.pytorch import LightningDataModule
-
-    if args.datamodule is not None:
-        cls = _import_class(
-            args.datamodule, "--datamodule", LightningDataModule, "lightning.pytorch.LightningDataModule"
-        )
-        return _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
-    if args.datamodule_init_args.strip() not in ("", "{}"):
-        raise UsageError(
-            f"`--datamodule-init-args`={args.datamodule_init_args!r} without --datamodule: name the class too, "
-            "e.g. --datamodule my_package.data:MyData."
-        )
-    return None
-
-
-def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setup: EstimateSetup) -> Any:
-    """A CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit`` attaches it, for
-    ``configure_optimizers()`` and ``train_dataloader()`` to read; ``None`` for a plain ``torch.nn.Module``."""
+def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
+    """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
+    attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
     import logging
 
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_gpuopt.callbacks import _lightning_compat as compat
 
-    if datamodule is not None:
+    datamodule = None
+    if args.datamodule is not None:
+        base = "lightning.pytorch.LightningDataModule"
+        cls = _import_class(args.datamodule, "--datamodule", LightningDataModule, base)
+        datamodule = _instantiate(cls, args.datamodule_init_args, "--datamodule-init-args", "data")
         setup.datamodule = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
+    elif args.datamodule_init_args.strip() not in ("", "{}"):
+        why = "without --datamodule: name the class too, e.g. --datamodule my_package.data:MyData."
+        raise UsageError(f"`--datamodule-init-args`={args.datamodule_init_args!r} {why}")
     if not isinstance(module, LightningModule):
         if datamodule is not None:
-            raise UsageError(
-                f"`--datamodule`={args.datamodule!r} needs a LightningModule to train on its batches; "
-                f"`MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
-            )
-        return None
+            why = f"needs a LightningModule to train on its batches; `MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
+            raise UsageError(f"`--datamodule`={args.datamodule!r} {why}")
+        return None, None
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
     try:
-        trainer = Trainer(**_ESTIMATE_TRAINER)
+        trainer = Trainer(**_TRAINER)
     finally:
         quiet.setLevel(level)
     compat.attach_data(trainer, module, datamodule=datamodule)
@@ -219,11 +249,10 @@ def _attach_trainer(module: Any, datamodule: Any, args: argparse.Namespace, setu
     if datamodule is not None:
         datamodule.prepare_data()
         datamodule.setup(stage="fit")
-    return trainer
+    return trainer, datamodule
 
 
 def _batch_size_of(batch: Any) -> int | None:
-    """The batch size as Lightning finds it (``extract_batch_size``); ``None`` without a tensor."""
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:
@@ -234,95 +263,48 @@ def _batch_size_of(batch: Any) -> int | None:
         return None
 
 
-def _estimate_device(requested: str | None, precision: str) -> torch.device:
+def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup, datamodule: Any) -> tuple:
+    """``(batch, loss_fn, forward_input)`` from --input-size, a dataloader, else example_input_array."""
     import torch
 
-    from lightning_gpuopt.core.device import cuda_available
-
-    if requested == "cuda" and not cuda_available():
-        raise UsageError("`--device`='cuda' but CUDA is not available here (see `gpuopt doctor`); use --device cpu.")
-    device = torch.device(requested or ("cuda" if cuda_available() else "cpu"))
-    if precision == "16-mixed" and device.type != "cuda":
-        raise UsageError(
-            f"`--precision`='16-mixed' needs CUDA and the device is {device.type}; on a CPU use --precision bf16-mixed."
-        )
-    return device
-
-
-def _prepare_module(module: Any, device: torch.device, precision: str) -> Any:
-    import torch
-
-    module = module.to(device).train()
-    return module.to(torch.bfloat16) if precision == "bf16-true" else module
-
-
-# -- the batch and the loss
-
-
-def _batch_and_loss(
-    module: Any, args: argparse.Namespace, device: torch.device, setup: EstimateSetup, datamodule: Any = None
-) -> tuple:
-    """``(batch, loss_fn, forward_input)`` from --input-size, else the datamodule's or the model's
-    dataloader, else example_input_array; fills ``setup``'s batch, loss and parameter fields."""
     setup.parameters = sum(p.numel() for p in module.parameters())
     if args.input_size:
-        batch = _batch_of_sizes(module, args, device)
+        tensors = []
+        for text in args.input_size:
+            sizes = [int(size) for size in re.findall(r"\d+", text)]
+            if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or min(sizes) < 1:
+                why = "is not a list of positive integers; give one sample's shape without the batch dimension, e.g. --input-size 3,224,224."
+                raise UsageError(f"`--input-size`={text!r} {why}")
+            shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
+            if args.dtype == "long":
+                embeddings = [
+                    int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)
+                ]
+                if args.vocab is None and not embeddings:
+                    why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
+                    raise UsageError(f"`--dtype`='long' {why}")
+                vocab = embeddings[0] if args.vocab is None else args.vocab
+                tensors.append(torch.randint(0, vocab, shape, device="cpu"))
+            else:
+                dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
+                tensors.append(torch.randn(shape, device="cpu").to(dtype))
+        batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
         setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
         return batch, _stand_in_loss_fn(module, setup), batch
-    found = _loader_batch(module, args.batch_size, device, setup, datamodule)
+    found = _loader_batch(module, args.batch_size, setup, datamodule)
     if found is not None:
         return found
     example = getattr(module, "example_input_array", None)
     if example is None:
-        raise UsageError(
-            f"`MODULE:CLASS`={args.target!r} gives no batch: it has no train_dataloader() and no "
-            "example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 "
-            "--dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a "
-            "LightningDataModule whose train_dataloader() gives the batches)."
-        )
-    batch = _resized(_to_device(example, device, module), args.batch_size or DEFAULT_BATCH_SIZE)
+        why = "it has no train_dataloader() and no example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 --dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a LightningDataModule whose train_dataloader() gives the batches)."
+        raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: {why}")
+    batch = _resized(_on_host(example, module), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
     return batch, _stand_in_loss_fn(module, setup), batch
 
 
-def _batch_of_sizes(module: Any, args: argparse.Namespace, device: torch.device) -> Any:
-    """Random tensors of the ``--input-size`` shapes, of ``--dtype`` (bfloat16 under bf16-true)."""
-    import torch
-
-    tensors = []
-    for text in args.input_size:
-        sizes = [int(size) for size in re.findall(r"\d+", text)]
-        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", text) or min(sizes) < 1:
-            raise UsageError(
-                f"`--input-size`={text!r} is not a list of positive integers; give one sample's shape "
-                "without the batch dimension, e.g. --input-size 3,224,224."
-            )
-        shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
-        if args.dtype == "long":
-            tensors.append(torch.randint(0, _vocab(module, args.vocab), shape, device=device))
-        else:
-            dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
-            tensors.append(torch.randn(shape, device=device).to(dtype))
-    return tensors[0] if len(tensors) == 1 else tuple(tensors)
-
-
-def _vocab(module: Any, vocab: int | None) -> int:
-    import torch
-
-    embeddings = [int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)]
-    if vocab is None and not embeddings:
-        raise UsageError(
-            "`--dtype`='long' needs the range of the token ids and the model has no nn.Embedding; "
-            "give it with --vocab N, e.g. --vocab 32000."
-        )
-    return embeddings[0] if vocab is None else vocab
-
-
-def _loader_batch(
-    module: Any, batch_size: int | None, device: torch.device, setup: EstimateSetup, datamodule: Any = None
-) -> tuple | None:
-    """A batch of the datamodule's or the LightningModule's ``train_dataloader()`` with ``training_step``
-    as the loss (``None`` without one)."""
+def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, datamodule: Any) -> tuple | None:
+    """A batch of the datamodule's or the model's ``train_dataloader()``, ``training_step`` the loss (or ``None``)."""
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -337,16 +319,13 @@ def _loader_batch(
     if batch_size is not None and isinstance(getattr(owner, "batch_size", None), int):
         owner.batch_size = batch_size
     try:
-        batch = _to_device(next(iter(owner.train_dataloader())), device, module)
+        batch = _on_host(next(iter(owner.train_dataloader())), module)
     except Exception as error:  # noqa: BLE001 - the user's loader failed: say where, and what else works
+        failed = f"{type(error).__name__}: {error}"
         if datamodule is not None:
-            raise UsageError(
-                f"{source} of `--datamodule`={type(datamodule).__name__} raised {type(error).__name__}: {error}"
-            ) from None
-        setup.notes.append(
-            f"train_dataloader() failed with a Trainer attached ({type(error).__name__}: {error}); "
-            "using example_input_array or --input-size instead"
-        )
+            raise UsageError(f"{source} of `--datamodule`={type(datamodule).__name__} raised {failed}") from None
+        why = f"train_dataloader() failed with a Trainer attached ({failed}); using example_input_array or --input-size instead"
+        setup.notes.append(why)
         return None
     loaded = _batch_size_of(batch)
     if batch_size is not None and loaded is not None and loaded != batch_size:
@@ -354,7 +333,7 @@ def _loader_batch(
         setup.notes.append(f"the dataloader gives batches of {loaded}; its samples are repeated to make {batch_size}")
     setup.batch_source = source
     example = getattr(module, "example_input_array", None)
-    forward_input = _to_device(example, device, module) if example is not None else _first_tensor(batch)
+    forward_input = _on_host(example, module) if example is not None else _first_tensor(batch)
     if isinstance(forward_input, dict):
         forward_input = None  # a dict batch is not forward's keyword arguments: no torchinfo summary without
         setup.notes.append("no torchinfo summary: the batch is a dict and the model has no example_input_array")
@@ -371,19 +350,18 @@ def _first_tensor(batch: Any) -> Any:
     return batch[0] if is_tensors else batch
 
 
-def _to_device(data: Any, device: torch.device, module: Any) -> Any:
-    """``data`` on ``device`` as Lightning moves a batch; floating tensors in bfloat16 if the module is."""
+def _on_host(data: Any, module: Any) -> Any:
     import torch
     from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.pytorch.plugins import HalfPrecision
 
-    data = move_data_to_device(data, device)
+    data = move_data_to_device(data, "cpu")
     bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters() if p.is_floating_point())
     return HalfPrecision("bf16-true").convert_input(data) if bf16 else data
 
 
 def _resized(batch: Any, batch_size: int) -> Any:
-    """``batch`` with each tensor of the batch's leading dimension repeated or cut to ``batch_size`` rows."""
+    """``batch`` with the tensors of its leading dimension repeated or cut to ``batch_size`` rows."""
     import torch
 
     from lightning_gpuopt.core._torch_compat import tree_map
@@ -400,19 +378,15 @@ def _resized(batch: Any, batch_size: int) -> Any:
     return tree_map(resize, batch)
 
 
-def _stand_in_loss_fn(
-    module: Any, setup: EstimateSetup, forward_of: Callable[[Any], Any] = lambda batch: batch
-) -> Callable[[Any], Any]:
-    """``batch -> sum of the means of forward's floating outputs``, for batches without a training_step."""
+def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = lambda b: b) -> Callable[[Any], Any]:
+    """``batch -> sum of the means of forward's floating outputs``."""
     import torch
 
     from lightning_gpuopt.core._torch_compat import tree_leaves
 
     setup.loss = "stand-in: the mean of forward's output"
-    setup.notes.append(
-        "no training_step for this batch: the loss is a stand-in, the mean of forward's output; "
-        "a real loss adds little (targets and a few scalars)"
-    )
+    note = "no training_step for this batch: the loss is a stand-in, the mean of forward's output; a real loss adds little (targets and a few scalars)"
+    setup.notes.append(note)
 
     def loss_of(batch: Any) -> torch.Tensor:
         inputs = forward_of(batch)
@@ -428,12 +402,8 @@ def _stand_in_loss_fn(
     return loss_of
 
 
-# -- the optimizer and the memory
-
-
-def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
-    """``--optimizer``'s optimizer; for ``auto``, a LightningModule's ``configure_optimizers()`` as
-    ``Trainer.fit`` builds it (any return form, the Trainer attached), else Adam. ``None``: none."""
+def _optimizers(module: Any, choice: str, setup: EstimateSetup) -> list:
+    """``--optimizer``'s (``auto``: ``configure_optimizers()`` as ``Trainer.fit`` builds it, else Adam)."""
     import torch
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -444,46 +414,24 @@ def _optimizer(module: Any, choice: str, setup: EstimateSetup) -> Any:
         try:
             optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
         except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
-            raise UsageError(
-                f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} "
-                f"(with a CPU Trainer attached, max_steps={ESTIMATE_TRAINER_STEPS}); fix it, or estimate "
-                "with one of ours: --optimizer adam|adamw|sgd|none."
-            ) from None
+            why = f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} (with a CPU Trainer attached, max_steps={_TRAINER_STEPS}); fix it, or estimate with one of ours: --optimizer adam|adamw|sgd|none."
+            raise UsageError(why) from None
         optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
         setup.optimizer = f"{', '.join(type(o).__name__ for o in optimizers)} (configure_optimizers())"
         if not optimizers:
             setup.notes.append("configure_optimizers() returned no optimizer: estimating without optimizer state")
             setup.optimizer = "none (configure_optimizers() returned None)"
         elif len(optimizers) > 1:  # Lightning allows several only with manual optimization
-            setup.notes.append(
-                f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step steps each of them"
-            )
-        return optimizers[0] if len(optimizers) == 1 else optimizers or None
+            note = f"configure_optimizers() returned {len(optimizers)} optimizers: the training_step steps each of them"
+            setup.notes.append(note)
+        return optimizers
     if choice == "auto":
         setup.notes.append("the model defines no configure_optimizers(): estimating with Adam")
         choice = "adam"
     setup.optimizer = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD (momentum 0.9)", "none": "none"}[choice]
     params = [p for p in module.parameters() if p.requires_grad]
     if choice == "none" or not params:
-        return None
+        return []
     if choice == "sgd":
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    return (torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)
-
-
-def _capacity(max_memory: str | None, device: torch.device, module: Any, setup: EstimateSetup) -> int:
-    """The bytes to fit: ``--max-memory`` (``0.9``: a fraction of the device), else what the device can give."""
-    from lightning_gpuopt.core.device import device_for
-    from lightning_gpuopt.core.memory import parse_memory
-
-    if max_memory is None:
-        setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
-        return device_for(device).usable_memory([module])
-    text = max_memory.strip()
-    value = int(text) if text.isdigit() else float(text) if re.fullmatch(r"\d*\.\d+", text) else max_memory
-    try:
-        capacity = parse_memory(value, device, name="--max-memory")
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    setup.memory_source = f"--max-memory {max_memory}"
-    return capacity
+        return [torch.optim.SGD(params, lr=0.01, momentum=0.9)]
+    return [(torch.optim.AdamW if choice == "adamw" else torch.optim.Adam)(params, lr=1e-3)]

@@ -2,9 +2,7 @@
 
 Tables on stdout, or one JSON document with ``--json``. Exit status: 0 on success, 2 on bad usage (the
 message names the argument, the value and what would work), 1 when ``doctor`` finds a "fail" or ``plot``
-draws nothing. ``estimate`` builds the model and ``--datamodule`` as LightningCLI builds its classes
-(jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested ``class_path`` values).
-Only the standard library is imported at the top, so ``gpuopt --help`` and ``gpuopt presets`` answer at once.
+draws nothing. Only the standard library is imported at the top, so ``gpuopt --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -23,25 +21,23 @@ from lightning_gpuopt.cli._estimate_inputs import (
     ESTIMATE_PRECISIONS,
     EstimateSetup,
     UsageError,
-    _attach_trainer,
-    _batch_and_loss,
-    _batch_size_of,
-    _capacity,
-    _datamodule,
-    _estimate_device,
-    _import_class,
-    _instantiate,
-    _optimizer,
-    _prepare_module,
+    estimate_of,
 )
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
+_INIT_ARGS_HELP = "the class's keyword arguments: JSON or YAML text, or a .yaml/.json file; a class-typed one takes {class_path: ..., init_args: {...}}; e.g. 'width: 256'"
+_INPUT_SIZE_HELP = "a sample's shape without the batch dimension, e.g. 3,224,224 (once per input of forward): random inputs and a stand-in loss, the mean of the output"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    >>> main(["--version"])  # doctest: +ELLIPSIS
+    gpuopt ...
+    0
+    """
     try:
-        args = build_parser().parse_args(argv)
+        args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: 2 on bad usage, 0 for --help
         return int(exit_.code or 0)
     try:
@@ -51,23 +47,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     """The ``gpuopt`` argument parser and its subcommands."""
     from lightning_gpuopt import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="gpuopt", description="Check a machine for GPU training, show presets, estimate a model's memory."
-    )
+    about = "Check a machine for GPU training, show presets, estimate a model's memory."
+    parser = argparse.ArgumentParser(prog="gpuopt", description=about)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,presets,estimate,plot}")
     sub = {}
     for name, handler, summary in (
-        ("doctor", run_doctor, "environment checks, each with a status and a fix"),
-        ("presets", run_presets, "list the presets, or show one's settings"),
-        ("estimate", run_estimate, "a model's training-step memory and the largest batch that fits"),
-        ("plot", run_plot, "draw a gpuopt_report.json as PNGs (needs the [plot] extra)"),
+        ("doctor", _run_doctor, "environment checks, each with a status and a fix"),
+        ("presets", _run_presets, "list the presets, or show one's settings"),
+        ("estimate", _run_estimate, "a model's training-step memory and the largest batch that fits"),
+        ("plot", _run_plot, "draw a gpuopt_report.json as PNGs (needs the [plot] extra)"),
     ):
         description = " ".join((handler.__doc__ or "").split())  # the handler's docstring
         sub[name] = commands.add_parser(name, parents=[common], help=summary, description=description)
@@ -78,41 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub["presets"].add_argument("name", nargs="?", metavar="NAME", help="a preset name or a YAML file")
     sub["plot"].add_argument("report", metavar="REPORT", help="a gpuopt_report.json: a path or any fsspec URL")
     sub["plot"].add_argument("--out", metavar="DIR", help="where the PNGs go (default: beside REPORT)")
-    estimate = sub["estimate"].add_argument
-    estimate("target", metavar="MODULE:CLASS", help="dotted.module:Class or path/to/file.py:Class")
-    estimate(
-        "--init-args",
-        default="{}",
-        metavar="ARGS",
-        help="the class's keyword arguments: JSON or YAML text, or a .yaml/.json file; a class-typed one takes "
-        "{class_path: ..., init_args: {...}}; e.g. 'width: 256'",
-    )
-    estimate(
-        "--datamodule", metavar="MODULE:CLASS", help="a LightningDataModule whose train_dataloader() gives the batch"
-    )
+    estimate, cls = sub["estimate"].add_argument, "MODULE:CLASS"
+    estimate("target", metavar=cls, help="dotted.module:Class or path/to/file.py:Class")
+    estimate("--init-args", default="{}", metavar="ARGS", help=_INIT_ARGS_HELP)
+    estimate("--datamodule", metavar=cls, help="a LightningDataModule whose train_dataloader() gives the batch")
     estimate("--datamodule-init-args", default="{}", metavar="ARGS", help="its keyword arguments, as --init-args")
-    estimate(
-        "--input-size",
-        action="append",
-        metavar="D1,D2,...",
-        help="a sample's shape without the batch dimension, e.g. 3,224,224 (once per input of forward): random "
-        "inputs and a stand-in loss, the mean of the output",
-    )
+    estimate("--input-size", action="append", metavar="D1,D2,...", help=_INPUT_SIZE_HELP)
     estimate("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "long"), help="of --input-size")
     estimate("--vocab", type=int, metavar="N", help="--dtype long: ids in [0, N) (default: the first nn.Embedding's)")
     estimate("--batch-size", type=int, metavar="N", help=f"default: the dataloader's, else {DEFAULT_BATCH_SIZE}")
-    estimate(
-        "--optimizer",
-        default="auto",
-        choices=ESTIMATE_OPTIMIZERS,
-        help="auto: the model's configure_optimizers() (a Trainer attached), else adam; sgd: momentum 0.9",
-    )
+    auto = "auto: the model's configure_optimizers() (a Trainer attached), else adam; sgd: momentum 0.9"
+    estimate("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS, help=auto)
     estimate("--precision", default="32-true", choices=ESTIMATE_PRECISIONS, help="16-mixed only on CUDA")
-    estimate(
-        "--max-memory",
-        metavar="MEMORY",
-        help='the memory to fit: bytes, "20GiB" or a fraction of the device (0.9); default: what it can give now',
-    )
+    memory = 'the memory to fit: bytes, "20GiB" or a fraction of the device (0.9); default: what it can give now'
+    estimate("--max-memory", metavar="MEMORY", help=memory)
     estimate("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     return parser
 
@@ -143,10 +117,7 @@ def _print_table(title: str, columns: list[str], rows: list[list[Any]], above: s
         console.print(below)
 
 
-# ----------------------------------------------------------------------------- gpuopt doctor
-
-
-def run_doctor(args: argparse.Namespace) -> int:
+def _run_doctor(args: argparse.Namespace) -> int:
     """Check torch/CUDA vs the driver and GPU, the GPUs and who else uses them, matmul speed, CPU cores and
     threads, BLAS, pinned memory and /dev/shm (lightning_gpuopt.core.doctor). Exit status 1 on a 'fail'."""
     from rich.text import Text
@@ -159,25 +130,20 @@ def run_doctor(args: argparse.Namespace) -> int:
     status = worst_status(checks)
     if args.json:
         _print_json({"status": status, "checks": [dataclasses.asdict(check) for check in checks]})
-    else:
-        rows = []
-        for check in checks:
-            finding = Text(check.value)
-            if check.fix:
-                finding.append(f"\n→ {check.fix}", style="italic")
-            rows.append(
-                [Text(check.status.upper(), style=_STATUS_STYLE.get(check.status, "")), Text(check.name), finding]
-            )
-        counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in ("ok", "info", "warn", "fail"))
-        summary = Text(f"{len(checks)} checks: {counts}; overall {status.upper()}", style=_STATUS_STYLE[status])
-        _print_table("gpuopt doctor", ["status", "check", "finding  (→ fix)"], rows, below=summary)
+        return 1 if status == "fail" else 0
+    rows = []
+    for check in checks:
+        finding = Text(check.value)
+        if check.fix:
+            finding.append(f"\n→ {check.fix}", style="italic")
+        rows.append([Text(check.status.upper(), style=_STATUS_STYLE.get(check.status, "")), Text(check.name), finding])
+    counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in ("ok", "info", "warn", "fail"))
+    summary = Text(f"{len(checks)} checks: {counts}; overall {status.upper()}", style=_STATUS_STYLE[status])
+    _print_table("gpuopt doctor", ["status", "check", "finding  (→ fix)"], rows, below=summary)
     return 1 if status == "fail" else 0
 
 
-# ----------------------------------------------------------------------------- gpuopt presets
-
-
-def run_presets(args: argparse.Namespace) -> int:
+def _run_presets(args: argparse.Namespace) -> int:
     """Without NAME: the shipped presets and what each does. With NAME (or a YAML file): its settings,
     `preset:` extensions resolved, and what each key means."""
     from rich.text import Text
@@ -209,10 +175,7 @@ def run_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- gpuopt plot
-
-
-def run_plot(args: argparse.Namespace) -> int:
+def _run_plot(args: argparse.Namespace) -> int:
     """Draw step time over training, memory vs batch size and the loader settings timed, each from its section
     of the report, as PNGs (lightning_gpuopt.core.plot.save_plots), and print their paths. REPORT and --out may
     be URLs of any fsspec filesystem. Exit status 1 when nothing could be drawn."""
@@ -228,10 +191,8 @@ def run_plot(args: argparse.Namespace) -> int:
         # a local file: OSError or ValueError; a URL: whatever its filesystem raises (credentials, network)
         if isinstance(report, Path) and not isinstance(error, (OSError, ValueError)):
             raise
-        raise UsageError(
-            f"`REPORT`={args.report!r} is not a readable JSON report ({error}); expected the gpuopt_report.json "
-            "in the trainer's log dir, e.g. lightning_logs/version_0/gpuopt_report.json"
-        ) from None
+        why = f"is not a readable JSON report ({error}); expected the gpuopt_report.json in the trainer's log dir, e.g. lightning_logs/version_0/gpuopt_report.json"
+        raise UsageError(f"`REPORT`={args.report!r} {why}") from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
     out = as_location(args.out) if args.out is not None else parent_location(report)
@@ -245,107 +206,37 @@ def run_plot(args: argparse.Namespace) -> int:
     except Exception as error:
         if isinstance(out, Path):  # writing to a URL: what its filesystem raises is a message, not a traceback
             raise
-        sys.stderr.write(
-            f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}\n"
-        )
+        message = f"the PNGs could not be written to {out}: {type(error).__name__}: {error}"
+        sys.stderr.write(f"gpuopt plot: error: {message}\n")
         return 1
     if args.json:
         _print_json({"written": [str(path) for path in written]})
     else:
         sys.stdout.writelines(f"{path}\n" for path in written)
     if not written:
-        sys.stderr.write(
-            f"gpuopt plot: nothing to draw: {args.report} has none of the sections data_wait, batch_size_search, "
-            f"dataloader with figures (plots: {', '.join(PLOT_NAMES)})\n"
-        )
+        sections = f"data_wait, batch_size_search, dataloader with figures (plots: {', '.join(PLOT_NAMES)})"
+        sys.stderr.write(f"gpuopt plot: nothing to draw: {args.report} has none of the sections {sections}\n")
     return 0 if written else 1
 
 
-# ----------------------------------------------------------------------------- gpuopt estimate
-
-
-def run_estimate(args: argparse.Namespace) -> int:
+def _run_estimate(args: argparse.Namespace) -> int:
     """Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained or allocated)
     and report the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The
     batch comes from --input-size, else --datamodule's train_dataloader(), else the model's, else its
     example_input_array. A LightningModule gets a CPU Trainer attached, for configure_optimizers() and
     train_dataloader() to use self.trainer."""
-    import torch
-
-    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
     from lightning_gpuopt.core.report import to_dict
 
-    _check_estimate_numbers(args)
-    device = _estimate_device(args.device, args.precision)
-    cls = _import_class(args.target, "MODULE:CLASS", torch.nn.Module, "torch.nn.Module")
-    module = _instantiate(cls, args.init_args, "--init-args", "model")
-    datamodule = _datamodule(args)
-    setup = EstimateSetup(model=f"{cls.__module__}.{cls.__qualname__}", device=str(device), precision=args.precision)
-    # the model and the batch stay on the host (nothing is moved to a GPU): a CUDA run is traced there under a
-    # CPU autocast of its dtype, and the device sets the 512-byte blocks and the cuBLAS workspace
-    host = torch.device("cpu")
-    module = _prepare_module(module, host, args.precision)
-    trainer = _attach_trainer(module, datamodule, args, setup)
-    batch, loss_fn, forward_input = _batch_and_loss(module, args, host, setup, datamodule)
-    setup.batch_size = _batch_size_of(batch)
-    optimizer = _optimizer(module, args.optimizer, setup)
-    optimizers = [] if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
-    capacity = _capacity(args.max_memory, device, module, setup)
-    step = TrainingStep(
-        module,
-        batch,
-        loss_fn,
-        manual_step=_manual_step(module, trainer, optimizers, args, setup),
-        optimizers=optimizers,
-        batch_size=setup.batch_size,
-        step_context=host_step_context(args.precision),
-        device=device,
-        forward_input=forward_input,
-    )
-    # kernel workspaces are learned once (on the host), for the estimate and the re-traces near the limit
-    estimator = StepEstimator(step)
-    estimate = estimator.estimate(capacity)
-    if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
-        estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
-    estimate = dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes])
+    estimate, setup = estimate_of(args)
     if args.json:
         setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
         _print_json({**to_dict(estimate), "setup": setup_figures})  # notes: in the estimate's
     else:
-        _console().print(estimate_table(estimate, setup), markup=False, highlight=False)
+        _console().print(_estimate_table(estimate, setup), markup=False, highlight=False)
     return 0
 
 
-def _manual_step(module: Any, trainer: Any, optimizers: list, args: argparse.Namespace, setup: EstimateSetup) -> Any:
-    """For a LightningModule under manual optimization with a batch from a dataloader: its whole
-    ``training_step`` (its backward passes and optimizer steps), traced with the Trainer attached
-    (see :func:`lightning_gpuopt.callbacks._engine.steps.manual_step`); else ``None``."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_gpuopt.callbacks._engine.steps import manual_step
-
-    if (
-        trainer is None
-        or module.automatic_optimization
-        or args.input_size
-        or not setup.batch_source.endswith("train_dataloader()")
-        or not is_overridden("training_step", module)
-    ):
-        return None
-    trainer.strategy.optimizers = optimizers  # what self.optimizers() reads outside the trace
-    setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
-    setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
-    return manual_step(trainer, module)
-
-
-def _check_estimate_numbers(args: argparse.Namespace) -> None:
-    for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
-        if value is not None and value < 1:
-            raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
-
-
-def estimate_table(estimate: Any, setup: EstimateSetup) -> str:
-    """The estimate and its setup as a text table (rich), notes below."""
+def _estimate_table(estimate: Any, setup: EstimateSetup) -> str:
     from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table
 
     per_sample = "n/a"

@@ -1,8 +1,5 @@
-""":class:`GpuOptCLI`: Lightning's ``LightningCLI`` with ``--gpuopt PRESET`` and ``--gpuopt.KEY`` flags.
-
-Kept apart from :mod:`lightning_gpuopt.cli.command` because it imports Lightning, which the ``gpuopt``
-command must not do before a subcommand runs.
-"""
+""":class:`GpuOptCLI`: ``LightningCLI`` with ``--gpuopt PRESET`` and ``--gpuopt.KEY`` flags (it imports Lightning,
+which :mod:`.command` must not do before a subcommand runs)."""
 
 from __future__ import annotations
 
@@ -21,8 +18,8 @@ _KEY = "gpuopt"
 
 
 class ResolvedDumps:
-    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, the saved ``config.yaml``) hold
-    the resolved ``gpuopt`` settings, the preset's values with the overrides applied."""
+    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, ``config.yaml``) hold the resolved
+    ``gpuopt`` settings, the preset's values with the overrides applied."""
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
@@ -37,8 +34,7 @@ class GpuOptArgumentParser(ResolvedDumps, LightningArgumentParser):
 
 
 class WithGpuOpt:
-    """Mixed into a ``LightningCLI``: the ``--gpuopt`` flag (see :class:`GpuOptCLI`); one source for both
-    Lightning namespaces (``lightning_gpuopt.pytorch_lightning.GpuOptCLI`` mixes it into theirs)."""
+    """Mixed into a ``LightningCLI`` (of either Lightning namespace): the ``--gpuopt`` flag of :class:`GpuOptCLI`."""
 
     #: the callback the flag adds, and the parser class used unless one is passed
     gpuopt_class: type = GpuOpt
@@ -53,8 +49,7 @@ class WithGpuOpt:
         super().__init__(*args, **kwargs)
 
     def add_default_arguments_to_parser(self, parser: Any) -> None:
-        """Lightning's defaults, then ``--gpuopt`` (here, so a subclass's ``add_arguments_to_parser`` need not
-        call ``super()``)."""
+        """Lightning's defaults, then ``--gpuopt`` (here, so a subclass's ``add_arguments_to_parser`` need not)."""
         super().add_default_arguments_to_parser(parser)  # type: ignore[misc]
         parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
         parser.set_defaults({f"{_KEY}.preset": None})
@@ -91,12 +86,9 @@ class WithGpuOpt:
 class GpuOptCLI(WithGpuOpt, LightningCLI):
     r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset's name or a YAML file, plus dotted overrides.
 
-    Without it nothing changes. With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the
-    overrides joins the Trainer's callbacks, and the saved ``config.yaml`` holds every resolved setting in
-    its ``gpuopt:`` section, so ``--config config.yaml`` runs the same again. A bad preset or setting ends
-    the command before anything is built, with a usage error (exit status 2) naming what works::
-
-        GpuOptCLI(MyModel, MyDataModule)  # train.py
+    With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the overrides joins the Trainer's
+    callbacks and the saved ``config.yaml`` holds every resolved setting, so ``--config config.yaml`` runs the
+    same again; a bad preset or setting is a usage error (exit status 2). In ``GpuOptCLI(MyModel)``'s train.py::
 
         python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.amp false
         python train.py fit --gpuopt my-team.yaml      # GpuOpt settings; `preset: NAME` extends a preset
@@ -105,8 +97,8 @@ class GpuOptCLI(WithGpuOpt, LightningCLI):
 
 
 def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with the preset's values filled in (the overrides win), checked by building a
-    :class:`GpuOpt`; a bad one is the parser's usage error (exit 2). Unused (all ``None``): as they are."""
+    """``settings`` with the preset's values under the overrides, checked by building a :class:`GpuOpt`; a bad
+    one is the parser's usage error (exit 2)."""
     if not any(value is not None for value in settings.values()):
         return settings
     try:
@@ -120,23 +112,13 @@ def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flag_help() -> str:
-    """The help of ``--gpuopt``: what it takes, and each shipped preset with the gist of what it does."""
+    """The help of ``--gpuopt``: what it takes, and the gist of each shipped preset."""
     gists = (re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0] for name in available_presets())
     presets = "; ".join(f"{name} ({gist.rstrip('.')})" for name, gist in zip(available_presets(), gists))
-    return (
-        "a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): "
-        f"adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. "
-        "`gpuopt presets NAME` shows one's settings."
-    )
+    return f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. `gpuopt presets NAME` shows one's settings."
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:
-    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``: the group's key that takes a preset or a file.
-
-    Example::
-
-        >>> preset_flag_as_key(["fit", "--gpuopt", "fill-memory", "--gpuopt.amp", "false", "--gpuopt=x.yaml"])
-        ['fit', '--gpuopt.preset', 'fill-memory', '--gpuopt.amp', 'false', '--gpuopt.preset=x.yaml']
-    """
+    """``--gpuopt X`` and ``--gpuopt=X`` as ``--gpuopt.preset X``."""
     flag = f"--{_KEY}"
     return [f"{flag}.preset{arg[len(flag) :]}" if arg == flag or arg.startswith(f"{flag}=") else arg for arg in argv]

@@ -1,37 +1,8 @@
-"""``gpuopt doctor``: environment checks for GPU training, each a :class:`Check` with a status and a fix.
+"""``gpuopt doctor``: the environment checks of :data:`CHECKS`, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library (no Lightning); NVML through :mod:`.nvml`, so a fake can answer. What
-only a real card runs reads it and hands the figures to a pure function that judges them
-(``*_check``). :func:`run_check` turns an exception inside a check into a "warn" naming it: a check
-never raises, and a machine without a GPU gets statuses that say so. The checks (:data:`CHECKS`):
-
-* ``torch_build``: torch's version and CUDA build; a CPU-only wheel, or CUDA unavailable, while the
-  driver shows visible GPUs is a "fail".
-* ``cuda_driver``: the driver's CUDA version against ``torch.version.cuda``: an older major is a
-  "fail", an older minor a "warn".
-* ``gpu_arch``: each GPU's compute capability against the wheel's kernels: none is a "fail", only
-  PTX (JIT-compiled at start-up) a "warn".
-* ``gpus``: the GPUs NVML shows, which ``CUDA_VISIBLE_DEVICES`` leaves visible, their memory and
-  utilisation; none visible, or a visible one busy (:data:`BUSY_UTILISATION`,
-  :data:`BUSY_MEMORY_FRACTION`) or unreadable, is a "warn".
-* ``gpu_processes``: other processes on the visible GPUs and the memory they hold, and GPUs whose
-  processes NVML cannot read: a "warn".
-* ``matmul``: fp32, tf32 and bf16 TFLOP/s against the card's dense datasheet peak (:data:`CARD_PEAKS`;
-  below :data:`MATMUL_WARN_FRACTION` is a "warn"); GFLOP/s on the CPU.
-* ``cpu_cores``: ``os.cpu_count()`` against the CPU affinity and the cgroup quota.
-* ``torch_threads``: intra-op threads times the processes on this host (``LOCAL_WORLD_SIZE``)
-  against the usable cores: more is a "warn".
-* ``blas``: the BLAS of torch (none is a "warn") and of NumPy.
-* ``pinned_memory``: page-locked host memory, and host-to-GPU copies pinned vs pageable.
-* ``shm``: the size and free space of ``/dev/shm``, through which DataLoader workers hand batches
-  over; below :data:`SHM_WARN_BYTES` is a "warn".
-
-Example::
-
-    >>> card_peaks("NVIDIA H100 80GB HBM3").bf16                  # dense bf16 TFLOP/s of an H100 SXM
-    989.4
-    >>> worst_status([Check("a", "ok", ""), Check("b", "warn", "")])
-    'warn'
+Pure torch + standard library; NVML through :mod:`.nvml`, so a fake can answer. What only a real card runs
+reads it and hands the figures to a pure ``*_check`` function that judges them; :func:`run_check` turns an
+exception inside a check into a "warn" naming it.
 """
 
 from __future__ import annotations
@@ -55,18 +26,17 @@ STATUSES = ("ok", "info", "warn", "fail")
 #: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
 SHM_WARN_BYTES = 2**30
 #: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
-MATMUL_WARN_FRACTION = 0.4
+_MATMUL_WARN_FRACTION = 0.4
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
-BUSY_UTILISATION = 20
-BUSY_MEMORY_FRACTION = 0.10
+_BUSY_UTILISATION = 20
+_BUSY_MEMORY_FRACTION = 0.10
 
 _GIB = 2**30
 
 
 @dataclass
 class Check:
-    """One finding: ``status`` is one of :data:`STATUSES`, ``value`` what was found, ``fix`` what to
-    do about it; ``details`` holds the measured figures for machines (the JSON output)."""
+    """One finding: a ``status`` of :data:`STATUSES`, the ``value`` found, the ``fix``, measured ``details``."""
 
     name: str
     status: str
@@ -76,11 +46,8 @@ class Check:
 
 
 def worst_status(checks: list[Check]) -> str:
-    """The worst status among ``checks`` ("ok" for none), in the order of :data:`STATUSES`."""
+    """The worst status among ``checks`` ("ok" for none)."""
     return max((check.status for check in checks), key=STATUSES.index, default="ok")
-
-
-# ----------------------------------------------------------------------------- torch build, driver, architecture
 
 
 def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
@@ -108,15 +75,7 @@ def _torch_build() -> Check:
 
 
 def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_release: str = "") -> Check:
-    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (NVML's ``12040``).
-
-    Example::
-
-        >>> cuda_driver_check("12.4", 12080, "570.86.10").value
-        'driver supports CUDA 12.8 (driver 570.86.10); torch built for CUDA 12.4'
-        >>> cuda_driver_check(build="12.4", driver=11080).status, cuda_driver_check("12.4", 12020).status
-        ('fail', 'warn')
-    """
+    """Compare the CUDA version torch was built for (``"12.4"``) with the driver's (NVML's ``12040``)."""
     if driver is None:
         torch_text = "a CPU-only build" if build is None else f"built for CUDA {build}"
         return Check("cuda_driver", "info", f"no NVIDIA driver; torch is {torch_text}")
@@ -144,23 +103,14 @@ def _cuda_driver() -> Check:
 
 def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
     """How the wheel runs on a GPU of ``capability``: "native" (a cubin for it or an earlier minor
-    of its major), "ptx" (JIT-compiled from PTX at start-up) or "none".
-
-    Example::
-
-        >>> arch_support((8, 6), ["sm_80", "sm_90"]), arch_support((12, 0), ["sm_90", "compute_90"])
-        ('native', 'ptx')
-        >>> arch_support((12, 0), ["sm_80", "sm_90"])
-        'none'
-    """
+    of its major), "ptx" (JIT-compiled from PTX at start-up) or "none"."""
     native = ptx = False
     for arch in arch_list:
         match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
         if match is not None:
             kind, built = match.group(1), (int(match.group(2)), int(match.group(3)))
-            native |= (
-                kind == "sm" and built[0] == capability[0] and built <= capability and not arch.endswith(("a", "f"))
-            )
+            family = built[0] == capability[0] and not arch.endswith(("a", "f"))
+            native |= kind == "sm" and family and built <= capability
             ptx |= kind == "compute" and built <= capability
     return "native" if native else "ptx" if ptx else "none"
 
@@ -190,8 +140,6 @@ def _gpu_arch() -> Check:
     return gpu_arch_check(capabilities, device_layer.cuda_arch_list())
 
 
-# ----------------------------------------------------------------------------- GPUs and their processes
-
 _NO_GPU_FIX = "training runs on the CPU; on a GPU machine install the NVIDIA driver, run containers with `--gpus all`, and check CUDA_VISIBLE_DEVICES"
 
 
@@ -207,9 +155,8 @@ def _gpu_reading(lib: Any, gpu: nvml.NvmlDevice) -> tuple[str, dict[str, Any]]:
     except lib.NVMLError as error:
         gpu.error = nvml.error_text(error)
     text = f"{gpu.index}: {gpu.name or 'unknown GPU'}, not readable ({gpu.error}){hidden}"
-    return text, reading | dict.fromkeys(("memory_used_bytes", "memory_total_bytes", "utilization_percent")) | {
-        "error": gpu.error
-    }
+    unread = dict.fromkeys(("memory_used_bytes", "memory_total_bytes", "utilization_percent"))
+    return text, reading | unread | {"error": gpu.error}
 
 
 def _gpus() -> Check:
@@ -225,12 +172,11 @@ def _gpus() -> Check:
         value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
     visible = [gpu for gpu in gpus if gpu["visible"]]
-    busy = ", ".join(
-        str(gpu["index"])
-        for gpu in visible
-        if (gpu["utilization_percent"] or 0) > BUSY_UTILISATION
-        or (gpu["memory_used_bytes"] or 0) > BUSY_MEMORY_FRACTION * (gpu["memory_total_bytes"] or 0)
-    )
+    hot = [g for g in visible if (g["utilization_percent"] or 0) > _BUSY_UTILISATION]
+    full = [
+        g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)
+    ]
+    busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
     unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
     unreadable_fix = f"NVML could not read GPU(s) {unreadable}: NoPermission means this user may not query the device (run as a user in the video group, or ask the admin), other errors: check nvidia-smi and the driver's logs"
@@ -266,9 +212,6 @@ def _gpu_processes() -> Check:
     return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
 
 
-# ----------------------------------------------------------------------------- matmul benchmark
-
-
 @dataclass(frozen=True)
 class CardPeaks:
     """Dense (no sparsity) peak matmul TFLOP/s of a card from its datasheet; ``None``: not supported."""
@@ -279,40 +222,23 @@ class CardPeaks:
     bf16: Optional[float]
 
 
-# Dense FP32 / TF32 / BF16 from NVIDIA's datasheets, whose tensor-core figures are with sparsity (*, twice dense):
-# A100 19.5/156/312; H100 SXM 67/989*/1979*, PCIe 51/756*/1513*, NVL 60/835*/1671*; H200 SXM, NVL as H100 SXM, NVL;
-# L4 30.3/120*/242*; L40S 91.6/366*/733*; A10 31.2/125*/250*; V100 SXM2 15.7, PCIe 14, T4 8.1 (no TF32, BF16);
-# whitepapers: RTX 4090 82.6/82.6/165.2, RTX 3090 35.6/35.6/71 (BF16 with FP32 accumulate). Not Lightning's
-# `get_available_flops`: it reads torch.cuda itself (our device layer and a simulated card cannot answer), misses
-# "NVIDIA H200" (Lightning 2.6.6), and its H200 and H100 NVL rows are sparse or two-card figures.
+# Dense FP32/TF32/BF16 from NVIDIA's datasheets (their tensor-core figures, with sparsity, halved) and whitepapers
+# (RTX). Not Lightning's `get_available_flops`: it reads torch.cuda itself and its H200/H100 NVL rows are sparse.
 #: (pattern on the card's name, peaks); the first match wins
-CARD_PEAKS: list[tuple[str, CardPeaks]] = [
-    (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),
-    (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
-    (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),
-    (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
-    (r"H100", CardPeaks("H100 SXM", 67.0, 494.7, 989.4)),
-    (r"A100", CardPeaks("A100", 19.5, 156.0, 312.0)),
-    (r"L40S", CardPeaks("L40S", 91.6, 183.0, 362.0)),
-    (r"\bL4\b", CardPeaks("L4", 30.3, 60.0, 121.0)),
-    (r"\bA10\b", CardPeaks("A10", 31.2, 62.5, 125.0)),
-    (r"V100.*PCIE", CardPeaks("V100 PCIe", 14.0, None, None)),
-    (r"V100", CardPeaks("V100 SXM2", 15.7, None, None)),
-    (r"RTX 4090", CardPeaks("RTX 4090", 82.6, 82.6, 165.2)),
-    (r"RTX 3090", CardPeaks("RTX 3090", 35.6, 35.6, 71.0)),
-    (r"\bT4\b", CardPeaks("T4", 8.1, None, None)),
-]
+_CARD_PEAKS: list[tuple[str, CardPeaks]] = [
+    (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
+    (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),     (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
+    (r"H100", CardPeaks("H100 SXM", 67.0, 494.7, 989.4)),         (r"A100", CardPeaks("A100", 19.5, 156.0, 312.0)),
+    (r"L40S", CardPeaks("L40S", 91.6, 183.0, 362.0)),             (r"\bL4\b", CardPeaks("L4", 30.3, 60.0, 121.0)),
+    (r"\bA10\b", CardPeaks("A10", 31.2, 62.5, 125.0)),            (r"V100.*PCIE", CardPeaks("V100 PCIe", 14.0, None, None)),
+    (r"V100", CardPeaks("V100 SXM2", 15.7, None, None)),          (r"RTX 4090", CardPeaks("RTX 4090", 82.6, 82.6, 165.2)),
+    (r"RTX 3090", CardPeaks("RTX 3090", 35.6, 35.6, 71.0)),       (r"\bT4\b", CardPeaks("T4", 8.1, None, None)),
+]  # fmt: skip
 
 
 def card_peaks(device_name: str) -> Optional[CardPeaks]:
-    """The datasheet peaks of a GPU by its name, ``None`` for a card not in :data:`CARD_PEAKS`.
-
-    Example::
-
-        >>> card_peaks("NVIDIA A100-SXM4-80GB").tf32, card_peaks("NVIDIA A10").card, card_peaks("Radeon")
-        (156.0, 'A10', None)
-    """
-    return next((peaks for pattern, peaks in CARD_PEAKS if re.search(pattern, device_name, re.IGNORECASE)), None)
+    """The datasheet peaks of a GPU by its name, ``None`` for a card not in the table."""
+    return next((peaks for pattern, peaks in _CARD_PEAKS if re.search(pattern, device_name, re.IGNORECASE)), None)
 
 
 def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
@@ -322,25 +248,23 @@ def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
     for kind, achieved in tflops.items():
         peak = None if peaks is None else getattr(peaks, kind)
         parts.append(f"{kind} {achieved:.1f} TFLOP/s" + (f" ({achieved / peak:.0%} of {peak:g})" if peak else ""))
-        if peak and achieved < MATMUL_WARN_FRACTION * peak:
+        if peak and achieved < _MATMUL_WARN_FRACTION * peak:
             low.append(kind)
     datasheet = "unknown card, no datasheet figures" if peaks is None else f"datasheet: {peaks.card}, dense"
     value = f"cuda:0 {name} ({datasheet}): {', '.join(parts)}; {size}x{size}"
     peak_tflops = None if peaks is None else {kind: getattr(peaks, kind) for kind in tflops}
     details = dict(device=name, card=peaks and peaks.card, size=size, tflops=tflops, peak_tflops=peak_tflops)
-    fix = f"{', '.join(low)} below {MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
+    fix = f"{', '.join(low)} below {_MATMUL_WARN_FRACTION:.0%} of the datasheet peak: check clocks, power and throttle reasons (nvidia-smi -q -d PERFORMANCE,CLOCK), other processes on the GPU, a MIG slice; a cold GPU reads low in short runs, so rerun with more seconds"
     return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
 
 
 def _matmul_flops(kind: str, size: int, device: torch.device | str, seconds: float) -> float:
-    """Achieved FLOP/s of ``size x size`` matmuls in ``kind`` (fp32, tf32 or bf16) over about ``seconds``
-    (after a warm-up and one timed run)."""
+    """Achieved FLOP/s of ``size x size`` matmuls in ``kind`` (fp32, tf32 or bf16) over about ``seconds``."""
     card, precision = device_layer.device_for(device), torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if kind == "tf32" else "highest")
     try:
-        a, b = (
-            torch.randn(size, size, device=device).to(torch.bfloat16 if kind == "bf16" else torch.float32) for _ in "ab"
-        )
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+        a, b = (torch.randn(size, size, device=device).to(dtype) for _ in "ab")
         out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
         card.synchronize()
         start = time.perf_counter()
@@ -380,19 +304,8 @@ def _matmul(seconds: float = 2.0) -> Check:
     return Check("matmul", "info", value, details={"device": "cpu", "size": size, "gflops": gflops, "threads": threads})
 
 
-# ----------------------------------------------------------------------------- CPU
-
-
 def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
-    """Compare the machine's cores, the process's affinity and the cgroup quota.
-
-    Example::
-
-        >>> cpu_cores_check(count=64, affinity=64, quota=4.0).status
-        'warn'
-        >>> cpu_cores_check(count=64, affinity=8, quota=None).value
-        "8 of 64 cores in this process's CPU affinity"
-    """
+    """Compare the machine's cores, the process's affinity and the cgroup quota."""
     details = {"cpu_count": count, "affinity": affinity, "cgroup_quota": quota}
     if quota is not None and quota < affinity:
         cores = max(1, math.floor(quota))
@@ -407,18 +320,9 @@ def cpu_cores_check(count: int, affinity: int, quota: Optional[float]) -> Check:
 
 
 def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
-    """Intra-op threads times processes on the host against the usable cores.
-
-    Example::
-
-        >>> torch_threads_check(threads=4, cores=16, processes=8).fix
-        'torch.set_num_threads(2) (or OMP_NUM_THREADS=2) in each process'
-        >>> torch_threads_check(threads=4, cores=4).status
-        'ok'
-    """
+    """Intra-op threads times processes on the host against the usable cores."""
     total, per_process = threads * processes, max(1, cores // processes)
-    who = f"{threads} intra-op thread(s)"
-    who = f"{processes} process(es) x {who}" if processes > 1 else who
+    who = (f"{processes} process(es) x " if processes > 1 else "") + f"{threads} intra-op thread(s)"
     details = dict(threads=threads, cores=cores, processes=processes, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     if total > cores:
         fix = f"torch.set_num_threads({per_process}) (or OMP_NUM_THREADS={per_process}) in each process"
@@ -430,8 +334,7 @@ def torch_threads_check(threads: int, cores: int, processes: int = 1) -> Check:
 
 
 def _torch_threads() -> Check:
-    """``torch.get_num_threads()`` x the launcher's processes on this host (``LOCAL_WORLD_SIZE`` of
-    torchrun/Lightning, ``SLURM_NTASKS_PER_NODE``) against the usable cores within the cgroup quota."""
+    """Torch threads x the launcher's processes on this host (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``)."""
     counts = (os.environ.get(name, "").split("(")[0] for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"))
     processes = next((int(text) for text in counts if text.isdigit() and int(text) > 0), 1)
     return torch_threads_check(torch.get_num_threads(), usable_cpu_count(), processes)
@@ -443,12 +346,8 @@ _BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accele
 def torch_blas(config: str) -> str:
     """The BLAS library named in ``torch.__config__.show()``'s build settings.
 
-    Example::
-
-        >>> torch_blas("  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release, USE_MKL=ON, ")
-        'MKL'
-        >>> torch_blas("Build settings: BLAS_INFO=open, USE_MKL=OFF"), torch_blas("nothing")
-        ('OpenBLAS', 'none')
+    >>> torch_blas("Build settings: BLAS_INFO=open, USE_MKL=OFF"), torch_blas("USE_MKL=ON"), torch_blas("nothing")
+    ('OpenBLAS', 'MKL', 'none')
     """
     match = re.search(r"BLAS_INFO=(\w+)", config)
     if match:
@@ -472,9 +371,6 @@ def _blas() -> Check:
         fix = "when torch and numpy both compute on the CPU (e.g. in DataLoader workers), cap both: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS"
         return Check("blas", "info", value + " (two BLAS libraries, each with its own thread pool)", fix, details)
     return Check("blas", "ok", value, details=details)
-
-
-# ----------------------------------------------------------------------------- host memory
 
 
 def pinned_memory_check(num_bytes: int, seconds: float, pinned_gbps: float, pageable_gbps: float) -> Check:
@@ -508,15 +404,7 @@ def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
 
 
 def shared_memory_check(total_bytes: Optional[int], free_bytes: Optional[int], path: str = "/dev/shm") -> Check:
-    """Judge the size of the shared-memory filesystem DataLoader workers hand batches through.
-
-    Example::
-
-        >>> shared_memory_check(64 * 2**20, 64 * 2**20).status       # Docker's default 64 MiB
-        'warn'
-        >>> shared_memory_check(None, None).value
-        'no /dev/shm'
-    """
+    """Judge the size of the shared-memory filesystem DataLoader workers hand batches through."""
     if total_bytes is None or free_bytes is None:
         fix = f"DataLoader workers hand batches over through {path}: mount a tmpfs there, or use num_workers=0"
         return Check("shm", "warn", f"no {path}", fix)
@@ -540,24 +428,13 @@ def _shm(path: str = "/dev/shm") -> Check:
     return shared_memory_check(stat.f_frsize * stat.f_blocks, stat.f_frsize * stat.f_bavail, path)
 
 
-# ----------------------------------------------------------------------------- all of them
-
-#: every check by name, in the order :func:`run_checks` runs them (the GPU processes before the
-#: benchmark, which puts this process on the GPU); ``matmul`` takes the benchmark's seconds,
-#: ``pinned_memory`` the bytes to pin, ``shm`` the path
+#: every check by name, in order (the GPU processes before the benchmark puts this process on the GPU)
 CHECKS: dict[str, Callable[..., Check]] = {
-    "torch_build": _torch_build,
-    "cuda_driver": _cuda_driver,
-    "gpu_arch": _gpu_arch,
-    "gpus": _gpus,
-    "gpu_processes": _gpu_processes,
-    "matmul": _matmul,
+    "torch_build": _torch_build, "cuda_driver": _cuda_driver, "gpu_arch": _gpu_arch, "gpus": _gpus,
+    "gpu_processes": _gpu_processes, "matmul": _matmul,
     "cpu_cores": lambda: cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota()),
-    "torch_threads": _torch_threads,
-    "blas": _blas,
-    "pinned_memory": _pinned_memory,
-    "shm": _shm,
-}
+    "torch_threads": _torch_threads, "blas": _blas, "pinned_memory": _pinned_memory, "shm": _shm,
+}  # fmt: skip
 
 
 def run_check(name: str, *args: Any) -> Check:

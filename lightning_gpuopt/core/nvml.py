@@ -1,29 +1,11 @@
 """NVML (``nvidia-ml-py``, imported as ``pynvml``): GPU utilisation and memory, and the doctor's queries.
 
-:class:`NvmlSampler` reads each device's utilisation (% of time a kernel ran, as ``nvidia-smi``
-shows it) and memory used in a daemon thread. Without an NVIDIA driver it is silently absent
-(``start()`` is ``False``, every figure ``None``); a device NVML refuses keeps its last ``error``
-while the others are sampled; a MIG instance (or a GPU in MIG mode) has no utilisation, but its
-memory is read. Every successful ``nvmlInit`` is matched by exactly one ``nvmlShutdown``.
-
-Every NVML call of the package goes through :func:`nvml_library` (``pynvml``, or a fake installed
-by :func:`using_nvml_library`). Devices are matched by UUID, not index (NVML numbers GPUs in PCI
-order, CUDA fastest first, and ``CUDA_VISIBLE_DEVICES`` renumbers them), in NVML's form
-(``"GPU-…"``, ``"MIG-…"``) or torch's without the prefix (``str(get_device_properties(i).uuid)``).
-
-Example::
-
-    >>> from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
-    >>> nvml = FakeNvml([FakeNvmlDevice("NVIDIA T4", "GPU-5d2e", 16 << 30, memory_used=4 << 30, utilization=90)])
-    >>> with using_nvml_library(nvml):
-    ...     sampler = NvmlSampler(interval_s=0.5, uuids=["5d2e"])   # as torch prints the UUID
-    ...     sampler.start()                     # False on a machine without an NVIDIA driver
-    ...     sampler.take_window("5d2e")         # (mean utilisation %, max memory fraction)
-    ...     usage = sampler.stop()              # one GpuUsage per device ([] without a driver)
-    True
-    (90.0, 0.25)
-    >>> usage[0].util_mean, usage[0].memory_used_max_bytes == 4 << 30, nvml.initialised
-    (90.0, True, 0)
+:class:`NvmlSampler` samples each device in a daemon thread; without a driver it is silently absent, a
+device NVML refuses keeps its last ``error`` while the others are sampled, a MIG instance has memory but
+no utilisation, and every successful ``nvmlInit`` gets exactly one ``nvmlShutdown``. Every NVML call goes
+through :func:`nvml_library` (``pynvml``, or a fake from :func:`using_nvml_library`). Devices are matched
+by UUID (NVML numbers GPUs in PCI order, CUDA fastest first), in NVML's form (``"GPU-…"``, ``"MIG-…"``)
+or torch's without the prefix.
 """
 
 from __future__ import annotations
@@ -41,12 +23,8 @@ _PREFIXES = ("GPU-", "MIG-")
 
 @dataclass
 class GpuUsage:
-    """One GPU's (or MIG instance's) utilisation and memory over the sampled period.
-
-    ``index``: NVML's index of the GPU (a MIG instance's GPU; ``None`` when unknown); ``visible``:
-    ``CUDA_VISIBLE_DEVICES`` leaves it visible; ``samples``: memory readings; ``util_*``: % of time a
-    kernel ran (``None`` on MIG); ``error``: the last NVML error the device raised.
-    """
+    """One GPU's (or MIG instance's) figures over the sampled period: ``index`` is NVML's (a MIG instance's
+    GPU's), ``util_*`` the % of time a kernel ran (``None`` on MIG), ``error`` the last NVML error."""
 
     index: Optional[int]
     name: str
@@ -66,49 +44,39 @@ class _Stats:
     samples: int = 0
     util_samples: int = 0
     util_sum: float = 0.0
-    util_max: float = 0.0
-    memory_used_max: int = 0
-    memory_total: int = 0
+    util_max: Optional[float] = None
+    used_max: int = 0
+    total: int = 0
 
     def add(self, util: Optional[int], used: int, total: int) -> None:
-        self.samples += 1
-        self.memory_used_max, self.memory_total = max(self.memory_used_max, used), total
+        self.samples, self.used_max, self.total = self.samples + 1, max(self.used_max, used), total
         if util is not None:
-            self.util_samples += 1
-            self.util_sum += util
-            self.util_max = max(self.util_max, float(util))
+            self.util_samples, self.util_sum = self.util_samples + 1, self.util_sum + util
+            self.util_max = max(self.util_max or 0.0, float(util))
 
     @property
     def util_mean(self) -> Optional[float]:
         return self.util_sum / self.util_samples if self.util_samples else None
 
-    def figures(self) -> tuple[int, Optional[float], Optional[float], int, int]:
-        util_max = self.util_max if self.util_samples else None
-        return self.samples, self.util_mean, util_max, self.memory_used_max, self.memory_total
-
-
-# ----------------------------------------------------------------------------- the library
 
 _NO_OVERRIDE = object()
 _override: Any = _NO_OVERRIDE
 
 
 def nvml_library() -> Any:
-    """The NVML library in use: what :func:`using_nvml_library` installed, else ``pynvml``
-    (``None`` when ``nvidia-ml-py`` is not installed)."""
+    """What :func:`using_nvml_library` installed, else ``pynvml`` (``None`` when it is not installed)."""
     if _override is not _NO_OVERRIDE:
         return _override
-    try:
+    with contextlib.suppress(ImportError):  # nvidia-ml-py is a dependency, but be forgiving in odd environments
         import pynvml
-    except ImportError:  # nvidia-ml-py is a dependency, but be forgiving in odd environments
-        return None
-    return pynvml
+
+        return pynvml
+    return None
 
 
 @contextlib.contextmanager
 def using_nvml_library(library: Any) -> Iterator[Any]:
-    """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest):
-    an object with ``pynvml``'s names, or ``None`` for "nvidia-ml-py is not installed"."""
+    """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest)."""
     global _override
     previous, _override = _override, library
     try:
@@ -119,8 +87,7 @@ def using_nvml_library(library: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def nvml_session() -> Iterator[tuple[Any, str]]:
-    """``(library, "")`` initialised inside the block, or ``(None, why not)`` without a driver;
-    NVML is shut down once on leaving."""
+    """``(library, "")`` initialised inside the block, or ``(None, why not)``; shut down once on leaving."""
     lib = nvml_library()
     if lib is None:
         yield None, "nvidia-ml-py (pynvml) is not installed"
@@ -142,15 +109,12 @@ def _text(value: Any) -> str:
 
 
 def error_text(error: BaseException) -> str:
-    """An error as one line naming its type, e.g. ``"NVMLError_NoPermission: Insufficient Permissions"``."""
+    """An error as one line naming its type: ``"NVMLError_NoPermission: Insufficient Permissions"``."""
     return f"{type(error).__name__}: {error}"
 
 
-# ----------------------------------------------------------------------------- UUIDs and CUDA_VISIBLE_DEVICES
-
-
 def _uuid_candidates(uuid: str) -> list[str]:
-    """NVML's spellings of a UUID: as given when it has a prefix, else with ``"GPU-"`` and ``"MIG-"``."""
+    """NVML's spellings of a UUID: as given with a prefix, else with ``"GPU-"`` and ``"MIG-"``."""
     uuid = uuid.strip()
     return [uuid] if uuid.startswith(_PREFIXES) else [prefix + uuid for prefix in _PREFIXES]
 
@@ -160,11 +124,8 @@ def _unique_prefix_match(entry: str, uuids: Sequence[str]) -> Optional[int]:
     return matches[0] if len(matches) == 1 else None
 
 
-def _visible_entries(
-    gpu_uuids: Sequence[str], env: Optional[str], mig_parents: Mapping[str, str]
-) -> Optional[list[tuple[int, Optional[str]]]]:
-    """``(GPU index, MIG UUID or None)`` per ``CUDA_VISIBLE_DEVICES`` entry, in ``cuda:i`` order;
-    ``None`` when the variable is unset."""
+def _visible_entries(gpu_uuids: Sequence[str], env: Optional[str], mig_parents: Mapping[str, str]) -> Optional[list]:
+    """``(GPU index, MIG UUID or None)`` per ``CUDA_VISIBLE_DEVICES`` entry (``None``: unset)."""
     if env is None:
         return None
     entries: list[tuple[int, Optional[str]]] = []
@@ -189,33 +150,17 @@ def _visible_entries(
 def visible_gpu_indices(
     gpu_uuids: Sequence[str], env: Optional[str] = None, mig_parents: Optional[Mapping[str, str]] = None
 ) -> list[int]:
-    """NVML indices of the GPUs this process may use, in torch's ``cuda:i`` order.
-
-    ``gpu_uuids``: every GPU's UUID in NVML order (``""`` if unreadable); ``env``: ``CUDA_VISIBLE_DEVICES``
-    (read when omitted): indices, GPU UUIDs (either form, or a unique prefix), MIG UUIDs (each stands
-    for its GPU, ``mig_parents[mig]``) or legacy ``MIG-GPU-<uuid>/<gi>/<ci>``; like CUDA, the list
-    stops at the first entry that names no device.
-
-    Example::
-
-        >>> visible_gpu_indices(["GPU-aa", "GPU-bb"], "MIG-cc,0,7,1", mig_parents={"MIG-cc": "GPU-bb"})
-        [1, 0]
-    """
+    """NVML indices of the GPUs ``env`` (default: ``CUDA_VISIBLE_DEVICES``) leaves visible, in ``cuda:i`` order:
+    its entries are indices, GPU UUIDs or unique prefixes, MIG UUIDs (their GPU, ``mig_parents[mig]``) or legacy
+    ``MIG-GPU-<uuid>/<gi>/<ci>``; like CUDA, the list stops at the first entry that names no device."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
     entries = _visible_entries(gpu_uuids, env, mig_parents or {})
     return list(range(len(gpu_uuids))) if entries is None else [index for index, _ in entries]
 
 
-# ----------------------------------------------------------------------------- devices
-
-
 @dataclass
 class NvmlDevice:
-    """A GPU or MIG instance as NVML shows it (``handle`` ``None`` and ``error`` set when NVML refused it).
-
-    ``index``: NVML's index of the GPU (a MIG instance's GPU; ``None`` when unknown); ``visible``:
-    ``CUDA_VISIBLE_DEVICES`` lists it (a MIG instance: itself, or its GPU by index or UUID).
-    """
+    """A GPU or MIG instance as NVML shows it (``handle`` ``None`` and ``error`` set when NVML refused it)."""
 
     index: Optional[int]
     uuid: str
@@ -228,20 +173,13 @@ class NvmlDevice:
     window: _Stats = field(default_factory=_Stats, repr=False)
 
     def usage(self) -> GpuUsage:
-        return GpuUsage(self.index, self.name, self.uuid, self.visible, *self.stats.figures(), self.mig, self.error)
+        s = self.stats
+        figures = (s.samples, s.util_mean, s.util_max, s.used_max, s.total)
+        return GpuUsage(self.index, self.name, self.uuid, self.visible, *figures, self.mig, self.error)
 
 
 def _gpu_uuid(lib: Any, mig_handle: Any) -> str:
     return _text(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
-
-
-def _handle_by_uuid(lib: Any, uuid: str) -> tuple[Any, str]:
-    """``(handle, the spelling NVML accepted)``, trying each of :func:`_uuid_candidates`."""
-    *others, last = _uuid_candidates(uuid)
-    for candidate in others:
-        with contextlib.suppress(lib.NVMLError_NotFound, lib.NVMLError_InvalidArgument):
-            return lib.nvmlDeviceGetHandleByUUID(candidate), candidate
-    return lib.nvmlDeviceGetHandleByUUID(last), last
 
 
 def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uuid: str = "") -> NvmlDevice:
@@ -252,7 +190,13 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
             device.handle = lib.nvmlDeviceGetHandleByIndex(index)
             device.uuid = _text(lib.nvmlDeviceGetUUID(device.handle))
         else:
-            device.handle, device.uuid = _handle_by_uuid(lib, uuid)
+            *others, last = _uuid_candidates(uuid)
+            for candidate in others:  # the spelling NVML accepts
+                with contextlib.suppress(lib.NVMLError_NotFound, lib.NVMLError_InvalidArgument):
+                    device.handle, device.uuid = lib.nvmlDeviceGetHandleByUUID(candidate), candidate
+                    break
+            if device.handle is None:
+                device.handle, device.uuid = lib.nvmlDeviceGetHandleByUUID(last), last
             device.mig = device.uuid.startswith("MIG-")
             gpu_uuid = _gpu_uuid(lib, device.handle) if device.mig else device.uuid
             device.index = next((gpu.index for gpu in gpus if gpu.uuid == gpu_uuid), None)
@@ -262,25 +206,21 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
     return device
 
 
-def nvml_devices(
-    lib: Any, uuids: Optional[Sequence[str]] = None, env: Optional[str] = None
-) -> tuple[list[NvmlDevice], list[int]]:
-    """The GPUs NVML numbers (``uuids=None``) or the devices with ``uuids`` (either form; MIG
-    instances too), and :func:`visible_gpu_indices` for ``env`` (``CUDA_VISIBLE_DEVICES`` when omitted).
-
-    NVML must be initialised. A device NVML refuses comes back with ``error`` set; only a failing
-    ``nvmlDeviceGetCount`` raises.
-    """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+def nvml_devices(lib: Any, uuids: Optional[Sequence[str]] = None) -> tuple[list[NvmlDevice], list[int]]:
+    """The GPUs NVML numbers, or the devices with ``uuids`` (MIG instances too), and :func:`visible_gpu_indices`;
+    a device NVML refuses comes back with ``error`` set, only a failing ``nvmlDeviceGetCount`` raises."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [_open(lib, [], index=index) for index in range(int(lib.nvmlDeviceGetCount()))]
-    devices = gpus
-    if uuids is not None:
-        devices = []
-        for uuid in uuids:
-            device = _open(lib, gpus, uuid=uuid)
-            if device.handle is None or all(device.uuid != other.uuid for other in devices):
-                devices.append(device)
-    entries = _visible_entries([gpu.uuid for gpu in gpus], env, _mig_parents(lib, env))
+    devices = gpus if uuids is None else []
+    for device in (_open(lib, gpus, uuid=uuid) for uuid in uuids or ()):
+        if device.handle is None or all(device.uuid != other.uuid for other in devices):
+            devices.append(device)
+    parents = {}  # MIG UUID -> its GPU's, for each MIG-<uuid> entry of CUDA_VISIBLE_DEVICES NVML resolves
+    for entry in (part.strip() for part in (env or "").split(",")):
+        if entry.startswith("MIG-") and not entry.startswith("MIG-GPU-"):
+            with contextlib.suppress(lib.NVMLError):
+                parents[entry] = _gpu_uuid(lib, lib.nvmlDeviceGetHandleByUUID(entry))
+    entries = _visible_entries([gpu.uuid for gpu in gpus], env, parents)
     if entries is None:
         return devices, list(range(len(gpus)))
     for device in devices:
@@ -289,22 +229,8 @@ def nvml_devices(
     return devices, [index for index, _ in entries]
 
 
-def _mig_parents(lib: Any, env: Optional[str]) -> dict[str, str]:
-    """MIG UUID -> its GPU's UUID, for each ``"MIG-<uuid>"`` entry of ``env`` NVML resolves."""
-    parents = {}
-    for entry in (part.strip() for part in (env or "").split(",")):
-        if entry.startswith("MIG-") and not entry.startswith("MIG-GPU-"):
-            with contextlib.suppress(lib.NVMLError):  # an entry NVML cannot resolve names no device
-                parents[entry] = _gpu_uuid(lib, lib.nvmlDeviceGetHandleByUUID(entry))
-    return parents
-
-
-# ----------------------------------------------------------------------------- queries
-
-
 def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
-    """``(utilisation %, memory used, memory total)`` of a device now; the utilisation is ``None``
-    where NVML has none (MIG). ``nvmlDeviceGetMemoryInfo``'s errors propagate."""
+    """``(utilisation % or None on MIG, memory used, memory total)`` of a device now."""
     memory = lib.nvmlDeviceGetMemoryInfo(handle)
     try:
         util: Optional[int] = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -314,9 +240,7 @@ def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
 
 
 def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
-    """The processes computing on the device (its MIG instances' included): ``pid``, ``name`` (the
-    executable's, ``"?"`` when NVML cannot tell), ``memory_bytes`` (``None`` when NVML has no figure).
-    NVML's errors propagate."""
+    """The processes computing on the device (its MIG instances' included): ``pid``, ``name``, ``memory_bytes``."""
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
         try:
@@ -333,17 +257,12 @@ def driver_versions(lib: Any) -> tuple[int, str]:
     return int(lib.nvmlSystemGetCudaDriverVersion()), _text(lib.nvmlSystemGetDriverVersion())
 
 
-# ----------------------------------------------------------------------------- the sampler
-
-
 class NvmlSampler:
     """Samples utilisation and memory of GPUs (or MIG instances) in a background thread.
 
     Args:
-        interval_s: seconds between samples (NVML averages utilisation over 1/6 s to 1 s, so
-            faster adds nothing).
-        uuids: the devices to sample, by UUID (either form); ``None``: every GPU NVML numbers
-            (MIG instances are only sampled when named).
+        interval_s: seconds between samples (NVML averages utilisation over 1/6 s to 1 s).
+        uuids: the devices to sample, by UUID; ``None``: every GPU NVML numbers (MIG instances only by UUID).
     """
 
     def __init__(self, interval_s: float = 0.5, uuids: Optional[Sequence[str]] = None) -> None:
@@ -361,25 +280,22 @@ class NvmlSampler:
 
     @property
     def visible_indices(self) -> list[int]:
-        """NVML indices of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible, in ``cuda:i`` order
-        (``[]`` before :meth:`start` or without a driver)."""
+        """NVML indices of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible, in ``cuda:i`` order."""
         return list(self._visible)
 
     def start(self) -> bool:
-        """Initialise NVML, find the devices and start sampling; ``False`` (NVML shut down again)
-        without a driver, when ``nvmlDeviceGetCount`` fails or when no device answers."""
+        """Initialise NVML, find the devices and start sampling; ``False`` when no device answers."""
         if self._thread is not None:
             return True
         self._devices, self._visible = [], []
         with contextlib.ExitStack() as session:
             lib, _ = session.enter_context(nvml_session())
-            if lib is None:
-                return False
-            try:
-                devices, visible = nvml_devices(lib, self.uuids)
-            except (lib.NVMLError, OSError):
-                return False
-            if all(device.handle is None for device in devices):
+            devices: list[NvmlDevice] = []
+            visible: list[int] = []
+            if lib is not None:
+                with contextlib.suppress(lib.NVMLError, OSError):
+                    devices, visible = nvml_devices(lib, self.uuids)
+            if all(device.handle is None for device in devices):  # no driver, no count, no device that answers
                 return False
             self._lib, self._devices, self._visible = lib, devices, visible
             self._sample_once()
@@ -407,26 +323,20 @@ class NvmlSampler:
                 device.stats.add(*reading)
                 device.window.add(*reading)
 
-    def _find(self, key: Union[str, int]) -> Optional[NvmlDevice]:
-        if isinstance(key, int):
-            return next((d for d in self._devices if d.index == key and not d.mig), None)
-        candidates = {candidate.lower() for candidate in _uuid_candidates(key)}
-        return next((d for d in self._devices if d.uuid.lower() in candidates), None)
-
     def take_window(self, key: Union[str, int]) -> tuple[Optional[float], Optional[float]]:
-        """``(mean utilisation %, max memory used fraction)`` of one device since the last call.
-
-        ``key``: its UUID (either form) or a GPU's NVML index. ``(None, None)`` for a device not
-        sampled or without a sample; the utilisation is ``None`` on a MIG instance.
-        """
-        device = self._find(key) if self._lib is not None else None
+        """``(mean utilisation %, max memory used fraction)`` of one device (by UUID or NVML index) since the
+        last call; ``(None, None)`` for a device not sampled or without a sample."""
+        if isinstance(key, int):
+            found = (d for d in self._devices if d.index == key and not d.mig)
+        else:
+            names = {candidate.lower() for candidate in _uuid_candidates(key)}
+            found = (d for d in self._devices if d.uuid.lower() in names)
+        device = next(found, None) if self._lib is not None else None
         if device is None:
             return None, None
         with self._lock:
             window, device.window = device.window, _Stats()
-        if not window.samples:
-            return None, None
-        return window.util_mean, window.memory_used_max / window.memory_total if window.memory_total else None
+        return window.util_mean, window.used_max / window.total if window.total else None
 
     def usage(self) -> list[GpuUsage]:
         """Each sampled device's figures over everything sampled so far, in order."""
@@ -434,8 +344,7 @@ class NvmlSampler:
             return [device.usage() for device in self._devices]
 
     def stop(self) -> list[GpuUsage]:
-        """Stop the thread, take a last sample, shut NVML down and return :meth:`usage`; safe to call
-        twice, and without a successful :meth:`start`."""
+        """Stop the thread, take a last sample, shut NVML down and return :meth:`usage`; safe to repeat."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5 * self.interval_s + 1)

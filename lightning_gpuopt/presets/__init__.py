@@ -1,23 +1,8 @@
 """Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files.
 
-A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment
-at its top is its description. A YAML file may extend a preset (or another file, relative to its own
-folder) with ``preset: NAME_OR_PATH`` and override some of its keys::
-
-    # my-team.yaml
-    preset: fill-memory
-    max_memory: 0.85
-
-Example::
-
-    >>> available_presets()
-    ['diagnose', 'fill-memory', 'low-memory', 'max-throughput']
-    >>> load_preset("fill-memory")["checkpointing"]
-    'auto'
-    >>> load_preset("no-such-preset")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown preset 'no-such-preset': expected one of 'diagnose', 'fill-memory', 'low-memory', 'max-throughput', or the path of a YAML file.
+A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment at its
+top is its description. A YAML file may extend a preset (or another file, relative to its own folder) with
+``preset: NAME_OR_PATH`` and override some of its keys.
 """
 
 from __future__ import annotations
@@ -42,16 +27,18 @@ PRESET_KEYS: dict[str, str] = {
     "margin": "headroom kept free: a size fits only if its peak stays within max_memory * (1 - margin)",
     "global_batch_size": "samples per optimizer step over all devices; default: batch size x accumulation x devices",
     "amp": "mixed precision: 'auto' (bf16-mixed / 16-mixed on GPUs, off on CPU), true, or false",
-    "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, "
-    "or a list of module class names",
+    "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, or a list of module class names",
     "accumulation": "gradient accumulation: 'auto' (as many steps as the global batch needs) or false",
     "objective": "'throughput' (largest micro-batch that fits) or 'memory' (smallest footprint)",
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
     "batch_arg_name": "where the batch size lives: attribute of the model, its hparams or the datamodule",
     "loader_max_seconds": "time budget of DataLoaderTuner, in seconds",
-    "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, "
-    "keep them) or 'raise'",
+    "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, keep them) or 'raise'",
 }
+
+
+def _expected() -> str:
+    return f"expected one of {', '.join(map(repr, available_presets()))}, or the path of a YAML file."
 
 
 def available_presets() -> list[str]:
@@ -60,12 +47,8 @@ def available_presets() -> list[str]:
 
 
 def preset_path(name_or_path: str | os.PathLike) -> Path:
-    """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file.
-
-    Raises:
-        ValueError: neither (the message lists the presets).
-    """
-    expected = f"expected one of {', '.join(map(repr, available_presets()))}, or the path of a YAML file."
+    """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file."""
+    expected = _expected()
     text = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text:
         raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
@@ -85,24 +68,13 @@ def preset_description(name_or_path: str | os.PathLike) -> str:
 
 
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved.
-
-    Raises:
-        ValueError: an unknown preset or key, a file that is not a YAML mapping (naming the file and the
-            line), or a cycle of ``preset:`` references (naming the chain).
-    """
+    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved; a ``ValueError`` names
+    the unknown preset or key, the file and line that is no YAML mapping, or the cycle of ``preset:`` lines."""
     return load_preset_with_sources(name_or_path)[0]
 
 
 def load_preset_with_sources(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Path]]:
-    """:func:`load_preset`'s settings, and for each key the file that set it.
-
-    Example::
-
-        >>> settings, sources = load_preset_with_sources("diagnose")
-        >>> settings["monitor"], sources["monitor"].name
-        (True, 'diagnose.yaml')
-    """
+    """:func:`load_preset`'s settings, and for each key the file that set it."""
     return _load_chain(preset_path(name_or_path), ())
 
 
@@ -118,17 +90,13 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     if base is None:
         return settings, sources
     if not isinstance(base, str) or not base:
-        raise ValueError(
-            f"`preset: {base!r}` in {path} is not a preset name or path: expected one of "
-            f"{', '.join(map(repr, available_presets()))}, or the path of a YAML file."
-        )
+        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
     relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
     base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
     return {**base_settings, **settings}, {**base_sources, **sources}
 
 
 def _read_settings(path: Path) -> dict[str, Any]:
-    """The mapping in a preset file; a ``ValueError`` naming the file (and the line) for anything else."""
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
@@ -139,9 +107,8 @@ def _read_settings(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"preset file {path} cannot be read: {error}.") from None
     if loaded is not None and not isinstance(loaded, dict):
-        raise ValueError(
-            f"preset file {path} holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
-        )
+        why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
+        raise ValueError(f"preset file {path} {why}")
     return dict(loaded or {})
 
 
@@ -149,7 +116,5 @@ def check_keys(settings: dict[str, Any], source: str) -> None:
     """Raise ``ValueError`` naming the unknown keys of ``settings`` (from ``source``) and the valid ones."""
     unknown = [key for key in settings if key not in PRESET_KEYS]
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join(map(repr, unknown))} in {source}: valid keys are "
-            f"{', '.join(PRESET_KEYS)} (and `preset` to extend a preset)."
-        )
+        why = f"valid keys are {', '.join(PRESET_KEYS)} (and `preset` to extend a preset)."
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in {source}: {why}")

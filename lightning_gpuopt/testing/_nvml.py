@@ -1,21 +1,6 @@
-"""A fake NVML: :class:`FakeNvml` answers the ``pynvml`` calls lightning-gpuopt makes, over fake devices.
-
-Install one with :func:`lightning_gpuopt.core.nvml.using_nvml_library`. Like real NVML: a call before
-``nvmlInit`` (or after the last ``nvmlShutdown``; both are counted) raises ``NVMLError_Uninitialized``;
-MIG instances are not counted by ``nvmlDeviceGetCount`` nor numbered by ``nvmlDeviceGetHandleByIndex``;
-``nvmlDeviceGetHandleByUUID`` wants the prefix; errors are ``pynvml``'s own classes. A handle is the
-:class:`FakeNvmlDevice` itself.
-
-Example::
-
-    >>> nvml = FakeNvml([FakeNvmlDevice("NVIDIA T4", "GPU-4b1c", memory_total=16 << 30, utilization=lambda: 87)])
-    >>> nvml.nvmlInit()
-    >>> nvml.nvmlDeviceGetUtilizationRates(nvml.nvmlDeviceGetHandleByIndex(0)).gpu
-    87
-    >>> nvml.nvmlShutdown()
-    >>> nvml.calls["nvmlInit"], nvml.calls["nvmlShutdown"], nvml.initialised
-    (1, 1, 0)
-"""
+"""A fake NVML (install it with :func:`lightning_gpuopt.core.nvml.using_nvml_library`): :class:`FakeNvml` answers
+the ``pynvml`` calls lightning-gpuopt makes as NVML does (uninitialised calls, MIG instances without an index,
+``pynvml``'s error classes), over :class:`FakeNvmlDevice` handles."""
 
 from __future__ import annotations
 
@@ -27,27 +12,24 @@ from typing import Any, Callable, Optional, Union
 
 import pynvml
 
-#: ``FakeNvmlDevice.error`` values and the NVML return codes they raise
-DEVICE_ERRORS = {"no-permission": pynvml.NVML_ERROR_NO_PERMISSION, "not-supported": pynvml.NVML_ERROR_NOT_SUPPORTED}
+_DEVICE_ERRORS = {"no-permission": pynvml.NVML_ERROR_NO_PERMISSION, "not-supported": pynvml.NVML_ERROR_NOT_SUPPORTED}
 
-Reading = Union[int, Callable[[], int]]
+_Reading = Union[int, Callable[[], int]]
 
 
 @dataclass(eq=False)
 class FakeNvmlDevice:
     """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``).
 
-    ``memory_used`` and ``utilization`` (%) are read at every query (an int, or a callable);
-    ``utilization=None`` makes NVML answer ``NotSupported`` (MIG) while memory is still read.
-    ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it
-    (no-permission also ``nvmlDeviceGetHandleByIndex``). ``processes``: ``(pid, used bytes)``.
+    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at
+    every query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it.
     """
 
     name: str
     uuid: str
     memory_total: int
-    memory_used: Reading = 0
-    utilization: Optional[Reading] = 0
+    memory_used: _Reading = 0
+    utilization: Optional[_Reading] = 0
     error: Optional[str] = None
     mig: bool = False
     processes: list[tuple[int, int]] = field(default_factory=list)
@@ -57,22 +39,21 @@ class FakeNvmlDevice:
         prefix = "MIG-" if self.mig else "GPU-"
         if not self.uuid.startswith(prefix):
             raise ValueError(f"uuid={self.uuid!r}: a {'MIG instance' if self.mig else 'GPU'} has a {prefix!r} UUID")
-        if self.error is not None and self.error not in DEVICE_ERRORS:
-            raise ValueError(f"error={self.error!r}: use None or one of {sorted(DEVICE_ERRORS)}")
+        if self.error is not None and self.error not in _DEVICE_ERRORS:
+            raise ValueError(f"error={self.error!r}: use None or one of {sorted(_DEVICE_ERRORS)}")
         if self.parent is not None and not self.mig:
             raise ValueError("parent= is for a MIG instance (mig=True)")
 
 
-def _read(value: Reading) -> int:
+def _read(value: _Reading) -> int:
     return int(value() if callable(value) else value)
 
 
 class FakeNvml:
     """A stand-in for the ``pynvml`` module over ``devices`` (GPUs are numbered in list order).
 
-    ``process_names``: pid -> ``nvmlSystemGetProcessName`` (another pid raises ``NotFound``);
-    ``failures``: call name -> the exception it raises (change it any time); ``calls``: a ``Counter``
-    of calls by name, failed ones included; ``initialised``: successful inits minus shutdowns.
+    ``process_names``: pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises
+    (change it any time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns.
     """
 
     NVMLError = pynvml.NVMLError
@@ -99,7 +80,7 @@ class FakeNvml:
         self._lock = threading.Lock()
 
     def _enter(self, call: str, handle: Any = None) -> Any:
-        """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``, if any."""
+        """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``."""
         with self._lock:
             self.calls[call] += 1
             failure, initialised = self.failures.get(call), self.initialised
@@ -112,7 +93,7 @@ class FakeNvml:
         if handle not in self.devices:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if handle.error is not None:
-            raise pynvml.NVMLError(DEVICE_ERRORS[handle.error])
+            raise pynvml.NVMLError(_DEVICE_ERRORS[handle.error])
         return handle
 
     def nvmlInit(self) -> None:
@@ -178,20 +159,18 @@ class FakeNvml:
         return str(self._enter("nvmlDeviceGetName", handle).name)
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> SimpleNamespace:
-        """``.total``, ``.used`` and ``.free`` in bytes, like ``c_nvmlMemory_t``."""
         device = self._enter("nvmlDeviceGetMemoryInfo", handle)
         used = _read(device.memory_used)
         return SimpleNamespace(total=device.memory_total, used=used, free=device.memory_total - used)
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> SimpleNamespace:
-        """``.gpu`` (the device's utilisation) and ``.memory`` (0), like ``c_nvmlUtilization_t``."""
         device = self._enter("nvmlDeviceGetUtilizationRates", handle)
         if device.utilization is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(gpu=_read(device.utilization), memory=0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[SimpleNamespace]:
-        """The processes (``pid``, ``usedGpuMemory``) on the device and, for a GPU, on its MIG instances."""
+        """The processes on the device and, for a GPU, on its MIG instances."""
         device = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
         owners = [device, *(child for child in self.devices if child.mig and child.parent == device.uuid)]
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for owner in owners for pid, used in owner.processes]
