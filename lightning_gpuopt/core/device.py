@@ -1,24 +1,14 @@
 """The device layer: the one module that calls ``torch.cuda`` (NVML lives in :mod:`.nvml`).
 
-:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM from
-``psutil.virtual_memory()``, capped by the cgroup limit psutil ignores; memory counted by a
-:class:`~.op_memory.LiveTensorTracker`), a real card (:class:`CudaDevice`, each method one documented
-``torch.cuda`` call), or the simulated card in force (:func:`simulating`, the seam
-:class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). A device answers capacity, free,
-allocated and reserved bytes, a meter of a span's peak (:meth:`Device.peak_meter`; the process-wide
-peak counters other tools read are never reset), a cap that raises ``torch.OutOfMemoryError``
-(:meth:`Device.memory_cap`; on CUDA on *reserved* memory, through the per-process memory fraction),
-timing events, its NVML UUID and its :class:`Capabilities`.
+:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM from psutil, capped by
+the cgroup limit psutil ignores; memory counted by a :class:`~.op_memory.LiveTensorTracker`), a real
+card (:class:`CudaDevice`), or the simulated card in force (:func:`simulating`, the seam
+:class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process-wide peaks.
 
-Example::
-
-    >>> device = device_for("cpu")
-    >>> device.is_cuda, device.type, device.capabilities.native_bf16
-    (False, 'cpu', False)
-    >>> with device.peak_meter() as meter:
-    ...     x = torch.zeros(1000)
-    >>> meter.peak_bytes
-    4000
+>>> with device_for("cpu").peak_meter() as meter:
+...     x = torch.zeros(1000)
+>>> meter.peak_bytes
+4000
 """
 
 from __future__ import annotations
@@ -41,13 +31,7 @@ _CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memor
 
 
 def _host_memory_bytes(available: bool = False) -> int:
-    """The host's RAM, or with ``available`` what can be allocated now without swapping; at most the cgroup limit.
-
-    Example::
-
-        >>> 0 < _host_memory_bytes(available=True) <= _host_memory_bytes()
-        True
-    """
+    """The host's RAM, or with ``available`` what can be allocated now; at most the cgroup limit."""
     memory = psutil.virtual_memory()
     num_bytes = int(memory.available if available else memory.total)
     for path in _CGROUP_MEMORY_LIMIT_FILES:
@@ -66,25 +50,18 @@ class Capabilities:
 
     name: str
     compute_capability: Optional[tuple[int, int]] = None
-    #: bfloat16 in hardware (8.0 and up); not ``is_bf16_supported()``, which counts emulation
-    native_bf16: bool = False
-    #: TF32 tensor cores (8.0 and up)
-    tf32: bool = False
-    #: a MIG instance (NVML reports no utilisation for it)
-    mig: bool = False
-    #: bytes of the cuBLAS workspace (one per handle and stream, through the caching allocator) once a
-    #: matmul ran: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0 on (torch's defaults)
+    native_bf16: bool = False  #: bfloat16 in hardware (8.0 and up), not ``is_bf16_supported()``'s emulation
+    tf32: bool = False  #: TF32 tensor cores (8.0 and up)
+    mig: bool = False  #: a MIG instance (NVML reports no utilisation for it)
+    #: the cuBLAS workspace once a matmul ran: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0 on
     cublas_workspace_bytes: int = 0
 
     @classmethod
     def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
-        """The capabilities of a CUDA card of compute ``capability``.
+        """The capabilities of a CUDA card of compute ``capability`` (torch's cuBLAS workspace defaults).
 
-        Example::
-
-            >>> caps = Capabilities.of_cuda("Tesla T4", (7, 5))
-            >>> caps.native_bf16, caps.cublas_workspace_bytes, Capabilities.of_cuda("H100", (9, 0)).cublas_workspace_bytes // 2**20
-            (False, 8519680, 32)
+        >>> Capabilities.of_cuda("Tesla T4", (7, 5)).cublas_workspace_bytes, Capabilities.of_cuda("H100", (9, 0)).tf32
+        (8519680, True)
         """
         ampere = capability >= (8, 0)
         cublas = 32 * 2**20 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
@@ -147,15 +124,8 @@ class Device:
         return None
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        """What a training step can use: free memory plus what torch holds already (on a card all it
-        has reserved; on the host the storages of ``existing``, e.g. the model and optimizer).
-
-        Example::
-
-            >>> model = torch.nn.Linear(100, 100)
-            >>> device_for("cpu").usable_memory([model]) >= storage_bytes(model)
-            True
-        """
+        """Free memory plus what torch holds already (on a card all it has reserved; on the host the
+        storages of ``existing``, e.g. the model and optimizer)."""
         reserved = self.reserved_memory()
         if reserved is not None:
             return self.free_memory() + reserved
@@ -241,11 +211,9 @@ class CudaDevice(Device):
 
 
 class _CudaPeakMeter(AllocationWindow):
-    """The peak allocated in a span: the allocated bytes at start plus the largest rise of the
-    profiler's allocator events (``max_memory_allocated``, an upper bound, when another profiler
-    runs). Reserved memory only grows between ``empty_cache`` calls: its peak is the larger of the
-    reserved bytes at start and at stop. With ``max_bytes`` the span may reserve at most that much
-    (the per-process memory fraction, put back on stop)."""
+    """The allocated bytes at start plus the largest rise of the profiler's allocator events
+    (``max_memory_allocated`` when another profiler runs); reserved memory only grows between
+    ``empty_cache`` calls. ``max_bytes`` caps the span's reserved memory (the per-process memory fraction)."""
 
     def __init__(self, device: CudaDevice, max_bytes: Optional[int] = None) -> None:
         super().__init__("cuda", device.index)
@@ -274,8 +242,6 @@ class _CudaPeakMeter(AllocationWindow):
                 torch.cuda.set_per_process_memory_fraction(self._fraction, where)
                 self._fraction = None
 
-
-# ----------------------------------------------------------------------------- choosing a device
 
 _simulations: list[Device] = []
 
@@ -327,13 +293,7 @@ def cuda_rng_in_use() -> bool:
 
 
 def device_for(device: torch.device | str | int | None = None) -> Device:
-    """The :class:`Device` of a torch device (``None``: the host; an int: that CUDA card).
-
-    Example::
-
-        >>> type(device_for("cpu")).__name__, type(device_for(torch.device("meta"))).__name__
-        ('Device', 'Device')
-    """
+    """The :class:`Device` of a torch device (``None``: the host; an int: that CUDA card)."""
     if device is None:
         device = torch.device("cpu")
     elif isinstance(device, int):
@@ -348,19 +308,15 @@ def device_for(device: torch.device | str | int | None = None) -> Device:
 
 
 def release_memory() -> None:
-    """Free what a failed step left: collect garbage and return the card's cached blocks.
-
-    Call it outside the ``except`` block that caught the error, so that the traceback (and the
-    failed step's tensors its frames hold) is gone first.
-    """
+    """Collect garbage and return the card's cached blocks; call it outside the ``except`` block that
+    caught an OOM, so that the traceback (and the failed step's tensors) is gone first."""
     gc.collect()
     if _simulations or cuda_rng_in_use():
         device_for("cuda").empty_cache()
 
 
 class HostEvent:
-    """A timing event taken on the host clock: the device clock of a device that runs every op
-    synchronously on the host (the simulated card)."""
+    """A timing event on the host clock: the device clock of the simulated card (its ops run on the host)."""
 
     def __init__(self) -> None:
         self.time_s = time.perf_counter()

@@ -1,34 +1,20 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory) under a
-:class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, in Lightning's order (forward in
-``step_context``, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a twin of each
-optimizer): the second step starts with the first one's gradients and optimizer state alive. The
-peak (on CUDA in the caching allocator's 512-byte blocks) traced at ``B`` and ``2B`` gives the line
-``fixed_bytes + bytes_per_sample * b`` and the largest batch for a capacity; :meth:`~StepEstimator.refined`
-re-traces it near that batch (the peak is convex piecewise-linear in the batch).
+:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory, nothing
+changed) in Lightning's order (forward, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a
+twin of each optimizer): the second starts with the first one's gradients and optimizer state alive.
+The peak traced at ``B`` and ``2B`` gives the line ``fixed_bytes + bytes_per_sample * b``, which
+:meth:`~StepEstimator.refined` re-traces near the largest batch (the peak is convex piecewise-linear).
+Host kernels' workspaces are learned from one small real step (:mod:`.workspace`); on CUDA the cuBLAS
+workspace and :attr:`TrainingStep.untraced` are added as ``untraced_bytes``. A step that cannot be
+traced gets torchinfo's figures plus parameters, gradients and optimizer state by rule instead.
 
-What kernels allocate inside themselves (oneDNN's reorders, BatchNorm's backward temporaries) is
-learned for a step on the host from one small real step (:mod:`.workspace`) and added to every
-trace. On CUDA the cuBLAS workspace and :attr:`TrainingStep.untraced` (DDP's gradient buckets) are
-added as ``untraced_bytes``; cuDNN's workspaces and the CUDA context are not counted. Nothing is
-allocated on the device and nothing changes (parameters, buffers, gradients, attributes, RNG
-states). A step that cannot be traced (``.item()``, data-dependent control flow, an op without a
-fake kernel) gets torchinfo's figures plus parameters, gradients and :func:`optimizer_state_rule_bytes`
-instead, and :attr:`MemoryEstimate.not_traced_reason` says why.
-
-Example::
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    >>> batch = (torch.randn(16, 32), torch.randn(16, 1))
-    >>> step = TrainingStep(model, batch, loss_fn=lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]),
-    ...                     optimizers=[torch.optim.Adam(model.parameters())], batch_size=16, forward_input=batch[0])
-    >>> estimate = StepEstimator(step).estimate(capacity_bytes=10**6)
-    >>> estimate.method, estimate.optimizer_bytes >= 2 * estimate.params_bytes  # exp_avg, exp_avg_sq, step
-    ('traced', True)
-    >>> estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
-    True
+>>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+>>> step = TrainingStep(model, torch.randn(16, 32), lambda x: model(x).sum(), batch_size=16,
+...                     optimizers=[torch.optim.Adam(model.parameters())])
+>>> estimate = StepEstimator(step).estimate(capacity_bytes=10**6)
+>>> estimate.method, estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
+('traced', True)
 """
 
 from __future__ import annotations
@@ -48,12 +34,11 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torchinfo
 
-from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, tree_leaves, tree_map
+from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, profiler_running, tree_map
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, host_only
-from lightning_gpuopt.core.op_memory import learning_possible, storage_bytes
+from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
-LossFn = Callable[[Any], torch.Tensor]
 #: a whole step under manual optimization, ``(batch, optimizers) -> None``: its own backward passes and steps
 ManualStep = Callable[[Any, list], None]
 StepContext = Callable[[], ContextManager[Any]]
@@ -69,22 +54,20 @@ class TrainingStep:
 
     module: torch.nn.Module
     batch: Any
-    #: ``batch -> loss``: the forward pass and the loss (unused with ``manual_step``)
-    loss_fn: LossFn | None = None
-    #: the whole step under manual optimization, run with twins of ``optimizers`` in place of ``loss_fn``
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  #: ``batch -> loss`` (unused with ``manual_step``)
+    #: the whole step under manual optimization, run with twins of ``optimizers``
     manual_step: ManualStep | None = None
-    #: the real optimizers (twins of the same class and param-group options step); none: no optimizer step
+    #: the real optimizers (twins of the same class and param-group options step)
     optimizers: Sequence[torch.optim.Optimizer] = ()
     #: the batch size of ``batch`` (its tensors with that first dimension are resized); ``None``: no line
     batch_size: int | None = None
     #: what the forward pass runs in (e.g. autocast; for a CUDA run traced on the host see :func:`host_step_context`)
     step_context: StepContext = contextlib.nullcontext
-    #: where the step will run (default: the module's device): CUDA counts 512-byte blocks and the cuBLAS workspace
+    #: where the step will run (default: the module's device): CUDA counts 512-byte blocks and cuBLAS
     device: torch.device | str | None = None
     #: above 1 the gradients of earlier micro-batches are alive through the next forward and backward pass
     accumulate_grad_batches: int = 1
-    #: what ``module.forward`` takes, for torchinfo's figures (``None``: none)
-    forward_input: Any = None
+    forward_input: Any = None  #: what ``module.forward`` takes, for torchinfo's figures
     #: memory the real step holds outside the traced one, as ``(reason, bytes)``: e.g. DDP's gradient buckets
     untraced: Sequence[tuple[str, int]] = ()
 
@@ -95,7 +78,7 @@ class TrainingStep:
 
 @dataclass
 class TracedStep:
-    """Figures of one traced step at ``batch_size``, in bytes as live at its end (``peak_bytes``: its peak)."""
+    """Figures of one traced step, in bytes as live at its end (``peak_bytes``: its peak)."""
 
     batch_size: int | None
     peak_bytes: int
@@ -172,15 +155,7 @@ class MemoryEstimate:
         )
 
     def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
-        """Memory the real step holds outside the traced one, added.
-
-        Example::
-
-            >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
-            >>> after = before.with_untraced_bytes(10, "DDP gradient buckets")
-            >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size, after.notes
-            (55, 10, 50, ['DDP gradient buckets: 10 bytes'])
-        """
+        """Memory the real step holds outside the traced one, added."""
         return self._with_fixed_bytes_added(
             untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=self.untraced_bytes + untraced_bytes
         )
@@ -198,8 +173,7 @@ class MemoryEstimate:
 
 
 class StepEstimator:
-    """Predicts the peak memory of ``step``; its kernel workspaces (:attr:`workspaces`) are learned once,
-    on first use, for every trace (``workspaces=False``: none counted)."""
+    """Predicts the peak memory of ``step`` (``workspaces=False``: no kernel workspaces counted)."""
 
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
         self.step = step
@@ -224,11 +198,8 @@ class StepEstimator:
                 untraced.insert(0, (reason, card.capabilities.cublas_workspace_bytes))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
-            uses = (
-                "torchinfo's figures"
-                if summary is not None
-                else "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
-            )
+            only = "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
+            uses = only if summary is None else "torchinfo's figures"
             notes.append(
                 f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
                 f"{uses} and is less accurate"
@@ -258,21 +229,17 @@ class StepEstimator:
         return estimate
 
     def refined(self, estimate: MemoryEstimate, passes: int = 2) -> MemoryEstimate:
-        """``estimate`` (of this step) with its line re-traced near its largest batch: the line through
-        ``B`` and ``2B`` can be too flat and overshoot (at small batches the optimizer step can set the
-        peak). Each pass traces half the largest batch and the largest batch, counts the estimate's
-        ``untraced_bytes`` and solves the new line for its capacity; it stops when the answer no
-        longer moves or falls below 4. The predicted peak at the batch size stays as traced.
+        """``estimate`` with its line re-traced at half the largest batch and the largest batch, up to
+        ``passes`` times, until the answer stops moving (the line through ``B`` and ``2B`` can be too
+        flat: at small batches the optimizer step can set the peak). The peak at ``B`` stays as traced.
 
-        Example::
-
-            >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-            >>> step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
-            ...                     optimizers=[torch.optim.Adam(model.parameters())])
-            >>> estimator = StepEstimator(step)
-            >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
-            >>> refined.max_batch_size, refined.notes[-1]  # at 4 and 8 Adam's step sets the peak: the line is too flat
-            (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        >>> step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
+        ...                     optimizers=[torch.optim.Adam(model.parameters())])
+        >>> estimator = StepEstimator(step)
+        >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
+        >>> refined.max_batch_size, refined.notes[-1]
+        (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')
         """
         first = predicted = estimate.max_batch_size
         if estimate.method != "traced" or not self.step.batch_size or not predicted:
@@ -292,10 +259,8 @@ class StepEstimator:
             predicted = refined
         if fixed is None:
             return estimate
-        size = self.step.batch_size
-        note = (
-            f"the line was re-traced near the limit (the line through batch sizes {size} and {2 * size} gave {first:,})"
-        )
+        b = self.step.batch_size
+        note = f"the line was re-traced near the limit (the line through batch sizes {b} and {2 * b} gave {first:,})"
         return replace(
             estimate,
             fixed_bytes=fixed,
@@ -307,21 +272,8 @@ class StepEstimator:
 
     def trace(self, batch_size: int | None = None) -> TracedStep:
         """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces.
-
-        With ``accumulate_grad_batches`` above 1 the gradients are set to ``None`` only before the first
-        backward: the second step accumulates onto the first one's gradients and the optimizer steps
-        after each, so it is the worst micro-batch of any group (gradients and optimizer state alive,
-        then the optimizer's step). Raises what the step raises (e.g. ``DataDependentOutputException``).
-
-        Example::
-
-            >>> model = torch.nn.Linear(100, 10)
-            >>> step = TrainingStep(model, torch.ones(8, 100), lambda x: model(x).sum(),
-            ...                     optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)], batch_size=8)
-            >>> traced = StepEstimator(step).trace(1000)
-            >>> traced.params_bytes == traced.grads_bytes == 4040, traced.optimizer_bytes, traced.batch_bytes
-            (True, 0, 400000)
-        """
+        With gradient accumulation the second step accumulates onto the first one's gradients: the
+        worst micro-batch of a group. Raises what the step raises."""
         step, start = self.step, time.perf_counter()
         target = _module_device(step.module) if step.device is None else torch.device(step.device)
         granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
@@ -353,29 +305,16 @@ class StepEstimator:
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
-        """What each op call of the step allocates inside its kernel, from one real forward and backward
-        on the host at ``min(batch_size, PROBE_BATCH_SIZE)`` samples (the first rows of the batch).
-
-        It runs on copies of the parameters and buffers: the model, its gradients and hooks (DDP's),
-        BatchNorm's statistics, attributes, RNG states and optimizers are not touched, and what it
-        allocates is freed on return. ``None`` off the host or for a step that will run elsewhere (on
-        CUDA, cuDNN and cuBLAS choose their own workspaces); ``failure`` set when it could not run.
-
-        Example::
-
-            >>> conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
-            >>> stats = conv[1].running_mean.clone()
-            >>> step = TrainingStep(conv, torch.randn(64, 3, 16, 16), lambda x: conv(x).sum(), batch_size=64)
-            >>> profile = StepEstimator(step).workspaces
-            >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
-            (16, True, True)
-        """
+        """What the step's kernels allocate, from one real forward and backward on the host at
+        ``min(batch_size, PROBE_BATCH_SIZE)`` samples, on copies of the parameters and buffers (nothing
+        is touched). ``None`` off the host or for a step that will run elsewhere."""
         step = self.step
-        off_host = step.device is not None and torch.device(step.device).type != "cpu"
-        if not self._learns_workspaces or off_host or not _on_host(step.module, step.batch):
+        elsewhere = step.device is not None and torch.device(step.device).type != "cpu"
+        tensors = collect_tensors(step.module, step.batch)
+        if not self._learns_workspaces or elsewhere or any(t.device.type != "cpu" for t in tensors):
             return None
         size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
-        if not learning_possible():
+        if profiler_running():
             return WorkspaceProfile(batch_size=size, failure="another profiler is running")
         start = time.perf_counter()
         small_batch = sliced_batch(step.batch, step.batch_size, size)
@@ -494,22 +433,8 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
     del loss
 
 
-# ----------------------------------------------------------------------------- twins of the model and the batch
-
-
 def _module_device(module: torch.nn.Module) -> torch.device:
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _on_host(*objects: Any) -> bool:
-    """Whether every tensor of ``objects`` (of a module: its parameters and buffers) is on the host."""
-    for obj in objects:
-        tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tree_leaves(obj)
-        if any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors):
-            return False
-    return True
+    return next((tensor.device for tensor in (*module.parameters(), *module.buffers())), torch.device("cpu"))
 
 
 _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict)
@@ -531,15 +456,13 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
     """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
     (re)bindings and the contents of list, dict and set attributes, nested ones included.
 
-    Example::
-
-        >>> model = torch.nn.Linear(2, 2)
-        >>> model.outputs = {"train": []}
-        >>> with restored_attributes(model):
-        ...     model.outputs["train"].append(1.0)
-        ...     model.step_count = 1
-        >>> model.outputs, hasattr(model, "step_count")
-        ({'train': []}, False)
+    >>> model = torch.nn.Linear(2, 2)
+    >>> model.outputs = {"train": []}
+    >>> with restored_attributes(model):
+    ...     model.outputs["train"].append(1.0)
+    ...     model.step_count = 1
+    >>> model.outputs, hasattr(model, "step_count")
+    ({'train': []}, False)
     """
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
@@ -555,10 +478,8 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
             else:
                 value.update(content)
         for owner, attributes in saved:
-            current = vars(owner)
-            for name in [name for name in current if name not in attributes]:
-                del current[name]
-            current.update(attributes)
+            vars(owner).clear()
+            vars(owner).update(attributes)
 
 
 @contextlib.contextmanager
@@ -608,13 +529,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, Any]) -> torch.optim.Optimizer:
     """An optimizer of the same class and param-group options over the twins of its parameters."""
-    groups = [
-        {
-            **{key: value for key, value in group.items() if key != "params"},
-            "params": [twin_of[id(p)] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
+    groups = [{**group, "params": [twin_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     # a subclass of Optimizer: its __init__ takes the groups alone (Optimizer's own also wants defaults)
     optimizer_class: Callable[..., torch.optim.Optimizer] = type(optimizer)
     return optimizer_class(groups)
@@ -641,11 +556,9 @@ def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None)
     """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views);
     the batch as it is for ``new_batch_size=None``.
 
-    Example::
-
-        >>> small = sliced_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}, 8, 2)
-        >>> {key: tuple(value.shape) for key, value in small.items()}
-        {'x': (2, 3), 'y': (2,), 'w': (3,)}
+    >>> small = sliced_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}, 8, 2)
+    >>> {key: tuple(value.shape) for key, value in small.items()}
+    {'x': (2, 3), 'y': (2,), 'w': (3,)}
     """
     cut = new_batch_size is not None
     return tree_map(lambda v: v[:new_batch_size] if cut and _is_batched(v, batch_size) else v, batch)
@@ -653,21 +566,11 @@ def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None)
 
 def host_step_context(precision: str) -> StepContext:
     """The step context for tracing on the host a step that will run in ``precision`` on a card: a CPU
-    autocast of the same dtype (a CUDA autocast does nothing to host tensors).
-
-    Example::
-
-        >>> with host_step_context("16-mixed")():
-        ...     torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype
-        torch.float16
-    """
+    autocast of the same dtype (a CUDA autocast does nothing to host tensors)."""
     if precision in ("bf16-mixed", "16-mixed"):
         dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
         return lambda: torch.autocast("cpu", dtype=dtype)
     return contextlib.nullcontext
-
-
-# ----------------------------------------------------------------------------- torchinfo and the rules
 
 
 def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, float]:
@@ -675,7 +578,7 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
     and its seconds: on fake tensors, else on real ones (torchinfo's ``no_grad`` and eval mode);
     torchinfo moves nothing."""
     module, forward_input, context = step.module, step.forward_input, step.step_context
-    size = next((int(t.shape[0]) for t in tree_leaves(forward_input) if isinstance(t, torch.Tensor) and t.dim()), None)
+    size = next((int(t.shape[0]) for t in collect_tensors(forward_input) if t.dim()), None)
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
@@ -695,13 +598,7 @@ def optimizer_state_rule_bytes(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
 ) -> int | None:
     """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x with amsgrad), SGD 1x with
-    momentum, 0 without; summed over several; ``None`` when one has no rule.
-
-    Example::
-
-        >>> optimizer_state_rule_bytes(torch.optim.Adam(torch.nn.Linear(10, 10).parameters()))
-        880
-    """
+    momentum, 0 without; summed over several; ``None`` when one has no rule."""
     if not isinstance(optimizers, torch.optim.Optimizer):
         rules = [optimizer_state_rule_bytes(one) for one in optimizers or ()]
         return None if None in rules else sum(rules)  # type: ignore[arg-type]

@@ -1,23 +1,10 @@
 """Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-* :func:`collect_tensors`, :func:`storage_bytes`: the tensors objects hold, and the bytes of their
-  distinct storages (a view shares its base's storage).
-* :func:`call_learning_allocations`: a count of storages misses the buffers a kernel allocates and
-  frees inside itself (oneDNN reorders, sorting scratch, attention buffers); the profiler
-  (``profile_memory``) sees them. An op is run once under it and the sequence of its allocations and
-  frees kept (:class:`OpAllocations`), keyed by the op, the intra-op threads and its arguments'
-  metadata, for later calls to reuse. The profiler is never started while another runs (that
-  call's allocations are then unknown).
-* :class:`SpanMeter`: the one meter interface, of every device (:meth:`.device.Device.peak_meter`);
-  :class:`LiveTensorTracker` is the host's, :class:`AllocationWindow` a window of profiler events.
-
-Example::
-
-    >>> x, w = torch.randn(8, 3, 16, 16), torch.randn(4, 3, 3, 3)
-    >>> out, allocations = call_learning_allocations(torch.ops.aten.convolution.default,
-    ...                                              (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {})
-    >>> allocations.peak_bytes >= out.untyped_storage().nbytes()   # the output, and any workspace
-    True
+A count of storages (:func:`storage_bytes`) misses the buffers a kernel allocates and frees inside
+itself (oneDNN reorders, sorting scratch); the profiler sees them. :func:`call_learning_allocations`
+runs an op once under it and keeps its allocations (:class:`OpAllocations`), keyed by the op, the
+intra-op threads and its arguments' metadata, for later calls; never while another profiler runs.
+:class:`SpanMeter` is every device's meter interface; :class:`LiveTensorTracker` is the host's.
 """
 
 from __future__ import annotations
@@ -43,14 +30,8 @@ from lightning_gpuopt.core.search import round_up
 
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``objects``: tensors, modules (parameters, gradients, buffers), optimizers (state),
-    also inside lists, tuples and dicts.
-
-    Example::
-
-        >>> len(list(collect_tensors(torch.nn.Linear(2, 3), [torch.zeros(1)])))
-        3
-    """
+    """The tensors in ``objects`` (also in lists, tuples, dicts): tensors, modules (parameters,
+    gradients, buffers), optimizers (state)."""
     for leaf in tree_leaves(objects):
         if isinstance(leaf, torch.Tensor):
             yield leaf
@@ -89,14 +70,8 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
 
 
 def is_real_host_call(tree: Any) -> bool:
-    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (no fake
-    tensor, no tensor or ``torch.device`` of another device, meta included).
-
-    Example::
-
-        >>> is_real_host_call(((torch.zeros(2), 3), {})), is_real_host_call(((torch.zeros(2, device="meta"),), {}))
-        (True, False)
-    """
+    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (nothing
+    fake, nothing on or for another device, meta included)."""
     for leaf in tree_leaves(tree):
         if isinstance(leaf, FakeTensor):
             return False
@@ -130,14 +105,7 @@ _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch
 
 
 def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata.
-
-    Example::
-
-        >>> a, b = torch.ones(2, 3), torch.zeros(2, 3)
-        >>> _op_key(torch.ops.aten.add.Tensor, (a, a), {}) == _op_key(torch.ops.aten.add.Tensor, (b, b), {})
-        True
-    """
+    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata."""
 
     def key(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
@@ -169,11 +137,6 @@ def _allocations_from(records: list) -> OpAllocations:
     return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
-def learning_possible() -> bool:
-    """Whether an op can be profiled now (no other profiler is running)."""
-    return not profiler_running()
-
-
 def call_learning_allocations(
     func: Callable[..., Any], args: tuple, kwargs: Optional[dict]
 ) -> tuple[Any, Optional[OpAllocations]]:
@@ -182,7 +145,7 @@ def call_learning_allocations(
     kwargs = kwargs or {}
     key = _op_key(func, args, kwargs)
     known = _templates.get(key)
-    if known is not None or not learning_possible():
+    if known is not None or profiler_running():
         return func(*args, **kwargs), known
     start_allocation_events()
     try:
@@ -238,35 +201,23 @@ class SpanMeter:
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     """The host's meter: the bytes of live tensor storages, counted op by op, with an optional cap.
 
-    A storage counts once, by its ``nbytes``, from the op that made it (or from the start, for the
-    tensors of ``existing``) until it dies; views and in-place ops add nothing; tensors alive before
-    the start and not in ``existing`` are not counted. With ``workspaces``, a real host op also
-    counts, while it runs, the peak of what its kernel allocates (:func:`call_learning_allocations`):
-    the peak and the cap are the allocator's. An op whose new bytes would pass ``max_bytes`` raises
-    ``torch.OutOfMemoryError`` ("CUDA out of memory ..."). Stopping, also on an exception, drops the
-    tracked state (``live_bytes`` is 0 again, ``peak_bytes`` kept).
+    A storage counts from the op that made it (or from the start, for ``existing``) until it dies;
+    views and in-place ops add nothing. With ``workspaces``, a real host op also counts the peak its
+    kernel allocates while it runs (:func:`call_learning_allocations`). An op whose new bytes would
+    pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory ...").
 
     Args:
         max_bytes: the cap (``None``: none).
-        existing: objects whose tensors count from the start: modules (parameters, gradients,
-            buffers), optimizers (state), batches (see :func:`collect_tensors`).
+        existing: objects whose tensors count from the start (see :func:`collect_tensors`).
         device: count only tensors on this device (``None``: every device).
         granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
         baseline_bytes: a fixed amount counted as live (memory held outside tensors).
-        workspaces: ``False`` counts storages alone (fake tensors, the estimate's traces, always are).
+        workspaces: ``False`` counts storages alone (fake tensors always are).
 
-    Example::
-
-        >>> with LiveTensorTracker() as tracker:
-        ...     x = torch.ones(256)
-        ...     y = x * 2                 # the kernel also wraps the 2 in a tensor: 8 + 4 bytes
-        >>> tracker.peak_bytes            # two 1024-byte storages and the multiplication's 12
-        2060
-        >>> with LiveTensorTracker(workspaces=False) as storages_only:
-        ...     x = torch.ones(256)
-        ...     y = x * 2
-        >>> storages_only.peak_bytes
-        2048
+    >>> with LiveTensorTracker() as tracker:
+    ...     y = torch.ones(256) * 2       # two 1024-byte storages and the 12 bytes the kernel wraps the 2 in
+    >>> tracker.peak_bytes
+    2060
     """
 
     peak_bytes: int
@@ -369,16 +320,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
 
 class AllocationWindow(SpanMeter):
     """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
-    events (the allocator's own peak counters are left alone); ``None`` when another profiler runs.
-
-    Example::
-
-        >>> with AllocationWindow("cpu") as window:
-        ...     a = torch.zeros(1000); del a
-        ...     b = torch.zeros(500)
-        >>> window.peak_bytes
-        4000
-    """
+    events; ``None`` when another profiler runs."""
 
     def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
         self.device_type, self.index = device_type, index
@@ -386,7 +328,7 @@ class AllocationWindow(SpanMeter):
 
     def _begin(self) -> None:
         self.peak_bytes = None
-        self._profiling = learning_possible()
+        self._profiling = not profiler_running()
         if self._profiling:
             start_allocation_events()
 
