@@ -1,40 +1,18 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure.
 
 A checkpointed block keeps only its inputs in the forward pass and runs its forward again in the
-backward pass: the activations of all but one block no longer live at once, for about one extra
-forward pass of compute.
+backward pass, for about one extra forward pass of compute. :func:`enable_checkpointing` replaces
+each block's ``forward`` *on the instance* (module tree and ``state_dict`` keys stay, and
+:meth:`CheckpointedBlocks.remove` undoes it exactly): blocks run plainly outside autograd, the
+recomputation puts BatchNorm's running statistics back, and a key/value cache handed to a block is
+dropped with ``use_cache=False``, as HuggingFace's ``GradientCheckpointingLayer`` does.
+:func:`enable_native_checkpointing` switches on a HuggingFace model's own checkpointing instead;
+:func:`check_recomputation` says whether a recomputed step gives the plain step's numbers.
 
-* :func:`find_repeated_blocks` picks the blocks as practitioners do: the children of an
-  ``nn.ModuleList``/``nn.Sequential`` that share a class with a sibling, hold parameters and have
-  submodules (transformer layers, residual blocks; not single layers), outermost only.
-  :func:`select_blocks` takes a user's choice: module classes, class names or qualified names.
-* :func:`enable_checkpointing` replaces each block's ``forward`` *on the instance* with
-  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: module tree and ``state_dict``
-  keys stay as they are and :meth:`CheckpointedBlocks.remove` undoes it exactly. Outside autograd
-  blocks run plainly; the recomputation puts running statistics (BatchNorm's) back, so they equal
-  an uncheckpointed run's; a key/value cache handed to a block (``past_key_values``,
-  ``past_key_value``, ``layer_past`` or any argument holding a cache object) is dropped and
-  ``use_cache=False`` passed, as HuggingFace's own ``GradientCheckpointingLayer`` does.
-* :func:`enable_native_checkpointing` switches on a model's own checkpointing (a HuggingFace model
-  with ``supports_gradient_checkpointing``: ``activation_checkpointing_enable()``, or
-  ``gradient_checkpointing_enable()`` before transformers 5, with ``use_reentrant=False``) and
-  turns ``config.use_cache`` off; :meth:`CheckpointedBlocks.remove` puts both back.
-* :func:`check_recomputation` runs one step with the blocks checkpointed and one without, from the
-  same RNG state, and says where they differ: a block is only kept when its recomputation gives
-  the plain step's numbers.
-
-Example::
-
-    >>> import torch
-    >>> from torch import nn
-    >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
-    >>> model = nn.Sequential(nn.Linear(4, 8), blocks, nn.Linear(8, 1))
-    >>> [name for name, _ in find_repeated_blocks(model)]
-    ['1.0', '1.1', '1.2']
-    >>> handle = enable_checkpointing(find_repeated_blocks(model))
-    >>> model(torch.randn(2, 4)).sum().backward()
-    >>> handle.remove(); len(handle.names)
-    3
+>>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+>>> model = nn.Sequential(nn.Linear(4, 8), blocks, nn.Linear(8, 1))
+>>> [name for name, _ in find_repeated_blocks(model)]
+['1.0', '1.1', '1.2']
 """
 
 from __future__ import annotations
@@ -54,22 +32,18 @@ from torch.utils.checkpoint import checkpoint
 BlockSpec = Union[type, str]
 #: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
-#: how a recomputed step may differ from the plain one: relative to each tensor's norm
-RECOMPUTATION_RTOL = 1e-3
 _MISSING = object()
 
 
 def _is_key_value_cache(value: Any) -> bool:
-    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called.
-
-    >>> _is_key_value_cache(None), _is_key_value_cache(torch.zeros(2))
-    (False, False)
-    """
+    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called."""
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``model`` as ``(qualified name, module)``, outermost first (see the module docstring)."""
+    """The children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with a sibling, hold
+    parameters and have submodules (transformer layers, residual blocks), outermost only, as
+    ``(qualified name, module)``."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
         inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)
@@ -84,12 +58,8 @@ def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that ``spec`` names (module classes, class names such as
-    ``"TransformerEncoderLayer"``, qualified names such as ``"encoder.layers.0"``), outermost first.
-
-    Raises:
-        ValueError: an entry matches no module (the message lists the model's repeated blocks).
-    """
+    """The modules of ``model`` that ``spec`` names (module classes, class names, qualified names),
+    outermost first; ``ValueError`` (listing the model's repeated blocks) for an entry matching none."""
     if isinstance(spec, (str, type)):
         spec = [spec]
     modules = list(model.named_modules())
@@ -125,13 +95,8 @@ def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module
 def _running_stats_kept(module: nn.Module) -> Iterator[None]:
     """The running statistics of every norm layer of ``module`` that tracks them in training put back after the block."""
     norms = [m for m in module.modules() if m.training and getattr(m, "track_running_stats", False)]
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    saved = [
-        (m, name, t.detach().clone())
-        for m in norms
-        for name in names
-        if isinstance(t := getattr(m, name, None), torch.Tensor)
-    ]
+    stats = [(m, n, getattr(m, n, None)) for m in norms for n in ("running_mean", "running_var", "num_batches_tracked")]
+    saved = [(m, name, t.detach().clone()) for m, name, t in stats if isinstance(t, torch.Tensor)]
     try:
         yield
     finally:
@@ -282,11 +247,7 @@ def _checkpoints_itself(module: nn.Module) -> bool:
 
 
 def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost submodules of ``model`` (itself included) that checkpoint themselves.
-
-    >>> native_checkpointing_owners(torch.nn.Linear(2, 2))
-    []
-    """
+    """The outermost submodules of ``model`` (itself included) that checkpoint themselves."""
     if _checkpoints_itself(model):
         return [("", model)]
     return _outermost([(name, module) for name, module in model.named_modules() if _checkpoints_itself(module)])
@@ -313,13 +274,8 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> Checkpoint
         use_cache = _MISSING if config is None else getattr(config, "use_cache", _MISSING)
         if config is not None and use_cache is not _MISSING:
             config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
-        flagged = [
-            (name, module)
-            for name, module in owner.named_modules()
-            if module is not owner
-            and not _checkpoints_itself(module)
-            and getattr(module, "gradient_checkpointing", False) is True
-        ]
+        inner = [(name, m) for name, m in owner.named_modules() if m is not owner and not _checkpoints_itself(m)]
+        flagged = [(name, m) for name, m in inner if getattr(m, "gradient_checkpointing", False) is True]
         handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
         # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
         layers = [(n, m) for n, m in flagged if "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}]
@@ -349,20 +305,12 @@ def check_recomputation(
     handle: CheckpointedBlocks,
     *,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-    rtol: float = RECOMPUTATION_RTOL,
+    rtol: float = 1e-3,
 ) -> Optional[str]:
     """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients
     and buffers (within ``rtol`` of each tensor's norm); else the first difference, or what the
     checkpointed step raised. Both start from the same RNG state; gradients, buffers and the RNG
     state are as before on return (no optimizer step). Two forward and backward passes: pass a small batch.
-
-    Example::
-
-        >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-        ...                                for _ in range(2)])
-        >>> handle = enable_checkpointing(find_repeated_blocks(blocks))
-        >>> check_recomputation(blocks, lambda x: blocks(x).sum(), torch.randn(3, 4), handle) is None
-        True
     """
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     named_buffers = list(model.named_buffers())

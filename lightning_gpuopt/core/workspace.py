@@ -3,26 +3,10 @@
 A fake trace counts each op's outputs as its meta kernel shapes them and nothing a kernel allocates
 inside itself (oneDNN's reorders, BatchNorm's backward temporaries); some kernels also return more
 than their meta twin (oneDNN's LSTM workspace). :class:`WorkspaceRecorder` runs with a real step on
-the host and keeps, per op call, the allocator's peak inside it beyond its new outputs
-(:mod:`.op_memory`) and how much larger each output is than the meta kernel's. In a fake trace,
-:class:`WorkspaceTracker` pairs the k-th call of each signature (op, tensor arguments' ranks and
-dtypes) in a step with the k-th in the probe and scales the probed bytes with the inputs that grew
-(:func:`_scaled_bytes`): the call holds its workspace while it runs, each output counts its surplus
-while it lives. Only host kernels are probed: on CUDA, cuDNN and cuBLAS choose their own.
-
-Example::
-
-    >>> import torch
-    >>> conv, small, large = torch.nn.Conv2d(3, 8, 3, padding=1), torch.randn(4, 3, 16, 16), torch.randn(16, 3, 16, 16)
-    >>> with WorkspaceRecorder() as recorder:              # a real call at batch 4
-    ...     out = conv(small)
-    >>> profile = WorkspaceProfile(tuple(recorder.calls), batch_size=4)
-    >>> [call.signature[0].__name__ for call in profile.calls]
-    ['convolution.default']
-    >>> with WorkspaceTracker(profile) as tracker:        # the same op at 4 times the batch
-    ...     out = conv(large)
-    >>> tracker.workspace_bytes_at_peak > 0                 # oneDNN's reorders on top of the output
-    True
+the host and keeps, per op call, the allocator's peak inside it beyond its new outputs and each
+output's surplus over the meta kernel's. :class:`WorkspaceTracker` pairs the k-th call of each
+signature (op, tensor arguments' ranks and dtypes) in a fake step with the k-th in the probe and
+scales the probed bytes with the inputs that grew. Only host kernels are probed.
 """
 
 from __future__ import annotations
@@ -43,14 +27,7 @@ PROBE_BATCH_SIZE = 16
 
 
 def _signature(func: Any, tensors: list[torch.Tensor]) -> tuple:
-    """The op and its tensor arguments' ranks and dtypes (not sizes: those follow the batch).
-
-    Example::
-
-        >>> relu, a, b = torch.ops.aten.relu.default, torch.ones(2, 3), torch.ones(64, 3)
-        >>> _signature(relu, [a]) == _signature(relu, [b]) != _signature(relu, [a[0]])
-        True
-    """
+    """The op and its tensor arguments' ranks and dtypes (not sizes: those follow the batch)."""
     return (func, *((tensor.dim(), tensor.dtype) for tensor in tensors))
 
 
@@ -79,12 +56,8 @@ def _scaled_bytes(probed_bytes: int, probed_inputs: tuple[int, ...], traced_inpu
     """``probed_bytes`` scaled by the total growth of the inputs whose size changed (the activations;
     weights keep theirs); unscaled when none changed or none had bytes to grow from.
 
-    Example::
-
-        >>> _scaled_bytes(1000, probed_inputs=(400, 9000), traced_inputs=(1600, 9000))  # 4x the batch
-        4000
-        >>> _scaled_bytes(1000, probed_inputs=(9000,), traced_inputs=(9000,))            # weights alone
-        1000
+    >>> _scaled_bytes(1000, probed_inputs=(400, 9000), traced_inputs=(1600, 9000))  # 4x the batch
+    4000
     """
     grown = [(probed, traced) for probed, traced in zip(probed_inputs, traced_inputs) if probed != traced]
     before = sum(probed for probed, _ in grown)

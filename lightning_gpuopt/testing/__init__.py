@@ -12,24 +12,16 @@ profile while a CPU ``Trainer`` runs::
         trainer.fit(model)                     # 16-mixed (a T4 has no bfloat16), batch found under 64 MiB
     gpu.peak_reserved_bytes, gpu.allocator.stats.num_ooms
 
-What it simulates:
-
-* **Identity** (:data:`GPU_PROFILES`): name, compute capability, total memory, NVML UUID, MIG; so
-  native bf16 and TF32 (8.0 and up) and the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
-* **Memory, at the allocator**: every byte the host allocator hands out for the card (storages and
-  in-kernel workspaces), through a model of the CUDA caching allocator (512-byte blocks, pools,
-  segments, cached blocks, fragmentation), plus the CUDA context (a typical figure). A request past
-  the card frees cached segments, then raises the real ``torch.OutOfMemoryError`` in CUDA's words.
-  A tensor is on the card as in a real run: a module's parameters, buffers and gradients from its
-  first ``forward`` (with the batch it is given), an optimizer's state from its first step, what
-  :meth:`SimulatedGpu.place` is given (the simulated ``tensor.cuda()``), and what ops make from
-  tensors on the card; a dataset built in host memory stays on the host.
-* **NVML**: memory used (context + reserved), utilisation (the share of wall time in ops since the
-  last reading; ``NotSupported`` on MIG, as real MIG), failures on demand (``nvml_error=``).
-* **Time**: device events are host clock readings (ops run synchronously on the host).
-
-Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms (their workspaces are the CPU
-kernels'), several GPUs in one process (under DDP with gloo, enter one in each process).
+It simulates the card's identity (:data:`GPU_PROFILES`: name, compute capability, memory, NVML
+UUID, MIG; so native bf16, TF32 and the cuBLAS workspace), its memory at the allocator (every byte
+the host allocator hands out for the card, kernel workspaces included, through a model of the CUDA
+caching allocator, plus the CUDA context; a request past the card raises the real
+``torch.OutOfMemoryError`` in CUDA's words), NVML (memory used, utilisation, failures on demand) and
+device events (host clock readings). A tensor is on the card as in a real run: a module's
+parameters, buffers and gradients from its first ``forward`` (with its batch), an optimizer's state
+from its first step, what :meth:`SimulatedGpu.place` is given, and what ops make from tensors on the
+card. Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms, several GPUs in one process
+(under DDP with gloo, enter one in each process).
 """
 
 from __future__ import annotations
@@ -56,16 +48,9 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
         ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
         ("T4", "Tesla T4", (7, 5), 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
-        (
-            "A100-MIG-1g.10gb",
-            "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-            (8, 0),
-            9728,
-            "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
-            250,
-        ),
+        ("A100-MIG-1g.10gb", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728, "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", 250),
     ]
-}
+}  # fmt: skip
 
 _NVML_ERRORS = ("no-permission", "not-supported")
 
@@ -85,14 +70,12 @@ class SimulatedGpu:
         ValueError: a bad argument (the message says what works).
         RuntimeError: a simulated card is already entered.
 
-    Example::
-
-        >>> import torch
-        >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
-        ...     x = torch.ones(1000)                        # host memory: not on the card
-        ...     gpu.place(x)                                # the simulated x.cuda(): 4000 bytes take
-        ...     gpu.allocated_bytes, gpu.reserved_bytes     # a 4096-byte block of a 2 MiB segment
-        (4096, 2097152)
+    >>> import torch
+    >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
+    ...     x = torch.ones(1000)                        # host memory: not on the card
+    ...     gpu.place(x)                                # the simulated x.cuda(): 4000 bytes take
+    ...     gpu.allocated_bytes, gpu.reserved_bytes     # a 4096-byte block of a 2 MiB segment
+    (4096, 2097152)
     """
 
     def __init__(
@@ -128,19 +111,10 @@ class SimulatedGpu:
             raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, _NVML_ERRORS))}.")
         self.profile = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
         self.device = SimulatedCudaDevice(self.profile, cublas_workspace)
-        self.nvml = FakeNvml(
-            [
-                FakeNvmlDevice(
-                    name=self.profile.name,
-                    uuid=self.profile.uuid,
-                    memory_total=total,
-                    memory_used=self.device.used_memory,
-                    utilization=None if self.profile.mig else self.utilization,
-                    error=nvml_error,
-                    mig=self.profile.mig,
-                )
-            ]
-        )
+        p = self.profile
+        utilization = None if p.mig else self.utilization
+        card = FakeNvmlDevice(p.name, p.uuid, total, self.device.used_memory, utilization, error=nvml_error, mig=p.mig)
+        self.nvml = FakeNvml([card])
         self._entered: list[Any] = []
         self._last_reading = (time.perf_counter(), 0.0)
 

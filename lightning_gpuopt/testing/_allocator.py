@@ -19,22 +19,12 @@ bytes in total when no cached block or new segment fits (fragmentation). The rul
 Peaks are also kept per *window* (:meth:`CachingAllocatorModel.open_window`): a meter measures its
 own span without resetting the process-wide peaks.
 
-Example::
-
-    >>> allocator = CachingAllocatorModel(limit_bytes=64 * 2**20)
-    >>> a = allocator.malloc(1000)                # 1024 bytes out of a new 2 MiB small segment
-    >>> allocator.allocated_bytes, allocator.reserved_bytes
-    (1024, 2097152)
-    >>> allocator.free(a)
-    >>> b = allocator.malloc(700)                 # reuses the cached block: nothing new reserved
-    >>> allocator.allocated_bytes, allocator.reserved_bytes
-    (1024, 2097152)
-    >>> allocator.empty_cache(), allocator.reserved_bytes     # b is still live: its segment stays
-    (0, 2097152)
-    >>> _round_size(1), _round_size(512), _round_size(513)
-    (512, 512, 1024)
-    >>> [_segment_size(_round_size(n)) // 2**20 for n in (100, 3 * 2**20, 50 * 2**20 + 1)]
-    [2, 20, 52]
+>>> allocator = CachingAllocatorModel(limit_bytes=64 * 2**20)
+>>> a = allocator.malloc(1000)                # 1024 bytes out of a new 2 MiB small segment
+>>> allocator.free(a)
+>>> b = allocator.malloc(700)                 # reuses the cached block: nothing new reserved
+>>> allocator.allocated_bytes, allocator.reserved_bytes, allocator.empty_cache()   # b's segment stays
+(1024, 2097152, 0)
 """
 
 from __future__ import annotations
@@ -47,10 +37,10 @@ from typing import Optional
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
 from lightning_gpuopt.core.search import round_up
 
-MIB = 2**20
-SMALL_SIZE, SMALL_BUFFER = MIB, 2 * MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
+_MIB = 2**20
+SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
 # the large pool: 20 MiB segments for requests below 10 MiB, else the request rounded up to 2 MiB
-MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MIB, 20 * MIB, 2 * MIB
+MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 
 
 def _round_size(num_bytes: int) -> int:
@@ -241,4 +231,4 @@ class CachingAllocatorModel:
 
 def _mib_or_gib(num_bytes: int) -> str:
     """CUDA's own format: GiB from 1 GiB up, else MiB, two decimals."""
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / MIB:.2f} MiB"
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / _MIB:.2f} MiB"
