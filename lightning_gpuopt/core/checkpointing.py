@@ -8,11 +8,6 @@ recomputation puts BatchNorm's running statistics back, and a key/value cache ha
 dropped with ``use_cache=False``, as HuggingFace's ``GradientCheckpointingLayer`` does.
 :func:`enable_native_checkpointing` switches on a HuggingFace model's own checkpointing instead;
 :func:`check_recomputation` says whether a recomputed step gives the plain step's numbers.
-
->>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
->>> model = nn.Sequential(nn.Linear(4, 8), blocks, nn.Linear(8, 1))
->>> [name for name, _ in find_repeated_blocks(model)]
-['1.0', '1.1', '1.2']
 """
 
 from __future__ import annotations

@@ -4,11 +4,6 @@
 the cgroup limit psutil ignores; memory counted by a :class:`~.op_memory.LiveTensorTracker`), a real
 card (:class:`CudaDevice`), or the simulated card in force (:func:`simulating`, the seam
 :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process-wide peaks.
-
->>> with device_for("cpu").peak_meter() as meter:
-...     x = torch.zeros(1000)
->>> meter.peak_bytes
-4000
 """
 
 from __future__ import annotations

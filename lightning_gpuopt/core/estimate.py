@@ -8,13 +8,6 @@ The peak traced at ``B`` and ``2B`` gives the line ``fixed_bytes + bytes_per_sam
 Host kernels' workspaces are learned from one small real step (:mod:`.workspace`); on CUDA the cuBLAS
 workspace and :attr:`TrainingStep.untraced` are added as ``untraced_bytes``. A step that cannot be
 traced gets torchinfo's figures plus parameters, gradients and optimizer state by rule instead.
-
->>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
->>> step = TrainingStep(model, torch.randn(16, 32), lambda x: model(x).sum(), batch_size=16,
-...                     optimizers=[torch.optim.Adam(model.parameters())])
->>> estimate = StepEstimator(step).estimate(capacity_bytes=10**6)
->>> estimate.method, estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
-('traced', True)
 """
 
 from __future__ import annotations
@@ -88,18 +81,15 @@ class TracedStep:
     optimizer_bytes: int
     batch_bytes: int
     seconds: float
-    #: kernel memory in the peak learned by the probe: workspaces, outputs larger than the fake ones
-    workspace_bytes: int = 0
+    workspace_bytes: int = 0  #: kernel memory in the peak learned by the probe (workspaces, larger outputs)
 
 
 @dataclass
 class MemoryEstimate:
     """Predicted (and, once measured, actual) peak memory of a training step; the ``"memory"`` report.
 
-    ``predicted_peak_bytes = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
-    batch_bytes + untraced_bytes + activation_bytes``; ``activation_bytes`` is everything else live at
-    the peak (saved activations, temporaries, ``workspace_bytes``). Errors are ``(predicted -
-    measured) / measured``: positive when the prediction is too high.
+    ``predicted_peak_bytes`` is the sum of the ``*_bytes`` figures but ``workspace_bytes`` (part of
+    ``activation_bytes``, all else live at the peak). Errors are ``(predicted - measured) / measured``.
     """
 
     params_bytes: int
@@ -289,19 +279,11 @@ class StepEstimator:
                 _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
                 _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
-                traced = TracedStep(
-                    batch_size=batch_size or step.batch_size,
-                    peak_bytes=tracker.peak_bytes,
-                    params_bytes=storage_bytes(params, granularity=granularity),
-                    buffers_bytes=storage_bytes(list(step.module.buffers()), granularity=granularity),
-                    grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
-                    optimizer_bytes=storage_bytes(*optimizers, granularity=granularity),
-                    batch_bytes=storage_bytes(fake_batch, granularity=granularity),
-                    seconds=0.0,
-                    workspace_bytes=tracker.workspace_bytes_at_peak,
-                )
-        traced.seconds = time.perf_counter() - start
-        return traced
+                grads = [p.grad for p in params if p.grad is not None]
+                held = (params, list(step.module.buffers()), grads, optimizers, fake_batch)
+                held_bytes = [storage_bytes(objects, granularity=granularity) for objects in held]
+        size, seconds = batch_size or step.batch_size, time.perf_counter() - start
+        return TracedStep(size, tracker.peak_bytes, *held_bytes, seconds, tracker.workspace_bytes_at_peak)
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
@@ -358,16 +340,8 @@ class StepEstimator:
         if rule is None:
             names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
             notes.append(f"no rule for {names}: its state is measured after the first real step")
-        figures = TracedStep(
-            batch_size=step.batch_size,
-            peak_bytes=0,
-            params_bytes=storage_bytes(params),
-            buffers_bytes=storage_bytes(list(step.module.buffers())),
-            grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
-            optimizer_bytes=rule or 0,
-            batch_bytes=storage_bytes(step.batch),
-            seconds=0.0,
-        )
+        held = map(storage_bytes, (params, list(step.module.buffers()), [p for p in params if p.requires_grad]))
+        figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
         fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
         if summary is None:
             figures.peak_bytes = fixed + figures.batch_bytes
@@ -380,7 +354,7 @@ class StepEstimator:
 
 
 def _estimate_of(
-    figures: TracedStep, method: str, fixed: float | None, per_sample: float | None, **changes: Any
+    figures: TracedStep, method: str, fixed: float | None, slope: float | None, **changes: Any
 ) -> MemoryEstimate:
     shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
     known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
@@ -391,7 +365,7 @@ def _estimate_of(
         predicted_peak_bytes=figures.peak_bytes,
         method=method,
         fixed_bytes=fixed,
-        bytes_per_sample=per_sample,
+        bytes_per_sample=slope,
         **changes,
     )
 
@@ -553,13 +527,7 @@ def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fak
 
 
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views);
-    the batch as it is for ``new_batch_size=None``.
-
-    >>> small = sliced_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}, 8, 2)
-    >>> {key: tuple(value.shape) for key, value in small.items()}
-    {'x': (2, 3), 'y': (2,), 'w': (3,)}
-    """
+    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views)."""
     cut = new_batch_size is not None
     return tree_map(lambda v: v[:new_batch_size] if cut and _is_batched(v, batch_size) else v, batch)
 

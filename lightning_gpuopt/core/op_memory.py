@@ -16,16 +16,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
-from lightning_gpuopt.core._torch_compat import (
-    FakeTensor,
-    TorchDispatchMode,
-    profiler_running,
-    start_allocation_events,
-    stop_allocation_events,
-    storage_key,
-    tree_flatten,
-    tree_leaves,
-)
+from lightning_gpuopt.core import _torch_compat as compat
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
 from lightning_gpuopt.core.search import round_up
 
 
@@ -54,14 +46,7 @@ def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
 
 
 def storage_bytes(*objects: Any, granularity: int = 1) -> int:
-    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``.
-
-    Example::
-
-        >>> base = torch.zeros(10)
-        >>> storage_bytes(base, base[5:], torch.zeros(2))
-        48
-    """
+    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``."""
     seen: dict[int, int] = {}
     for storage in map(storage_of, collect_tensors(*objects)):
         if storage is not None:
@@ -112,7 +97,7 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
             return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
         return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
 
-    return (func, torch.get_num_threads(), *map(key, tree_flatten((args, kwargs))[0]))
+    return (func, torch.get_num_threads(), *map(key, tree_leaves((args, kwargs))))
 
 
 def _allocations_from(records: list) -> OpAllocations:
@@ -145,13 +130,13 @@ def call_learning_allocations(
     kwargs = kwargs or {}
     key = _op_key(func, args, kwargs)
     known = _templates.get(key)
-    if known is not None or profiler_running():
+    if known is not None or compat.profiler_running():
         return func(*args, **kwargs), known
-    start_allocation_events()
+    compat.start_allocation_events()
     try:
         out = func(*args, **kwargs)
     finally:
-        records = stop_allocation_events()
+        records = compat.stop_allocation_events()
     allocations = _allocations_from(records)
     with _lock:
         if len(_templates) >= _MAX_TEMPLATES:
@@ -199,20 +184,10 @@ class SpanMeter:
 
 
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
-    """The host's meter: the bytes of live tensor storages, counted op by op, with an optional cap.
-
-    A storage counts from the op that made it (or from the start, for ``existing``) until it dies;
-    views and in-place ops add nothing. With ``workspaces``, a real host op also counts the peak its
-    kernel allocates while it runs (:func:`call_learning_allocations`). An op whose new bytes would
-    pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory ...").
-
-    Args:
-        max_bytes: the cap (``None``: none).
-        existing: objects whose tensors count from the start (see :func:`collect_tensors`).
-        device: count only tensors on this device (``None``: every device).
-        granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
-        baseline_bytes: a fixed amount counted as live (memory held outside tensors).
-        workspaces: ``False`` counts storages alone (fake tensors always are).
+    """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from
+    the op that made them, or the start for ``existing``, until they die, plus ``baseline_bytes``.
+    With ``workspaces``, a real host op also counts the peak its kernel allocates while it runs. An op
+    whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory").
 
     >>> with LiveTensorTracker() as tracker:
     ...     y = torch.ones(256) * 2       # two 1024-byte storages and the 12 bytes the kernel wraps the 2 in
@@ -245,7 +220,8 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     def _begin(self) -> None:
         self._live.clear()
         self.live_bytes = self.peak_bytes = self.baseline_bytes
-        self.track(*self.existing)
+        for key, storage, num_bytes in self._new_storages(collect_tensors(*self.existing), exclude=set()):
+            self._add(key, storage, num_bytes)
         TorchDispatchMode.__enter__(self)
 
     def _end(self) -> None:
@@ -259,11 +235,6 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     def tracked_storages(self) -> int:
         """How many storages are counted as live now (0 outside the span)."""
         return len(self._live)
-
-    def track(self, *objects: Any) -> None:
-        """Count the tensors of ``objects`` as live from now until they die (the cap is not applied)."""
-        for key, storage, num_bytes in self._new_storages(collect_tensors(*objects), exclude=set()):
-            self._add(key, storage, num_bytes)
 
     def _counts(self, tensor: torch.Tensor) -> bool:
         want = self.device
@@ -328,16 +299,16 @@ class AllocationWindow(SpanMeter):
 
     def _begin(self) -> None:
         self.peak_bytes = None
-        self._profiling = not profiler_running()
+        self._profiling = not compat.profiler_running()
         if self._profiling:
-            start_allocation_events()
+            compat.start_allocation_events()
 
     def _end(self) -> None:
         if not self._profiling:
             return
         self._profiling = False
         live = peak = 0
-        for thread in stop_allocation_events():
+        for thread in compat.stop_allocation_events():
             for record in thread:
                 if record.kind() != "memory_alloc":
                     continue

@@ -1,12 +1,10 @@
 """Kernel memory in a step traced on fake tensors, learned per op call from a small real step.
 
-A fake trace counts each op's outputs as its meta kernel shapes them and nothing a kernel allocates
-inside itself (oneDNN's reorders, BatchNorm's backward temporaries); some kernels also return more
-than their meta twin (oneDNN's LSTM workspace). :class:`WorkspaceRecorder` runs with a real step on
-the host and keeps, per op call, the allocator's peak inside it beyond its new outputs and each
-output's surplus over the meta kernel's. :class:`WorkspaceTracker` pairs the k-th call of each
-signature (op, tensor arguments' ranks and dtypes) in a fake step with the k-th in the probe and
-scales the probed bytes with the inputs that grew. Only host kernels are probed.
+A fake trace misses what a kernel allocates inside itself (oneDNN's reorders, BatchNorm's backward
+temporaries) and what it returns beyond its meta twin (oneDNN's LSTM workspace). On the host,
+:class:`WorkspaceRecorder` keeps both per op call of a real step; :class:`WorkspaceTracker` pairs the
+k-th call of each signature in a fake step with the k-th probed one and scales its bytes with the
+inputs that grew.
 """
 
 from __future__ import annotations

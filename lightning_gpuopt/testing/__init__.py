@@ -66,10 +66,6 @@ class SimulatedGpu:
         cublas_workspace: bytes of the cuBLAS workspace (default: torch's for the capability).
         nvml_error: ``"no-permission"`` or ``"not-supported"``: every NVML query about the card raises it.
 
-    Raises:
-        ValueError: a bad argument (the message says what works).
-        RuntimeError: a simulated card is already entered.
-
     >>> import torch
     >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
     ...     x = torch.ones(1000)                        # host memory: not on the card

@@ -1,30 +1,11 @@
 """A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``), default settings.
 
-What a card holds is not the sum of live tensors: the allocator rounds requests up, carves them out
-of *segments* it reserves from the driver, keeps freed blocks cached for reuse, and splits and
-merges blocks inside a segment; so reserved >= allocated, and a request can fail with enough free
-bytes in total when no cached block or new segment fits (fragmentation). The rules modelled (no
-``max_split_size_mb``, no expandable segments, one stream):
-
-* a request takes at least 512 bytes, rounded up to a multiple of 512;
-* requests up to 1 MiB come from the *small* pool (2 MiB segments), larger ones from the *large*
-  pool (20 MiB segments below 10 MiB, else the request rounded up to 2 MiB);
-* a request takes the smallest cached block of its pool that fits (best fit), split when the rest
-  is at least 512 bytes (small pool) or more than 1 MiB (large pool);
-* a freed block merges with free neighbours in its segment and stays cached (reserved);
-* when a new segment would pass the limit, the fully free segments are released (as
-  ``empty_cache``) and the request tried again; if it still does not fit,
-  :meth:`CachingAllocatorModel.malloc` raises :class:`AllocatorOutOfMemory` with CUDA's message.
-
-Peaks are also kept per *window* (:meth:`CachingAllocatorModel.open_window`): a meter measures its
-own span without resetting the process-wide peaks.
-
->>> allocator = CachingAllocatorModel(limit_bytes=64 * 2**20)
->>> a = allocator.malloc(1000)                # 1024 bytes out of a new 2 MiB small segment
->>> allocator.free(a)
->>> b = allocator.malloc(700)                 # reuses the cached block: nothing new reserved
->>> allocator.allocated_bytes, allocator.reserved_bytes, allocator.empty_cache()   # b's segment stays
-(1024, 2097152, 0)
+What a card reserves is not the sum of live tensors: requests are rounded up to 512 bytes and carved
+out of segments (2 MiB for requests up to 1 MiB, the *small* pool; else 20 MiB below 10 MiB, or the
+request rounded up to 2 MiB) by best fit among the cached blocks, split when the rest is at least 512
+bytes (small) or over 1 MiB (large); a freed block merges with its free neighbours and stays cached.
+A segment that would pass the limit first releases the free segments (``empty_cache``), then raises
+:class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also kept per window (a meter's own span).
 """
 
 from __future__ import annotations
@@ -109,14 +90,8 @@ class _Pool:
 
 
 class CachingAllocatorModel:
-    """The CUDA caching allocator's bookkeeping, without memory behind it (see the module docstring).
-
-    Args:
-        limit_bytes: the most it may reserve (the card less the CUDA context, or the per-process
-            memory fraction's share).
-        total_bytes: the card's memory, for error messages (default: ``limit_bytes``).
-        outside_bytes: memory the process holds outside the allocator (the CUDA context), for error messages.
-    """
+    """The CUDA caching allocator's bookkeeping, without memory behind it, reserving at most
+    ``limit_bytes``; ``total_bytes`` and ``outside_bytes`` (the CUDA context) are for error messages."""
 
     def __init__(self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0) -> None:
         self.limit_bytes = int(limit_bytes)

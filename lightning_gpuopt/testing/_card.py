@@ -1,11 +1,6 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
-and, while entered, the dispatch mode that counts what it holds.
-
-Each storage on the card, and each of its ops' in-kernel workspaces (replayed in the order the
-profiler saw them), is a request to the caching-allocator model until it dies; the first matrix
-multiplication allocates the cuBLAS workspace, kept for the card's life. Modules, their inputs and
-optimizers reach the card at their first ``forward`` / ``step`` (global hooks), other tensors by
-:meth:`SimulatedCudaDevice.adopt`.
+and, while entered, the dispatch mode that serves each storage on the card, and each of its ops'
+in-kernel workspaces, from the caching-allocator model until it dies.
 """
 
 from __future__ import annotations
