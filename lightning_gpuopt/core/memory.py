@@ -116,13 +116,8 @@ class MemoryBudget(LiveTensorTracker):
         baseline_bytes: int = 0,
     ) -> None:
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        super().__init__(
-            parse_memory(max_memory, device),
-            existing=existing,
-            device=device,
-            granularity=CUDA_ALLOCATION_GRANULARITY if on_cuda else 1,
-            baseline_bytes=baseline_bytes,
-        )
+        cap, granularity = parse_memory(max_memory, device), CUDA_ALLOCATION_GRANULARITY if on_cuda else 1
+        super().__init__(cap, existing=existing, device=device, granularity=granularity, baseline_bytes=baseline_bytes)
 
 
 def is_out_of_memory_error(exception: BaseException) -> bool:

@@ -42,12 +42,9 @@ class ProbedCall:
     """One op call of a real step, as the allocator served it."""
 
     signature: tuple
-    #: the allocator's peak inside the call above what was live before it, less the new outputs
-    extra_bytes: int
-    #: per tensor output: how much larger its new storage is than the meta kernel's
-    surplus_bytes: tuple[int, ...]
-    #: bytes of each tensor argument: what the probed bytes are scaled by
-    input_bytes: tuple[int, ...]
+    extra_bytes: int  #: the allocator's peak inside the call above what was live before it, less the new outputs
+    surplus_bytes: tuple[int, ...]  #: per tensor output: how much larger its new storage is than the meta kernel's
+    input_bytes: tuple[int, ...]  #: bytes of each tensor argument: what the probed bytes are scaled by
 
 
 def _scaled_bytes(probed_bytes: int, probed_inputs: tuple[int, ...], traced_inputs: tuple[int, ...]) -> int:
@@ -69,8 +66,7 @@ class WorkspaceProfile:
     """The op calls of one real probe step, in order; ``failure`` says why nothing was learned."""
 
     calls: tuple[ProbedCall, ...] = ()
-    #: the batch size the probe ran at (``None``: the batch as given)
-    batch_size: Optional[int] = None
+    batch_size: Optional[int] = None  #: the batch size the probe ran at (``None``: the batch as given)
     seconds: float = 0.0
     failure: Optional[str] = None
 
@@ -162,19 +158,16 @@ class WorkspaceTracker(LiveTensorTracker):
         """Calls from now on belong to the next step."""
         self._seen.clear()
 
-    def _partner(self, signature: tuple) -> Optional[ProbedCall]:
-        index = self._seen[signature]
-        self._seen[signature] += 1
-        partners = self.probed.get(signature, ())
-        return partners[index] if index < len(partners) else None
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if not self.probed:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        partner = self._partner(_signature(func, inputs))
+        signature = _signature(func, inputs)
+        index, partners = self._seen[signature], self.probed.get(signature, [])
+        self._seen[signature] += 1
+        partner = partners[index] if index < len(partners) else None
         traced_inputs = _input_bytes(inputs)
 
         def scaled(num_bytes: int) -> int:

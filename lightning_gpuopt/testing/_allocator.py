@@ -10,9 +10,8 @@ A segment that would pass the limit first releases the free segments (``empty_ca
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
@@ -71,24 +70,6 @@ class AllocatorStats(PeakWindow):
     num_segments: int = 0
 
 
-@dataclass
-class _Pool:
-    free: list[tuple[int, int, int]] = field(default_factory=list)  # sorted Block.key()s
-    blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
-
-    def add(self, block: Block) -> None:
-        bisect.insort(self.free, block.key())
-        self.blocks[block.key()] = block
-
-    def remove(self, block: Block) -> None:
-        del self.free[bisect.bisect_left(self.free, block.key())]
-        del self.blocks[block.key()]
-
-    def best_fit(self, size: int) -> Optional[Block]:
-        index = bisect.bisect_left(self.free, (size, -1, -1))
-        return self.blocks[self.free[index]] if index < len(self.free) else None
-
-
 class CachingAllocatorModel:
     """The CUDA caching allocator's bookkeeping, without memory behind it, reserving at most
     ``limit_bytes``; ``total_bytes`` and ``outside_bytes`` (the CUDA context) are for error messages."""
@@ -100,7 +81,7 @@ class CachingAllocatorModel:
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.stats = AllocatorStats()
-        self._pools = {True: _Pool(), False: _Pool()}
+        self._pools: dict[bool, set[Block]] = {True: set(), False: set()}  # the cached blocks: small, large
         self._segments: dict[int, Block] = {}  # first block of each segment
         self._segment_ids = itertools.count()
         self._windows: list[PeakWindow] = []
@@ -110,7 +91,7 @@ class CachingAllocatorModel:
         size = _round_size(num_bytes)
         small = size <= SMALL_SIZE
         pool = self._pools[small]
-        block = pool.best_fit(size)
+        block = min((cached for cached in pool if cached.size >= size), key=Block.key, default=None)  # best fit
         if block is None:
             block = self._new_segment(size, small, num_bytes)
         else:
@@ -191,15 +172,14 @@ class CachingAllocatorModel:
             window.peak_reserved_bytes = max(window.peak_reserved_bytes, self.reserved_bytes)
 
     def _oom_message(self, requested: int) -> str:
-        free = max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
+        m, free = _mib_or_gib, max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
+        in_use, cached = self.outside_bytes + self.reserved_bytes, self.reserved_bytes - self.allocated_bytes
         return (
-            f"CUDA out of memory. Tried to allocate {_mib_or_gib(requested)}. GPU 0 has a total "
-            f"capacity of {_mib_or_gib(self.total_bytes)} of which {_mib_or_gib(free)} is free. Including non-PyTorch "
-            f"memory, this process has {_mib_or_gib(self.outside_bytes + self.reserved_bytes)} memory in use. Of the "
-            f"allocated memory {_mib_or_gib(self.allocated_bytes)} is allocated by PyTorch, and "
-            f"{_mib_or_gib(self.reserved_bytes - self.allocated_bytes)} is reserved by PyTorch but unallocated. If "
-            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            "to avoid fragmentation.  See documentation for Memory Management  "
+            f"CUDA out of memory. Tried to allocate {m(requested)}. GPU 0 has a total capacity of {m(self.total_bytes)} "
+            f"of which {m(free)} is free. Including non-PyTorch memory, this process has {m(in_use)} memory in use. "
+            f"Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, and {m(cached)} is reserved by "
+            "PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  "
             "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
         )
 
