@@ -1,13 +1,10 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure.
 
-A checkpointed block keeps only its inputs in the forward pass and runs its forward again in the
-backward pass, for about one extra forward pass of compute. :func:`enable_checkpointing` replaces
-each block's ``forward`` *on the instance* (module tree and ``state_dict`` keys stay, and
-:meth:`CheckpointedBlocks.remove` undoes it exactly): blocks run plainly outside autograd, the
-recomputation puts BatchNorm's running statistics back, and a key/value cache handed to a block is
-dropped with ``use_cache=False``, as HuggingFace's ``GradientCheckpointingLayer`` does.
-:func:`enable_native_checkpointing` switches on a HuggingFace model's own checkpointing instead;
-:func:`check_recomputation` says whether a recomputed step gives the plain step's numbers.
+:func:`enable_checkpointing` wraps each block's ``forward`` *on the instance* in
+``torch.utils.checkpoint`` (module tree and ``state_dict`` keys stay; :meth:`CheckpointedBlocks.remove`
+undoes it), as HuggingFace's ``GradientCheckpointingLayer`` does: key/value caches dropped, running
+statistics not updated twice. :func:`enable_native_checkpointing` switches on a HuggingFace model's own
+instead; :func:`check_recomputation` says whether a recomputed step gives the plain step's numbers.
 """
 
 from __future__ import annotations

@@ -103,11 +103,9 @@ class Device:
         return f"{self.type}:{self.index} ({self.name})" if self.is_cuda else str(self.torch_device)
 
     def total_memory(self) -> int:
-        """Bytes the device holds."""
         return _host_memory_bytes()
 
     def free_memory(self) -> int:
-        """Bytes free now."""
         return _host_memory_bytes(available=True)
 
     def allocated_memory(self) -> Optional[int]:
@@ -139,7 +137,6 @@ class Device:
         """Return cached blocks to the driver."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives on this device."""
         return tensor.device.type == self.torch_device.type
 
     def paused(self) -> ContextManager[None]:
@@ -228,9 +225,8 @@ class _CudaPeakMeter(AllocationWindow):
         where = self.device.torch_device
         try:
             super()._end()
-            allocated, reserved = self._start
-            delta = self.peak_bytes
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if delta is None else allocated + delta
+            (allocated, reserved), rise = self._start, self.peak_bytes  # rise: None when another profiler ran
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if rise is None else allocated + rise
             self.peak_reserved_bytes = max(reserved, self.device.reserved_memory())
         finally:
             if self._fraction is not None:
@@ -289,12 +285,9 @@ def cuda_rng_in_use() -> bool:
 
 def device_for(device: torch.device | str | int | None = None) -> Device:
     """The :class:`Device` of a torch device (``None``: the host; an int: that CUDA card)."""
-    if device is None:
-        device = torch.device("cpu")
-    elif isinstance(device, int):
-        device = torch.device("cuda", device)
-    else:
-        device = torch.device(device)
+    device = (
+        torch.device("cuda", device) if isinstance(device, int) else torch.device("cpu" if device is None else device)
+    )
     if _simulations and device.type in ("cpu", "cuda"):
         return _simulations[-1]
     if device.type == "cuda":

@@ -1,13 +1,9 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory, nothing
-changed) in Lightning's order (forward, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a
-twin of each optimizer): the second starts with the first one's gradients and optimizer state alive.
-The peak traced at ``B`` and ``2B`` gives the line ``fixed_bytes + bytes_per_sample * b``, which
-:meth:`~StepEstimator.refined` re-traces near the largest batch (the peak is convex piecewise-linear).
-Host kernels' workspaces are learned from one small real step (:mod:`.workspace`); on CUDA the cuBLAS
-workspace and :attr:`TrainingStep.untraced` are added as ``untraced_bytes``. A step that cannot be
-traced gets torchinfo's figures plus parameters, gradients and optimizer state by rule instead.
+:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors (no memory used,
+nothing changed) in Lightning's order, at ``B`` and ``2B``: the line ``fixed_bytes + bytes_per_sample
+* b``. Host kernels' workspaces are learned from one small real step (:mod:`.workspace`); a step that
+cannot be traced gets torchinfo's figures plus parameters, gradients and optimizer state by rule.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-A count of storages (:func:`storage_bytes`) misses the buffers a kernel allocates and frees inside
-itself (oneDNN reorders, sorting scratch); the profiler sees them. :func:`call_learning_allocations`
-runs an op once under it and keeps its allocations (:class:`OpAllocations`), keyed by the op, the
-intra-op threads and its arguments' metadata, for later calls; never while another profiler runs.
+A count of storages misses the buffers a kernel allocates inside itself (oneDNN reorders, sorting
+scratch); :func:`call_learning_allocations` learns them from the profiler, once per op signature.
 :class:`SpanMeter` is every device's meter interface; :class:`LiveTensorTracker` is the host's.
 """
 

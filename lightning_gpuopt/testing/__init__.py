@@ -1,31 +1,16 @@
-"""Testing helpers: a CUDA card simulated on the CPU, for CI without a GPU (ours and yours).
+"""Testing helpers: a CUDA card simulated on the CPU (:class:`SimulatedGpu`), for CI without a GPU.
 
-:class:`SimulatedGpu` makes every decision of lightning-gpuopt see a CUDA card of a chosen
-profile while a CPU ``Trainer`` runs::
-
-    from lightning import Trainer
-    from lightning_gpuopt import GpuOpt
-    from lightning_gpuopt.testing import SimulatedGpu
-
-    with SimulatedGpu("T4", memory="64MiB") as gpu:
-        trainer = Trainer(accelerator="cpu", max_steps=20, callbacks=[GpuOpt("fill-memory")])
-        trainer.fit(model)                     # 16-mixed (a T4 has no bfloat16), batch found under 64 MiB
-    gpu.peak_reserved_bytes, gpu.allocator.stats.num_ooms
-
-It simulates the card's identity (:data:`GPU_PROFILES`: name, compute capability, memory, NVML
-UUID, MIG; so native bf16, TF32 and the cuBLAS workspace), its memory at the allocator (every byte
-the host allocator hands out for the card, kernel workspaces included, through a model of the CUDA
-caching allocator, plus the CUDA context; a request past the card raises the real
-``torch.OutOfMemoryError`` in CUDA's words), NVML (memory used, utilisation, failures on demand) and
-device events (host clock readings). A tensor is on the card as in a real run: a module's
-parameters, buffers and gradients from its first ``forward`` (with its batch), an optimizer's state
-from its first step, what :meth:`SimulatedGpu.place` is given, and what ops make from tensors on the
-card. Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms, several GPUs in one process
-(under DDP with gloo, enter one in each process).
+While a CPU ``Trainer`` runs inside ``with SimulatedGpu("T4", memory="64MiB"):``, every decision of
+lightning-gpuopt sees that card: its identity (:data:`GPU_PROFILES`), its memory as PyTorch's CUDA
+caching allocator would hold it (a request past the card raises the real ``torch.OutOfMemoryError``),
+its NVML readings and its device events. Tensors reach the card as in a real run: a module at its
+first ``forward``, an optimizer's state at its first step, what :meth:`SimulatedGpu.place` is given.
+Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional, Union
 
@@ -89,11 +74,10 @@ class SimulatedGpu:
                 f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
             )
         base = profile if isinstance(profile, GpuProfile) else GPU_PROFILES[profile]
-        total = base.total_bytes
         if isinstance(memory, float) and 0 < memory <= 1:
             total = int(memory * base.total_bytes)
-        elif memory is not None:
-            total = parse_memory(memory, name="memory")
+        else:
+            total = base.total_bytes if memory is None else parse_memory(memory, name="memory")
         if context_memory is None:
             context = int(base.context_bytes * total / base.total_bytes)
         else:
@@ -105,13 +89,12 @@ class SimulatedGpu:
             )
         if nvml_error not in (None, *_NVML_ERRORS):
             raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, _NVML_ERRORS))}.")
-        self.profile = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
-        self.device = SimulatedCudaDevice(self.profile, cublas_workspace)
-        p = self.profile
+        self.profile = p = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
+        self.device = SimulatedCudaDevice(p, cublas_workspace)
         utilization = None if p.mig else self.utilization
         card = FakeNvmlDevice(p.name, p.uuid, total, self.device.used_memory, utilization, error=nvml_error, mig=p.mig)
         self.nvml = FakeNvml([card])
-        self._entered: list[Any] = []
+        self._entered = contextlib.ExitStack()
         self._last_reading = (time.perf_counter(), 0.0)
 
     @property
@@ -150,16 +133,12 @@ class SimulatedGpu:
     def __enter__(self) -> SimulatedGpu:
         if simulated_device() is not None:
             raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
-        try:
+        with contextlib.ExitStack() as stack:
             for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
-                context.__enter__()
-                self._entered.append(context)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+                stack.enter_context(context)
+            self._entered = stack.pop_all()
         self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        while self._entered:
-            self._entered.pop().__exit__(None, None, None)
+        self._entered.close()

@@ -257,9 +257,7 @@ class _SimulatedMeter(SpanMeter):
     much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
 
     def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), max_bytes: Optional[int] = None):
-        self.device = device
-        self.existing = tuple(existing)
-        self.max_bytes = max_bytes
+        self.device, self.existing, self.max_bytes = device, tuple(existing), max_bytes
         self._window: Optional[PeakWindow] = None
         self._limit: Optional[int] = None
 
