@@ -233,9 +233,8 @@ def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> Checkpointe
 
 def _checkpoints_itself(module: nn.Module) -> bool:
     """A HuggingFace-style model: ``supports_gradient_checkpointing`` and the methods to switch it."""
-    return getattr(type(module), "supports_gradient_checkpointing", False) is True and callable(
-        getattr(module, "gradient_checkpointing_enable", None)
-    )
+    supports = getattr(type(module), "supports_gradient_checkpointing", False) is True
+    return supports and callable(getattr(module, "gradient_checkpointing_enable", None))
 
 
 def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -308,8 +307,7 @@ def check_recomputation(
     named_buffers = list(model.named_buffers())
     saved_grads = [p.grad for _, p in named_params]
     saved_buffers = [b.detach().clone() for _, b in named_buffers]
-    tensors = [t for _, t in (*named_params, *named_buffers)]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    devices = sorted({t.device.index or 0 for _, t in (*named_params, *named_buffers) if t.device.type == "cuda"})
 
     def put_buffers_back() -> None:
         with torch.no_grad():

@@ -134,17 +134,15 @@ class MemoryEstimate:
 
     def with_measured_optimizer_state(self, optimizer_bytes: int) -> MemoryEstimate:
         """For an optimizer without a rule: its state as measured after a real step, added to the prediction."""
+        note = f"optimizer state measured after the first real step: {optimizer_bytes} bytes"
         return self._with_fixed_bytes_added(
-            optimizer_bytes - self.optimizer_bytes,
-            f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
-            optimizer_bytes=optimizer_bytes,
+            optimizer_bytes - self.optimizer_bytes, note, optimizer_bytes=optimizer_bytes
         )
 
     def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
         """Memory the real step holds outside the traced one, added."""
-        return self._with_fixed_bytes_added(
-            untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=self.untraced_bytes + untraced_bytes
-        )
+        total = self.untraced_bytes + untraced_bytes
+        return self._with_fixed_bytes_added(untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=total)
 
     def _with_fixed_bytes_added(self, added: int, note: str, **changes: Any) -> MemoryEstimate:
         fixed = None if self.fixed_bytes is None else self.fixed_bytes + added
@@ -179,9 +177,8 @@ class StepEstimator:
         try:
             estimate = self._traced()
             card = device_for(step.device if step.device is not None else _module_device(step.module))
-            if card.is_cuda and card.capabilities.cublas_workspace_bytes:
-                reason = "the cuBLAS workspace (kept by the caching allocator)"
-                untraced.insert(0, (reason, card.capabilities.cublas_workspace_bytes))
+            if card.is_cuda and (cublas := card.capabilities.cublas_workspace_bytes):
+                untraced.insert(0, ("the cuBLAS workspace (kept by the caching allocator)", cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
             only = "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
@@ -275,11 +272,11 @@ class StepEstimator:
                 _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
                 _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
-                grads = [p.grad for p in params if p.grad is not None]
-                held = (params, list(step.module.buffers()), grads, optimizers, fake_batch)
-                held_bytes = [storage_bytes(objects, granularity=granularity) for objects in held]
+                sized = functools.partial(storage_bytes, granularity=granularity)
+                grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
+                held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
         size, seconds = batch_size or step.batch_size, time.perf_counter() - start
-        return TracedStep(size, tracker.peak_bytes, *held_bytes, seconds, tracker.workspace_bytes_at_peak)
+        return TracedStep(size, tracker.peak_bytes, *held, seconds, tracker.workspace_bytes_at_peak)
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
@@ -336,7 +333,8 @@ class StepEstimator:
         if rule is None:
             names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
             notes.append(f"no rule for {names}: its state is measured after the first real step")
-        held = map(storage_bytes, (params, list(step.module.buffers()), [p for p in params if p.requires_grad]))
+        trainable = [p for p in params if p.requires_grad]
+        held = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable)
         figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
         fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
         if summary is None:
@@ -459,13 +457,8 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet
     levels and torch's, Python's and NumPy's RNG states (the step may draw from them) are restored.
     Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
-    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = [
-        (store, name, tensor)
-        for sub in module.modules()
-        for store in (sub._parameters, sub._buffers)
-        for name, tensor in store.items()
-        if tensor is not None
-    ]
+    stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
+    slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]
     device = _module_device(module)
     numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
     host_rngs = random.getstate(), None if numpy is None else numpy.random.get_state()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -120,9 +120,7 @@ def _allocations_from(records: list) -> OpAllocations:
     return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
-def call_learning_allocations(
-    func: Callable[..., Any], args: tuple, kwargs: Optional[dict]
-) -> tuple[Any, Optional[OpAllocations]]:
+def call_learning_allocations(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple[Any, Optional[OpAllocations]]:
     """Run ``func``; return its output and its allocations, learned on the first call of its key
     (``None`` when that key was never learned and another profiler runs)."""
     kwargs = kwargs or {}
@@ -206,12 +204,9 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         workspaces: bool = True,
     ) -> None:
         super().__init__()
-        self.max_bytes = max_bytes
-        self.existing = tuple(existing)
+        self.max_bytes, self.existing, self.granularity = max_bytes, tuple(existing), granularity
+        self.baseline_bytes, self.workspaces = baseline_bytes, workspaces
         self.device = None if device is None else torch.device(device)
-        self.granularity = granularity
-        self.baseline_bytes = baseline_bytes
-        self.workspaces = workspaces
         self.live_bytes = self.peak_bytes = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
 
