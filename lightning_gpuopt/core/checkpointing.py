@@ -20,8 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: what :func:`select_blocks` accepts: module classes, class names or qualified module names
-BlockSpec = Union[type, str]
+BlockSpec = Union[type, str]  #: what :func:`select_blocks` accepts: module classes, class or qualified module names
 #: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 _MISSING = object()
@@ -170,8 +169,7 @@ class CheckpointedBlocks:
 
     names: list[str]
     classes: list[str]
-    #: how, for a report: ``"torch.utils.checkpoint"`` or the model's own method
-    method: str = "torch.utils.checkpoint"
+    method: str = "torch.utils.checkpoint"  #: how, for a report: this or the model's own method
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _native: list[_NativeSwitch] = field(default_factory=list, repr=False)
 

@@ -19,8 +19,7 @@ import torch
 
 from lightning_gpuopt.core.op_memory import AllocationWindow, LiveTensorTracker, SpanMeter, storage_bytes
 
-#: the CUDA caching allocator hands out blocks in multiples of this many bytes
-CUDA_ALLOCATION_GRANULARITY = 512
+CUDA_ALLOCATION_GRANULARITY = 512  #: the CUDA caching allocator hands out blocks in multiples of this many bytes
 # the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
 _CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -53,11 +52,7 @@ class Capabilities:
 
     @classmethod
     def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
-        """The capabilities of a CUDA card of compute ``capability`` (torch's cuBLAS workspace defaults).
-
-        >>> Capabilities.of_cuda("Tesla T4", (7, 5)).cublas_workspace_bytes, Capabilities.of_cuda("H100", (9, 0)).tf32
-        (8519680, True)
-        """
+        """The capabilities of a CUDA card of compute ``capability`` (torch's cuBLAS workspace defaults)."""
         ampere = capability >= (8, 0)
         cublas = 32 * 2**20 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
         return cls(name, capability, native_bf16=ampere, tf32=ampere, mig=mig, cublas_workspace_bytes=cublas)
@@ -66,8 +61,7 @@ class Capabilities:
 class Device:
     """A device the library measures and decides for: the host, unless a subclass says otherwise."""
 
-    #: what the library treats the device as: ``"cuda"`` or ``"cpu"``
-    type = "cpu"
+    type = "cpu"  #: what the library treats the device as: ``"cuda"`` or ``"cpu"``
 
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device

@@ -44,21 +44,14 @@ class TrainingStep:
     module: torch.nn.Module
     batch: Any
     loss_fn: Callable[[Any], torch.Tensor] | None = None  #: ``batch -> loss`` (unused with ``manual_step``)
-    #: the whole step under manual optimization, run with twins of ``optimizers``
-    manual_step: ManualStep | None = None
-    #: the real optimizers (twins of the same class and param-group options step)
-    optimizers: Sequence[torch.optim.Optimizer] = ()
-    #: the batch size of ``batch`` (its tensors with that first dimension are resized); ``None``: no line
-    batch_size: int | None = None
-    #: what the forward pass runs in (e.g. autocast; for a CUDA run traced on the host see :func:`host_step_context`)
-    step_context: StepContext = contextlib.nullcontext
-    #: where the step will run (default: the module's device): CUDA counts 512-byte blocks and cuBLAS
-    device: torch.device | str | None = None
-    #: above 1 the gradients of earlier micro-batches are alive through the next forward and backward pass
-    accumulate_grad_batches: int = 1
+    manual_step: ManualStep | None = None  #: the whole step under manual optimization, with twins of ``optimizers``
+    optimizers: Sequence[torch.optim.Optimizer] = ()  #: twins of the same class and param-group options step
+    batch_size: int | None = None  #: its tensors with that first dimension are resized (``None``: no line)
+    step_context: StepContext = contextlib.nullcontext  #: what the forward runs in (see :func:`host_step_context`)
+    device: torch.device | str | None = None  #: where the step will run (default: the module's device)
+    accumulate_grad_batches: int = 1  #: above 1 earlier micro-batches' gradients live through the next pass
     forward_input: Any = None  #: what ``module.forward`` takes, for torchinfo's figures
-    #: memory the real step holds outside the traced one, as ``(reason, bytes)``: e.g. DDP's gradient buckets
-    untraced: Sequence[tuple[str, int]] = ()
+    untraced: Sequence[tuple[str, int]] = ()  #: ``(reason, bytes)`` held outside the traced step (DDP's buckets)
 
     def __post_init__(self) -> None:
         if self.loss_fn is None and self.manual_step is None:
@@ -95,22 +88,19 @@ class MemoryEstimate:
     torchinfo_total_bytes: int | None
     predicted_peak_bytes: int
     measured_peak_bytes: int | None = None
-    #: the largest batch with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
-    max_batch_size: int | None = None
-    #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
-    method: str = "traced"
+    max_batch_size: int | None = (
+        None  #: the largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
+    )
+    method: str = "traced"  #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
     batch_size: int | None = None
     buffers_bytes: int = 0
     batch_bytes: int = 0
-    #: memory the real step holds outside the traced one (cuBLAS's workspace, DDP's gradient buckets)
-    untraced_bytes: int = 0
-    #: kernel workspaces in the prediction (part of ``activation_bytes``; 0 where not learned)
-    workspace_bytes: int = 0
+    untraced_bytes: int = 0  #: held outside the traced step (cuBLAS's workspace, DDP's gradient buckets)
+    workspace_bytes: int = 0  #: kernel workspaces in the prediction (0 where not learned)
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
-    #: the gradient accumulation traced (the gradients of earlier micro-batches alive)
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: int = 1  #: the gradient accumulation traced
     param_dtype: str | None = None
     estimate_error: float | None = None
     torchinfo_error: float | None = None
@@ -119,8 +109,7 @@ class MemoryEstimate:
     torchinfo_mult_adds: int | None = None
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
-    #: why the step was not traced (``method`` is then a fallback)
-    not_traced_reason: str | None = None
+    not_traced_reason: str | None = None  #: why the step was not traced (``method`` is then a fallback)
     notes: list[str] = field(default_factory=list)
 
     def with_measured_peak(self, measured_peak_bytes: int | None) -> MemoryEstimate:
@@ -134,10 +123,9 @@ class MemoryEstimate:
 
     def with_measured_optimizer_state(self, optimizer_bytes: int) -> MemoryEstimate:
         """For an optimizer without a rule: its state as measured after a real step, added to the prediction."""
+        added = optimizer_bytes - self.optimizer_bytes
         note = f"optimizer state measured after the first real step: {optimizer_bytes} bytes"
-        return self._with_fixed_bytes_added(
-            optimizer_bytes - self.optimizer_bytes, note, optimizer_bytes=optimizer_bytes
-        )
+        return self._with_fixed_bytes_added(added, note, optimizer_bytes=optimizer_bytes)
 
     def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
         """Memory the real step holds outside the traced one, added."""

@@ -16,17 +16,11 @@ import torch
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, release_memory
 from lightning_gpuopt.core.op_memory import LiveTensorTracker
 
-#: the fewest bytes a callback's ``max_memory`` accepts (``max_memory=1`` is refused, not read as one byte)
-MIN_MAX_MEMORY_BYTES = 1024
+MIN_MAX_MEMORY_BYTES = 1024  #: the fewest bytes a callback's ``max_memory`` accepts (not ``max_memory=1``)
 
 _MEMORY_STRING = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # out-of-memory errors' messages: CUDA, MPS, XPU, cuBLAS, cuDNN (its workspace failed), the CPU allocator
-_OOM_MARKERS = (
-    "out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_NOT_SUPPORTED",
-    "DefaultCPUAllocator: can't allocate memory",
-)
+_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory")  # fmt: skip
 
 
 def parse_memory(
@@ -50,8 +44,8 @@ def parse_memory(
     def fail(problem: str) -> ValueError:
         return ValueError(f"`{name}`={value!r} {problem}; expected {works}.")
 
-    if isinstance(value, bool):
-        raise fail("is a bool")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise fail("is a bool" if isinstance(value, bool) else f"has type {type(value).__name__}")
     if isinstance(value, int):
         if value <= 0:
             raise fail("is not positive")
@@ -74,8 +68,6 @@ def parse_memory(
         if num_bytes < minimum:
             raise fail(f"is {num_bytes} bytes of the device's {total}, below the minimum of {minimum} bytes")
         return num_bytes
-    if not isinstance(value, str):
-        raise fail(f"has type {type(value).__name__}")
     match = _MEMORY_STRING.match(value)
     if match is None:
         raise fail("is not a memory size")
@@ -91,20 +83,16 @@ def parse_memory(
 class MemoryBudget(LiveTensorTracker):
     """A simulated memory cap: raises ``torch.OutOfMemoryError`` when live tensors would pass it.
 
-    Entered with ``existing=(model, optimizer, batch)`` it caps a whole training step.
-
     Args:
         max_memory: the cap, as :func:`parse_memory` takes it (a fraction is of ``device``).
         existing: objects whose tensors count from entry: modules, optimizers, batches.
         device: count only tensors on this device (on CUDA in 512-byte blocks).
         baseline_bytes: a fixed amount counted as live (memory held outside tensors).
 
-    >>> with MemoryBudget("1MB") as budget:
-    ...     a = torch.zeros(1000)
-    ...     del a
+    >>> with MemoryBudget("1MB", existing=[torch.zeros(1000)]) as budget:  # 4000 bytes from entry
     ...     c = torch.zeros(2000)
     >>> budget.peak_bytes
-    8000
+    12000
     """
 
     def __init__(

@@ -148,8 +148,7 @@ class SpanMeter:
 
     peak_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
-    #: whether :meth:`start` was called and :meth:`stop` not yet
-    running = False
+    running = False  #: whether :meth:`start` was called and :meth:`stop` not yet
     _started = False
 
     def start(self) -> None:

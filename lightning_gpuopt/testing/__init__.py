@@ -25,8 +25,7 @@ __all__ = ["GPU_PROFILES", "GpuProfile", "SimulatedGpu"]
 
 _MIB = 2**20
 
-#: the cards :class:`SimulatedGpu` knows, by short name
-GPU_PROFILES: dict[str, GpuProfile] = {
+GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by short name
     short: GpuProfile(name, capability, total_mib * _MIB, uuid, context_mib * _MIB, mig="MIG" in name)
     for short, name, capability, total_mib, uuid, context_mib in [
         ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),

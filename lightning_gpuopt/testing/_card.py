@@ -38,8 +38,7 @@ class GpuProfile:
     capability: tuple[int, int]
     total_bytes: int
     uuid: str
-    #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
-    context_bytes: int
+    context_bytes: int  #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
     mig: bool = False
 
     @property
@@ -62,8 +61,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         )
         default = p.capabilities.cublas_workspace_bytes
         self.cublas_workspace_bytes = default if cublas_workspace_bytes is None else cublas_workspace_bytes
-        #: seconds spent inside ops (what NVML's utilisation counts as busy)
-        self.busy_s = 0.0
+        self.busy_s = 0.0  #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self._blocks: dict[int, tuple[weakref.ref, Block]] = {}  # storage key -> its block
         self._cublas: Optional[Block] = None
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
