@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -206,13 +206,16 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         self.max_bytes, self.existing, self.granularity = max_bytes, tuple(existing), granularity
         self.baseline_bytes, self.workspaces = baseline_bytes, workspaces
         self.device = None if device is None else torch.device(device)
-        self.live_bytes = self.peak_bytes = 0
+        self.live_bytes = self.peak_bytes = self.workspace_bytes_at_peak = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._surplus: dict[int, int] = {}  # storages counted above their size: key -> bytes
 
     def _begin(self) -> None:
         self._live.clear()
+        self._surplus.clear()
         self.live_bytes = self.peak_bytes = self.baseline_bytes
-        for key, storage, num_bytes in self._new_storages(collect_tensors(*self.existing), exclude=set()):
+        self.workspace_bytes_at_peak = 0
+        for key, storage, num_bytes, _ in self._new_storages(collect_tensors(*self.existing), set()):
             self._add(key, storage, num_bytes)
         TorchDispatchMode.__enter__(self)
 
@@ -232,17 +235,20 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         want = self.device
         return want is None or (tensor.device.type == want.type and want.index in (None, tensor.device.index))
 
-    def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
-        found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
-        for tensor in tensors:
-            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) and self._counts(tensor) else None
+    def _new_storages(self, tensors: Iterable[torch.Tensor], exclude: set[int], surplus: Sequence[int] = ()) -> list:
+        """``(key, storage, bytes, surplus)`` for each storage of ``tensors`` not live yet nor in ``exclude``:
+        its bytes rounded up to the granularity plus the ``surplus`` of its position."""
+        found = []
+        for index, tensor in enumerate(tensors):
+            storage = storage_of(tensor) if self._counts(tensor) else None
             key = None if storage is None else storage_key(storage)
             if storage is None or key is None or key in self._live or key in exclude:
                 continue
-            num_bytes = round_up(storage.nbytes(), self.granularity)
-            if num_bytes > 0:
-                found.setdefault(key, (key, storage, num_bytes))
-        return list(found.values())
+            exclude.add(key)
+            more = surplus[index] if index < len(surplus) else 0
+            if (num_bytes := round_up(storage.nbytes(), self.granularity) + more) > 0:
+                found.append((key, storage, num_bytes, more))
+        return found
 
     def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:
         def release(_ref: weakref.ref) -> None:
@@ -256,22 +262,31 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        allocations = None
+        out, inside, workspace, surplus = self._run(func, args, kwargs)
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        new = self._new_storages(collect_tensors(out), inputs, surplus)
+        # while the op ran it held its outputs and its workspace, at least the allocator's peak inside it
+        needed = max(sum(entry[2] for entry in new) + workspace, inside)
+        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(func, needed))
+        if self.live_bytes + needed > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + needed
+            self._surplus = {key: more for key, more in self._surplus.items() if key in self._live}
+            self.workspace_bytes_at_peak = sum(self._surplus.values()) + sum(entry[3] for entry in new) + workspace
+        for key, storage, num_bytes, more in new:
+            self._add(key, storage, num_bytes)
+            if more:
+                self._surplus[key] = more
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
+        """Run the op: its output, the allocator's peak inside it, the workspace it holds beyond its
+        outputs and, per tensor output, the bytes it holds beyond its storage's size."""
         on_host = self.device is None or self.device.type == "cpu"
         if self.workspaces and on_host and is_real_host_call((args, kwargs)):
             out, allocations = call_learning_allocations(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
-        new = self._new_storages(tree_leaves(out), exclude=inputs)
-        # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
-        needed = max(sum(num_bytes for *_, num_bytes in new), allocations.peak_bytes if allocations else 0)
-        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, needed))
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + needed)
-        for key, storage, num_bytes in new:
-            self._add(key, storage, num_bytes)
-        return out
+            return out, allocations.peak_bytes if allocations else 0, 0, ()
+        return func(*args, **kwargs), 0, 0, ()
 
     def _oom_message(self, func: Any, added: int) -> str:
         where = "any device" if self.device is None else str(self.device)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_leaves, tree_map
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, call_learning_allocations, is_real_host_call, storage_of
-from lightning_gpuopt.core.search import round_up
 
 #: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
 #: convolution on one thread goes to oneDNN from 16 samples on)
@@ -143,60 +142,26 @@ class WorkspaceTracker(LiveTensorTracker):
         self.probed: dict[tuple, list[ProbedCall]] = collections.defaultdict(list)
         for call in () if profile is None else profile.calls:
             self.probed[call.signature].append(call)
-        self.workspace_bytes_at_peak = 0
         self._seen: collections.Counter = collections.Counter()
-        self._surplus: dict[int, int] = {}  # storages counted above their fake size: key -> bytes
 
-    def __enter__(self) -> WorkspaceTracker:
+    def _begin(self) -> None:
         self._seen.clear()
-        self._surplus.clear()
-        self.workspace_bytes_at_peak = 0
-        super().__enter__()
-        return self
+        super()._begin()
 
     def next_step(self) -> None:
         """Calls from now on belong to the next step."""
         self._seen.clear()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        if not self.probed:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        kwargs = kwargs or {}
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
         out = func(*args, **kwargs)
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        inputs = _tensors((args, kwargs))
         signature = _signature(func, inputs)
         index, partners = self._seen[signature], self.probed.get(signature, [])
         self._seen[signature] += 1
-        partner = partners[index] if index < len(partners) else None
-        traced_inputs = _input_bytes(inputs)
-
-        def scaled(num_bytes: int) -> int:
-            return 0 if partner is None else _scaled_bytes(num_bytes, partner.input_bytes, traced_inputs)
-
-        exclude = {storage_key(storage) for storage in map(storage_of, inputs) if storage is not None}
-        new: list[tuple[int, torch.UntypedStorage, int, int]] = []  # key, storage, bytes, of which surplus
-        for index, output in enumerate(outputs):
-            storage = storage_of(output)
-            if storage is None or not self._counts(output):
-                continue
-            key = storage_key(storage)
-            if key in exclude or key in self._live:
-                continue
-            exclude.add(key)
-            fake_bytes = round_up(storage.nbytes(), self.granularity)
-            surplus = scaled(partner.surplus_bytes[index]) if partner and index < len(partner.surplus_bytes) else 0
-            if fake_bytes + surplus > 0:
-                new.append((key, storage, fake_bytes + surplus, surplus))
-        workspace = 0 if partner is None else scaled(partner.extra_bytes)
-        needed = sum(num_bytes for _, _, num_bytes, _ in new) + workspace
-        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, needed))
-        if self.live_bytes + needed > self.peak_bytes:
-            self.peak_bytes = self.live_bytes + needed
-            self._surplus = {key: num_bytes for key, num_bytes in self._surplus.items() if key in self._live}
-            self.workspace_bytes_at_peak = sum(self._surplus.values()) + sum(s for *_, s in new) + workspace
-        for key, storage, num_bytes, surplus in new:
-            self._add(key, storage, num_bytes)
-            if surplus:
-                self._surplus[key] = surplus
-        return out
+        if index >= len(partners):
+            return out, 0, 0, ()
+        partner, traced = partners[index], _input_bytes(inputs)
+        workspace, *surplus = (
+            _scaled_bytes(b, partner.input_bytes, traced) for b in (partner.extra_bytes, *partner.surplus_bytes)
+        )
+        return out, 0, workspace, surplus
