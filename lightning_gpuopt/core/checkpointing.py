@@ -105,10 +105,8 @@ def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return args, kwargs
-    stores = [bound.arguments]
-    for parameter in signature.parameters.values():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in bound.arguments:
-            stores.append(bound.arguments[parameter.name])
+    var_keyword = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    stores = [bound.arguments, *(bound.arguments[name] for name in var_keyword if name in bound.arguments)]
     changed = False
     for store in stores:
         for name, value in list(store.items()):
@@ -130,14 +128,11 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         args, kwargs = _without_caches(signature, args, kwargs)
-        calls = 0
+        calls: list[None] = []
 
         def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return forward(*inner_args, **inner_kwargs)
-            with _running_stats_kept(module):  # the recomputation in backward
+            calls.append(None)  # a second call is the recomputation in backward
+            with _running_stats_kept(module) if len(calls) > 1 else contextlib.nullcontext():
                 return forward(*inner_args, **inner_kwargs)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -252,13 +247,12 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> Checkpoint
         switch = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5
         if switch is not None:
             switch(activation_checkpointing_kwargs={"use_reentrant": False})
-            methods.append(f"{type(owner).__name__}.activation_checkpointing_enable()")
         else:
             try:
                 owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             except TypeError:  # transformers < 4.35 takes no arguments
                 owner.gradient_checkpointing_enable()
-            methods.append(f"{type(owner).__name__}.gradient_checkpointing_enable()")
+        methods.append(f"{type(owner).__name__}.{'activation' if switch else 'gradient'}_checkpointing_enable()")
         config = getattr(owner, "config", None)
         use_cache = _MISSING if config is None else getattr(config, "use_cache", _MISSING)
         if config is not None and use_cache is not _MISSING:

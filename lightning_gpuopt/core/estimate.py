@@ -300,7 +300,19 @@ class StepEstimator:
             seconds += at_double.seconds
             per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
             fixed = at_batch.peak_bytes - per_sample * step.batch_size
-        notes = _workspace_notes(profile, at_batch)
+        notes = []
+        if profile is not None and not profile.learned:
+            notes.append(
+                f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
+                "kernels allocate inside themselves (e.g. oneDNN reorders)"
+            )
+        elif profile is not None:
+            at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
+            notes.append(
+                f"kernel workspaces learned from a real forward and backward pass on the host{at} "
+                f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
+                f"sees, {profile.seconds:.2f} s): {at_batch.workspace_bytes} bytes of the predicted peak"
+            )
         if step.accumulate_grad_batches > 1:
             notes.append(
                 f"traced accumulating {step.accumulate_grad_batches} micro-batches per optimizer step: the gradients "
@@ -350,23 +362,6 @@ def _estimate_of(
         bytes_per_sample=slope,
         **changes,
     )
-
-
-def _workspace_notes(profile: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
-    """What the notes say about kernel workspaces (nothing where the probe does not apply)."""
-    if profile is None:
-        return []
-    if not profile.learned:
-        return [
-            f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
-            "kernels allocate inside themselves (e.g. oneDNN reorders)"
-        ]
-    at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
-    return [
-        f"kernel workspaces learned from a real forward and backward pass on the host{at} "
-        f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
-        f"sees, {profile.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"
-    ]
 
 
 def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
@@ -429,10 +424,7 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
     finally:
         for value, content in contents:
             value.clear()
-            if isinstance(value, list):
-                value.extend(content)
-            else:
-                value.update(content)
+            (value.extend if isinstance(value, list) else value.update)(content)
         for owner, attributes in saved:
             vars(owner).clear()
             vars(owner).update(attributes)
@@ -512,10 +504,8 @@ def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None)
 def host_step_context(precision: str) -> StepContext:
     """The step context for tracing on the host a step that will run in ``precision`` on a card: a CPU
     autocast of the same dtype (a CUDA autocast does nothing to host tensors)."""
-    if precision in ("bf16-mixed", "16-mixed"):
-        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-        return lambda: torch.autocast("cpu", dtype=dtype)
-    return contextlib.nullcontext
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return contextlib.nullcontext if dtype is None else lambda: torch.autocast("cpu", dtype=dtype)
 
 
 def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, float]:

@@ -241,8 +241,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         found = []
         for index, tensor in enumerate(tensors):
             storage = storage_of(tensor) if self._counts(tensor) else None
-            key = None if storage is None else storage_key(storage)
-            if storage is None or key is None or key in self._live or key in exclude:
+            if storage is None or (key := storage_key(storage)) in self._live or key in exclude:
                 continue
             exclude.add(key)
             more = surplus[index] if index < len(surplus) else 0

@@ -23,10 +23,8 @@ from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 
 __all__ = ["GPU_PROFILES", "GpuProfile", "SimulatedGpu"]
 
-_MIB = 2**20
-
 GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by short name
-    short: GpuProfile(name, capability, total_mib * _MIB, uuid, context_mib * _MIB, mig="MIG" in name)
+    short: GpuProfile(name, capability, total_mib << 20, uuid, context_mib << 20, mig="MIG" in name)
     for short, name, capability, total_mib, uuid, context_mib in [
         ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
         ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
