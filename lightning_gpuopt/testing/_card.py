@@ -187,8 +187,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         return True
 
     def _take(self, storages: list[torch.UntypedStorage], allocations: Optional[OpAllocations] = None) -> None:
-        """Blocks for ``storages``: first an op's ``allocations`` in the profiler's order (workspaces come
-        and go, kept allocations become the outputs' blocks), then one for each storage left. A failed
+        """Blocks for ``storages``, after an op's ``allocations`` replayed in the profiler's order. A failed
         request forgets what was taken (the op's outputs never reach the caller) and raises CUDA's error."""
         taken: list[Block] = []
 
@@ -207,7 +206,17 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                         block, blocks[-event - 1] = blocks[-event - 1], None
                         if block is not None:
                             self.allocator.free(block)
-                rest = self._bind(storages, [(allocations.sizes[i], blocks[i]) for i in sorted(allocations.kept)])
+                # the kept allocations become the outputs of their size; one no output takes is a kernel's cache
+                kept = [(allocations.sizes[i], b) for i in sorted(allocations.kept) if (b := blocks[i]) is not None]
+                rest = []
+                for storage in storages:
+                    match = next((i for i, (size, _) in enumerate(kept) if size == storage.nbytes()), None)
+                    if match is None:
+                        rest.append(storage)
+                    else:
+                        self._track(storage, kept.pop(match)[1])
+                for _, block in kept:
+                    self.allocator.free(block)
             for storage in rest:
                 self._track(storage, malloc(storage.nbytes()))
         except AllocatorOutOfMemory as error:
@@ -216,21 +225,6 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             for block in taken:
                 self.allocator.free(block)
             raise torch.OutOfMemoryError(str(error)) from None
-
-    def _bind(self, outputs: list[torch.UntypedStorage], kept: list[tuple[int, Optional[Block]]]) -> list:
-        """Give the kept allocations to the outputs of the same size; one no output takes is a cache
-        of the kernel, freed here. Returns the outputs left without a block."""
-        free = [(size, block) for size, block in kept if block is not None]
-        unmatched = []
-        for storage in outputs:
-            match = next((i for i, (size, _) in enumerate(free) if size == storage.nbytes()), None)
-            if match is None:
-                unmatched.append(storage)
-            else:
-                self._track(storage, free.pop(match)[1])
-        for _, block in free:
-            self.allocator.free(block)
-        return unmatched
 
     def _track(self, storage: torch.UntypedStorage, block: Block) -> None:
         key = storage_key(storage)
