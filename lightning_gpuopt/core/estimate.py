@@ -405,16 +405,7 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 @contextlib.contextmanager
 def restored_attributes(*objects: Any) -> Iterator[None]:
     """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
-    (re)bindings and the contents of list, dict and set attributes, nested ones included.
-
-    >>> model = torch.nn.Linear(2, 2)
-    >>> model.outputs = {"train": []}
-    >>> with restored_attributes(model):
-    ...     model.outputs["train"].append(1.0)
-    ...     model.step_count = 1
-    >>> model.outputs, hasattr(model, "step_count")
-    ({'train': []}, False)
-    """
+    (re)bindings and the contents of list, dict and set attributes, nested ones included."""
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()

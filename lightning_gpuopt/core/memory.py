@@ -31,11 +31,7 @@ def parse_memory(
     minimum: int = 1,
 ) -> int:
     """Bytes from an int, a string with a decimal (``"300MB"``) or binary (``"20GiB"``) unit, or a
-    float in ``(0, 1]`` (that fraction of ``device``); else ``ValueError`` naming ``name``.
-
-    >>> parse_memory(4096), parse_memory("1.5KiB"), parse_memory("2 kb")
-    (4096, 1536, 2000)
-    """
+    float in ``(0, 1]`` (that fraction of ``device``); else ``ValueError`` naming ``name``."""
     works = (
         f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", '
         "or a float in (0, 1] (a fraction of the device)"

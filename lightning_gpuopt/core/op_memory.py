@@ -182,13 +182,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from
     the op that made them, or the start for ``existing``, until they die, plus ``baseline_bytes``.
     With ``workspaces``, a real host op also counts the peak its kernel allocates while it runs. An op
-    whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory").
-
-    >>> with LiveTensorTracker() as tracker:
-    ...     y = torch.ones(256) * 2       # two 1024-byte storages and the 12 bytes the kernel wraps the 2 in
-    >>> tracker.peak_bytes
-    2060
-    """
+    whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory")."""
 
     peak_bytes: int
 

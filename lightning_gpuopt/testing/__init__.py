@@ -42,8 +42,7 @@ class SimulatedGpu:
 
     Args:
         profile: a name of :data:`GPU_PROFILES` or a :class:`GpuProfile`.
-        memory: the card's total memory instead of the profile's: bytes, a string such as
-            ``"64MiB"``, or a fraction of the profile's (the CUDA context scales with it).
+        memory: the card's memory instead: bytes, ``"64MiB"``, or a fraction of the profile's (the context scales).
         context_memory: memory the CUDA context holds outside PyTorch (default: the profile's, scaled).
         cublas_workspace: bytes of the cuBLAS workspace (default: torch's for the capability).
         nvml_error: ``"no-permission"`` or ``"not-supported"``: every NVML query about the card raises it.

@@ -23,16 +23,6 @@ SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 Mi
 MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 
 
-def _round_size(num_bytes: int) -> int:
-    return round_up(max(num_bytes, 1), CUDA_ALLOCATION_GRANULARITY)
-
-
-def _segment_size(rounded: int) -> int:
-    if rounded <= SMALL_SIZE:
-        return SMALL_BUFFER
-    return LARGE_BUFFER if rounded < MIN_LARGE_ALLOC else round_up(rounded, ROUND_LARGE)
-
-
 class AllocatorOutOfMemory(Exception):
     """A request the model could not serve, in CUDA's wording."""
 
@@ -48,9 +38,6 @@ class Block:
     allocated: bool = False
     prev: Optional[Block] = None
     next: Optional[Block] = None
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.size, self.segment, self.offset)
 
 
 @dataclass(eq=False)
@@ -88,10 +75,11 @@ class CachingAllocatorModel:
 
     def malloc(self, num_bytes: int) -> Block:
         """Hand out a block for ``num_bytes``; raises :class:`AllocatorOutOfMemory` when it cannot."""
-        size = _round_size(num_bytes)
+        size = round_up(max(num_bytes, 1), CUDA_ALLOCATION_GRANULARITY)
         small = size <= SMALL_SIZE
         pool = self._pools[small]
-        block = min((cached for cached in pool if cached.size >= size), key=Block.key, default=None)  # best fit
+        fits = [cached for cached in pool if cached.size >= size]  # the best fit: the smallest, the first
+        block = min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
         if block is None:
             block = self._new_segment(size, small, num_bytes)
         else:
@@ -127,18 +115,15 @@ class CachingAllocatorModel:
                 block = first
         pool.add(block)
 
-    def empty_cache(self) -> int:
-        """Release every fully free segment to the driver (PyTorch's ``empty_cache``); the bytes released."""
-        released = 0
+    def empty_cache(self) -> None:
+        """Release every fully free segment to the driver (PyTorch's ``empty_cache``)."""
         for segment_id, first in list(self._segments.items()):
             if first.allocated or first.next is not None:
                 continue
             self._pools[first.small].remove(first)
             del self._segments[segment_id]
             self.reserved_bytes -= first.size
-            released += first.size
             self.stats.num_segments -= 1
-        return released
 
     def open_window(self) -> PeakWindow:
         """A window whose peaks start at the bytes allocated and reserved now."""
@@ -152,7 +137,8 @@ class CachingAllocatorModel:
         return window
 
     def _new_segment(self, size: int, small: bool, requested: int) -> Block:
-        wanted = _segment_size(size)
+        large = LARGE_BUFFER if size < MIN_LARGE_ALLOC else round_up(size, ROUND_LARGE)
+        wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve
         if self.reserved_bytes + wanted > self.limit_bytes:
             self.stats.num_alloc_retries += 1
             self.empty_cache()
