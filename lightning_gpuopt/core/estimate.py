@@ -254,8 +254,10 @@ class StepEstimator:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
             params = list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
-            existing = (step.module, fake_batch)
-            with mode, WorkspaceTracker(learned, existing=existing, granularity=granularity) as tracker:
+            with (
+                mode,
+                WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
+            ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
@@ -294,12 +296,12 @@ class StepEstimator:
         step, profile = self.step, self.workspaces
         at_batch = self.trace()
         seconds = at_batch.seconds + (0.0 if profile is None else profile.seconds)
-        fixed = per_sample = None
+        line: dict[str, float] = {}  # fixed_bytes and bytes_per_sample, with a batch size
         if step.batch_size:
             at_double = self.trace(2 * step.batch_size)
             seconds += at_double.seconds
             per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
-            fixed = at_batch.peak_bytes - per_sample * step.batch_size
+            line = dict(fixed_bytes=at_batch.peak_bytes - per_sample * step.batch_size, bytes_per_sample=per_sample)
         notes = []
         if profile is not None and not profile.learned:
             notes.append(
@@ -323,7 +325,7 @@ class StepEstimator:
                 "manual optimization: traced the whole training_step, its backward passes and the steps of its "
                 f"{len(step.optimizers)} optimizer(s)"
             )
-        return _estimate_of(at_batch, "traced", fixed, per_sample, trace_seconds=seconds, notes=notes)
+        return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
 
     def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
         step = self.step
@@ -339,17 +341,15 @@ class StepEstimator:
         fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
         if summary is None:
             figures.peak_bytes = fixed + figures.batch_bytes
-            return _estimate_of(figures, "parameters-only", None, None, notes=notes)
+            return _estimate_of(figures, "parameters-only", notes=notes)
         figures.batch_bytes = int(summary[0].total_input)
         per_batch = figures.batch_bytes + int(summary[0].total_output_bytes)
         figures.peak_bytes = fixed + per_batch
         per_sample = per_batch / step.batch_size if step.batch_size else None
-        return _estimate_of(figures, "torchinfo-fallback", fixed, per_sample, notes=notes)
+        return _estimate_of(figures, "torchinfo-fallback", fixed_bytes=fixed, bytes_per_sample=per_sample, notes=notes)
 
 
-def _estimate_of(
-    figures: TracedStep, method: str, fixed: float | None, slope: float | None, **changes: Any
-) -> MemoryEstimate:
+def _estimate_of(figures: TracedStep, method: str, **changes: Any) -> MemoryEstimate:
     shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
     known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
     return MemoryEstimate(
@@ -358,8 +358,6 @@ def _estimate_of(
         torchinfo_total_bytes=None,
         predicted_peak_bytes=figures.peak_bytes,
         method=method,
-        fixed_bytes=fixed,
-        bytes_per_sample=slope,
         **changes,
     )
 
@@ -381,19 +379,22 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
     loss.backward()
     for optimizer in optimizers:
         optimizer.step()
-    del loss
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
     return next((tensor.device for tensor in (*module.parameters(), *module.buffers())), torch.device("cpu"))
 
 
-_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict)
-
-
 def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
     """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through tuples too)."""
-    if id(value) in seen or type(value) not in (*_CONTAINERS, tuple):
+    if id(value) in seen or type(value) not in (
+        list,
+        dict,
+        set,
+        tuple,
+        collections.OrderedDict,
+        collections.defaultdict,
+    ):
         return
     seen.add(id(value))
     if type(value) is not tuple:

@@ -261,7 +261,11 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         # while the op ran it held its outputs and its workspace, at least the allocator's peak inside it
         needed = max(sum(entry[2] for entry in new) + workspace, inside)
         if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, needed))
+            where = "any device" if self.device is None else str(self.device)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
+                f"{needed} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+            )
         if self.live_bytes + needed > self.peak_bytes:
             self.peak_bytes = self.live_bytes + needed
             self._surplus = {key: more for key, more in self._surplus.items() if key in self._live}
@@ -280,13 +284,6 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
             out, allocations = call_learning_allocations(func, args, kwargs)
             return out, allocations.peak_bytes if allocations else 0, 0, ()
         return func(*args, **kwargs), 0, 0, ()
-
-    def _oom_message(self, func: Any, added: int) -> str:
-        where = "any device" if self.device is None else str(self.device)
-        return (
-            f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
-            f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
-        )
 
 
 class AllocationWindow(SpanMeter):
@@ -308,13 +305,11 @@ class AllocationWindow(SpanMeter):
             return
         self._profiling = False
         live = peak = 0
-        for thread in compat.stop_allocation_events():
-            for record in thread:
-                if record.kind() != "memory_alloc":
-                    continue
-                if self.device_type != "cuda":
-                    live += int(record.cpu_memory_usage())
-                elif record.device() == self.index:
-                    live += int(record.cuda_memory_usage())
-                peak = max(peak, live)
+        records = compat.stop_allocation_events()
+        for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
+            if self.device_type != "cuda":
+                live += int(record.cpu_memory_usage())
+            elif record.device() == self.index:
+                live += int(record.cuda_memory_usage())
+            peak = max(peak, live)
         self.peak_bytes = peak
