@@ -84,7 +84,7 @@ def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module
 
 @contextlib.contextmanager
 def _running_stats_kept(module: nn.Module) -> Iterator[None]:
-    """The running statistics of every norm layer of ``module`` that tracks them in training put back after the block."""
+    """The running statistics of ``module``'s norm layers that track them in training, put back after the block."""
     norms = [m for m in module.modules() if m.training and getattr(m, "track_running_stats", False)]
     stats = [(m, n, getattr(m, n, None)) for m in norms for n in ("running_mean", "running_var", "num_batches_tracked")]
     saved = [(m, name, t.detach().clone()) for m, name, t in stats if isinstance(t, torch.Tensor)]
@@ -97,8 +97,7 @@ def _running_stats_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args``/``kwargs`` with the key/value cache cleared and ``use_cache=False``, wherever the
-    block's signature puts them (HuggingFace passes the cache positionally too)."""
+    """``args``/``kwargs`` with any key/value cache cleared and ``use_cache=False``, as the signature binds them."""
     if signature is None:
         return args, kwargs
     try:
@@ -213,8 +212,7 @@ class CheckpointedBlocks:
 
 
 def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
-    """Checkpoint each ``(name, module)`` of ``blocks`` with ``torch.utils.checkpoint`` (see the module
-    docstring); a block whose ``forward`` is already set on the instance is left alone."""
+    """Checkpoint each ``(name, module)`` of ``blocks`` (one whose ``forward`` is set on the instance is left)."""
     handle = CheckpointedBlocks(names=[], classes=[])
     for name, module in blocks:
         if "forward" not in vars(module):  # else checkpointed already, or a forward the user patched
@@ -238,8 +236,7 @@ def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]
 
 
 def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> CheckpointedBlocks:
-    """Switch on each model's own activation checkpointing (``owners`` as
-    :func:`native_checkpointing_owners` gives them); the handle names the layers it checkpoints."""
+    """Switch on each owner's own activation checkpointing; the handle names the layers it checkpoints."""
     handle = CheckpointedBlocks(names=[], classes=[], method="")
     methods = []
     for owner_name, owner in owners:
@@ -306,8 +303,7 @@ def check_recomputation(
             for (_, buffer), saved in zip(named_buffers, saved_buffers):
                 buffer.copy_(saved)
 
-    def run() -> list[tuple[str, Any]]:
-        """One step: ``(what, tensor)`` for the loss, each gradient and each buffer after it."""
+    def run() -> list[tuple[str, Any]]:  # one step: (what, tensor) for the loss, each gradient and each buffer
         for _, param in named_params:
             param.grad = None
         with step_context():

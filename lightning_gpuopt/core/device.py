@@ -47,8 +47,7 @@ class Capabilities:
     native_bf16: bool = False  #: bfloat16 in hardware (8.0 and up), not ``is_bf16_supported()``'s emulation
     tf32: bool = False  #: TF32 tensor cores (8.0 and up)
     mig: bool = False  #: a MIG instance (NVML reports no utilisation for it)
-    #: the cuBLAS workspace once a matmul ran: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0 on
-    cublas_workspace_bytes: int = 0
+    cublas_workspace_bytes: int = 0  #: after a matmul: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0
 
     @classmethod
     def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
@@ -111,16 +110,14 @@ class Device:
         return None
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        """Free memory plus what torch holds already (on a card all it has reserved; on the host the
-        storages of ``existing``, e.g. the model and optimizer)."""
+        """Free memory plus what torch holds (a card: all it reserved; the host: the storages of ``existing``)."""
         reserved = self.reserved_memory()
         if reserved is not None:
             return self.free_memory() + reserved
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        """A meter of a span's peak; on the host it counts the tensors of ``existing`` and
-        ``baseline_bytes`` too (a card's allocator counts all it holds)."""
+        """A meter of a span's peak (the host counts ``existing`` and ``baseline_bytes`` too)."""
         return LiveTensorTracker(existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
 
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
@@ -247,8 +244,7 @@ def simulated_device() -> Optional[Device]:
 
 
 def host_only() -> ContextManager[None]:
-    """A block of host work a real run does on the host (the estimate's probe of kernel
-    workspaces): under a simulated card, nothing it makes counts on the card."""
+    """A block of host work (the workspace probe): under a simulated card, nothing it makes counts on it."""
     return _simulations[-1].paused() if _simulations else contextlib.nullcontext()
 
 

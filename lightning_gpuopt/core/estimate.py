@@ -152,8 +152,7 @@ class StepEstimator:
         self._learns_workspaces = workspaces
 
     def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
-        """The peak, traced at the step's batch size and twice it, and the largest batch for
-        ``capacity_bytes``; when the step cannot be traced, torchinfo's figures and why in ``notes``."""
+        """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
         step, notes = self.step, []
         summary = None
         if step.forward_input is not None:
@@ -363,8 +362,7 @@ def _estimate_of(figures: TracedStep, method: str, **changes: Any) -> MemoryEsti
 
 
 def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
-    """``step.manual_step`` on ``optimizers``; or forward, the gradients of ``zero_grads`` set to
-    ``None``, backward and each optimizer's ``step()``."""
+    """``step.manual_step``; or forward, ``zero_grads`` set to ``None``, backward and ``optimizers``' steps."""
     if step.manual_step is not None:
         with step.step_context():
             step.manual_step(batch, optimizers)
@@ -475,8 +473,7 @@ def _is_batched(value: Any, batch_size: int | None) -> bool:
 
 
 def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fake: FakeTensorMode | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows replaced by zeros of ``new_batch_size`` rows;
-    under ``fake`` those are fake and the other tensors fake twins."""
+    """``batch`` with its tensors of ``batch_size`` rows as zeros of ``new_batch_size`` rows (fake under ``fake``)."""
 
     def resized(value: Any) -> Any:
         if new_batch_size is not None and _is_batched(value, batch_size):
@@ -494,16 +491,13 @@ def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None)
 
 
 def host_step_context(precision: str) -> StepContext:
-    """The step context for tracing on the host a step that will run in ``precision`` on a card: a CPU
-    autocast of the same dtype (a CUDA autocast does nothing to host tensors)."""
+    """A CPU autocast of ``precision``'s dtype: the step context to trace on the host a step for a card."""
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     return contextlib.nullcontext if dtype is None else lambda: torch.autocast("cpu", dtype=dtype)
 
 
 def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, float]:
-    """torchinfo's summary of ``module(forward_input)`` at the step's batch size in its step context,
-    and its seconds: on fake tensors, else on real ones (torchinfo's ``no_grad`` and eval mode);
-    torchinfo moves nothing."""
+    """torchinfo's summary and seconds at the step's batch size, on fake tensors, else on real ones."""
     module, forward_input, context = step.module, step.forward_input, step.step_context
     size = next((int(t.shape[0]) for t in collect_tensors(forward_input) if t.dim()), None)
     start = time.perf_counter()

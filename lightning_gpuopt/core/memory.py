@@ -123,8 +123,7 @@ class CallOutcome:
 
 
 def call_catching_oom(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
-    """Call ``fn``; on an out-of-memory error, free its memory (once the traceback holding its
-    tensors is gone) and report it instead of raising. Other errors propagate."""
+    """Call ``fn``; report an OOM instead of raising it, with its memory freed (other errors propagate)."""
     try:
         return CallOutcome(value=fn(*args, **kwargs))
     except BaseException as exc:

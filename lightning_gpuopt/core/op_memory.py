@@ -20,8 +20,7 @@ from lightning_gpuopt.core.search import round_up
 
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``objects`` (also in lists, tuples, dicts): tensors, modules (parameters,
-    gradients, buffers), optimizers (state)."""
+    """The tensors in ``objects``, their containers, modules (with gradients) and optimizers (state)."""
     for leaf in tree_leaves(objects):
         if isinstance(leaf, torch.Tensor):
             yield leaf
@@ -53,8 +52,7 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
 
 
 def is_real_host_call(tree: Any) -> bool:
-    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (nothing
-    fake, nothing on or for another device, meta included)."""
+    """Whether an op call ``(args, kwargs)`` runs on real host tensors (nothing fake, meta or elsewhere)."""
     for leaf in tree_leaves(tree):
         if isinstance(leaf, FakeTensor):
             return False
@@ -121,8 +119,7 @@ def _allocations_from(records: list) -> OpAllocations:
 
 
 def call_learning_allocations(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple[Any, Optional[OpAllocations]]:
-    """Run ``func``; return its output and its allocations, learned on the first call of its key
-    (``None`` when that key was never learned and another profiler runs)."""
+    """``func``'s output and allocations, learned once per key (``None``: unknown and another profiler runs)."""
     kwargs = kwargs or {}
     key = _op_key(func, args, kwargs)
     known = _templates.get(key)
@@ -230,8 +227,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         return want is None or (tensor.device.type == want.type and want.index in (None, tensor.device.index))
 
     def _new_storages(self, tensors: Iterable[torch.Tensor], exclude: set[int], surplus: Sequence[int] = ()) -> list:
-        """``(key, storage, bytes, surplus)`` for each storage of ``tensors`` not live yet nor in ``exclude``:
-        its bytes rounded up to the granularity plus the ``surplus`` of its position."""
+        """``(key, storage, bytes, surplus)`` per storage of ``tensors`` not live nor in ``exclude``, rounded up."""
         found = []
         for index, tensor in enumerate(tensors):
             storage = storage_of(tensor) if self._counts(tensor) else None
@@ -277,8 +273,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         return out
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
-        """Run the op: its output, the allocator's peak inside it, the workspace it holds beyond its
-        outputs and, per tensor output, the bytes it holds beyond its storage's size."""
+        """The op's output, the allocator's peak inside it, its workspace and per output its surplus bytes."""
         on_host = self.device is None or self.device.type == "cpu"
         if self.workspaces and on_host and is_real_host_call((args, kwargs)):
             out, allocations = call_learning_allocations(func, args, kwargs)

@@ -80,8 +80,7 @@ class WorkspaceProfile:
 
 
 class WorkspaceRecorder(TorchDispatchMode):
-    """Records a :class:`ProbedCall` for every op call on real host tensors (no extra where another
-    profiler keeps the call's allocations unknown)."""
+    """Records a :class:`ProbedCall` for every op call on real host tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,8 +120,7 @@ def _on_meta(value: Any) -> Any:
 
 
 def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[int]) -> list[int]:
-    """Per output, the storage bytes the op's meta kernel gives it (what a fake trace counts); the
-    real bytes where there is nothing new or no meta kernel."""
+    """Per output, its bytes from the op's meta kernel (the real ones where there is no meta kernel)."""
     if not any(real_bytes):
         return real_bytes
     try:

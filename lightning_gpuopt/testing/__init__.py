@@ -115,8 +115,7 @@ class SimulatedGpu:
         return self.allocator.stats.peak_reserved_bytes
 
     def place(self, *objects: Any) -> None:
-        """Put tensors (or modules, optimizers, collections of them) on the card: the simulated
-        ``tensor.cuda()``, e.g. for a dataset held in device memory."""
+        """Put the tensors of ``objects`` on the card: the simulated ``tensor.cuda()``."""
         self.device.adopt(*objects)
 
     def utilization(self) -> int:

@@ -58,8 +58,7 @@ class AllocatorStats(PeakWindow):
 
 
 class CachingAllocatorModel:
-    """The CUDA caching allocator's bookkeeping, without memory behind it, reserving at most
-    ``limit_bytes``; ``total_bytes`` and ``outside_bytes`` (the CUDA context) are for error messages."""
+    """The caching allocator's bookkeeping, reserving at most ``limit_bytes`` (the others: for messages)."""
 
     def __init__(self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0) -> None:
         self.limit_bytes = int(limit_bytes)
@@ -161,12 +160,12 @@ class CachingAllocatorModel:
         m, free = _mib_or_gib, max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
         in_use, cached = self.outside_bytes + self.reserved_bytes, self.reserved_bytes - self.allocated_bytes
         return (
-            f"CUDA out of memory. Tried to allocate {m(requested)}. GPU 0 has a total capacity of {m(self.total_bytes)} "
-            f"of which {m(free)} is free. Including non-PyTorch memory, this process has {m(in_use)} memory in use. "
-            f"Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, and {m(cached)} is reserved by "
-            "PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  "
-            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+            f"CUDA out of memory. Tried to allocate {m(requested)}. GPU 0 has a total capacity of "
+            f"{m(self.total_bytes)} of which {m(free)} is free. Including non-PyTorch memory, this process has "
+            f"{m(in_use)} memory in use. Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, "
+            f"and {m(cached)} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+            "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
         )
 
 

@@ -47,8 +47,7 @@ class GpuProfile:
 
 
 class SimulatedCudaDevice(Device, TorchDispatchMode):
-    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
-    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
+    """A CUDA card of ``profile`` simulated on the host (``cublas_workspace_bytes`` default: torch's)."""
 
     type = "cuda"
 
@@ -190,18 +189,14 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         """Blocks for ``storages``, after an op's ``allocations`` replayed in the profiler's order. A failed
         request forgets what was taken (the op's outputs never reach the caller) and raises CUDA's error."""
         taken: list[Block] = []
-
-        def malloc(num_bytes: int) -> Block:
-            taken.append(self.allocator.malloc(num_bytes))
-            return taken[-1]
-
         try:
             rest = storages
             if allocations is not None:
                 blocks: list[Optional[Block]] = []
                 for event in allocations.events:
                     if event > 0:
-                        blocks.append(malloc(event))
+                        taken.append(self.allocator.malloc(event))
+                        blocks.append(taken[-1])
                     else:
                         block, blocks[-event - 1] = blocks[-event - 1], None
                         if block is not None:
@@ -218,7 +213,8 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                 for _, block in kept:
                     self.allocator.free(block)
             for storage in rest:
-                self._track(storage, malloc(storage.nbytes()))
+                taken.append(self.allocator.malloc(storage.nbytes()))
+                self._track(storage, taken[-1])
         except AllocatorOutOfMemory as error:
             for storage in storages:
                 self._blocks.pop(storage_key(storage), None)
@@ -245,8 +241,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
 
 class _SimulatedMeter(SpanMeter):
-    """A window over the card's allocator; with ``max_bytes`` the allocator may reserve at most that
-    much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
+    """A window over the card's allocator (``max_bytes``: its reserve limit); ``existing`` moves to the card."""
 
     def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), max_bytes: Optional[int] = None):
         self.device, self.existing, self.max_bytes = device, tuple(existing), max_bytes
