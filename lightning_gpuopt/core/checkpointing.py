@@ -32,9 +32,8 @@ def _is_key_value_cache(value: Any) -> bool:
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with a sibling, hold
-    parameters and have submodules (transformer layers, residual blocks), outermost only, as
-    ``(qualified name, module)``."""
+    """``(name, module)`` of the children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with
+    a sibling, hold parameters and have submodules (transformer layers, residual blocks), outermost only."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
         inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)

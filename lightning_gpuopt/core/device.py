@@ -194,9 +194,8 @@ class CudaDevice(Device):
 
 
 class _CudaPeakMeter(AllocationWindow):
-    """The allocated bytes at start plus the largest rise of the profiler's allocator events
-    (``max_memory_allocated`` when another profiler runs); reserved memory only grows between
-    ``empty_cache`` calls. ``max_bytes`` caps the span's reserved memory (the per-process memory fraction)."""
+    """The allocated bytes at start plus the profiler's largest rise (else ``max_memory_allocated``); with
+    ``max_bytes``, the per-process memory fraction caps the span's reserved memory."""
 
     def __init__(self, device: CudaDevice, max_bytes: Optional[int] = None) -> None:
         super().__init__("cuda", device.index)
@@ -306,5 +305,4 @@ class HostEvent:
         """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time``."""
         return (end.time_s - self.time_s) * 1e3
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self) -> None: ...

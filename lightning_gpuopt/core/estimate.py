@@ -241,9 +241,8 @@ class StepEstimator:
         )
 
     def trace(self, batch_size: int | None = None) -> TracedStep:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces.
-        With gradient accumulation the second step accumulates onto the first one's gradients: the
-        worst micro-batch of a group. Raises what the step raises."""
+        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces;
+        with accumulation the second adds to the first one's gradients (a group's worst micro-batch)."""
         step, start = self.step, time.perf_counter()
         target = _module_device(step.module) if step.device is None else torch.device(step.device)
         granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
@@ -269,9 +268,8 @@ class StepEstimator:
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
-        """What the step's kernels allocate, from one real forward and backward on the host at
-        ``min(batch_size, PROBE_BATCH_SIZE)`` samples, on copies of the parameters and buffers (nothing
-        is touched). ``None`` off the host or for a step that will run elsewhere."""
+        """What the step's kernels allocate, from one real step on the host at ``min(batch_size, PROBE_BATCH_SIZE)``
+        samples on copies of the parameters and buffers; ``None`` for a step not on the host."""
         step = self.step
         elsewhere = step.device is not None and torch.device(step.device).type != "cpu"
         tensors = collect_tensors(step.module, step.batch)

@@ -1,8 +1,6 @@
 """Amounts of memory (:func:`parse_memory`), a simulated memory cap (:class:`MemoryBudget`) and
-out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`).
-
-A budget's OOM is a ``torch.OutOfMemoryError`` saying "CUDA out of memory", so code written for a
-real CUDA OOM (Lightning's ``is_oom_error`` included) handles it the same way.
+out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`). A budget's OOM is a
+``torch.OutOfMemoryError`` saying "CUDA out of memory", as code written for a real one expects.
 """
 
 from __future__ import annotations

@@ -139,9 +139,8 @@ def call_learning_allocations(func: Any, args: tuple, kwargs: Optional[dict]) ->
 
 
 class SpanMeter:
-    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block:
-    :attr:`peak_bytes`, and :attr:`peak_reserved_bytes` where the allocator's is known (a CUDA card).
-    Subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
+    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block (and of
+    reserved memory where known); subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
     peak_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
@@ -161,11 +160,9 @@ class SpanMeter:
             self._end()
         return self.peak_bytes if self._started else None
 
-    def _begin(self) -> None:
-        raise NotImplementedError
+    def _begin(self) -> None: ...
 
-    def _end(self) -> None:
-        raise NotImplementedError
+    def _end(self) -> None: ...
 
     def __enter__(self: _Meter) -> _Meter:
         self.start()

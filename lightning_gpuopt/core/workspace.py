@@ -1,10 +1,9 @@
 """Kernel memory in a step traced on fake tensors, learned per op call from a small real step.
 
-A fake trace misses what a kernel allocates inside itself (oneDNN's reorders, BatchNorm's backward
-temporaries) and what it returns beyond its meta twin (oneDNN's LSTM workspace). On the host,
-:class:`WorkspaceRecorder` keeps both per op call of a real step; :class:`WorkspaceTracker` pairs the
-k-th call of each signature in a fake step with the k-th probed one and scales its bytes with the
-inputs that grew.
+A fake trace misses what a kernel allocates inside itself (oneDNN's reorders) and what it returns
+beyond its meta twin (oneDNN's LSTM workspace): :class:`WorkspaceRecorder` keeps both per op call of
+a real host step, and :class:`WorkspaceTracker` adds them, scaled to its inputs, to the k-th call of
+each signature in a fake step.
 """
 
 from __future__ import annotations
@@ -131,9 +130,8 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 
 class WorkspaceTracker(LiveTensorTracker):
-    """A fake trace's tracker with ``profile``'s kernel memory added (without one: a plain tracker);
-    :attr:`workspace_bytes_at_peak` is that memory in :attr:`peak_bytes`. Call :meth:`next_step`
-    where each step after the first begins (the optimizer's calls, not probed, pair with nothing)."""
+    """A fake trace's tracker with ``profile``'s kernel memory added (:attr:`workspace_bytes_at_peak` of the
+    peak); call :meth:`next_step` where each step after the first begins."""
 
     def __init__(self, profile: Optional[WorkspaceProfile] = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, workspaces=False, **kwargs)

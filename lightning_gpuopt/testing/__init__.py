@@ -2,10 +2,10 @@
 
 While a CPU ``Trainer`` runs inside ``with SimulatedGpu("T4", memory="64MiB"):``, every decision of
 lightning-gpuopt sees that card: its identity (:data:`GPU_PROFILES`), its memory as PyTorch's CUDA
-caching allocator would hold it (a request past the card raises the real ``torch.OutOfMemoryError``),
-its NVML readings and its device events. Tensors reach the card as in a real run: a module at its
-first ``forward``, an optimizer's state at its first step, what :meth:`SimulatedGpu.place` is given.
-Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
+caching allocator would hold it (past the card, the real ``torch.OutOfMemoryError``), its NVML
+readings and device events. Tensors reach it as in a real run (a module at its first ``forward``, an
+optimizer's state at its first step, :meth:`SimulatedGpu.place`). Not simulated: kernel speed,
+streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by shor
         ("A100-MIG-1g.10gb", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728, "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", 250),
     ]
 }  # fmt: skip
-
-_NVML_ERRORS = ("no-permission", "not-supported")
 
 
 class SimulatedGpu:
@@ -83,8 +81,8 @@ class SimulatedGpu:
                 f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
                 "expected a context smaller than `memory`."
             )
-        if nvml_error not in (None, *_NVML_ERRORS):
-            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, _NVML_ERRORS))}.")
+        if nvml_error not in (None, "no-permission", "not-supported"):
+            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, 'no-permission', 'not-supported'.")
         self.profile = p = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
         self.device = SimulatedCudaDevice(p, cublas_workspace)
         utilization = None if p.mig else self.utilization
