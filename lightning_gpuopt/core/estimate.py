@@ -185,13 +185,12 @@ class StepEstimator:
                 torchinfo_mult_adds=int(info.total_mult_adds),
                 torchinfo_seconds=seconds,
             )
-        params = list(step.module.parameters())
         estimate = replace(
             estimate,
             capacity_bytes=capacity_bytes,
             max_batch_size=_max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
             accumulate_grad_batches=step.accumulate_grad_batches,
-            param_dtype=str(params[0].dtype) if params else None,
+            param_dtype=next((str(p.dtype) for p in step.module.parameters()), None),
             notes=[*notes, *estimate.notes],
         )
         for reason, num_bytes in untraced:
@@ -278,8 +277,7 @@ class StepEstimator:
         size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
         if profiler_running():
             return WorkspaceProfile(batch_size=size, failure="another profiler is running")
-        start = time.perf_counter()
-        small_batch = sliced_batch(step.batch, step.batch_size, size)
+        start, small_batch = time.perf_counter(), sliced_batch(step.batch, step.batch_size, size)
         try:
             with host_only(), _twinned(step.module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
                 # the optimizers only step inside a manual step (their kernels allocate nothing beyond their outputs)
@@ -325,13 +323,10 @@ class StepEstimator:
         return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
 
     def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
-        step = self.step
-        params = list(step.module.parameters())
+        step, params = self.step, list(self.step.module.parameters())
         rule = optimizer_state_rule_bytes(step.optimizers)
-        notes = []
-        if rule is None:
-            names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
-            notes.append(f"no rule for {names}: its state is measured after the first real step")
+        names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
+        notes = [f"no rule for {names}: its state is measured after the first real step"] if rule is None else []
         trainable = [p for p in params if p.requires_grad]
         held = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable)
         figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
@@ -498,8 +493,7 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
     """torchinfo's summary and seconds at the step's batch size, on fake tensors, else on real ones."""
     module, forward_input, context = step.module, step.forward_input, step.step_context
     size = next((int(t.shape[0]) for t in collect_tensors(forward_input) if t.dim()), None)
-    start = time.perf_counter()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    start, mode = time.perf_counter(), FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _twinned(module, mode.from_tensor, FAKE_KERNEL_LOGGERS):
             fake_input = _resized(forward_input, size, step.batch_size, mode)

@@ -44,21 +44,15 @@ def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
 
 def storage_bytes(*objects: Any, granularity: int = 1) -> int:
     """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``."""
-    seen: dict[int, int] = {}
-    for storage in map(storage_of, collect_tensors(*objects)):
-        if storage is not None:
-            seen[storage_key(storage)] = round_up(storage.nbytes(), granularity)
-    return sum(seen.values())
+    storages = [storage for storage in map(storage_of, collect_tensors(*objects)) if storage is not None]
+    return sum({storage_key(s): round_up(s.nbytes(), granularity) for s in storages}.values())
 
 
 def is_real_host_call(tree: Any) -> bool:
     """Whether an op call ``(args, kwargs)`` runs on real host tensors (nothing fake, meta or elsewhere)."""
     for leaf in tree_leaves(tree):
-        if isinstance(leaf, FakeTensor):
-            return False
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
-            return False
-        if isinstance(leaf, torch.device) and leaf.type != "cpu":
+        device = leaf.device if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.device) else None
+        if isinstance(leaf, FakeTensor) or (device is not None and device.type != "cpu"):
             return False
     return True
 
