@@ -68,9 +68,8 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
             found = sorted({type(m).__name__ for _, m in find_repeated_blocks(model)})
             named = entry.__name__ if isinstance(entry, type) else entry
             raise ValueError(
-                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its "
-                f"repeated blocks are of class {found or 'none'} (or give qualified module names such as "
-                f"{[n for n, _ in modules[1:3]]})."
+                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its repeated blocks are "
+                f"of class {found or 'none'} (or give qualified module names such as {[n for n, _ in modules[1:3]]})."
             )
         chosen.extend(match for match in matches if match not in chosen)
     return _outermost(chosen)
@@ -249,10 +248,9 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> Checkpoint
             except TypeError:  # transformers < 4.35 takes no arguments
                 owner.gradient_checkpointing_enable()
         methods.append(f"{type(owner).__name__}.{'activation' if switch else 'gradient'}_checkpointing_enable()")
-        config = getattr(owner, "config", None)
-        use_cache = _MISSING if config is None else getattr(config, "use_cache", _MISSING)
-        if config is not None and use_cache is not _MISSING:
-            config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
+        use_cache = getattr(getattr(owner, "config", None), "use_cache", _MISSING)
+        if use_cache is not _MISSING:
+            owner.config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
         inner = [(name, m) for name, m in owner.named_modules() if m is not owner and not _checkpoints_itself(m)]
         flagged = [(name, m) for name, m in inner if getattr(m, "gradient_checkpointing", False) is True]
         handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
@@ -286,11 +284,9 @@ def check_recomputation(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     rtol: float = 1e-3,
 ) -> Optional[str]:
-    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients
-    and buffers (within ``rtol`` of each tensor's norm); else the first difference, or what the
-    checkpointed step raised. Both start from the same RNG state; gradients, buffers and the RNG
-    state are as before on return (no optimizer step). Two forward and backward passes: pass a small batch.
-    """
+    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients and
+    buffers (within ``rtol`` of each norm), else the first difference or what it raised. Both steps start from
+    one RNG state; gradients, buffers and RNG state are put back (no optimizer step). Pass a small batch."""
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     named_buffers = list(model.named_buffers())
     saved_grads = [p.grad for _, p in named_params]

@@ -148,16 +148,12 @@ class CudaDevice(Device):
     type = "cuda"
 
     @property
-    def _properties(self) -> Any:
-        return torch.cuda.get_device_properties(self.torch_device)
-
-    @property
     def uuid(self) -> Optional[str]:
-        return str(self._properties.uuid)
+        return str(torch.cuda.get_device_properties(self.torch_device).uuid)
 
     @property
     def capabilities(self) -> Capabilities:
-        props = self._properties
+        props = torch.cuda.get_device_properties(self.torch_device)
         return Capabilities.of_cuda(props.name, (props.major, props.minor), mig="MIG" in props.name)
 
     def total_memory(self) -> int:

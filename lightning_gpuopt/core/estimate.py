@@ -28,8 +28,7 @@ from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for
 from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
-#: a whole step under manual optimization, ``(batch, optimizers) -> None``: its own backward passes and steps
-ManualStep = Callable[[Any, list], None]
+ManualStep = Callable[[Any, list], None]  #: a whole manual-optimization step: its own backward passes and steps
 StepContext = Callable[[], ContextManager[Any]]
 
 
@@ -148,8 +147,7 @@ class StepEstimator:
     """Predicts the peak memory of ``step`` (``workspaces=False``: no kernel workspaces counted)."""
 
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
-        self.step = step
-        self._learns_workspaces = workspaces
+        self.step, self._learns_workspaces = step, workspaces
 
     def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
         """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
@@ -203,9 +201,8 @@ class StepEstimator:
         flat: at small batches the optimizer step can set the peak). The peak at ``B`` stays as traced.
 
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-        >>> step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
-        ...                     optimizers=[torch.optim.Adam(model.parameters())])
-        >>> estimator = StepEstimator(step)
+        >>> estimator = StepEstimator(TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
+        ...                                        optimizers=[torch.optim.Adam(model.parameters())]))
         >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
         >>> refined.max_batch_size, refined.notes[-1]
         (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')

@@ -65,10 +65,8 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class OpAllocations:
-    """The allocations one op call made: ``events`` in order, ``+size`` for an allocation and
-    ``-(i + 1)`` for the free of the ``i``-th; ``sizes`` of the allocations; ``kept``, those never
-    freed in the call (its outputs, or a kernel's cache); ``peak_bytes``, the most the call held at
-    once above what was live before it, outputs included. Frees of older memory are left out."""
+    """One op call's allocations: ``events`` in order (``+size``, or ``-(i + 1)`` for the free of the ``i``-th),
+    their ``sizes``, those ``kept`` (its outputs, or a kernel's cache) and the most it held at once."""
 
     events: tuple[int, ...]
     sizes: tuple[int, ...]

@@ -93,8 +93,9 @@ class WorkspaceRecorder(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         outputs = _new_storage_bytes(_tensors(out), inputs)
         extra = 0 if allocations is None else max(0, allocations.peak_bytes - sum(outputs))
-        meta = _meta_output_bytes(func, args, kwargs, outputs)
-        surplus = tuple(max(0, real - fake) for real, fake in zip(outputs, meta))
+        surplus = tuple(
+            max(0, real - fake) for real, fake in zip(outputs, _meta_output_bytes(func, args, kwargs, outputs))
+        )
         self.calls.append(ProbedCall(_signature(func, inputs), extra, surplus, _input_bytes(inputs)))
         return out
 
@@ -157,7 +158,5 @@ class WorkspaceTracker(LiveTensorTracker):
         if index >= len(partners):
             return out, 0, 0, ()
         partner, traced = partners[index], _input_bytes(inputs)
-        workspace, *surplus = (
-            _scaled_bytes(b, partner.input_bytes, traced) for b in (partner.extra_bytes, *partner.surplus_bytes)
-        )
-        return out, 0, workspace, surplus
+        scaled = [_scaled_bytes(b, partner.input_bytes, traced) for b in (partner.extra_bytes, *partner.surplus_bytes)]
+        return out, 0, scaled[0], scaled[1:]

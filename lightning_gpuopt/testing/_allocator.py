@@ -84,8 +84,7 @@ class CachingAllocatorModel:
         else:
             pool.remove(block)
         rest = block.size - size
-        split = rest >= CUDA_ALLOCATION_GRANULARITY if small else rest > SMALL_SIZE
-        if split:  # the rest becomes a cached block
+        if rest >= CUDA_ALLOCATION_GRANULARITY if small else rest > SMALL_SIZE:  # split: the rest is cached
             after = Block(block.segment, block.offset + size, rest, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = after

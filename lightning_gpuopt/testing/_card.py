@@ -65,8 +65,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self._cublas: Optional[Block] = None
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
         self._hooks: list[Any] = []
-        self._forward_depth = 0
-        self._paused = 0  # while positive, nothing reaches the card
+        self._forward_depth = self._paused = 0  # while _paused is positive, nothing reaches the card
 
     @property
     def uuid(self) -> str:
