@@ -1,10 +1,9 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure.
 
-:func:`enable_checkpointing` wraps each block's ``forward`` *on the instance* in
-``torch.utils.checkpoint`` (module tree and ``state_dict`` keys stay; :meth:`CheckpointedBlocks.remove`
-undoes it), as HuggingFace's ``GradientCheckpointingLayer`` does: key/value caches dropped, running
-statistics not updated twice. :func:`enable_native_checkpointing` switches on a HuggingFace model's own
-instead; :func:`check_recomputation` says whether a recomputed step gives the plain step's numbers.
+:func:`enable_checkpointing` wraps each block's ``forward`` *on the instance* in ``torch.utils.checkpoint``
+(:meth:`CheckpointedBlocks.remove` undoes it) as HuggingFace's ``GradientCheckpointingLayer`` does;
+:func:`enable_native_checkpointing` switches on a HuggingFace model's own; :func:`check_recomputation`
+says whether a recomputed step gives the plain step's numbers.
 """
 
 from __future__ import annotations

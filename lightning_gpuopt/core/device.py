@@ -1,9 +1,8 @@
 """The device layer: the one module that calls ``torch.cuda`` (NVML lives in :mod:`.nvml`).
 
-:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM from psutil, capped by
-the cgroup limit psutil ignores; memory counted by a :class:`~.op_memory.LiveTensorTracker`), a real
-card (:class:`CudaDevice`), or the simulated card in force (:func:`simulating`, the seam
-:class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process-wide peaks.
+:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM capped by the cgroup
+limit psutil ignores), a real card (:class:`CudaDevice`) or the simulated card in force (:func:`simulating`,
+the seam :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process's peaks.
 """
 
 from __future__ import annotations
@@ -128,6 +127,7 @@ class Device:
         """Return cached blocks to the driver."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on this device (of its type: any CUDA card for a card)."""
         return tensor.device.type == self.torch_device.type
 
     def paused(self) -> ContextManager[None]:
@@ -176,9 +176,6 @@ class CudaDevice(Device):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda"
 
     def new_event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)

@@ -1,9 +1,9 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors (no memory used,
-nothing changed) in Lightning's order, at ``B`` and ``2B``: the line ``fixed_bytes + bytes_per_sample
-* b``. Host kernels' workspaces are learned from one small real step (:mod:`.workspace`); a step that
-cannot be traced gets torchinfo's figures plus parameters, gradients and optimizer state by rule.
+:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
+(no memory used, nothing changed): the line ``fixed_bytes + bytes_per_sample * b``, with host kernels'
+workspaces learned from one small real step (:mod:`.workspace`). An untraceable step gets torchinfo's
+figures plus parameters, gradients and optimizer state by rule.
 """
 
 from __future__ import annotations
@@ -412,10 +412,9 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
-    """Inside the block each parameter and buffer of ``module`` is ``make(tensor)`` (tied weights stay
-    tied) and the loggers named in ``quiet`` are silent; after it the module's attributes, the logger
-    levels and torch's, Python's and NumPy's RNG states (the step may draw from them) are restored.
-    Yields real id -> twin."""
+    """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied) and the
+    ``quiet`` loggers silent; after it its attributes, the logger levels and torch's, Python's and NumPy's
+    RNG states are as before. Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
     stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
     slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]

@@ -1,8 +1,8 @@
 """Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-A count of storages misses the buffers a kernel allocates inside itself (oneDNN reorders, sorting
-scratch); :func:`call_learning_allocations` learns them from the profiler, once per op signature.
-:class:`SpanMeter` is every device's meter interface; :class:`LiveTensorTracker` is the host's.
+A count of storages misses what a kernel allocates inside itself (oneDNN reorders, sorting scratch):
+:func:`call_learning_allocations` learns it from the profiler, once per op signature. :class:`SpanMeter`
+is every device's meter interface; :class:`LiveTensorTracker` is the host's.
 """
 
 from __future__ import annotations

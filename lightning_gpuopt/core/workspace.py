@@ -1,9 +1,8 @@
-"""Kernel memory in a step traced on fake tensors, learned per op call from a small real step.
+"""Kernel memory a fake trace misses, learned per op call from a small real step on the host.
 
-A fake trace misses what a kernel allocates inside itself (oneDNN's reorders) and what it returns
-beyond its meta twin (oneDNN's LSTM workspace): :class:`WorkspaceRecorder` keeps both per op call of
-a real host step, and :class:`WorkspaceTracker` adds them, scaled to its inputs, to the k-th call of
-each signature in a fake step.
+:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
+(oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
+adds it, scaled to the inputs, to the k-th call of each signature in a fake step.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``), default settings.
 
-What a card reserves is not the sum of live tensors: requests are rounded up to 512 bytes and carved
-out of segments (2 MiB for requests up to 1 MiB, the *small* pool; else 20 MiB below 10 MiB, or the
-request rounded up to 2 MiB) by best fit among the cached blocks, split when the rest is at least 512
-bytes (small) or over 1 MiB (large); a freed block merges with its free neighbours and stays cached.
-A segment that would pass the limit first releases the free segments (``empty_cache``), then raises
+Requests are rounded up to 512 bytes and carved out of segments (2 MiB for requests up to 1 MiB, the
+*small* pool; else 20 MiB below 10 MiB, or the request rounded up to 2 MiB) by best fit among cached
+blocks, split when the rest is at least 512 bytes (small) or over 1 MiB (large); freed blocks merge and
+stay cached. A segment past the limit first releases the free segments, then raises
 :class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also kept per window (a meter's own span).
 """
 
