@@ -1,40 +1,9 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure.
 
-A checkpointed block keeps only its inputs in the forward pass and runs its forward again in the
-backward pass: the activations of all but one block no longer live at once, for about one extra
-forward pass of compute.
-
-* :func:`find_repeated_blocks` picks the blocks as practitioners do: the children of an
-  ``nn.ModuleList``/``nn.Sequential`` that share a class with a sibling, hold parameters and have
-  submodules (transformer layers, residual blocks; not single layers), outermost only.
-  :func:`select_blocks` takes a user's choice: module classes, class names or qualified names.
-* :func:`enable_checkpointing` replaces each block's ``forward`` *on the instance* with
-  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: module tree and ``state_dict``
-  keys stay as they are and :meth:`CheckpointedBlocks.remove` undoes it exactly. Outside autograd
-  blocks run plainly; the recomputation puts running statistics (BatchNorm's) back, so they equal
-  an uncheckpointed run's; a key/value cache handed to a block (``past_key_values``,
-  ``past_key_value``, ``layer_past`` or any argument holding a cache object) is dropped and
-  ``use_cache=False`` passed, as HuggingFace's own ``GradientCheckpointingLayer`` does.
-* :func:`enable_native_checkpointing` switches on a model's own checkpointing (a HuggingFace model
-  with ``supports_gradient_checkpointing``: ``activation_checkpointing_enable()``, or
-  ``gradient_checkpointing_enable()`` before transformers 5, with ``use_reentrant=False``) and
-  turns ``config.use_cache`` off; :meth:`CheckpointedBlocks.remove` puts both back.
-* :func:`check_recomputation` runs one step with the blocks checkpointed and one without, from the
-  same RNG state, and says where they differ: a block is only kept when its recomputation gives
-  the plain step's numbers.
-
-Example::
-
-    >>> import torch
-    >>> from torch import nn
-    >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
-    >>> model = nn.Sequential(nn.Linear(4, 8), blocks, nn.Linear(8, 1))
-    >>> [name for name, _ in find_repeated_blocks(model)]
-    ['1.0', '1.1', '1.2']
-    >>> handle = enable_checkpointing(find_repeated_blocks(model))
-    >>> model(torch.randn(2, 4)).sum().backward()
-    >>> handle.remove(); len(handle.names)
-    3
+:func:`enable_checkpointing` wraps each block's ``forward`` *on the instance* in ``torch.utils.checkpoint``
+(:meth:`CheckpointedBlocks.remove` undoes it) as HuggingFace's ``GradientCheckpointingLayer`` does;
+:func:`enable_native_checkpointing` switches on a HuggingFace model's own; :func:`check_recomputation`
+says whether a recomputed step gives the plain step's numbers.
 """
 
 from __future__ import annotations
@@ -50,26 +19,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: what :func:`select_blocks` accepts: module classes, class names or qualified module names
-BlockSpec = Union[type, str]
+BlockSpec = Union[type, str]  #: what :func:`select_blocks` accepts: module classes, class or qualified module names
 #: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
-#: how a recomputed step may differ from the plain one: relative to each tensor's norm
-RECOMPUTATION_RTOL = 1e-3
 _MISSING = object()
 
 
 def _is_key_value_cache(value: Any) -> bool:
-    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called.
-
-    >>> _is_key_value_cache(None), _is_key_value_cache(torch.zeros(2))
-    (False, False)
-    """
+    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called."""
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``model`` as ``(qualified name, module)``, outermost first (see the module docstring)."""
+    """``(name, module)`` of the children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with
+    a sibling, hold parameters and have submodules (transformer layers, residual blocks), outermost only."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
         inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)
@@ -84,12 +47,8 @@ def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that ``spec`` names (module classes, class names such as
-    ``"TransformerEncoderLayer"``, qualified names such as ``"encoder.layers.0"``), outermost first.
-
-    Raises:
-        ValueError: an entry matches no module (the message lists the model's repeated blocks).
-    """
+    """The modules of ``model`` that ``spec`` names (module classes, class names, qualified names),
+    outermost first; ``ValueError`` (listing the model's repeated blocks) for an entry matching none."""
     if isinstance(spec, (str, type)):
         spec = [spec]
     modules = list(model.named_modules())
@@ -108,9 +67,8 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
             found = sorted({type(m).__name__ for _, m in find_repeated_blocks(model)})
             named = entry.__name__ if isinstance(entry, type) else entry
             raise ValueError(
-                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its "
-                f"repeated blocks are of class {found or 'none'} (or give qualified module names such as "
-                f"{[n for n, _ in modules[1:3]]})."
+                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its repeated blocks are "
+                f"of class {found or 'none'} (or give qualified module names such as {[n for n, _ in modules[1:3]]})."
             )
         chosen.extend(match for match in matches if match not in chosen)
     return _outermost(chosen)
@@ -123,15 +81,10 @@ def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module
 
 @contextlib.contextmanager
 def _running_stats_kept(module: nn.Module) -> Iterator[None]:
-    """The running statistics of every norm layer of ``module`` that tracks them in training put back after the block."""
+    """The running statistics of ``module``'s norm layers that track them in training, put back after the block."""
     norms = [m for m in module.modules() if m.training and getattr(m, "track_running_stats", False)]
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    saved = [
-        (m, name, t.detach().clone())
-        for m in norms
-        for name in names
-        if isinstance(t := getattr(m, name, None), torch.Tensor)
-    ]
+    stats = [(m, n, getattr(m, n, None)) for m in norms for n in ("running_mean", "running_var", "num_batches_tracked")]
+    saved = [(m, name, t.detach().clone()) for m, name, t in stats if isinstance(t, torch.Tensor)]
     try:
         yield
     finally:
@@ -141,18 +94,15 @@ def _running_stats_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args``/``kwargs`` with the key/value cache cleared and ``use_cache=False``, wherever the
-    block's signature puts them (HuggingFace passes the cache positionally too)."""
+    """``args``/``kwargs`` with any key/value cache cleared and ``use_cache=False``, as the signature binds them."""
     if signature is None:
         return args, kwargs
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return args, kwargs
-    stores = [bound.arguments]
-    for parameter in signature.parameters.values():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in bound.arguments:
-            stores.append(bound.arguments[parameter.name])
+    var_keyword = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    stores = [bound.arguments, *(bound.arguments[name] for name in var_keyword if name in bound.arguments)]
     changed = False
     for store in stores:
         for name, value in list(store.items()):
@@ -174,14 +124,11 @@ def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         args, kwargs = _without_caches(signature, args, kwargs)
-        calls = 0
+        calls: list[None] = []
 
         def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return forward(*inner_args, **inner_kwargs)
-            with _running_stats_kept(module):  # the recomputation in backward
+            calls.append(None)  # a second call is the recomputation in backward
+            with _running_stats_kept(module) if len(calls) > 1 else contextlib.nullcontext():
                 return forward(*inner_args, **inner_kwargs)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -213,8 +160,7 @@ class CheckpointedBlocks:
 
     names: list[str]
     classes: list[str]
-    #: how, for a report: ``"torch.utils.checkpoint"`` or the model's own method
-    method: str = "torch.utils.checkpoint"
+    method: str = "torch.utils.checkpoint"  #: how, for a report: this or the model's own method
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _native: list[_NativeSwitch] = field(default_factory=list, repr=False)
 
@@ -263,8 +209,7 @@ class CheckpointedBlocks:
 
 
 def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> CheckpointedBlocks:
-    """Checkpoint each ``(name, module)`` of ``blocks`` with ``torch.utils.checkpoint`` (see the module
-    docstring); a block whose ``forward`` is already set on the instance is left alone."""
+    """Checkpoint each ``(name, module)`` of ``blocks`` (one whose ``forward`` is set on the instance is left)."""
     handle = CheckpointedBlocks(names=[], classes=[])
     for name, module in blocks:
         if "forward" not in vars(module):  # else checkpointed already, or a forward the user patched
@@ -276,25 +221,19 @@ def enable_checkpointing(blocks: Iterable[tuple[str, nn.Module]]) -> Checkpointe
 
 def _checkpoints_itself(module: nn.Module) -> bool:
     """A HuggingFace-style model: ``supports_gradient_checkpointing`` and the methods to switch it."""
-    return getattr(type(module), "supports_gradient_checkpointing", False) is True and callable(
-        getattr(module, "gradient_checkpointing_enable", None)
-    )
+    supports = getattr(type(module), "supports_gradient_checkpointing", False) is True
+    return supports and callable(getattr(module, "gradient_checkpointing_enable", None))
 
 
 def native_checkpointing_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost submodules of ``model`` (itself included) that checkpoint themselves.
-
-    >>> native_checkpointing_owners(torch.nn.Linear(2, 2))
-    []
-    """
+    """The outermost submodules of ``model`` (itself included) that checkpoint themselves."""
     if _checkpoints_itself(model):
         return [("", model)]
     return _outermost([(name, module) for name, module in model.named_modules() if _checkpoints_itself(module)])
 
 
 def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> CheckpointedBlocks:
-    """Switch on each model's own activation checkpointing (``owners`` as
-    :func:`native_checkpointing_owners` gives them); the handle names the layers it checkpoints."""
+    """Switch on each owner's own activation checkpointing; the handle names the layers it checkpoints."""
     handle = CheckpointedBlocks(names=[], classes=[], method="")
     methods = []
     for owner_name, owner in owners:
@@ -302,24 +241,17 @@ def enable_native_checkpointing(owners: Iterable[tuple[str, Any]]) -> Checkpoint
         switch = getattr(owner, "activation_checkpointing_enable", None)  # transformers >= 5
         if switch is not None:
             switch(activation_checkpointing_kwargs={"use_reentrant": False})
-            methods.append(f"{type(owner).__name__}.activation_checkpointing_enable()")
         else:
             try:
                 owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             except TypeError:  # transformers < 4.35 takes no arguments
                 owner.gradient_checkpointing_enable()
-            methods.append(f"{type(owner).__name__}.gradient_checkpointing_enable()")
-        config = getattr(owner, "config", None)
-        use_cache = _MISSING if config is None else getattr(config, "use_cache", _MISSING)
-        if config is not None and use_cache is not _MISSING:
-            config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
-        flagged = [
-            (name, module)
-            for name, module in owner.named_modules()
-            if module is not owner
-            and not _checkpoints_itself(module)
-            and getattr(module, "gradient_checkpointing", False) is True
-        ]
+        methods.append(f"{type(owner).__name__}.{'activation' if switch else 'gradient'}_checkpointing_enable()")
+        use_cache = getattr(getattr(owner, "config", None), "use_cache", _MISSING)
+        if use_cache is not _MISSING:
+            owner.config.use_cache = False  # what HuggingFace's own training scripts do under checkpointing
+        inner = [(name, m) for name, m in owner.named_modules() if m is not owner and not _checkpoints_itself(m)]
+        flagged = [(name, m) for name, m in inner if getattr(m, "gradient_checkpointing", False) is True]
         handle._native.append(_NativeSwitch(owner, [m for _, m in flagged], use_cache, had_hooks))
         # the layers it checkpoints: its GradientCheckpointingLayers (an encoder may carry the flag too)
         layers = [(n, m) for n, m in flagged if "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}]
@@ -349,35 +281,23 @@ def check_recomputation(
     handle: CheckpointedBlocks,
     *,
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-    rtol: float = RECOMPUTATION_RTOL,
+    rtol: float = 1e-3,
 ) -> Optional[str]:
-    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients
-    and buffers (within ``rtol`` of each tensor's norm); else the first difference, or what the
-    checkpointed step raised. Both start from the same RNG state; gradients, buffers and the RNG
-    state are as before on return (no optimizer step). Two forward and backward passes: pass a small batch.
-
-    Example::
-
-        >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-        ...                                for _ in range(2)])
-        >>> handle = enable_checkpointing(find_repeated_blocks(blocks))
-        >>> check_recomputation(blocks, lambda x: blocks(x).sum(), torch.randn(3, 4), handle) is None
-        True
-    """
+    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients and
+    buffers (within ``rtol`` of each norm), else the first difference or what it raised. Both steps start from
+    one RNG state; gradients, buffers and RNG state are put back (no optimizer step). Pass a small batch."""
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     named_buffers = list(model.named_buffers())
     saved_grads = [p.grad for _, p in named_params]
     saved_buffers = [b.detach().clone() for _, b in named_buffers]
-    tensors = [t for _, t in (*named_params, *named_buffers)]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    devices = sorted({t.device.index or 0 for _, t in (*named_params, *named_buffers) if t.device.type == "cuda"})
 
     def put_buffers_back() -> None:
         with torch.no_grad():
             for (_, buffer), saved in zip(named_buffers, saved_buffers):
                 buffer.copy_(saved)
 
-    def run() -> list[tuple[str, Any]]:
-        """One step: ``(what, tensor)`` for the loss, each gradient and each buffer after it."""
+    def run() -> list[tuple[str, Any]]:  # one step: (what, tensor) for the loss, each gradient and each buffer
         for _, param in named_params:
             param.grad = None
         with step_context():

@@ -1,24 +1,8 @@
 """The device layer: the one module that calls ``torch.cuda`` (NVML lives in :mod:`.nvml`).
 
-:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM from
-``psutil.virtual_memory()``, capped by the cgroup limit psutil ignores; memory counted by a
-:class:`~.op_memory.LiveTensorTracker`), a real card (:class:`CudaDevice`, each method one documented
-``torch.cuda`` call), or the simulated card in force (:func:`simulating`, the seam
-:class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). A device answers capacity, free,
-allocated and reserved bytes, a meter of a span's peak (:meth:`Device.peak_meter`; the process-wide
-peak counters other tools read are never reset), a cap that raises ``torch.OutOfMemoryError``
-(:meth:`Device.memory_cap`; on CUDA on *reserved* memory, through the per-process memory fraction),
-timing events, its NVML UUID and its :class:`Capabilities`.
-
-Example::
-
-    >>> device = device_for("cpu")
-    >>> device.is_cuda, device.type, device.capabilities.native_bf16
-    (False, 'cpu', False)
-    >>> with device.peak_meter() as meter:
-    ...     x = torch.zeros(1000)
-    >>> meter.peak_bytes
-    4000
+:func:`device_for` gives the :class:`Device` of a torch device: the host (RAM capped by the cgroup
+limit psutil ignores), a real card (:class:`CudaDevice`) or the simulated card in force (:func:`simulating`,
+the seam :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process's peaks.
 """
 
 from __future__ import annotations
@@ -34,20 +18,13 @@ import torch
 
 from lightning_gpuopt.core.op_memory import AllocationWindow, LiveTensorTracker, SpanMeter, storage_bytes
 
-#: the CUDA caching allocator hands out blocks in multiples of this many bytes
-CUDA_ALLOCATION_GRANULARITY = 512
+CUDA_ALLOCATION_GRANULARITY = 512  #: the CUDA caching allocator hands out blocks in multiples of this many bytes
 # the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
 _CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def _host_memory_bytes(available: bool = False) -> int:
-    """The host's RAM, or with ``available`` what can be allocated now without swapping; at most the cgroup limit.
-
-    Example::
-
-        >>> 0 < _host_memory_bytes(available=True) <= _host_memory_bytes()
-        True
-    """
+    """The host's RAM, or with ``available`` what can be allocated now; at most the cgroup limit."""
     memory = psutil.virtual_memory()
     num_bytes = int(memory.available if available else memory.total)
     for path in _CGROUP_MEMORY_LIMIT_FILES:
@@ -66,26 +43,14 @@ class Capabilities:
 
     name: str
     compute_capability: Optional[tuple[int, int]] = None
-    #: bfloat16 in hardware (8.0 and up); not ``is_bf16_supported()``, which counts emulation
-    native_bf16: bool = False
-    #: TF32 tensor cores (8.0 and up)
-    tf32: bool = False
-    #: a MIG instance (NVML reports no utilisation for it)
-    mig: bool = False
-    #: bytes of the cuBLAS workspace (one per handle and stream, through the caching allocator) once a
-    #: matmul ran: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0 on (torch's defaults)
-    cublas_workspace_bytes: int = 0
+    native_bf16: bool = False  #: bfloat16 in hardware (8.0 and up), not ``is_bf16_supported()``'s emulation
+    tf32: bool = False  #: TF32 tensor cores (8.0 and up)
+    mig: bool = False  #: a MIG instance (NVML reports no utilisation for it)
+    cublas_workspace_bytes: int = 0  #: after a matmul: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0
 
     @classmethod
     def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
-        """The capabilities of a CUDA card of compute ``capability``.
-
-        Example::
-
-            >>> caps = Capabilities.of_cuda("Tesla T4", (7, 5))
-            >>> caps.native_bf16, caps.cublas_workspace_bytes, Capabilities.of_cuda("H100", (9, 0)).cublas_workspace_bytes // 2**20
-            (False, 8519680, 32)
-        """
+        """The capabilities of a CUDA card of compute ``capability`` (torch's cuBLAS workspace defaults)."""
         ampere = capability >= (8, 0)
         cublas = 32 * 2**20 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
         return cls(name, capability, native_bf16=ampere, tf32=ampere, mig=mig, cublas_workspace_bytes=cublas)
@@ -94,8 +59,7 @@ class Capabilities:
 class Device:
     """A device the library measures and decides for: the host, unless a subclass says otherwise."""
 
-    #: what the library treats the device as: ``"cuda"`` or ``"cpu"``
-    type = "cpu"
+    type = "cpu"  #: what the library treats the device as: ``"cuda"`` or ``"cpu"``
 
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device
@@ -131,11 +95,9 @@ class Device:
         return f"{self.type}:{self.index} ({self.name})" if self.is_cuda else str(self.torch_device)
 
     def total_memory(self) -> int:
-        """Bytes the device holds."""
         return _host_memory_bytes()
 
     def free_memory(self) -> int:
-        """Bytes free now."""
         return _host_memory_bytes(available=True)
 
     def allocated_memory(self) -> Optional[int]:
@@ -147,23 +109,14 @@ class Device:
         return None
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
-        """What a training step can use: free memory plus what torch holds already (on a card all it
-        has reserved; on the host the storages of ``existing``, e.g. the model and optimizer).
-
-        Example::
-
-            >>> model = torch.nn.Linear(100, 100)
-            >>> device_for("cpu").usable_memory([model]) >= storage_bytes(model)
-            True
-        """
+        """Free memory plus what torch holds (a card: all it reserved; the host: the storages of ``existing``)."""
         reserved = self.reserved_memory()
         if reserved is not None:
             return self.free_memory() + reserved
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        """A meter of a span's peak; on the host it counts the tensors of ``existing`` and
-        ``baseline_bytes`` too (a card's allocator counts all it holds)."""
+        """A meter of a span's peak (the host counts ``existing`` and ``baseline_bytes`` too)."""
         return LiveTensorTracker(existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
 
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
@@ -174,7 +127,7 @@ class Device:
         """Return cached blocks to the driver."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives on this device."""
+        """Whether ``tensor`` is on this device (of its type: any CUDA card for a card)."""
         return tensor.device.type == self.torch_device.type
 
     def paused(self) -> ContextManager[None]:
@@ -195,16 +148,12 @@ class CudaDevice(Device):
     type = "cuda"
 
     @property
-    def _properties(self) -> Any:
-        return torch.cuda.get_device_properties(self.torch_device)
-
-    @property
     def uuid(self) -> Optional[str]:
-        return str(self._properties.uuid)
+        return str(torch.cuda.get_device_properties(self.torch_device).uuid)
 
     @property
     def capabilities(self) -> Capabilities:
-        props = self._properties
+        props = torch.cuda.get_device_properties(self.torch_device)
         return Capabilities.of_cuda(props.name, (props.major, props.minor), mig="MIG" in props.name)
 
     def total_memory(self) -> int:
@@ -228,9 +177,6 @@ class CudaDevice(Device):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda"
-
     def new_event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.torch_device))
@@ -241,11 +187,8 @@ class CudaDevice(Device):
 
 
 class _CudaPeakMeter(AllocationWindow):
-    """The peak allocated in a span: the allocated bytes at start plus the largest rise of the
-    profiler's allocator events (``max_memory_allocated``, an upper bound, when another profiler
-    runs). Reserved memory only grows between ``empty_cache`` calls: its peak is the larger of the
-    reserved bytes at start and at stop. With ``max_bytes`` the span may reserve at most that much
-    (the per-process memory fraction, put back on stop)."""
+    """The allocated bytes at start plus the profiler's largest rise (else ``max_memory_allocated``); with
+    ``max_bytes``, the per-process memory fraction caps the span's reserved memory."""
 
     def __init__(self, device: CudaDevice, max_bytes: Optional[int] = None) -> None:
         super().__init__("cuda", device.index)
@@ -265,17 +208,14 @@ class _CudaPeakMeter(AllocationWindow):
         where = self.device.torch_device
         try:
             super()._end()
-            allocated, reserved = self._start
-            delta = self.peak_bytes
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if delta is None else allocated + delta
+            (allocated, reserved), rise = self._start, self.peak_bytes  # rise: None when another profiler ran
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if rise is None else allocated + rise
             self.peak_reserved_bytes = max(reserved, self.device.reserved_memory())
         finally:
             if self._fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(self._fraction, where)
                 self._fraction = None
 
-
-# ----------------------------------------------------------------------------- choosing a device
 
 _simulations: list[Device] = []
 
@@ -296,8 +236,7 @@ def simulated_device() -> Optional[Device]:
 
 
 def host_only() -> ContextManager[None]:
-    """A block of host work a real run does on the host (the estimate's probe of kernel
-    workspaces): under a simulated card, nothing it makes counts on the card."""
+    """A block of host work (the workspace probe): under a simulated card, nothing it makes counts on it."""
     return _simulations[-1].paused() if _simulations else contextlib.nullcontext()
 
 
@@ -327,19 +266,10 @@ def cuda_rng_in_use() -> bool:
 
 
 def device_for(device: torch.device | str | int | None = None) -> Device:
-    """The :class:`Device` of a torch device (``None``: the host; an int: that CUDA card).
-
-    Example::
-
-        >>> type(device_for("cpu")).__name__, type(device_for(torch.device("meta"))).__name__
-        ('Device', 'Device')
-    """
-    if device is None:
-        device = torch.device("cpu")
-    elif isinstance(device, int):
-        device = torch.device("cuda", device)
-    else:
-        device = torch.device(device)
+    """The :class:`Device` of a torch device (``None``: the host; an int: that CUDA card)."""
+    device = (
+        torch.device("cuda", device) if isinstance(device, int) else torch.device("cpu" if device is None else device)
+    )
     if _simulations and device.type in ("cpu", "cuda"):
         return _simulations[-1]
     if device.type == "cuda":
@@ -348,19 +278,15 @@ def device_for(device: torch.device | str | int | None = None) -> Device:
 
 
 def release_memory() -> None:
-    """Free what a failed step left: collect garbage and return the card's cached blocks.
-
-    Call it outside the ``except`` block that caught the error, so that the traceback (and the
-    failed step's tensors its frames hold) is gone first.
-    """
+    """Collect garbage and return the card's cached blocks; call it outside the ``except`` block that
+    caught an OOM, so that the traceback (and the failed step's tensors) is gone first."""
     gc.collect()
     if _simulations or cuda_rng_in_use():
         device_for("cuda").empty_cache()
 
 
 class HostEvent:
-    """A timing event taken on the host clock: the device clock of a device that runs every op
-    synchronously on the host (the simulated card)."""
+    """A timing event on the host clock: the device clock of the simulated card (its ops run on the host)."""
 
     def __init__(self) -> None:
         self.time_s = time.perf_counter()
@@ -372,5 +298,4 @@ class HostEvent:
         """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time``."""
         return (end.time_s - self.time_s) * 1e3
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self) -> None: ...

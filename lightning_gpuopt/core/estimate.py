@@ -1,34 +1,9 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` runs two steps of a :class:`TrainingStep` on fake tensors (no memory) under a
-:class:`~lightning_gpuopt.core.memory.LiveTensorTracker`, in Lightning's order (forward in
-``step_context``, ``zero_grad(set_to_none=True)``, backward, ``step()`` of a twin of each
-optimizer): the second step starts with the first one's gradients and optimizer state alive. The
-peak (on CUDA in the caching allocator's 512-byte blocks) traced at ``B`` and ``2B`` gives the line
-``fixed_bytes + bytes_per_sample * b`` and the largest batch for a capacity; :meth:`~StepEstimator.refined`
-re-traces it near that batch (the peak is convex piecewise-linear in the batch).
-
-What kernels allocate inside themselves (oneDNN's reorders, BatchNorm's backward temporaries) is
-learned for a step on the host from one small real step (:mod:`.workspace`) and added to every
-trace. On CUDA the cuBLAS workspace and :attr:`TrainingStep.untraced` (DDP's gradient buckets) are
-added as ``untraced_bytes``; cuDNN's workspaces and the CUDA context are not counted. Nothing is
-allocated on the device and nothing changes (parameters, buffers, gradients, attributes, RNG
-states). A step that cannot be traced (``.item()``, data-dependent control flow, an op without a
-fake kernel) gets torchinfo's figures plus parameters, gradients and :func:`optimizer_state_rule_bytes`
-instead, and :attr:`MemoryEstimate.not_traced_reason` says why.
-
-Example::
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    >>> batch = (torch.randn(16, 32), torch.randn(16, 1))
-    >>> step = TrainingStep(model, batch, loss_fn=lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]),
-    ...                     optimizers=[torch.optim.Adam(model.parameters())], batch_size=16, forward_input=batch[0])
-    >>> estimate = StepEstimator(step).estimate(capacity_bytes=10**6)
-    >>> estimate.method, estimate.optimizer_bytes >= 2 * estimate.params_bytes  # exp_avg, exp_avg_sq, step
-    ('traced', True)
-    >>> estimate.predicted_peak_bytes == estimate.fixed_bytes + 16 * estimate.bytes_per_sample
-    True
+:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
+(no memory used, nothing changed): the line ``fixed_bytes + bytes_per_sample * b``, with host kernels'
+workspaces learned from one small real step (:mod:`.workspace`). An untraceable step gets torchinfo's
+figures plus parameters, gradients and optimizer state by rule.
 """
 
 from __future__ import annotations
@@ -48,14 +23,12 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torchinfo
 
-from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, tree_leaves, tree_map
+from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, profiler_running, tree_map
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, host_only
-from lightning_gpuopt.core.op_memory import learning_possible, storage_bytes
+from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
-LossFn = Callable[[Any], torch.Tensor]
-#: a whole step under manual optimization, ``(batch, optimizers) -> None``: its own backward passes and steps
-ManualStep = Callable[[Any, list], None]
+ManualStep = Callable[[Any, list], None]  #: a whole manual-optimization step: its own backward passes and steps
 StepContext = Callable[[], ContextManager[Any]]
 
 
@@ -69,24 +42,15 @@ class TrainingStep:
 
     module: torch.nn.Module
     batch: Any
-    #: ``batch -> loss``: the forward pass and the loss (unused with ``manual_step``)
-    loss_fn: LossFn | None = None
-    #: the whole step under manual optimization, run with twins of ``optimizers`` in place of ``loss_fn``
-    manual_step: ManualStep | None = None
-    #: the real optimizers (twins of the same class and param-group options step); none: no optimizer step
-    optimizers: Sequence[torch.optim.Optimizer] = ()
-    #: the batch size of ``batch`` (its tensors with that first dimension are resized); ``None``: no line
-    batch_size: int | None = None
-    #: what the forward pass runs in (e.g. autocast; for a CUDA run traced on the host see :func:`host_step_context`)
-    step_context: StepContext = contextlib.nullcontext
-    #: where the step will run (default: the module's device): CUDA counts 512-byte blocks and the cuBLAS workspace
-    device: torch.device | str | None = None
-    #: above 1 the gradients of earlier micro-batches are alive through the next forward and backward pass
-    accumulate_grad_batches: int = 1
-    #: what ``module.forward`` takes, for torchinfo's figures (``None``: none)
-    forward_input: Any = None
-    #: memory the real step holds outside the traced one, as ``(reason, bytes)``: e.g. DDP's gradient buckets
-    untraced: Sequence[tuple[str, int]] = ()
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  #: ``batch -> loss`` (unused with ``manual_step``)
+    manual_step: ManualStep | None = None  #: the whole step under manual optimization, with twins of ``optimizers``
+    optimizers: Sequence[torch.optim.Optimizer] = ()  #: twins of the same class and param-group options step
+    batch_size: int | None = None  #: its tensors with that first dimension are resized (``None``: no line)
+    step_context: StepContext = contextlib.nullcontext  #: what the forward runs in (see :func:`host_step_context`)
+    device: torch.device | str | None = None  #: where the step will run (default: the module's device)
+    accumulate_grad_batches: int = 1  #: above 1 earlier micro-batches' gradients live through the next pass
+    forward_input: Any = None  #: what ``module.forward`` takes, for torchinfo's figures
+    untraced: Sequence[tuple[str, int]] = ()  #: ``(reason, bytes)`` held outside the traced step (DDP's buckets)
 
     def __post_init__(self) -> None:
         if self.loss_fn is None and self.manual_step is None:
@@ -95,7 +59,7 @@ class TrainingStep:
 
 @dataclass
 class TracedStep:
-    """Figures of one traced step at ``batch_size``, in bytes as live at its end (``peak_bytes``: its peak)."""
+    """Figures of one traced step, in bytes as live at its end (``peak_bytes``: its peak)."""
 
     batch_size: int | None
     peak_bytes: int
@@ -105,18 +69,15 @@ class TracedStep:
     optimizer_bytes: int
     batch_bytes: int
     seconds: float
-    #: kernel memory in the peak learned by the probe: workspaces, outputs larger than the fake ones
-    workspace_bytes: int = 0
+    workspace_bytes: int = 0  #: kernel memory in the peak learned by the probe (workspaces, larger outputs)
 
 
 @dataclass
 class MemoryEstimate:
     """Predicted (and, once measured, actual) peak memory of a training step; the ``"memory"`` report.
 
-    ``predicted_peak_bytes = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes +
-    batch_bytes + untraced_bytes + activation_bytes``; ``activation_bytes`` is everything else live at
-    the peak (saved activations, temporaries, ``workspace_bytes``). Errors are ``(predicted -
-    measured) / measured``: positive when the prediction is too high.
+    ``predicted_peak_bytes`` is the sum of the ``*_bytes`` figures but ``workspace_bytes`` (part of
+    ``activation_bytes``, all else live at the peak). Errors are ``(predicted - measured) / measured``.
     """
 
     params_bytes: int
@@ -126,22 +87,19 @@ class MemoryEstimate:
     torchinfo_total_bytes: int | None
     predicted_peak_bytes: int
     measured_peak_bytes: int | None = None
-    #: the largest batch with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
-    max_batch_size: int | None = None
-    #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
-    method: str = "traced"
+    max_batch_size: int | None = (
+        None  #: the largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
+    )
+    method: str = "traced"  #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
     batch_size: int | None = None
     buffers_bytes: int = 0
     batch_bytes: int = 0
-    #: memory the real step holds outside the traced one (cuBLAS's workspace, DDP's gradient buckets)
-    untraced_bytes: int = 0
-    #: kernel workspaces in the prediction (part of ``activation_bytes``; 0 where not learned)
-    workspace_bytes: int = 0
+    untraced_bytes: int = 0  #: held outside the traced step (cuBLAS's workspace, DDP's gradient buckets)
+    workspace_bytes: int = 0  #: kernel workspaces in the prediction (0 where not learned)
     fixed_bytes: float | None = None
     bytes_per_sample: float | None = None
     capacity_bytes: int | None = None
-    #: the gradient accumulation traced (the gradients of earlier micro-batches alive)
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: int = 1  #: the gradient accumulation traced
     param_dtype: str | None = None
     estimate_error: float | None = None
     torchinfo_error: float | None = None
@@ -150,8 +108,7 @@ class MemoryEstimate:
     torchinfo_mult_adds: int | None = None
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
-    #: why the step was not traced (``method`` is then a fallback)
-    not_traced_reason: str | None = None
+    not_traced_reason: str | None = None  #: why the step was not traced (``method`` is then a fallback)
     notes: list[str] = field(default_factory=list)
 
     def with_measured_peak(self, measured_peak_bytes: int | None) -> MemoryEstimate:
@@ -165,25 +122,14 @@ class MemoryEstimate:
 
     def with_measured_optimizer_state(self, optimizer_bytes: int) -> MemoryEstimate:
         """For an optimizer without a rule: its state as measured after a real step, added to the prediction."""
-        return self._with_fixed_bytes_added(
-            optimizer_bytes - self.optimizer_bytes,
-            f"optimizer state measured after the first real step: {optimizer_bytes} bytes",
-            optimizer_bytes=optimizer_bytes,
-        )
+        added = optimizer_bytes - self.optimizer_bytes
+        note = f"optimizer state measured after the first real step: {optimizer_bytes} bytes"
+        return self._with_fixed_bytes_added(added, note, optimizer_bytes=optimizer_bytes)
 
     def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
-        """Memory the real step holds outside the traced one, added.
-
-        Example::
-
-            >>> before = MemoryEstimate(10, 10, 20, 5, None, 45, fixed_bytes=40.0, bytes_per_sample=1.0, capacity_bytes=100)
-            >>> after = before.with_untraced_bytes(10, "DDP gradient buckets")
-            >>> after.predicted_peak_bytes, after.untraced_bytes, after.max_batch_size, after.notes
-            (55, 10, 50, ['DDP gradient buckets: 10 bytes'])
-        """
-        return self._with_fixed_bytes_added(
-            untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=self.untraced_bytes + untraced_bytes
-        )
+        """Memory the real step holds outside the traced one, added."""
+        total = self.untraced_bytes + untraced_bytes
+        return self._with_fixed_bytes_added(untraced_bytes, f"{reason}: {untraced_bytes} bytes", untraced_bytes=total)
 
     def _with_fixed_bytes_added(self, added: int, note: str, **changes: Any) -> MemoryEstimate:
         fixed = None if self.fixed_bytes is None else self.fixed_bytes + added
@@ -198,16 +144,13 @@ class MemoryEstimate:
 
 
 class StepEstimator:
-    """Predicts the peak memory of ``step``; its kernel workspaces (:attr:`workspaces`) are learned once,
-    on first use, for every trace (``workspaces=False``: none counted)."""
+    """Predicts the peak memory of ``step`` (``workspaces=False``: no kernel workspaces counted)."""
 
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
-        self.step = step
-        self._learns_workspaces = workspaces
+        self.step, self._learns_workspaces = step, workspaces
 
     def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
-        """The peak, traced at the step's batch size and twice it, and the largest batch for
-        ``capacity_bytes``; when the step cannot be traced, torchinfo's figures and why in ``notes``."""
+        """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
         step, notes = self.step, []
         summary = None
         if step.forward_input is not None:
@@ -219,16 +162,12 @@ class StepEstimator:
         try:
             estimate = self._traced()
             card = device_for(step.device if step.device is not None else _module_device(step.module))
-            if card.is_cuda and card.capabilities.cublas_workspace_bytes:
-                reason = "the cuBLAS workspace (kept by the caching allocator)"
-                untraced.insert(0, (reason, card.capabilities.cublas_workspace_bytes))
+            if card.is_cuda and (cublas := card.capabilities.cublas_workspace_bytes):
+                untraced.insert(0, ("the cuBLAS workspace (kept by the caching allocator)", cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
-            uses = (
-                "torchinfo's figures"
-                if summary is not None
-                else "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
-            )
+            only = "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
+            uses = only if summary is None else "torchinfo's figures"
             notes.append(
                 f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
                 f"{uses} and is less accurate"
@@ -244,13 +183,12 @@ class StepEstimator:
                 torchinfo_mult_adds=int(info.total_mult_adds),
                 torchinfo_seconds=seconds,
             )
-        params = list(step.module.parameters())
         estimate = replace(
             estimate,
             capacity_bytes=capacity_bytes,
             max_batch_size=_max_batch_size_for(capacity_bytes, estimate.fixed_bytes, estimate.bytes_per_sample),
             accumulate_grad_batches=step.accumulate_grad_batches,
-            param_dtype=str(params[0].dtype) if params else None,
+            param_dtype=next((str(p.dtype) for p in step.module.parameters()), None),
             notes=[*notes, *estimate.notes],
         )
         for reason, num_bytes in untraced:
@@ -258,21 +196,16 @@ class StepEstimator:
         return estimate
 
     def refined(self, estimate: MemoryEstimate, passes: int = 2) -> MemoryEstimate:
-        """``estimate`` (of this step) with its line re-traced near its largest batch: the line through
-        ``B`` and ``2B`` can be too flat and overshoot (at small batches the optimizer step can set the
-        peak). Each pass traces half the largest batch and the largest batch, counts the estimate's
-        ``untraced_bytes`` and solves the new line for its capacity; it stops when the answer no
-        longer moves or falls below 4. The predicted peak at the batch size stays as traced.
+        """``estimate`` with its line re-traced at half the largest batch and the largest batch, up to
+        ``passes`` times, until the answer stops moving (the line through ``B`` and ``2B`` can be too
+        flat: at small batches the optimizer step can set the peak). The peak at ``B`` stays as traced.
 
-        Example::
-
-            >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-            >>> step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
-            ...                     optimizers=[torch.optim.Adam(model.parameters())])
-            >>> estimator = StepEstimator(step)
-            >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
-            >>> refined.max_batch_size, refined.notes[-1]  # at 4 and 8 Adam's step sets the peak: the line is too flat
-            (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        >>> estimator = StepEstimator(TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
+        ...                                        optimizers=[torch.optim.Adam(model.parameters())]))
+        >>> refined = estimator.refined(estimator.estimate(capacity_bytes=4 * 10**6))
+        >>> refined.max_batch_size, refined.notes[-1]
+        (526, 'the line was re-traced near the limit (the line through batch sizes 4 and 8 gave 1,337)')
         """
         first = predicted = estimate.max_batch_size
         if estimate.method != "traced" or not self.step.batch_size or not predicted:
@@ -292,10 +225,8 @@ class StepEstimator:
             predicted = refined
         if fixed is None:
             return estimate
-        size = self.step.batch_size
-        note = (
-            f"the line was re-traced near the limit (the line through batch sizes {size} and {2 * size} gave {first:,})"
-        )
+        b = self.step.batch_size
+        note = f"the line was re-traced near the limit (the line through batch sizes {b} and {2 * b} gave {first:,})"
         return replace(
             estimate,
             fixed_bytes=fixed,
@@ -306,22 +237,8 @@ class StepEstimator:
         )
 
     def trace(self, batch_size: int | None = None) -> TracedStep:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces.
-
-        With ``accumulate_grad_batches`` above 1 the gradients are set to ``None`` only before the first
-        backward: the second step accumulates onto the first one's gradients and the optimizer steps
-        after each, so it is the worst micro-batch of any group (gradients and optimizer state alive,
-        then the optimizer's step). Raises what the step raises (e.g. ``DataDependentOutputException``).
-
-        Example::
-
-            >>> model = torch.nn.Linear(100, 10)
-            >>> step = TrainingStep(model, torch.ones(8, 100), lambda x: model(x).sum(),
-            ...                     optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)], batch_size=8)
-            >>> traced = StepEstimator(step).trace(1000)
-            >>> traced.params_bytes == traced.grads_bytes == 4040, traced.optimizer_bytes, traced.batch_bytes
-            (True, 0, 400000)
-        """
+        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces;
+        with accumulation the second adds to the first one's gradients (a group's worst micro-batch)."""
         step, start = self.step, time.perf_counter()
         target = _module_device(step.module) if step.device is None else torch.device(step.device)
         granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
@@ -331,54 +248,33 @@ class StepEstimator:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
             params = list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
-            existing = (step.module, fake_batch)
-            with mode, WorkspaceTracker(learned, existing=existing, granularity=granularity) as tracker:
+            with (
+                mode,
+                WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
+            ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
                 _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
-                traced = TracedStep(
-                    batch_size=batch_size or step.batch_size,
-                    peak_bytes=tracker.peak_bytes,
-                    params_bytes=storage_bytes(params, granularity=granularity),
-                    buffers_bytes=storage_bytes(list(step.module.buffers()), granularity=granularity),
-                    grads_bytes=storage_bytes([p.grad for p in params if p.grad is not None], granularity=granularity),
-                    optimizer_bytes=storage_bytes(*optimizers, granularity=granularity),
-                    batch_bytes=storage_bytes(fake_batch, granularity=granularity),
-                    seconds=0.0,
-                    workspace_bytes=tracker.workspace_bytes_at_peak,
-                )
-        traced.seconds = time.perf_counter() - start
-        return traced
+                sized = functools.partial(storage_bytes, granularity=granularity)
+                grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
+                held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
+        size, seconds = batch_size or step.batch_size, time.perf_counter() - start
+        return TracedStep(size, tracker.peak_bytes, *held, seconds, tracker.workspace_bytes_at_peak)
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
-        """What each op call of the step allocates inside its kernel, from one real forward and backward
-        on the host at ``min(batch_size, PROBE_BATCH_SIZE)`` samples (the first rows of the batch).
-
-        It runs on copies of the parameters and buffers: the model, its gradients and hooks (DDP's),
-        BatchNorm's statistics, attributes, RNG states and optimizers are not touched, and what it
-        allocates is freed on return. ``None`` off the host or for a step that will run elsewhere (on
-        CUDA, cuDNN and cuBLAS choose their own workspaces); ``failure`` set when it could not run.
-
-        Example::
-
-            >>> conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
-            >>> stats = conv[1].running_mean.clone()
-            >>> step = TrainingStep(conv, torch.randn(64, 3, 16, 16), lambda x: conv(x).sum(), batch_size=64)
-            >>> profile = StepEstimator(step).workspaces
-            >>> profile.batch_size, profile.workspace_calls > 0, torch.equal(conv[1].running_mean, stats)
-            (16, True, True)
-        """
+        """What the step's kernels allocate, from one real step on the host at ``min(batch_size, PROBE_BATCH_SIZE)``
+        samples on copies of the parameters and buffers; ``None`` for a step not on the host."""
         step = self.step
-        off_host = step.device is not None and torch.device(step.device).type != "cpu"
-        if not self._learns_workspaces or off_host or not _on_host(step.module, step.batch):
+        elsewhere = step.device is not None and torch.device(step.device).type != "cpu"
+        tensors = collect_tensors(step.module, step.batch)
+        if not self._learns_workspaces or elsewhere or any(t.device.type != "cpu" for t in tensors):
             return None
         size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
-        if not learning_possible():
+        if profiler_running():
             return WorkspaceProfile(batch_size=size, failure="another profiler is running")
-        start = time.perf_counter()
-        small_batch = sliced_batch(step.batch, step.batch_size, size)
+        start, small_batch = time.perf_counter(), sliced_batch(step.batch, step.batch_size, size)
         try:
             with host_only(), _twinned(step.module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
                 # the optimizers only step inside a manual step (their kernels allocate nothing beyond their outputs)
@@ -392,13 +288,25 @@ class StepEstimator:
         step, profile = self.step, self.workspaces
         at_batch = self.trace()
         seconds = at_batch.seconds + (0.0 if profile is None else profile.seconds)
-        fixed = per_sample = None
+        line: dict[str, float] = {}  # fixed_bytes and bytes_per_sample, with a batch size
         if step.batch_size:
             at_double = self.trace(2 * step.batch_size)
             seconds += at_double.seconds
             per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
-            fixed = at_batch.peak_bytes - per_sample * step.batch_size
-        notes = _workspace_notes(profile, at_batch)
+            line = dict(fixed_bytes=at_batch.peak_bytes - per_sample * step.batch_size, bytes_per_sample=per_sample)
+        notes = []
+        if profile is not None and not profile.learned:
+            notes.append(
+                f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
+                "kernels allocate inside themselves (e.g. oneDNN reorders)"
+            )
+        elif profile is not None:
+            at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
+            notes.append(
+                f"kernel workspaces learned from a real forward and backward pass on the host{at} "
+                f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
+                f"sees, {profile.seconds:.2f} s): {at_batch.workspace_bytes} bytes of the predicted peak"
+            )
         if step.accumulate_grad_batches > 1:
             notes.append(
                 f"traced accumulating {step.accumulate_grad_batches} micro-batches per optimizer step: the gradients "
@@ -409,40 +317,28 @@ class StepEstimator:
                 "manual optimization: traced the whole training_step, its backward passes and the steps of its "
                 f"{len(step.optimizers)} optimizer(s)"
             )
-        return _estimate_of(at_batch, "traced", fixed, per_sample, trace_seconds=seconds, notes=notes)
+        return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
 
     def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
-        step = self.step
-        params = list(step.module.parameters())
+        step, params = self.step, list(self.step.module.parameters())
         rule = optimizer_state_rule_bytes(step.optimizers)
-        notes = []
-        if rule is None:
-            names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
-            notes.append(f"no rule for {names}: its state is measured after the first real step")
-        figures = TracedStep(
-            batch_size=step.batch_size,
-            peak_bytes=0,
-            params_bytes=storage_bytes(params),
-            buffers_bytes=storage_bytes(list(step.module.buffers())),
-            grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
-            optimizer_bytes=rule or 0,
-            batch_bytes=storage_bytes(step.batch),
-            seconds=0.0,
-        )
+        names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
+        notes = [f"no rule for {names}: its state is measured after the first real step"] if rule is None else []
+        trainable = [p for p in params if p.requires_grad]
+        held = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable)
+        figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
         fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
         if summary is None:
             figures.peak_bytes = fixed + figures.batch_bytes
-            return _estimate_of(figures, "parameters-only", None, None, notes=notes)
+            return _estimate_of(figures, "parameters-only", notes=notes)
         figures.batch_bytes = int(summary[0].total_input)
         per_batch = figures.batch_bytes + int(summary[0].total_output_bytes)
         figures.peak_bytes = fixed + per_batch
         per_sample = per_batch / step.batch_size if step.batch_size else None
-        return _estimate_of(figures, "torchinfo-fallback", fixed, per_sample, notes=notes)
+        return _estimate_of(figures, "torchinfo-fallback", fixed_bytes=fixed, bytes_per_sample=per_sample, notes=notes)
 
 
-def _estimate_of(
-    figures: TracedStep, method: str, fixed: float | None, per_sample: float | None, **changes: Any
-) -> MemoryEstimate:
+def _estimate_of(figures: TracedStep, method: str, **changes: Any) -> MemoryEstimate:
     shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
     known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
     return MemoryEstimate(
@@ -451,32 +347,12 @@ def _estimate_of(
         torchinfo_total_bytes=None,
         predicted_peak_bytes=figures.peak_bytes,
         method=method,
-        fixed_bytes=fixed,
-        bytes_per_sample=per_sample,
         **changes,
     )
 
 
-def _workspace_notes(profile: WorkspaceProfile | None, traced: TracedStep) -> list[str]:
-    """What the notes say about kernel workspaces (nothing where the probe does not apply)."""
-    if profile is None:
-        return []
-    if not profile.learned:
-        return [
-            f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
-            "kernels allocate inside themselves (e.g. oneDNN reorders)"
-        ]
-    at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
-    return [
-        f"kernel workspaces learned from a real forward and backward pass on the host{at} "
-        f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
-        f"sees, {profile.seconds:.2f} s): {traced.workspace_bytes} bytes of the predicted peak"
-    ]
-
-
 def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
-    """``step.manual_step`` on ``optimizers``; or forward, the gradients of ``zero_grads`` set to
-    ``None``, backward and each optimizer's ``step()``."""
+    """``step.manual_step``; or forward, ``zero_grads`` set to ``None``, backward and ``optimizers``' steps."""
     if step.manual_step is not None:
         with step.step_context():
             step.manual_step(batch, optimizers)
@@ -491,33 +367,22 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
     loss.backward()
     for optimizer in optimizers:
         optimizer.step()
-    del loss
-
-
-# ----------------------------------------------------------------------------- twins of the model and the batch
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _on_host(*objects: Any) -> bool:
-    """Whether every tensor of ``objects`` (of a module: its parameters and buffers) is on the host."""
-    for obj in objects:
-        tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tree_leaves(obj)
-        if any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors):
-            return False
-    return True
-
-
-_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict)
+    return next((tensor.device for tensor in (*module.parameters(), *module.buffers())), torch.device("cpu"))
 
 
 def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
     """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through tuples too)."""
-    if id(value) in seen or type(value) not in (*_CONTAINERS, tuple):
+    if id(value) in seen or type(value) not in (
+        list,
+        dict,
+        set,
+        tuple,
+        collections.OrderedDict,
+        collections.defaultdict,
+    ):
         return
     seen.add(id(value))
     if type(value) is not tuple:
@@ -529,18 +394,7 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 @contextlib.contextmanager
 def restored_attributes(*objects: Any) -> Iterator[None]:
     """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
-    (re)bindings and the contents of list, dict and set attributes, nested ones included.
-
-    Example::
-
-        >>> model = torch.nn.Linear(2, 2)
-        >>> model.outputs = {"train": []}
-        >>> with restored_attributes(model):
-        ...     model.outputs["train"].append(1.0)
-        ...     model.step_count = 1
-        >>> model.outputs, hasattr(model, "step_count")
-        ({'train': []}, False)
-    """
+    (re)bindings and the contents of list, dict and set attributes, nested ones included."""
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()
@@ -550,31 +404,20 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
     finally:
         for value, content in contents:
             value.clear()
-            if isinstance(value, list):
-                value.extend(content)
-            else:
-                value.update(content)
+            (value.extend if isinstance(value, list) else value.update)(content)
         for owner, attributes in saved:
-            current = vars(owner)
-            for name in [name for name in current if name not in attributes]:
-                del current[name]
-            current.update(attributes)
+            vars(owner).clear()
+            vars(owner).update(attributes)
 
 
 @contextlib.contextmanager
 def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
-    """Inside the block each parameter and buffer of ``module`` is ``make(tensor)`` (tied weights stay
-    tied) and the loggers named in ``quiet`` are silent; after it the module's attributes, the logger
-    levels and torch's, Python's and NumPy's RNG states (the step may draw from them) are restored.
-    Yields real id -> twin."""
+    """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied) and the
+    ``quiet`` loggers silent; after it its attributes, the logger levels and torch's, Python's and NumPy's
+    RNG states are as before. Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
-    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = [
-        (store, name, tensor)
-        for sub in module.modules()
-        for store in (sub._parameters, sub._buffers)
-        for name, tensor in store.items()
-        if tensor is not None
-    ]
+    stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
+    slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]
     device = _module_device(module)
     numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
     host_rngs = random.getstate(), None if numpy is None else numpy.random.get_state()
@@ -608,13 +451,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def _twin_optimizer(optimizer: torch.optim.Optimizer, twin_of: dict[int, Any]) -> torch.optim.Optimizer:
     """An optimizer of the same class and param-group options over the twins of its parameters."""
-    groups = [
-        {
-            **{key: value for key, value in group.items() if key != "params"},
-            "params": [twin_of[id(p)] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
+    groups = [{**group, "params": [twin_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     # a subclass of Optimizer: its __init__ takes the groups alone (Optimizer's own also wants defaults)
     optimizer_class: Callable[..., torch.optim.Optimizer] = type(optimizer)
     return optimizer_class(groups)
@@ -625,8 +462,7 @@ def _is_batched(value: Any, batch_size: int | None) -> bool:
 
 
 def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fake: FakeTensorMode | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows replaced by zeros of ``new_batch_size`` rows;
-    under ``fake`` those are fake and the other tensors fake twins."""
+    """``batch`` with its tensors of ``batch_size`` rows as zeros of ``new_batch_size`` rows (fake under ``fake``)."""
 
     def resized(value: Any) -> Any:
         if new_batch_size is not None and _is_batched(value, batch_size):
@@ -638,46 +474,22 @@ def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fak
 
 
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views);
-    the batch as it is for ``new_batch_size=None``.
-
-    Example::
-
-        >>> small = sliced_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}, 8, 2)
-        >>> {key: tuple(value.shape) for key, value in small.items()}
-        {'x': (2, 3), 'y': (2,), 'w': (3,)}
-    """
+    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views)."""
     cut = new_batch_size is not None
     return tree_map(lambda v: v[:new_batch_size] if cut and _is_batched(v, batch_size) else v, batch)
 
 
 def host_step_context(precision: str) -> StepContext:
-    """The step context for tracing on the host a step that will run in ``precision`` on a card: a CPU
-    autocast of the same dtype (a CUDA autocast does nothing to host tensors).
-
-    Example::
-
-        >>> with host_step_context("16-mixed")():
-        ...     torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype
-        torch.float16
-    """
-    if precision in ("bf16-mixed", "16-mixed"):
-        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-        return lambda: torch.autocast("cpu", dtype=dtype)
-    return contextlib.nullcontext
-
-
-# ----------------------------------------------------------------------------- torchinfo and the rules
+    """A CPU autocast of ``precision``'s dtype: the step context to trace on the host a step for a card."""
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return contextlib.nullcontext if dtype is None else lambda: torch.autocast("cpu", dtype=dtype)
 
 
 def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, float]:
-    """torchinfo's summary of ``module(forward_input)`` at the step's batch size in its step context,
-    and its seconds: on fake tensors, else on real ones (torchinfo's ``no_grad`` and eval mode);
-    torchinfo moves nothing."""
+    """torchinfo's summary and seconds at the step's batch size, on fake tensors, else on real ones."""
     module, forward_input, context = step.module, step.forward_input, step.step_context
-    size = next((int(t.shape[0]) for t in tree_leaves(forward_input) if isinstance(t, torch.Tensor) and t.dim()), None)
-    start = time.perf_counter()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    size = next((int(t.shape[0]) for t in collect_tensors(forward_input) if t.dim()), None)
+    start, mode = time.perf_counter(), FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _twinned(module, mode.from_tensor, FAKE_KERNEL_LOGGERS):
             fake_input = _resized(forward_input, size, step.batch_size, mode)
@@ -695,13 +507,7 @@ def optimizer_state_rule_bytes(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
 ) -> int | None:
     """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x with amsgrad), SGD 1x with
-    momentum, 0 without; summed over several; ``None`` when one has no rule.
-
-    Example::
-
-        >>> optimizer_state_rule_bytes(torch.optim.Adam(torch.nn.Linear(10, 10).parameters()))
-        880
-    """
+    momentum, 0 without; summed over several; ``None`` when one has no rule."""
     if not isinstance(optimizers, torch.optim.Optimizer):
         rules = [optimizer_state_rule_bytes(one) for one in optimizers or ()]
         return None if None in rules else sum(rules)  # type: ignore[arg-type]

@@ -1,23 +1,8 @@
 """Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
-* :func:`collect_tensors`, :func:`storage_bytes`: the tensors objects hold, and the bytes of their
-  distinct storages (a view shares its base's storage).
-* :func:`call_learning_allocations`: a count of storages misses the buffers a kernel allocates and
-  frees inside itself (oneDNN reorders, sorting scratch, attention buffers); the profiler
-  (``profile_memory``) sees them. An op is run once under it and the sequence of its allocations and
-  frees kept (:class:`OpAllocations`), keyed by the op, the intra-op threads and its arguments'
-  metadata, for later calls to reuse. The profiler is never started while another runs (that
-  call's allocations are then unknown).
-* :class:`SpanMeter`: the one meter interface, of every device (:meth:`.device.Device.peak_meter`);
-  :class:`LiveTensorTracker` is the host's, :class:`AllocationWindow` a window of profiler events.
-
-Example::
-
-    >>> x, w = torch.randn(8, 3, 16, 16), torch.randn(4, 3, 3, 3)
-    >>> out, allocations = call_learning_allocations(torch.ops.aten.convolution.default,
-    ...                                              (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {})
-    >>> allocations.peak_bytes >= out.untyped_storage().nbytes()   # the output, and any workspace
-    True
+A count of storages misses what a kernel allocates inside itself (oneDNN reorders, sorting scratch):
+:func:`call_learning_allocations` learns it from the profiler, once per op signature. :class:`SpanMeter`
+is every device's meter interface; :class:`LiveTensorTracker` is the host's.
 """
 
 from __future__ import annotations
@@ -25,32 +10,17 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-from lightning_gpuopt.core._torch_compat import (
-    FakeTensor,
-    TorchDispatchMode,
-    profiler_running,
-    start_allocation_events,
-    stop_allocation_events,
-    storage_key,
-    tree_flatten,
-    tree_leaves,
-)
+from lightning_gpuopt.core import _torch_compat as compat
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
 from lightning_gpuopt.core.search import round_up
 
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``objects``: tensors, modules (parameters, gradients, buffers), optimizers (state),
-    also inside lists, tuples and dicts.
-
-    Example::
-
-        >>> len(list(collect_tensors(torch.nn.Linear(2, 3), [torch.zeros(1)])))
-        3
-    """
+    """The tensors in ``objects``, their containers, modules (with gradients) and optimizers (state)."""
     for leaf in tree_leaves(objects):
         if isinstance(leaf, torch.Tensor):
             yield leaf
@@ -73,36 +43,16 @@ def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
 
 
 def storage_bytes(*objects: Any, granularity: int = 1) -> int:
-    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``.
-
-    Example::
-
-        >>> base = torch.zeros(10)
-        >>> storage_bytes(base, base[5:], torch.zeros(2))
-        48
-    """
-    seen: dict[int, int] = {}
-    for storage in map(storage_of, collect_tensors(*objects)):
-        if storage is not None:
-            seen[storage_key(storage)] = round_up(storage.nbytes(), granularity)
-    return sum(seen.values())
+    """Bytes of the distinct storages of the tensors in ``objects``, each rounded up to ``granularity``."""
+    storages = [storage for storage in map(storage_of, collect_tensors(*objects)) if storage is not None]
+    return sum({storage_key(s): round_up(s.nbytes(), granularity) for s in storages}.values())
 
 
 def is_real_host_call(tree: Any) -> bool:
-    """Whether an op call (the tree of its ``(args, kwargs)``) runs on real host tensors (no fake
-    tensor, no tensor or ``torch.device`` of another device, meta included).
-
-    Example::
-
-        >>> is_real_host_call(((torch.zeros(2), 3), {})), is_real_host_call(((torch.zeros(2, device="meta"),), {}))
-        (True, False)
-    """
+    """Whether an op call ``(args, kwargs)`` runs on real host tensors (nothing fake, meta or elsewhere)."""
     for leaf in tree_leaves(tree):
-        if isinstance(leaf, FakeTensor):
-            return False
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
-            return False
-        if isinstance(leaf, torch.device) and leaf.type != "cpu":
+        device = leaf.device if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.device) else None
+        if isinstance(leaf, FakeTensor) or (device is not None and device.type != "cpu"):
             return False
     return True
 
@@ -115,10 +65,8 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class OpAllocations:
-    """The allocations one op call made: ``events`` in order, ``+size`` for an allocation and
-    ``-(i + 1)`` for the free of the ``i``-th; ``sizes`` of the allocations; ``kept``, those never
-    freed in the call (its outputs, or a kernel's cache); ``peak_bytes``, the most the call held at
-    once above what was live before it, outputs included. Frees of older memory are left out."""
+    """One op call's allocations: ``events`` in order (``+size``, or ``-(i + 1)`` for the free of the ``i``-th),
+    their ``sizes``, those ``kept`` (its outputs, or a kernel's cache) and the most it held at once."""
 
     events: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -130,21 +78,14 @@ _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch
 
 
 def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata.
-
-    Example::
-
-        >>> a, b = torch.ones(2, 3), torch.zeros(2, 3)
-        >>> _op_key(torch.ops.aten.add.Tensor, (a, a), {}) == _op_key(torch.ops.aten.add.Tensor, (b, b), {})
-        True
-    """
+    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata."""
 
     def key(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
         return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
 
-    return (func, torch.get_num_threads(), *map(key, tree_flatten((args, kwargs))[0]))
+    return (func, torch.get_num_threads(), *map(key, tree_leaves((args, kwargs))))
 
 
 def _allocations_from(records: list) -> OpAllocations:
@@ -169,26 +110,18 @@ def _allocations_from(records: list) -> OpAllocations:
     return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
-def learning_possible() -> bool:
-    """Whether an op can be profiled now (no other profiler is running)."""
-    return not profiler_running()
-
-
-def call_learning_allocations(
-    func: Callable[..., Any], args: tuple, kwargs: Optional[dict]
-) -> tuple[Any, Optional[OpAllocations]]:
-    """Run ``func``; return its output and its allocations, learned on the first call of its key
-    (``None`` when that key was never learned and another profiler runs)."""
+def call_learning_allocations(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple[Any, Optional[OpAllocations]]:
+    """``func``'s output and allocations, learned once per key (``None``: unknown and another profiler runs)."""
     kwargs = kwargs or {}
     key = _op_key(func, args, kwargs)
     known = _templates.get(key)
-    if known is not None or not learning_possible():
+    if known is not None or compat.profiler_running():
         return func(*args, **kwargs), known
-    start_allocation_events()
+    compat.start_allocation_events()
     try:
         out = func(*args, **kwargs)
     finally:
-        records = stop_allocation_events()
+        records = compat.stop_allocation_events()
     allocations = _allocations_from(records)
     with _lock:
         if len(_templates) >= _MAX_TEMPLATES:
@@ -198,14 +131,12 @@ def call_learning_allocations(
 
 
 class SpanMeter:
-    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block:
-    :attr:`peak_bytes`, and :attr:`peak_reserved_bytes` where the allocator's is known (a CUDA card).
-    Subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
+    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block (and of
+    reserved memory where known); subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
 
     peak_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
-    #: whether :meth:`start` was called and :meth:`stop` not yet
-    running = False
+    running = False  #: whether :meth:`start` was called and :meth:`stop` not yet
     _started = False
 
     def start(self) -> None:
@@ -221,11 +152,9 @@ class SpanMeter:
             self._end()
         return self.peak_bytes if self._started else None
 
-    def _begin(self) -> None:
-        raise NotImplementedError
+    def _begin(self) -> None: ...
 
-    def _end(self) -> None:
-        raise NotImplementedError
+    def _end(self) -> None: ...
 
     def __enter__(self: _Meter) -> _Meter:
         self.start()
@@ -236,38 +165,10 @@ class SpanMeter:
 
 
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
-    """The host's meter: the bytes of live tensor storages, counted op by op, with an optional cap.
-
-    A storage counts once, by its ``nbytes``, from the op that made it (or from the start, for the
-    tensors of ``existing``) until it dies; views and in-place ops add nothing; tensors alive before
-    the start and not in ``existing`` are not counted. With ``workspaces``, a real host op also
-    counts, while it runs, the peak of what its kernel allocates (:func:`call_learning_allocations`):
-    the peak and the cap are the allocator's. An op whose new bytes would pass ``max_bytes`` raises
-    ``torch.OutOfMemoryError`` ("CUDA out of memory ..."). Stopping, also on an exception, drops the
-    tracked state (``live_bytes`` is 0 again, ``peak_bytes`` kept).
-
-    Args:
-        max_bytes: the cap (``None``: none).
-        existing: objects whose tensors count from the start: modules (parameters, gradients,
-            buffers), optimizers (state), batches (see :func:`collect_tensors`).
-        device: count only tensors on this device (``None``: every device).
-        granularity: round each storage up to a multiple of this (512 mimics the CUDA allocator).
-        baseline_bytes: a fixed amount counted as live (memory held outside tensors).
-        workspaces: ``False`` counts storages alone (fake tensors, the estimate's traces, always are).
-
-    Example::
-
-        >>> with LiveTensorTracker() as tracker:
-        ...     x = torch.ones(256)
-        ...     y = x * 2                 # the kernel also wraps the 2 in a tensor: 8 + 4 bytes
-        >>> tracker.peak_bytes            # two 1024-byte storages and the multiplication's 12
-        2060
-        >>> with LiveTensorTracker(workspaces=False) as storages_only:
-        ...     x = torch.ones(256)
-        ...     y = x * 2
-        >>> storages_only.peak_bytes
-        2048
-    """
+    """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from
+    the op that made them, or the start for ``existing``, until they die, plus ``baseline_bytes``.
+    With ``workspaces``, a real host op also counts the peak its kernel allocates while it runs. An op
+    whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory")."""
 
     peak_bytes: int
 
@@ -282,19 +183,20 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         workspaces: bool = True,
     ) -> None:
         super().__init__()
-        self.max_bytes = max_bytes
-        self.existing = tuple(existing)
+        self.max_bytes, self.existing, self.granularity = max_bytes, tuple(existing), granularity
+        self.baseline_bytes, self.workspaces = baseline_bytes, workspaces
         self.device = None if device is None else torch.device(device)
-        self.granularity = granularity
-        self.baseline_bytes = baseline_bytes
-        self.workspaces = workspaces
-        self.live_bytes = self.peak_bytes = 0
+        self.live_bytes = self.peak_bytes = self.workspace_bytes_at_peak = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._surplus: dict[int, int] = {}  # storages counted above their size: key -> bytes
 
     def _begin(self) -> None:
         self._live.clear()
+        self._surplus.clear()
         self.live_bytes = self.peak_bytes = self.baseline_bytes
-        self.track(*self.existing)
+        self.workspace_bytes_at_peak = 0
+        for key, storage, num_bytes, _ in self._new_storages(collect_tensors(*self.existing), set()):
+            self._add(key, storage, num_bytes)
         TorchDispatchMode.__enter__(self)
 
     def _end(self) -> None:
@@ -309,26 +211,22 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         """How many storages are counted as live now (0 outside the span)."""
         return len(self._live)
 
-    def track(self, *objects: Any) -> None:
-        """Count the tensors of ``objects`` as live from now until they die (the cap is not applied)."""
-        for key, storage, num_bytes in self._new_storages(collect_tensors(*objects), exclude=set()):
-            self._add(key, storage, num_bytes)
-
     def _counts(self, tensor: torch.Tensor) -> bool:
         want = self.device
         return want is None or (tensor.device.type == want.type and want.index in (None, tensor.device.index))
 
-    def _new_storages(self, tensors: Iterable[Any], exclude: set[int]) -> list[tuple[int, torch.UntypedStorage, int]]:
-        found: dict[int, tuple[int, torch.UntypedStorage, int]] = {}
-        for tensor in tensors:
-            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) and self._counts(tensor) else None
-            key = None if storage is None else storage_key(storage)
-            if storage is None or key is None or key in self._live or key in exclude:
+    def _new_storages(self, tensors: Iterable[torch.Tensor], exclude: set[int], surplus: Sequence[int] = ()) -> list:
+        """``(key, storage, bytes, surplus)`` per storage of ``tensors`` not live nor in ``exclude``, rounded up."""
+        found = []
+        for index, tensor in enumerate(tensors):
+            storage = storage_of(tensor) if self._counts(tensor) else None
+            if storage is None or (key := storage_key(storage)) in self._live or key in exclude:
                 continue
-            num_bytes = round_up(storage.nbytes(), self.granularity)
-            if num_bytes > 0:
-                found.setdefault(key, (key, storage, num_bytes))
-        return list(found.values())
+            exclude.add(key)
+            more = surplus[index] if index < len(surplus) else 0
+            if (num_bytes := round_up(storage.nbytes(), self.granularity) + more) > 0:
+                found.append((key, storage, num_bytes, more))
+        return found
 
     def _add(self, key: int, storage: torch.UntypedStorage, num_bytes: int) -> None:
         def release(_ref: weakref.ref) -> None:
@@ -342,43 +240,39 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        allocations = None
+        out, inside, workspace, surplus = self._run(func, args, kwargs)
+        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        new = self._new_storages(collect_tensors(out), inputs, surplus)
+        # while the op ran it held its outputs and its workspace, at least the allocator's peak inside it
+        needed = max(sum(entry[2] for entry in new) + workspace, inside)
+        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
+            where = "any device" if self.device is None else str(self.device)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
+                f"{needed} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+            )
+        if self.live_bytes + needed > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + needed
+            self._surplus = {key: more for key, more in self._surplus.items() if key in self._live}
+            self.workspace_bytes_at_peak = sum(self._surplus.values()) + sum(entry[3] for entry in new) + workspace
+        for key, storage, num_bytes, more in new:
+            self._add(key, storage, num_bytes)
+            if more:
+                self._surplus[key] = more
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
+        """The op's output, the allocator's peak inside it, its workspace and per output its surplus bytes."""
         on_host = self.device is None or self.device.type == "cpu"
         if self.workspaces and on_host and is_real_host_call((args, kwargs)):
             out, allocations = call_learning_allocations(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
-        new = self._new_storages(tree_leaves(out), exclude=inputs)
-        # while the op ran it held its outputs and its workspace: the allocator's peak inside the op
-        needed = max(sum(num_bytes for *_, num_bytes in new), allocations.peak_bytes if allocations else 0)
-        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, needed))
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + needed)
-        for key, storage, num_bytes in new:
-            self._add(key, storage, num_bytes)
-        return out
-
-    def _oom_message(self, func: Any, added: int) -> str:
-        where = "any device" if self.device is None else str(self.device)
-        return (
-            f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
-            f"{added} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
-        )
+            return out, allocations.peak_bytes if allocations else 0, 0, ()
+        return func(*args, **kwargs), 0, 0, ()
 
 
 class AllocationWindow(SpanMeter):
     """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
-    events (the allocator's own peak counters are left alone); ``None`` when another profiler runs.
-
-    Example::
-
-        >>> with AllocationWindow("cpu") as window:
-        ...     a = torch.zeros(1000); del a
-        ...     b = torch.zeros(500)
-        >>> window.peak_bytes
-        4000
-    """
+    events; ``None`` when another profiler runs."""
 
     def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
         self.device_type, self.index = device_type, index
@@ -386,22 +280,20 @@ class AllocationWindow(SpanMeter):
 
     def _begin(self) -> None:
         self.peak_bytes = None
-        self._profiling = learning_possible()
+        self._profiling = not compat.profiler_running()
         if self._profiling:
-            start_allocation_events()
+            compat.start_allocation_events()
 
     def _end(self) -> None:
         if not self._profiling:
             return
         self._profiling = False
         live = peak = 0
-        for thread in stop_allocation_events():
-            for record in thread:
-                if record.kind() != "memory_alloc":
-                    continue
-                if self.device_type != "cuda":
-                    live += int(record.cpu_memory_usage())
-                elif record.device() == self.index:
-                    live += int(record.cuda_memory_usage())
-                peak = max(peak, live)
+        records = compat.stop_allocation_events()
+        for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
+            if self.device_type != "cuda":
+                live += int(record.cpu_memory_usage())
+            elif record.device() == self.index:
+                live += int(record.cuda_memory_usage())
+            peak = max(peak, live)
         self.peak_bytes = peak

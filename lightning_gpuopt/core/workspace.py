@@ -1,41 +1,20 @@
-"""Kernel memory in a step traced on fake tensors, learned per op call from a small real step.
+"""Kernel memory a fake trace misses, learned per op call from a small real step on the host.
 
-A fake trace counts each op's outputs as its meta kernel shapes them and nothing a kernel allocates
-inside itself (oneDNN's reorders, BatchNorm's backward temporaries); some kernels also return more
-than their meta twin (oneDNN's LSTM workspace). :class:`WorkspaceRecorder` runs with a real step on
-the host and keeps, per op call, the allocator's peak inside it beyond its new outputs
-(:mod:`.op_memory`) and how much larger each output is than the meta kernel's. In a fake trace,
-:class:`WorkspaceTracker` pairs the k-th call of each signature (op, tensor arguments' ranks and
-dtypes) in a step with the k-th in the probe and scales the probed bytes with the inputs that grew
-(:func:`_scaled_bytes`): the call holds its workspace while it runs, each output counts its surplus
-while it lives. Only host kernels are probed: on CUDA, cuDNN and cuBLAS choose their own.
-
-Example::
-
-    >>> import torch
-    >>> conv, small, large = torch.nn.Conv2d(3, 8, 3, padding=1), torch.randn(4, 3, 16, 16), torch.randn(16, 3, 16, 16)
-    >>> with WorkspaceRecorder() as recorder:              # a real call at batch 4
-    ...     out = conv(small)
-    >>> profile = WorkspaceProfile(tuple(recorder.calls), batch_size=4)
-    >>> [call.signature[0].__name__ for call in profile.calls]
-    ['convolution.default']
-    >>> with WorkspaceTracker(profile) as tracker:        # the same op at 4 times the batch
-    ...     out = conv(large)
-    >>> tracker.workspace_bytes_at_peak > 0                 # oneDNN's reorders on top of the output
-    True
+:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
+(oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
+adds it, scaled to the inputs, to the k-th call of each signature in a fake step.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_leaves, tree_map
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, call_learning_allocations, is_real_host_call, storage_of
-from lightning_gpuopt.core.search import round_up
 
 #: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
 #: convolution on one thread goes to oneDNN from 16 samples on)
@@ -43,14 +22,7 @@ PROBE_BATCH_SIZE = 16
 
 
 def _signature(func: Any, tensors: list[torch.Tensor]) -> tuple:
-    """The op and its tensor arguments' ranks and dtypes (not sizes: those follow the batch).
-
-    Example::
-
-        >>> relu, a, b = torch.ops.aten.relu.default, torch.ones(2, 3), torch.ones(64, 3)
-        >>> _signature(relu, [a]) == _signature(relu, [b]) != _signature(relu, [a[0]])
-        True
-    """
+    """The op and its tensor arguments' ranks and dtypes (not sizes: those follow the batch)."""
     return (func, *((tensor.dim(), tensor.dtype) for tensor in tensors))
 
 
@@ -67,24 +39,17 @@ class ProbedCall:
     """One op call of a real step, as the allocator served it."""
 
     signature: tuple
-    #: the allocator's peak inside the call above what was live before it, less the new outputs
-    extra_bytes: int
-    #: per tensor output: how much larger its new storage is than the meta kernel's
-    surplus_bytes: tuple[int, ...]
-    #: bytes of each tensor argument: what the probed bytes are scaled by
-    input_bytes: tuple[int, ...]
+    extra_bytes: int  #: the allocator's peak inside the call above what was live before it, less the new outputs
+    surplus_bytes: tuple[int, ...]  #: per tensor output: how much larger its new storage is than the meta kernel's
+    input_bytes: tuple[int, ...]  #: bytes of each tensor argument: what the probed bytes are scaled by
 
 
 def _scaled_bytes(probed_bytes: int, probed_inputs: tuple[int, ...], traced_inputs: tuple[int, ...]) -> int:
     """``probed_bytes`` scaled by the total growth of the inputs whose size changed (the activations;
     weights keep theirs); unscaled when none changed or none had bytes to grow from.
 
-    Example::
-
-        >>> _scaled_bytes(1000, probed_inputs=(400, 9000), traced_inputs=(1600, 9000))  # 4x the batch
-        4000
-        >>> _scaled_bytes(1000, probed_inputs=(9000,), traced_inputs=(9000,))            # weights alone
-        1000
+    >>> _scaled_bytes(1000, probed_inputs=(400, 9000), traced_inputs=(1600, 9000))  # 4x the batch
+    4000
     """
     grown = [(probed, traced) for probed, traced in zip(probed_inputs, traced_inputs) if probed != traced]
     before = sum(probed for probed, _ in grown)
@@ -98,8 +63,7 @@ class WorkspaceProfile:
     """The op calls of one real probe step, in order; ``failure`` says why nothing was learned."""
 
     calls: tuple[ProbedCall, ...] = ()
-    #: the batch size the probe ran at (``None``: the batch as given)
-    batch_size: Optional[int] = None
+    batch_size: Optional[int] = None  #: the batch size the probe ran at (``None``: the batch as given)
     seconds: float = 0.0
     failure: Optional[str] = None
 
@@ -114,8 +78,7 @@ class WorkspaceProfile:
 
 
 class WorkspaceRecorder(TorchDispatchMode):
-    """Records a :class:`ProbedCall` for every op call on real host tensors (no extra where another
-    profiler keeps the call's allocations unknown)."""
+    """Records a :class:`ProbedCall` for every op call on real host tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,8 +92,9 @@ class WorkspaceRecorder(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         outputs = _new_storage_bytes(_tensors(out), inputs)
         extra = 0 if allocations is None else max(0, allocations.peak_bytes - sum(outputs))
-        meta = _meta_output_bytes(func, args, kwargs, outputs)
-        surplus = tuple(max(0, real - fake) for real, fake in zip(outputs, meta))
+        surplus = tuple(
+            max(0, real - fake) for real, fake in zip(outputs, _meta_output_bytes(func, args, kwargs, outputs))
+        )
         self.calls.append(ProbedCall(_signature(func, inputs), extra, surplus, _input_bytes(inputs)))
         return out
 
@@ -155,8 +119,7 @@ def _on_meta(value: Any) -> Any:
 
 
 def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[int]) -> list[int]:
-    """Per output, the storage bytes the op's meta kernel gives it (what a fake trace counts); the
-    real bytes where there is nothing new or no meta kernel."""
+    """Per output, its bytes from the op's meta kernel (the real ones where there is no meta kernel)."""
     if not any(real_bytes):
         return real_bytes
     try:
@@ -167,72 +130,32 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 
 class WorkspaceTracker(LiveTensorTracker):
-    """A fake trace's tracker with ``profile``'s kernel memory added (without one: a plain tracker);
-    :attr:`workspace_bytes_at_peak` is that memory in :attr:`peak_bytes`. Call :meth:`next_step`
-    where each step after the first begins (the optimizer's calls, not probed, pair with nothing)."""
+    """A fake trace's tracker with ``profile``'s kernel memory added (:attr:`workspace_bytes_at_peak` of the
+    peak); call :meth:`next_step` where each step after the first begins."""
 
     def __init__(self, profile: Optional[WorkspaceProfile] = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, workspaces=False, **kwargs)
         self.probed: dict[tuple, list[ProbedCall]] = collections.defaultdict(list)
         for call in () if profile is None else profile.calls:
             self.probed[call.signature].append(call)
-        self.workspace_bytes_at_peak = 0
         self._seen: collections.Counter = collections.Counter()
-        self._surplus: dict[int, int] = {}  # storages counted above their fake size: key -> bytes
 
-    def __enter__(self) -> WorkspaceTracker:
+    def _begin(self) -> None:
         self._seen.clear()
-        self._surplus.clear()
-        self.workspace_bytes_at_peak = 0
-        super().__enter__()
-        return self
+        super()._begin()
 
     def next_step(self) -> None:
         """Calls from now on belong to the next step."""
         self._seen.clear()
 
-    def _partner(self, signature: tuple) -> Optional[ProbedCall]:
-        index = self._seen[signature]
-        self._seen[signature] += 1
-        partners = self.probed.get(signature, ())
-        return partners[index] if index < len(partners) else None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        if not self.probed:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        kwargs = kwargs or {}
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
         out = func(*args, **kwargs)
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        partner = self._partner(_signature(func, inputs))
-        traced_inputs = _input_bytes(inputs)
-
-        def scaled(num_bytes: int) -> int:
-            return 0 if partner is None else _scaled_bytes(num_bytes, partner.input_bytes, traced_inputs)
-
-        exclude = {storage_key(storage) for storage in map(storage_of, inputs) if storage is not None}
-        new: list[tuple[int, torch.UntypedStorage, int, int]] = []  # key, storage, bytes, of which surplus
-        for index, output in enumerate(outputs):
-            storage = storage_of(output)
-            if storage is None or not self._counts(output):
-                continue
-            key = storage_key(storage)
-            if key in exclude or key in self._live:
-                continue
-            exclude.add(key)
-            fake_bytes = round_up(storage.nbytes(), self.granularity)
-            surplus = scaled(partner.surplus_bytes[index]) if partner and index < len(partner.surplus_bytes) else 0
-            if fake_bytes + surplus > 0:
-                new.append((key, storage, fake_bytes + surplus, surplus))
-        workspace = 0 if partner is None else scaled(partner.extra_bytes)
-        needed = sum(num_bytes for _, _, num_bytes, _ in new) + workspace
-        if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(func, needed))
-        if self.live_bytes + needed > self.peak_bytes:
-            self.peak_bytes = self.live_bytes + needed
-            self._surplus = {key: num_bytes for key, num_bytes in self._surplus.items() if key in self._live}
-            self.workspace_bytes_at_peak = sum(self._surplus.values()) + sum(s for *_, s in new) + workspace
-        for key, storage, num_bytes, surplus in new:
-            self._add(key, storage, num_bytes)
-            if surplus:
-                self._surplus[key] = surplus
-        return out
+        inputs = _tensors((args, kwargs))
+        signature = _signature(func, inputs)
+        index, partners = self._seen[signature], self.probed.get(signature, [])
+        self._seen[signature] += 1
+        if index >= len(partners):
+            return out, 0, 0, ()
+        partner, traced = partners[index], _input_bytes(inputs)
+        scaled = [_scaled_bytes(b, partner.input_bytes, traced) for b in (partner.extra_bytes, *partner.surplus_bytes)]
+        return out, 0, scaled[0], scaled[1:]

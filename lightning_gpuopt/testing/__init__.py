@@ -1,39 +1,16 @@
-"""Testing helpers: a CUDA card simulated on the CPU, for CI without a GPU (ours and yours).
+"""Testing helpers: a CUDA card simulated on the CPU (:class:`SimulatedGpu`), for CI without a GPU.
 
-:class:`SimulatedGpu` makes every decision of lightning-gpuopt see a CUDA card of a chosen
-profile while a CPU ``Trainer`` runs::
-
-    from lightning import Trainer
-    from lightning_gpuopt import GpuOpt
-    from lightning_gpuopt.testing import SimulatedGpu
-
-    with SimulatedGpu("T4", memory="64MiB") as gpu:
-        trainer = Trainer(accelerator="cpu", max_steps=20, callbacks=[GpuOpt("fill-memory")])
-        trainer.fit(model)                     # 16-mixed (a T4 has no bfloat16), batch found under 64 MiB
-    gpu.peak_reserved_bytes, gpu.allocator.stats.num_ooms
-
-What it simulates:
-
-* **Identity** (:data:`GPU_PROFILES`): name, compute capability, total memory, NVML UUID, MIG; so
-  native bf16 and TF32 (8.0 and up) and the cuBLAS workspace (32 MiB from 9.0, else 8.1 MiB).
-* **Memory, at the allocator**: every byte the host allocator hands out for the card (storages and
-  in-kernel workspaces), through a model of the CUDA caching allocator (512-byte blocks, pools,
-  segments, cached blocks, fragmentation), plus the CUDA context (a typical figure). A request past
-  the card frees cached segments, then raises the real ``torch.OutOfMemoryError`` in CUDA's words.
-  A tensor is on the card as in a real run: a module's parameters, buffers and gradients from its
-  first ``forward`` (with the batch it is given), an optimizer's state from its first step, what
-  :meth:`SimulatedGpu.place` is given (the simulated ``tensor.cuda()``), and what ops make from
-  tensors on the card; a dataset built in host memory stays on the host.
-* **NVML**: memory used (context + reserved), utilisation (the share of wall time in ops since the
-  last reading; ``NotSupported`` on MIG, as real MIG), failures on demand (``nvml_error=``).
-* **Time**: device events are host clock readings (ops run synchronously on the host).
-
-Not simulated: kernel speed, streams, cuDNN/cuBLAS algorithms (their workspaces are the CPU
-kernels'), several GPUs in one process (under DDP with gloo, enter one in each process).
+While a CPU ``Trainer`` runs inside ``with SimulatedGpu("T4", memory="64MiB"):``, every decision of
+lightning-gpuopt sees that card: its identity (:data:`GPU_PROFILES`), its memory as PyTorch's CUDA
+caching allocator would hold it (past the card, the real ``torch.OutOfMemoryError``), its NVML
+readings and device events. Tensors reach it as in a real run (a module at its first ``forward``, an
+optimizer's state at its first step, :meth:`SimulatedGpu.place`). Not simulated: kernel speed,
+streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional, Union
 
@@ -46,28 +23,16 @@ from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 
 __all__ = ["GPU_PROFILES", "GpuProfile", "SimulatedGpu"]
 
-_MIB = 2**20
-
-#: the cards :class:`SimulatedGpu` knows, by short name
-GPU_PROFILES: dict[str, GpuProfile] = {
-    short: GpuProfile(name, capability, total_mib * _MIB, uuid, context_mib * _MIB, mig="MIG" in name)
+GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by short name
+    short: GpuProfile(name, capability, total_mib << 20, uuid, context_mib << 20, mig="MIG" in name)
     for short, name, capability, total_mib, uuid, context_mib in [
         ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
         ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
         ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
         ("T4", "Tesla T4", (7, 5), 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
-        (
-            "A100-MIG-1g.10gb",
-            "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-            (8, 0),
-            9728,
-            "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05",
-            250,
-        ),
+        ("A100-MIG-1g.10gb", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728, "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", 250),
     ]
-}
-
-_NVML_ERRORS = ("no-permission", "not-supported")
+}  # fmt: skip
 
 
 class SimulatedGpu:
@@ -75,24 +40,17 @@ class SimulatedGpu:
 
     Args:
         profile: a name of :data:`GPU_PROFILES` or a :class:`GpuProfile`.
-        memory: the card's total memory instead of the profile's: bytes, a string such as
-            ``"64MiB"``, or a fraction of the profile's (the CUDA context scales with it).
+        memory: the card's memory instead: bytes, ``"64MiB"``, or a fraction of the profile's (the context scales).
         context_memory: memory the CUDA context holds outside PyTorch (default: the profile's, scaled).
         cublas_workspace: bytes of the cuBLAS workspace (default: torch's for the capability).
         nvml_error: ``"no-permission"`` or ``"not-supported"``: every NVML query about the card raises it.
 
-    Raises:
-        ValueError: a bad argument (the message says what works).
-        RuntimeError: a simulated card is already entered.
-
-    Example::
-
-        >>> import torch
-        >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
-        ...     x = torch.ones(1000)                        # host memory: not on the card
-        ...     gpu.place(x)                                # the simulated x.cuda(): 4000 bytes take
-        ...     gpu.allocated_bytes, gpu.reserved_bytes     # a 4096-byte block of a 2 MiB segment
-        (4096, 2097152)
+    >>> import torch
+    >>> with SimulatedGpu("T4", memory="64MiB") as gpu:
+    ...     x = torch.ones(1000)                        # host memory: not on the card
+    ...     gpu.place(x)                                # the simulated x.cuda(): 4000 bytes take
+    ...     gpu.allocated_bytes, gpu.reserved_bytes     # a 4096-byte block of a 2 MiB segment
+    (4096, 2097152)
     """
 
     def __init__(
@@ -110,11 +68,10 @@ class SimulatedGpu:
                 f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
             )
         base = profile if isinstance(profile, GpuProfile) else GPU_PROFILES[profile]
-        total = base.total_bytes
         if isinstance(memory, float) and 0 < memory <= 1:
             total = int(memory * base.total_bytes)
-        elif memory is not None:
-            total = parse_memory(memory, name="memory")
+        else:
+            total = base.total_bytes if memory is None else parse_memory(memory, name="memory")
         if context_memory is None:
             context = int(base.context_bytes * total / base.total_bytes)
         else:
@@ -124,24 +81,14 @@ class SimulatedGpu:
                 f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
                 "expected a context smaller than `memory`."
             )
-        if nvml_error not in (None, *_NVML_ERRORS):
-            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, {', '.join(map(repr, _NVML_ERRORS))}.")
-        self.profile = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
-        self.device = SimulatedCudaDevice(self.profile, cublas_workspace)
-        self.nvml = FakeNvml(
-            [
-                FakeNvmlDevice(
-                    name=self.profile.name,
-                    uuid=self.profile.uuid,
-                    memory_total=total,
-                    memory_used=self.device.used_memory,
-                    utilization=None if self.profile.mig else self.utilization,
-                    error=nvml_error,
-                    mig=self.profile.mig,
-                )
-            ]
-        )
-        self._entered: list[Any] = []
+        if nvml_error not in (None, "no-permission", "not-supported"):
+            raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, 'no-permission', 'not-supported'.")
+        self.profile = p = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
+        self.device = SimulatedCudaDevice(p, cublas_workspace)
+        utilization = None if p.mig else self.utilization
+        card = FakeNvmlDevice(p.name, p.uuid, total, self.device.used_memory, utilization, error=nvml_error, mig=p.mig)
+        self.nvml = FakeNvml([card])
+        self._entered = contextlib.ExitStack()
         self._last_reading = (time.perf_counter(), 0.0)
 
     @property
@@ -166,8 +113,7 @@ class SimulatedGpu:
         return self.allocator.stats.peak_reserved_bytes
 
     def place(self, *objects: Any) -> None:
-        """Put tensors (or modules, optimizers, collections of them) on the card: the simulated
-        ``tensor.cuda()``, e.g. for a dataset held in device memory."""
+        """Put the tensors of ``objects`` on the card: the simulated ``tensor.cuda()``."""
         self.device.adopt(*objects)
 
     def utilization(self) -> int:
@@ -180,16 +126,12 @@ class SimulatedGpu:
     def __enter__(self) -> SimulatedGpu:
         if simulated_device() is not None:
             raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
-        try:
+        with contextlib.ExitStack() as stack:
             for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
-                context.__enter__()
-                self._entered.append(context)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+                stack.enter_context(context)
+            self._entered = stack.pop_all()
         self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        while self._entered:
-            self._entered.pop().__exit__(None, None, None)
+        self._entered.close()

@@ -1,66 +1,25 @@
 """A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``), default settings.
 
-What a card holds is not the sum of live tensors: the allocator rounds requests up, carves them out
-of *segments* it reserves from the driver, keeps freed blocks cached for reuse, and splits and
-merges blocks inside a segment; so reserved >= allocated, and a request can fail with enough free
-bytes in total when no cached block or new segment fits (fragmentation). The rules modelled (no
-``max_split_size_mb``, no expandable segments, one stream):
-
-* a request takes at least 512 bytes, rounded up to a multiple of 512;
-* requests up to 1 MiB come from the *small* pool (2 MiB segments), larger ones from the *large*
-  pool (20 MiB segments below 10 MiB, else the request rounded up to 2 MiB);
-* a request takes the smallest cached block of its pool that fits (best fit), split when the rest
-  is at least 512 bytes (small pool) or more than 1 MiB (large pool);
-* a freed block merges with free neighbours in its segment and stays cached (reserved);
-* when a new segment would pass the limit, the fully free segments are released (as
-  ``empty_cache``) and the request tried again; if it still does not fit,
-  :meth:`CachingAllocatorModel.malloc` raises :class:`AllocatorOutOfMemory` with CUDA's message.
-
-Peaks are also kept per *window* (:meth:`CachingAllocatorModel.open_window`): a meter measures its
-own span without resetting the process-wide peaks.
-
-Example::
-
-    >>> allocator = CachingAllocatorModel(limit_bytes=64 * 2**20)
-    >>> a = allocator.malloc(1000)                # 1024 bytes out of a new 2 MiB small segment
-    >>> allocator.allocated_bytes, allocator.reserved_bytes
-    (1024, 2097152)
-    >>> allocator.free(a)
-    >>> b = allocator.malloc(700)                 # reuses the cached block: nothing new reserved
-    >>> allocator.allocated_bytes, allocator.reserved_bytes
-    (1024, 2097152)
-    >>> allocator.empty_cache(), allocator.reserved_bytes     # b is still live: its segment stays
-    (0, 2097152)
-    >>> _round_size(1), _round_size(512), _round_size(513)
-    (512, 512, 1024)
-    >>> [_segment_size(_round_size(n)) // 2**20 for n in (100, 3 * 2**20, 50 * 2**20 + 1)]
-    [2, 20, 52]
+Requests are rounded up to 512 bytes and carved out of segments (2 MiB for requests up to 1 MiB, the
+*small* pool; else 20 MiB below 10 MiB, or the request rounded up to 2 MiB) by best fit among cached
+blocks, split when the rest is at least 512 bytes (small) or over 1 MiB (large); freed blocks merge and
+stay cached. A segment past the limit first releases the free segments, then raises
+:class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also kept per window (a meter's own span).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
 from lightning_gpuopt.core.search import round_up
 
-MIB = 2**20
-SMALL_SIZE, SMALL_BUFFER = MIB, 2 * MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
+_MIB = 2**20
+SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
 # the large pool: 20 MiB segments for requests below 10 MiB, else the request rounded up to 2 MiB
-MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MIB, 20 * MIB, 2 * MIB
-
-
-def _round_size(num_bytes: int) -> int:
-    return round_up(max(num_bytes, 1), CUDA_ALLOCATION_GRANULARITY)
-
-
-def _segment_size(rounded: int) -> int:
-    if rounded <= SMALL_SIZE:
-        return SMALL_BUFFER
-    return LARGE_BUFFER if rounded < MIN_LARGE_ALLOC else round_up(rounded, ROUND_LARGE)
+MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 
 
 class AllocatorOutOfMemory(Exception):
@@ -78,9 +37,6 @@ class Block:
     allocated: bool = False
     prev: Optional[Block] = None
     next: Optional[Block] = None
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.size, self.segment, self.offset)
 
 
 @dataclass(eq=False)
@@ -100,33 +56,8 @@ class AllocatorStats(PeakWindow):
     num_segments: int = 0
 
 
-@dataclass
-class _Pool:
-    free: list[tuple[int, int, int]] = field(default_factory=list)  # sorted Block.key()s
-    blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
-
-    def add(self, block: Block) -> None:
-        bisect.insort(self.free, block.key())
-        self.blocks[block.key()] = block
-
-    def remove(self, block: Block) -> None:
-        del self.free[bisect.bisect_left(self.free, block.key())]
-        del self.blocks[block.key()]
-
-    def best_fit(self, size: int) -> Optional[Block]:
-        index = bisect.bisect_left(self.free, (size, -1, -1))
-        return self.blocks[self.free[index]] if index < len(self.free) else None
-
-
 class CachingAllocatorModel:
-    """The CUDA caching allocator's bookkeeping, without memory behind it (see the module docstring).
-
-    Args:
-        limit_bytes: the most it may reserve (the card less the CUDA context, or the per-process
-            memory fraction's share).
-        total_bytes: the card's memory, for error messages (default: ``limit_bytes``).
-        outside_bytes: memory the process holds outside the allocator (the CUDA context), for error messages.
-    """
+    """The caching allocator's bookkeeping, reserving at most ``limit_bytes`` (the others: for messages)."""
 
     def __init__(self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0) -> None:
         self.limit_bytes = int(limit_bytes)
@@ -135,24 +66,24 @@ class CachingAllocatorModel:
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.stats = AllocatorStats()
-        self._pools = {True: _Pool(), False: _Pool()}
+        self._pools: dict[bool, set[Block]] = {True: set(), False: set()}  # the cached blocks: small, large
         self._segments: dict[int, Block] = {}  # first block of each segment
         self._segment_ids = itertools.count()
         self._windows: list[PeakWindow] = []
 
     def malloc(self, num_bytes: int) -> Block:
         """Hand out a block for ``num_bytes``; raises :class:`AllocatorOutOfMemory` when it cannot."""
-        size = _round_size(num_bytes)
+        size = round_up(max(num_bytes, 1), CUDA_ALLOCATION_GRANULARITY)
         small = size <= SMALL_SIZE
         pool = self._pools[small]
-        block = pool.best_fit(size)
+        fits = [cached for cached in pool if cached.size >= size]  # the best fit: the smallest, the first
+        block = min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
         if block is None:
             block = self._new_segment(size, small, num_bytes)
         else:
             pool.remove(block)
         rest = block.size - size
-        split = rest >= CUDA_ALLOCATION_GRANULARITY if small else rest > SMALL_SIZE
-        if split:  # the rest becomes a cached block
+        if rest >= CUDA_ALLOCATION_GRANULARITY if small else rest > SMALL_SIZE:  # split: the rest is cached
             after = Block(block.segment, block.offset + size, rest, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = after
@@ -181,18 +112,15 @@ class CachingAllocatorModel:
                 block = first
         pool.add(block)
 
-    def empty_cache(self) -> int:
-        """Release every fully free segment to the driver (PyTorch's ``empty_cache``); the bytes released."""
-        released = 0
+    def empty_cache(self) -> None:
+        """Release every fully free segment to the driver (PyTorch's ``empty_cache``)."""
         for segment_id, first in list(self._segments.items()):
             if first.allocated or first.next is not None:
                 continue
             self._pools[first.small].remove(first)
             del self._segments[segment_id]
             self.reserved_bytes -= first.size
-            released += first.size
             self.stats.num_segments -= 1
-        return released
 
     def open_window(self) -> PeakWindow:
         """A window whose peaks start at the bytes allocated and reserved now."""
@@ -206,7 +134,8 @@ class CachingAllocatorModel:
         return window
 
     def _new_segment(self, size: int, small: bool, requested: int) -> Block:
-        wanted = _segment_size(size)
+        large = LARGE_BUFFER if size < MIN_LARGE_ALLOC else round_up(size, ROUND_LARGE)
+        wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve
         if self.reserved_bytes + wanted > self.limit_bytes:
             self.stats.num_alloc_retries += 1
             self.empty_cache()
@@ -226,19 +155,18 @@ class CachingAllocatorModel:
             window.peak_reserved_bytes = max(window.peak_reserved_bytes, self.reserved_bytes)
 
     def _oom_message(self, requested: int) -> str:
-        free = max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
+        m, free = _mib_or_gib, max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
+        in_use, cached = self.outside_bytes + self.reserved_bytes, self.reserved_bytes - self.allocated_bytes
         return (
-            f"CUDA out of memory. Tried to allocate {_mib_or_gib(requested)}. GPU 0 has a total "
-            f"capacity of {_mib_or_gib(self.total_bytes)} of which {_mib_or_gib(free)} is free. Including non-PyTorch "
-            f"memory, this process has {_mib_or_gib(self.outside_bytes + self.reserved_bytes)} memory in use. Of the "
-            f"allocated memory {_mib_or_gib(self.allocated_bytes)} is allocated by PyTorch, and "
-            f"{_mib_or_gib(self.reserved_bytes - self.allocated_bytes)} is reserved by PyTorch but unallocated. If "
-            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            "to avoid fragmentation.  See documentation for Memory Management  "
-            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+            f"CUDA out of memory. Tried to allocate {m(requested)}. GPU 0 has a total capacity of "
+            f"{m(self.total_bytes)} of which {m(free)} is free. Including non-PyTorch memory, this process has "
+            f"{m(in_use)} memory in use. Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, "
+            f"and {m(cached)} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+            "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
         )
 
 
 def _mib_or_gib(num_bytes: int) -> str:
     """CUDA's own format: GiB from 1 GiB up, else MiB, two decimals."""
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / MIB:.2f} MiB"
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / _MIB:.2f} MiB"

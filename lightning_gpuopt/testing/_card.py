@@ -1,10 +1,6 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
-and, while entered, the dispatch mode that counts what it holds (see :mod:`lightning_gpuopt.testing`).
-
-Each storage on the card, and each of its ops' in-kernel workspaces (replayed in the order the
-profiler saw them), is a request to the caching-allocator model until it dies; the first matrix
-multiplication allocates the cuBLAS workspace, kept for the card's life. Fake and meta tensors are
-not counted.
+and, while entered, the dispatch mode that serves each storage on the card, and each of its ops'
+in-kernel workspaces, from the caching-allocator model until it dies.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ class GpuProfile:
     capability: tuple[int, int]
     total_bytes: int
     uuid: str
-    #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
-    context_bytes: int
+    context_bytes: int  #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
     mig: bool = False
 
     @property
@@ -52,33 +47,26 @@ class GpuProfile:
 
 
 class SimulatedCudaDevice(Device, TorchDispatchMode):
-    """A CUDA card of ``profile`` simulated on the host, with a cuBLAS workspace of
-    ``cublas_workspace_bytes`` (default: torch's for the card's capability)."""
+    """A CUDA card of ``profile`` simulated on the host (``cublas_workspace_bytes`` default: torch's)."""
 
     type = "cuda"
 
     def __init__(self, profile: GpuProfile, cublas_workspace_bytes: Optional[int] = None) -> None:
         Device.__init__(self, torch.device("cpu"))
         TorchDispatchMode.__init__(self)
-        self.profile = profile
+        self.profile = p = profile
         self.allocator = CachingAllocatorModel(
-            profile.total_bytes - profile.context_bytes,
-            total_bytes=profile.total_bytes,
-            outside_bytes=profile.context_bytes,
+            p.total_bytes - p.context_bytes, total_bytes=p.total_bytes, outside_bytes=p.context_bytes
         )
-        self.cublas_workspace_bytes = (
-            profile.capabilities.cublas_workspace_bytes if cublas_workspace_bytes is None else cublas_workspace_bytes
-        )
-        #: seconds spent inside ops (what NVML's utilisation counts as busy)
-        self.busy_s = 0.0
+        default = p.capabilities.cublas_workspace_bytes
+        self.cublas_workspace_bytes = default if cublas_workspace_bytes is None else cublas_workspace_bytes
+        self.busy_s = 0.0  #: seconds spent inside ops (what NVML's utilisation counts as busy)
         self._blocks: dict[int, tuple[weakref.ref, Block]] = {}  # storage key -> its block
         self._cublas: Optional[Block] = None
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
         self._hooks: list[Any] = []
-        self._forward_depth = 0
-        self._paused = 0  # while positive, nothing reaches the card
+        self._forward_depth = self._paused = 0  # while _paused is positive, nothing reaches the card
 
-    # -- the device
     @property
     def uuid(self) -> str:
         return self.profile.uuid
@@ -127,7 +115,6 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def new_event(self) -> HostEvent:
         return HostEvent()
 
-    # -- what reaches the card
     def __enter__(self) -> SimulatedCudaDevice:
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
@@ -147,12 +134,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
         new = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(*objects)) if s is not None}
-        storages = [storage for key, storage in new.items() if key not in self._blocks]
-        pending: list[Block] = []
-        try:
-            self._allocate_storages(storages, pending)
-        except AllocatorOutOfMemory as error:
-            self._undo(storages, pending, error)
+        self._take([storage for key, storage in new.items() if key not in self._blocks])
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
@@ -186,14 +168,12 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                 raise torch.OutOfMemoryError(str(error)) from None
         inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
         outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
-        self._replay(allocations, [s for key, s in outputs.items() if key not in self._blocks and key not in inputs])
+        self._take([s for key, s in outputs.items() if key not in self._blocks and key not in inputs], allocations)
         return out
 
     def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether the op runs on the card: an input is there (the others, but 0-dim scalars as CUDA
-        takes them, move there first), or it is a factory op inside a ``forward``; an explicit
-        ``.to("cpu", copy=True)`` is a copy to the host. Modules, their inputs and optimizers reach
-        the card at their first ``forward`` / ``step`` (global hooks), other tensors by :meth:`adopt`."""
+        """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there
+        first), or it is a factory op inside a ``forward``; ``.to("cpu", copy=True)`` is a copy to the host."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
         inputs = list(collect_tensors(args, kwargs))
@@ -204,60 +184,42 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
         return True
 
-    def _replay(self, allocations: Optional[OpAllocations], outputs: list[torch.UntypedStorage]) -> None:
-        """The op's requests in the profiler's order: workspaces come and go, kept allocations become
-        the outputs' blocks (matched by size); outputs the profiler did not see come last."""
+    def _take(self, storages: list[torch.UntypedStorage], allocations: Optional[OpAllocations] = None) -> None:
+        """Blocks for ``storages``, after an op's ``allocations`` replayed in the profiler's order. A failed
+        request forgets what was taken (the op's outputs never reach the caller) and raises CUDA's error."""
         taken: list[Block] = []
         try:
-            kept: list[tuple[int, Optional[Block]]] = []
+            rest = storages
             if allocations is not None:
                 blocks: list[Optional[Block]] = []
                 for event in allocations.events:
                     if event > 0:
-                        blocks.append(self._malloc(event, taken))
+                        taken.append(self.allocator.malloc(event))
+                        blocks.append(taken[-1])
                     else:
                         block, blocks[-event - 1] = blocks[-event - 1], None
                         if block is not None:
                             self.allocator.free(block)
-                sizes = allocations.sizes
-                kept = [(sizes[i], blocks[i]) for i in sorted(allocations.kept)]
-            self._allocate_storages(self._bind(outputs, kept), pending=taken)
+                # the kept allocations become the outputs of their size; one no output takes is a kernel's cache
+                kept = [(allocations.sizes[i], b) for i in sorted(allocations.kept) if (b := blocks[i]) is not None]
+                rest = []
+                for storage in storages:
+                    match = next((i for i, (size, _) in enumerate(kept) if size == storage.nbytes()), None)
+                    if match is None:
+                        rest.append(storage)
+                    else:
+                        self._track(storage, kept.pop(match)[1])
+                for _, block in kept:
+                    self.allocator.free(block)
+            for storage in rest:
+                taken.append(self.allocator.malloc(storage.nbytes()))
+                self._track(storage, taken[-1])
         except AllocatorOutOfMemory as error:
-            self._undo(outputs, taken, error)  # the op's outputs never reach the caller
-
-    def _bind(self, outputs: list[torch.UntypedStorage], kept: list[tuple[int, Optional[Block]]]) -> list:
-        """Give the kept allocations to the outputs of the same size; one no output takes is a cache
-        of the kernel, freed here. Returns the outputs left without a block."""
-        free = [(size, block) for size, block in kept if block is not None]
-        unmatched = []
-        for storage in outputs:
-            match = next((i for i, (size, _) in enumerate(free) if size == storage.nbytes()), None)
-            if match is None:
-                unmatched.append(storage)
-            else:
-                self._track(storage, free.pop(match)[1])
-        for _, block in free:
-            self.allocator.free(block)
-        return unmatched
-
-    def _allocate_storages(self, storages: list[torch.UntypedStorage], pending: list[Block]) -> None:
-        for storage in storages:
-            self._track(storage, self._malloc(storage.nbytes(), pending))
-
-    def _undo(
-        self, storages: Iterable[torch.UntypedStorage], pending: list[Block], error: AllocatorOutOfMemory
-    ) -> None:
-        """Forget what a failed request's op or move had taken, and raise CUDA's error."""
-        for storage in storages:
-            self._blocks.pop(storage_key(storage), None)
-        for block in pending:
-            self.allocator.free(block)
-        raise torch.OutOfMemoryError(str(error)) from None
-
-    def _malloc(self, num_bytes: int, pending: list[Block]) -> Block:
-        block = self.allocator.malloc(num_bytes)
-        pending.append(block)
-        return block
+            for storage in storages:
+                self._blocks.pop(storage_key(storage), None)
+            for block in taken:
+                self.allocator.free(block)
+            raise torch.OutOfMemoryError(str(error)) from None
 
     def _track(self, storage: torch.UntypedStorage, block: Block) -> None:
         key = storage_key(storage)
@@ -278,13 +240,10 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
 
 class _SimulatedMeter(SpanMeter):
-    """A window over the card's allocator; with ``max_bytes`` the allocator may reserve at most that
-    much in it (as the per-process memory fraction). ``existing`` moves to the card at start."""
+    """A window over the card's allocator (``max_bytes``: its reserve limit); ``existing`` moves to the card."""
 
     def __init__(self, device: SimulatedCudaDevice, existing: Iterable[Any] = (), max_bytes: Optional[int] = None):
-        self.device = device
-        self.existing = tuple(existing)
-        self.max_bytes = max_bytes
+        self.device, self.existing, self.max_bytes = device, tuple(existing), max_bytes
         self._window: Optional[PeakWindow] = None
         self._limit: Optional[int] = None
 
