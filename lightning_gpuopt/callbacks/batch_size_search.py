@@ -407,18 +407,12 @@ def _holder_name(holder: Any, name: str) -> str:
     return f"`hparams.{name}`"
 
 
-def _agree_plan(
-    trainer: pl.Trainer, budget: int, start: int, bytes_per_sample: Optional[float], upper: int
-) -> tuple[int, int, Optional[float], int]:
+def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int) -> tuple:
     """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
-    rows = gather_ranks(trainer, [budget, start, -1.0 if bytes_per_sample is None else bytes_per_sample, upper])
+    rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper])
     slopes = [row[2] for row in rows if row[2] >= 0]
-    return (
-        int(min(row[0] for row in rows)),
-        int(min(row[1] for row in rows)),
-        max(slopes) if slopes else None,
-        int(min(row[3] for row in rows)),
-    )
+    least = [int(min(row[i] for row in rows)) for i in (0, 1, 3)]
+    return least[0], least[1], max(slopes) if slopes else None, least[2]
 
 
 def _bytes(num_bytes: Optional[int]) -> str:
@@ -426,22 +420,11 @@ def _bytes(num_bytes: Optional[int]) -> str:
 
 
 def _why_it_missed(trial: Trial, outcome: Optional[TrialOutcome], budget: int) -> str:
-    """Why ``trial`` did not fit, in its own figures.
-
-    >>> _why_it_missed(Trial(1, False, 2_000, 0.1), TrialOutcome(False, 2_000, None, None), 1_500)
-    'peaked at 2.0 KiB (2000 bytes), above the budget of 1.5 KiB (1500 bytes)'
-    """
+    """Why ``trial`` did not fit, in its own figures."""
     if outcome is None:
         return f"did not fit (peak {_bytes(trial.peak_bytes)})"
-    if outcome.oom_message is not None:
-        cap = "the device's memory" if outcome.cap_bytes is None else f"the cap of {_bytes(outcome.cap_bytes)}"
-        return (
-            f"ran out of memory inside a training step, its peak until then {_bytes(trial.peak_bytes)} under {cap}: "
-            f"{_first_sentences(outcome.oom_message)}"
-        )
-    if trial.peak_bytes is None:
-        return "measured no peak"
-    return f"peaked at {_bytes(trial.peak_bytes)}, above the budget of {_bytes(budget)}"
+    oom, message = outcome.oom_message is not None, outcome.oom_message
+    return _missed(budget, outcome.cap_bytes, trial.peak_bytes, oom, message, "the")
 
 
 def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[TrialOutcome], budget: int) -> str:
@@ -455,30 +438,33 @@ def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[TrialOutcome], 
     parts = []
     for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gather_ranks(trainer, mine)):
         message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
-        parts.append(f"rank {rank} " + _rank_missed(int(rank_budget), int(cap), int(peak), fitted, oom, known, message))
+        figures = (int(rank_budget), None if cap < 0 else int(cap), None if peak < 0 else int(peak))
+        side = _missed(*figures, bool(oom), message, "its")
+        if not known or fitted:
+            side = (
+                "ran no trial at this size"
+                if not known
+                else f"fitted (peak {_bytes(figures[2])}, its budget {_bytes(figures[0])})"
+            )
+        parts.append(f"rank {rank} {side}")
     return "; ".join(parts)
 
 
-def _rank_missed(
-    budget: int, cap: int, peak: int, fitted: float, oom: float, known: float, message: Optional[str]
-) -> str:
-    """One rank's side of a trial that did not fit on every rank (``-1``: unknown).
+def _missed(budget: int, cap: Optional[int], peak: Optional[int], oom: bool, message: Optional[str], whose: str) -> str:
+    """Why a trial did not fit, in its own figures (``whose``: "the", or "its" for one rank of several).
 
-    >>> _rank_missed(54_000, 54_000, 60_000, 0, 1, 1, None)
+    >>> _missed(54_000, 54_000, 60_000, True, None, "its")
     'ran out of memory inside a training step, its peak until then 58.6 KiB (60000 bytes) under its cap of 52.7 KiB (54000 bytes)'
+    >>> _missed(1_500, None, 2_000, False, None, "the")
+    'peaked at 2.0 KiB (2000 bytes), above the budget of 1.5 KiB (1500 bytes)'
     """
-    peak_text = _bytes(None if peak < 0 else peak)
-    if not known:
-        return "ran no trial at this size"
-    if fitted:
-        return f"fitted (peak {peak_text}, its budget {_bytes(budget)})"
     if oom:
-        where = "the device's memory" if cap < 0 else f"its cap of {_bytes(cap)}"
+        where = "the device's memory" if cap is None else f"{whose} cap of {_bytes(cap)}"
         detail = f": {_first_sentences(message)}" if message else ""
-        return f"ran out of memory inside a training step, its peak until then {peak_text} under {where}{detail}"
-    if peak < 0:
+        return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
+    if peak is None:
         return "measured no peak"
-    return f"peaked at {peak_text}, above its budget of {_bytes(budget)}"
+    return f"peaked at {_bytes(peak)}, above {whose} budget of {_bytes(budget)}"
 
 
 def _first_sentences(message: str) -> str:

@@ -1,10 +1,5 @@
-"""The estimate that starts a search: the largest batch predicted from a step traced on fake tensors.
-
-The trace runs the module's training step as training will (precision plugin's step context, the
-run's accumulation, DDP's gradient buckets added where the host counts them), on a batch of the
-same copy of the user's loader the trials draw from (when sample sizes vary: the largest sample at
-every place), and is refined by traces near the predicted limit.
-"""
+"""The estimate that starts a search: the largest batch predicted from a step traced on fake tensors, on a
+batch of the trials' own loader, refined by traces near the limit."""
 
 from __future__ import annotations
 

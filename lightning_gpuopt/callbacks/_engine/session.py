@@ -1,26 +1,19 @@
 """One fit's shared services: the user's train loader built once, and our changes applied as a run by hand has them.
 
-Our callbacks decide before the first step (``on_fit_start``) from measurements on the user's own
-loader and model; the run must then equal the chosen settings written by hand, bit for bit, and the
-user's hooks must run no more often than they must. A :class:`FitSession` (one per Trainer and fit,
-shared by all our callbacks in it) does both:
+A :class:`FitSession` (one per Trainer and fit, shared by our callbacks) makes a run with our callbacks
+equal the chosen settings written by hand, bit for bit, with the user's hooks run no more than needed:
 
-* **One loader, built at most once for our work** (:meth:`FitSession.probe_loader`): the loader
-  Lightning built already (when ``configure_optimizers`` read ``trainer.estimated_stepping_batches``),
-  or one call of the user's ``train_dataloader()`` with the RNG states and the module's and
-  datamodule's attributes put back afterwards. Trials, estimates and loader timings use copies of it
-  re-created with other arguments (:func:`rebuild_loader`, as Lightning re-creates a loader for its
-  distributed sampler), so the user's hook is not called again for them.
-* **Changes applied once** (:meth:`FitSession.apply`): the batch size, the accumulation and the
-  loader's worker settings are set, and what depends on them is built again as a run by hand
-  builds it: when the batch or the accumulation changed, ``configure_optimizers()`` runs again
-  (schedules sized by ``estimated_stepping_batches`` see the new steps) from the RNG states it
-  first ran with, which a profiler tap recorded; a loader Lightning built already is built again
-  at the same point. Training then builds the loader with the user's ``train_dataloader()`` at the
-  new settings, drawing its seeds where a run by hand draws them.
+* :meth:`~FitSession.probe_loader`: the user's loader, built once for all our work -- the one Lightning
+  built already (a schedule read ``estimated_stepping_batches`` in ``configure_optimizers``), set aside
+  meanwhile, or one ``train_dataloader()`` call with the RNG states and the user's attributes put back.
+  Trials, estimates and loader timings use copies of it (:func:`rebuild_loader`, as Lightning re-creates
+  a loader for its distributed sampler).
+* :meth:`~FitSession.apply`: the batch size, accumulation and loader settings are set; when the batch or
+  accumulation changed, ``configure_optimizers()`` runs again from the RNG states it first ran with (a
+  profiler tap recorded them), so schedules see the new steps and the loader is built where a run by
+  hand builds it.
 
-So a fit calls ``train_dataloader()`` at most twice (our one call, Lightning's one) and
-``configure_optimizers()`` a second time only when the batch or the accumulation changed.
+So ``train_dataloader()`` runs at most twice per fit and ``configure_optimizers()`` again only on a change.
 """
 
 from __future__ import annotations

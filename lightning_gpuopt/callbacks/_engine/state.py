@@ -1,11 +1,9 @@
-"""A run's training state, kept in host memory and put back: what a trial or a measurement may change.
+"""What a trial or a measurement may change, kept in host memory and put back.
 
-:class:`TrainingState` keeps parameters and buffers, gradients, optimizer and LR-scheduler state,
-loop progress and the logged step, ``trainer.should_stop``, the RNG states, the attributes of the
-module and the datamodule (nested lists, dicts and sets included; train/eval modes are attributes)
-and the precision plugin's gradient scaler. :func:`rng_kept` keeps only the RNG states (and a
-loader's own generators): building a loader iterator draws its seeds from them, and training must
-draw the same numbers as a run without our work.
+:class:`TrainingState`: parameters and buffers, gradients, optimizer and scheduler state, loop progress,
+the logged step, ``should_stop``, the RNG states, the module's and datamodule's attributes (nested
+containers and train/eval modes included) and the gradient scaler. :func:`rng_kept`: the RNG states and
+a loader's own generators only (building an iterator draws its seeds from them).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The module's training step as the estimate traces it: a loss function (automatic optimization) or the
-whole ``training_step`` with twin optimizers (manual optimization), with ``self.log`` off.
-
-A traced step runs the user's ``training_step`` on fake tensors, outside any loop: logging must do
-nothing (fake values), and under manual optimization ``self.optimizers()`` must be the twins the trace
-steps, ``manual_backward`` a plain backward, and the LR schedulers and the real optimizers' options as
-they were (a ``sch.step()`` inside the step moves them).
-"""
+"""The module's training step as the estimate traces it, outside any loop: a loss function (automatic
+optimization) or the whole ``training_step`` with twin optimizers (manual), ``self.log`` off and the
+schedulers and real optimizers' options put back."""
 
 from __future__ import annotations
 

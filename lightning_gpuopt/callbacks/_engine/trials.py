@@ -1,22 +1,14 @@
-"""Trials: a few real training steps at a batch size, through the Trainer's own loop, measured, then undone.
+"""Trials: a few real training steps at a batch size, through the Trainer's epoch loop, measured, then undone.
 
-Inside :class:`Trials` the run is in *trial mode* (every setting through one :class:`Undo` scope, put
-back when the block ends): the user's callbacks and loggers are set aside (a trial's steps are not
-training's), validation is off, the module's ``on_train_start``/``on_train_end`` do not run (the
-epoch loop is run directly; the step and epoch hooks run, as they may prepare the step), and under
-DDP the bare module is stepped without the gradient all-reduce, the buffer broadcast and the
-per-step SIGTERM collective, so a rank that runs out of memory mid-step cannot leave the others
-waiting. Each trial starts from the state training starts from (:class:`TrainingState`), draws its
-batches from a copy of the user's loader at the size tried (the dataset's order over and over, so
-every batch is full; when sample sizes vary, the largest sample at every place: the worst batch the
-data holds) and runs ``steps_per_trial`` optimizer steps, more when a gradient scaler skipped one
-(the optimizer state must exist). Under manual optimization it runs batches until each optimizer
-stepped in a batch that began with every optimizer's state in place.
-
-Memory: on a CUDA card (real or simulated) the allocator's own out-of-memory error with reserved
-memory capped at the capacity, and the trial's peak of reserved memory (from an empty cache); on
-the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget` of the budget over everything the
-step holds. Under DDP the ranks agree: a size fits only if it fitted on every rank.
+In trial mode (one :class:`Undo`, put back when the block ends) the user's callbacks and loggers are
+set aside, validation is off, the module's ``on_train_start``/``on_train_end`` do not run (the step and
+epoch hooks do), and under DDP the bare module steps without collectives, so a rank that runs out of
+memory cannot strand the others. Each trial starts from :class:`TrainingState`, draws full batches of
+the largest samples from a copy of the user's loader, and runs ``steps_per_trial`` optimizer steps (more
+after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
+place). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
+peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
+on every rank.
 """
 
 from __future__ import annotations
