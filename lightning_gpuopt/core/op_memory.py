@@ -18,10 +18,29 @@ from lightning_gpuopt.core import _torch_compat as compat
 from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
 from lightning_gpuopt.core.search import round_up
 
+_ATOMS = (torch.Tensor, bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def leaves(tree: Any) -> list:
+    """The leaves of ``tree``: tuples, lists and dicts walked here, anything else through pytree. Every op's
+    arguments are flattened several times at the dispatcher, and pytree's generic walk is the hot spot."""
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(node.values()))
+        elif isinstance(node, _ATOMS):
+            found.append(node)
+        else:
+            found.extend(tree_leaves(node))
+    return found
+
 
 def collect_tensors(*objects: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``objects``, their containers, modules (with gradients) and optimizers (state)."""
-    for leaf in tree_leaves(objects):
+    for leaf in leaves(objects):
         if isinstance(leaf, torch.Tensor):
             yield leaf
         elif isinstance(leaf, torch.nn.Module):
@@ -48,9 +67,10 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
     return sum({storage_key(s): round_up(s.nbytes(), granularity) for s in storages}.values())
 
 
-def is_real_host_call(tree: Any) -> bool:
-    """Whether an op call ``(args, kwargs)`` runs on real host tensors (nothing fake, meta or elsewhere)."""
-    for leaf in tree_leaves(tree):
+def is_real_host_call(flat: list) -> bool:
+    """Whether an op call, given as the :func:`leaves` of its ``(args, kwargs)``, runs on real host tensors
+    (nothing fake, meta or elsewhere)."""
+    for leaf in flat:
         device = leaf.device if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.device) else None
         if isinstance(leaf, FakeTensor) or (device is not None and device.type != "cpu"):
             return False
@@ -77,7 +97,7 @@ class OpAllocations:
 _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
-def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
+def _op_key(func: Any, flat: list) -> tuple:
     """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata."""
 
     def key(leaf: Any) -> Any:
@@ -85,7 +105,7 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> tuple:
             return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
         return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
 
-    return (func, torch.get_num_threads(), *map(key, tree_leaves((args, kwargs))))
+    return (func, torch.get_num_threads(), *map(key, flat))
 
 
 def _allocations_from(records: list) -> OpAllocations:
@@ -110,10 +130,10 @@ def _allocations_from(records: list) -> OpAllocations:
     return OpAllocations(tuple(events), tuple(sizes), kept, peak)
 
 
-def call_learning_allocations(func: Any, args: tuple, kwargs: Optional[dict]) -> tuple[Any, Optional[OpAllocations]]:
-    """``func``'s output and allocations, learned once per key (``None``: unknown and another profiler runs)."""
-    kwargs = kwargs or {}
-    key = _op_key(func, args, kwargs)
+def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[OpAllocations]]:
+    """``func``'s output and allocations, learned once per key (``None``: unknown and another profiler runs);
+    ``flat``: the :func:`leaves` of ``(args, kwargs)``."""
+    key = _op_key(func, flat)
     known = _templates.get(key)
     if known is not None or compat.profiler_running():
         return func(*args, **kwargs), known
@@ -264,8 +284,9 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
         """The op's output, the allocator's peak inside it, its workspace and per output its surplus bytes."""
         on_host = self.device is None or self.device.type == "cpu"
-        if self.workspaces and on_host and is_real_host_call((args, kwargs)):
-            out, allocations = call_learning_allocations(func, args, kwargs)
+        flat = leaves((args, kwargs)) if self.workspaces and on_host else []
+        if flat and is_real_host_call(flat):
+            out, allocations = call_learning_allocations(func, args, kwargs, flat)
             return out, allocations.peak_bytes if allocations else 0, 0, ()
         return func(*args, **kwargs), 0, 0, ()
 

@@ -13,8 +13,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_leaves, tree_map
-from lightning_gpuopt.core.op_memory import LiveTensorTracker, call_learning_allocations, is_real_host_call, storage_of
+from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_map
+from lightning_gpuopt.core.op_memory import (
+    LiveTensorTracker,
+    call_learning_allocations,
+    is_real_host_call,
+    leaves,
+    storage_of,
+)
 
 #: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
 #: convolution on one thread goes to oneDNN from 16 samples on)
@@ -31,7 +37,7 @@ def _input_bytes(tensors: list[torch.Tensor]) -> tuple[int, ...]:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -86,10 +92,11 @@ class WorkspaceRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if not is_real_host_call((args, kwargs)):
+        flat = leaves((args, kwargs))
+        if not is_real_host_call(flat):
             return func(*args, **kwargs)
-        out, allocations = call_learning_allocations(func, args, kwargs)
-        inputs = _tensors((args, kwargs))
+        out, allocations = call_learning_allocations(func, args, kwargs, flat)
+        inputs = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         outputs = _new_storage_bytes(_tensors(out), inputs)
         extra = 0 if allocations is None else max(0, allocations.peak_bytes - sum(outputs))
         surplus = tuple(

@@ -76,7 +76,7 @@ class CachingAllocatorModel:
         size = round_up(max(num_bytes, 1), CUDA_ALLOCATION_GRANULARITY)
         small = size <= SMALL_SIZE
         pool = self._pools[small]
-        fits = [cached for cached in pool if cached.size >= size]  # the best fit: the smallest, the first
+        fits = [cached for cached in list(pool) if cached.size >= size]  # best fit; list(): a GC callback may free
         block = min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
         if block is None:
             block = self._new_segment(size, small, num_bytes)

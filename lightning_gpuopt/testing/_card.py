@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key, tree_leaves
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
 from lightning_gpuopt.core.op_memory import (
     OpAllocations,
@@ -22,6 +22,7 @@ from lightning_gpuopt.core.op_memory import (
     call_learning_allocations,
     collect_tensors,
     is_real_host_call,
+    leaves,
     storage_of,
 )
 from lightning_gpuopt.testing._allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
@@ -143,7 +144,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         if module not in self._adopted:
             self.adopt(module)
             self._adopted.update(module.modules())
-        self.adopt([leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)])
+        self.adopt([leaf for leaf in leaves(args) if isinstance(leaf, torch.Tensor)])
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
@@ -155,9 +156,13 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        on_card = not self._paused and is_real_host_call((args, kwargs)) and self._on_card(func, args, kwargs)
+        flat = [] if self._paused else leaves((args, kwargs))
+        tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+        on_card = not self._paused and is_real_host_call(flat) and self._on_card(func, tensors, kwargs)
         started = time.perf_counter()
-        out, allocations = call_learning_allocations(func, args, kwargs) if on_card else (func(*args, **kwargs), None)
+        out, allocations = (
+            call_learning_allocations(func, args, kwargs, flat) if on_card else (func(*args, **kwargs), None)
+        )
         self.busy_s += time.perf_counter() - started
         if not on_card:
             return out
@@ -166,17 +171,16 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                 self._cublas = self.allocator.malloc(self.cublas_workspace_bytes)
             except AllocatorOutOfMemory as error:
                 raise torch.OutOfMemoryError(str(error)) from None
-        inputs = {storage_key(s) for s in map(storage_of, collect_tensors(args, kwargs)) if s is not None}
+        inputs = {storage_key(s) for s in map(storage_of, tensors) if s is not None}
         outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
         self._take([s for key, s in outputs.items() if key not in self._blocks and key not in inputs], allocations)
         return out
 
-    def _on_card(self, func: Any, args: tuple, kwargs: dict) -> bool:
+    def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
         """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there
         first), or it is a factory op inside a ``forward``; ``.to("cpu", copy=True)`` is a copy to the host."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
-        inputs = list(collect_tensors(args, kwargs))
         if not inputs:
             return self._forward_depth > 0
         if not any(self.holds(tensor) for tensor in inputs):
