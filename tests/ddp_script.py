@@ -162,7 +162,7 @@ def simulated(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     model = make_model("cnn", num_samples=1024, batch_size=8)
     with SimulatedGpu("T4", memory=SIMULATED_CARDS[rank]) as gpu:
-        memory_fill = MemoryFill(global_batch_size=256, checkpointing=False)  # max_memory: each rank's card
+        memory_fill = MemoryFill(global_batch_size=256, checkpointing=False, max_trials=4)  # max_memory: each card
         trainer = ddp_trainer(out, [memory_fill], max_steps=2)
         trainer.fit(model)
     (out / f"simulated{trainer.global_rank}.json").write_text(

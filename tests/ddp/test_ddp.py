@@ -6,7 +6,9 @@ all of them, as a user's script that fits several times); each test reads its sc
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -16,14 +18,24 @@ from helpers import rank_json, run_ddp, usable_cores_from_the_os
 from lightning_gpuopt import DataWaitReport
 from lightning_gpuopt.core.report import REPORT_FILENAME, from_dict, read_json
 
-pytestmark = pytest.mark.xdist_group("ddp")  # one worker runs the launch, once
+pytestmark = pytest.mark.xdist_group("ddp")  # the tests on one worker
 MODES = ("monitor", "tune", "memory", "search", "fill", "oom", "simulated", "nothing-fits")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("ddp")
-    return run_ddp(out, ",".join(MODES), timeout=900), out
+    """The launch, once per test session: its output sits in the session's folder (shared by xdist's workers,
+    behind a lock), so a worker or a fixture set up again reads it instead of launching again."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out, done = root / "ddp-launch", root / "ddp-launch.json"
+    with open(root / "ddp-launch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            result = run_ddp(out, ",".join(MODES), timeout=900)
+            done.write_text(json.dumps({"stdout": result.stdout, "stderr": result.stderr}))
+    saved = json.loads(done.read_text())
+    return subprocess.CompletedProcess([], 0, saved["stdout"], saved["stderr"]), out
 
 
 def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(launched):
