@@ -5,25 +5,21 @@ attribute, a hook, a ``file:line``; ``None``: the whole run), the fix with its v
 (``figures``), each logged as ``gpuopt/finding/<kind>/<figure>`` (``-`` in the kind becomes ``_``). The probes
 (``callbacks/_detect*.py``) measure on a few sampled steps; these functions decide. Kinds and their figures:
 
-* ``"graph-kept"`` -- a module attribute holds an autograd graph that grows step over step
-  (``self.total_loss += loss``): ``attributes``, ``graph_nodes``, ``graph_nodes_per_step``, and where the
-  device tells live memory ``memory_growth_bytes`` and ``memory_growth_bytes_per_step``;
-* ``"host-sync"`` -- reads from the card to the host (``.item()``, ``.cpu()``, ``if loss > 0:``) in warm-up
-  steps 1 and 2, named by the user's ``file:line``: ``syncs_per_step``, ``user_syncs_per_step``,
-  ``lightning_syncs_per_step``, ``lines``;
+* ``"graph-kept"`` -- a module attribute holds a growing autograd graph (``self.total_loss += loss``): ``attributes``,
+  ``graph_nodes``, ``graph_nodes_per_step``, ``memory_growth_bytes``, ``memory_growth_bytes_per_step`` (memory known);
+* ``"host-sync"`` -- card-to-host reads (``.item()``, ``if loss > 0:``) in warm-up steps 1 and 2, by ``file:line``:
+  ``syncs_per_step``, ``user_syncs_per_step``, ``lightning_syncs_per_step``, ``lines``;
 * ``"slow-hook"`` -- a callback or module hook takes a large share of training time: ``seconds``, ``calls``,
   ``ms_per_call``, ``share``, ``suggested_every_n``;
-* ``"checkpoint-time"`` -- saving checkpoints takes a large share of the fit: ``saves``, ``seconds``,
-  ``ms_per_save``, ``share``, ``suggested_interval``, ``checkpoint_mb``;
+* ``"checkpoint-time"`` -- checkpoint saves take a large share of the fit: ``saves``, ``seconds``, ``ms_per_save``,
+  ``share``, ``suggested_interval``, ``checkpoint_mb``;
 * ``"data-parallel"`` -- ``nn.DataParallel`` inside the module: ``wrappers``;
-* ``"oversubscribed"`` -- intra-op threads x processes exceed the host's cores: ``threads``, ``cores``,
-  ``suggested_threads``;
+* ``"oversubscribed"`` -- intra-op threads x processes exceed the cores: ``threads``, ``cores``, ``suggested_threads``;
 * ``"tf32-off"`` -- float32 matmuls without TF32 on a card with TF32 tensor cores: ``compute_capability``;
 * ``"cudnn-benchmark-off"`` -- convolutions on fixed input shapes, ``cudnn.benchmark`` off: ``convolutions``;
-* ``"channels-last"`` -- convolutions under mixed precision not in ``channels_last``: ``convolutions_nchw``,
-  ``input_nchw``;
-* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``,
-  ``needed_mb_s``, ``data_wait_fraction``, ``files_read``."""
+* ``"channels-last"`` -- convolutions under mixed precision in NCHW: ``convolutions_nchw``, ``input_nchw``;
+* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``, ``needed_mb_s``,
+  ``data_wait_fraction``, ``files_read``."""
 
 from __future__ import annotations
 
@@ -87,17 +83,16 @@ def graph_kept(
     found.sort(key=lambda item: item[2][-1] - item[2][0], reverse=True)
     path, held_steps, nodes, growth = found[0]
     span = max(1, held_steps[-1] - held_steps[0])
-    memory = (
-        f"; live memory at step start grew by {growth / 2**20:.1f} MiB over those steps" if growth is not None else ""
-    )
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
     owner, _, name = path.rpartition(".")
     target = f"self.{owner}.{name}" if owner else f"self.{name}"
     example = f"`{target}.append(loss.detach())`" if path in containers else f"`{target} += loss.detach()`"
     figures = {"attributes": float(len(found)), "graph_nodes": float(nodes[-1])}
     figures["graph_nodes_per_step"] = (nodes[-1] - nodes[0]) / span
+    memory = ""
     if growth is not None:
         figures |= {"memory_growth_bytes": float(growth), "memory_growth_bytes_per_step": growth / span}
+        memory = f"; live memory at step start grew by {growth / 2**20:.1f} MiB over those steps"
     return Finding(
         "graph-kept",
         f"`{path}`{others} holds a tensor with an autograd graph (grad_fn) between steps, and the graph grows:"
@@ -224,33 +219,21 @@ def channels_last(
 
 
 def nice_ceil(value: float) -> int:
-    """The smallest of 1, 2, 5, 10, 20, 50, ... not below ``value`` (an interval a user would write).
-
-    >>> [nice_ceil(v) for v in (0.3, 1, 1.2, 3, 7.5, 11, 49, 51)]
-    [1, 1, 2, 5, 10, 20, 50, 100]
-    """
-    if value != value or value == float("inf"):
-        raise ValueError(f"nice_ceil({value}) needs a finite number")
+    """The smallest of 1, 2, 5, 10, 20, 50, ... not below ``value`` (finite: an interval a user would write)."""
     nice = 1
     while nice < value:
         nice = nice * 5 // 2 if str(nice)[0] == "2" else nice * 2
     return nice
 
 
-def _reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
-    """How many times fewer calls bring ``seconds`` of ``total_s`` down to ``target`` of the (shorter) total.
-
-    >>> round(_reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
-    5.4
-    """
-    if seconds <= 0:
-        return 1.0
-    return seconds * (1 - target) / (target * (total_s - seconds)) if total_s > seconds else float("inf")
+def _reduction_factor(seconds: float, total_s: float) -> float:
+    """How many times fewer calls bring ``0 < seconds < total_s`` down to :data:`TARGET_SHARE` of the (shorter)
+    total (10 s of 100 s: 5.4, to 1.84 s of 91.84 s)."""
+    return seconds * (1 - TARGET_SHARE) / (TARGET_SHARE * (total_s - seconds))
 
 
 def _share_after(seconds: float, total_s: float, factor: float) -> float:
-    rest, after = max(0.0, total_s - seconds), seconds / factor
-    return after / (rest + after) if rest + after > 0 else 0.0
+    return seconds / factor / (max(0.0, total_s - seconds) + seconds / factor)
 
 
 def slow_hook(
