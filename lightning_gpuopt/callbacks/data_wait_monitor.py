@@ -52,7 +52,6 @@ from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, writ
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.diagnosis import DataWaitReport, RunSettings, Thresholds, data_wait_report
-from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import data_wait_table, to_dict
@@ -152,7 +151,7 @@ class DataWaitMonitor(Callback):
             if not self._in_validation:
                 clock.add_excluded("checkpoint", seconds)
 
-        listeners = {
+        listeners: dict[str, _profiler_tap.Listener] = {
             compat.fetch_action(trainer): fetched,
             compat.strategy_action(trainer, "batch_to_device"): clock.add_transfer,
             compat.strategy_action(trainer, "training_step"): clock.add_forward,
@@ -297,8 +296,10 @@ class DataWaitMonitor(Callback):
         self._call_probes("stop")
         findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
         self.report = replace(report, findings=findings)
-        if findings:
-            log_metrics(trainer, findings_metrics(findings))
+        if findings:  # their count, and every figure of each (of several of one kind, the last one's)
+            figures = [(f.kind.replace("-", "_"), name, value) for f in findings for name, value in f.figures.items()]
+            metrics = {f"gpuopt/finding/{kind}/{name}": float(value) for kind, name, value in figures}
+            log_metrics(trainer, {"gpuopt/findings": float(len(findings)), **metrics})
         if report.totals.steps == 0:
             rank_zero_warn(
                 f"DataWaitMonitor measured no training step of {clock.steps_seen}: the first {self.warmup_steps} (warm-up)"

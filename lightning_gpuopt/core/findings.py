@@ -52,15 +52,6 @@ class Finding:
             raise ValueError(f"Finding kind={self.kind!r} is not one of {', '.join(FINDING_KINDS)}")
 
 
-def findings_metrics(findings: Sequence[Finding]) -> dict[str, float]:
-    """``gpuopt/findings`` (their count) and every figure of each (of several of one kind, the last one's)."""
-    metrics = {"gpuopt/findings": float(len(findings))}
-    for finding in findings:
-        for name, value in finding.figures.items():
-            metrics[f"gpuopt/finding/{finding.kind.replace('-', '_')}/{name}"] = float(value)
-    return metrics
-
-
 def graph_kept(
     steps: Sequence[int],
     graph_nodes: Mapping[str, Sequence[int]],

@@ -5,8 +5,7 @@ wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step 
 logging, schedulers); validation and checkpoint saving between steps are totalled apart. The first step of
 each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
 :class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
-synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i.
-"""
+synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i."""
 
 from __future__ import annotations
 
