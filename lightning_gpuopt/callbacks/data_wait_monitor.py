@@ -1,9 +1,9 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Each training step is split into data wait, transfer, compute and other host work (:mod:`~.core.timing`); on
-CUDA device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are
-all-gathered and every rank builds the same :class:`~.core.diagnosis.DataWaitReport`; rank 0 logs it and writes
-it to ``gpuopt_report.json``.
+Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
+device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
+and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
+``gpuopt_report.json``.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 

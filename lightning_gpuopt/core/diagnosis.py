@@ -329,7 +329,8 @@ def data_wait_report(
     utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
     names = [name for name in StepTotals.__dataclass_fields__ if name.endswith("_s")]
     seconds = {name: statistics.fmean(getattr(figures, name) for figures in measured) for name in names}
-    steps, samples = statistics.fmean(figures.steps for figures in measured), sum(rank.samples for rank in measured)
-    totals = StepTotals(round(steps), samples, gpu_util_mean=statistics.fmean(utils) if utils else None, **seconds)
+    util = statistics.fmean(utils) if utils else None
+    steps, samples = round(statistics.fmean(f.steps for f in measured)), sum(f.samples for f in measured)
+    totals = StepTotals(steps, samples, gpu_util_mean=util, **seconds)
     report = (list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline)
     return DataWaitReport(diagnose(totals, settings, thresholds, gpus, ranks), totals, *report)
