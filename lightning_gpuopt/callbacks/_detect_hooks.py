@@ -1,10 +1,9 @@
 """Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings (:mod:`lightning_gpuopt.core.findings` decides).
 
-:class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from ``on_train_start`` to
-``on_train_end``, from the times the profiler tap hands the monitor. :class:`DatasetDisk` finds the files the
-training dataset names and, at train end, reads a sample of them with the page cache dropped (at most
-:data:`READ_FILES` files, :data:`READ_BYTES` bytes, :data:`READ_SECONDS` seconds) against the rate training
-consumed them, logging ``gpuopt/dataset_read_mb_s`` and ``gpuopt/dataset_needed_mb_s``."""
+:class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from train start to end, as the profiler
+tap times them. :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
+with the page cache dropped, against the rate training consumed them (``gpuopt/dataset_read_mb_s``,
+``gpuopt/dataset_needed_mb_s``)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ class HookTimes(Probe):
         self._ended_at: Optional[float] = None
         self._steps = 0
         self._callbacks: dict[str, Any] = {}
-        #: action name -> [seconds outside checkpoint saves, calls], validation excluded
-        self._hooks: dict[str, list[float]] = {}
+        #: action name -> (seconds outside checkpoint saves, calls), validation excluded
+        self._hooks: dict[str, tuple[float, int]] = {}
         #: action name of the hook the saves ran in ("" when none) -> [saves, seconds], validation included
         self._saves: dict[str, list[float]] = {}
         self._pending_saves = [0.0, 0.0]
@@ -64,9 +63,8 @@ class HookTimes(Probe):
         self._steps += 1
 
     def _add_saves(self, action: str) -> None:
-        saved = self._saves.setdefault(action, [0, 0.0])
-        saved[0] += self._pending_saves[0]
-        saved[1] += self._pending_saves[1]
+        saved = self._saves.get(action, [0.0, 0.0])
+        self._saves[action] = [total + pending for total, pending in zip(saved, self._pending_saves)]
         self._pending_saves = [0.0, 0.0]
 
     def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
@@ -74,8 +72,7 @@ class HookTimes(Probe):
             return
         pending = self._pending_saves
         if action == compat.SAVE_CHECKPOINT_ACTION:
-            pending[0] += 1
-            pending[1] += seconds
+            self._pending_saves = [pending[0] + 1, pending[1] + seconds]
             return
         if not action.startswith(compat.HOOK_ACTION_PREFIXES):
             return
@@ -84,9 +81,8 @@ class HookTimes(Probe):
             seconds = max(0.0, seconds - pending[1])
             self._add_saves(action)
         if not in_validation:
-            totals = self._hooks.setdefault(action, [0.0, 0])
-            totals[0] += seconds
-            totals[1] += 1
+            total_s, calls = self._hooks.get(action, (0.0, 0))
+            self._hooks[action] = (total_s + seconds, calls + 1)
 
     def stop(self) -> None:
         if self._started_at is not None and self._ended_at is None:
@@ -110,11 +106,7 @@ class HookTimes(Probe):
         for action, (seconds, calls) in self._hooks.items():
             callback, owner, hook, in_module = self._owner(action)
             if hook not in _NOT_USER_WORK and not _ours_or_builtin(callback):
-                found.append(slow_hook(f"{owner}.{hook}", seconds, int(calls), train_s, epochs, in_module))
-        found.append(self._checkpoint_finding(trainer, pl_module, fit_s))
-        return [finding for finding in found if finding is not None]
-
-    def _checkpoint_finding(self, trainer: Any, pl_module: Any, fit_s: float) -> Optional[Finding]:
+                found.append(slow_hook(f"{owner}.{hook}", seconds, calls, train_s, epochs, in_module))
         if self._pending_saves[0]:
             self._add_saves("")
         savers: dict[Any, CheckpointSaver] = {}  # one a ModelCheckpoint (by id), else one a hook
@@ -129,14 +121,14 @@ class HookTimes(Probe):
                 savers[id(callback)].seconds += seconds
             else:
                 savers[action] = CheckpointSaver(f"{owner}.{hook}" if hook else owner, int(saves), seconds, False)
-        if not savers:
-            return None
-        states = [state for optimizer in trainer.optimizers for state in getattr(optimizer, "state", {}).values()]
-        tensors = [value for state in states if isinstance(state, dict) for value in state.values()]
-        optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
-        size = max(sizes, default=0) or None
-        return checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters)
+        if savers:
+            states = [state for optimizer in trainer.optimizers for state in getattr(optimizer, "state", {}).values()]
+            tensors = [value for state in states if isinstance(state, dict) for value in state.values()]
+            optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
+            size = max(sizes, default=0) or None
+            found.append(checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters))
+        return [finding for finding in found if finding is not None]
 
 
 def _ours_or_builtin(callback: Any) -> bool:
@@ -313,10 +305,10 @@ def dataset_files(dataset: Any) -> Optional[DatasetFiles]:
     return DatasetFiles(sample, directory, total_bytes / samples)
 
 
-def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: float = READ_SECONDS) -> Optional[DiskRead]:
-    """Read ``paths`` (``max_bytes`` in all, shared evenly; for about ``max_seconds`` at most), each after
+def read_sample(paths: list[str]) -> Optional[DiskRead]:
+    """Read ``paths`` (:data:`READ_BYTES` in all, shared evenly; for about :data:`READ_SECONDS` at most), each after
     dropping its pages from the page cache where the OS allows (``posix_fadvise``), timed from the first open."""
-    per_file = max(_CHUNK, max_bytes // max(1, len(paths)))
+    per_file = max(_CHUNK, READ_BYTES // max(1, len(paths)))
     read = files = 0
     started = time.perf_counter()
     for path in paths:
@@ -327,7 +319,7 @@ def read_sample(paths: list[str], max_bytes: int = READ_BYTES, max_seconds: floa
             while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
                 read, left = read + len(chunk), left - len(chunk)
             files += 1
-        if time.perf_counter() - started > max_seconds:
+        if time.perf_counter() - started > READ_SECONDS:
             break
     seconds = time.perf_counter() - started
     return DiskRead(files, read, seconds) if files and read else None

@@ -1,11 +1,10 @@
 """Probes: the measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
 
 A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
-:class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (module attributes
-holding an autograd graph across steps) and :class:`HostSyncProbe` (reads from a CUDA device, real or
-simulated, to the host inside :data:`SYNC_STEPS`, by the innermost frame outside torch, lightning_gpuopt and
-the standard library: the user's or Lightning's; ``print(loss)`` is not seen, torch formats tensors with
-dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
+:class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (attributes holding
+an autograd graph across steps) and :class:`HostSyncProbe` (device-to-host reads in :data:`SYNC_STEPS`, by the
+innermost frame outside torch, us and the standard library; ``print(loss)`` is not seen: torch formats tensors
+with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -131,16 +130,11 @@ class ModuleAndDeviceChecks(Probe):
         return [finding for finding in found if finding is not None]
 
 
-def _graph_nodes(tensors: list[torch.Tensor], limit: int = _MAX_GRAPH_NODES) -> int:
-    """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most ``limit``).
-
-    >>> x = torch.ones(2, requires_grad=True)
-    >>> _graph_nodes([(x * 2).sum()])  # SumBackward0, MulBackward0, AccumulateGrad
-    3
-    """
+def _graph_nodes(tensors: list[torch.Tensor]) -> int:
+    """Distinct autograd nodes reachable from the ``grad_fn`` of ``tensors`` (at most :data:`_MAX_GRAPH_NODES`)."""
     seen: set[Any] = set()
     stack = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
-    while stack and len(seen) < limit:
+    while stack and len(seen) < _MAX_GRAPH_NODES:
         node = stack.pop()
         if node is None or node in seen:
             continue

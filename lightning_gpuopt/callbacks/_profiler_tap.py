@@ -20,19 +20,12 @@ AnyListener = Callable[[str, float], None]
 
 
 class ProfilerTap:
-    """Wraps profiler ``inner`` (``listeners``, ``any_action`` and ``on_start``: the module docstring)."""
+    """Wraps profiler ``inner``; ``timed``: action name -> (its listener, its on_start), one look-up per action."""
 
     def __init__(
-        self,
-        inner: Any,
-        listeners: dict[str, Listener],
-        any_action: Optional[AnyListener] = None,
-        on_start: Optional[dict[str, Callable[[], None]]] = None,
+        self, inner: Any, timed: dict[str, tuple[Optional[Listener], Any]], any_action: Optional[AnyListener]
     ) -> None:
-        on_start = on_start or {}
-        self.inner, self.any_action = inner, any_action
-        #: action name -> (its listener, its on_start): one look-up per action
-        self._timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
+        self.inner, self._timed, self.any_action = inner, timed, any_action
         self._started: dict[str, _Timed] = {}
 
     def start(self, action_name: str) -> None:
@@ -111,8 +104,10 @@ def install(
     any_action: Optional[AnyListener] = None,
     on_start: Optional[dict[str, Callable[[], None]]] = None,
 ) -> ProfilerTap:
-    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` and return it."""
-    tap = trainer.profiler = ProfilerTap(trainer.profiler, listeners, any_action, on_start)
+    """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` (the module docstring) and return it."""
+    on_start = on_start or {}
+    timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
+    tap = trainer.profiler = ProfilerTap(trainer.profiler, timed, any_action)
     return tap
 
 

@@ -1,9 +1,9 @@
 """``DataWaitMonitor``: is the GPU waiting for data, or busy?
 
-Each training step is split into data wait, transfer, compute and other host work
-(:mod:`lightning_gpuopt.core.timing`); on CUDA device events give GPU idle time and NVML the utilisation. At
-the end of ``fit`` the ranks' totals are all-gathered and every rank builds the same
-:class:`~lightning_gpuopt.core.diagnosis.DataWaitReport`; rank 0 logs it and writes it to ``gpuopt_report.json``.
+Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
+device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
+and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
+``gpuopt_report.json``.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -52,7 +52,6 @@ from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, writ
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number, check_path
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.diagnosis import DataWaitReport, RunSettings, Thresholds, data_wait_report
-from lightning_gpuopt.core.findings import findings_metrics
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
 from lightning_gpuopt.core.nvml import NvmlSampler
 from lightning_gpuopt.core.report import data_wait_table, to_dict
@@ -70,10 +69,8 @@ class DataWaitMonitor(Callback):
 
     Example::
 
-        monitor = DataWaitMonitor()
-        Trainer(callbacks=[monitor]).fit(model, datamodule=dm)
-        monitor.report.verdict            # 'input-bound'
-        monitor.report.recommendations    # ['num_workers=0 → 2 (2 usable CPU cores): ...']
+        Trainer(callbacks=[monitor := DataWaitMonitor()]).fit(model, datamodule=dm)
+        monitor.report.verdict, monitor.report.recommendations  # 'input-bound', ['num_workers=0 → 2 (...): ...']
 
     Args:
         warmup_steps: training steps at the start of ``fit`` not measured (nor is each epoch's first step).
@@ -141,30 +138,41 @@ class DataWaitMonitor(Callback):
         compat.check_trainer_namespace(trainer, self)
         self._reset_run_state()
         self.report = None
-        self._clock = StepClock(self.warmup_steps)
+        clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
-        self._tap = _profiler_tap.install(
-            trainer,
-            {
-                compat.fetch_action(trainer): self._on_fetched,
-                compat.strategy_action(trainer, "batch_to_device"): self._clock.add_transfer,
-                compat.strategy_action(trainer, "training_step"): self._clock.add_forward,
-                compat.SAVE_CHECKPOINT_ACTION: self._on_checkpoint_saved,
-            },
-            any_action=self._on_action if self._action_probes else None,
-        )
-        self._time_validation(trainer)
 
-    def _on_fetched(self, seconds: float, cpu_seconds: float) -> None:
-        if self._clock is not None:
-            self._clock.add_fetch(seconds, cpu_seconds)
-        if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
-            self._gpu.before_transfer()
+        def fetched(seconds: float, cpu_seconds: float) -> None:
+            clock.add_fetch(seconds, cpu_seconds)
+            if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
+                self._gpu.before_transfer()
 
-    def _on_checkpoint_saved(self, seconds: float, cpu_seconds: float) -> None:
-        if self._clock is not None and not self._in_validation:
-            self._clock.add_excluded("checkpoint", seconds)
+        def saved(seconds: float, cpu_seconds: float) -> None:
+            if not self._in_validation:
+                clock.add_excluded("checkpoint", seconds)
+
+        listeners: dict[str, _profiler_tap.Listener] = {
+            compat.fetch_action(trainer): fetched,
+            compat.strategy_action(trainer, "batch_to_device"): clock.add_transfer,
+            compat.strategy_action(trainer, "training_step"): clock.add_forward,
+            compat.SAVE_CHECKPOINT_ACTION: saved,
+        }
+        self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        run = val_loop.run
+
+        def timed_run(*args: Any, **kwargs: Any) -> Any:  # whole validation runs in fit, loader start-up included
+            if trainer.sanity_checking or self._validation_wrapper is not timed_run:
+                return run(*args, **kwargs)
+            self._in_validation = True
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._in_validation = False
+                clock.add_excluded("validation", time.perf_counter() - started)
+
+        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
 
     def _on_action(self, action: str, seconds: float) -> None:
         self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
@@ -182,24 +190,6 @@ class DataWaitMonitor(Callback):
                 self._action_probes = [other for other in self._action_probes if other is not probe]
                 rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
-
-    def _time_validation(self, trainer: Trainer) -> None:
-        """Time whole validation runs inside fit (loader start-up included), sanity check excluded."""
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        run = val_loop.run
-
-        def timed_run(*args: Any, **kwargs: Any) -> Any:
-            if trainer.sanity_checking or self._clock is None or self._validation_wrapper is not timed_run:
-                return run(*args, **kwargs)
-            self._in_validation = True
-            started = time.perf_counter()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self._in_validation = False
-                self._clock.add_excluded("validation", time.perf_counter() - started)
-
-        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -223,7 +213,15 @@ class DataWaitMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is None:
             return
-        self._settings = _read_run_settings(trainer)
+        loader = first_dataloader(trainer.train_dataloader)  # the loader settings the recommendations compare against
+        names = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        run = {name: getattr(loader, name) for name in names} if loader is not None else {}
+        if loader is not None:
+            run["batch_size"] = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        devices = trainer.num_devices
+        run |= {"usable_cpus": usable_cpu_count(), "precision": str(trainer.precision), "num_devices": devices}
+        run["processes_per_host"] = devices if trainer.world_size > 1 else 1
+        self._settings = RunSettings(device_for(trainer.strategy.root_device).type, **run)
         # trainer.log_dir broadcasts under DDP: every rank must ask, and not only rank 0 at the end
         self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
@@ -298,13 +296,14 @@ class DataWaitMonitor(Callback):
         self._call_probes("stop")
         findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
         self.report = replace(report, findings=findings)
-        if findings:
-            log_metrics(trainer, findings_metrics(findings))
+        if findings:  # their count, and every figure of each (of several of one kind, the last one's)
+            figures = [(f.kind.replace("-", "_"), name, value) for f in findings for name, value in f.figures.items()]
+            metrics = {f"gpuopt/finding/{kind}/{name}": float(value) for kind, name, value in figures}
+            log_metrics(trainer, {"gpuopt/findings": float(len(findings)), **metrics})
         if report.totals.steps == 0:
             rank_zero_warn(
-                f"DataWaitMonitor measured no training step: the run had {clock.steps_seen} step(s), of which"
-                f" {self.warmup_steps} warm-up and the first of each epoch are not measured. Train longer or lower"
-                " `warmup_steps`."
+                f"DataWaitMonitor measured no training step of {clock.steps_seen}: the first {self.warmup_steps} (warm-up)"
+                " and each epoch's first are not measured. Train longer or lower `warmup_steps`."
             )
         if trainer.is_global_zero:
             if self.verbose:
@@ -325,20 +324,3 @@ def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) ->
         figures = StepTotals(round(steps), round(samples), *seconds)  # the fields' order: seconds, then the util
         ranks.append(replace(figures, gpu_util_mean=None if math.isnan(util) else util))
     return ranks
-
-
-def _read_run_settings(trainer: Trainer) -> RunSettings:
-    """The loader and run settings the recommendations compare against."""
-    loader = first_dataloader(trainer.train_dataloader)
-    names = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-    settings = {name: getattr(loader, name) for name in names} if loader is not None else {}
-    if loader is not None:
-        settings["batch_size"] = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-    return RunSettings(
-        device_type=device_for(trainer.strategy.root_device).type,
-        usable_cpus=usable_cpu_count(),
-        processes_per_host=trainer.num_devices if trainer.world_size > 1 else 1,
-        precision=str(trainer.precision),
-        num_devices=trainer.num_devices,
-        **settings,
-    )

@@ -6,8 +6,7 @@
 ``gpu_idle_high``), ``"host-bound"`` (a GPU idle although data wait is low; on a CPU, transfer and other host
 work from ``host_overhead_high``), ``"compute-bound"`` (data wait up to ``data_wait_low``), else ``"balanced"``.
 The report (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuopt_report.json``) holds them
-with the job's totals, each rank's, the settings, the NVML usage of every GPU, rank 0's timeline and findings.
-"""
+with the job's totals, each rank's, the settings, the NVML usage of every GPU, rank 0's timeline and findings."""
 
 from __future__ import annotations
 
@@ -150,10 +149,9 @@ def _workers_advice(totals: StepTotals, run: RunSettings, core_text: str) -> str
             why += f" so workers beyond the {core_text} help"
         return f"num_workers={run.num_workers} → {suggested} ({why}): {wait}."
     return (
-        f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'}"
-        f" {core_text} and {wait}: if loading computes (decoding,"
-        " augmentation), make it cheaper (cache decoded samples, augment on the GPU) or add cores; if it waits"
-        f" on storage or network, more workers help: try num_workers={2 * workers}."
+        f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'} {core_text}"
+        f" and {wait}: if loading computes (decoding, augmentation), make it cheaper (cache decoded samples, augment"
+        f" on the GPU) or add cores; if it waits on storage or network, more workers help: try num_workers={2 * workers}."
     )
 
 
@@ -258,20 +256,6 @@ def diagnose(
     return Diagnosis(verdict, reason, recommendations, None if slowest is None else measured[slowest], idle)
 
 
-def _combine(ranks: Sequence[StepTotals]) -> StepTotals:
-    """The job's totals: each rank's seconds, steps and utilisation averaged over the ranks that measured a
-    step; their samples summed."""
-    measured = [figures for figures in ranks if figures.steps] or list(ranks)
-    if not measured:
-        return StepTotals()
-    utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
-    names = [name for name in StepTotals.__dataclass_fields__ if name.endswith("_s")]
-    seconds = {name: statistics.fmean(getattr(figures, name) for figures in measured) for name in names}
-    steps = round(statistics.fmean(figures.steps for figures in measured))
-    util = statistics.fmean(utils) if utils else None
-    return StepTotals(steps, sum(figures.samples for figures in measured), gpu_util_mean=util, **seconds)
-
-
 class Spread(NamedTuple):
     """Minimum, mean and maximum of one figure over ranks."""
 
@@ -339,7 +323,14 @@ def data_wait_report(
     device: str = "cpu",
     timeline: Optional[StepTimeline] = None,
 ) -> DataWaitReport:
-    """Combine each rank's totals (in rank order) and diagnose them (findings: none yet)."""
-    totals = _combine(ranks)
+    """Combine each rank's totals (in rank order) and diagnose them (findings: none yet): the job's seconds, steps
+    and utilisation are their means over the ranks that measured a step, its samples their sum."""
+    measured = [figures for figures in ranks if figures.steps] or list(ranks)
+    utils = [figures.gpu_util_mean for figures in measured if figures.gpu_util_mean is not None]
+    names = [name for name in StepTotals.__dataclass_fields__ if name.endswith("_s")]
+    seconds = {name: statistics.fmean(getattr(figures, name) for figures in measured) for name in names}
+    util = statistics.fmean(utils) if utils else None
+    steps, samples = round(statistics.fmean(f.steps for f in measured)), sum(f.samples for f in measured)
+    totals = StepTotals(steps, samples, gpu_util_mean=util, **seconds)
     report = (list(ranks), settings, thresholds, warmup_steps, device, list(gpus), timeline)
     return DataWaitReport(diagnose(totals, settings, thresholds, gpus, ranks), totals, *report)

@@ -5,25 +5,21 @@ attribute, a hook, a ``file:line``; ``None``: the whole run), the fix with its v
 (``figures``), each logged as ``gpuopt/finding/<kind>/<figure>`` (``-`` in the kind becomes ``_``). The probes
 (``callbacks/_detect*.py``) measure on a few sampled steps; these functions decide. Kinds and their figures:
 
-* ``"graph-kept"`` -- a module attribute holds an autograd graph that grows step over step
-  (``self.total_loss += loss``): ``attributes``, ``graph_nodes``, ``graph_nodes_per_step``, and where the
-  device tells live memory ``memory_growth_bytes`` and ``memory_growth_bytes_per_step``;
-* ``"host-sync"`` -- reads from the card to the host (``.item()``, ``.cpu()``, ``if loss > 0:``) in warm-up
-  steps 1 and 2, named by the user's ``file:line``: ``syncs_per_step``, ``user_syncs_per_step``,
-  ``lightning_syncs_per_step``, ``lines``;
+* ``"graph-kept"`` -- a module attribute holds a growing autograd graph (``self.total_loss += loss``): ``attributes``,
+  ``graph_nodes``, ``graph_nodes_per_step``, ``memory_growth_bytes``, ``memory_growth_bytes_per_step`` (memory known);
+* ``"host-sync"`` -- card-to-host reads (``.item()``, ``if loss > 0:``) in warm-up steps 1 and 2, by ``file:line``:
+  ``syncs_per_step``, ``user_syncs_per_step``, ``lightning_syncs_per_step``, ``lines``;
 * ``"slow-hook"`` -- a callback or module hook takes a large share of training time: ``seconds``, ``calls``,
   ``ms_per_call``, ``share``, ``suggested_every_n``;
-* ``"checkpoint-time"`` -- saving checkpoints takes a large share of the fit: ``saves``, ``seconds``,
-  ``ms_per_save``, ``share``, ``suggested_interval``, ``checkpoint_mb``;
+* ``"checkpoint-time"`` -- checkpoint saves take a large share of the fit: ``saves``, ``seconds``, ``ms_per_save``,
+  ``share``, ``suggested_interval``, ``checkpoint_mb``;
 * ``"data-parallel"`` -- ``nn.DataParallel`` inside the module: ``wrappers``;
-* ``"oversubscribed"`` -- intra-op threads x processes exceed the host's cores: ``threads``, ``cores``,
-  ``suggested_threads``;
+* ``"oversubscribed"`` -- intra-op threads x processes exceed the cores: ``threads``, ``cores``, ``suggested_threads``;
 * ``"tf32-off"`` -- float32 matmuls without TF32 on a card with TF32 tensor cores: ``compute_capability``;
 * ``"cudnn-benchmark-off"`` -- convolutions on fixed input shapes, ``cudnn.benchmark`` off: ``convolutions``;
-* ``"channels-last"`` -- convolutions under mixed precision not in ``channels_last``: ``convolutions_nchw``,
-  ``input_nchw``;
-* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``,
-  ``needed_mb_s``, ``data_wait_fraction``, ``files_read``."""
+* ``"channels-last"`` -- convolutions under mixed precision in NCHW: ``convolutions_nchw``, ``input_nchw``;
+* ``"slow-disk"`` -- the dataset's files read slower than training consumes them: ``read_mb_s``, ``needed_mb_s``,
+  ``data_wait_fraction``, ``files_read``."""
 
 from __future__ import annotations
 
@@ -56,15 +52,6 @@ class Finding:
             raise ValueError(f"Finding kind={self.kind!r} is not one of {', '.join(FINDING_KINDS)}")
 
 
-def findings_metrics(findings: Sequence[Finding]) -> dict[str, float]:
-    """``gpuopt/findings`` (their count) and every figure of each (of several of one kind, the last one's)."""
-    metrics = {"gpuopt/findings": float(len(findings))}
-    for finding in findings:
-        for name, value in finding.figures.items():
-            metrics[f"gpuopt/finding/{finding.kind.replace('-', '_')}/{name}"] = float(value)
-    return metrics
-
-
 def graph_kept(
     steps: Sequence[int],
     graph_nodes: Mapping[str, Sequence[int]],
@@ -87,28 +74,23 @@ def graph_kept(
     found.sort(key=lambda item: item[2][-1] - item[2][0], reverse=True)
     path, held_steps, nodes, growth = found[0]
     span = max(1, held_steps[-1] - held_steps[0])
-    memory = (
-        f"; live memory at step start grew by {growth / 2**20:.1f} MiB over those steps" if growth is not None else ""
-    )
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
     owner, _, name = path.rpartition(".")
     target = f"self.{owner}.{name}" if owner else f"self.{name}"
-    example = f"`{target}.append(loss.detach())`" if path in containers else f"`{target} += loss.detach()`"
     figures = {"attributes": float(len(found)), "graph_nodes": float(nodes[-1])}
     figures["graph_nodes_per_step"] = (nodes[-1] - nodes[0]) / span
+    memory = ""
     if growth is not None:
         figures |= {"memory_growth_bytes": float(growth), "memory_growth_bytes_per_step": growth / span}
-    return Finding(
-        "graph-kept",
-        f"`{path}`{others} holds a tensor with an autograd graph (grad_fn) between steps, and the graph grows:"
-        f" {' → '.join(map(str, nodes))} autograd nodes at the starts of steps {', '.join(map(str, held_steps))}"
-        f"{memory}. Every step's graph stays reachable from the module, so memory and the time of a backward"
-        " through it grow over the run",
-        "keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
-        f" {example}",
-        where=", ".join(item[0] for item in found),
-        figures=figures,
-    )
+        memory = f"; live memory at step start grew by {growth / 2**20:.1f} MiB over those steps"
+    counts, starts = " → ".join(map(str, nodes)), ", ".join(map(str, held_steps))
+    message = f"`{path}`{others} holds a tensor with an autograd graph (grad_fn) between steps, and the graph grows:"
+    message += f" {counts} autograd nodes at the starts of steps {starts}{memory}. Every step's graph stays reachable"
+    message += " from the module, so memory and the time of a backward through it grow over the run"
+    fix = "keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
+    fix += f" `{target}.append(loss.detach())`" if path in containers else f" `{target} += loss.detach()`"
+    where = ", ".join(item[0] for item in found)
+    return Finding("graph-kept", message, fix, where, figures)
 
 
 def host_sync(
@@ -128,18 +110,13 @@ def host_sync(
     lightning_note = f" (and {lightning:g} by Lightning itself)" if lightning else ""
     figures = {"syncs_per_step": user + lightning, "user_syncs_per_step": user}
     figures |= {"lightning_syncs_per_step": lightning, "lines": float(len(lines))}
-    return Finding(
-        "host-sync",
-        f"{user:g} read(s) from the GPU to the host per step in your code{lightning_note}, over steps"
-        f" {', '.join(map(str, steps))}: each (`.item()`, `float(t)`, `.cpu()`, `bool(t)`, `if loss > 0:`)"
-        f" waits until the GPU has finished every queued kernel, so the host cannot queue ahead"
-        + (f"; at {shown}" if shown else ""),
-        f"at {where or 'those lines'}: keep the values as tensors on the GPU; log them with"
-        " `self.log(name, value, on_step=True)` (read once every log_every_n_steps), take `.item()` only every N"
-        " steps or at epoch end, and branch with tensor ops (`torch.where`) instead of `if tensor:`",
-        where=where,
-        figures=figures,
-    )
+    message = f"{user:g} read(s) from the GPU to the host per step in your code{lightning_note}, over steps"
+    message += f" {', '.join(map(str, steps))}: each (`.item()`, `float(t)`, `.cpu()`, `bool(t)`, `if loss > 0:`) waits"
+    message += " until the GPU has finished every queued kernel, so the host cannot queue ahead"
+    fix = f"at {where or 'those lines'}: keep the values as tensors on the GPU; log them with"
+    fix += " `self.log(name, value, on_step=True)` (read once every log_every_n_steps), take `.item()` only every N"
+    fix += " steps or at epoch end, and branch with tensor ops (`torch.where`) instead of `if tensor:`"
+    return Finding("host-sync", message + (f"; at {shown}" if shown else ""), fix, where, figures)
 
 
 def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
@@ -147,14 +124,11 @@ def data_parallel(wrapped: Sequence[str]) -> Optional[Finding]:
     if not wrapped:
         return None
     names = ", ".join(f"`{path or 'the LightningModule itself'}`" for path in wrapped)
-    return Finding(
-        "data-parallel",
-        f"nn.DataParallel wraps {names}: one process drives every GPU, scatters each batch and gathers the"
-        " outputs on GPU 0 every step, under the GIL",
-        "remove the nn.DataParallel wrapper and let Lightning replicate the model: Trainer(strategy='ddp', devices=N)",
-        where=", ".join(path or "<module>" for path in wrapped),
-        figures={"wrappers": float(len(wrapped))},
-    )
+    message = f"nn.DataParallel wraps {names}: one process drives every GPU, scatters each batch and gathers the"
+    message += " outputs on GPU 0 every step, under the GIL"
+    fix = "remove the nn.DataParallel wrapper and let Lightning replicate the model: Trainer(strategy='ddp', devices=N)"
+    where = ", ".join(path or "<module>" for path in wrapped)
+    return Finding("data-parallel", message, fix, where, {"wrappers": float(len(wrapped))})
 
 
 def oversubscription(threads_per_process: int, processes: int, cores: int) -> Optional[Finding]:
@@ -163,14 +137,11 @@ def oversubscription(threads_per_process: int, processes: int, cores: int) -> Op
     if cores < 1 or wanted <= cores:
         return None
     fair = max(1, cores // max(1, processes))
-    return Finding(
-        "oversubscribed",
-        f"{processes} process(es) x {threads_per_process} intra-op threads = {wanted} threads on {cores} usable"
-        f" core(s): threads wait for each other and each op gets slower",
-        f"torch.set_num_threads({fair}) in each process (or OMP_NUM_THREADS={fair}): {processes} processes x"
-        f" {fair} threads = {processes * fair} cores",
-        figures={"threads": float(wanted), "cores": float(cores), "suggested_threads": float(fair)},
-    )
+    message = f"{processes} process(es) x {threads_per_process} intra-op threads = {wanted} threads on {cores} usable"
+    message += " core(s): threads wait for each other and each op gets slower"
+    fix = f"torch.set_num_threads({fair}) in each process (or OMP_NUM_THREADS={fair}): {processes} processes x"
+    figures = {"threads": float(wanted), "cores": float(cores), "suggested_threads": float(fair)}
+    return Finding("oversubscribed", message, f"{fix} {fair} threads = {processes * fair} cores", None, figures)
 
 
 def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, precision: str) -> Optional[Finding]:
@@ -178,26 +149,21 @@ def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, preci
     TF32 tensor cores (compute capability >= 8.0)."""
     if capability is None or capability < (8, 0) or matmul_precision != "highest" or precision not in ("32-true", "32"):
         return None
-    return Finding(
-        "tf32-off",
-        f"float32 matmuls run in full precision on a card of compute capability {capability[0]}.{capability[1]}"
-        " whose TF32 tensor cores do them several times faster (torch.get_float32_matmul_precision() is 'highest')",
-        "torch.set_float32_matmul_precision('high') before Trainer(...): float32 matmuls on TF32 tensor cores",
-        figures={"compute_capability": capability[0] + capability[1] / 10},
-    )
+    message = f"float32 matmuls run in full precision on a card of compute capability {capability[0]}.{capability[1]}"
+    message += " whose TF32 tensor cores do them several times faster"
+    message += " (torch.get_float32_matmul_precision() is 'highest')"
+    fix = "torch.set_float32_matmul_precision('high') before Trainer(...): float32 matmuls on TF32 tensor cores"
+    return Finding("tf32-off", message, fix, None, {"compute_capability": capability[0] + capability[1] / 10})
 
 
 def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: int) -> Optional[Finding]:
     """Convolutions on one fixed batch shape over the sampled steps with ``cudnn.benchmark`` off."""
     if benchmark or convolutions == 0 or input_shapes_seen != 1:
         return None
-    return Finding(
-        "cudnn-benchmark-off",
-        f"{convolutions} convolution(s) run on one fixed input shape with torch.backends.cudnn.benchmark off:"
-        " cuDNN uses its heuristic choice of algorithm, not the fastest",
-        "Trainer(benchmark=True): cuDNN times its algorithms once per input shape and keeps the fastest",
-        figures={"convolutions": float(convolutions)},
-    )
+    message = f"{convolutions} convolution(s) run on one fixed input shape with torch.backends.cudnn.benchmark off:"
+    message += " cuDNN uses its heuristic choice of algorithm, not the fastest"
+    fix = "Trainer(benchmark=True): cuDNN times its algorithms once per input shape and keeps the fastest"
+    return Finding("cudnn-benchmark-off", message, fix, None, {"convolutions": float(convolutions)})
 
 
 def channels_last(
@@ -212,45 +178,30 @@ def channels_last(
     weights = [f"{len(not_channels_last)} Conv2d weight(s)"] if not_channels_last else []
     what = " and ".join(weights + (["the 4-D batch"] if inputs_not_channels_last else []))
     more = f" and {len(not_channels_last) - 3} more" if len(not_channels_last) > 3 else ""
-    return Finding(
-        "channels-last",
-        f"{what} in NCHW (contiguous) memory format under {precision}: tensor-core convolution kernels"
-        " work in NHWC, so each convolution transposes its input and output",
-        "model = model.to(memory_format=torch.channels_last) in the LightningModule's __init__ or setup(), and"
-        " x = x.to(memory_format=torch.channels_last) for 4-D inputs in training_step",
-        where=", ".join(not_channels_last[:3]) + more or None,
-        figures={"convolutions_nchw": float(len(not_channels_last)), "input_nchw": float(inputs_not_channels_last)},
-    )
+    message = f"{what} in NCHW (contiguous) memory format under {precision}: tensor-core convolution kernels"
+    message += " work in NHWC, so each convolution transposes its input and output"
+    fix = "model = model.to(memory_format=torch.channels_last) in the LightningModule's __init__ or setup(), and"
+    fix += " x = x.to(memory_format=torch.channels_last) for 4-D inputs in training_step"
+    figures = {"convolutions_nchw": float(len(not_channels_last)), "input_nchw": float(inputs_not_channels_last)}
+    return Finding("channels-last", message, fix, ", ".join(not_channels_last[:3]) + more or None, figures)
 
 
 def nice_ceil(value: float) -> int:
-    """The smallest of 1, 2, 5, 10, 20, 50, ... not below ``value`` (an interval a user would write).
-
-    >>> [nice_ceil(v) for v in (0.3, 1, 1.2, 3, 7.5, 11, 49, 51)]
-    [1, 1, 2, 5, 10, 20, 50, 100]
-    """
-    if value != value or value == float("inf"):
-        raise ValueError(f"nice_ceil({value}) needs a finite number")
+    """The smallest of 1, 2, 5, 10, 20, 50, ... not below ``value`` (finite: an interval a user would write)."""
     nice = 1
     while nice < value:
         nice = nice * 5 // 2 if str(nice)[0] == "2" else nice * 2
     return nice
 
 
-def _reduction_factor(seconds: float, total_s: float, target: float = TARGET_SHARE) -> float:
-    """How many times fewer calls bring ``seconds`` of ``total_s`` down to ``target`` of the (shorter) total.
-
-    >>> round(_reduction_factor(10.0, 100.0, 0.02), 1)  # 10 s of 100 s -> 1.84 s of 91.84 s
-    5.4
-    """
-    if seconds <= 0:
-        return 1.0
-    return seconds * (1 - target) / (target * (total_s - seconds)) if total_s > seconds else float("inf")
+def _reduction_factor(seconds: float, total_s: float) -> float:
+    """How many times fewer calls bring ``0 < seconds < total_s`` down to :data:`TARGET_SHARE` of the (shorter)
+    total (10 s of 100 s: 5.4, to 1.84 s of 91.84 s)."""
+    return seconds * (1 - TARGET_SHARE) / (TARGET_SHARE * (total_s - seconds))
 
 
 def _share_after(seconds: float, total_s: float, factor: float) -> float:
-    rest, after = max(0.0, total_s - seconds), seconds / factor
-    return after / (rest + after) if rest + after > 0 else 0.0
+    return seconds / factor / (max(0.0, total_s - seconds) + seconds / factor)
 
 
 def slow_hook(
@@ -268,26 +219,17 @@ def slow_hook(
     if calls < 1 or train_s <= 0 or total_s <= 0 or total_s / train_s < threshold:
         return None
     share, per_call = total_s / train_s, total_s / calls
-    every = nice_ceil(_reduction_factor(total_s, train_s)) if total_s < train_s else nice_ceil(calls)
-    every = max(2, every)
+    every = max(2, nice_ceil(_reduction_factor(total_s, train_s) if total_s < train_s else calls))
     owner, name = "self" if in_module else "trainer", hook.rsplit(".", 1)[-1]
     unit, counter = ("steps", "global_step") if calls > max(1, epochs) else ("epochs", "current_epoch")
-    fix = (
-        f"run it every {every} {unit}: `if {owner}.{counter} % {every} == 0:` around its work in `{name}`"
-        f" (about {_share_after(total_s, train_s, every):.1%} of training time)"
-    )
+    fix = f"run it every {every} {unit}: `if {owner}.{counter} % {every} == 0:` around its work in `{name}`"
+    fix += f" (about {_share_after(total_s, train_s, every):.1%} of training time)"
     if unit == "steps" and name != "on_train_epoch_end":
         fix += ", or move the work to on_train_epoch_end"
     figures = {"seconds": float(total_s), "calls": float(calls), "ms_per_call": per_call * 1e3, "share": share}
-    figures["suggested_every_n"] = float(every)
-    return Finding(
-        "slow-hook",
-        f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of training"
-        f" time ({train_s:.2f} s from train start to end, validation excluded)",
-        fix,
-        where=hook,
-        figures=figures,
-    )
+    message = f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of"
+    message += f" training time ({train_s:.2f} s from train start to end, validation excluded)"
+    return Finding("slow-hook", message, fix, hook, figures | {"suggested_every_n": float(every)})
 
 
 @dataclass
@@ -354,24 +296,18 @@ def checkpoint_time(
     after = _share_after(seconds, fit_s, max(1.0, min(scales, default=1.0)))
     fix = "; ".join(changes) + f" (about {after:.1%} of training time)"
     if any("save_weights_only" in change for change in changes):
-        fix += (
-            f"; the optimizer state is {optimizer_bytes / 1e6:.1f} MB against {parameter_bytes / 1e6:.1f} MB of"
-            " weights, and a weights-only checkpoint cannot resume the optimizer"
-        )
+        fix += f"; the optimizer state is {optimizer_bytes / 1e6:.1f} MB against {parameter_bytes / 1e6:.1f} MB of"
+        fix += " weights, and a weights-only checkpoint cannot resume the optimizer"
     figures = {"saves": float(saves), "seconds": float(seconds), "ms_per_save": 1e3 * seconds / saves, "share": share}
     if suggested is not None:
         figures["suggested_interval"] = float(suggested)
     if checkpoint_bytes:
         figures["checkpoint_mb"] = checkpoint_bytes / 1e6
     size = f", {checkpoint_bytes / 1e6:.1f} MB each" if checkpoint_bytes else ""
-    return Finding(
-        "checkpoint-time",
-        f"{saves} checkpoint save(s) took {seconds:.2f} s ({1e3 * seconds / saves:.0f} ms each{size}), {share:.0%} of"
-        f" the fit's time from train start to end ({fit_s:.2f} s, {steps} steps)",
-        fix,
-        where=", ".join(saver.name for saver in savers if saver.saves) or None,
-        figures=figures,
-    )
+    message = f"{saves} checkpoint save(s) took {seconds:.2f} s ({1e3 * seconds / saves:.0f} ms each{size}),"
+    message += f" {share:.0%} of the fit's time from train start to end ({fit_s:.2f} s, {steps} steps)"
+    where = ", ".join(saver.name for saver in savers if saver.saves) or None
+    return Finding("checkpoint-time", message, fix, where, figures)
 
 
 def slow_disk(
@@ -394,10 +330,8 @@ def slow_disk(
         return None
     in_memory = filesystem in ("tmpfs", "ramfs")
     where_from = f" ({filesystem}: already in memory)" if in_memory else (f" ({filesystem})" if filesystem else "")
-    fix = (
-        f"copy the dataset to a local SSD or to /dev/shm (RAM): `cp -r {directory} /dev/shm/` (if it fits) and point"
-        " the dataset there"
-    )
+    fix = f"copy the dataset to a local SSD or to /dev/shm (RAM): `cp -r {directory} /dev/shm/` (if it fits) and"
+    fix += " point the dataset there"
     if in_memory:
         fix = "the files are already in memory: read them in more DataLoader workers (raise num_workers)"
     rate = ""
@@ -405,12 +339,7 @@ def slow_disk(
         rate = f" ({bytes_per_sample / 1e3:.1f} kB a sample x {samples_per_second:.0f} samples/s)"
     figures = {"read_mb_s": float(read_mb_s), "needed_mb_s": float(needed_mb_s)}
     figures |= {"data_wait_fraction": float(data_wait_fraction), "files_read": float(files_read)}
-    return Finding(
-        "slow-disk",
-        f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
-        f" {mb_read:.1f} MB, page cache dropped first) while training consumes {needed_mb_s:.1f} MB/s{rate} and"
-        f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})",
-        fix,
-        where=directory,
-        figures=figures,
-    )
+    message = f"the dataset's files under {directory}{where_from} read at {read_mb_s:.1f} MB/s ({files_read} file(s),"
+    message += f" {mb_read:.1f} MB, page cache dropped first) while training consumes {needed_mb_s:.1f} MB/s{rate} and"
+    message += f" waits for data {data_wait_fraction:.0%} of each step (input-bound from {data_wait_high:.0%})"
+    return Finding("slow-disk", message, fix, directory, figures)

@@ -57,8 +57,7 @@ def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tu
 
 
 def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
-    """ms per step in data wait, transfer, compute and other, stacked over training (into ``axes`` when
-    given); a report without a timeline is drawn as one bar of the means."""
+    """``step_time.png`` (into ``axes`` when given); a report without a timeline is one bar of the means."""
     figure, axes = _new_figure(axes)
     timeline, totals = report.timeline, report.totals
     if timeline is None or not timeline.step:
@@ -87,8 +86,7 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
 
 
 def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate] = None, axes: Any = None) -> Figure:
-    """Peak memory of each batch-size trial, the line that predicts it, the budget and the chosen size (into
-    ``axes`` when given)."""
+    """``memory.png`` (into ``axes`` when given)."""
     figure, axes = _new_figure(axes)
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
@@ -140,8 +138,7 @@ def _memory_line(
 
 
 def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
-    """Samples/s of every loader setting timed, best at the top; the chosen and the user's setting marked
-    (into ``axes`` when given)."""
+    """``loader.png``, the best setting at the top (into ``axes`` when given)."""
     timings = sorted(result.candidates, key=lambda timing: timing.samples_per_second)
     figure, axes = _new_figure(axes, height=max(2.5, 1.2 + 0.4 * len(timings)))
     baseline = result.baseline.setting if result.baseline is not None else None
@@ -184,10 +181,7 @@ def save_plots(
     or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib."""
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
-            raise ValueError(
-                "`out_dir`=None needs `report` to be a path (the PNGs go beside it); "
-                "pass out_dir='plots/' with a report given as a dict."
-            )
+            raise ValueError("a report given as a dict needs an `out_dir` for its PNGs, e.g. out_dir='plots/'.")
         out_dir = parent_location(as_location(report))
     out = as_location(out_dir)
     if isinstance(out, Path):

@@ -3,8 +3,7 @@
 Results are plain dataclasses: :func:`to_dict` makes them JSON (each class's ``JSON_PROPERTIES`` beside its
 fields), :func:`from_dict` reads them back, :func:`update_json_section` writes one callback's section of
 ``gpuopt_report.json`` atomically, to a local path or any fsspec URL. :func:`render_table` renders ``rich``
-tables into a string the callbacks hand to ``rank_zero_info`` (library code never prints).
-"""
+tables into a string the callbacks hand to ``rank_zero_info`` (library code never prints)."""
 
 from __future__ import annotations
 
@@ -174,9 +173,9 @@ def format_bytes(num_bytes: float | None) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            break
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def data_wait_table(report: DataWaitReport) -> str:
@@ -242,32 +241,26 @@ def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
         figures = f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
         rows.append((timing.setting.short(), figures + (f"  [{', '.join(marks)}]" if marks else "")))
     kept = result.baseline is not None and result.setting == result.baseline.setting
-    speedup = f"; {result.speedup:.2f}x your setting" if result.speedup is not None and not kept else ""
-    notes = [f"  {message}{speedup}" if message else f"  {_loader_tune_summary(result)}"]
-    return render_table("gpuopt · DataLoaderTuner", rows, notes)
-
-
-def _loader_tune_summary(result: LoaderTuneResult) -> str:
-    """One line on what the tuner did: kept the user's setting, or changed it and by how much."""
-    reason = f" ({result.reason})" if result.reason else ""
-    if result.baseline is not None and result.setting == result.baseline.setting:
-        return f"kept your setting {result.setting.describe()}{reason}"
-    before = f"{result.baseline.setting.describe()} → " if result.baseline is not None else ""
-    speedup = f": {result.speedup:.2f}x the samples/s of your setting" if result.speedup is not None else ""
-    return f"{before}{result.setting.describe()}{speedup}{reason}"
+    reason, known = f" ({result.reason})" if result.reason else "", result.speedup is not None
+    if message:  # else one line on what the tuner did: kept the user's setting, or changed it and by how much
+        summary = message + (f"; {result.speedup:.2f}x your setting" if known and not kept else "")
+    elif kept:
+        summary = f"kept your setting {result.setting.describe()}{reason}"
+    else:
+        before = f"{result.baseline.setting.describe()} → " if result.baseline is not None else ""
+        speedup = f": {result.speedup:.2f}x the samples/s of your setting" if known else ""
+        summary = f"{before}{result.setting.describe()}{speedup}{reason}"
+    return render_table("gpuopt · DataLoaderTuner", rows, [f"  {summary}"])
 
 
 def batch_search_table(result: BatchSizeSearchResult) -> str:
     """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
     predicted = f"was {result.initial_batch_size}; estimate predicted {result.predicted_batch_size}"
+    search = f"{len(result.trials)} trials x {result.steps_per_trial} steps in {format_seconds(result.seconds)}"
     rows = [
         ("batch size", f"{result.batch_size} ({predicted})"),
         ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
-        (
-            "search",
-            f"{len(result.trials)} trials x {result.steps_per_trial} steps in "
-            f"{format_seconds(result.seconds)}; stopped: {result.stop_reason}",
-        ),
+        ("search", f"{search}; stopped: {result.stop_reason}"),
     ]
     for number, trial in enumerate(result.trials, 1):
         mark = "  [CHOSEN]" if trial.fits and trial.batch_size == result.batch_size else ""

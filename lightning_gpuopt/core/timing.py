@@ -5,8 +5,7 @@ wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step 
 logging, schedulers); validation and checkpoint saving between steps are totalled apart. The first step of
 each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
 :class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
-synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i.
-"""
+synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i."""
 
 from __future__ import annotations
 
@@ -261,14 +260,9 @@ class StepClock:
     def totals(self) -> StepTotals:
         """The measured steps' sums, and the time kept apart."""
         sums = dict(zip(_COLUMNS, self.series.sums()))
-        return StepTotals(
-            steps=self.measured_steps,
-            samples=round(sums.pop("samples")),
-            validation_s=self.excluded_s.get("validation", 0.0),
-            checkpoint_s=self.excluded_s.get("checkpoint", 0.0),
-            worker_startup_s=sum(self.worker_startup_s),
-            **sums,
-        )
+        sums |= {f"{kind}_s": self.excluded_s.get(kind, 0.0) for kind in ("validation", "checkpoint")}
+        samples = round(sums.pop("samples"))
+        return StepTotals(self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), **sums)
 
     def take_window(self) -> StepTotals:
         """The steps' sums since the previous call (for periodic logging)."""
@@ -282,16 +276,10 @@ class StepClock:
         points = self.series.points()
         _, wall, wait, _, transfer, compute, _ = [list(column) for column in zip(*points)] if points else [[]] * 7
         idle = gpu_idle.points() if gpu_idle is not None and gpu_idle.steps == self.series.steps and points else None
-        return StepTimeline(
-            steps_per_point=self.series.steps_per_point,
-            step=list(self.series.first_step),
-            wall_s=wall,
-            data_wait_s=wait,
-            transfer_s=transfer,
-            compute_s=compute,
-            other_s=[max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)],
-            gpu_idle_s=[point[0] for point in idle] if idle is not None else None,
-        )
+        other = [max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)]
+        idle_s = [point[0] for point in idle] if idle is not None else None
+        first, every = list(self.series.first_step), self.series.steps_per_point
+        return StepTimeline(every, first, wall, wait, transfer, compute, other, idle_s)
 
 
 class CudaStepTimer:
