@@ -1,11 +1,9 @@
 """NVML (``nvidia-ml-py``, imported as ``pynvml``): GPU utilisation and memory, and the doctor's queries.
 
-:class:`NvmlSampler` samples each device in a daemon thread; without a driver it is silently absent, a
-device NVML refuses keeps its last ``error`` while the others are sampled, a MIG instance has memory but
-no utilisation, and every successful ``nvmlInit`` gets exactly one ``nvmlShutdown``. Every NVML call goes
-through :func:`nvml_library` (``pynvml``, or a fake from :func:`using_nvml_library`). Devices are matched
-by UUID (NVML numbers GPUs in PCI order, CUDA fastest first), in NVML's form (``"GPU-…"``, ``"MIG-…"``)
-or torch's without the prefix.
+:class:`NvmlSampler` samples devices in a daemon thread; without a driver it is absent, a device NVML refuses
+keeps its ``error``, a MIG instance has memory but no utilisation, each ``nvmlInit`` gets one ``nvmlShutdown``.
+Every call goes through :func:`nvml_library` (a fake may answer). Devices are matched by UUID (NVML numbers GPUs
+in PCI order, CUDA fastest first), with or without the ``GPU-``/``MIG-`` prefix.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
-
-from lightning_gpuopt.core.checks import check_number
 
 _PREFIXES = ("GPU-", "MIG-")
 
@@ -266,9 +262,7 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.5, uuids: Optional[Sequence[str]] = None) -> None:
-        self.interval_s = check_number("interval_s", interval_s, "interval_s=0.5", low=0, low_inclusive=False)
-        if uuids is not None and (isinstance(uuids, str) or not all(isinstance(u, str) and u for u in uuids)):
-            raise ValueError(f"uuids={uuids!r}: give a list of device UUIDs, e.g. uuids=['GPU-5d2e...'], or None")
+        self.interval_s = float(interval_s)
         self.uuids = None if uuids is None else list(uuids)
         self._lib: Any = None
         self._session = contextlib.ExitStack()
