@@ -1,8 +1,7 @@
 """``gpuopt doctor``: the environment checks of :data:`CHECKS`, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library; NVML through :mod:`.nvml`, so a fake can answer. What only a real card runs
-reads it and hands the figures to a pure ``*_check`` function that judges them; :func:`run_check` turns an
-exception inside a check into a "warn" naming it.
+NVML goes through :mod:`.nvml` (a fake can answer); what needs a real card hands its figures to a pure
+``*_check`` function that judges them. :func:`run_check` turns an exception in a check into a "warn".
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ SHM_WARN_BYTES = 2**30
 _MATMUL_WARN_FRACTION = 0.4
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
 _BUSY_UTILISATION = 20
-_BUSY_MEMORY_FRACTION = 0.10
+_BUSY_MEMORY = 0.10
 
 _GIB = 2**30
 
@@ -173,9 +172,7 @@ def _gpus() -> Check:
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
     visible = [gpu for gpu in gpus if gpu["visible"]]
     hot = [g for g in visible if (g["utilization_percent"] or 0) > _BUSY_UTILISATION]
-    full = [
-        g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)
-    ]
+    full = [g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY * (g["memory_total_bytes"] or 0)]
     busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
     unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
@@ -206,10 +203,9 @@ def _gpu_processes() -> Check:
     shared_fix = "these processes share the GPU's memory and compute with training: stop them or pick another GPU with CUDA_VISIBLE_DEVICES"
     gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
     fix = "; ".join(text for text, found in ((shared_fix, others), (gap_fix, unreadable)) if found)
-    if not unreadable:
-        return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others})
-    parts.append(f"processes not readable on {'; '.join(unreadable)}")
-    return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
+    parts += [f"processes not readable on {'; '.join(unreadable)}"] if unreadable else []
+    details = {"processes": others, "unreadable": unreadable} if unreadable else {"processes": others}
+    return Check("gpu_processes", "warn", "; ".join(parts), fix, details)
 
 
 @dataclass(frozen=True)
