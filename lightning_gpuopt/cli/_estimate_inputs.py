@@ -99,10 +99,8 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
         setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
         setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
         manual = manual_step(trainer, module)
-    context = host_step_context(args.precision)
-    step = TrainingStep(
-        module, batch, loss_fn, manual, optimizers, setup.batch_size, context, device, forward_input=inputs
-    )
+    context, size = host_step_context(args.precision), setup.batch_size
+    step = TrainingStep(module, batch, loss_fn, manual, optimizers, size, context, device, forward_input=inputs)
     estimator = StepEstimator(step)  # kernel workspaces are learned once, for the estimate and the re-traces
     estimate = estimator.estimate(capacity)
     if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
@@ -277,9 +275,7 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
                 raise UsageError(f"`--input-size`={text!r} {why}")
             shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
             if args.dtype == "long":
-                embeddings = [
-                    int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)
-                ]
+                embeddings = [int(m.num_embeddings) for m in module.modules() if isinstance(m, torch.nn.Embedding)]
                 if args.vocab is None and not embeddings:
                     why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
                     raise UsageError(f"`--dtype`='long' {why}")

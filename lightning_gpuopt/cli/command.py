@@ -30,12 +30,7 @@ _INPUT_SIZE_HELP = "a sample's shape without the batch dimension, e.g. 3,224,224
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
-
-    >>> main(["--version"])  # doctest: +ELLIPSIS
-    gpuopt ...
-    0
-    """
+    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     try:
         args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: 2 on bad usage, 0 for --help

@@ -47,7 +47,8 @@ class FakeNvml:
     (change it any time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns.
     """
 
-    NVMLError = pynvml.NVMLError
+    NVMLError, NVMLError_NotFound = pynvml.NVMLError, pynvml.NVMLError_NotFound  # what lightning-gpuopt catches
+    NVMLError_InvalidArgument = pynvml.NVMLError_InvalidArgument
 
     def __init__(
         self,
@@ -148,9 +149,3 @@ class FakeNvml:
         device = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
         owners = [device, *(child for child in self.devices if child.mig and child.parent == device.uuid)]
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for owner in owners for pid, used in owner.processes]
-
-
-for _name in dir(pynvml):  # the error classes and codes, pynvml's own objects
-    if _name.startswith(("NVMLError_", "NVML_ERROR_")):
-        setattr(FakeNvml, _name, getattr(pynvml, _name))
-del _name
