@@ -19,7 +19,6 @@ from lightning_gpuopt.cli._estimate_inputs import (
     DEFAULT_BATCH_SIZE,
     ESTIMATE_OPTIMIZERS,
     ESTIMATE_PRECISIONS,
-    EstimateSetup,
     UsageError,
     estimate_of,
 )
@@ -146,10 +145,8 @@ def _run_presets(args: argparse.Namespace) -> int:
     from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description, preset_path
 
     if args.name is None:
-        listing = [
-            {"name": name, "description": preset_description(name), "path": str(preset_path(name))}
-            for name in available_presets()
-        ]
+        presets = available_presets()
+        listing = [{"name": n, "description": preset_description(n), "path": str(preset_path(n))} for n in presets]
         if args.json:
             _print_json({"presets": listing})
         else:
@@ -171,9 +168,8 @@ def _run_presets(args: argparse.Namespace) -> int:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    """Draw step time over training, memory vs batch size and the loader settings timed, each from its section
-    of the report, as PNGs (lightning_gpuopt.core.plot.save_plots), and print their paths. REPORT and --out may
-    be URLs of any fsspec filesystem. Exit status 1 when nothing could be drawn."""
+    """Draw the report's step times, memory vs batch size and loader timings as PNGs and print their paths
+    (REPORT and --out may be fsspec URLs). Exit status 1 when nothing could be drawn."""
     from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
     from lightning_gpuopt.core.storage import FilesystemUnavailableError, as_location, parent_location, read_bytes
 
@@ -215,25 +211,17 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    """Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained or allocated)
-    and report the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The
-    batch comes from --input-size, else --datamodule's train_dataloader(), else the model's, else its
-    example_input_array. A LightningModule gets a CPU Trainer attached, for configure_optimizers() and
-    train_dataloader() to use self.trainer."""
-    from lightning_gpuopt.core.report import to_dict
+    """Build MODULE:CLASS, trace one training step on fake tensors (nothing is trained or allocated) and report
+    the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The batch: from
+    --input-size, else --datamodule's or the model's train_dataloader(), else example_input_array. A
+    LightningModule gets a CPU Trainer attached, for configure_optimizers() and train_dataloader()."""
+    from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
     estimate, setup = estimate_of(args)
     if args.json:
         setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
         _print_json({**to_dict(estimate), "setup": setup_figures})  # notes: in the estimate's
-    else:
-        _console().print(_estimate_table(estimate, setup), markup=False, highlight=False)
-    return 0
-
-
-def _estimate_table(estimate: Any, setup: EstimateSetup) -> str:
-    from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table
-
+        return 0
     per_sample = "n/a"
     if estimate.bytes_per_sample is not None:
         per_sample = f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.bytes_per_sample)} per sample"
@@ -258,4 +246,6 @@ def _estimate_table(estimate: Any, setup: EstimateSetup) -> str:
         ("torchinfo total (for comparison)", format_bytes(estimate.torchinfo_total_bytes)),
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
-    return render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
+    table = render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
+    _console().print(table, markup=False, highlight=False)
+    return 0

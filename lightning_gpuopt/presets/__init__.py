@@ -83,20 +83,6 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     if resolved in seen:
         chain = " -> ".join(str(p) for p in (*seen, resolved))
         raise ValueError(f"presets extend each other in a cycle: {chain}; remove one `preset:` line of the chain.")
-    settings = _read_settings(path)
-    base = settings.pop("preset", None)
-    check_keys(settings, source=str(path))
-    sources = {key: path for key in settings}
-    if base is None:
-        return settings, sources
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
-    relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
-    base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
-    return {**base_settings, **settings}, {**base_sources, **sources}
-
-
-def _read_settings(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
@@ -109,7 +95,17 @@ def _read_settings(path: Path) -> dict[str, Any]:
     if loaded is not None and not isinstance(loaded, dict):
         why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
         raise ValueError(f"preset file {path} {why}")
-    return dict(loaded or {})
+    settings = dict(loaded or {})
+    base = settings.pop("preset", None)
+    check_keys(settings, source=str(path))
+    sources = {key: path for key in settings}
+    if base is None:
+        return settings, sources
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
+    relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
+    base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
+    return {**base_settings, **settings}, {**base_sources, **sources}
 
 
 def check_keys(settings: dict[str, Any], source: str) -> None:
