@@ -7,6 +7,7 @@ memory to fit. Each refusal is a :class:`UsageError` naming the argument, the va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -26,8 +27,7 @@ ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
 #: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
 DEFAULT_BATCH_SIZE = 8
 #: the Trainer a LightningModule gets (``estimated_stepping_batches`` reads ``max_steps``)
-_TRAINER_STEPS = 1000
-_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=1000, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -205,10 +205,8 @@ def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
 
 def _signature(cls: type) -> inspect.Signature | None:
     for eval_str in (True, False):
-        try:
+        with contextlib.suppress(Exception):  # an annotation's NameError, or no signature: the next way
             return inspect.signature(cls, eval_str=eval_str).replace(return_annotation=inspect.Signature.empty)
-        except Exception:  # noqa: BLE001 - an annotation's NameError, or no signature: the next way
-            continue
     return None
 
 
@@ -279,8 +277,7 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
                 if args.vocab is None and not embeddings:
                     why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
                     raise UsageError(f"`--dtype`='long' {why}")
-                vocab = embeddings[0] if args.vocab is None else args.vocab
-                tensors.append(torch.randint(0, vocab, shape, device="cpu"))
+                tensors.append(torch.randint(0, args.vocab or embeddings[0], shape, device="cpu"))
             else:
                 dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
                 tensors.append(torch.randn(shape, device="cpu").to(dtype))
@@ -342,8 +339,7 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
 def _first_tensor(batch: Any) -> Any:
     import torch
 
-    is_tensors = isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor)
-    return batch[0] if is_tensors else batch
+    return batch[0] if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) else batch
 
 
 def _on_host(data: Any, module: Any) -> Any:
@@ -386,10 +382,8 @@ def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = 
 
     def loss_of(batch: Any) -> torch.Tensor:
         inputs = forward_of(batch)
-        if isinstance(inputs, dict):
-            output = module(**inputs)
-        else:
-            output = module(*inputs) if isinstance(inputs, (list, tuple)) else module(inputs)
+        inputs = inputs if isinstance(inputs, (list, tuple, dict)) else (inputs,)
+        output = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
         leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         if not leaves:
             raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
@@ -410,7 +404,7 @@ def _optimizers(module: Any, choice: str, setup: EstimateSetup) -> list:
         try:
             optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
         except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
-            why = f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} (with a CPU Trainer attached, max_steps={_TRAINER_STEPS}); fix it, or estimate with one of ours: --optimizer adam|adamw|sgd|none."
+            why = f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} (with a CPU Trainer attached, max_steps={_TRAINER['max_steps']}); fix it, or estimate with one of ours: --optimizer adam|adamw|sgd|none."
             raise UsageError(why) from None
         optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
         setup.optimizer = f"{', '.join(type(o).__name__ for o in optimizers)} (configure_optimizers())"
