@@ -1,9 +1,8 @@
 """The ``gpuopt`` console command: ``doctor``, ``presets``, ``estimate``, ``plot`` (``gpuopt COMMAND --help``).
 
-Tables on stdout, or one JSON document with ``--json``. Exit status: 0 on success, 2 on bad usage (the
-message names the argument, the value and what would work), 1 when ``doctor`` finds a "fail" or ``plot``
-draws nothing. Only the standard library is imported at the top, so ``gpuopt --help`` answers at once.
-"""
+Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage (the message names the
+argument, the value and what works), 1 when ``doctor`` finds a "fail" or ``plot`` draws nothing. Only the
+standard library is imported at the top, so ``gpuopt --help`` answers at once."""
 
 from __future__ import annotations
 
@@ -96,11 +95,9 @@ def _print_json(data: Any) -> None:
 
 
 def _print_table(title: str, columns: list[str], rows: list[list[Any]], above: str = "", below: Any = None) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    table = Table(*(Column(c, overflow="fold") for c in columns), title=title, title_justify="left", show_lines=False)
     for row in rows:
         table.add_row(*row)
     console = _console()
@@ -127,10 +124,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
         return 1 if status == "fail" else 0
     rows = []
     for check in checks:
-        finding = Text(check.value)
-        if check.fix:
-            finding.append(f"\n→ {check.fix}", style="italic")
-        rows.append([Text(check.status.upper(), style=_STATUS_STYLE.get(check.status, "")), Text(check.name), finding])
+        finding = Text(check.value).append(f"\n→ {check.fix}" if check.fix else "", style="italic")
+        rows.append([Text(check.status.upper(), style=_STATUS_STYLE[check.status]), Text(check.name), finding])
     counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in ("ok", "info", "warn", "fail"))
     summary = Text(f"{len(checks)} checks: {counts}; overall {status.upper()}", style=_STATUS_STYLE[status])
     _print_table("gpuopt doctor", ["status", "check", "finding  (→ fix)"], rows, below=summary)
