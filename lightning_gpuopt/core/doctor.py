@@ -12,7 +12,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -96,7 +96,8 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
 
 def _cuda_driver() -> Check:
     with nvml.nvml_session() as (lib, _):
-        driver, release = nvml.driver_versions(lib) if lib is not None else (None, "")
+        driver = None if lib is None else int(lib.nvmlSystemGetCudaDriverVersion())  # e.g. 12040 for CUDA 12.4
+        release = "" if lib is None else str(lib.nvmlSystemGetDriverVersion())  # e.g. "550.54.15"
     return cuda_driver_check(torch.version.cuda, driver, release)
 
 
@@ -208,8 +209,7 @@ def _gpu_processes() -> Check:
     return Check("gpu_processes", "warn", "; ".join(parts), fix, details)
 
 
-@dataclass(frozen=True)
-class CardPeaks:
+class CardPeaks(NamedTuple):
     """Dense (no sparsity) peak matmul TFLOP/s of a card from its datasheet; ``None``: not supported."""
 
     card: str
@@ -341,7 +341,6 @@ _BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accele
 
 def torch_blas(config: str) -> str:
     """The BLAS library named in ``torch.__config__.show()``'s build settings.
-
     >>> torch_blas("Build settings: BLAS_INFO=open, USE_MKL=OFF"), torch_blas("USE_MKL=ON"), torch_blas("nothing")
     ('OpenBLAS', 'MKL', 'none')
     """

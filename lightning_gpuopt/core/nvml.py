@@ -100,10 +100,6 @@ def nvml_session() -> Iterator[tuple[Any, str]]:
             lib.nvmlShutdown()
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def error_text(error: BaseException) -> str:
     """An error as one line naming its type: ``"NVMLError_NoPermission: Insufficient Permissions"``."""
     return f"{type(error).__name__}: {error}"
@@ -175,7 +171,7 @@ class NvmlDevice:
 
 
 def _gpu_uuid(lib: Any, mig_handle: Any) -> str:
-    return _text(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
+    return str(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
 
 
 def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uuid: str = "") -> NvmlDevice:
@@ -184,7 +180,7 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
     try:
         if index is not None:
             device.handle = lib.nvmlDeviceGetHandleByIndex(index)
-            device.uuid = _text(lib.nvmlDeviceGetUUID(device.handle))
+            device.uuid = str(lib.nvmlDeviceGetUUID(device.handle))
         else:
             *others, last = _uuid_candidates(uuid)
             for candidate in others:  # the spelling NVML accepts
@@ -196,7 +192,7 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
             device.mig = device.uuid.startswith("MIG-")
             gpu_uuid = _gpu_uuid(lib, device.handle) if device.mig else device.uuid
             device.index = next((gpu.index for gpu in gpus if gpu.uuid == gpu_uuid), None)
-        device.name = _text(lib.nvmlDeviceGetName(device.handle))
+        device.name = str(lib.nvmlDeviceGetName(device.handle))
     except lib.NVMLError as error:
         device.error = error_text(error)
     return device
@@ -240,17 +236,12 @@ def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
         try:
-            name = os.path.basename(_text(lib.nvmlSystemGetProcessName(process.pid)))
+            name = os.path.basename(str(lib.nvmlSystemGetProcessName(process.pid)))
         except lib.NVMLError:
             name = "?"
         used = getattr(process, "usedGpuMemory", None)
         processes.append({"pid": int(process.pid), "name": name, "memory_bytes": None if used is None else int(used)})
     return processes
-
-
-def driver_versions(lib: Any) -> tuple[int, str]:
-    """``(CUDA version the driver supports, e.g. 12040; driver release, e.g. "550.54.15")``."""
-    return int(lib.nvmlSystemGetCudaDriverVersion()), _text(lib.nvmlSystemGetDriverVersion())
 
 
 class NvmlSampler:

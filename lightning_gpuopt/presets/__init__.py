@@ -1,9 +1,6 @@
-"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files.
-
-A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment at its
-top is its description. A YAML file may extend a preset (or another file, relative to its own folder) with
-``preset: NAME_OR_PATH`` and override some of its keys.
-"""
+"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files: a flat mapping of
+``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`), its top comment the description. A YAML file may extend a
+preset (or another file, relative to its own folder) with ``preset: NAME_OR_PATH`` and override some keys."""
 
 from __future__ import annotations
 

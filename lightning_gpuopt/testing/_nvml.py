@@ -19,11 +19,9 @@ _Reading = Union[int, Callable[[], int]]
 
 @dataclass(eq=False)
 class FakeNvmlDevice:
-    """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``).
-
-    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at
-    every query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it.
-    """
+    """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``);
+    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at every
+    query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it."""
 
     name: str
     uuid: str
@@ -41,11 +39,9 @@ def _read(value: _Reading) -> int:
 
 
 class FakeNvml:
-    """A stand-in for the ``pynvml`` module over ``devices`` (GPUs are numbered in list order).
-
-    ``process_names``: pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises
-    (change it any time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns.
-    """
+    """A stand-in for the ``pynvml`` module over ``devices`` (GPUs numbered in list order); ``process_names``:
+    pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises (change it any
+    time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns."""
 
     NVMLError, NVMLError_NotFound = pynvml.NVMLError, pynvml.NVMLError_NotFound  # what lightning-gpuopt catches
     NVMLError_InvalidArgument = pynvml.NVMLError_InvalidArgument
