@@ -44,11 +44,6 @@ class Check:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def worst_status(checks: list[Check]) -> str:
-    """The worst status among ``checks`` ("ok" for none)."""
-    return max((check.status for check in checks), key=STATUSES.index, default="ok")
-
-
 def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
     """Judge torch's ``version``, CUDA ``build`` and cuDNN, CUDA being ``available``, and the visible ``gpus``."""
     value = f"torch {version}, CUDA build {build or 'none (CPU-only wheel)'}" + (f", cuDNN {cudnn}" if cudnn else "")
@@ -440,8 +435,3 @@ def run_check(name: str, *args: Any) -> Check:
     except Exception as error:  # noqa: BLE001 - a check reports, it never raises
         fix = "this is a gap in the diagnosis, not necessarily a problem; run the check's steps by hand"
         return Check(name, "warn", f"the check could not run: {nvml.error_text(error)}", fix)
-
-
-def run_checks(matmul_seconds: float = 2.0) -> list[Check]:
-    """Run every check in order; ``matmul_seconds`` bounds the benchmark (0 skips it)."""
-    return [run_check(name, matmul_seconds) if name == "matmul" else run_check(name) for name in CHECKS]

@@ -272,17 +272,15 @@ class NvmlSampler:
         """Initialise NVML, find the devices and start sampling; ``False`` when no device answers."""
         if self._thread is not None:
             return True
-        self._devices, self._visible = [], []
         with contextlib.ExitStack() as session:
             lib, _ = session.enter_context(nvml_session())
-            devices: list[NvmlDevice] = []
-            visible: list[int] = []
+            found: tuple[list[NvmlDevice], list[int]] = ([], [])
             if lib is not None:
                 with contextlib.suppress(lib.NVMLError, OSError):
-                    devices, visible = nvml_devices(lib, self.uuids)
-            if all(device.handle is None for device in devices):  # no driver, no count, no device that answers
+                    found = nvml_devices(lib, self.uuids)
+            if all(device.handle is None for device in found[0]):  # no driver, no count, no device that answers
                 return False
-            self._lib, self._devices, self._visible = lib, devices, visible
+            self._lib, (self._devices, self._visible) = lib, found
             self._sample_once()
             self._session = session.pop_all()
         self._stop.clear()
