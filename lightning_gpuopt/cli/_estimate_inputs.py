@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -213,8 +214,6 @@ def _signature(cls: type) -> inspect.Signature | None:
 def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
     """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
     attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
-    import logging
-
     from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_gpuopt.callbacks import _lightning_compat as compat

@@ -101,12 +101,11 @@ class GpuOptCLI(WithGpuOpt, LightningCLI):
 
 def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` with the preset's values under the overrides, checked by a :class:`GpuOpt`; else exit 2."""
-    if not any(value is not None for value in settings.values()):
+    given = {key: value for key, value in settings.items() if value is not None}
+    if not given:
         return settings
     try:
-        preset = settings.get("preset")
-        given = {key: value for key, value in settings.items() if value is not None}
-        resolved = {**settings, **(load_preset(preset) if preset else {}), **given}
+        resolved = {**settings, **(load_preset(given["preset"]) if given.get("preset") else {}), **given}
         GpuOpt(**resolved)
     except ValueError as error:
         parser.error(f"--{_KEY}: {error}")

@@ -29,7 +29,6 @@ _MATMUL_WARN_FRACTION = 0.4
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
 _BUSY_UTILISATION = 20
 _BUSY_MEMORY = 0.10
-
 _GIB = 2**30
 
 
@@ -213,9 +212,8 @@ class CardPeaks(NamedTuple):
     bf16: Optional[float]
 
 
-# Dense FP32/TF32/BF16 from NVIDIA's datasheets (their tensor-core figures, with sparsity, halved) and whitepapers
-# (RTX). Not Lightning's `get_available_flops`: it reads torch.cuda itself and its H200/H100 NVL rows are sparse.
-#: (pattern on the card's name, peaks); the first match wins
+#: (pattern on the card's name, peaks), the first match wins: NVIDIA's datasheets (tensor-core figures with sparsity
+#: halved) and whitepapers (RTX); not Lightning's `get_available_flops`, which has sparse H200/H100 NVL rows
 _CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
     (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),     (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),

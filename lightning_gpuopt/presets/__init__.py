@@ -45,17 +45,16 @@ def available_presets() -> list[str]:
 
 def preset_path(name_or_path: str | os.PathLike) -> Path:
     """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file."""
-    expected = _expected()
     text = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text:
-        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
+        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {_expected()}")
     if text in available_presets():
         return _DIR / f"{text}.yaml"
     path = Path(text).expanduser()
     if path.suffix in _SUFFIXES and path.is_file():
         return path
     hint = f" (no YAML file at {path})" if path.suffix in _SUFFIXES or path.exists() else ""
-    raise ValueError(f"unknown preset {text!r}{hint}: {expected}")
+    raise ValueError(f"unknown preset {text!r}{hint}: {_expected()}")
 
 
 def preset_description(name_or_path: str | os.PathLike) -> str:

@@ -56,9 +56,8 @@ class FakeNvml:
     ) -> None:
         self.devices, self.process_names = list(devices), dict(process_names or {})
         self.driver_version, self.cuda_driver_version = driver_version, cuda_driver_version
-        self.failures: dict[str, BaseException] = dict(failures or {})
+        self.failures, self.initialised = dict(failures or {}), 0
         self.calls: collections.Counter[str] = collections.Counter()
-        self.initialised = 0
         self._lock = threading.Lock()
 
     def _enter(self, call: str, handle: Any = None, init: int = 0) -> Any:
