@@ -7,10 +7,12 @@ memory to fit. Each refusal is a :class:`UsageError` naming the argument, the va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -26,8 +28,7 @@ ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
 #: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
 DEFAULT_BATCH_SIZE = 8
 #: the Trainer a LightningModule gets (``estimated_stepping_batches`` reads ``max_steps``)
-_TRAINER_STEPS = 1000
-_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=_TRAINER_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+_TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=1000, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -99,10 +100,8 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
         setup.loss = "the model's training_step() (manual optimization: its own backward passes and optimizer steps)"
         setup.notes[:] = [note for note in setup.notes if "stand-in" not in note]
         manual = manual_step(trainer, module)
-    context = host_step_context(args.precision)
-    step = TrainingStep(
-        module, batch, loss_fn, manual, optimizers, setup.batch_size, context, device, forward_input=inputs
-    )
+    context, size = host_step_context(args.precision), setup.batch_size
+    step = TrainingStep(module, batch, loss_fn, manual, optimizers, size, context, device, forward_input=inputs)
     estimator = StepEstimator(step)  # kernel workspaces are learned once, for the estimate and the re-traces
     estimate = estimator.estimate(capacity)
     if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
@@ -207,18 +206,14 @@ def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
 
 def _signature(cls: type) -> inspect.Signature | None:
     for eval_str in (True, False):
-        try:
+        with contextlib.suppress(Exception):  # an annotation's NameError, or no signature: the next way
             return inspect.signature(cls, eval_str=eval_str).replace(return_annotation=inspect.Signature.empty)
-        except Exception:  # noqa: BLE001 - an annotation's NameError, or no signature: the next way
-            continue
     return None
 
 
 def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
     """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
     attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
-    import logging
-
     from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -277,14 +272,11 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
                 raise UsageError(f"`--input-size`={text!r} {why}")
             shape = (args.batch_size or DEFAULT_BATCH_SIZE, *sizes)
             if args.dtype == "long":
-                embeddings = [
-                    int(sub.num_embeddings) for sub in module.modules() if isinstance(sub, torch.nn.Embedding)
-                ]
+                embeddings = [int(m.num_embeddings) for m in module.modules() if isinstance(m, torch.nn.Embedding)]
                 if args.vocab is None and not embeddings:
                     why = "needs the range of the token ids and the model has no nn.Embedding; give it with --vocab N, e.g. --vocab 32000."
                     raise UsageError(f"`--dtype`='long' {why}")
-                vocab = embeddings[0] if args.vocab is None else args.vocab
-                tensors.append(torch.randint(0, vocab, shape, device="cpu"))
+                tensors.append(torch.randint(0, args.vocab or embeddings[0], shape, device="cpu"))
             else:
                 dtype = torch.bfloat16 if args.precision == "bf16-true" else getattr(torch, args.dtype)
                 tensors.append(torch.randn(shape, device="cpu").to(dtype))
@@ -346,8 +338,7 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
 def _first_tensor(batch: Any) -> Any:
     import torch
 
-    is_tensors = isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor)
-    return batch[0] if is_tensors else batch
+    return batch[0] if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) else batch
 
 
 def _on_host(data: Any, module: Any) -> Any:
@@ -390,10 +381,8 @@ def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = 
 
     def loss_of(batch: Any) -> torch.Tensor:
         inputs = forward_of(batch)
-        if isinstance(inputs, dict):
-            output = module(**inputs)
-        else:
-            output = module(*inputs) if isinstance(inputs, (list, tuple)) else module(inputs)
+        inputs = inputs if isinstance(inputs, (list, tuple, dict)) else (inputs,)
+        output = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
         leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         if not leaves:
             raise TypeError("forward returned no floating-point tensor to take a stand-in loss of")
@@ -414,7 +403,7 @@ def _optimizers(module: Any, choice: str, setup: EstimateSetup) -> list:
         try:
             optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)
         except Exception as error:  # noqa: BLE001 - the user's configure_optimizers, or Lightning's checks of it
-            why = f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} (with a CPU Trainer attached, max_steps={_TRAINER_STEPS}); fix it, or estimate with one of ours: --optimizer adam|adamw|sgd|none."
+            why = f"configure_optimizers() of {type(module).__name__} raised {type(error).__name__}: {error} (with a CPU Trainer attached, max_steps={_TRAINER['max_steps']}); fix it, or estimate with one of ours: --optimizer adam|adamw|sgd|none."
             raise UsageError(why) from None
         optimizers = [optimizer for optimizer in optimizers if not isinstance(optimizer, compat.MockOptimizer)]
         setup.optimizer = f"{', '.join(type(o).__name__ for o in optimizers)} (configure_optimizers())"

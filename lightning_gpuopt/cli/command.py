@@ -1,9 +1,8 @@
 """The ``gpuopt`` console command: ``doctor``, ``presets``, ``estimate``, ``plot`` (``gpuopt COMMAND --help``).
 
-Tables on stdout, or one JSON document with ``--json``. Exit status: 0 on success, 2 on bad usage (the
-message names the argument, the value and what would work), 1 when ``doctor`` finds a "fail" or ``plot``
-draws nothing. Only the standard library is imported at the top, so ``gpuopt --help`` answers at once.
-"""
+Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage (the message names the
+argument, the value and what works), 1 when ``doctor`` finds a "fail" or ``plot`` draws nothing. Only the
+standard library is imported at the top, so ``gpuopt --help`` answers at once."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from lightning_gpuopt.cli._estimate_inputs import (
     DEFAULT_BATCH_SIZE,
     ESTIMATE_OPTIMIZERS,
     ESTIMATE_PRECISIONS,
-    EstimateSetup,
     UsageError,
     estimate_of,
 )
@@ -30,12 +28,7 @@ _INPUT_SIZE_HELP = "a sample's shape without the batch dimension, e.g. 3,224,224
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
-
-    >>> main(["--version"])  # doctest: +ELLIPSIS
-    gpuopt ...
-    0
-    """
+    """Run ``gpuopt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     try:
         args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: 2 on bad usage, 0 for --help
@@ -102,11 +95,9 @@ def _print_json(data: Any) -> None:
 
 
 def _print_table(title: str, columns: list[str], rows: list[list[Any]], above: str = "", below: Any = None) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    table = Table(*(Column(c, overflow="fold") for c in columns), title=title, title_justify="left", show_lines=False)
     for row in rows:
         table.add_row(*row)
     console = _console()
@@ -122,21 +113,20 @@ def _run_doctor(args: argparse.Namespace) -> int:
     threads, BLAS, pinned memory and /dev/shm (lightning_gpuopt.core.doctor). Exit status 1 on a 'fail'."""
     from rich.text import Text
 
-    from lightning_gpuopt.core.doctor import run_checks, worst_status
+    from lightning_gpuopt.core.doctor import CHECKS, STATUSES, run_check
 
     if args.matmul_seconds < 0:
         raise UsageError(f"`--matmul-seconds`={args.matmul_seconds} is negative; use e.g. 2 (or 0 to skip).")
-    checks = run_checks(matmul_seconds=0.3 if args.quick else args.matmul_seconds)
-    status = worst_status(checks)
+    seconds = 0.3 if args.quick else args.matmul_seconds  # the benchmark's
+    checks = [run_check(name, seconds) if name == "matmul" else run_check(name) for name in CHECKS]
+    status = max((check.status for check in checks), key=STATUSES.index)  # the worst
     if args.json:
         _print_json({"status": status, "checks": [dataclasses.asdict(check) for check in checks]})
         return 1 if status == "fail" else 0
     rows = []
     for check in checks:
-        finding = Text(check.value)
-        if check.fix:
-            finding.append(f"\n→ {check.fix}", style="italic")
-        rows.append([Text(check.status.upper(), style=_STATUS_STYLE.get(check.status, "")), Text(check.name), finding])
+        finding = Text(check.value).append(f"\n→ {check.fix}" if check.fix else "", style="italic")
+        rows.append([Text(check.status.upper(), style=_STATUS_STYLE[check.status]), Text(check.name), finding])
     counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in ("ok", "info", "warn", "fail"))
     summary = Text(f"{len(checks)} checks: {counts}; overall {status.upper()}", style=_STATUS_STYLE[status])
     _print_table("gpuopt doctor", ["status", "check", "finding  (→ fix)"], rows, below=summary)
@@ -151,10 +141,8 @@ def _run_presets(args: argparse.Namespace) -> int:
     from lightning_gpuopt.presets import PRESET_KEYS, available_presets, load_preset, preset_description, preset_path
 
     if args.name is None:
-        listing = [
-            {"name": name, "description": preset_description(name), "path": str(preset_path(name))}
-            for name in available_presets()
-        ]
+        presets = available_presets()
+        listing = [{"name": n, "description": preset_description(n), "path": str(preset_path(n))} for n in presets]
         if args.json:
             _print_json({"presets": listing})
         else:
@@ -176,9 +164,8 @@ def _run_presets(args: argparse.Namespace) -> int:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    """Draw step time over training, memory vs batch size and the loader settings timed, each from its section
-    of the report, as PNGs (lightning_gpuopt.core.plot.save_plots), and print their paths. REPORT and --out may
-    be URLs of any fsspec filesystem. Exit status 1 when nothing could be drawn."""
+    """Draw the report's step times, memory vs batch size and loader timings as PNGs and print their paths
+    (REPORT and --out may be fsspec URLs). Exit status 1 when nothing could be drawn."""
     from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
     from lightning_gpuopt.core.storage import FilesystemUnavailableError, as_location, parent_location, read_bytes
 
@@ -220,25 +207,17 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    """Import MODULE:CLASS, build it, trace one training step on fake tensors (nothing is trained or allocated)
-    and report the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The
-    batch comes from --input-size, else --datamodule's train_dataloader(), else the model's, else its
-    example_input_array. A LightningModule gets a CPU Trainer attached, for configure_optimizers() and
-    train_dataloader() to use self.trainer."""
-    from lightning_gpuopt.core.report import to_dict
+    """Build MODULE:CLASS, trace one training step on fake tensors (nothing is trained or allocated) and report
+    the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The batch: from
+    --input-size, else --datamodule's or the model's train_dataloader(), else example_input_array. A
+    LightningModule gets a CPU Trainer attached, for configure_optimizers() and train_dataloader()."""
+    from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
     estimate, setup = estimate_of(args)
     if args.json:
         setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
         _print_json({**to_dict(estimate), "setup": setup_figures})  # notes: in the estimate's
-    else:
-        _console().print(_estimate_table(estimate, setup), markup=False, highlight=False)
-    return 0
-
-
-def _estimate_table(estimate: Any, setup: EstimateSetup) -> str:
-    from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table
-
+        return 0
     per_sample = "n/a"
     if estimate.bytes_per_sample is not None:
         per_sample = f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.bytes_per_sample)} per sample"
@@ -263,4 +242,6 @@ def _estimate_table(estimate: Any, setup: EstimateSetup) -> str:
         ("torchinfo total (for comparison)", format_bytes(estimate.torchinfo_total_bytes)),
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
-    return render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
+    table = render_table("gpuopt estimate", rows, notes=[f"  • {note}" for note in estimate.notes])
+    _console().print(table, markup=False, highlight=False)
+    return 0

@@ -54,7 +54,10 @@ class WithGpuOpt:
         parser.add_class_arguments(GpuOpt, _KEY, fail_untyped=False, instantiate=False, sub_configs=True)
         parser.set_defaults({f"{_KEY}.preset": None})
         actions = compat.parser_option_actions(parser)
-        actions[f"--{_KEY}"].help, actions[f"--{_KEY}"].metavar = _flag_help(), "PRESET_OR_YAML"
+        gist = re.compile(r"\. |: | \(")  # a preset's description up to its first stop
+        presets = "; ".join(f"{n} ({gist.split(preset_description(n), 1)[0].rstrip('.')})" for n in available_presets())
+        flag = f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. `gpuopt presets NAME` shows one's settings."
+        actions[f"--{_KEY}"].help, actions[f"--{_KEY}"].metavar = flag, "PRESET_OR_YAML"
         actions[f"--{_KEY}.preset"].help = "the same as --gpuopt PRESET_OR_YAML"
         for key, meaning in PRESET_KEYS.items():
             actions[f"--{_KEY}.{key}"].help = f"{meaning} (null: the preset's value)"
@@ -97,25 +100,16 @@ class GpuOptCLI(WithGpuOpt, LightningCLI):
 
 
 def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with the preset's values under the overrides, checked by building a :class:`GpuOpt`; a bad
-    one is the parser's usage error (exit 2)."""
-    if not any(value is not None for value in settings.values()):
+    """``settings`` with the preset's values under the overrides, checked by a :class:`GpuOpt`; else exit 2."""
+    given = {key: value for key, value in settings.items() if value is not None}
+    if not given:
         return settings
     try:
-        preset = settings.get("preset")
-        given = {key: value for key, value in settings.items() if value is not None}
-        resolved = {**settings, **(load_preset(preset) if preset else {}), **given}
+        resolved = {**settings, **(load_preset(given["preset"]) if given.get("preset") else {}), **given}
         GpuOpt(**resolved)
     except ValueError as error:
         parser.error(f"--{_KEY}: {error}")
     return resolved
-
-
-def _flag_help() -> str:
-    """The help of ``--gpuopt``: what it takes, and the gist of each shipped preset."""
-    gists = (re.split(r"\. |: | \(", preset_description(name), maxsplit=1)[0] for name in available_presets())
-    presets = "; ".join(f"{name} ({gist.rstrip('.')})" for name, gist in zip(available_presets(), gists))
-    return f"a preset name or the path of a YAML file of GpuOpt settings (which may say `preset: NAME` to extend one): adds a GpuOpt callback; each --gpuopt.<setting> below overrides the preset's. Presets: {presets}. `gpuopt presets NAME` shows one's settings."
 
 
 def preset_flag_as_key(argv: list[str]) -> list[str]:

@@ -1,8 +1,7 @@
 """``gpuopt doctor``: the environment checks of :data:`CHECKS`, each a :class:`Check` with a status and a fix.
 
-Pure torch + standard library; NVML through :mod:`.nvml`, so a fake can answer. What only a real card runs
-reads it and hands the figures to a pure ``*_check`` function that judges them; :func:`run_check` turns an
-exception inside a check into a "warn" naming it.
+NVML goes through :mod:`.nvml` (a fake can answer); what needs a real card hands its figures to a pure
+``*_check`` function that judges them. :func:`run_check` turns an exception in a check into a "warn".
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -29,8 +28,7 @@ SHM_WARN_BYTES = 2**30
 _MATMUL_WARN_FRACTION = 0.4
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
 _BUSY_UTILISATION = 20
-_BUSY_MEMORY_FRACTION = 0.10
-
+_BUSY_MEMORY = 0.10
 _GIB = 2**30
 
 
@@ -43,11 +41,6 @@ class Check:
     value: str
     fix: str = ""
     details: dict[str, Any] = field(default_factory=dict)
-
-
-def worst_status(checks: list[Check]) -> str:
-    """The worst status among ``checks`` ("ok" for none)."""
-    return max((check.status for check in checks), key=STATUSES.index, default="ok")
 
 
 def torch_build_check(version: str, build: Optional[str], cudnn: Optional[int], available: bool, gpus: int) -> Check:
@@ -97,7 +90,8 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
 
 def _cuda_driver() -> Check:
     with nvml.nvml_session() as (lib, _):
-        driver, release = nvml.driver_versions(lib) if lib is not None else (None, "")
+        driver = None if lib is None else int(lib.nvmlSystemGetCudaDriverVersion())  # e.g. 12040 for CUDA 12.4
+        release = "" if lib is None else str(lib.nvmlSystemGetDriverVersion())  # e.g. "550.54.15"
     return cuda_driver_check(torch.version.cuda, driver, release)
 
 
@@ -173,9 +167,7 @@ def _gpus() -> Check:
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
     visible = [gpu for gpu in gpus if gpu["visible"]]
     hot = [g for g in visible if (g["utilization_percent"] or 0) > _BUSY_UTILISATION]
-    full = [
-        g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY_FRACTION * (g["memory_total_bytes"] or 0)
-    ]
+    full = [g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY * (g["memory_total_bytes"] or 0)]
     busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
     unreadable = ", ".join(str(gpu["index"]) for gpu in visible if gpu.get("error"))
     busy_fix = f"GPU(s) {busy} are busy before training starts: another job shares them (see gpu_processes); pick a free one with CUDA_VISIBLE_DEVICES"
@@ -206,14 +198,12 @@ def _gpu_processes() -> Check:
     shared_fix = "these processes share the GPU's memory and compute with training: stop them or pick another GPU with CUDA_VISIBLE_DEVICES"
     gap_fix = "run `nvidia-smi` as a user allowed to see the GPUs' processes (or as root)"
     fix = "; ".join(text for text, found in ((shared_fix, others), (gap_fix, unreadable)) if found)
-    if not unreadable:
-        return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others})
-    parts.append(f"processes not readable on {'; '.join(unreadable)}")
-    return Check("gpu_processes", "warn", "; ".join(parts), fix, {"processes": others, "unreadable": unreadable})
+    parts += [f"processes not readable on {'; '.join(unreadable)}"] if unreadable else []
+    details = {"processes": others, "unreadable": unreadable} if unreadable else {"processes": others}
+    return Check("gpu_processes", "warn", "; ".join(parts), fix, details)
 
 
-@dataclass(frozen=True)
-class CardPeaks:
+class CardPeaks(NamedTuple):
     """Dense (no sparsity) peak matmul TFLOP/s of a card from its datasheet; ``None``: not supported."""
 
     card: str
@@ -222,9 +212,8 @@ class CardPeaks:
     bf16: Optional[float]
 
 
-# Dense FP32/TF32/BF16 from NVIDIA's datasheets (their tensor-core figures, with sparsity, halved) and whitepapers
-# (RTX). Not Lightning's `get_available_flops`: it reads torch.cuda itself and its H200/H100 NVL rows are sparse.
-#: (pattern on the card's name, peaks); the first match wins
+#: (pattern on the card's name, peaks), the first match wins: NVIDIA's datasheets (tensor-core figures with sparsity
+#: halved) and whitepapers (RTX); not Lightning's `get_available_flops`, which has sparse H200/H100 NVL rows
 _CARD_PEAKS: list[tuple[str, CardPeaks]] = [
     (r"H200 NVL", CardPeaks("H200 NVL", 60.0, 417.5, 835.5)),     (r"H200", CardPeaks("H200 SXM", 67.0, 494.7, 989.4)),
     (r"H100 NVL", CardPeaks("H100 NVL", 60.0, 417.5, 835.5)),     (r"H100 PCIe", CardPeaks("H100 PCIe", 51.0, 378.0, 756.0)),
@@ -345,7 +334,6 @@ _BLAS_NAMES = {"mkl": "MKL", "open": "OpenBLAS", "openblas": "OpenBLAS", "accele
 
 def torch_blas(config: str) -> str:
     """The BLAS library named in ``torch.__config__.show()``'s build settings.
-
     >>> torch_blas("Build settings: BLAS_INFO=open, USE_MKL=OFF"), torch_blas("USE_MKL=ON"), torch_blas("nothing")
     ('OpenBLAS', 'MKL', 'none')
     """
@@ -445,8 +433,3 @@ def run_check(name: str, *args: Any) -> Check:
     except Exception as error:  # noqa: BLE001 - a check reports, it never raises
         fix = "this is a gap in the diagnosis, not necessarily a problem; run the check's steps by hand"
         return Check(name, "warn", f"the check could not run: {nvml.error_text(error)}", fix)
-
-
-def run_checks(matmul_seconds: float = 2.0) -> list[Check]:
-    """Run every check in order; ``matmul_seconds`` bounds the benchmark (0 skips it)."""
-    return [run_check(name, matmul_seconds) if name == "matmul" else run_check(name) for name in CHECKS]

@@ -1,11 +1,9 @@
 """NVML (``nvidia-ml-py``, imported as ``pynvml``): GPU utilisation and memory, and the doctor's queries.
 
-:class:`NvmlSampler` samples each device in a daemon thread; without a driver it is silently absent, a
-device NVML refuses keeps its last ``error`` while the others are sampled, a MIG instance has memory but
-no utilisation, and every successful ``nvmlInit`` gets exactly one ``nvmlShutdown``. Every NVML call goes
-through :func:`nvml_library` (``pynvml``, or a fake from :func:`using_nvml_library`). Devices are matched
-by UUID (NVML numbers GPUs in PCI order, CUDA fastest first), in NVML's form (``"GPU-…"``, ``"MIG-…"``)
-or torch's without the prefix.
+:class:`NvmlSampler` samples devices in a daemon thread; without a driver it is absent, a device NVML refuses
+keeps its ``error``, a MIG instance has memory but no utilisation, each ``nvmlInit`` gets one ``nvmlShutdown``.
+Every call goes through :func:`nvml_library` (a fake may answer). Devices are matched by UUID (NVML numbers GPUs
+in PCI order, CUDA fastest first), with or without the ``GPU-``/``MIG-`` prefix.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
-
-from lightning_gpuopt.core.checks import check_number
 
 _PREFIXES = ("GPU-", "MIG-")
 
@@ -104,10 +100,6 @@ def nvml_session() -> Iterator[tuple[Any, str]]:
             lib.nvmlShutdown()
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def error_text(error: BaseException) -> str:
     """An error as one line naming its type: ``"NVMLError_NoPermission: Insufficient Permissions"``."""
     return f"{type(error).__name__}: {error}"
@@ -179,7 +171,7 @@ class NvmlDevice:
 
 
 def _gpu_uuid(lib: Any, mig_handle: Any) -> str:
-    return _text(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
+    return str(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_handle)))
 
 
 def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uuid: str = "") -> NvmlDevice:
@@ -188,7 +180,7 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
     try:
         if index is not None:
             device.handle = lib.nvmlDeviceGetHandleByIndex(index)
-            device.uuid = _text(lib.nvmlDeviceGetUUID(device.handle))
+            device.uuid = str(lib.nvmlDeviceGetUUID(device.handle))
         else:
             *others, last = _uuid_candidates(uuid)
             for candidate in others:  # the spelling NVML accepts
@@ -200,7 +192,7 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
             device.mig = device.uuid.startswith("MIG-")
             gpu_uuid = _gpu_uuid(lib, device.handle) if device.mig else device.uuid
             device.index = next((gpu.index for gpu in gpus if gpu.uuid == gpu_uuid), None)
-        device.name = _text(lib.nvmlDeviceGetName(device.handle))
+        device.name = str(lib.nvmlDeviceGetName(device.handle))
     except lib.NVMLError as error:
         device.error = error_text(error)
     return device
@@ -244,17 +236,12 @@ def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
         try:
-            name = os.path.basename(_text(lib.nvmlSystemGetProcessName(process.pid)))
+            name = os.path.basename(str(lib.nvmlSystemGetProcessName(process.pid)))
         except lib.NVMLError:
             name = "?"
         used = getattr(process, "usedGpuMemory", None)
         processes.append({"pid": int(process.pid), "name": name, "memory_bytes": None if used is None else int(used)})
     return processes
-
-
-def driver_versions(lib: Any) -> tuple[int, str]:
-    """``(CUDA version the driver supports, e.g. 12040; driver release, e.g. "550.54.15")``."""
-    return int(lib.nvmlSystemGetCudaDriverVersion()), _text(lib.nvmlSystemGetDriverVersion())
 
 
 class NvmlSampler:
@@ -266,9 +253,7 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.5, uuids: Optional[Sequence[str]] = None) -> None:
-        self.interval_s = check_number("interval_s", interval_s, "interval_s=0.5", low=0, low_inclusive=False)
-        if uuids is not None and (isinstance(uuids, str) or not all(isinstance(u, str) and u for u in uuids)):
-            raise ValueError(f"uuids={uuids!r}: give a list of device UUIDs, e.g. uuids=['GPU-5d2e...'], or None")
+        self.interval_s = float(interval_s)
         self.uuids = None if uuids is None else list(uuids)
         self._lib: Any = None
         self._session = contextlib.ExitStack()
@@ -287,17 +272,15 @@ class NvmlSampler:
         """Initialise NVML, find the devices and start sampling; ``False`` when no device answers."""
         if self._thread is not None:
             return True
-        self._devices, self._visible = [], []
         with contextlib.ExitStack() as session:
             lib, _ = session.enter_context(nvml_session())
-            devices: list[NvmlDevice] = []
-            visible: list[int] = []
+            found: tuple[list[NvmlDevice], list[int]] = ([], [])
             if lib is not None:
                 with contextlib.suppress(lib.NVMLError, OSError):
-                    devices, visible = nvml_devices(lib, self.uuids)
-            if all(device.handle is None for device in devices):  # no driver, no count, no device that answers
+                    found = nvml_devices(lib, self.uuids)
+            if all(device.handle is None for device in found[0]):  # no driver, no count, no device that answers
                 return False
-            self._lib, self._devices, self._visible = lib, devices, visible
+            self._lib, (self._devices, self._visible) = lib, found
             self._sample_once()
             self._session = session.pop_all()
         self._stop.clear()

@@ -1,9 +1,6 @@
-"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files.
-
-A preset is a flat YAML mapping of ``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`); the comment at its
-top is its description. A YAML file may extend a preset (or another file, relative to its own folder) with
-``preset: NAME_OR_PATH`` and override some of its keys.
-"""
+"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files: a flat mapping of
+``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`), its top comment the description. A YAML file may extend a
+preset (or another file, relative to its own folder) with ``preset: NAME_OR_PATH`` and override some keys."""
 
 from __future__ import annotations
 
@@ -48,17 +45,16 @@ def available_presets() -> list[str]:
 
 def preset_path(name_or_path: str | os.PathLike) -> Path:
     """The YAML file of a shipped preset's name, or ``name_or_path`` itself when it is a YAML file."""
-    expected = _expected()
     text = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text:
-        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {expected}")
+        raise ValueError(f"`preset`={name_or_path!r} is not a preset name or path: {_expected()}")
     if text in available_presets():
         return _DIR / f"{text}.yaml"
     path = Path(text).expanduser()
     if path.suffix in _SUFFIXES and path.is_file():
         return path
     hint = f" (no YAML file at {path})" if path.suffix in _SUFFIXES or path.exists() else ""
-    raise ValueError(f"unknown preset {text!r}{hint}: {expected}")
+    raise ValueError(f"unknown preset {text!r}{hint}: {_expected()}")
 
 
 def preset_description(name_or_path: str | os.PathLike) -> str:
@@ -83,20 +79,6 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     if resolved in seen:
         chain = " -> ".join(str(p) for p in (*seen, resolved))
         raise ValueError(f"presets extend each other in a cycle: {chain}; remove one `preset:` line of the chain.")
-    settings = _read_settings(path)
-    base = settings.pop("preset", None)
-    check_keys(settings, source=str(path))
-    sources = {key: path for key in settings}
-    if base is None:
-        return settings, sources
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
-    relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
-    base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
-    return {**base_settings, **settings}, {**base_sources, **sources}
-
-
-def _read_settings(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
@@ -109,7 +91,17 @@ def _read_settings(path: Path) -> dict[str, Any]:
     if loaded is not None and not isinstance(loaded, dict):
         why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
         raise ValueError(f"preset file {path} {why}")
-    return dict(loaded or {})
+    settings = dict(loaded or {})
+    base = settings.pop("preset", None)
+    check_keys(settings, source=str(path))
+    sources = {key: path for key in settings}
+    if base is None:
+        return settings, sources
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"`preset: {base!r}` in {path} is not a preset name or path: {_expected()}")
+    relative = not Path(base).expanduser().is_absolute() and base not in available_presets()
+    base_settings, base_sources = _load_chain(preset_path(path.parent / base if relative else base), (*seen, resolved))
+    return {**base_settings, **settings}, {**base_sources, **sources}
 
 
 def check_keys(settings: dict[str, Any], source: str) -> None:

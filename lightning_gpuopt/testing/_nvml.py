@@ -19,11 +19,9 @@ _Reading = Union[int, Callable[[], int]]
 
 @dataclass(eq=False)
 class FakeNvmlDevice:
-    """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``).
-
-    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at
-    every query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it.
-    """
+    """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``);
+    ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at every
+    query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it."""
 
     name: str
     uuid: str
@@ -35,28 +33,18 @@ class FakeNvmlDevice:
     processes: list[tuple[int, int]] = field(default_factory=list)
     parent: Optional[str] = None
 
-    def __post_init__(self) -> None:
-        prefix = "MIG-" if self.mig else "GPU-"
-        if not self.uuid.startswith(prefix):
-            raise ValueError(f"uuid={self.uuid!r}: a {'MIG instance' if self.mig else 'GPU'} has a {prefix!r} UUID")
-        if self.error is not None and self.error not in _DEVICE_ERRORS:
-            raise ValueError(f"error={self.error!r}: use None or one of {sorted(_DEVICE_ERRORS)}")
-        if self.parent is not None and not self.mig:
-            raise ValueError("parent= is for a MIG instance (mig=True)")
-
 
 def _read(value: _Reading) -> int:
     return int(value() if callable(value) else value)
 
 
 class FakeNvml:
-    """A stand-in for the ``pynvml`` module over ``devices`` (GPUs are numbered in list order).
+    """A stand-in for the ``pynvml`` module over ``devices`` (GPUs numbered in list order); ``process_names``:
+    pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises (change it any
+    time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns."""
 
-    ``process_names``: pid -> ``nvmlSystemGetProcessName``; ``failures``: call name -> the exception it raises
-    (change it any time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns.
-    """
-
-    NVMLError = pynvml.NVMLError
+    NVMLError, NVMLError_NotFound = pynvml.NVMLError, pynvml.NVMLError_NotFound  # what lightning-gpuopt catches
+    NVMLError_InvalidArgument = pynvml.NVMLError_InvalidArgument
 
     def __init__(
         self,
@@ -66,45 +54,30 @@ class FakeNvml:
         process_names: Optional[dict[int, str]] = None,
         failures: Optional[dict[str, BaseException]] = None,
     ) -> None:
-        uuids = [device.uuid for device in devices]
-        if len(set(uuids)) != len(uuids):
-            raise ValueError(f"devices have duplicate UUIDs: {uuids}")
-        for device in devices:
-            if device.parent is not None and device.parent not in uuids:
-                raise ValueError(f"MIG instance {device.uuid} names parent {device.parent}, which is not a device")
         self.devices, self.process_names = list(devices), dict(process_names or {})
         self.driver_version, self.cuda_driver_version = driver_version, cuda_driver_version
-        self.failures: dict[str, BaseException] = dict(failures or {})
+        self.failures, self.initialised = dict(failures or {}), 0
         self.calls: collections.Counter[str] = collections.Counter()
-        self.initialised = 0
         self._lock = threading.Lock()
 
-    def _enter(self, call: str, handle: Any = None) -> Any:
-        """Count ``call``, raise its failure or ``Uninitialized``; the device behind ``handle``."""
+    def _enter(self, call: str, handle: Any = None, init: int = 0) -> Any:
+        """Count ``call``, raise its failure or ``Uninitialized``, add ``init``; the device behind ``handle``."""
         with self._lock:
             self.calls[call] += 1
-            failure, initialised = self.failures.get(call), self.initialised
-        if failure is not None:
-            raise failure
-        if not initialised and call != "nvmlInit":
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
-        if handle is None:
-            return None
-        if handle not in self.devices:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if handle.error is not None:
+            if (failure := self.failures.get(call)) is not None:
+                raise failure
+            if not self.initialised and call != "nvmlInit":
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+            self.initialised += init
+        if handle is not None and handle.error is not None:
             raise pynvml.NVMLError(_DEVICE_ERRORS[handle.error])
         return handle
 
     def nvmlInit(self) -> None:
-        self._enter("nvmlInit")
-        with self._lock:
-            self.initialised += 1
+        self._enter("nvmlInit", init=1)
 
     def nvmlShutdown(self) -> None:
-        self._enter("nvmlShutdown")
-        with self._lock:
-            self.initialised -= 1
+        self._enter("nvmlShutdown", init=-1)
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._enter("nvmlSystemGetDriverVersion")
@@ -133,12 +106,9 @@ class FakeNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
         return gpus[index]
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: Union[str, bytes]) -> FakeNvmlDevice:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeNvmlDevice:
         self._enter("nvmlDeviceGetHandleByUUID")
-        text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-        if not text.startswith(("GPU-", "MIG-")):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return self._by_uuid(text)
+        return self._by_uuid(uuid)
 
     def _by_uuid(self, uuid: str) -> FakeNvmlDevice:
         found = next((device for device in self.devices if device.uuid == uuid), None)
@@ -174,9 +144,3 @@ class FakeNvml:
         device = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
         owners = [device, *(child for child in self.devices if child.mig and child.parent == device.uuid)]
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for owner in owners for pid, used in owner.processes]
-
-
-for _name in dir(pynvml):  # the error classes and codes, pynvml's own objects
-    if _name.startswith(("NVMLError_", "NVML_ERROR_")):
-        setattr(FakeNvml, _name, getattr(pynvml, _name))
-del _name

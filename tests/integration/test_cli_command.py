@@ -117,6 +117,12 @@ def test_the_package_lists_its_public_names():
         lightning_gpuopt.NotAName  # noqa: B018
 
 
+def test_version_prints_the_package_version(capsys):
+    from lightning_gpuopt import __version__
+
+    assert run_main(capsys, "--version")[:2] == (0, f"gpuopt {__version__}\n")
+
+
 # --------------------------------------------------------------------------- gpuopt doctor
 
 
