@@ -210,9 +210,19 @@ class BatchSizeSearch(Callback):
                 f"the datamodule's `train_dataloader()` with `batch_size=self.{name}`."
             )
 
-    def search(self, trainer: Any, min_batch_size: Optional[int] = None, max_batch_size: Optional[int] = None) -> Any:
+    def search(
+        self,
+        trainer: Any,
+        min_batch_size: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
+        prediction: Optional[tuple] = None,
+        start: Optional[int] = None,
+    ) -> Any:
         """Run the search now (from ``on_fit_start`` on, before training) and return :attr:`result`, setting
-        nothing (:class:`MemoryFill` searches its micro-batch with it). Raises :class:`NoBatchSizeFitsError`."""
+        nothing (:class:`MemoryFill` searches its micro-batch with it). ``prediction``: the estimate's
+        ``(largest, bytes_per_sample, notes)`` when the caller has it (no second trace of the same step);
+        ``start``: the first size to try (by default the predicted one, else the user's).
+        Raises :class:`NoBatchSizeFitsError`."""
         compat.check_trainer_namespace(trainer, self)
         module = trainer.lightning_module
         self.check_usable(trainer, module)
@@ -225,10 +235,10 @@ class BatchSizeSearch(Callback):
         outcomes: dict[int, TrialOutcome] = {}
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note = self._upper_bound(session, initial, max_batch_size)
-            predicted, per_sample, notes = predicted_largest_fit(trials, initial, budget)
+            predicted, per_sample, notes = prediction or predicted_largest_fit(trials, initial, budget)
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
-            start = predicted if predicted is not None else initial
+            start = start or (predicted if predicted is not None else initial)
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
             def fits(size: int) -> tuple[bool, Optional[int]]:

@@ -134,6 +134,7 @@ class MemoryFill(Callback):
         self._blocks: Optional[Checkpointing] = None
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
+        self._prediction: Optional[tuple] = None  # the estimate of the step as the next search runs it
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
@@ -257,9 +258,11 @@ class MemoryFill(Callback):
                 why = f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
                 blocks.switch_on(why)
                 blocks.check(session)
+                self._prediction = None  # of the step without checkpointing
         request = replace(request, may_checkpoint=blocks.may_switch_on)
 
         def checkpoint(reason: str) -> bool:
+            self._prediction = None
             blocks.switch_on(reason)
             blocks.check(session)
             return blocks.on is not None
@@ -280,11 +283,11 @@ class MemoryFill(Callback):
         """The search's largest micro-batch up to ``upper``; ``accumulating``: with the earlier micro-batches'
         gradients alive through the next backward, as training keeps them (2 micro-batches: the peak of any)."""
         assert self.search is not None
-        previous = trainer.accumulate_grad_batches
-        if accumulating:
-            trainer.accumulate_grad_batches = 2
+        previous, prediction, start = trainer.accumulate_grad_batches, self._prediction, None
+        if accumulating:  # up to the largest fit without accumulation: the search starts there
+            trainer.accumulate_grad_batches, prediction, start = 2, (None, None, []), upper
         try:
-            return self.search.search(trainer, min_batch_size=1, max_batch_size=max(1, upper)).batch_size
+            return self.search.search(trainer, 1, max(1, upper), prediction, start).batch_size
         except NoBatchSizeFitsError:
             return None
         finally:
@@ -294,7 +297,8 @@ class MemoryFill(Callback):
         """The calibrated estimate's largest micro-batch, the smallest over the ranks (``None``: not traced)."""
         budget = search.budget_bytes(trainer.strategy.root_device)
         with Trials(FitSession.of(trainer), search.steps_per_trial, self.batch_arg_name) as trials:
-            predicted, _, _ = predicted_largest_fit(trials, self._initial["batch_size"], budget)
+            self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
+        predicted = self._prediction[0]
         known = [int(row[0]) for row in gather_ranks(trainer, [-1 if predicted is None else predicted]) if row[0] >= 0]
         return min(known) if known else None
 

@@ -255,7 +255,10 @@ def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
 
 def batch_search_table(result: BatchSizeSearchResult) -> str:
     """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
-    predicted = f"was {result.initial_batch_size}; estimate predicted {result.predicted_batch_size}"
+    estimate = (
+        "no estimate" if result.predicted_batch_size is None else f"estimate predicted {result.predicted_batch_size}"
+    )
+    predicted = f"was {result.initial_batch_size}; {estimate}"
     search = f"{len(result.trials)} trials x {result.steps_per_trial} steps in {format_seconds(result.seconds)}"
     rows = [
         ("batch size", f"{result.batch_size} ({predicted})"),

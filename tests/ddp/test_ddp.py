@@ -123,7 +123,7 @@ def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(launched):
     plans = [rank["plan"] for rank in ranks]
     keys = ("precision", "micro_batch_size", "accumulate_grad_batches", "largest_fit")
     assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
-    assert plans[0]["precision"] == "16-mixed"  # a T4: no native bfloat16
+    assert plans[0]["precision"] == "bf16-mixed"  # an A100: native bfloat16
     assert plans[0]["micro_batch_size"] * plans[0]["accumulate_grad_batches"] * 2 == 256
     assert plans[0]["accumulate_grad_batches"] > 1  # rank 1's 40 MiB card decided; rank 0's fits 128 whole
     assert all(rank["global_step"] == 2 for rank in ranks)

@@ -1,7 +1,9 @@
-"""GpuOptCLI through examples/cli_train.py, run as a user runs it: a subprocess on CPU."""
+"""GpuOptCLI through examples/cli_train.py: its ``main()`` run in this process with the command line a
+user types (``sys.argv``), and once as a subprocess, as a user runs it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,16 +21,41 @@ CONFIGS = ROOT / "examples" / "configs"
 QUICK = ["--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", "--model.num_samples", "256"]
 
 
-def train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def train(tmp_path, monkeypatch, capsys):
+    """``python examples/cli_train.py fit ARGS`` in this process: its exit status and output; the
+    environment variables it sets (Lightning's seed) are put back afterwards."""
+    monkeypatch.chdir(tmp_path)
+    environment = dict(os.environ)
+
+    def run(tmp_path: Path, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+        argv = [str(script), "fit", *args, "--trainer.default_root_dir", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", argv)
+        try:
+            load_script(script).main()
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+    yield run
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def in_subprocess(tmp_path: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "fit", *args, "--trainer.default_root_dir", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [sys.executable, str(script), "fit", *args, "--trainer.default_root_dir", str(tmp_path)]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def ran(result: subprocess.CompletedProcess) -> None:
@@ -46,14 +73,14 @@ def report(tmp_path: Path) -> dict:
 
 
 def test_fit_gpuopt_diagnose_measures_and_saves_its_settings(tmp_path):
-    ran(train(tmp_path, "--gpuopt", "diagnose", *QUICK))
+    ran(in_subprocess(tmp_path, SCRIPT, "--gpuopt", "diagnose", *QUICK))
     config = saved_config(tmp_path)["gpuopt"]
     assert config["preset"] == "diagnose" and config["monitor"] is True and config["fill_memory"] is False
     saved = report(tmp_path)
     assert saved["gpuopt"]["changes"] == [] and saved["data_wait"]["diagnosis"]["verdict"]
 
 
-def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path):
+def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path, train):
     ran(train(tmp_path, "--gpuopt", str(CONFIGS / "team.yaml"), *QUICK))
     config = saved_config(tmp_path)["gpuopt"]
     assert (config["checkpointing"], config["min_micro_batch_size"], config["global_batch_size"]) == ("auto", 4, 128)
@@ -61,21 +88,21 @@ def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path):
     assert plan["micro_batch_size"] * plan["accumulate_grad_batches"] == 128
 
 
-def test_fit_dotted_override_changes_one_setting(tmp_path):
+def test_fit_dotted_override_changes_one_setting(tmp_path, train):
     ran(train(tmp_path, "--gpuopt", "fill-memory", "--gpuopt.max_memory", "40MB", "--gpuopt.amp", "true", *QUICK))
     assert saved_config(tmp_path)["gpuopt"]["amp"] is True
     assert report(tmp_path)["gpuopt"]["changes"][0] == "precision: 32-true → bf16-mixed"
 
 
 @pytest.mark.parametrize("config", ["fill-memory-cli.yaml", "fill-memory-lightningcli.yaml"])
-def test_fit_config_file_with_a_preset(tmp_path, config):
+def test_fit_config_file_with_a_preset(tmp_path, train, config):
     ran(train(tmp_path, "--config", str(CONFIGS / config), *QUICK))
     saved = report(tmp_path)
     assert saved["gpuopt"]["preset"] == "fill-memory"
     assert saved["gpuopt"]["changes"] == ["batch size: 32 → 64"]  # global batch 64 fits whole in 40 MB
 
 
-def test_unknown_preset_fails_with_the_valid_ones(tmp_path):
+def test_unknown_preset_fails_with_the_valid_ones(tmp_path, train):
     result = train(tmp_path, "--gpuopt", "fast", *QUICK)
     assert result.returncode == 2
     assert (
@@ -85,7 +112,7 @@ def test_unknown_preset_fails_with_the_valid_ones(tmp_path):
     assert not list(tmp_path.rglob("gpuopt_report.json"))  # nothing ran
 
 
-def test_without_the_flag_nothing_is_added(tmp_path):
+def test_without_the_flag_nothing_is_added(tmp_path, train):
     ran(train(tmp_path, *QUICK))
     assert not list(tmp_path.rglob("gpuopt_report.json"))
     assert saved_config(tmp_path)["gpuopt"]["preset"] is None
@@ -104,7 +131,7 @@ def shipped_preset(name: str) -> dict:
     return yaml.safe_load((ROOT / "lightning_gpuopt" / "presets" / f"{name}.yaml").read_text())
 
 
-def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path):
+def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path, train):
     result = train(
         tmp_path, "--gpuopt", "fill-memory", "--gpuopt.amp", "true", "--gpuopt.max_memory", "40MB", "--print_config"
     )
@@ -116,7 +143,7 @@ def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path):
     assert not list(tmp_path.rglob("gpuopt_report.json"))  # printed, nothing ran
 
 
-def test_help_describes_the_gpuopt_flag_and_lists_the_presets(tmp_path):
+def test_help_describes_the_gpuopt_flag_and_lists_the_presets(tmp_path, train):
     result = train(tmp_path, "--help")
     ran(result)
     text = " ".join(result.stdout.split()).replace("- ", "-")  # argparse wraps lines at hyphens
@@ -140,40 +167,21 @@ class MyCLI(GpuOptCLI):
         parser.add_argument("--notes", type=str, default="")
 
 
-MyCLI(TokenTransformer, trainer_defaults={{"accelerator": "cpu", "devices": 1}})
+def main():
+    MyCLI(TokenTransformer, trainer_defaults={{"accelerator": "cpu", "devices": 1}})
 """
 
 
-def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_gpuopt(tmp_path):
+def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_gpuopt(tmp_path, train):
     script = tmp_path / "my_train.py"
     script.write_text(SUBCLASS.format(examples=str(SCRIPT.parent)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "fit",
-            "--gpuopt",
-            "diagnose",
-            "--notes",
-            "mine",
-            *QUICK,
-            "--trainer.default_root_dir",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    ran(result)
+    ran(train(tmp_path, "--gpuopt", "diagnose", "--notes", "mine", *QUICK, script=script))
     assert report(tmp_path)["gpuopt"]["preset"] == "diagnose"
     assert saved_config(tmp_path)["notes"] == "mine"
 
 
 @pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("preset: ../{folder}/self.yaml\n", None)])
-def test_a_broken_preset_file_is_a_usage_error_naming_the_file(tmp_path, text, line):
+def test_a_broken_preset_file_is_a_usage_error_naming_the_file(tmp_path, train, text, line):
     path = tmp_path / "self.yaml"
     path.write_text(text.format(folder=tmp_path.name))  # the second extends itself by another spelling
     result = train(tmp_path, "--gpuopt", str(path), *QUICK)
