@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.estimate import MemoryEstimate
 from lightning_gpuopt.core.loader import LoaderTuneResult
-from lightning_gpuopt.core.report import from_dict, read_json
+from lightning_gpuopt.core.report import STOP_REASONS, from_dict, read_json
 from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.core.storage import Location, as_location, join_location, parent_location, write_bytes
 
@@ -81,7 +81,7 @@ def step_time_figure(report: DataWaitReport, axes: Any = None) -> Figure:
     shares["GPU idle"] = totals.gpu_idle_fraction
     shown = ", ".join(f"{name} {part:.0%}" for name, part in shares.items() if part is not None)
     axes.set_title(f"Step time over training · {report.verdict}\n{shown}", fontsize=10)
-    axes.legend(loc="upper right", fontsize=8)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
     return figure
 
 
@@ -90,22 +90,50 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     figure, axes = _new_figure(axes)
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    for fits, colour, marker, label in (
-        (True, "#2ca02c", "o", "trial: fits (peak)"),
-        (False, "#d62728", "x", "trial: out of memory (peak when it failed)"),
-    ):
-        trials = [trial for trial in search.trials if trial.fits == fits and trial.peak_bytes is not None]
-        peaks = [(trial.peak_bytes or 0) / _MIB for trial in trials]
-        axes.scatter([t.batch_size for t in trials], peaks, color=colour, marker=marker, zorder=3, label=label)
+    ceiling = (
+        max(
+            [search.budget_bytes or 0, (estimate.capacity_bytes or 0) if estimate else 0]
+            + [trial.peak_bytes or 0 for trial in search.trials]
+        )
+        / _MIB
+    )
+    fitted = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
+    axes.scatter(
+        [t.batch_size for t in fitted],
+        [(t.peak_bytes or 0) / _MIB for t in fitted],
+        color="#2ca02c",
+        marker="o",
+        zorder=3,
+        label="fits: peak compared with the budget",
+    )
+    missed = [trial for trial in search.trials if not trial.fits]
+    axes.scatter(
+        [t.batch_size for t in missed],
+        [ceiling] * len(missed),
+        color="#d62728",
+        marker="x",
+        zorder=3,
+        clip_on=False,
+        label="out of memory (drawn at the top)",
+    )
     for number, trial in enumerate(search.trials, 1):
-        if trial.peak_bytes is not None:
-            place = (trial.batch_size, trial.peak_bytes / _MIB)
-            axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=7, color="#555555")
+        place = (trial.batch_size, (trial.peak_bytes or 0) / _MIB if trial.fits else ceiling)
+        axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=8, color="#555555")
     line = _memory_line(search, estimate)
     if line is not None:
         fixed, per_sample, label = line
         ends = [fixed / _MIB, (fixed + per_sample * right) / _MIB]
         axes.plot([0, right], ends, linestyle="--", color="#555555", label=label)
+    if estimate is not None and estimate.measured_peak_bytes and estimate.batch_size:
+        error = f", estimate {estimate.estimate_error:+.1%}" if estimate.estimate_error is not None else ""
+        axes.scatter(
+            [estimate.batch_size],
+            [estimate.measured_peak_bytes / _MIB],
+            color="#9467bd",
+            marker="D",
+            zorder=4,
+            label=f"measured at {estimate.batch_size}: allocated{error}",
+        )
     if search.budget_bytes:
         budget_mib = search.budget_bytes / _MIB
         axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
@@ -114,9 +142,10 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"device capacity ({capacity:,.1f} MiB)")
     if search.batch_size is not None:
         axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
-    axes.set(xlim=(0, right), ylim=(0, None), xlabel="batch size (per rank)", ylabel="peak memory (MiB)")
-    axes.set_title(f"Memory vs batch size · {len(search.trials)} trials, stopped: {search.stop_reason}", fontsize=10)
-    axes.legend(loc="lower right", fontsize=8)
+    axes.set(xlim=(0, right), ylim=(0, ceiling * 1.08), xlabel="batch size (per rank)", ylabel="peak memory (MiB)")
+    stop = STOP_REASONS.get(search.stop_reason, search.stop_reason)
+    axes.set_title(f"Memory vs batch size · {len(search.trials)} trials · {stop}", fontsize=10)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     return figure
 
 
@@ -127,7 +156,7 @@ def _memory_line(
     trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
         fixed, per_sample = estimate.fixed_bytes, estimate.bytes_per_sample
-        return fixed, per_sample, f"estimate: {fixed / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch"
+        return fixed, per_sample, f"estimate, allocated: {fixed / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch"
     points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
     if len(points) < 2:
         return None

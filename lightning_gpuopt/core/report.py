@@ -34,6 +34,13 @@ _T = TypeVar("_T")
 
 #: file name of the combined report written into the trainer's log dir
 REPORT_FILENAME = "gpuopt_report.json"
+#: why a batch size search stopped, in words, by its ``stop_reason``
+STOP_REASONS = {
+    "bracketed": "stopped: the next size up ran out of memory",
+    "upper bound": "stopped at the upper bound (max_batch_size, or the dataset's size)",
+    "max trials": "stopped after max_trials",
+    "nothing fits": "stopped: not even the smallest size fits",
+}
 
 
 def to_dict(result: Any) -> Any:
@@ -263,7 +270,7 @@ def batch_search_table(result: BatchSizeSearchResult) -> str:
     rows = [
         ("batch size", f"{result.batch_size} ({predicted})"),
         ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
-        ("search", f"{search}; stopped: {result.stop_reason}"),
+        ("search", f"{search}; {STOP_REASONS.get(result.stop_reason, result.stop_reason)}"),
     ]
     for number, trial in enumerate(result.trials, 1):
         mark = "  [CHOSEN]" if trial.fits and trial.batch_size == result.batch_size else ""

@@ -70,12 +70,17 @@ def test_memory_figure_shows_every_trial_the_budget_and_the_chosen_size(stored):
     search = stored["batch_size_search"]
     axes = report_figures(stored)["memory"].axes[0]
     points = {
-        (round(x), round(y * 2**20))
+        c.get_label(): {(round(x), round(y * 2**20)) for x, y in c.get_offsets()}
         for c in axes.collections
         if isinstance(c, PathCollection)
-        for x, y in c.get_offsets()
     }
-    assert points == {(t["batch_size"], t["peak_bytes"]) for t in search["trials"]}
+    fitted, missed = ([t for t in search["trials"] if t["fits"] == fits] for fits in (True, False))
+    assert points["fits: peak compared with the budget"] == {(t["batch_size"], t["peak_bytes"]) for t in fitted}
+    top = round(axes.get_ylim()[1] / 1.08 * 2**20)  # a miss's peak is only what was live when it failed
+    assert points["out of memory (drawn at the top)"] == {(t["batch_size"], top) for t in missed} and missed
+    assert top == max(stored["memory"]["capacity_bytes"], *(t["peak_bytes"] for t in search["trials"]))
+    measured = next(points[label] for label in points if label.startswith("measured at"))
+    assert measured == {(stored["memory"]["batch_size"], stored["memory"]["measured_peak_bytes"])}
     labels = {line.get_label(): line for line in axes.lines}
     chosen = labels[f"chosen batch size {search['batch_size']}"]
     assert chosen.get_xdata()[0] == search["batch_size"]
