@@ -18,28 +18,31 @@ both (:func:`any_namespace`). Each internal, with why no public API will do (non
 * ``strategy._optimizers``/``_lightning_optimizers``: the ``strategy.optimizers`` setter builds new wrappers,
   dropping the step hooks set on the old ones; ``LightningOptimizer._to_lightning_optimizer``.
 * ``_init_optimizers_and_lr_schedulers``, ``_MockOptimizer``: read ``configure_optimizers()`` as ``fit`` does.
-* ``_update_dataloader``, ``_get_dataloader_init_args_and_kwargs``, ``_reinstantiate_wrapped_cls`` and a loader's
+* ``_get_dataloader_init_args_and_kwargs``, ``_reinstantiate_wrapped_cls`` and a loader's
   ``__pl_saved_arg_names``: re-create a loader with other arguments, as Lightning does for its sampler.
 * ``_collect_rng_states``/``_set_rng_states``: ``seed_everything`` seeds; it does not save and restore states.
 * ``ModelCheckpoint._every_n_train_steps``/``_every_n_epochs``/``_train_time_interval``/``_last_checkpoint_saved``:
   the constructor's arguments are not kept publicly (read with defaults).
 * ``trainer._data_connector.attach_data``: attach model and datamodule without ``fit``;
   ``LightningArgumentParser._option_string_actions``: find a flag's action to set its help.
+* ``trainer._accelerator_connector`` (``_precision_flag``, ``_precision_plugin_flag``, ``_accelerator_flag``,
+  ``_check_and_init_precision``): on CPU it writes ``"bf16-mixed"`` over the only record of a ``"16-mixed"`` asked.
 * Profiler action names (undocumented): ``"[<epoch loop>].train_dataloader_next"``, ``"[Strategy]<class>.<hook>"``,
   ``"save_checkpoint"``, and ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` hooks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.parsing import _lightning_get_all_attr_holders
 
 DataLoaderSource = _DataLoaderSource
@@ -47,7 +50,6 @@ request_dataloader = _request_dataloader
 attribute_holders = _lightning_get_all_attr_holders
 init_optimizers_and_lr_schedulers = _init_optimizers_and_lr_schedulers
 MockOptimizer = _MockOptimizer
-update_dataloader = _update_dataloader
 dataloader_init_args_and_kwargs = _get_dataloader_init_args_and_kwargs
 reinstantiate_wrapped_cls = _reinstantiate_wrapped_cls
 collect_rng_states = _collect_rng_states
@@ -246,3 +248,35 @@ def fetch_action(trainer: Any) -> str:
 def strategy_action(trainer: Any, hook: str) -> str:
     """The action around a strategy hook: ``"[Strategy]<Strategy class>.<hook>"``."""
     return f"[Strategy]{type(trainer.strategy).__name__}.{hook}"
+
+
+def precision_as_asked(trainer: Any) -> bool:
+    """Whether ``trainer.precision`` is the Trainer's own (on CPU, Lightning may run "16-mixed" as "bf16-mixed")."""
+    c = trainer._accelerator_connector
+    rewritten = c._accelerator_flag == "cpu" and c._precision_flag == "bf16-mixed" and not hasattr(c, "_fp16_kept")
+    return trainer.precision_plugin is c.precision_plugin and not rewritten
+
+
+@contextlib.contextmanager
+def fp16_kept_on_cpu() -> Iterator[None]:
+    """While entered, a Trainer made with ``precision="16-mixed"`` on CPU keeps float16 autocast and a GradScaler."""
+    classes: Any = any_namespace("trainer.connectors.accelerator_connector", "_AcceleratorConnector")
+    originals = {_namespace(cls): vars(cls)["_check_and_init_precision"] for cls in classes}
+
+    def keeping_fp16(connector: Any) -> Any:
+        connector._fp16_kept, original, asked = True, originals[_namespace(connector)], connector._precision_flag
+        if asked != "16-mixed" or connector._accelerator_flag != "cpu" or connector._precision_plugin_flag:
+            return original(connector)
+        connector._precision_flag = "32-true"  # to learn whether the strategy has its own class (XLA, FSDP, ...)
+        plain, connector._precision_flag = original(connector), asked
+        if type(plain) is not of_namespace(connector, "plugins.precision", "Precision"):
+            return original(connector)
+        return of_namespace(connector, "plugins.precision", "MixedPrecision")(asked, "cpu")
+
+    try:
+        for cls in classes:
+            cls._check_and_init_precision = keeping_fp16
+        yield
+    finally:
+        for cls in classes:
+            cls._check_and_init_precision = originals[_namespace(cls)]

@@ -210,11 +210,12 @@ class MemoryFill(Callback):
             return
         card = device_for(trainer.strategy.root_device)
         bf16 = card.capabilities.native_bf16 if card.is_cuda else True  # is_bf16_supported counts emulation
-        precision, reason = choose_precision(self.amp, card.type, current=str(trainer.precision), bf16_supported=bf16)
+        current, asked = str(trainer.precision), compat.precision_as_asked(trainer)
+        precision, reason = choose_precision(self.amp, card.type, current=current, bf16_supported=bf16, asked=asked)
         if self.amp is not False:
             self._reasons.append(reason)
         if precision is None:
-            if self.amp is True and str(trainer.precision) not in (*MIXED_PRECISIONS, "32-true"):
+            if self.amp is True and current not in (*MIXED_PRECISIONS, "32-true"):
                 rank_zero_warn(f"MemoryFill: amp=True but {reason}.")
             return
         if type(trainer.strategy.precision_plugin) not in compat.any_namespace("plugins.precision", "Precision"):

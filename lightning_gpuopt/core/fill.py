@@ -15,10 +15,11 @@ MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
 
 
 def choose_precision(
-    amp: Union[str, bool], device_type: str, *, current: str, bf16_supported: bool
+    amp: Union[str, bool], device_type: str, *, current: str, bf16_supported: bool, asked: bool = True
 ) -> tuple[Optional[str], str]:
     """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``amp="auto"`` on
-    CUDA only (bf16-mixed, else 16-mixed with a scaler), ``amp=True`` also on CPU (bf16-mixed).
+    CUDA only (bf16-mixed, else 16-mixed with a scaler), ``amp=True`` also on CPU (bf16-mixed). ``asked``:
+    whether ``current`` is what the user set (on CPU, Lightning runs ``"16-mixed"`` as ``"bf16-mixed"``).
 
     >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
     ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
@@ -26,7 +27,8 @@ def choose_precision(
     if amp is False:
         return None, "amp=False"
     if current != "32-true":
-        return None, f"precision={current!r} was set explicitly: left as it is"
+        how = "" if asked else ", or Lightning chose it (on CPU it runs '16-mixed' as 'bf16-mixed')"
+        return None, f"precision={current!r} was set explicitly{how}: left as it is"
     if device_type == "cuda":
         if bf16_supported:
             return "bf16-mixed", "bf16-mixed: the GPU supports bfloat16"

@@ -14,6 +14,7 @@ import contextlib
 import time
 from typing import Any, Optional, Union
 
+from lightning_gpuopt.callbacks._lightning_compat import fp16_kept_on_cpu
 from lightning_gpuopt.core.device import simulated_device, simulating
 from lightning_gpuopt.core.memory import parse_memory
 from lightning_gpuopt.core.nvml import using_nvml_library
@@ -36,7 +37,8 @@ GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by shor
 
 
 class SimulatedGpu:
-    """A CUDA card simulated on the CPU while the block runs (see the module docstring).
+    """A CUDA card simulated on the CPU while the block runs (see the module docstring); a Trainer made in the
+    block with ``precision="16-mixed"`` runs float16 autocast and a ``GradScaler`` as on a card, not bf16-mixed.
 
     Args:
         profile: a name of :data:`GPU_PROFILES` or a :class:`GpuProfile`.
@@ -130,6 +132,7 @@ class SimulatedGpu:
             for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
                 stack.enter_context(context)
             self._entered = stack.pop_all()
+        self._entered.enter_context(fp16_kept_on_cpu())
         self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 

@@ -22,7 +22,7 @@ import pytest
 import pytorch_lightning
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 COMPAT = "lightning_gpuopt/callbacks/_lightning_compat.py"
 
@@ -107,7 +107,6 @@ PRIVATE_IMPORTS = [
         "request_dataloader",
         (("source",), {}),
     ),
-    ("lightning.pytorch.utilities.data", "_update_dataloader", "update_dataloader", (("loader",), {"sampler": "s"})),
     (
         "lightning.pytorch.utilities.data",
         "_get_dataloader_init_args_and_kwargs",
@@ -438,16 +437,14 @@ def test_loader_recreated_from_its_recorded_arguments(ns, fitted):
             repr(getattr(loader, "__pl_saved_arg_names", None)),
         )
     args, kwargs = c.dataloader_init_args_and_kwargs(loader, loader.sampler)
-    rebuilt = c.reinstantiate_wrapped_cls(loader, *args, **{**kwargs, "num_workers": 0})
-    resampled = c.update_dataloader(loader, sampler=SequentialSampler(loader.dataset))
-    for copy in (rebuilt, resampled):
-        if type(copy) is not type(loader) or copy.batch_size != loader.batch_size or copy.dataset is not loader.dataset:
-            moved(
-                ns,
-                "_get_dataloader_init_args_and_kwargs/_reinstantiate_wrapped_cls/_update_dataloader",
-                "a copy of the loader (same class, dataset, batch size)",
-                repr(copy),
-            )
+    copy = c.reinstantiate_wrapped_cls(loader, *args, **{**kwargs, "num_workers": 0})
+    if type(copy) is not type(loader) or copy.batch_size != loader.batch_size or copy.dataset is not loader.dataset:
+        moved(
+            ns,
+            "_get_dataloader_init_args_and_kwargs/_reinstantiate_wrapped_cls",
+            "a copy of the loader (same class, dataset, batch size)",
+            repr(copy),
+        )
 
 
 def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
@@ -502,6 +499,43 @@ def test_attach_data_attribute_holders_and_configure_optimizers(ns, tmp_path):
             "[_MockOptimizer()]",
             repr(optimizers),
         )
+
+
+def test_precision_as_asked_and_fp16_kept_on_cpu(ns):
+    """On a CPU accelerator Lightning runs "16-mixed" as "bf16-mixed" and keeps no record of what was asked."""
+    pl, c = ns.pl, ns.compat
+    mixed = importlib.import_module(ns.module_path("lightning.pytorch.plugins.precision")).MixedPrecision
+    connector = importlib.import_module(ns.module_path("lightning.pytorch.trainer.connectors.accelerator_connector"))
+    original = vars(connector._AcceleratorConnector)["_check_and_init_precision"]
+
+    def made(**settings: Any) -> Any:
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, **settings)
+
+    swapped = made()
+    swapped.strategy.precision_plugin = mixed("bf16-mixed", "cpu")
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        rewritten = made(precision="16-mixed")
+    trainers = {"nothing": made(), "16-mixed": rewritten, "bf16-mixed": made(precision="bf16-mixed")}
+    trainers.update(plugin=made(plugins=[mixed("16-mixed", "cpu")]), swapped=swapped)
+    with c.fp16_kept_on_cpu():
+        trainers.update(kept=made(precision="16-mixed"), kept_bf16=made(precision="bf16-mixed"))
+    found = {name: (str(t.precision), c.precision_as_asked(t)) for name, t in trainers.items()}
+    expected = {
+        "nothing": ("32-true", True),
+        "16-mixed": ("bf16-mixed", False),  # Lightning's rewrite
+        "bf16-mixed": ("bf16-mixed", False),  # cannot be told from the rewrite
+        "plugin": ("16-mixed", True),
+        "swapped": ("bf16-mixed", False),
+        "kept": ("16-mixed", True),
+        "kept_bf16": ("bf16-mixed", True),
+    }
+    if found != expected:
+        moved(ns, "_accelerator_connector._precision_flag/_check_and_init_precision", str(expected), str(found))
+    kept = trainers["kept"].precision_plugin
+    if not isinstance(kept, mixed) or kept.device != "cpu" or not isinstance(kept.scaler, torch.amp.GradScaler):
+        moved(ns, "MixedPrecision under fp16_kept_on_cpu", "MixedPrecision('16-mixed', 'cpu') with a GradScaler")
+    if vars(connector._AcceleratorConnector)["_check_and_init_precision"] is not original:
+        moved(ns, "_AcceleratorConnector._check_and_init_precision", "Lightning's own after fp16_kept_on_cpu")
 
 
 def test_strategy_optimizer_lists_round_trip(ns, fitted):
@@ -577,6 +611,10 @@ def test_module_docstring_names_every_internal(ns):
         "_last_checkpoint_saved",
         "_data_connector",
         "_option_string_actions",
+        "_accelerator_connector",
+        "_precision_flag",
+        "_precision_plugin_flag",
+        "_check_and_init_precision",
         "train_dataloader_next",
         "[Strategy]",
         "[Callback]",
