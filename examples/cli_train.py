@@ -11,24 +11,20 @@ YAML file, with dotted overrides:
     python examples/cli_train.py fit --gpuopt examples/configs/team.yaml --trainer.max_steps 20
     python examples/cli_train.py fit --config examples/configs/fill-memory-cli.yaml
 
-On a GPU, ``--gpuopt max-throughput --trainer.accelerator gpu`` fills the card (``max_memory``
-defaults to its free memory). The resolved settings are saved in the run's ``config.yaml``.
+The Trainer's defaults are LightningCLI's (``accelerator="auto"``): on a GPU machine,
+``--gpuopt max-throughput`` fills the card (``max_memory`` defaults to its free memory).
+The resolved settings are saved in the run's ``config.yaml``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import TokenTransformer
+from models import TokenTransformer  # examples/models.py: Python puts this script's folder on sys.path
 
 from lightning_gpuopt import GpuOptCLI
 
 
 def main() -> None:
-    GpuOptCLI(TokenTransformer, trainer_defaults={"accelerator": "cpu", "devices": 1})
+    GpuOptCLI(TokenTransformer)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import logging
 import tempfile
 import time
 import warnings
+from typing import Optional
 
 import torch
 from lightning import LightningModule, Trainer, seed_everything
@@ -68,7 +69,7 @@ def train(args: argparse.Namespace, tune: bool) -> DataWaitMonitor:
         accelerator=args.accelerator,
         devices=1,
         max_epochs=args.epochs,
-        callbacks=[DataLoaderTuner(max_seconds=5), monitor] if tune else [monitor],
+        callbacks=[DataLoaderTuner(max_seconds=args.tune_seconds), monitor] if tune else [monitor],
         default_root_dir=args.root_dir,
         logger=CSVLogger(args.root_dir),
         enable_progress_bar=False,
@@ -86,15 +87,16 @@ class _NoProductTips(logging.Filter):
         return not record.getMessage().startswith("💡")
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=0.5, help="per-sample loading delay")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--tune-seconds", type=float, default=5.0, help="DataLoaderTuner's time budget")
     parser.add_argument("--root-dir", default=None, help="log dir (default: a temporary folder)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoProductTips())
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # torch/Lightning version skew, not ours
     if args.accelerator == "cpu":
@@ -110,8 +112,8 @@ def main() -> None:
     second = train(args, tune=True).report
     print(
         f"\ndata wait {first.data_wait_fraction:.0%} → {second.data_wait_fraction:.0%} of the step;"
-        f" {first.samples_per_second:,.0f} → {second.samples_per_second:,.0f} samples/s"
-        f" ({second.samples_per_second / first.samples_per_second:.1f}x); verdict {first.verdict} → {second.verdict}"
+        f" {first.totals.samples_per_second:,.0f} → {second.totals.samples_per_second:,.0f} samples/s"
+        f" ({second.totals.samples_per_second / first.totals.samples_per_second:.1f}x); verdict {first.verdict} → {second.verdict}"
     )
     print(f"JSON reports: {args.root_dir}/lightning_logs/version_{{0,1}}/gpuopt_report.json")
 

@@ -28,8 +28,8 @@ from lightning_gpuopt.core.storage import (
     read_bytes,
 )
 
-#: the report folders whose filesystem package is missing, warned about once each
-_UNAVAILABLE_WARNED: set[str] = set()
+#: the report failures warned about (a report and why it cannot be written): one warning each
+_WARNED: set[str] = set()
 
 
 def report_dir(trainer: Trainer) -> Location:
@@ -94,30 +94,30 @@ def _read_png(path: Location) -> Any:
     """The pixels of a PNG (H x W x channels), at a path or a URL."""
     from matplotlib.image import imread
 
-    if isinstance(path, Path):
-        return imread(path)
-    return imread(io.BytesIO(read_bytes(path)), format="png")
+    return imread(path if isinstance(path, Path) else io.BytesIO(read_bytes(path)), format="png")
 
 
 def write_report_section(path: str | os.PathLike, section: str, data: dict[str, Any]) -> Optional[Location]:
-    """Write ``section`` of the report at ``path``; the path, or ``None`` when it could not be written: any
-    ``OSError`` (or, at a URL, any error) is a warning, a missing fsspec package one warning per folder."""
+    """Write ``section`` of the report at ``path``; the path, or ``None`` when it could not be written: any ``OSError``
+    (at a URL, any error) or a missing fsspec package is one warning per report and reason, however many sections."""
     try:
         return update_json_section(path, section, data, warn=rank_zero_warn)
     except FilesystemUnavailableError as error:
-        folder = str(parent_location(str(path)))  # one warning per folder, however many sections
-        if folder not in _UNAVAILABLE_WARNED:
-            _UNAVAILABLE_WARNED.add(folder)
-            rank_zero_warn(f"gpuopt: the report cannot be written: {error}. Training goes on without it.")
-        return None
+        message = f"gpuopt: the report cannot be written: {error}. Training goes on without it."
     except Exception as error:
+        if not isinstance(error, OSError) and not is_url(path):  # a remote filesystem's own errors are a warning
+            raise
+        reason = f"{type(error).__name__}: {error}"  # credentials, network: not OSError
         if isinstance(error, OSError):
             reason = (error.strerror or str(error)) + (f" [errno {error.errno}]" if error.errno is not None else "")
-        elif is_url(path):  # a remote filesystem's own errors (credentials, network) are not OSError
-            reason = f"{type(error).__name__}: {error}"
-        else:
-            raise
-        rank_zero_warn(
-            f"gpuopt: could not write the {section!r} section of the report {path}: {reason}; training goes on without it."
+        blocker = None if is_url(path) else next((p for p in Path(path).parents if p.is_file()), None)
+        if blocker is not None:
+            reason = f"{blocker} is a file, not a folder (give a log dir or report_path in a folder)"
+        message = (
+            f"gpuopt: could not write the report {path}: {reason}; training goes on without it"
+            " (the results stay on the callbacks: `.report`, `.result`, `.plan`, `.estimate`)."
         )
-        return None
+    if message not in _WARNED:
+        _WARNED.add(message)
+        rank_zero_warn(message)
+    return None

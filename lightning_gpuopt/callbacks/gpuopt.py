@@ -203,8 +203,11 @@ class GpuOpt(Callback):
             rank_zero_info(render_report(self.report))
             section = {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
             written = write_report_section(path, "gpuopt", section)
-            if self.plots and written is not None:
-                save_report_plots(trainer, written)
+            if written is not None:
+                where = "" if trainer.loggers else " (no logger: default_root_dir, where Lightning saves checkpoints)"
+                rank_zero_info(f"gpuopt: report written to {written}{where}")
+                if self.plots:
+                    save_report_plots(trainer, written)
 
     on_train_start = _to_parts("on_train_start")
     on_train_epoch_start = _to_parts("on_train_epoch_start")

@@ -167,6 +167,7 @@ def _run_plot(args: argparse.Namespace) -> int:
     """Draw the report's step times, memory vs batch size and loader timings as PNGs and print their paths
     (REPORT and --out may be fsspec URLs). Exit status 1 when nothing could be drawn."""
     from lightning_gpuopt.core.plot import PLOT_NAMES, PlotUnavailableError, save_plots
+    from lightning_gpuopt.core.report import REPORT_VERSION
     from lightning_gpuopt.core.storage import FilesystemUnavailableError, as_location, parent_location, read_bytes
 
     report = as_location(args.report)
@@ -182,6 +183,9 @@ def _run_plot(args: argparse.Namespace) -> int:
         raise UsageError(f"`REPORT`={args.report!r} {why}") from None
     if not isinstance(data, dict):
         raise UsageError(f"`REPORT`={args.report!r} holds {type(data).__name__}, not a gpuopt report's JSON object")
+    if data and data.get("report_version", 1) != REPORT_VERSION:  # 0.1.0's reports have no `report_version`
+        found = f"a version-{data.get('report_version', 1)} report, and this gpuopt reads version {REPORT_VERSION}"
+        raise UsageError(f"`REPORT`={args.report!r} is {found}: draw it with the gpuopt that wrote it, or fit again")
     out = as_location(args.out) if args.out is not None else parent_location(report)
     try:
         written = save_plots(data, out)
@@ -193,8 +197,9 @@ def _run_plot(args: argparse.Namespace) -> int:
     except Exception as error:
         if isinstance(out, Path):  # writing to a URL: what its filesystem raises is a message, not a traceback
             raise
-        message = f"the PNGs could not be written to {out}: {type(error).__name__}: {error}"
-        sys.stderr.write(f"gpuopt plot: error: {message}\n")
+        sys.stderr.write(
+            f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}\n"
+        )
         return 1
     if args.json:
         _print_json({"written": [str(path) for path in written]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, overload
 
 
@@ -36,7 +37,7 @@ def check_number(
     high_inclusive: bool = True,
 ) -> float:
     """``value`` as a float within the given bounds, else a ``ValueError`` that states them."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     above = low is None or (number and (value > low or (low_inclusive and value == low)))
     below = high is None or (number and (value < high or (high_inclusive and value == high)))
     if number and above and below:
@@ -45,7 +46,8 @@ def check_number(
     upper = f"{'<=' if high_inclusive else '<'} {high:g}" if high is not None else ""
     if low is not None and high is not None:
         lower, upper = f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}", ""
-    raise ValueError(f"`{name}` must be a number {lower or upper or '(int or float)'}, got {value!r}; e.g. {example}.")
+    kind = "a finite number" if isinstance(value, float) and math.isinf(value) else "a number"
+    raise ValueError(f"`{name}` must be {kind} {lower or upper or '(int or float)'}, got {value!r}; e.g. {example}.")
 
 
 def check_bool(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[bool]:
@@ -77,10 +79,13 @@ def check_name(name: str, value: Any, example: str) -> str:
 
 
 def check_path(name: str, value: Any, example: str, allow_none: bool = False) -> Optional[str | os.PathLike]:
-    """``value`` when it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed), else a ``ValueError``."""
-    if (value is None and allow_none) or isinstance(value, os.PathLike):
+    """``value`` when it is a non-empty ``str`` or ``os.PathLike`` under no file (or ``None`` when allowed), else a ``ValueError``."""
+    if value is None and allow_none:
         return value
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, os.PathLike) and (not isinstance(value, str) or not value.strip()):
         none = " or None" if allow_none else ""
         raise ValueError(f"`{name}` must be a path (a str or os.PathLike){none}, got {value!r}; e.g. {example}.")
+    blocker = next((p for p in Path(os.fspath(value)).parents if p.is_file()), None)
+    if blocker is not None and "://" not in os.fspath(value):
+        raise ValueError(f"`{name}`={value!r} lies under {blocker}, which is a file, not a folder; e.g. {example}.")
     return value

@@ -34,6 +34,8 @@ _T = TypeVar("_T")
 
 #: file name of the combined report written into the trainer's log dir
 REPORT_FILENAME = "gpuopt_report.json"
+#: the layout of that file, kept in its ``report_version`` key: 1 is 0.1.0's (no key), 2 nests ``data_wait``
+REPORT_VERSION = 2
 #: why a batch size search stopped, in words, by its ``stop_reason``
 STOP_REASONS = {
     "bracketed": "stopped: the next size up ran out of memory",
@@ -98,6 +100,7 @@ def update_json_section(
     location = as_location(path)
     content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
     content[section] = data
+    content["report_version"] = REPORT_VERSION
     text = json.dumps(content, indent=2, default=str) + "\n"
     if not isinstance(location, Path):
         return write_bytes(location, text.encode())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,9 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
         why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
         raise ValueError(f"preset file {path} {why}")
     settings = dict(loaded or {})
+    if not settings:
+        why = "is empty (or only comments): it sets nothing, so GpuOpt runs no part"
+        warnings.warn(f"preset file {path} {why}; start it with `preset: diagnose` (or another preset).", stacklevel=4)
     base = settings.pop("preset", None)
     check_keys(settings, source=str(path))
     sources = {key: path for key in settings}

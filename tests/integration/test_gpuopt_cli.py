@@ -34,6 +34,7 @@ def train(tmp_path, monkeypatch, capsys):
     """``python examples/cli_train.py fit ARGS`` in this process: its exit status and output; the
     environment variables it sets (Lightning's seed) are put back afterwards."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as Python does for the script it runs: examples/models.py
     environment = dict(os.environ)
 
     def run(tmp_path: Path, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ names the argument and the value given -- never a deep traceback, never a silent
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import yaml
 from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt, MemoryEstimator, MemoryFill
 from lightning_gpuopt.presets import PRESET_KEYS, load_preset
 
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 # values no argument of one kind accepts
 NOT_A_BOOL = ["false", "no", "true", 0, 1, None, 1.0]
 MEMORY = ["lots", "-1GB", "0GB", -1, 0, 1, 1023, 1.5, 0.0, -0.5, NAN, True, [1], "0.5GiB of it"]
@@ -32,7 +33,7 @@ def fractions() -> list[Any]:
 
 
 def positive_numbers(allow_none: bool = False) -> list[Any]:
-    values = ["10", True, NAN, 0, -1, [1]]
+    values = ["10", True, NAN, INF, -INF, 0, -1, [1]]
     return values if allow_none else [*values, None]
 
 
@@ -257,3 +258,89 @@ def test_preset_path_that_is_a_directory_or_not_yaml(tmp_path):
     for preset in (tmp_path / "dir.yaml", tmp_path / "settings.txt"):
         with pytest.raises(ValueError, match="unknown preset"):
             GpuOpt(Path(preset))
+
+
+# ----------------------------------------------------------------------------- an infinite interval, an empty preset
+
+
+def test_an_infinite_number_is_refused_saying_it_must_be_finite():
+    with pytest.raises(
+        ValueError, match=r"`nvml_interval_s` must be a finite number > 0, got inf; e.g. nvml_interval_s=0.5"
+    ):
+        DataWaitMonitor(nvml_interval_s=INF)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# our team's settings\n# (to do)\n", "---\n", "{}\n"])
+def test_an_empty_or_comment_only_preset_file_is_a_warning(tmp_path, text):
+    path = tmp_path / "team.yaml"
+    path.write_text(text)
+    with pytest.warns(UserWarning, match="is empty") as caught:
+        gpuopt = GpuOpt(path)
+    (message,) = [str(w.message) for w in caught if "is empty" in str(w.message)]
+    assert str(path) in message and "runs no part" in message and "`preset: diagnose`" in message
+    assert gpuopt.parts == []  # what the warning says
+
+
+def test_a_preset_file_that_sets_something_is_no_warning(tmp_path, recwarn):
+    path = tmp_path / "team.yaml"
+    path.write_text("# extends diagnose\npreset: diagnose\n")
+    GpuOpt(path)
+    assert not [w for w in recwarn if "is empty" in str(w.message)]
+
+
+# ----------------------------------------------------------------------------- reports: version, place, one warning
+
+OLD_DATA_WAIT = {"verdict": "input-bound", "data_wait_fraction": 0.5, "steps": 10}  # 0.1.0's flat section
+
+
+@pytest.mark.parametrize(
+    "report, found",
+    [
+        ({"data_wait": OLD_DATA_WAIT}, 1),  # 0.1.0's report: no `report_version`
+        ({"data_wait": OLD_DATA_WAIT, "report_version": 1}, 1),
+        ({"data_wait": {}, "report_version": 3}, 3),  # a newer version's
+    ],
+)
+def test_gpuopt_plot_on_another_versions_report_exits_2_naming_both_versions(tmp_path, capsys, report, found):
+    from lightning_gpuopt.cli import main
+    from lightning_gpuopt.core.report import REPORT_VERSION
+
+    path = tmp_path / "gpuopt_report.json"
+    path.write_text(json.dumps(report))
+    assert main(["plot", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert f"`REPORT`={str(path)!r} is a version-{found} report" in error
+    assert f"reads version {REPORT_VERSION}" in error and "Traceback" not in error
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_every_report_section_written_carries_the_report_version(tmp_path):
+    from lightning_gpuopt.core.report import REPORT_VERSION, read_json, update_json_section
+
+    path = update_json_section(tmp_path / "gpuopt_report.json", "memory", {"peak": 1})
+    assert read_json(path) == {"memory": {"peak": 1}, "report_version": REPORT_VERSION}
+
+
+@pytest.mark.parametrize("under", ["a-file/gpuopt_report.json", "a-file/deeper/gpuopt_report.json"])
+def test_a_report_path_under_a_file_is_refused_at_construction(tmp_path, under):
+    (tmp_path / "a-file").write_text("")
+    value = str(tmp_path / under)
+    with pytest.raises(ValueError) as error:
+        DataWaitMonitor(report_path=value)
+    assert_names(error, "report_path", value)
+    assert f"{tmp_path / 'a-file'}, which is a file, not a folder" in str(error.value)
+    assert "errno" not in str(error.value).lower()
+
+
+@pytest.mark.parametrize("under", ["a-file", "a-file/deeper"])
+def test_a_report_under_a_file_is_one_clear_warning_however_many_sections(tmp_path, recwarn, under):
+    from lightning_gpuopt.callbacks._reporting import write_report_section
+
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / under / "gpuopt_report.json"
+    for section in ("batch_size_search", "memory_fill", "memory", "data_wait", "gpuopt"):
+        assert write_report_section(path, section, {"x": 1}) is None
+    messages = [str(w.message) for w in recwarn if str(path) in str(w.message)]
+    assert len(messages) == 1, messages
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in messages[0] and "training goes on" in messages[0]
+    assert "errno" not in messages[0].lower()

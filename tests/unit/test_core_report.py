@@ -71,7 +71,7 @@ def test_unreadable_report_is_kept_aside_with_a_warning_never_dropped(tmp_path, 
         update_json_section(path, "data_wait", {"steps": 3})
     assert str(path) in str(caught[0].message)
     assert (tmp_path / "gpuopt_report.json.corrupt-1").read_bytes() == garbage
-    assert read_json(path) == {"data_wait": {"steps": 3}}
+    assert read_json(path) == {"data_wait": {"steps": 3}, "report_version": report.REPORT_VERSION}
     path.write_bytes(garbage)  # a second one does not overwrite the first one kept aside
     with pytest.warns(UserWarning, match="corrupt-2"):
         update_json_section(path, "data_wait", {"steps": 4})
@@ -107,7 +107,7 @@ def test_sections_merge_at_a_url_as_in_a_local_file(memory_url, tmp_path):
     url = f"{memory_url}/run/version_0/gpuopt_report.json"
     assert update_json_section(url, "memory", {"peak": 1}) == url  # a URL comes back as the URL
     update_json_section(url, "data_wait", {"steps": 3})
-    assert read_json(url) == {"memory": {"peak": 1}, "data_wait": {"steps": 3}}
+    assert read_json(url) == {"memory": {"peak": 1}, "report_version": report.REPORT_VERSION, "data_wait": {"steps": 3}}
     local = update_json_section(tmp_path / "gpuopt_report.json", "memory", {"peak": 1})
     update_json_section(local, "data_wait", {"steps": 3})
     assert memory_files(memory_url) == {url: local.read_bytes()}  # the same bytes, and no temporary file left
@@ -119,7 +119,7 @@ def test_unreadable_report_at_a_url_is_kept_aside_with_a_warning(memory_url):
     fsspec.filesystem("memory").pipe_file(url, b"[1, 2]")
     with pytest.warns(UserWarning, match=re.escape(f"{url}.corrupt-1")):
         update_json_section(url, "data_wait", {"steps": 3})
-    written = b'{\n  "data_wait": {\n    "steps": 3\n  }\n}\n'
+    written = b'{\n  "data_wait": {\n    "steps": 3\n  },\n  "report_version": 2\n}\n'
     assert memory_files(memory_url) == {url: written, f"{url}.corrupt-1": b"[1, 2]"}
 
 
