@@ -110,7 +110,10 @@ class RealCard:
         return int(total - free - torch.cuda.memory_reserved(self.device))
 
     def profile(self) -> GpuProfile:
-        return GpuProfile(self.name, self.capability, self.total, self.uuid, self.context(), "MIG" in self.name)
+        return GpuProfile(
+            name=self.name, capability=self.capability, total_bytes=self.total, uuid=self.uuid,
+            context_bytes=self.context(), mig="MIG" in self.name,
+        )  # fmt: skip
 
     def place(self, obj: Any) -> Any:
         return obj.to(self.device)
@@ -148,7 +151,7 @@ class RealCard:
 
     def trace(self, work: Callable[[], Any]) -> list[dict[str, Any]]:
         """The allocator's events while ``work`` runs."""
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=1_000_000)
         try:
             work()
             snapshot = torch.cuda.memory._snapshot()
