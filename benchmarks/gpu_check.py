@@ -218,12 +218,19 @@ class SimCard:
 
     def trace(self, work: Callable[[], Any]) -> list[dict[str, Any]]:
         """The model's events while ``work`` runs, in the shape of ``torch.cuda.memory._snapshot()``'s trace."""
-        allocator, events = self.gpu.allocator, []
+        allocator, events, depth = self.gpu.allocator, [], [0]
         malloc, free, empty_cache = allocator.malloc, allocator.free, allocator.empty_cache
 
         def segments(call: Callable[[], Any]) -> Any:
+            """``call()``, and the segments it reserved or released as one event (calls within it: none)."""
             reserved, count = allocator.reserved_bytes, allocator.stats.num_segments
-            out = call()
+            depth[0] += 1
+            try:
+                out = call()
+            finally:
+                depth[0] -= 1
+            if depth[0]:
+                return out
             grown, segs = allocator.reserved_bytes - reserved, allocator.stats.num_segments - count
             if segs:
                 events.append({"action": "segment_alloc" if segs > 0 else "segment_free", "size": abs(grown),

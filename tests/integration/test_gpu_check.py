@@ -63,3 +63,27 @@ def test_dry_run_writes_every_section_and_the_simulator_agrees_with_itself(tmp_p
         markdown.startswith("## gpu_check.py (dry run)")
         and "| simulator mlp b=8 peak allocated within 5% | yes |" in markdown
     )
+
+
+def test_replay_reads_torchs_trace_and_reports_the_first_divergence():
+    """A trace in ``torch.cuda.memory._snapshot()``'s shape: requests up to 1 MiB share a 2 MiB segment, a 5 MiB
+    request takes a 20 MiB one, ``free_requested`` is not yet a free, ``empty_cache`` releases the free segments."""
+    script = load_script()
+    trace = [
+        {"action": "segment_alloc", "addr": 0x1000, "size": 2 * MIB, "stream": 0},
+        {"action": "alloc", "addr": 0x1000, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": 0x1400, "size": 3000, "stream": 0},
+        {"action": "segment_alloc", "addr": 0x9000, "size": 20 * MIB, "stream": 0},
+        {"action": "alloc", "addr": 0x9000, "size": 5 * MIB, "stream": 0},
+        {"action": "free_requested", "addr": 0x9000, "size": 5 * MIB, "stream": 0},
+        {"action": "free_completed", "addr": 0x9000, "size": 5 * MIB, "stream": 0},
+        {"action": "segment_free", "addr": 0x9000, "size": 20 * MIB, "stream": 0},
+        {"action": "alloc", "addr": 0x2000, "size": 512, "stream": 0},
+    ]
+    result = script.replay(trace, limit=80 * 2**30)
+    assert result["first_divergence"] is None and result["alloc"] == 4 and result["free"] == 1
+    assert result["model_reserved_end"] == result["card_reserved_end"] == 2 * MIB
+
+    trace[3]["size"] = 6 * MIB  # a card that reserves a 5 MiB request in a 6 MiB segment
+    first = script.replay(trace, limit=80 * 2**30)["first_divergence"]
+    assert first["event"] == 4 and first["card_reserved"] == 8 * MIB and first["model_reserved"] == 22 * MIB
