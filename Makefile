@@ -77,9 +77,10 @@ test-gpu:
 	$(GPU_WHEELS) $(GPU_ENV) GPUOPT_FIGURES=$(OUT)/test_gpu.md $(BENCH_PY) -m pytest -q -p no:cacheprovider tests/gpu
 
 # The calibration on a real card, at most 5 minutes on one H100 (benchmarks/gpu_check.py):
-# writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md; without a card, a dry run on a simulated H100.
+# writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md; without a card, a dry run on a simulated H100
+# (GPU_CHECK_ARGS=--quick: the small dry run CI runs as tests/integration/test_gpu_check.py).
 gpu-check:
-	$(GPU_WHEELS) $(GPU_ENV) $(BENCH_PY) benchmarks/gpu_check.py --out $(OUT)
+	$(GPU_WHEELS) $(GPU_ENV) $(BENCH_PY) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
 
 gpu-wheels:
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl torchinfo==1.8.0

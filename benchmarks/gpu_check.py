@@ -75,10 +75,17 @@ class Plan:
     cap_model: str = "cnn"
     cap_samples: int = 4096  # the search stops at the dataset's size: above any batch the caps allow
     nvml_busy_s: float = 1.0
+    deadline: float = math.inf  #: ``time.perf_counter()`` past which the remaining rows are skipped
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(("mlp",), (8,), 2, (35 * MIB,), "cnn", 64, 0.3)
+
+    def out_of_time(self, row: dict[str, Any]) -> bool:
+        """Whether the time budget is spent (then ``row`` says so)."""
+        if time.perf_counter() > self.deadline:
+            row["skipped"] = "the time budget (--budget-s) was spent"
+        return "skipped" in row
 
 
 @dataclass
@@ -426,6 +433,9 @@ def simulator(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
     for name in plan.models:
         for batch in plan.batch_sizes:
             row: dict[str, Any] = {"model": name, "batch_size": batch, "steps": plan.steps}
+            rows.append(row)
+            if plan.out_of_time(row):
+                continue
             for side in ("card", "simulated"):
                 with contextlib.nullcontext() if side == "card" else card.suspended():
                     target = card if side == "card" else SimCard(profile)
@@ -443,7 +453,6 @@ def simulator(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
                 row[f"{kind}_error"] = error
                 passed = error is not None and abs(error) <= tolerance
                 checks.append((f"simulator {name} b={batch} peak {kind} within {tolerance:.0%}", passed, error))
-            rows.append(row)
     return {"profile": {"total": profile.total_bytes, "context": profile.context_bytes}, "rows": rows}
 
 
@@ -506,6 +515,9 @@ def largest_batch(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
     rows = []
     for cap in plan.caps:
         row: dict[str, Any] = {"model": plan.cap_model, "cap": cap}
+        rows.append(row)
+        if plan.out_of_time(row):
+            continue
         row["by_hand"], row["by_hand_tries"] = largest_by_hand(card, plan.cap_model, cap, 2, plan.cap_samples)
         found = searched(card, plan.cap_model, cap, plan)
         row["search_card"], row["search_card_trials"] = found["batch_size"], found["trials"]
@@ -520,7 +532,6 @@ def largest_batch(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
             error = relative(row[side], row["by_hand"])
             row[f"{side}_error"] = error
             checks.append((f"{side} under {cap // MIB} MiB within 5% of by hand", error is not None and abs(error) <= 0.05, error))  # fmt: skip
-        rows.append(row)
     return {"rows": rows, "note": "BatchSizeSearch with margin=0: a size fits when its trial ran under the cap"}
 
 
@@ -549,7 +560,8 @@ def nvml(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
     return figures
 
 
-SECTIONS = {f.__name__: f for f in (identity, workspaces, allocator_replay, simulator, meters, largest_batch, nvml)}
+# cheap and telling first: the largest batch (most fits) last
+SECTIONS = {f.__name__: f for f in (identity, workspaces, nvml, meters, allocator_replay, simulator, largest_batch)}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -564,7 +576,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| check | pass | figure |",
         "|---|---|---|",
-        *(f"| {name} | {'yes' if ok else '**no**'} | {figure} |" for name, ok, figure in result["checks"]),
+        *(f"| {name} | {'yes' if ok else '**no**'} | {_plain(figure)} |" for name, ok, figure in result["checks"]),
     ]
     for name, section in result["sections"].items():
         if "error" in section:
@@ -578,8 +590,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one model, one batch size, one small cap")
     parser.add_argument("--dry-run", action="store_true", help="the simulated H100 even where a card exists")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of: " + ", ".join(SECTIONS))
+    parser.add_argument("--budget-s", type=float, default=270.0, help="skip the rows left after this many seconds")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
+    plan.deadline = time.perf_counter() + args.budget_s
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)  # each fit's "GPU available" lines
     torch.manual_seed(0)
@@ -588,6 +602,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     card: Any = SimCard(SimulatedGpu("H100").profile) if dry else RealCard()
     sections: dict[str, Any] = {}
     checks: list[tuple[str, bool, Any]] = []
+    result = {"dry_run": dry, "quick": args.quick, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "checks": checks, "sections": sections}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         for name in args.sections.split(","):
             began = time.perf_counter()
@@ -597,21 +615,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sections[name] = {"error": traceback.format_exc(limit=8)}
             sections[name]["seconds"] = round(time.perf_counter() - began, 2)
             print(f"gpu_check: {name} ({sections[name]['seconds']} s){' FAILED' if 'error' in sections[name] else ''}")
+            result["seconds"] = round(time.perf_counter() - started, 1)
+            # after every section: a run stopped by a timeout keeps what it measured
+            (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+            (out / "gpu_check.md").write_text(markdown(result))
     finally:
         card.close()
-    result = {
-        "dry_run": dry,
-        "quick": args.quick,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "seconds": round(time.perf_counter() - started, 1),
-        "checks": [(name, bool(ok), _plain(figure)) for name, ok, figure in checks],
-        "sections": sections,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=_plain) + "\n")
-    (out / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))
     return 1 if any("error" in section for section in sections.values()) else 0
 
