@@ -468,6 +468,8 @@ def meters(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
                "max_memory_reserved": peaks.peak_reserved}  # fmt: skip
         row["error"] = relative(meter.peak_bytes, peaks.peak_allocated)
         checks.append((f"peak meter {name} = max_memory_allocated", row["error"] == 0, row["error"]))
+        reserved_error = relative(meter.peak_reserved_bytes, peaks.peak_reserved)
+        checks.append((f"peak meter {name} reserved = max_memory_reserved", reserved_error == 0, reserved_error))
         rows.append(row)
     return {"rows": rows}
 
@@ -544,6 +546,13 @@ def nvml(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
         devices, _ = nvml_devices(lib, [card.uuid])
         found = devices[0] if devices else None
         figures.update(uuid_nvml=found.uuid if found else None, nvml_error=found.error if found else "no device")
+        checks.append(
+            (
+                "NVML finds the card by torch's UUID",
+                found is not None and found.handle is not None,
+                found and found.uuid,
+            )
+        )
     sampler = NvmlSampler(interval_s=0.1, uuids=[card.uuid])
     started = sampler.start()
     size = 1024 if card.accelerator == "gpu" else 128  # a simulated card's ops run on the host
