@@ -8,11 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.gpuopt-installed
 PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
-# The GPU machine has its own CUDA torch and no package index: use its python3 with the
-# repo on PYTHONPATH. Of our dependencies its image may lack torchinfo (imported by the callbacks;
-# lightning, nvidia-ml-py, psutil, rich and PyYAML are usually there): `make gpu-wheels` on a machine
-# with an index saves it into .whl/, and the GPU targets install .whl/*.whl into GPU_SITE first.
-BENCH_PY   ?= python3
+# The GPU machine has its own CUDA torch and no package index: use its python3 (or .venv's, if
+# there is one) with the repo on PYTHONPATH. Of our dependencies its image may lack torchinfo
+# (imported by the callbacks; lightning, nvidia-ml-py, psutil, rich and PyYAML are usually there):
+# `make gpu-wheels` on a machine with an index saves it into .whl/, and the GPU targets install
+# .whl/*.whl into GPU_SITE first.
+BENCH_PY   ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_SITE   ?= /tmp/gpuopt-site
 GPU_ENV     = PYTHONPATH=$(CURDIR)$(if $(wildcard .whl/*.whl),:$(GPU_SITE))
 GPU_WHEELS  = $(if $(wildcard .whl/*.whl),$(BENCH_PY) -m pip install -q --no-index --no-deps --no-compile \
@@ -77,8 +78,8 @@ test-gpu:
 	$(GPU_WHEELS) $(GPU_ENV) GPUOPT_FIGURES=$(OUT)/test_gpu.md $(BENCH_PY) -m pytest -q -p no:cacheprovider tests/gpu
 
 # The calibration on a real card, at most 5 minutes on one H100 (benchmarks/gpu_check.py):
-# writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md; without a card, a dry run on a simulated H100
-# (GPU_CHECK_ARGS=--quick: the small dry run CI runs as tests/integration/test_gpu_check.py).
+# writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md. Without a card: the quick dry run on a simulated
+# H100 that tests/integration/test_gpu_check.py runs (GPU_CHECK_ARGS=--full: the whole plan, CPU minutes).
 gpu-check:
 	$(GPU_WHEELS) $(GPU_ENV) $(BENCH_PY) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
 

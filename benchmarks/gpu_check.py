@@ -18,7 +18,8 @@
 * ``nvml``: whether NVML finds the card by torch's UUID and reads its utilisation while it works.
 
 Without a CUDA card (or with ``--dry-run``) the card is ``SimulatedGpu("H100")`` and the JSON says
-``"dry_run": true``: every section runs the same code (CI runs it, ``--quick``, as a test). A section that
+``"dry_run": true``: every section runs the same code, ``--quick`` (one model, one batch size, one small cap;
+``--full`` for the whole plan, many CPU minutes); CI runs it as a test. A section that
 fails records its error and the others still run; the exit status is 1 if any section failed.
 
 Needs only torch, lightning, psutil and the repository on ``PYTHONPATH`` (``BatchSizeSearch`` also needs
@@ -26,8 +27,8 @@ torchinfo, ``nvml`` nvidia-ml-py; the Makefile says how to carry their wheels to
 
 Usage::
 
-    make gpu-check OUT=/tmp/check                       # on a GPU machine
-    PYTHONPATH=. python benchmarks/gpu_check.py --out /tmp/check --quick   # the dry run CI runs
+    make gpu-check OUT=/tmp/check            # on a GPU machine; without one, the quick dry run (about 20 s)
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out /tmp/check --sections identity,nvml
 """
 
 from __future__ import annotations
@@ -596,22 +597,26 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_check.json and gpu_check.md")
-    parser.add_argument("--quick", action="store_true", help="one model, one batch size, one small cap")
+    parser.add_argument(
+        "--quick", action="store_true", help="one model, one batch size, one small cap (a dry run's default)"
+    )
+    parser.add_argument("--full", action="store_true", help="the full plan also in a dry run (many CPU minutes)")
     parser.add_argument("--dry-run", action="store_true", help="the simulated H100 even where a card exists")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of: " + ", ".join(SECTIONS))
     parser.add_argument("--budget-s", type=float, default=270.0, help="skip the rows left after this many seconds")
     args = parser.parse_args(argv)
-    plan = Plan.quick() if args.quick else Plan()
+    dry = args.dry_run or not torch.cuda.is_available()
+    quick = args.quick or (dry and not args.full)
+    plan = Plan.quick() if quick else Plan()
     plan.deadline = time.perf_counter() + args.budget_s
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)  # each fit's "GPU available" lines
     torch.manual_seed(0)
     started = time.perf_counter()
-    dry = args.dry_run or not torch.cuda.is_available()
     card: Any = SimCard(SimulatedGpu("H100").profile) if dry else RealCard()
     sections: dict[str, Any] = {}
     checks: list[tuple[str, bool, Any]] = []
-    result = {"dry_run": dry, "quick": args.quick, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = {"dry_run": dry, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "checks": checks, "sections": sections}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
