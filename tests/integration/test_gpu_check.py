@@ -33,10 +33,8 @@ def test_dry_run_writes_every_section_and_the_simulator_agrees_with_itself(tmp_p
 
     identity = sections["identity"]
     assert identity["name"] == "NVIDIA H100 80GB HBM3" and identity["capability"] == [9, 0]
-    assert (
-        identity["uuid_nvml"] == identity["uuid_torch"]
-        and identity["total_nvml"] == identity["total_torch_mem_get_info"]
-    )
+    assert identity["uuid_nvml"].endswith(identity["uuid_torch"].removeprefix("GPU-"))
+    assert identity["total_nvml"] >= identity["total_torch_mem_get_info"] > 0  # NVML counts what torch cannot use
     assert identity["context_after_step"] >= identity["context_before_step"] > 0
 
     # the first matmul takes the cuBLAS workspace (32 MiB from capability 9.0)
