@@ -8,11 +8,19 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.gpuopt-installed
 PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
-# The GPU machine has its own CUDA torch and no package index: use its python3 with the
-# repo on PYTHONPATH (carry wheels for what its image lacks, e.g. torchinfo).
-BENCH_PY   ?= python3
+# The GPU machine has its own CUDA torch and no package index: use its python3 (or .venv's, if
+# there is one) with the repo on PYTHONPATH. Of our dependencies its image may lack torchinfo
+# (imported by the callbacks; lightning, nvidia-ml-py, psutil, rich and PyYAML are usually there):
+# `make gpu-wheels` on a machine with an index saves it into .whl/, and the GPU targets install
+# .whl/*.whl into GPU_SITE first.
+BENCH_PY   ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_SITE   ?= /tmp/gpuopt-site
+GPU_ENV     = PYTHONPATH=$(CURDIR)$(if $(wildcard .whl/*.whl),:$(GPU_SITE))
+GPU_WHEELS  = $(if $(wildcard .whl/*.whl),$(BENCH_PY) -m pip install -q --no-index --no-deps --no-compile \
+              --disable-pip-version-check --upgrade --target $(GPU_SITE) .whl/*.whl &&)
+OUT        ?= .
 
-.PHONY: demo test test-min lint test-gpu bench bench-gpu clean
+.PHONY: demo test test-min lint test-gpu gpu-check gpu-wheels bench bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,12 +72,22 @@ BENCHMARKS := $(GPU_BENCHMARKS) benchmarks/search_vs_lightning.py benchmarks/all
 bench: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
 
-# the CUDA paths (events, NVML, max_memory_allocated, pinned memory); skipped without a GPU
+# the CUDA paths (events, NVML, max_memory_allocated, pinned memory); skipped without a GPU.
+# Prints a table of the figures each test measured (for benchmarks/RESULTS.md).
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(BENCH_PY) -m pytest -q tests/gpu
+	$(GPU_WHEELS) $(GPU_ENV) GPUOPT_FIGURES=$(OUT)/test_gpu.md $(BENCH_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+# The calibration on a real card, at most 5 minutes on one H100 (benchmarks/gpu_check.py):
+# writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md. Without a card: the quick dry run on a simulated
+# H100 that tests/integration/test_gpu_check.py runs (GPU_CHECK_ARGS=--full: the whole plan, CPU minutes).
+gpu-check:
+	$(GPU_WHEELS) $(GPU_ENV) $(BENCH_PY) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl torchinfo==1.8.0
 
 bench-gpu:
-	for script in $(GPU_BENCHMARKS); do PYTHONPATH=$(CURDIR) $(BENCH_PY) $$script --accelerator gpu || exit 1; done
+	$(GPU_WHEELS) for script in $(GPU_BENCHMARKS); do $(GPU_ENV) $(BENCH_PY) $$script --accelerator gpu || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) lightning_logs benchmarks/_runs .pytest_cache

@@ -132,13 +132,13 @@ _PACKAGE_FOR = {"lightning": "lightning_gpuopt", "pytorch_lightning": "lightning
 
 
 def check_trainer_namespace(trainer: Any, callback: Any) -> None:
-    """Raise ``TypeError``, naming the import that fits, unless ``trainer`` is of ``callback``'s namespace
-    (a callback the Trainer does not hold, a part of GpuOpt, is its owner's to check)."""
+    """Raise ``TypeError``, naming the import that fits, unless ``trainer`` is of ``callback``'s namespace, then
+    :func:`check_strategy` (a callback the Trainer does not hold, a part of GpuOpt, is its owner's to check)."""
     if callback not in getattr(trainer, "callbacks", [callback]):
         return
     ours, theirs = _namespace(callback), type(trainer).__module__.split(".")[0]
     if ours == theirs:
-        return
+        return check_strategy(trainer, callback)
     name, kind = type(callback).__name__, f"`{type(trainer).__module__}.{type(trainer).__name__}`"
     fix = _PACKAGE_FOR.get(theirs)
     advice = (
@@ -147,6 +147,28 @@ def check_trainer_namespace(trainer: Any, callback: Any) -> None:
         else f"use it with a Trainer from `{ours}` ({kind} is neither)"
     )
     raise TypeError(f"{name} from `{_PACKAGE_FOR[ours]}` is built on `{ours}`, but the Trainer is {kind}: {advice}.")
+
+
+#: strategies that shard the model over the ranks (known by class name: DeepSpeed is never imported), and our
+#: callbacks that refuse them (their trials and estimates step the whole module on one rank), with GpuOpt's switch
+SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+UNSHARDED_ONLY = {"BatchSizeSearch": "", "MemoryFill": "fill_memory=False", "MemoryEstimator": "estimate=False"}
+
+
+def check_strategy(trainer: Any, callback: Any) -> None:
+    """Raise ``MisconfigurationException``, naming the strategy and what to do instead, when ``callback`` (or a
+    part of GpuOpt) is in :data:`UNSHARDED_ONLY` and the Trainer's strategy is (a subclass of) a sharded one."""
+    strategy = next((c.__name__ for c in type(trainer.strategy).__mro__ if c.__name__ in SHARDED_STRATEGIES), None)
+    refused = [type(p).__name__ for p in getattr(callback, "parts", [callback]) if type(p).__name__ in UNSHARDED_ONLY]
+    if strategy is None or not refused:
+        return
+    owner = type(callback).__name__
+    fix = f"Remove {owner}" if owner in refused else f"Pass {', '.join(UNSHARDED_ONLY[n] for n in refused)} to {owner}"
+    raise of_namespace(trainer, "utilities.exceptions", "MisconfigurationException")(
+        f"{' and '.join(refused)} cannot run under {strategy}, which shards the model over the ranks (trials and "
+        f"estimates step the whole module on one rank). {fix}, and find the batch size with strategy='ddp' or on "
+        f"one device, then set it by hand; DataWaitMonitor and DataLoaderTuner run under {strategy}."
+    )
 
 
 def loop_classes() -> tuple[type, ...]:
