@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
 from lightning_gpuopt.core.search import round_up
 
@@ -23,8 +25,8 @@ SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 Mi
 MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 
 
-class AllocatorOutOfMemory(Exception):
-    """A request the model could not serve, in CUDA's wording."""
+class AllocatorOutOfMemory(torch.OutOfMemoryError):
+    """A request the model could not serve, raised as CUDA raises it (a ``torch.OutOfMemoryError``)."""
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, in_backward, storage_key
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
 from lightning_gpuopt.core.op_memory import SpanMeter, collect_tensors, is_real_host_call, leaves, storage_of
-from lightning_gpuopt.testing._allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
+from lightning_gpuopt.testing._allocator import Block, CachingAllocatorModel, PeakWindow
 
 # ops that use cuBLAS on a real card (a thread's workspace is allocated on its first of them)
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
@@ -118,6 +118,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            self._optimizer_post_hook(None, (), {})
 
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
@@ -137,6 +138,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self._casts = None if isinstance(module, torch.nn.RNNBase) else self._casts
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_post_hook(optimizer, args, kwargs)  # a step that raised left its groups switched
         if optimizer not in self._adopted:
             self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
             self._adopted.add(optimizer)
@@ -147,7 +149,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         for group in self._foreach:
             group["foreach"] = True
 
-    def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for group in self._foreach:
             group["foreach"] = None
         self._foreach = []
@@ -176,17 +178,11 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self._take(new)
         if name in _MATMUL_OPS and (thread := in_backward()) not in self._cublas:
             size = self.capabilities.cublas_workspace_bytes
-            self._cublas[thread] = self._malloc(size) if size else None
+            self._cublas[thread] = self.allocator.malloc(size) if size else None
         if name in ("convolution", "convolution_backward"):
             with contextlib.suppress(torch.OutOfMemoryError):
-                self.allocator.free(self._malloc(max(t.numel() * t.element_size() for t in tensors)))
+                self.allocator.free(self.allocator.malloc(max(t.numel() * t.element_size() for t in tensors)))
         return out
-
-    def _malloc(self, num_bytes: int) -> Block:
-        try:
-            return self.allocator.malloc(num_bytes)
-        except AllocatorOutOfMemory as error:
-            raise torch.OutOfMemoryError(str(error)) from None
 
     def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
         """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there
@@ -205,7 +201,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         taken: list[Block] = []
         try:
             for storage in storages:
-                taken.append(self._malloc(storage.nbytes()))
+                taken.append(self.allocator.malloc(storage.nbytes()))
                 self._track(storage, taken[-1])
         except torch.OutOfMemoryError:
             for storage, block in zip(storages, taken):

@@ -330,3 +330,8 @@ def test_foreach_optimizer_temporaries_about_the_parameters_at_the_step():
             optimizer.step()
     assert meter.peak_bytes - before >= params  # the single-tensor path holds one parameter's worth
     assert optimizer.param_groups[0]["foreach"] is None
+    with SimulatedGpu("H100", memory="11MiB", context_memory=0, cublas_workspace=0) as gpu:
+        gpu.place(network, optimizer)
+        with pytest.raises(torch.OutOfMemoryError):
+            optimizer.step()  # the temporaries do not fit
+    assert optimizer.param_groups[0]["foreach"] is None  # the user's optimizer as it was
