@@ -3,14 +3,15 @@
 For each model x batch size a real ``Trainer.fit`` runs with :class:`MemoryEstimator`: it
 predicts the peak before the first step (a fake-tensor trace, with the kernel workspaces learned
 from a small real step on the host; torchinfo alongside) and measures it over the first real steps
-(CPU: memory counted at the allocator by a dispatch mode, kernel workspaces included; CUDA:
-``max_memory_allocated``). The table shows both relative errors ``(predicted - measured) / measured``
+(CPU: memory counted at the allocator by a dispatch mode, kernel workspaces included; CUDA: the caching
+allocator's peak counter, reset as measuring starts). The table shows both relative errors ``(predicted - measured) / measured``
 and the seconds each estimate took; a dated section is appended to ``benchmarks/RESULTS.md``
 (``--no-write`` skips it).
 
-On CPU the table also shows an independent allocator-level peak of one more steady-state step:
-every allocation and free the CPU allocator served, from ``torch.profiler``'s memory events
-(``tests/helpers.py: profiler_peak_bytes``), and our error against it. "decoder" (causal
+The table also shows an independent allocator-level peak, and our error against it: on CPU, one more
+steady-state step, every allocation and free the CPU allocator served, from ``torch.profiler``'s memory
+events (``tests/helpers.py: profiler_peak_bytes``); on CUDA, ``torch.cuda.max_memory_allocated()`` over the
+whole fit (its peak counter reset before it). "decoder" (causal
 ``F.scaled_dot_product_attention``) and "unet" (ConvTranspose2d, skip concatenations) are held
 out: the estimate was not tuned on them.
 
@@ -53,7 +54,7 @@ COLUMNS = (
     "our error",
     "torchinfo",
     "torchinfo error",
-    "allocator peak (CPU)",
+    "allocator peak",
     "our error vs allocator",
     "our seconds",
     "torchinfo seconds",
@@ -62,7 +63,7 @@ COLUMNS = (
 
 
 def run(name: str, batch_size: int, accelerator: str, measure_steps: int) -> tuple[MemoryEstimate, int | None]:
-    """Fit with MemoryEstimator; on CPU also the allocator-level peak of one more step."""
+    """Fit with MemoryEstimator; the allocator-level peak of one more step (CPU) or of the fit (CUDA)."""
     model = make_model(name, num_samples=batch_size * (measure_steps + 1))
     estimator = MemoryEstimator(measure_steps=measure_steps)
     trainer = L.Trainer(
@@ -76,13 +77,16 @@ def run(name: str, batch_size: int, accelerator: str, measure_steps: int) -> tup
         callbacks=[estimator],
         default_root_dir=RUNS,
     )
+    on_cuda = accelerator in ("gpu", "cuda")
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning is in estimate.notes
         trainer.fit(model, model.loader(batch_size))
-    allocator_peak = None
-    if accelerator == "cpu":
-        allocator_peak = allocator_peak_bytes(model, trainer.optimizers[0], next(iter(model.loader(batch_size))))
-    return estimator.estimate, allocator_peak
+    if on_cuda:
+        return estimator.estimate, int(torch.cuda.max_memory_allocated())
+    return estimator.estimate, allocator_peak_bytes(model, trainer.optimizers[0], next(iter(model.loader(batch_size))))
 
 
 def allocator_peak_bytes(model: L.LightningModule, optimizer: torch.optim.Optimizer, batch: tuple) -> int:
@@ -155,8 +159,9 @@ def main() -> None:
         "cannot be traced, torchinfo's figures plus parameters, gradients and Adam's state ('torchinfo-fallback'). "
         "'our seconds' covers the workspace probe and both traces (batch B and 2B); max batch is for the memory free on the device. "
         "'measured peak' is the callback's measurement: memory counted at the allocator by a dispatch mode, kernel "
-        "workspaces (e.g. oneDNN convolution reorders) included; 'allocator peak (CPU)' is one more steady-state "
-        "step read independently from torch.profiler's allocator events. Our prediction adds the kernel workspaces "
+        "workspaces (e.g. oneDNN convolution reorders) included (CUDA: the caching allocator's peak counter); "
+        "'allocator peak' is, on CPU, one more steady-state step read independently from torch.profiler's allocator "
+        "events, on CUDA torch.cuda.max_memory_allocated() over the fit. Our prediction adds the kernel workspaces "
         "learned from a real forward and backward pass on the host at min(batch, 16) samples to the fake-tensor "
         "trace. 'decoder' and 'unet' are held out (the estimate was not tuned on them).",
     ]

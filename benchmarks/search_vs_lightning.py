@@ -223,12 +223,13 @@ SIMULATED_WORKLOADS = [
     ),
 ]
 
-#: the smallest setting (``--smoke``, and the test of this script): the cuBLAS workspace is most of the card
+#: the smallest setting (``--smoke``, and the test of this script): the two cuBLAS workspaces (forward and
+#: autograd threads, 32 MiB each on an H100) are most of the card
 SMOKE_WORKLOADS = [
     SimulatedWorkload(
         "tiny-transformer",
         functools.partial(TokenTransformer, width=32, depth=1, seq_len=16),
-        "40MiB",
+        "80MiB",
         1024,
         "TokenTransformer(width=32, depth=1, seq_len=16), AdamW",
     ),

@@ -18,7 +18,7 @@ what its training used to ``OUT/fill<N>.json``.
 oom: every rank trains TokenModel under the same MemoryBudget cap with MemoryFill(on_oom="adapt");
 only rank 1's third batch holds long samples, so only rank 1 runs out of memory; every rank writes
 its weights to ``OUT/oom<N>.pt`` and its adaptations and global step to ``OUT/oom<N>.json``.
-simulated: every rank trains on a simulated T4 of its own size (rank 0: 256 MiB, rank 1: 40 MiB)
+simulated: every rank trains on a simulated A100 of its own size (rank 0: 256 MiB, rank 1: 48 MiB)
 with MemoryFill for a global batch of 256 and writes its plan and its card's peak to
 ``OUT/simulated<N>.json``.
 """
@@ -151,7 +151,7 @@ def fill(out: Path) -> None:
 
 SIMULATED_CARDS = (
     "256MiB",
-    "40MiB",
+    "48MiB",  # two cuBLAS workspaces (8.1 MiB each, forward and autograd threads) and room to train
 )  # by rank: a simulated A100 of this size in each process (bf16: a T4's fp16 convolutions take 80x longer on CPU)
 
 

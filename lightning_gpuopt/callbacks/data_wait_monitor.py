@@ -53,7 +53,7 @@ from lightning_gpuopt.core.checks import check_bool, check_int, check_number, ch
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.diagnosis import DataWaitReport, RunSettings, Thresholds, data_wait_report
 from lightning_gpuopt.core.loader import batch_samples, usable_cpu_count
-from lightning_gpuopt.core.nvml import NvmlSampler
+from lightning_gpuopt.core.nvml import NvmlSampler, same_device
 from lightning_gpuopt.core.report import data_wait_table, to_dict
 from lightning_gpuopt.core.storage import Location, as_location
 from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
@@ -286,7 +286,7 @@ class DataWaitMonitor(Callback):
         gpu = self._gpu.finish() if self._gpu is not None else None
         gpus = self._sampler.stop() if self._sampler is not None else []
         busy, idle = (gpu.busy_s, gpu.idle_s) if gpu is not None else (0.0, 0.0)
-        util = next((usage.util_mean for usage in gpus if usage.uuid == self._nvml_uuid), None)
+        util = next((usage.util_mean for usage in gpus if same_device(usage.uuid, self._nvml_uuid)), None)
         own = replace(clock.totals(), gpu_busy_s=busy, gpu_idle_s=idle, gpu_util_mean=util)
         ranks = gather_totals(trainer, own, pl_module.device)
         settings = replace(self._settings, epochs=clock.epochs_seen, worker_startup_s=list(clock.worker_startup_s))

@@ -2,7 +2,7 @@
 
 ``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
 pytree (no public one), fake tensors, the dispatch mode that sees every op, ``UntypedStorage._cdata``
-(``data_ptr()`` is 0 when fake), the legacy profiler's allocator events (cheaper than ``torch.profiler``)
+(``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's allocator events (cheaper than ``torch.profiler``)
 and ``GradScaler._scale`` (no host sync, unlike ``get_scale()``).
 """
 
@@ -45,6 +45,11 @@ def start_allocation_events() -> None:
 def stop_allocation_events() -> list:
     """Stop the legacy profiler; its records, one list per thread (``memory_alloc`` events among them)."""
     return torch.autograd._disable_profiler_legacy()
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def grad_scale(scaler: Any) -> Any:

@@ -2,21 +2,25 @@
 
 :func:`device_for` gives the :class:`Device` of a torch device: the host (RAM capped by the cgroup
 limit psutil ignores), a real card (:class:`CudaDevice`) or the simulated card in force (:func:`simulating`,
-the seam :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). Meters never reset the process's peaks.
+the seam :class:`lightning_gpuopt.testing.SimulatedGpu` plugs into). A card's meters read the allocator's counters:
+each span (a trial, the estimator's steps) resets the card's peak counters as it starts (``max_memory_allocated``
+reads from there on), a running outer span keeping what they held. Pure functions here parse ``torch.cuda``'s answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import psutil
 import torch
 
-from lightning_gpuopt.core.op_memory import AllocationWindow, LiveTensorTracker, SpanMeter, storage_bytes
+from lightning_gpuopt.core.op_memory import LiveTensorTracker, SpanMeter, storage_bytes
 
 CUDA_ALLOCATION_GRANULARITY = 512  #: the CUDA caching allocator hands out blocks in multiples of this many bytes
 # the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
@@ -46,14 +50,40 @@ class Capabilities:
     native_bf16: bool = False  #: bfloat16 in hardware (8.0 and up), not ``is_bf16_supported()``'s emulation
     tf32: bool = False  #: TF32 tensor cores (8.0 and up)
     mig: bool = False  #: a MIG instance (NVML reports no utilisation for it)
-    cublas_workspace_bytes: int = 0  #: after a matmul: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB from 9.0
+    cublas_workspace_bytes: int = 0  #: one cuBLAS workspace (:func:`cublas_workspace_bytes`); one per thread
 
     @classmethod
-    def of_cuda(cls, name: str, capability: tuple[int, int], *, mig: bool = False) -> Capabilities:
-        """The capabilities of a CUDA card of compute ``capability`` (torch's cuBLAS workspace defaults)."""
-        ampere = capability >= (8, 0)
-        cublas = 32 * 2**20 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    def of_cuda(
+        cls, name: str, capability: tuple[int, int], *, mig: bool = False, cublas: Optional[int] = None
+    ) -> Capabilities:
+        """A CUDA card of compute ``capability``; ``cublas``: torch's cuBLAS workspace size, where it says."""
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+        ampere, cublas = capability >= (8, 0), cublas_workspace_bytes(capability, config, cublas)
         return cls(name, capability, native_bf16=ampere, tf32=ampere, mig=mig, cublas_workspace_bytes=cublas)
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], config: str = "", reported: Optional[int] = None) -> int:
+    """One cuBLAS workspace (torch keeps one per thread that runs matmuls): ``reported`` (torch 2.13's
+    ``torch.backends.cuda.cublas_workspace_size()``), else ``CUBLAS_WORKSPACE_CONFIG``'s ``:KIB:COUNT`` pairs (Lightning
+    sets ``:4096:8`` for ``deterministic=True``), else 32 MiB on capability 9.x-12.x (before torch 2.8: 9.0), else 8.125 MiB.
+
+    >>> cublas_workspace_bytes((9, 0)) >> 20, cublas_workspace_bytes((7, 5)), cublas_workspace_bytes((7, 5), ":4096:8") >> 20
+    (32, 8519680, 32)
+    """
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if reported is not None or pairs:
+        return reported if reported is not None else sum(int(kib) * 1024 * int(count) for kib, count in pairs)
+    return 32 * 2**20 if 9 <= capability[0] <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def peaks_from_stats(stats: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``(peak allocated, peak reserved, alloc retries)`` in ``torch.cuda.memory_stats()`` (peaks since the last reset).
+
+    >>> peaks_from_stats({"allocated_bytes.all.peak": 5, "reserved_bytes.all.peak": 8, "num_alloc_retries": 1})
+    (5, 8, 1)
+    """
+    keys = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries")
+    return tuple(int(stats.get(key, 0)) for key in keys)  # type: ignore[return-value]
 
 
 class Device:
@@ -78,7 +108,7 @@ class Device:
 
     @property
     def uuid(self) -> Optional[str]:
-        """The NVML UUID (``GPU-...`` / ``MIG-...``) of a CUDA card; ``None`` elsewhere."""
+        """A CUDA card's UUID as torch spells it (bare hex; :func:`~.nvml.same_device` matches NVML's ``GPU-...``)."""
         return None
 
     @property
@@ -130,10 +160,6 @@ class Device:
         """Whether ``tensor`` is on this device (of its type: any CUDA card for a card)."""
         return tensor.device.type == self.torch_device.type
 
-    def paused(self) -> ContextManager[None]:
-        """A block whose tensors stay off the device (a simulated card's host-only work)."""
-        return contextlib.nullcontext()
-
     def new_event(self) -> Any:
         """A timing event recorded on the device's current stream (``None`` on the host: host timers suffice)."""
         return None
@@ -153,8 +179,10 @@ class CudaDevice(Device):
 
     @property
     def capabilities(self) -> Capabilities:
-        props = torch.cuda.get_device_properties(self.torch_device)
-        return Capabilities.of_cuda(props.name, (props.major, props.minor), mig="MIG" in props.name)
+        props, size = torch.cuda.get_device_properties(self.torch_device), None
+        with contextlib.suppress(AttributeError):  # torch 2.13 reports its cuBLAS workspace size
+            size = torch.backends.cuda.cublas_workspace_size()
+        return Capabilities.of_cuda(props.name, (props.major, props.minor), mig="MIG" in props.name, cublas=size)
 
     def total_memory(self) -> int:
         return int(torch.cuda.mem_get_info(self.torch_device)[1])
@@ -186,14 +214,12 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.torch_device)
 
 
-class _CudaPeakMeter(AllocationWindow):
-    """The allocated bytes at start plus the profiler's largest rise (else ``max_memory_allocated``); with
-    ``max_bytes``, the per-process memory fraction caps the span's reserved memory."""
+class _CudaPeakMeter(SpanMeter):
+    """A span's peaks from the allocator's counters; ``max_bytes``: a memory fraction caps its reserved memory;
+    ``alloc_retries``: its mallocs that freed cached blocks to retry (reserved memory brushed the cap)."""
 
     def __init__(self, device: CudaDevice, max_bytes: Optional[int] = None) -> None:
-        super().__init__("cuda", device.index)
-        self.device, self.max_bytes = device, max_bytes
-        self._start = (0, 0)
+        self.device, self.max_bytes, self.alloc_retries, self._retries = device, max_bytes, 0, 0
         self._fraction: Optional[float] = None
 
     def _begin(self) -> None:
@@ -201,22 +227,30 @@ class _CudaPeakMeter(AllocationWindow):
         if self.max_bytes is not None:
             self._fraction = torch.cuda.get_per_process_memory_fraction(where)
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.max_bytes / self.device.total_memory()), where)
-        self._start = (self.device.allocated_memory(), self.device.reserved_memory())
-        super()._begin()
+        for meter in _running_cuda_meters:  # they keep the peaks the reset drops
+            meter._fold()
+        torch.cuda.reset_peak_memory_stats(where)
+        self.peak_bytes = self.peak_reserved_bytes = None
+        self._retries = self._fold()
+        _running_cuda_meters.append(self)
+
+    def _fold(self) -> int:
+        allocated, reserved, retries = peaks_from_stats(torch.cuda.memory_stats(self.device.torch_device))
+        self.peak_bytes = max(self.peak_bytes or 0, allocated)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, reserved)
+        return retries
 
     def _end(self) -> None:
-        where = self.device.torch_device
         try:
-            super()._end()
-            (allocated, reserved), rise = self._start, self.peak_bytes  # rise: None when another profiler ran
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(where)) if rise is None else allocated + rise
-            self.peak_reserved_bytes = max(reserved, self.device.reserved_memory())
+            self.alloc_retries = self._fold() - self._retries
         finally:
+            _running_cuda_meters.remove(self)
             if self._fraction is not None:
-                torch.cuda.set_per_process_memory_fraction(self._fraction, where)
+                torch.cuda.set_per_process_memory_fraction(self._fraction, self.device.torch_device)
                 self._fraction = None
 
 
+_running_cuda_meters: list[_CudaPeakMeter] = []
 _simulations: list[Device] = []
 
 
@@ -233,11 +267,6 @@ def simulating(device: Device) -> Iterator[Device]:
 def simulated_device() -> Optional[Device]:
     """The simulated card in force, if any."""
     return _simulations[-1] if _simulations else None
-
-
-def host_only() -> ContextManager[None]:
-    """A block of host work (the workspace probe): under a simulated card, nothing it makes counts on it."""
-    return _simulations[-1].paused() if _simulations else contextlib.nullcontext()
 
 
 def cuda_available() -> bool:

@@ -24,7 +24,7 @@ import torch
 import torchinfo
 
 from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, profiler_running, tree_map
-from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, host_only
+from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for
 from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
@@ -162,8 +162,8 @@ class StepEstimator:
         try:
             estimate = self._traced()
             card = device_for(step.device if step.device is not None else _module_device(step.module))
-            if card.is_cuda and (cublas := card.capabilities.cublas_workspace_bytes):
-                untraced.insert(0, ("the cuBLAS workspace (kept by the caching allocator)", cublas))
+            if card.is_cuda and (cublas := card.capabilities.cublas_workspace_bytes):  # forward's and autograd's
+                untraced.insert(0, ("the cuBLAS workspaces of two threads (kept by the caching allocator)", 2 * cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
             only = "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
@@ -265,10 +265,12 @@ class StepEstimator:
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
         """What the step's kernels allocate, from one real step on the host at ``min(batch_size, PROBE_BATCH_SIZE)``
-        samples on copies of the parameters and buffers; ``None`` for a step not on the host."""
+        samples on copies of the parameters and buffers; ``None`` for a step not on the host (a card's kernels
+        hold other buffers than the host's)."""
         step = self.step
-        elsewhere = step.device is not None and torch.device(step.device).type != "cpu"
         tensors = collect_tensors(step.module, step.batch)
+        target = _module_device(step.module) if step.device is None else torch.device(step.device)
+        elsewhere = device_for(target).is_cuda
         if not self._learns_workspaces or elsewhere or any(t.device.type != "cpu" for t in tensors):
             return None
         size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
@@ -276,7 +278,7 @@ class StepEstimator:
             return WorkspaceProfile(batch_size=size, failure="another profiler is running")
         start, small_batch = time.perf_counter(), sliced_batch(step.batch, step.batch_size, size)
         try:
-            with host_only(), _twinned(step.module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
+            with _twinned(step.module, _host_copy) as twin_of, WorkspaceRecorder() as recorder:
                 # the optimizers only step inside a manual step (their kernels allocate nothing beyond their outputs)
                 optimizers = [_twin_optimizer(o, twin_of) for o in step.optimizers] if step.manual_step else []
                 _run_step(step, small_batch, optimizers, zero_grads=[])

@@ -105,10 +105,15 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _uuid_candidates(uuid: str) -> list[str]:
-    """NVML's spellings of a UUID: as given with a prefix, else with ``"GPU-"`` and ``"MIG-"``."""
-    uuid = uuid.strip()
-    return [uuid] if uuid.startswith(_PREFIXES) else [prefix + uuid for prefix in _PREFIXES]
+def same_device(uuid: Optional[str], other: Optional[str]) -> bool:
+    """Whether two UUIDs name one device, as torch (bare hex) or NVML (``GPU-``/``MIG-``) spells them.
+
+    >>> same_device("GPU-5d3c8f2e-7a41", "5D3C8F2E-7A41"), same_device("MIG-5d3c8f2e", "GPU-5d3c8f2e")
+    (True, False)
+    """
+    first, second = ((u or "").strip().lower() for u in (uuid, other))
+    prefixed = first[:4] in ("gpu-", "mig-"), second[:4] in ("gpu-", "mig-")
+    return bool(first) and (first == second if all(prefixed) else first[4 * prefixed[0] :] == second[4 * prefixed[1] :])
 
 
 def _unique_prefix_match(entry: str, uuids: Sequence[str]) -> Optional[int]:
@@ -182,7 +187,8 @@ def _open(lib: Any, gpus: Sequence[NvmlDevice], index: Optional[int] = None, uui
             device.handle = lib.nvmlDeviceGetHandleByIndex(index)
             device.uuid = str(lib.nvmlDeviceGetUUID(device.handle))
         else:
-            *others, last = _uuid_candidates(uuid)
+            uuid = uuid.strip()  # NVML's spellings: as given with a prefix, else with GPU- and MIG-
+            *others, last = [uuid] if uuid.startswith(_PREFIXES) else [prefix + uuid for prefix in _PREFIXES]
             for candidate in others:  # the spelling NVML accepts
                 with contextlib.suppress(lib.NVMLError_NotFound, lib.NVMLError_InvalidArgument):
                     device.handle, device.uuid = lib.nvmlDeviceGetHandleByUUID(candidate), candidate
@@ -222,8 +228,12 @@ def nvml_devices(lib: Any, uuids: Optional[Sequence[str]] = None) -> tuple[list[
 
 
 def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
-    """``(utilisation % or None on MIG, memory used, memory total)`` of a device now."""
-    memory = lib.nvmlDeviceGetMemoryInfo(handle)
+    """``(utilisation % or None on MIG, memory used, memory total)`` of a device now; used from the v2 memory
+    struct where the driver has it (v1's ``used`` counts the driver's reserved memory too)."""
+    try:
+        memory = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
+    except (lib.NVMLError, AttributeError, TypeError):  # a driver or nvidia-ml-py without it
+        memory = lib.nvmlDeviceGetMemoryInfo(handle)
     try:
         util: Optional[int] = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
     except lib.NVMLError:
@@ -312,8 +322,7 @@ class NvmlSampler:
         if isinstance(key, int):
             found = (d for d in self._devices if d.index == key and not d.mig)
         else:
-            names = {candidate.lower() for candidate in _uuid_candidates(key)}
-            found = (d for d in self._devices if d.uuid.lower() in names)
+            found = (d for d in self._devices if same_device(d.uuid, key))
         device = next(found, None) if self._lib is not None else None
         if device is None:
             return None, None

@@ -7,9 +7,9 @@ is every device's meter interface; :class:`LiveTensorTracker` is the host's.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
@@ -78,22 +78,9 @@ def is_real_host_call(flat: list) -> bool:
 
 
 _Meter = TypeVar("_Meter", bound="SpanMeter")
-_MAX_TEMPLATES = 50_000  # learned allocations, shared by the process; cleared when they pass this
-_templates: dict[Any, OpAllocations] = {}
+_MAX_TEMPLATES = 50_000  # learned peaks, shared by the process; cleared when they pass this
+_templates: dict[Any, int] = {}
 _lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class OpAllocations:
-    """One op call's allocations: ``events`` in order (``+size``, or ``-(i + 1)`` for the free of the ``i``-th),
-    their ``sizes``, those ``kept`` (its outputs, or a kernel's cache) and the most it held at once."""
-
-    events: tuple[int, ...]
-    sizes: tuple[int, ...]
-    kept: frozenset[int]
-    peak_bytes: int
-
-
 _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
@@ -108,31 +95,22 @@ def _op_key(func: Any, flat: list) -> tuple:
     return (func, torch.get_num_threads(), *map(key, flat))
 
 
-def _allocations_from(records: list) -> OpAllocations:
-    """The allocations in the legacy profiler's per-thread records (``memory_alloc`` events)."""
-    events: list[int] = []
-    sizes: list[int] = []
-    open_by_size: dict[int, list[int]] = {}
+def _peak_from(records: list) -> int:
+    """The most an op's own allocations held at once, from the legacy profiler's per-thread records
+    (``memory_alloc`` events; the free of memory allocated before the op does not count)."""
+    open_sizes: collections.Counter = collections.Counter()
     live = peak = 0
     for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
         size = int(record.cpu_memory_usage())
-        if size > 0:
-            open_by_size.setdefault(size, []).append(len(sizes))
-            events.append(size)
-            sizes.append(size)
-        elif size < 0 and open_by_size.get(-size):
-            events.append(-(open_by_size[-size].pop() + 1))
-        else:
-            continue
-        live += size
-        peak = max(peak, live)
-    kept = frozenset(index for indices in open_by_size.values() for index in indices)
-    return OpAllocations(tuple(events), tuple(sizes), kept, peak)
+        if size > 0 or (size < 0 and open_sizes[-size]):
+            open_sizes[abs(size)] += 1 if size > 0 else -1
+            live, peak = live + size, max(peak, live + size)
+    return peak
 
 
-def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[OpAllocations]]:
-    """``func``'s output and allocations, learned once per key (``None``: unknown and another profiler runs);
-    ``flat``: the :func:`leaves` of ``(args, kwargs)``."""
+def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[int]]:
+    """``func``'s output and the peak its kernel allocated, learned once per key (``None``: unknown and another
+    profiler runs); ``flat``: the :func:`leaves` of ``(args, kwargs)``."""
     key = _op_key(func, flat)
     known = _templates.get(key)
     if known is not None or compat.profiler_running():
@@ -142,12 +120,12 @@ def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) 
         out = func(*args, **kwargs)
     finally:
         records = compat.stop_allocation_events()
-    allocations = _allocations_from(records)
+    peak = _peak_from(records)
     with _lock:
         if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
-        _templates[key] = allocations
-    return out, allocations
+        _templates[key] = peak
+    return out, peak
 
 
 class SpanMeter:
@@ -286,35 +264,6 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         on_host = self.device is None or self.device.type == "cpu"
         flat = leaves((args, kwargs)) if self.workspaces and on_host else []
         if flat and is_real_host_call(flat):
-            out, allocations = call_learning_allocations(func, args, kwargs, flat)
-            return out, allocations.peak_bytes if allocations else 0, 0, ()
+            out, peak = call_learning_allocations(func, args, kwargs, flat)
+            return out, peak or 0, 0, ()
         return func(*args, **kwargs), 0, 0, ()
-
-
-class AllocationWindow(SpanMeter):
-    """The largest rise of a device's allocated bytes over a span, from the profiler's allocator
-    events; ``None`` when another profiler runs."""
-
-    def __init__(self, device_type: str = "cpu", index: int = 0) -> None:
-        self.device_type, self.index = device_type, index
-        self._profiling = False
-
-    def _begin(self) -> None:
-        self.peak_bytes = None
-        self._profiling = not compat.profiler_running()
-        if self._profiling:
-            compat.start_allocation_events()
-
-    def _end(self) -> None:
-        if not self._profiling:
-            return
-        self._profiling = False
-        live = peak = 0
-        records = compat.stop_allocation_events()
-        for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
-            if self.device_type != "cuda":
-                live += int(record.cpu_memory_usage())
-            elif record.device() == self.index:
-                live += int(record.cuda_memory_usage())
-            peak = max(peak, live)
-        self.peak_bytes = peak

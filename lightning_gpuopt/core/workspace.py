@@ -95,10 +95,10 @@ class WorkspaceRecorder(TorchDispatchMode):
         flat = leaves((args, kwargs))
         if not is_real_host_call(flat):
             return func(*args, **kwargs)
-        out, allocations = call_learning_allocations(func, args, kwargs, flat)
+        out, peak = call_learning_allocations(func, args, kwargs, flat)
         inputs = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         outputs = _new_storage_bytes(_tensors(out), inputs)
-        extra = 0 if allocations is None else max(0, allocations.peak_bytes - sum(outputs))
+        extra = max(0, (peak or 0) - sum(outputs))
         surplus = tuple(
             max(0, real - fake) for real, fake in zip(outputs, _meta_output_bytes(func, args, kwargs, outputs))
         )

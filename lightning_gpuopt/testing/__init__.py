@@ -3,7 +3,7 @@
 While a CPU ``Trainer`` runs inside ``with SimulatedGpu("T4", memory="64MiB"):``, every decision of
 lightning-gpuopt sees that card: its identity (:data:`GPU_PROFILES`), its memory as PyTorch's CUDA
 caching allocator would hold it (past the card, the real ``torch.OutOfMemoryError``), its NVML
-readings and device events. Tensors reach it as in a real run (a module at its first ``forward``, an
+readings and device events (``pin_memory=True`` pins nothing, silently: torch finds no accelerator). Tensors reach it as in a real run (a module at its first ``forward``, an
 optimizer's state at its first step, :meth:`SimulatedGpu.place`). Not simulated: kernel speed,
 streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any, Optional, Union
 
 from lightning_gpuopt.callbacks._lightning_compat import fp16_kept_on_cpu
@@ -24,14 +25,14 @@ from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 
 __all__ = ["GPU_PROFILES", "GpuProfile", "SimulatedGpu"]
 
-GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by short name
-    short: GpuProfile(name, capability, total_mib << 20, uuid, context_mib << 20, mig="MIG" in name)
-    for short, name, capability, total_mib, uuid, context_mib in [
-        ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
-        ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
-        ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
-        ("T4", "Tesla T4", (7, 5), 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
-        ("A100-MIG-1g.10gb", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728, "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", 250),
+GPU_PROFILES: dict[str, GpuProfile] = {  # the cards SimulatedGpu knows, by short name; totals: torch's, NVML's
+    short: GpuProfile(name, capability, mib << 20, uuid, context_mib << 20, "MIG" in name, nvml_mib << 20)
+    for short, name, capability, mib, nvml_mib, uuid, context_mib in [
+        ("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81008, 81559, "GPU-5d3c8f2e-7a41-4c0b-9e57-1f0a2b3c4d01", 512),
+        ("A100", "NVIDIA A100-SXM4-40GB", (8, 0), 40335, 40960, "GPU-8a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c02", 430),
+        ("V100", "Tesla V100-SXM2-16GB", (7, 0), 16148, 16160, "GPU-1f2e3d4c-5b6a-4978-8695-a4b3c2d1e003", 310),
+        ("T4", "Tesla T4", (7, 5), 15104, 15360, "GPU-0a9b8c7d-6e5f-4d3c-ab2a-1b0c9d8e7f04", 290),
+        ("A100-MIG-1g.10gb", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), 9728, 9728, "MIG-3c4d5e6f-7a8b-4c9d-8e0f-1a2b3c4d5e05", 250),
     ]
 }  # fmt: skip
 
@@ -85,10 +86,12 @@ class SimulatedGpu:
             )
         if nvml_error not in (None, "no-permission", "not-supported"):
             raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, 'no-permission', 'not-supported'.")
-        self.profile = p = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig)
+        driver = int(max(0, base.nvml_total_bytes - base.total_bytes) * total / base.total_bytes)  # NVML's reserved
+        self.profile = p = GpuProfile(base.name, base.capability, total, base.uuid, context, base.mig, total + driver)
         self.device = SimulatedCudaDevice(p, cublas_workspace)
         utilization = None if p.mig else self.utilization
-        card = FakeNvmlDevice(p.name, p.uuid, total, self.device.used_memory, utilization, error=nvml_error, mig=p.mig)
+        card = FakeNvmlDevice(p.name, p.uuid, total + driver, self.device.used_memory, utilization, nvml_error, p.mig)
+        card.memory_reserved = driver
         self.nvml = FakeNvml([card])
         self._entered = contextlib.ExitStack()
         self._last_reading = (time.perf_counter(), 0.0)
@@ -107,7 +110,7 @@ class SimulatedGpu:
 
     @property
     def peak_allocated_bytes(self) -> int:
-        """Peak since the card was made (the process-wide counter, as ``max_memory_allocated``)."""
+        """Peak since the card was made (the process-wide counter; a real card's meters reset it)."""
         return self.allocator.stats.peak_allocated_bytes
 
     @property
@@ -131,6 +134,8 @@ class SimulatedGpu:
         with contextlib.ExitStack() as stack:
             for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
                 stack.enter_context(context)
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")  # a no-op here
             self._entered = stack.pop_all()
         self._entered.enter_context(fp16_kept_on_cpu())
         self._last_reading = (time.perf_counter(), self.device.busy_s)

@@ -2,16 +2,19 @@
 
 Requests are rounded up to 512 bytes and carved out of segments (2 MiB for requests up to 1 MiB, the
 *small* pool; else 20 MiB below 10 MiB, or the request rounded up to 2 MiB) by best fit among cached
-blocks, split when the rest is at least 512 bytes (small) or over 1 MiB (large); freed blocks merge and
-stay cached. A segment past the limit first releases the free segments, then raises
-:class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also kept per window (a meter's own span).
+blocks (equal sizes: lowest address first; a segment takes the lowest free addresses), split when the rest is at
+least 512 bytes (small) or over 1 MiB (large); freed blocks merge and stay cached. ``expandable=True``: each pool is
+one segment mapping pages (2 MiB, 20 MiB) at its end; ``empty_cache`` unmaps its free tail. A segment past the
+limit first releases the free segments, then raises :class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also
+kept per window (a meter's own span).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
 from lightning_gpuopt.core.search import round_up
@@ -22,15 +25,15 @@ SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 Mi
 MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 
 
-class AllocatorOutOfMemory(Exception):
-    """A request the model could not serve, in CUDA's wording."""
+class AllocatorOutOfMemory(torch.OutOfMemoryError):
+    """A request the model could not serve, raised as CUDA raises it (a ``torch.OutOfMemoryError``)."""
 
 
 @dataclass(eq=False)
 class Block:
     """A piece of a segment: handed out (``allocated``) or cached (free)."""
 
-    segment: int
+    segment: int  #: the segment's address
     offset: int
     size: int
     small: bool
@@ -59,16 +62,16 @@ class AllocatorStats(PeakWindow):
 class CachingAllocatorModel:
     """The caching allocator's bookkeeping, reserving at most ``limit_bytes`` (the others: for messages)."""
 
-    def __init__(self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0) -> None:
+    def __init__(
+        self, limit_bytes: int, *, total_bytes: Optional[int] = None, outside_bytes: int = 0, expandable: bool = False
+    ) -> None:
         self.limit_bytes = int(limit_bytes)
         self.total_bytes = int(total_bytes if total_bytes is not None else limit_bytes)
-        self.outside_bytes = outside_bytes
-        self.allocated_bytes = 0
-        self.reserved_bytes = 0
+        self.outside_bytes, self.expandable = outside_bytes, expandable
+        self.allocated_bytes = self.reserved_bytes = 0
         self.stats = AllocatorStats()
         self._pools: dict[bool, set[Block]] = {True: set(), False: set()}  # the cached blocks: small, large
-        self._segments: dict[int, Block] = {}  # first block of each segment
-        self._segment_ids = itertools.count()
+        self._segments: dict[int, Block] = {}  # first block of each segment, by address
         self._windows: list[PeakWindow] = []
 
     def malloc(self, num_bytes: int) -> Block:
@@ -77,9 +80,9 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         pool = self._pools[small]
         fits = [cached for cached in list(pool) if cached.size >= size]  # best fit; list(): a GC callback may free
-        block = min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
+        block = min(fits, key=lambda b: (b.size, b.segment + b.offset), default=None)
         if block is None:
-            block = self._new_segment(size, small, num_bytes)
+            block = self._new_segment(size, small)
         else:
             pool.remove(block)
         rest = block.size - size
@@ -113,14 +116,20 @@ class CachingAllocatorModel:
         pool.add(block)
 
     def empty_cache(self) -> None:
-        """Release every fully free segment to the driver (PyTorch's ``empty_cache``)."""
-        for segment_id, first in list(self._segments.items()):
-            if first.allocated or first.next is not None:
-                continue
-            self._pools[first.small].remove(first)
-            del self._segments[segment_id]
-            self.reserved_bytes -= first.size
-            self.stats.num_segments -= 1
+        """Release every fully free segment (an expandable one: the whole pages of its free tail) to the driver."""
+        for address, first in list(self._segments.items()):
+            tail, page = _last(first), SMALL_BUFFER if first.small else LARGE_BUFFER  # what an expandable one maps
+            unmapped = (
+                0 if tail.allocated else tail.size if first is tail else tail.size // page * page * self.expandable
+            )
+            self.reserved_bytes, tail.size = self.reserved_bytes - unmapped, tail.size - unmapped
+            if unmapped and not tail.size:
+                self._pools[first.small].remove(tail)
+                if tail.prev is not None:
+                    tail.prev.next = None
+                else:
+                    del self._segments[address]
+                    self.stats.num_segments -= 1
 
     def open_window(self) -> PeakWindow:
         """A window whose peaks start at the bytes allocated and reserved now."""
@@ -133,20 +142,37 @@ class CachingAllocatorModel:
             self._windows.remove(window)
         return window
 
-    def _new_segment(self, size: int, small: bool, requested: int) -> Block:
+    def _new_segment(self, size: int, small: bool, retried: bool = False) -> Block:
         large = LARGE_BUFFER if size < MIN_LARGE_ALLOC else round_up(size, ROUND_LARGE)
-        wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve
+        wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve (torch's alloc_size)
+        tail = next((_last(f) for f in self._segments.values() if f.small == small), None) if self.expandable else None
+        if self.expandable:  # map pages at the end of the pool's one segment
+            wanted = round_up(
+                size - (tail.size if tail and not tail.allocated else 0), SMALL_BUFFER if small else LARGE_BUFFER
+            )
         if self.reserved_bytes + wanted > self.limit_bytes:
+            if retried:
+                self.stats.num_ooms += 1
+                raise AllocatorOutOfMemory(self._oom_message(wanted))
             self.stats.num_alloc_retries += 1
             self.empty_cache()
-            if self.reserved_bytes + wanted > self.limit_bytes:
-                self.stats.num_ooms += 1
-                raise AllocatorOutOfMemory(self._oom_message(requested))
-        segment = next(self._segment_ids)
-        block = self._segments[segment] = Block(segment, 0, wanted, small)
+            return self._new_segment(size, small, retried=True)
         self.reserved_bytes += wanted
-        self.stats.num_segments += 1
         self._update_peaks()
+        if tail is not None and not tail.allocated:
+            self._pools[small].remove(tail)
+            tail.size += wanted
+            return tail
+        if tail is not None:
+            tail.next = Block(tail.segment, tail.offset + tail.size, wanted, small, prev=tail)
+            return tail.next
+        address = 0  # the lowest free addresses (a model of where the driver maps a new segment)
+        for start, first in sorted(self._segments.items()):
+            if start - address >= wanted:
+                break
+            address = start + (last := _last(first)).offset + last.size
+        self.stats.num_segments += 1
+        block = self._segments[address] = Block(address, 0, wanted, small)
         return block
 
     def _update_peaks(self) -> None:
@@ -154,19 +180,32 @@ class CachingAllocatorModel:
             window.peak_allocated_bytes = max(window.peak_allocated_bytes, self.allocated_bytes)
             window.peak_reserved_bytes = max(window.peak_reserved_bytes, self.reserved_bytes)
 
-    def _oom_message(self, requested: int) -> str:
-        m, free = _mib_or_gib, max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
+    def _oom_message(self, alloc_size: int) -> str:
+        m, free = format_size, max(0, self.total_bytes - self.outside_bytes - self.reserved_bytes)
         in_use, cached = self.outside_bytes + self.reserved_bytes, self.reserved_bytes - self.allocated_bytes
+        capped = self.limit_bytes < self.total_bytes - self.outside_bytes  # a memory fraction is set
         return (
-            f"CUDA out of memory. Tried to allocate {m(requested)}. GPU 0 has a total capacity of "
+            f"CUDA out of memory. Tried to allocate {m(alloc_size)}. GPU 0 has a total capacity of "
             f"{m(self.total_bytes)} of which {m(free)} is free. Including non-PyTorch memory, this process has "
-            f"{m(in_use)} memory in use. Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, "
+            f"{m(in_use)} memory in use. {f'{m(self.limit_bytes)} allowed; ' if capped else ''}"
+            f"Of the allocated memory {m(self.allocated_bytes)} is allocated by PyTorch, "
             f"and {m(cached)} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
             "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
             "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
         )
 
 
-def _mib_or_gib(num_bytes: int) -> str:
-    """CUDA's own format: GiB from 1 GiB up, else MiB, two decimals."""
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / _MIB:.2f} MiB"
+def _last(block: Block) -> Block:
+    while block.next is not None:
+        block = block.next
+    return block
+
+
+def format_size(num_bytes: int) -> str:
+    """The allocator's ``format_size``: bytes up to 1 KiB, then KiB, MiB, GiB with two decimals.
+
+    >>> format_size(1024), format_size(1025), format_size(2**30), format_size(int(79.11 * 2**30))
+    ('1024 bytes', '1.00 KiB', '1024.00 MiB', '79.11 GiB')
+    """
+    power = next(p for p in (0, 10, 20, 30) if num_bytes <= 2**p * 1024 or p == 30)
+    return f"{num_bytes / 2**power:.2f} {'KMG'[power // 10 - 1]}iB" if power else f"{num_bytes} bytes"

@@ -1,33 +1,28 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
-and, while entered, the dispatch mode that serves each storage on the card, and each of its ops'
-in-kernel workspaces, from the caching-allocator model until it dies.
+and, while entered, the dispatch mode that serves each storage on the card from the caching-allocator model until
+it dies, and what a card's kernels hold (not the host kernels' buffers): a cuBLAS workspace per thread (forward,
+autograd), a convolution's transient cuDNN workspace (the input's bytes, where it fits: else cuDNN picks another
+algorithm), an RNN's weights cast once a call (cuDNN's flat weights), CUDA's ``foreach`` optimizer path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, storage_key
+from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, in_backward, storage_key
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
-from lightning_gpuopt.core.op_memory import (
-    OpAllocations,
-    SpanMeter,
-    call_learning_allocations,
-    collect_tensors,
-    is_real_host_call,
-    leaves,
-    storage_of,
-)
-from lightning_gpuopt.testing._allocator import AllocatorOutOfMemory, Block, CachingAllocatorModel, PeakWindow
+from lightning_gpuopt.core.op_memory import SpanMeter, collect_tensors, is_real_host_call, leaves, storage_of
+from lightning_gpuopt.testing._allocator import Block, CachingAllocatorModel, PeakWindow
 
-# ops that use cuBLAS on a real card (its workspace is allocated on the first of them)
+# ops that use cuBLAS on a real card (a thread's workspace is allocated on its first of them)
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
 
 
@@ -37,14 +32,11 @@ class GpuProfile:
 
     name: str
     capability: tuple[int, int]
-    total_bytes: int
-    uuid: str
+    total_bytes: int  #: torch's total (``cudaMemGetInfo``), below NVML's by the driver's reserved memory
+    uuid: str  #: NVML's spelling (``GPU-...``); torch's is the bare hex
     context_bytes: int  #: memory the CUDA context holds outside PyTorch's allocator (NVML counts it as used)
     mig: bool = False
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities.of_cuda(self.name, self.capability, mig=self.mig)
+    nvml_total_bytes: int = 0  #: NVML's total (0: torch's)
 
 
 class SimulatedCudaDevice(Device, TorchDispatchMode):
@@ -56,25 +48,27 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         Device.__init__(self, torch.device("cpu"))
         TorchDispatchMode.__init__(self)
         self.profile = p = profile
-        self.allocator = CachingAllocatorModel(
-            p.total_bytes - p.context_bytes, total_bytes=p.total_bytes, outside_bytes=p.context_bytes
-        )
-        default = p.capabilities.cublas_workspace_bytes
-        self.cublas_workspace_bytes = default if cublas_workspace_bytes is None else cublas_workspace_bytes
+        grows = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()  # as torch reads it
+        limit, total, context = p.total_bytes - p.context_bytes, p.total_bytes, p.context_bytes
+        self.allocator = CachingAllocatorModel(limit, total_bytes=total, outside_bytes=context, expandable=grows)
+        self.cublas_workspace_bytes = cublas_workspace_bytes
         self.busy_s = 0.0  #: seconds spent inside ops (what NVML's utilisation counts as busy)
-        self._blocks: dict[int, tuple[weakref.ref, Block]] = {}  # storage key -> its block
-        self._cublas: Optional[Block] = None
+        self._blocks: dict[int, tuple[weakref.ref, Optional[Block]]] = {}  # storage key -> its block (None: shared)
+        self._cublas: dict[bool, Optional[Block]] = {}  # in backward -> that thread's cuBLAS workspace
+        self._casts: Optional[dict[tuple, weakref.ref]] = None  # inside an RNN: (source, dtype) -> its first cast
+        self._foreach: list[dict] = []  # param groups switched to the multi-tensor path for one step
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
         self._hooks: list[Any] = []
-        self._forward_depth = self._paused = 0  # while _paused is positive, nothing reaches the card
+        self._forward_depth = 0
 
     @property
     def uuid(self) -> str:
-        return self.profile.uuid
+        return self.profile.uuid.split("-", 1)[1]  # torch's spelling
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.profile.capabilities
+        p = self.profile  # cuBLAS's workspace: as given, else torch's for the capability and the environment
+        return Capabilities.of_cuda(p.name, p.capability, mig=p.mig, cublas=self.cublas_workspace_bytes)
 
     def total_memory(self) -> int:
         return self.profile.total_bytes
@@ -105,14 +99,6 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         storage = storage_of(tensor)
         return storage is not None and storage_key(storage) in self._blocks
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-
     def new_event(self) -> HostEvent:
         return HostEvent()
 
@@ -121,6 +107,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._forward_hook, always_call=True),
             register_optimizer_step_pre_hook(self._optimizer_pre_hook),
+            register_optimizer_step_post_hook(self._optimizer_post_hook),
         ]
         return super().__enter__()
 
@@ -131,6 +118,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            self._optimizer_post_hook(None, (), {})
 
     def adopt(self, *objects: Any) -> None:
         """Count the tensors of ``objects`` (modules, optimizers, tensors) from now on, as if moved to the card."""
@@ -139,8 +127,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
-        if self._paused:
-            return
+        self._casts = {} if isinstance(module, torch.nn.RNNBase) else self._casts  # an RNN's casts, by source
         if module not in self._adopted:
             self.adopt(module)
             self._adopted.update(module.modules())
@@ -148,32 +135,53 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
+        self._casts = None if isinstance(module, torch.nn.RNNBase) else self._casts
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._paused and optimizer not in self._adopted:
+        self._optimizer_post_hook(optimizer, args, kwargs)  # a step that raised left its groups switched
+        if optimizer not in self._adopted:
             self.adopt(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
             self._adopted.add(optimizer)
+        groups = optimizer.param_groups if "foreach" in optimizer.defaults else []  # CUDA's default: multi-tensor
+        self._foreach = [
+            g for g in groups if g.get("foreach") is None and not any(map(g.get, ("fused", "differentiable")))
+        ]
+        for group in self._foreach:
+            group["foreach"] = True
+
+    def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for group in self._foreach:
+            group["foreach"] = None
+        self._foreach = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        flat = [] if self._paused else leaves((args, kwargs))
+        flat = leaves((args, kwargs))
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
-        on_card = not self._paused and is_real_host_call(flat) and self._on_card(func, tensors, kwargs)
+        on_card = is_real_host_call(flat) and self._on_card(func, tensors, kwargs)
         started = time.perf_counter()
-        out, allocations = (
-            call_learning_allocations(func, args, kwargs, flat) if on_card else (func(*args, **kwargs), None)
-        )
+        out = func(*args, **kwargs)
         self.busy_s += time.perf_counter() - started
         if not on_card:
             return out
-        if self._cublas is None and self.cublas_workspace_bytes and func.overloadpacket.__name__ in _MATMUL_OPS:
-            try:
-                self._cublas = self.allocator.malloc(self.cublas_workspace_bytes)
-            except AllocatorOutOfMemory as error:
-                raise torch.OutOfMemoryError(str(error)) from None
+        name = func.overloadpacket.__name__
         inputs = {storage_key(s) for s in map(storage_of, tensors) if s is not None}
         outputs = {storage_key(s): s for s in map(self._countable_storage, collect_tensors(out)) if s is not None}
-        self._take([s for key, s in outputs.items() if key not in self._blocks and key not in inputs], allocations)
+        new = [s for key, s in outputs.items() if key not in self._blocks and key not in inputs]
+        if self._casts is not None and name == "_to_copy" and len(new) == 1 and (source := storage_of(tensors[0])):
+            cast = (storage_key(source), kwargs.get("dtype"))  # an RNN's weight: cast once on a card
+            first = self._casts.get(cast, lambda: None)()
+            self._casts[cast] = weakref.ref(new[0] if first is None else first)
+            if first is not None:
+                self._track(new[0], None)  # held while the first cast is
+                return out
+        self._take(new)
+        if name in _MATMUL_OPS and (thread := in_backward()) not in self._cublas:
+            size = self.capabilities.cublas_workspace_bytes
+            self._cublas[thread] = self.allocator.malloc(size) if size else None
+        if name in ("convolution", "convolution_backward"):
+            with contextlib.suppress(torch.OutOfMemoryError):
+                self.allocator.free(self.allocator.malloc(max(t.numel() * t.element_size() for t in tensors)))
         return out
 
     def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
@@ -188,49 +196,25 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
         return True
 
-    def _take(self, storages: list[torch.UntypedStorage], allocations: Optional[OpAllocations] = None) -> None:
-        """Blocks for ``storages``, after an op's ``allocations`` replayed in the profiler's order. A failed
-        request forgets what was taken (the op's outputs never reach the caller) and raises CUDA's error."""
+    def _take(self, storages: list[torch.UntypedStorage]) -> None:
+        """Blocks for ``storages``; a failed request forgets what was taken and raises CUDA's error."""
         taken: list[Block] = []
         try:
-            rest = storages
-            if allocations is not None:
-                blocks: list[Optional[Block]] = []
-                for event in allocations.events:
-                    if event > 0:
-                        taken.append(self.allocator.malloc(event))
-                        blocks.append(taken[-1])
-                    else:
-                        block, blocks[-event - 1] = blocks[-event - 1], None
-                        if block is not None:
-                            self.allocator.free(block)
-                # the kept allocations become the outputs of their size; one no output takes is a kernel's cache
-                kept = [(allocations.sizes[i], b) for i in sorted(allocations.kept) if (b := blocks[i]) is not None]
-                rest = []
-                for storage in storages:
-                    match = next((i for i, (size, _) in enumerate(kept) if size == storage.nbytes()), None)
-                    if match is None:
-                        rest.append(storage)
-                    else:
-                        self._track(storage, kept.pop(match)[1])
-                for _, block in kept:
-                    self.allocator.free(block)
-            for storage in rest:
+            for storage in storages:
                 taken.append(self.allocator.malloc(storage.nbytes()))
                 self._track(storage, taken[-1])
-        except AllocatorOutOfMemory as error:
-            for storage in storages:
+        except torch.OutOfMemoryError:
+            for storage, block in zip(storages, taken):
                 self._blocks.pop(storage_key(storage), None)
-            for block in taken:
                 self.allocator.free(block)
-            raise torch.OutOfMemoryError(str(error)) from None
+            raise
 
-    def _track(self, storage: torch.UntypedStorage, block: Block) -> None:
+    def _track(self, storage: torch.UntypedStorage, block: Optional[Block]) -> None:
         key = storage_key(storage)
 
         def release(_ref: weakref.ref) -> None:
             entry = self._blocks.pop(key, None)
-            if entry is not None:
+            if entry is not None and entry[1] is not None:
                 self.allocator.free(entry[1])
 
         self._blocks[key] = (weakref.ref(storage, release), block)

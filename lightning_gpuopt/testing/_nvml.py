@@ -21,7 +21,7 @@ _Reading = Union[int, Callable[[], int]]
 class FakeNvmlDevice:
     """One GPU (``uuid`` ``"GPU-..."``) or MIG instance (``mig=True``, ``"MIG-..."``, on the GPU ``parent``);
     ``memory_used`` and ``utilization`` (%, ``None``: ``NotSupported``) are an int or a callable read at every
-    query; ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it."""
+    query; ``memory_reserved``: the driver's (the v1 memory struct counts it as used, v2 apart); ``error`` (``"no-permission"``, ``"not-supported"``) makes every query on the device raise it."""
 
     name: str
     uuid: str
@@ -32,6 +32,7 @@ class FakeNvmlDevice:
     mig: bool = False
     processes: list[tuple[int, int]] = field(default_factory=list)
     parent: Optional[str] = None
+    memory_reserved: int = 0
 
 
 def _read(value: _Reading) -> int:
@@ -44,7 +45,7 @@ class FakeNvml:
     time); ``calls``: a ``Counter`` of calls by name; ``initialised``: inits minus shutdowns."""
 
     NVMLError, NVMLError_NotFound = pynvml.NVMLError, pynvml.NVMLError_NotFound  # what lightning-gpuopt catches
-    NVMLError_InvalidArgument = pynvml.NVMLError_InvalidArgument
+    NVMLError_InvalidArgument, nvmlMemory_v2 = pynvml.NVMLError_InvalidArgument, pynvml.nvmlMemory_v2
 
     def __init__(
         self,
@@ -128,10 +129,11 @@ class FakeNvml:
     def nvmlDeviceGetName(self, handle: Any) -> str:
         return str(self._enter("nvmlDeviceGetName", handle).name)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> SimpleNamespace:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Optional[int] = None) -> SimpleNamespace:
         device = self._enter("nvmlDeviceGetMemoryInfo", handle)
-        used = _read(device.memory_used)
-        return SimpleNamespace(total=device.memory_total, used=used, free=device.memory_total - used)
+        reserved, used, total = device.memory_reserved, _read(device.memory_used), device.memory_total
+        v1 = version != pynvml.nvmlMemory_v2  # v1's used counts the driver's reserved memory
+        return SimpleNamespace(total=total, reserved=reserved, used=used + reserved * v1, free=total - used - reserved)
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> SimpleNamespace:
         device = self._enter("nvmlDeviceGetUtilizationRates", handle)

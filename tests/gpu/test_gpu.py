@@ -135,17 +135,22 @@ def test_memory_fill_on_cuda_picks_mixed_precision_and_stays_in_the_budget(tmp_p
     assert peak.peak <= budget  # no step of the real training went past it
 
 
-def test_a_search_leaves_the_process_wide_peak_counters_alone(tmp_path, figures):
-    from lightning_gpuopt import BatchSizeSearch
-
-    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    del big
-    before = torch.cuda.max_memory_allocated()  # at least 256 MiB: what DeviceStatsMonitor would read
-    model = make_model("mlp", num_samples=512, batch_size=8)
-    search = BatchSizeSearch(max_memory="128MiB")
-    gpu_trainer(tmp_path, [search], max_steps=1).fit(model)
-    figures(batch_size=search.result.batch_size, trials=len(search.result.trials), peak_before=before)
-    assert torch.cuda.max_memory_allocated() >= before
+def test_peak_meters_read_the_allocators_counters_backward_thread_included():
+    """A meter resets the card's peak counters as it starts (documented in ``core/device.py``); an outer meter
+    keeps the peak from before an inner one's reset. Autograd's allocations run on its own thread."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).to(device)
+    x = torch.randn(512, 1024, device=device)
+    card = device_for(device)
+    with card.peak_meter() as outer:
+        big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+        del big
+        with card.peak_meter() as inner:
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+        assert inner.peak_bytes == torch.cuda.max_memory_allocated()  # the same counter, since the reset
+    assert outer.peak_bytes >= 256 * 2**20 > inner.peak_bytes  # the outer meter kept it across the reset
+    assert inner.peak_reserved_bytes >= inner.peak_bytes and inner.alloc_retries == 0
 
 
 def test_an_explicit_max_memory_is_enforced_on_reserved_memory(tmp_path, figures):

@@ -1,5 +1,5 @@
 """Smoke test of ``benchmarks/search_vs_lightning.py``'s simulated-H100 path on its smallest setting
-(one tiny model, a 40 MiB card): every method runs, every found size is checked with a whole
+(one tiny model, an 80 MiB card): every method runs, every found size is checked with a whole
 shuffled epoch, and the truth is bisected. Nothing is written to RESULTS.md."""
 
 from __future__ import annotations

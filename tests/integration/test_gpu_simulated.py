@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt, MemoryFill, NoBatchSizeFitsError
 from lightning_gpuopt.core.device import HostEvent, device_for
 from lightning_gpuopt.core.nvml import NvmlSampler
-from lightning_gpuopt.core.op_memory import AllocationWindow
 from lightning_gpuopt.core.timing import CudaStepTimer, StepStart
 from lightning_gpuopt.testing import SimulatedGpu
 
@@ -84,8 +83,8 @@ def test_nvml_sampler_reads_the_simulated_cards_memory_and_utilisation():
     assert gpu.nvml.initialised == 0  # every nvmlInit was shut down
     own = next(card for card in usage if card.uuid == gpu.profile.uuid)
     assert own.samples >= 3 and own.util_mean is not None and own.util_mean > 0
-    assert own.memory_used_max_bytes == gpu.profile.context_bytes + reserved
-    assert own.memory_total_bytes == 512 * MIB
+    assert own.memory_used_max_bytes == gpu.profile.context_bytes + reserved  # v2: the driver's reserve apart
+    assert own.memory_total_bytes == gpu.profile.nvml_total_bytes > 512 * MIB  # NVML's total includes it
 
 
 def test_nvml_on_a_mig_instance_reads_memory_without_utilisation():
@@ -138,13 +137,14 @@ def test_host_to_device_copies_count_as_gpu_work_not_idle(tmp_path):
 # ----------------------------------------------------------------------------- loader tuning
 
 
-def test_tuner_pins_memory_on_a_card(tmp_path):
+def test_tuner_pins_memory_on_a_card(tmp_path, recwarn):
     with SimulatedGpu("T4", memory="1GiB"):
         tuner = DataLoaderTuner(max_seconds=3)
         quiet_trainer(tmp_path, [tuner], max_steps=3).fit(
             MLP(), DataLoader(SlowDataset(640, delay_s=0.0005), batch_size=16)
         )
     assert tuner.result is not None and tuner.result.pin_memory is True
+    assert not [w for w in recwarn if "no accelerator is found" in str(w.message)]  # pinning is a no-op here
 
 
 def test_tuner_leaves_a_dataset_already_on_the_card_alone(tmp_path):
@@ -279,16 +279,6 @@ def test_an_explicit_max_memory_caps_reserved_memory_in_training(tmp_path):
     assert limit_after == gpu.profile.total_bytes - gpu.profile.context_bytes  # the cap is lifted after fit
 
 
-def test_allocation_window_measures_a_spans_peak_by_deltas():
-    keep = torch.zeros(1000)
-    with AllocationWindow("cpu") as window:
-        transient = torch.zeros(250_000)  # 1 MB, freed before the end
-        del transient
-        kept = torch.zeros(500)
-    assert window.peak_bytes == 1_000_000
-    assert keep.numel() + kept.numel() == 1500
-
-
 @pytest.mark.parametrize("profile", PROFILES)
 def test_memory_fill_on_a_card_uses_its_precision_and_stays_in_the_budget(tmp_path, profile):
     budget = 64 * MIB
@@ -343,12 +333,13 @@ def test_an_estimate_for_a_card_counts_its_blocks_and_cublas_without_allocating_
     on_host = StepEstimator(TrainingStep(model, batch, loss, batch_size=32)).estimate()
     with SimulatedGpu("H100", memory="1GiB") as gpu:
         on_card = StepEstimator(TrainingStep(model, batch, loss, batch_size=32, device="cuda")).estimate()
-        probed = StepEstimator(TrainingStep(model, batch, loss, batch_size=32)).estimate()  # learns workspaces first
+        probed = StepEstimator(TrainingStep(model, batch, loss, batch_size=32)).estimate()  # the module on the host
     assert gpu.peak_allocated_bytes == 0  # the estimates allocated nothing on the card
-    assert any("kernel workspaces learned" in note for note in probed.notes)
+    # for a card, no host kernel's buffers (a card's kernels hold others: cuBLAS's and cuDNN's workspaces)
+    assert probed.workspace_bytes == 0 and not any("kernel workspaces learned" in note for note in probed.notes)
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
-    cublas = 32 * MIB
+    cublas = 2 * 32 * MIB  # the forward's and the autograd thread's cuBLAS workspaces
     assert on_card.untraced_bytes == cublas and any("cuBLAS" in note for note in on_card.notes)
     assert on_card.predicted_peak_bytes - cublas >= on_host.predicted_peak_bytes  # 512-byte blocks
     assert on_card.params_bytes % 512 == 0
@@ -377,3 +368,43 @@ def test_a_setup_estimate_for_a_cuda_run_casts_activations_as_the_run_will():
     now = StepEstimator(TrainingStep(model, batch, loss, batch_size=64, step_context=amp)).estimate()
     assert abs(now.predicted_peak_bytes - truth.peak_bytes) <= 0.05 * truth.peak_bytes
     assert before.predicted_peak_bytes > 1.2 * truth.peak_bytes
+
+
+# ----------------------------------------------------------------------------- what a card holds (issue 26)
+
+
+class TwoLayerGru(LightningModule):
+    """A 2-layer GRU (2.5 MiB of parameters) on 32-step sequences: on the host, float16/bfloat16 autocast
+    casts the recurrent weights at every time step; a card's cuDNN casts them once a call."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.gru, self.head, self.batch_size = (
+            nn.GRU(64, 256, num_layers=2, batch_first=True),
+            nn.Linear(256, 10),
+            batch_size,
+        )
+
+    def training_step(self, batch, batch_idx):
+        out, _ = self.gru(batch[0])
+        return nn.functional.cross_entropy(self.head(out[:, -1]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32, 32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+def test_mixed_precision_holds_no_more_than_full_precision_on_a_card(tmp_path):
+    peaks = {}
+    for precision in ("32-true", "16-mixed"):
+        torch.manual_seed(0)
+        with SimulatedGpu("T4") as gpu:
+            quiet_trainer(tmp_path, [], max_steps=2, precision=precision).fit(TwoLayerGru())
+        peaks[precision] = (gpu.peak_allocated_bytes, gpu.peak_reserved_bytes)
+    assert peaks["16-mixed"][0] <= 1.05 * peaks["32-true"][0], peaks  # was 59 MiB against 25
+    # what MemoryFill(max_memory="64MiB")'s trial asks of a micro-batch of 8 (margin 0.1); it was 58 MiB
+    assert peaks["16-mixed"][1] <= 0.9 * 64 * MIB

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from lightning_gpuopt.core import doctor
-from lightning_gpuopt.core.nvml import NvmlSampler, nvml_library, using_nvml_library, visible_gpu_indices
+from lightning_gpuopt.core.nvml import (
+    NvmlSampler,
+    nvml_library,
+    read_usage,
+    same_device,
+    using_nvml_library,
+    visible_gpu_indices,
+)
 from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 
 GIB = 1 << 30
@@ -457,3 +464,18 @@ def test_a_card_that_cannot_run_a_matmul_or_pin_memory_is_a_failure(monkeypatch)
     if not torch.cuda.is_available():  # a CPU-only torch cannot pin memory
         pinned = doctor.run_check("pinned_memory")
         assert pinned.status == "fail" and "ulimit -l unlimited" in pinned.fix
+
+
+def test_torch_and_nvml_spellings_of_a_uuid_name_one_device():
+    """torch's ``get_device_properties(i).uuid`` is bare hex; NVML's carries ``GPU-``/``MIG-``."""
+    assert same_device(GPU0, GPU0[4:]) and same_device(GPU0[4:].upper(), GPU0)
+    assert not same_device(GPU0, GPU1[4:]) and not same_device(MIG, GPU0) and not same_device(None, GPU0[4:])
+    assert not same_device("", "")
+
+
+def test_memory_used_leaves_out_the_drivers_reserved_memory():
+    nvml = FakeNvml([FakeNvmlDevice("NVIDIA H100 80GB HBM3", GPU0, 81559 * 2**20, GIB, memory_reserved=551 * 2**20)])
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert read_usage(nvml, handle)[1:] == (GIB, 81559 * 2**20)  # the v2 struct's used
+    assert nvml.nvmlDeviceGetMemoryInfo(handle).used == GIB + 551 * 2**20  # v1's counts the reserve

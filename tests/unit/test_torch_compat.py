@@ -70,3 +70,12 @@ def test_grad_scale_is_the_scalers_tensor(device):
     scaler = torch.amp.GradScaler(device, init_scale=8.0)
     scaler.scale(torch.ones(1))
     assert float(compat.grad_scale(scaler)) == 8.0, _fails("GradScaler._scale")
+
+
+def test_in_backward_is_true_inside_autograds_engine_only():
+    from lightning_gpuopt.core._torch_compat import in_backward
+
+    x, seen = torch.ones(3, requires_grad=True), []
+    x.register_hook(lambda grad: seen.append(in_backward()))
+    (x * 2).sum().backward()
+    assert seen == [True] and not in_backward()
