@@ -3,8 +3,9 @@
 A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
 :class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (attributes holding
 an autograd graph across steps) and :class:`HostSyncProbe` (device-to-host reads in :data:`SYNC_STEPS`, by the
-innermost frame outside torch, us and the standard library; ``print(loss)`` is not seen: torch formats tensors
-with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
+innermost frame outside torch, us, the standard library and installed packages such as transformers, else
+Lightning's; ``print(loss)`` is not seen: torch formats tensors with dispatch modes off). The hook, checkpoint
+and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -214,12 +215,12 @@ _STDLIB_DIRS = tuple(
 
 
 def _where(filename: str) -> str:
-    """``"lightning"``, ``"library"`` (torch, us, the standard library) or ``"user"``."""
+    """``"lightning"``, ``"library"`` (torch, us, the standard library, installed packages) or ``"user"``."""
     path = os.path.realpath(filename) if not filename.startswith("<") else filename
     if path.startswith(_LIGHTNING_DIRS):
         return "lightning"
-    stdlib = path.startswith(_STDLIB_DIRS) and "-packages" not in path
-    return "library" if path.startswith(("<", *_LIBRARY_DIRS)) or stdlib else "user"
+    installed = f"-packages{os.sep}" in path  # site-packages, dist-packages: transformers, timm, ...
+    return "library" if path.startswith(("<", *_LIBRARY_DIRS, *_STDLIB_DIRS)) or installed else "user"
 
 
 def _count_line(lines: dict[str, int], line: str, count: int = 1) -> None:
