@@ -11,7 +11,9 @@ loss through an autograd function whose backward hands the gradients it computed
 Lightning's backward, zero_grad, optimizer step and schedule run as they would (the update is the
 unsplit batch's). Under DDP the ranks exchange one small tensor per step (who ran out of memory, at
 which micro-batch, for which sample size) so all take the same decision in the same step; DDP reduces
-the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples.
+the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples. An out-of-memory
+error in the optimizer step itself (Adam creating the state of a layer unfrozen mid-run) is the optimizer's
+memory, which smaller micro-batches do not shrink: it is raised, saying that adapt covers forward and backward.
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class OomRecovery:
         self.limits = MicroBatchLimits()
         self._original = pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
-        self._in_loop_step = False
-        self._zeroed_expected = False
-        self._zeroed_seen = False
+        self._in_loop_step = self._zeroed_expected = False
+        self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
         undo.set(trainer.strategy, "training_step", self._loop_step)
+        self._strategy_optimizer_step = trainer.strategy.optimizer_step
+        undo.set(trainer.strategy, "optimizer_step", self._optimizer_step)
 
     def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
@@ -91,6 +94,22 @@ class OomRecovery:
             return self._strategy_step(*args, **kwargs)
         finally:
             self._in_loop_step = False
+
+    def _optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``optimizer_step``; out of memory once the gradients were handed over is the step's own."""
+        self._handed = False
+        try:
+            return self._strategy_optimizer_step(optimizer, *args, **kwargs)
+        except BaseException as exc:
+            if not (self._handed and is_out_of_memory_error(exc)):
+                raise
+            raise torch.OutOfMemoryError(
+                f"MemoryFill(on_oom='adapt'): out of memory in the optimizer step ({type(optimizer).__name__}) of step "
+                f"{self.trainer.global_step}, after its forward and backward fitted: on_oom='adapt' covers forward and "
+                "backward only (it splits batches; the optimizer's state and temporaries do not shrink with them). The "
+                "state of parameters stepped for the first time (a layer unfrozen mid-run) is new memory: leave room "
+                f"for it (a smaller max_memory), or unfreeze before training. {_first_line(exc)}"
+            ) from exc
 
     def zero_grad_called(self) -> None:
         """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
@@ -129,6 +148,7 @@ class OomRecovery:
         return loss
 
     def _check_zeroed(self) -> None:
+        self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
         if self._zeroed_expected and not self._zeroed_seen:
             raise RuntimeError(
                 "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an accumulation "
