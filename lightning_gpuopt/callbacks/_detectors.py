@@ -49,8 +49,11 @@ _MAX_LINES = 5
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
     ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
-    profiled action (only on probes that override it: it runs on every hook call), ``stop`` on every exit path
-    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report."""
+    profiled action (only on probes that override it, outside steps and in steps where one's ``in_sample`` is
+    true after ``step_start``), ``stop`` on every exit path (undoing what the probe installed; perhaps more than
+    once), then ``findings`` with the run's report."""
+
+    in_sample = True
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...

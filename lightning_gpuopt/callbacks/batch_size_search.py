@@ -23,10 +23,9 @@ when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import replace
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -236,7 +235,8 @@ class BatchSizeSearch(Callback):
         initial = _initial_batch_size(session, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
         outcomes: dict[int, TrialOutcome] = {}
-        firsts: dict[int, int] = {}  # optimizer -> the batch of a trial (from 1) in which it first stepped
+        firsts: dict[int, int] = {}
+        loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             predicted, per_sample, notes = prediction or predicted_largest_fit(trials, initial, budget)
@@ -246,9 +246,15 @@ class BatchSizeSearch(Callback):
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
             def fits(size: int) -> tuple[bool, Optional[int]]:
-                firsts.clear()
-                with _first_steps(trainer, firsts):
+                firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
+                hooks = [
+                    o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
+                    for i, o in optimizers
+                ]
+                try:
                     outcomes[size] = trials.run(size, budget, capacity)
+                finally:
+                    any(hook.remove() for hook in hooks)
                 return agreed(trainer, outcomes[size], budget, search_budget)
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
@@ -263,10 +269,10 @@ class BatchSizeSearch(Callback):
                     bytes_per_sample=per_sample,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
-            missed = result.batch_size is None
-            message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if missed else ""
+            size = result.batch_size
+            message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
             every = max(firsts.values(), default=1) if trials.manual else 1  # Lightning steps on an epoch's last batch
-            size, epoch_notes = self._epoch_cap(session, result.batch_size, samples, every, lower)
+            size, fit_notes = (None, []) if size is None else self._epoch_cap(session, size, samples, every, lower)
         result = replace(
             result,
             batch_size=size,
@@ -275,7 +281,7 @@ class BatchSizeSearch(Callback):
             steps_per_trial=self.steps_per_trial,
             world_size=trainer.world_size,
             seconds=time.perf_counter() - started,
-            notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else []), *epoch_notes],
+            notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else []), *fit_notes],
         )
         self.result = result
         if result.batch_size is None:
@@ -297,18 +303,14 @@ class BatchSizeSearch(Callback):
             upper, note = samples, f"each rank's loader holds {samples} samples"
         return upper, note, samples
 
-    def _epoch_cap(self, session: FitSession, size: Any, samples: Optional[int], every: int, lower: int) -> tuple:
-        """``(size, notes)``: at most an unsized stream's length, and small enough for an epoch to hold the
-        ``every`` batches a manual-optimization step takes (seen in the trials); refused when none is."""
-        if size is None:
-            return None, []
+    def _epoch_cap(self, session: FitSession, size: int, samples: Optional[int], every: int, lower: int) -> tuple:
+        """``(size, notes)``: at most a stream's length, and an epoch holds the ``every`` batches a step takes."""
         if samples is None:  # a stream: one batch at ``size`` shows whether it is shorter
             with rng_kept():
                 drawn = batch_samples(next(iter(session.loader(batch_size=size)), None)) or size
             samples = int(min(row[0] for row in gather_ranks(session.trainer, [drawn])))
-            return min(size, samples), [f"the train stream holds {samples} samples, fewer than {size}"][
-                samples >= size :
-            ]
+            note = [f"the train stream holds {samples} samples, fewer than {size}"] if samples < size else []
+            return min(size, samples), note
         capped = largest_stepping_size(size, samples, every, self.multiple_of)
         why = f"training_step steps the optimizer once every {every} batches (seen in the trials)"
         if capped < max(1, lower):
@@ -316,7 +318,7 @@ class BatchSizeSearch(Callback):
                 f"BatchSizeSearch: {why}; an epoch of {samples} samples holds fewer than {every} batches of "
                 f"min_batch_size={lower}: no optimizer step would run. Lower min_batch_size or add data."
             )
-        return capped, [f"{why}: at most {capped} a batch, so that an epoch steps"][capped >= size :]
+        return capped, [f"{why}: at most {capped} a batch, so that an epoch steps"] if capped < size else []
 
     def _nothing_fits_message(self, trials: Trials, outcomes: dict, result: Any, budget: int, capacity: int) -> str:
         """Why no size fitted: the smallest size tried and why its trial failed, in its own figures; on a
@@ -380,20 +382,6 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
         f"batch size {trial.batch_size} {outcome}: peak {format_bytes(trial.peak_bytes)}, "
         f"budget {format_bytes(budget_bytes)} ({format_seconds(trial.seconds)})"
     )
-
-
-@contextlib.contextmanager
-def _first_steps(trainer: Any, firsts: dict[int, int]) -> Iterator[None]:
-    """Inside the block, ``firsts[i]``: the batch of the epoch (from 1) in which optimizer ``i`` first stepped."""
-    loop = trainer.fit_loop.epoch_loop
-    hooks = [
-        o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
-        for i, o in enumerate(trainer.optimizers)
-    ]
-    try:
-        yield
-    finally:
-        any(hook.remove() for hook in hooks)
 
 
 def _initial_batch_size(session: FitSession, name: str) -> int:

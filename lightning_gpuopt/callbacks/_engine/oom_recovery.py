@@ -11,9 +11,8 @@ loss through an autograd function whose backward hands the gradients it computed
 Lightning's backward, zero_grad, optimizer step and schedule run as they would (the update is the
 unsplit batch's). Under DDP the ranks exchange one small tensor per step (who ran out of memory, at
 which micro-batch, for which sample size) so all take the same decision in the same step; DDP reduces
-the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples. An out-of-memory
-error in the optimizer step itself (Adam creating the state of a layer unfrozen mid-run) is the optimizer's
-memory, which smaller micro-batches do not shrink: it is raised, saying that adapt covers forward and backward.
+the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples. Out of memory in
+the optimizer step itself (micro-batches do not shrink its state) is raised saying so.
 """
 
 from __future__ import annotations
@@ -104,11 +103,9 @@ class OomRecovery:
             if not (self._handed and is_out_of_memory_error(exc)):
                 raise
             raise torch.OutOfMemoryError(
-                f"MemoryFill(on_oom='adapt'): out of memory in the optimizer step ({type(optimizer).__name__}) of step "
-                f"{self.trainer.global_step}, after its forward and backward fitted: on_oom='adapt' covers forward and "
-                "backward only (it splits batches; the optimizer's state and temporaries do not shrink with them). The "
-                "state of parameters stepped for the first time (a layer unfrozen mid-run) is new memory: leave room "
-                f"for it (a smaller max_memory), or unfreeze before training. {_first_line(exc)}"
+                f"MemoryFill(on_oom='adapt') covers forward and backward only: out of memory in the optimizer step "
+                f"({type(optimizer).__name__}) of step {self.trainer.global_step}, whose state (new for a layer unfrozen "
+                f"mid-run) micro-batches do not shrink; leave room for it (a smaller max_memory). {_first_line(exc)}"
             ) from exc
 
     def zero_grad_called(self) -> None:
