@@ -47,8 +47,8 @@ class Stopwatch(Callback):
     """Times training from the start of step ``first_step`` to the end of training (CUDA synchronised
     at both ends), and counts the steps and samples in between."""
 
-    def __init__(self, first_step: int) -> None:
-        self.first_step = first_step
+    def __init__(self, first_step: int, clock: Any = time.perf_counter) -> None:
+        self.first_step, self.clock = first_step, clock
         self.started: Optional[float] = None
         self.ended: Optional[float] = None
         self.steps = 0
@@ -58,7 +58,7 @@ class Stopwatch(Callback):
         if trainer.global_step == self.first_step and self.started is None:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize()
-            self.started = time.perf_counter()
+            self.started = self.clock()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.started is not None:
@@ -68,7 +68,7 @@ class Stopwatch(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
-        self.ended = time.perf_counter()
+        self.ended = self.clock()
 
     @property
     def step_time_s(self) -> float:

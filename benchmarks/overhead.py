@@ -9,6 +9,7 @@ in the same round; the table gives the median ratio over rounds (goal: DataWaitM
 
     python benchmarks/overhead.py                      # CPU
     python benchmarks/overhead.py --accelerator gpu    # make bench-gpu
+    python benchmarks/overhead.py --cpu-clock          # a loaded machine: CPU seconds of the main thread
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -32,17 +34,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, Stopwatch, append
 
 from lightning_gpuopt import DataWaitMonitor
+from lightning_gpuopt.callbacks import _detect_hooks
 
-VARIANTS = ("bare", "empty Callback", "DataWaitMonitor", "DataWaitMonitor(find_patterns=False)", "SimpleProfiler")
+SAMPLE_EVERY = _detect_hooks.HOOK_SAMPLE_EVERY
+
+#: "every hook timed" is the monitor before hook calls inside steps were sampled (HOOK_SAMPLE_EVERY = 1)
+EVERY_HOOK = "DataWaitMonitor, every hook timed"
+VARIANTS = (
+    "bare",
+    "empty Callback",
+    "DataWaitMonitor",
+    EVERY_HOOK,
+    "DataWaitMonitor(find_patterns=False)",
+    "SimpleProfiler",
+)
 
 
 def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> float:
     seed_everything(0, verbose=False)
-    stopwatch = Stopwatch(args.warmup)
+    stopwatch = Stopwatch(args.warmup, time.thread_time if args.cpu_clock else time.perf_counter)
     callbacks: list[Callback] = [stopwatch]
     profiler = None
-    if variant == "DataWaitMonitor":
+    if variant in ("DataWaitMonitor", EVERY_HOOK):
         callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup))
+    _detect_hooks.HOOK_SAMPLE_EVERY = 1 if variant == EVERY_HOOK else SAMPLE_EVERY
     if variant == "DataWaitMonitor(find_patterns=False)":  # the findings' share of the overhead
         callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup, find_patterns=False))
     if variant == "empty Callback":  # what Lightning charges for dispatching hooks to any callback
@@ -73,8 +88,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time the main thread's CPU seconds, torch on one thread (a machine loaded by other work)",
+    )
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.cpu_clock:
+        torch.set_num_threads(1)
 
     generator = torch.Generator().manual_seed(0)
     samples = args.batch_size * (args.warmup + args.steps)
@@ -115,6 +137,7 @@ def main() -> None:
         workload = (
             f"MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, preloaded data, "
             f"{args.accelerator}, CSVLogger in every variant"
+            + (", the main thread's CPU time, torch on 1 thread" if args.cpu_clock else "")
         )
         path = append(
             "overhead.py: DataWaitMonitor vs SimpleProfiler vs bare",

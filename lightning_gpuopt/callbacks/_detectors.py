@@ -3,8 +3,9 @@
 A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
 :class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (attributes holding
 an autograd graph across steps) and :class:`HostSyncProbe` (device-to-host reads in :data:`SYNC_STEPS`, by the
-innermost frame outside torch, us and the standard library; ``print(loss)`` is not seen: torch formats tensors
-with dispatch modes off). The hook, checkpoint and disk probes are in ``_detect_hooks``."""
+innermost frame outside torch, us, the standard library and installed packages such as transformers, else
+Lightning's; ``print(loss)`` is not seen: torch formats tensors with dispatch modes off). The hook, checkpoint
+and disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -48,8 +49,11 @@ _MAX_LINES = 5
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
     ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
-    profiled action (only on probes that override it: it runs on every hook call), ``stop`` on every exit path
-    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report."""
+    profiled action (only on probes that override it, outside steps and in steps where one's ``in_sample`` is
+    true after ``step_start``), ``stop`` on every exit path (undoing what the probe installed; perhaps more than
+    once), then ``findings`` with the run's report."""
+
+    in_sample = True
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
@@ -214,12 +218,12 @@ _STDLIB_DIRS = tuple(
 
 
 def _where(filename: str) -> str:
-    """``"lightning"``, ``"library"`` (torch, us, the standard library) or ``"user"``."""
+    """``"lightning"``, ``"library"`` (torch, us, the standard library, installed packages) or ``"user"``."""
     path = os.path.realpath(filename) if not filename.startswith("<") else filename
     if path.startswith(_LIGHTNING_DIRS):
         return "lightning"
-    stdlib = path.startswith(_STDLIB_DIRS) and "-packages" not in path
-    return "library" if path.startswith(("<", *_LIBRARY_DIRS)) or stdlib else "user"
+    installed = f"-packages{os.sep}" in path  # site-packages, dist-packages: transformers, timm, ...
+    return "library" if path.startswith(("<", *_LIBRARY_DIRS, *_STDLIB_DIRS)) or installed else "user"
 
 
 def _count_line(lines: dict[str, int], line: str, count: int = 1) -> None:

@@ -47,7 +47,7 @@ class ProfilerTap:
         timed = self._timed.get(action_name)
         if timed is not None:
             return _Timed(inner, action_name, *timed, self.any_action)
-        return inner if self.any_action is None else _Walled(inner, action_name, self.any_action)
+        return inner if self.any_action is None else _Timed(inner, action_name, None, None, self.any_action)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "any_action", "_timed", "_started"):  # not set yet (unpickling)
@@ -79,23 +79,6 @@ class _Timed:
         if self.any_action is not None:
             self.any_action(self.name, wall)
         return self.inner.__exit__(*exc_info) if self.inner is not None else None
-
-
-class _Walled:
-    """The catch-all's timing alone (wall-clock seconds), inside the wrapped profiler's context: the lean path."""
-
-    __slots__ = ("any_action", "inner", "name", "wall")
-
-    def __init__(self, inner: Any, name: str, any_action: AnyListener) -> None:
-        self.inner, self.name, self.any_action = inner, name, any_action
-
-    def __enter__(self) -> None:
-        self.inner.__enter__()
-        self.wall = time.perf_counter()
-
-    def __exit__(self, *exc_info: Any) -> Any:
-        self.any_action(self.name, time.perf_counter() - self.wall)
-        return self.inner.__exit__(*exc_info)
 
 
 def install(

@@ -40,6 +40,7 @@ from lightning_gpuopt.callbacks._engine import (
     FitSession,
     Trials,
     Undo,
+    rng_kept,
     signals_stop_our_work,
 )
 from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit
@@ -48,9 +49,10 @@ from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_ba
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.report import batch_search_table, format_bytes, format_seconds, to_dict
-from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, search_largest_fit
+from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, largest_stepping_size, search_largest_fit
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "batch_size_search"
@@ -233,8 +235,10 @@ class BatchSizeSearch(Callback):
         initial = _initial_batch_size(session, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
         outcomes: dict[int, TrialOutcome] = {}
+        firsts: dict[int, int] = {}
+        loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
-            upper, upper_note = self._upper_bound(session, initial, max_batch_size)
+            upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             predicted, per_sample, notes = prediction or predicted_largest_fit(trials, initial, budget)
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
@@ -242,7 +246,15 @@ class BatchSizeSearch(Callback):
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
             def fits(size: int) -> tuple[bool, Optional[int]]:
-                outcomes[size] = trials.run(size, budget, capacity)
+                firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
+                hooks = [
+                    o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
+                    for i, o in optimizers
+                ]
+                try:
+                    outcomes[size] = trials.run(size, budget, capacity)
+                finally:
+                    any(hook.remove() for hook in hooks)
                 return agreed(trainer, outcomes[size], budget, search_budget)
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
@@ -257,23 +269,26 @@ class BatchSizeSearch(Callback):
                     bytes_per_sample=per_sample,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
-            missed = result.batch_size is None
-            message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if missed else ""
+            size = result.batch_size
+            message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
+            every = max(firsts.values(), default=1) if trials.manual else 1  # Lightning steps on an epoch's last batch
+            size, fit_notes = (None, []) if size is None else self._epoch_cap(session, size, samples, every, lower)
         result = replace(
             result,
+            batch_size=size,
             initial_batch_size=initial,
             predicted_batch_size=predicted,
             steps_per_trial=self.steps_per_trial,
             world_size=trainer.world_size,
             seconds=time.perf_counter() - started,
-            notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else [])],
+            notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else []), *fit_notes],
         )
         self.result = result
         if result.batch_size is None:
             raise NoBatchSizeFitsError(message, result)
         return result
 
-    def _upper_bound(self, session: FitSession, initial: int, max_batch_size: Optional[int]) -> tuple[int, str]:
+    def _upper_bound(self, session: FitSession, initial: int, max_batch_size: Optional[int]) -> tuple[int, str, Any]:
         upper = self.max_batch_size if max_batch_size is None else max_batch_size
         note = f"max_batch_size={upper}"
         if self.mode == "cap" and initial < upper:
@@ -286,7 +301,24 @@ class BatchSizeSearch(Callback):
             )
         if samples is not None and samples < upper:
             upper, note = samples, f"each rank's loader holds {samples} samples"
-        return upper, note
+        return upper, note, samples
+
+    def _epoch_cap(self, session: FitSession, size: int, samples: Optional[int], every: int, lower: int) -> tuple:
+        """``(size, notes)``: at most a stream's length, and an epoch holds the ``every`` batches a step takes."""
+        if samples is None:  # a stream: one batch at ``size`` shows whether it is shorter
+            with rng_kept():
+                drawn = batch_samples(next(iter(session.loader(batch_size=size)), None)) or size
+            samples = int(min(row[0] for row in gather_ranks(session.trainer, [drawn])))
+            note = [f"the train stream holds {samples} samples, fewer than {size}"] if samples < size else []
+            return min(size, samples), note
+        capped = largest_stepping_size(size, samples, every, self.multiple_of)
+        why = f"training_step steps the optimizer once every {every} batches (seen in the trials)"
+        if capped < max(1, lower):
+            raise MisconfigurationException(
+                f"BatchSizeSearch: {why}; an epoch of {samples} samples holds fewer than {every} batches of "
+                f"min_batch_size={lower}: no optimizer step would run. Lower min_batch_size or add data."
+            )
+        return capped, [f"{why}: at most {capped} a batch, so that an epoch steps"] if capped < size else []
 
     def _nothing_fits_message(self, trials: Trials, outcomes: dict, result: Any, budget: int, capacity: int) -> str:
         """Why no size fitted: the smallest size tried and why its trial failed, in its own figures; on a

@@ -244,6 +244,8 @@ class DataWaitMonitor(Callback):
         if self._clock is None:
             return
         self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
+        if self._tap is not None and self._action_probes:  # hook calls in a step: timed in the probes' sampled steps
+            self._tap.any_action = self._on_action if any(p.in_sample for p in self._action_probes) else None
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -260,6 +262,8 @@ class DataWaitMonitor(Callback):
         if self._gpu is not None:
             self._gpu.step_end()
         self._call_probes("step_end", trainer, pl_module, batch, step)
+        if self._tap is not None and self._action_probes:
+            self._tap.any_action = self._on_action
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())

@@ -97,6 +97,16 @@ def round_up(value: float, multiple_of: int) -> int:
     return math.ceil(value / multiple_of) * multiple_of
 
 
+def largest_stepping_size(batch_size: int, samples: int, batches_per_step: int, multiple_of: int = 1) -> int:
+    """The largest size up to ``batch_size`` (a multiple of ``multiple_of``) whose epoch of ``samples`` holds
+    ``batches_per_step`` full batches, so that the optimizer steps in every epoch; 0 when none does.
+
+    >>> largest_stepping_size(1024, 1024, 3, multiple_of=8), largest_stepping_size(64, 1024, 2)
+    (336, 64)
+    """
+    return min(batch_size, round_down(samples // max(1, batches_per_step), multiple_of))
+
+
 def predicted_largest_fit(
     points: list[tuple[int, int]], budget_bytes: int, bytes_per_sample: Optional[float] = None
 ) -> Optional[float]:

@@ -73,34 +73,18 @@ class StepTotals:
         total = self.wall_s + self.validation_s + self.checkpoint_s + self.worker_startup_s
         return seconds / total if total > 0 else None
 
-    @property
-    def step_time_s(self) -> float:
-        return self.per_step(self.wall_s)
-
-    @property
-    def data_wait_per_step_s(self) -> float:
-        return self.per_step(self.data_wait_s)
+    step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
+    data_wait_per_step_s = property(lambda self: self.per_step(self.data_wait_s), doc="Mean data wait a step.")
 
     @property
     def arrival_per_step_s(self) -> float:
         """Per step, the time before the gradient sync: data wait + transfer + forward."""
         return self.per_step(self.data_wait_s + self.transfer_s + self.forward_s)
 
-    @property
-    def data_wait_fraction(self) -> Optional[float]:
-        return self.share(self.data_wait_s)
-
-    @property
-    def transfer_fraction(self) -> Optional[float]:
-        return self.share(self.transfer_s)
-
-    @property
-    def compute_fraction(self) -> Optional[float]:
-        return self.share(self.compute_s)
-
-    @property
-    def other_fraction(self) -> Optional[float]:
-        return self.share(self.other_s)
+    data_wait_fraction = property(lambda self: self.share(self.data_wait_s), doc="Data wait's share of the steps.")
+    transfer_fraction = property(lambda self: self.share(self.transfer_s), doc="Transfer's share of the steps.")
+    compute_fraction = property(lambda self: self.share(self.compute_s), doc="Compute's share of the steps.")
+    other_fraction = property(lambda self: self.share(self.other_s), doc="The rest's share of the steps.")
 
     @property
     def loader_cpu_fraction(self) -> Optional[float]:

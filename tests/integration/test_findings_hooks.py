@@ -174,6 +174,22 @@ def test_a_slow_module_hook_is_found_and_the_fix_uses_self(tmp_path):
     assert "`if self.global_step %" in finding.fix
 
 
+class SlowStepHook(MLP):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        time.sleep(0.004)
+
+
+def test_hooks_inside_steps_are_timed_in_a_sample_of_steps_and_scaled_to_every_step(tmp_path):
+    steps = 3 * _detect_hooks.HOOK_SAMPLE_EVERY
+    monitor, _ = fit(tmp_path, SlowStepHook(), loader(steps * 16), max_steps=steps)
+    probe = next(p for p in monitor._probes if isinstance(p, _detect_hooks.HookTimes))
+    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe._sampled_steps < steps  # the rest were not timed
+    (finding,) = of_kind(monitor, "slow-hook")
+    assert finding.where == "SlowStepHook.on_before_optimizer_step"
+    assert finding.figures["calls"] == steps  # exact: called once every step
+    assert finding.figures["ms_per_call"] >= 4 and finding.figures["seconds"] >= steps * 0.004
+
+
 def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
     monitor, _ = fit(
         tmp_path,

@@ -3,6 +3,7 @@ Trainer: a module with the pattern (found, with its numbers) and one without it 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -319,3 +320,36 @@ def test_host_sync_decides_on_the_users_reads_per_step():
         "lines": 2.0,
     }
     assert "a.py:1 (1/step)" in finding.message and "and 1 by Lightning itself" in finding.message
+
+
+LIBRARY = """
+def checked(loss):
+    if loss.isfinite():  # a library's own read, as transformers' masking_utils makes
+        return loss
+    raise ValueError("not finite")
+"""
+
+
+class CallsALibrary(MLP):
+    """A training step that calls an installed package (in a ``site-packages`` folder) which reads the card."""
+
+    def __init__(self, library) -> None:
+        super().__init__()
+        self.library = library
+
+    def training_step(self, batch, batch_idx):
+        return self.library.checked(super().training_step(batch, batch_idx))  # marker: library call
+
+
+def test_host_sync_names_the_users_line_that_called_an_installed_package(tmp_path):
+    installed = tmp_path / "lib" / "python3.11" / "site-packages" / "padlib.py"
+    installed.parent.mkdir(parents=True)
+    installed.write_text(LIBRARY)
+    spec = importlib.util.spec_from_file_location("padlib", installed)
+    library = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(library)
+    monitor, _ = host_sync_run(tmp_path, CallsALibrary(library))
+    finding = found(monitor, "host-sync")
+    assert finding is not None and finding.figures["user_syncs_per_step"] == 1
+    assert finding.where == line_of(CallsALibrary.training_step, "marker: library call")
+    assert "site-packages" not in finding.message

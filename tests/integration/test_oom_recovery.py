@@ -20,6 +20,7 @@ from oom_models import CapDuringTraining, TokenModel, VariableLengthDataset, pad
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt import GpuOpt, MemoryFill
+from lightning_gpuopt.core.memory import MemoryBudget
 from lightning_gpuopt.core.oom import BatchSplitError, MicroBatchLimits, OutOfMemoryAtOneSampleError, split_batch
 from lightning_gpuopt.presets import load_preset
 from lightning_gpuopt.testing import SimulatedGpu
@@ -278,3 +279,43 @@ def test_a_callback_calling_training_step_itself_gets_the_original(tmp_path, dat
     _model, _fill, trainer = fit(dataset, caller, steps=2, default_root_dir=tmp_path)
     assert caller.has_graph and trainer.global_step == 2
     assert "training_step" not in vars(trainer.strategy)
+
+
+class Unfreezing(TokenModel):
+    """Adam, and a large parameter frozen until step 2 (a layer unfrozen mid-run): its optimizer state is
+    created by the optimizer step of step 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.big = torch.nn.Parameter(torch.zeros(100_000), requires_grad=False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.big.requires_grad_(self.global_step >= 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + self.big[:1].sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=False)
+
+
+def test_out_of_memory_in_the_optimizer_step_says_adapt_covers_forward_and_backward_only(dataset):
+    # measured by hand: the peak of step 2's forward and backward, and of its optimizer step (Adam's new state)
+    model = Unfreezing(dataset)
+    optimizer, batch = model.configure_optimizers(), pad_collate([dataset[i] for i in range(8)])
+    with MemoryBudget(10**12, existing=(model, optimizer), device="cpu") as meter:
+        for step in range(3):
+            model.big.requires_grad_(step >= 2)
+            optimizer.zero_grad()
+            model.training_step(batch, 0).backward()
+            backward_peak = meter.peak_bytes
+            optimizer.step()
+    assert meter.peak_bytes > backward_peak + 700_000  # Adam's two buffers of 400 kB
+    cap = CapDuringTraining((backward_peak + meter.peak_bytes) // 2)
+    fill = MemoryFill(global_batch_size=8, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
+    trainer = quiet_trainer(None, [fill, cap], max_steps=4)
+    with pytest.raises(
+        torch.OutOfMemoryError, match=r"covers forward and backward only: out of memory in the optimizer step"
+    ):
+        trainer.fit(Unfreezing(dataset, batch_size=8))
+    assert cap.died_at == 2 and fill.plan.oom_adaptations == []

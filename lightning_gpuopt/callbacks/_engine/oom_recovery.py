@@ -11,7 +11,8 @@ loss through an autograd function whose backward hands the gradients it computed
 Lightning's backward, zero_grad, optimizer step and schedule run as they would (the update is the
 unsplit batch's). Under DDP the ranks exchange one small tensor per step (who ran out of memory, at
 which micro-batch, for which sample size) so all take the same decision in the same step; DDP reduces
-the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples.
+the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples. Out of memory in
+the optimizer step itself (micro-batches do not shrink its state) is raised saying so.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class OomRecovery:
         self.limits = MicroBatchLimits()
         self._original = pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
-        self._in_loop_step = False
-        self._zeroed_expected = False
-        self._zeroed_seen = False
+        self._in_loop_step = self._zeroed_expected = False
+        self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
         undo.set(trainer.strategy, "training_step", self._loop_step)
+        self._strategy_optimizer_step = trainer.strategy.optimizer_step
+        undo.set(trainer.strategy, "optimizer_step", self._optimizer_step)
 
     def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
@@ -91,6 +93,20 @@ class OomRecovery:
             return self._strategy_step(*args, **kwargs)
         finally:
             self._in_loop_step = False
+
+    def _optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``optimizer_step``; out of memory once the gradients were handed over is the step's own."""
+        self._handed = False
+        try:
+            return self._strategy_optimizer_step(optimizer, *args, **kwargs)
+        except BaseException as exc:
+            if not (self._handed and is_out_of_memory_error(exc)):
+                raise
+            raise torch.OutOfMemoryError(
+                f"MemoryFill(on_oom='adapt') covers forward and backward only: out of memory in the optimizer step "
+                f"({type(optimizer).__name__}) of step {self.trainer.global_step}, whose state (new for a layer unfrozen "
+                f"mid-run) micro-batches do not shrink; leave room for it (a smaller max_memory). {_first_line(exc)}"
+            ) from exc
 
     def zero_grad_called(self) -> None:
         """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
@@ -129,6 +145,7 @@ class OomRecovery:
         return loss
 
     def _check_zeroed(self) -> None:
+        self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
         if self._zeroed_expected and not self._zeroed_seen:
             raise RuntimeError(
                 "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an accumulation "
