@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lightning_gpuopt import DataWaitMonitor, MemoryEstimator
+from lightning_gpuopt import DataWaitMonitor, MemoryEstimator, MemoryFill
 
 FEATURES, CLASSES = 8, 4
 
@@ -108,7 +108,13 @@ def run(tmp_path: Path, manual: bool, callbacks: list, settings: Settings) -> di
     seed_everything(0)
     model = Stateful(manual, settings.batch_size, settings.loader_kwargs)
     lrs = LearningRates()
-    trainer = make_trainer(tmp_path, [*callbacks, lrs], max_steps=6 if manual else 3, precision=settings.precision)
+    trainer = make_trainer(
+        tmp_path,
+        [*callbacks, lrs],
+        max_steps=6 if manual else 3,
+        precision=settings.precision,
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+    )
     trainer.fit(model)
     return state_of(trainer, model, lrs)
 
@@ -116,7 +122,10 @@ def run(tmp_path: Path, manual: bool, callbacks: list, settings: Settings) -> di
 STATE_CALLBACKS: dict[str, Callable[[], Callback]] = {
     "MemoryEstimator": lambda: MemoryEstimator(max_memory=MAX_MEMORY, verbose=False),
     "DataWaitMonitor": lambda: DataWaitMonitor(verbose=False),
-    **{name: make for name, make in CALLBACKS.items() if name not in ("MemoryFill", "GpuOpt-low-memory")},
+    **{name: make for name, make in CALLBACKS.items() if name != "MemoryFill"},  # it checkpoints: no blocks here
+    "MemoryFill": lambda: MemoryFill(
+        global_batch_size=32, max_memory=MAX_MEMORY, amp=True, min_micro_batch_size=8, objective="memory", verbose=False
+    ),
 }
 _RUNS: dict[tuple, tuple[dict, dict]] = {}
 
@@ -127,7 +136,8 @@ def runs(tmp_path_factory: Any, manual: bool, name: str) -> tuple[dict, dict]:
         callback = STATE_CALLBACKS[name]()
         ours = run(tmp_path_factory.mktemp("run"), manual, [callback], Settings())
         settings = Settings() if isinstance(callback, (MemoryEstimator, DataWaitMonitor)) else chosen(callback)
-        key = (manual, settings.batch_size, settings.precision, tuple(sorted(settings.loader_kwargs.items())))
+        key = (manual, settings.batch_size, settings.accumulate_grad_batches, settings.precision)
+        key += tuple(sorted(settings.loader_kwargs.items()))
         if key not in _RUNS:
             _RUNS[key] = run(tmp_path_factory.mktemp("by_hand"), manual, [], settings)
         _RUNS[(manual, name)] = ours, _RUNS[key]

@@ -8,7 +8,7 @@ the largest samples from a copy of the user's loader, and runs ``steps_per_trial
 after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
 place). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
 peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
-on every rank.
+on every rank. ``torch.compile``d code runs eager in trials: no recompiles, dynamo's caches as by hand.
 """
 
 from __future__ import annotations
