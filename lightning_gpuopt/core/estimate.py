@@ -397,7 +397,8 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
     seen: set[int] = set()
     contents = [kept for _, names in saved for value in names.values() for kept in _container_contents(value, seen)]
     modules = [names for owner, names in saved if isinstance(owner, torch.nn.Module)]
-    values = [(t, t.detach().clone()) for names in modules for t in names.values() if isinstance(t, torch.Tensor)]
+    tensors = [t for names in modules for t in names.values() if isinstance(t, torch.Tensor) and not t.is_inference()]
+    values = [(t, t.detach().to("cpu", copy=True)) for t in tensors if not t.requires_grad]  # on the host
     try:
         yield
     finally:
