@@ -234,6 +234,10 @@ def _count_line(lines: dict[str, int], line: str, count: int = 1) -> None:
 class _HostReadCounter(TorchDispatchMode):
     """Counts reads from ``device`` to the host, by whose code asked (the user's line or Lightning)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # compiled code runs compiled under it (torch 2.9+)
+        return True
+
     def __init__(self, device: Device) -> None:
         super().__init__()
         self.device = device

@@ -55,7 +55,7 @@ class MemoryEstimator(Callback):
     batch size and at twice it; the line through both gives the largest batch size that fits ``max_memory``.
     A step that cannot be traced (``.item()``, data-dependent control flow, ``dataloader_iter``) falls back to
     torchinfo's figures with a warning saying why. Under DDP the gradient buckets are added and the measurement
-    starts at the third step; gradient clipping's temporaries are not counted.
+    starts at the third step; gradient clipping's temporaries are not counted. Compiled code is traced eager.
 
     Args:
         max_memory: what to plan the largest batch size with: bytes, ``"20GiB"``, or a fraction of the device

@@ -1,9 +1,9 @@
 """Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning).
 
 ``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
-pytree (no public one), fake tensors, the dispatch mode that sees every op, ``UntypedStorage._cdata``
-(``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's allocator events (cheaper than ``torch.profiler``)
-and ``GradScaler._scale`` (no host sync, unlike ``get_scale()``).
+pytree (no public one), fake tensors, the dispatch mode that sees every op (and a block outside the modes on), ``UntypedStorage._cdata``
+(``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's allocator events (cheaper than
+``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``) and the compiler's ``force_eager`` stance.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401 - re-exported
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: F401 - re-exported
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_leaves as tree_leaves
@@ -55,3 +56,9 @@ def in_backward() -> bool:
 def grad_scale(scaler: Any) -> Any:
     """A ``GradScaler``'s current scale as its tensor (``None`` before the first ``scale()``)."""
     return scaler._scale
+
+
+def eager() -> Any:
+    """A context in which ``torch.compile``d code runs eager and dynamo sees no frame: its caches stay as
+    they are (a compiled frame first called under a dispatch mode would be marked to run eager for good)."""
+    return torch.compiler.set_stance("force_eager")

@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torchinfo
 
-from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, profiler_running, tree_map
+from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, eager, profiler_running, tree_map
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for
 from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
@@ -316,8 +316,8 @@ class StepEstimator:
             )
         if step.manual_step is not None:
             notes.append(
-                "manual optimization: traced the whole training_step, its backward passes and the steps of its "
-                f"{len(step.optimizers)} optimizer(s)"
+                "manual optimization: traced the whole training_step (from batch_idx 0 until every optimizer stepped), its "
+                f"backward passes and the steps of its {len(step.optimizers)} optimizer(s)"
             )
         return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
 
@@ -375,16 +375,12 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return next((tensor.device for tensor in (*module.parameters(), *module.buffers())), torch.device("cpu"))
 
 
+_CONTAINERS = (list, dict, set, tuple, collections.OrderedDict, collections.defaultdict)
+
+
 def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
     """``(container, shallow copy)`` for ``value`` and every list, dict or set nested in it (through tuples too)."""
-    if id(value) in seen or type(value) not in (
-        list,
-        dict,
-        set,
-        tuple,
-        collections.OrderedDict,
-        collections.defaultdict,
-    ):
+    if id(value) in seen or type(value) not in _CONTAINERS:
         return
     seen.add(id(value))
     if type(value) is not tuple:
@@ -396,11 +392,15 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 @contextlib.contextmanager
 def restored_attributes(*objects: Any) -> Iterator[None]:
     """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
-    (re)bindings and the contents of list, dict and set attributes, nested ones included."""
+    (re)bindings, the contents of list, dict and set attributes, nested ones included, and the values of
+    a module's tensor attributes that are no parameter or buffer (a torchmetrics metric's states)."""
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()
     contents = [kept for _, names in saved for value in names.values() for kept in _container_contents(value, seen)]
+    modules = [names for owner, names in saved if isinstance(owner, torch.nn.Module)]
+    tensors = [t for names in modules for t in names.values() if isinstance(t, torch.Tensor) and not t.is_inference()]
+    values = [(t, t.detach().to("cpu", copy=True)) for t in tensors if not t.requires_grad]  # on the host
     try:
         yield
     finally:
@@ -410,13 +410,16 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
         for owner, attributes in saved:
             vars(owner).clear()
             vars(owner).update(attributes)
+        with torch.no_grad():
+            for tensor, kept in values:
+                tensor.copy_(kept)
 
 
 @contextlib.contextmanager
 def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
-    """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied) and the
-    ``quiet`` loggers silent; after it its attributes, the logger levels and torch's, Python's and NumPy's
-    RNG states are as before. Yields real id -> twin."""
+    """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied), compiled
+    code runs eager and the ``quiet`` loggers are silent; after it its attributes, the logger levels, dynamo's
+    caches and torch's, Python's and NumPy's RNG states are as before. Yields real id -> twin."""
     twin_of: dict[int, Any] = {}
     stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
     slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]
@@ -424,7 +427,7 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet
     numpy = sys.modules.get("numpy")  # only when the user's code could have drawn from it
     host_rngs = random.getstate(), None if numpy is None else numpy.random.get_state()
     levels = [(logger, logger.level) for logger in map(logging.getLogger, quiet)]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_attributes(module):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_attributes(module), eager():
         try:
             for logger, _ in levels:
                 logger.setLevel(logging.CRITICAL + 1)
@@ -500,7 +503,7 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
         start = time.perf_counter()
         real_input = _resized(forward_input, size, step.batch_size, None)
-        with restored_attributes(module), context():
+        with restored_attributes(module), eager(), context():
             statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
     return statistics, time.perf_counter() - start
 

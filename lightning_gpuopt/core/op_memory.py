@@ -170,6 +170,10 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
 
     peak_bytes: int
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # compiled code runs compiled under it (torch 2.9+, pytorch#190286)
+        return True
+
     def __init__(
         self,
         max_bytes: Optional[int] = None,

@@ -359,6 +359,21 @@ def test_the_trace_leaves_no_fake_tensors_in_module_containers():
     assert torch.stack(model.losses).isfinite().all()
 
 
+def test_restored_attributes_puts_back_tensor_attributes_changed_in_place_and_skips_inference_tensors():
+    import torchmetrics
+
+    module = torch.nn.Module()
+    module.metric = torchmetrics.MeanMetric()
+    module.metric.update(torch.tensor(2.0))
+    with torch.inference_mode():
+        module.seen = torch.zeros(2)  # made in inference mode: left alone, no error
+    with estimate_module.restored_attributes(module):
+        module.metric.update(torch.tensor(10.0))  # its states grow in place
+        module.seen = torch.ones(2)
+    assert float(module.metric.compute()) == 2.0 and float(module.metric.weight) == 1.0
+    assert module.seen.is_inference() and not module.seen.any()
+
+
 # --------------------------------------------------------------------------- the callback in a Trainer
 
 

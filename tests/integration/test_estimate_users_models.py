@@ -279,6 +279,43 @@ def test_manual_optimization_is_traced_with_every_optimizers_state_and_leaves_no
         assert torch.equal(mine, theirs)
 
 
+class AccumulatingByHand(GanModule):
+    """Manual optimization with accumulation by hand: the generator's Adam steps every ``every``-th batch."""
+
+    def __init__(self, every: int = 2) -> None:
+        super().__init__()
+        self.every = every
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        optimizer = self.optimizers()
+        z = torch.randn(real.shape[0], self.latent, device=real.device, dtype=real.dtype)
+        self.manual_backward(F.mse_loss(self.generator(z), real) / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.Adam(self.generator.parameters(), lr=2e-4)]
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_accumulation_by_hand_is_traced_until_the_optimizer_steps_or_given_no_max_batch_size(every):
+    estimator = MemoryEstimator(max_memory="100MB", verbose=False)
+    torch.manual_seed(0)
+    trainer = trainer_for([estimator], max_steps=6)
+    trainer.fit(AccumulatingByHand(every))
+    estimate = estimator.estimate
+    if every > 4:  # no step in the batches traced: said, and no largest batch from a step without one
+        assert estimate.method != "traced" and "did not step every optimizer" in estimate.not_traced_reason
+        assert estimate.max_batch_size is None
+        return
+    assert estimate.method == "traced" and estimate.optimizer_bytes == storage_bytes(trainer.optimizers[0]) > 0
+    # the window with the step (batches 0 and 1) sets the peak: measured over the first 3 batches
+    assert abs(estimate.estimate_error) <= ALLOCATOR_TOLERANCE, estimate.estimate_error
+    assert estimate.max_batch_size is not None
+
+
 def test_a_dataloader_iter_step_falls_back_with_the_reason_not_a_type_error():
     estimator = MemoryEstimator(max_memory="100MB", verbose=False)
     with pytest.warns(UserWarning, match="training_step takes dataloader_iter"):

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, GpuOpt, MemoryFill
+from lightning_gpuopt import BatchSizeSearch, DataLoaderTuner, DataWaitMonitor, GpuOpt, MemoryEstimator, MemoryFill
 from lightning_gpuopt.core.checkpointing import enable_checkpointing, select_blocks
 
 SAMPLES, FEATURES, CLASSES = 64, 8, 4
@@ -499,3 +499,87 @@ def test_undos_run_last_change_first_and_one_that_fails_skips_none():
     with pytest.warns(UserWarning, match="Test: could not undo the change of b after the failed fit"):
         changes.after_failure("Test")  # a failed fit: everything
     assert undone == ["b", "kept", "SIGINT"]
+
+
+# ---------------------------------------------------------------------- torch.compile stays compiled
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles and the calls of them."""
+
+    def __init__(self) -> None:
+        self.graphs = self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+        self.graphs += 1
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+
+class CompiledNet(Net):
+    """``Net`` whose blocks are compiled in ``__init__`` (``self.blocks = torch.compile(...)``) or in
+    ``configure_model`` (``Module.compile``)."""
+
+    def __init__(self, where: str, backend: CountingBackend, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.where, self.backend = where, backend
+        if where == "__init__":
+            self.blocks = torch.compile(self.blocks, backend=backend)
+
+    def configure_model(self) -> None:
+        if self.where == "configure_model":
+            self.blocks.compile(backend=self.backend)
+
+
+def compiled_fit(tmp_path: Path, callbacks: list, where: str, settings: Optional[Settings] = None) -> tuple:
+    """(graphs compiled, compiled calls, training steps, weights) of a fit from a fresh dynamo."""
+    torch._dynamo.reset()
+    backend, settings = CountingBackend(), settings or Settings()
+    seed_everything(0)
+    model = CompiledNet(where, backend, batch_size=settings.batch_size, loader_kwargs=settings.loader_kwargs)
+    if settings.checkpointed:
+        enable_checkpointing(select_blocks(model, settings.checkpointed))
+    trainer = make_trainer(
+        tmp_path, callbacks, accumulate_grad_batches=settings.accumulate_grad_batches, precision=settings.precision
+    )
+    trainer.fit(model)
+    return backend.graphs, backend.calls, trainer.global_step, model.state_dict()
+
+
+COMPILED = {
+    "MemoryEstimator": (lambda: MemoryEstimator(max_memory=MAX_MEMORY, verbose=False), "__init__"),
+    "BatchSizeSearch": (CALLBACKS["BatchSizeSearch"], "__init__"),
+    "MemoryFill": (
+        lambda: MemoryFill(
+            global_batch_size=32, max_memory=MAX_MEMORY, amp=True, min_micro_batch_size=8, verbose=False
+        ),
+        "__init__",
+    ),
+    "DataLoaderTuner": (lambda: DataLoaderTuner(max_seconds=0.2, batches_per_candidate=2, verbose=False), "__init__"),
+    "DataWaitMonitor": (lambda: DataWaitMonitor(verbose=False), "configure_model"),
+    "GpuOpt-diagnose": (CALLBACKS["GpuOpt-diagnose"], "configure_model"),
+    "GpuOpt-fill-memory": (CALLBACKS["GpuOpt-fill-memory"], "__init__"),
+    "GpuOpt-low-memory": (
+        lambda: GpuOpt("low-memory", global_batch_size=32, max_memory=MAX_MEMORY, amp=True, checkpointing=False),
+        "__init__",
+    ),
+    "GpuOpt-max-throughput": (CALLBACKS["GpuOpt-max-throughput"], "__init__"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_a_compiled_module_trains_compiled_every_step_as_by_hand(tmp_path, name):
+    """Compiled in ``__init__`` or in ``configure_model``: the same graphs, compiled calls and weights as the
+    chosen settings by hand (our traces and trials run it eager and leave dynamo's caches alone). Without
+    activation checkpointing: blocks checkpointed inside a compiled module compile no graph, by hand too."""
+    make, where = COMPILED[name]
+    callback = make()
+    graphs, calls, steps, weights = compiled_fit(tmp_path / "run", [callback], where)
+    settings = chosen(callback) if not isinstance(callback, (MemoryEstimator, DataWaitMonitor)) else Settings()
+    hand = compiled_fit(tmp_path / "by_hand", [], where, settings)
+    assert (graphs, calls, steps) == hand[:3] and graphs >= 1 and calls >= steps == 3
+    assert all(torch.equal(weights[key], hand[3][key]) for key in hand[3])

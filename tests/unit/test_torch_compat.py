@@ -3,6 +3,8 @@ names the internal and the torch version, so a release that moves one is caught 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -79,3 +81,20 @@ def test_in_backward_is_true_inside_autograds_engine_only():
     x.register_hook(lambda grad: seen.append(in_backward()))
     (x * 2).sum().backward()
     assert seen == [True] and not in_backward()
+
+
+def test_eager_runs_compiled_code_eager_and_leaves_dynamos_caches_alone():
+    graphs: list = []
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend=counting)
+    with compat.eager(), compat.FakeTensorMode():  # a dispatch mode would mark the frame eager for good
+        compiled(torch.ones(2))
+    assert not graphs, _fails("torch.compiler.set_stance('force_eager')")
+    compiled(torch.ones(2))
+    assert len(graphs) == 1
+    torch._dynamo.reset()

@@ -40,14 +40,12 @@ def _equal(a: Any, b: Any) -> bool:
 
 def loader_generators(loader: Any) -> list[torch.Generator]:
     """The loader's own generators (its ``generator`` and its sampler's), which iterating it draws from."""
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    candidates = (
-        getattr(loader, "generator", None),
-        getattr(sampler, "generator", None),
-        getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+    samplers = (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
     )
-    return [generator for generator in candidates if isinstance(generator, torch.Generator)]
+    return [g for g in (getattr(owner, "generator", None) for owner in samplers) if isinstance(g, torch.Generator)]
 
 
 @contextlib.contextmanager
@@ -74,7 +72,7 @@ def _host_copy(collection: Any) -> Any:
     return apply_to_collection(collection, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
-def _clone(collection: Any) -> Any:
+def cloned(collection: Any) -> Any:
     return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
 
 
@@ -139,7 +137,7 @@ class TrainingState:
             self.scaler.load_state_dict(self.scaler_state)
         self._restore_weights_and_optimizers()
         for progress, state in self.progress:
-            progress.load_state_dict(_clone(state))
+            progress.load_state_dict(cloned(state))
         compat.set_batches_that_stepped(self.trainer, self.batches_that_stepped)
         self.trainer.should_stop = self.should_stop
         compat.set_rng_states(self.rng)
@@ -152,9 +150,9 @@ class TrainingState:
         for param, grad in self.grads:
             param.grad = None if grad is None else grad.to(param.device, copy=True)
         for optimizer, state in zip(self.trainer.optimizers, self.optimizers):
-            optimizer.load_state_dict(_clone(state))
+            optimizer.load_state_dict(cloned(state))
         for config, state in zip(self.trainer.lr_scheduler_configs, self.schedulers):
-            config.scheduler.load_state_dict(_clone(state))
+            config.scheduler.load_state_dict(cloned(state))
 
 
 def _attribute_owners(trainer: Any) -> list[Any]:

@@ -11,7 +11,9 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine.state import cloned
 from lightning_gpuopt.callbacks._engine.undo import Undo
+from lightning_gpuopt.core._torch_compat import outside_dispatch_modes
 from lightning_gpuopt.core.estimate import ManualStep, NotTraceable
 
 
@@ -21,10 +23,14 @@ def _ignore(*_: Any, **__: Any) -> None:
 
 @contextlib.contextmanager
 def logging_disabled(module: Any) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` of ``module`` do nothing inside the block."""
+    """``self.log``/``self.log_dict`` of ``module`` do nothing inside the block, and its Trainer's loggers
+    are a ``DummyLogger`` (a step that writes to ``self.logger`` writes nowhere)."""
+    trainer = getattr(module, "_trainer", None)
     with Undo().scope() as undo:
         undo.set(module, "log", _ignore)
         undo.set(module, "log_dict", _ignore)
+        if trainer is not None and trainer.loggers:
+            undo.set(trainer, "loggers", [compat.of_namespace(trainer, "loggers.logger", "DummyLogger")()])
         yield
 
 
@@ -56,30 +62,37 @@ def loss_function(module: Any) -> Any:
     return loss_of
 
 
-def manual_step(trainer: Any, module: Any) -> ManualStep:
-    """The whole ``training_step`` of a manual-optimization module as ``(batch, optimizers)``: inside it
-    ``self.optimizers()`` are the given twins, whose ``step()`` steps them directly, ``manual_backward``
-    is ``loss.backward()``; no hook runs, no step is counted, schedulers and options are put back."""
+def manual_step(trainer: Any, module: Any, batches: int = 4) -> ManualStep:
+    """The whole ``training_step`` of a manual-optimization module as ``(batch, optimizers)``, on ``batch``
+    as ``batch_idx`` 0, 1, ... until every optimizer stepped (accumulation by hand), at most ``batches``
+    times: inside it ``self.optimizers()`` are the given twins, whose ``step()`` steps them directly,
+    ``manual_backward`` is ``loss.backward()``; no hook runs, no step is counted, schedulers and options are
+    put back. Raises ``NotTraceable`` when an optimizer did not step."""
 
     def run(batch: Any, optimizers: list) -> None:
         check_one_batch_step(module)
-        strategy = trainer.strategy
+        strategy, stepped = trainer.strategy, set[int]()
         with Undo().scope() as undo, logging_disabled(module), _schedulers_kept(trainer):
             saved = compat.strategy_optimizer_lists(strategy)
             undo.add("the strategy's optimizers", lambda: compat.set_strategy_optimizer_lists(strategy, *saved))
-            twins = [_stepping_directly(optimizer, strategy) for optimizer in optimizers]
+            twins = [_stepping_directly(optimizer, strategy, stepped) for optimizer in optimizers]
             compat.set_strategy_optimizer_lists(strategy, list(optimizers), twins)
             undo.set(module, "manual_backward", lambda loss, *args, **kwargs: loss.backward(*args, **kwargs))
-            module.training_step(batch, 0)
+            for batch_idx in range(batches):
+                module.training_step(batch, batch_idx)
+                if len(stepped) == len(optimizers):
+                    return
+        raise NotTraceable(f"training_step did not step every optimizer in its first {batches} batches")
 
     return run
 
 
-def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> Any:
-    """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no step counting)."""
+def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any, stepped: set[int]) -> Any:
+    """A LightningOptimizer whose ``step`` calls the optimizer's own (no hooks, no counting), noted in ``stepped``."""
     wrapper = compat.to_lightning_optimizer(optimizer, strategy)
 
     def step(closure: Any = None, **kwargs: Any) -> Any:
+        stepped.add(id(optimizer))
         return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
 
     wrapper.step = step  # type: ignore[method-assign]
@@ -88,11 +101,12 @@ def _stepping_directly(optimizer: torch.optim.Optimizer, strategy: Any) -> Any:
 
 @contextlib.contextmanager
 def _schedulers_kept(trainer: Any) -> Iterator[None]:
-    """The LR schedulers' states and the real optimizers' param-group options as before the block."""
+    """The LR schedulers' states and the real optimizers' param-group options (copied outside the trace's modes)."""
     schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
-    states = [scheduler.state_dict() for scheduler in schedulers]
     real = trainer.strategy.optimizers
-    options = [[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] for optimizer in real]
+    with outside_dispatch_modes():
+        states = [cloned(scheduler.state_dict()) for scheduler in schedulers]
+        options = [[cloned({k: v for k, v in g.items() if k != "params"}) for g in o.param_groups] for o in real]
     try:
         yield
     finally:

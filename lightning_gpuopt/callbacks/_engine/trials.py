@@ -8,7 +8,7 @@ the largest samples from a copy of the user's loader, and runs ``steps_per_trial
 after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
 place). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
 peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
-on every rank.
+on every rank. ``torch.compile``d code runs eager in trials: no recompiles, dynamo's caches as by hand.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine.session import FitSession
 from lightning_gpuopt.callbacks._engine.state import TrainingState
 from lightning_gpuopt.callbacks._engine.undo import Undo
+from lightning_gpuopt.core._torch_compat import eager
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.loader import TrialSampler
 from lightning_gpuopt.core.memory import call_catching_oom
@@ -113,14 +114,14 @@ class Trials:
         self.state = TrainingState(trainer)  # before anything runs: a loader iterator draws from the RNG
         self._undo.add("the training state", self.state.restore)
         per_step = max(1, trainer.accumulate_grad_batches)
-        self.batches = (
-            MANUAL_TRIAL_BATCHES_AT_MOST * self.steps_per_trial if self.manual else 2 * per_step * self.steps_per_trial
-        )
+        self.batches = (MANUAL_TRIAL_BATCHES_AT_MOST if self.manual else 2 * per_step) * self.steps_per_trial
         undo = self._undo
         for holder in compat.attribute_holders(self.module, self.batch_arg_name):  # trials set the sizes tried
             name = self.batch_arg_name
             undo.set(holder, name, holder[name] if isinstance(holder, dict) else getattr(holder, name))
         undo.set(trainer, "callbacks", [])
+        (stance := eager()).__enter__()  # compiled code runs eager: dynamo's caches stay as training finds them
+        undo.add("the compiler's stance", lambda: stance.__exit__(None, None, None))
         dummy = compat.of_namespace(trainer, "loggers.logger", "DummyLogger")
         undo.set(trainer, "loggers", [dummy()] if trainer.loggers else [])
         undo.set(trainer, "limit_val_batches", 0)
@@ -181,9 +182,7 @@ class Trials:
     def _steps(self, meter: Any) -> None:
         """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran."""
         trainer, epoch_loop = self.trainer, self.trainer.fit_loop.epoch_loop
-        steps = _TrialSteps(
-            list(trainer.optimizers), self.batches // MANUAL_TRIAL_BATCHES_AT_MOST if self.manual else 0
-        )
+        steps = _TrialSteps(list(trainer.optimizers), self.steps_per_trial if self.manual else 0)
         trainer.callbacks = [steps]
         fetcher = compat.data_fetcher(trainer)
         try:
@@ -191,17 +190,13 @@ class Trials:
                 self.module.on_train_epoch_start()
                 epoch_loop.run(fetcher)
                 wanted = self.steps_per_trial
-                while not self.manual and _first(steps.stepped, wanted) < wanted and epoch_loop.max_steps < 2 * wanted:
+                while not self.manual and (steps.stepped or [wanted])[0] < wanted and epoch_loop.max_steps < 2 * wanted:
                     epoch_loop.max_steps += 1
                     trainer.should_stop = False
                     epoch_loop.run(fetcher)
         finally:
             steps.remove()
             trainer.callbacks = []
-
-
-def _first(counts: list[int], default: int) -> int:
-    return counts[0] if counts else default
 
 
 def _ddp_bucket_bytes(trainer: Any, module: Any) -> int:
