@@ -2,21 +2,26 @@
 and ``pin_memory`` by timing copies of it in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`);
 Lightning then builds the chosen setting each time it asks for the loader, until ``teardown``.
 
-RNG states are put back after the timing, so training equals the setting written by hand. Under DDP every rank
-times at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores (affinity
+Each timed batch also runs the module's forward and backward (automatic optimization, one process; the
+weights, gradients and RNG states are put back), so a setting is judged end to end, the model competing
+with the workers for the cores; on CPU, fewer torch threads (``torch.set_num_threads``, until ``teardown``)
+are applied when they make it faster. The user's setting is kept unless the choice is 10% faster. Under DDP
+every rank times the loader alone at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores (affinity
 within the cgroup quota, shared by the host's processes), more only while workers wait on I/O. An
 ``IterableDataset``, several loaders, or a loader that is not a ``DataLoader`` is left alone, with the reason.
 
 Logged once when training starts:
 
 * ``gpuopt/loader_num_workers``: the ``num_workers`` chosen.
-* ``gpuopt/loader_samples_per_second``: loader throughput with the chosen setting.
+* ``gpuopt/loader_samples_per_second``: throughput with the chosen setting (with the step when timed with it).
 * ``gpuopt/loader_speedup``: that throughput over the user's own setting's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -27,11 +32,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import (
     FitSession,
+    TrainingState,
     Undo,
     rebuild_loader,
     rng_kept,
     signals_stop_our_work,
 )
+from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._progress import WorkProgress
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
@@ -114,6 +121,11 @@ class DataLoaderTuner(Callback):
             self.decide(trainer)
             if self.result is not None:
                 FitSession.of(trainer).apply(self._undo, rebuild=self.rebuild)
+                if threads := self.result.num_threads:
+                    self._undo.add(
+                        "torch.set_num_threads", functools.partial(torch.set_num_threads, torch.get_num_threads())
+                    )
+                    torch.set_num_threads(threads)
         self._report(trainer)
 
     def rebuild(self, loader: DataLoader) -> DataLoader:
@@ -147,7 +159,9 @@ class DataLoaderTuner(Callback):
         baseline = LoaderSetting(
             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
         )
+        stepping = trainer.lightning_module.automatic_optimization and trainer.world_size == 1
         with (
+            _state_kept(trainer) if stepping else contextlib.nullcontext(),  # the step's gradients, buffers, RNG
             rng_kept(loader),
             signals_stop_our_work(trainer, raise_at_once=True),
             WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress,
@@ -164,6 +178,8 @@ class DataLoaderTuner(Callback):
                 max_workers=self.max_num_workers,
                 baseline=baseline,
                 on_timed=lambda timing: progress.done(_candidate_line(timing, baseline)),
+                consume=_training_step(trainer, loader) if stepping else None,
+                intra_op_threads=torch.get_num_threads() if not on_gpu else None,
             )
         self.result = res = trainer.strategy.broadcast(result, src=0)
         kept = res.setting == baseline
@@ -184,10 +200,10 @@ class DataLoaderTuner(Callback):
                 f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); set `num_workers`"
                 " yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
             )
-        warning = trainer.strategy.root_device.type == "cpu" and oversubscription(
-            torch.get_num_threads(), res.num_workers, busy, cores
+        warning = (
+            not on_gpu and not res.with_step and oversubscription(torch.get_num_threads(), res.num_workers, busy, cores)
         )
-        if warning:
+        if warning:  # timed with the step, fewer threads were timed and applied if faster
             rank_zero_warn(f"DataLoaderTuner: {warning}")
         return res
 
@@ -214,6 +230,32 @@ class DataLoaderTuner(Callback):
         FitSession.close(trainer)
         if stage == "fit":
             self._undo.after_success("DataLoaderTuner")
+
+
+@contextlib.contextmanager
+def _state_kept(trainer: Trainer) -> Iterator[None]:
+    state = TrainingState(trainer)
+    try:
+        yield
+    finally:
+        state.restore()
+
+
+def _training_step(trainer: Trainer, loader: DataLoader) -> Optional[Callable[[Any], None]]:
+    """The module's forward and backward on a batch (the time a step competes for the cores), checked on one
+    batch (``None`` when it fails)."""
+    loss_of, strategy = loss_function(trainer.lightning_module), trainer.strategy
+
+    def step(batch: Any) -> None:
+        with trainer.precision_plugin.train_step_context():
+            loss = loss_of(strategy.batch_to_device(batch))
+        loss.backward()
+
+    try:
+        step(next(iter(loader)))
+    except Exception:  # noqa: BLE001 - a step that fails here fails in training: the loader is timed alone
+        return None
+    return step
 
 
 def _why_not_tunable(loader: Any) -> Optional[str]:

@@ -3,7 +3,10 @@
 :func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
 while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
 ``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
-``tolerance`` of the best (or the cheapest that keeps up with the target).
+``tolerance`` of the best (or the cheapest that keeps up with the target). Given the training step
+(``consume``), each batch fetched runs it, so workers are timed competing with it for the cores; then
+fewer torch threads are timed where workers and threads oversubscribe the cores, and the user's setting
+is kept unless the choice is :data:`CLEAR_MARGIN` faster.
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -15,13 +18,14 @@ while the workers wait on I/O and throughput grows; it stops clearly slower cand
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from resource import RUSAGE_CHILDREN, getrusage
 from typing import Callable, Iterator, Optional
@@ -32,18 +36,21 @@ from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
+#: how much faster than the user's setting a choice must be to replace it
+CLEAR_MARGIN = 0.10
 #: times a candidate's loader
 _Run = Callable[["LoaderSetting"], "LoaderTiming"]
 
 
 @dataclass(frozen=True)
 class LoaderSetting:
-    """One candidate: the ``DataLoader`` arguments the tuner sets."""
+    """One candidate: the ``DataLoader`` arguments the tuner sets, and torch's intra-op threads (``None``: as set)."""
 
     num_workers: int
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
+    num_threads: Optional[int] = None
 
     def loader_kwargs(self) -> dict:
         """Keyword arguments for ``DataLoader`` (valid for ``num_workers=0`` too)."""
@@ -58,14 +65,17 @@ class LoaderSetting:
     def describe(self) -> str:
         """``'num_workers=0, pin_memory=False'``: the arguments that apply."""
         kwargs = self.loader_kwargs().items()
-        return ", ".join(f"{k}={v}" for k, v in kwargs if self.num_workers or k in ("num_workers", "pin_memory"))
+        text = ", ".join(f"{k}={v}" for k, v in kwargs if self.num_workers or k in ("num_workers", "pin_memory"))
+        return text + (f", torch.set_num_threads({self.num_threads})" if self.num_threads else "")
 
     def short(self) -> str:
         """``'8 workers, prefetch 2, persistent'``-style label for tables."""
         workers = self.num_workers
         text = f"{workers} worker{'s' if workers > 1 else ''}, prefetch {self.prefetch_factor or 2}"
         text = text + (", persistent" if self.persistent_workers else "") if workers else "main process (0 workers)"
-        return text + (", pinned" if self.pin_memory else "")
+        return (
+            text + (", pinned" if self.pin_memory else "") + (f", {self.num_threads} threads" * bool(self.num_threads))
+        )
 
     @property
     def cost(self) -> tuple[int, int]:
@@ -111,10 +121,15 @@ class LoaderTuneResult:
     reason: str = ""
     #: False when repeated timings kept changing the choice (a busy machine): the choice is uncertain
     settled: bool = True
+    num_threads: Optional[int] = None
+    #: whether each timed batch also ran the training step (rates end to end), else the loader alone
+    with_step: bool = False
 
     @property
     def setting(self) -> LoaderSetting:
-        return LoaderSetting(self.num_workers, self.prefetch_factor, self.persistent_workers, self.pin_memory)
+        return LoaderSetting(
+            self.num_workers, self.prefetch_factor, self.persistent_workers, self.pin_memory, self.num_threads
+        )
 
     @property
     def speedup(self) -> Optional[float]:
@@ -194,11 +209,13 @@ def time_loader(
     give_up_after_s: Optional[Callable[[int], float]] = None,
     max_seconds: float = math.inf,
     min_seconds: float = 0.0,
+    consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTiming:
     """Time ``loader`` (built with ``setting``): start-up to the first batch, then the steady rate past the
     ``W x prefetch_factor`` batches ``iter()`` queues at once, over at least ``batches``, fill + 8 and
-    ``min_seconds`` (a shorter epoch: the overall rate). It stops past ``max_seconds``, or (stopped early)
-    once the time since the first batch exceeds ``give_up_after_s(batches fetched)``."""
+    ``min_seconds`` (a shorter epoch: the overall rate), ``consume`` run on each batch. It stops past
+    ``max_seconds``, or (stopped early) once the time since the first batch exceeds ``give_up_after_s(batches
+    fetched)``. The main thread's computing share leaves ``consume`` out."""
     workers = setting.num_workers
     fill = workers * (setting.prefetch_factor or 2) if workers else 1
     wanted = max(batches, fill + 8)
@@ -211,9 +228,16 @@ def time_loader(
     main_before = _scheduled_seconds(main_thread) if not workers else None
     first_ready = fill_ready = started
     samples = steady_samples = fetched = 0
+    consumed = [0.0, 0.0, 0.0]  # the step's wall, CPU and run-queue seconds (main thread)
     stopped_early = False
     try:
         for batch in iterator:
+            if consume is not None:
+                step_started, before = time.perf_counter(), _scheduled_seconds(main_thread) or (0.0, 0.0)
+                consume(batch)
+                after = _scheduled_seconds(main_thread) or before
+                spent_s = [time.perf_counter() - step_started, *(end - start for end, start in zip(after, before))]
+                consumed = [total + spent for total, spent in zip(consumed, spent_s)]
             now = time.perf_counter()
             size = batch_samples(batch) or 1
             samples, fetched = samples + size, fetched + 1
@@ -254,7 +278,8 @@ def time_loader(
         reaped = (sum(getrusage(RUSAGE_CHILDREN)[:2]) - cpu_before, 0.0)
         worker_cpu = _cpu_fraction(*(scheduled or reaped), workers, elapsed)
     if main_before is not None and main_after is not None:
-        loading_cpu = _cpu_fraction(main_after[0] - main_before[0], main_after[1] - main_before[1], 1, elapsed)
+        on_cpu, waiting = (end - start - step for end, start, step in zip(main_after, main_before, consumed[1:]))
+        loading_cpu = _cpu_fraction(max(0.0, on_cpu), waiting, 1, elapsed - consumed[0])
     return LoaderTiming(
         setting, fetched, samples, first_ready - started, elapsed, rate, worker_cpu, stopped_early, loading_cpu
     )
@@ -272,11 +297,15 @@ def tune_loader(
     max_workers: Optional[int] = None,
     baseline: Optional[LoaderSetting] = None,
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
+    consume: Optional[Callable[[object], None]] = None,
+    intra_op_threads: Optional[int] = None,
 ) -> LoaderTuneResult:
     """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one:
     ``batches`` per candidate, none started past ``max_seconds``, at most ``max_workers`` (default
     ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all;
-    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing."""
+    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing; ``consume``, the
+    training step, run on each batch; ``intra_op_threads``: torch's threads where the step computes on the
+    host (fewer are timed when the chosen workers and they oversubscribe the cores)."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
@@ -291,9 +320,9 @@ def tune_loader(
         return math.inf if leader is None else 2.0 * (leader.startup_s + fetched * leader.batch_s) + 0.05
 
     def run(setting: LoaderSetting) -> LoaderTiming:
-        with warnings.catch_warnings():  # torch warns whenever workers outnumber cores: that is what is measured
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-            timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
+        with warnings.catch_warnings(), intra_op_threads_set(setting.num_threads):
+            warnings.filterwarnings("ignore", message="This DataLoader will create")  # workers past cores: measured
+            timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, 0.25, consume)
         timings.append(timing)
         if on_timed is not None:
             on_timed(timing)
@@ -333,6 +362,17 @@ def tune_loader(
         if all(t.setting != deeper for t in timings):
             run(deeper)
     chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started + max_seconds)
+    threads = intra_op_threads and fewer_threads(
+        intra_op_threads, chosen.setting.num_workers, chosen.worker_cpu_fraction, usable_cpus
+    )
+    if threads and time.perf_counter() - started <= max_seconds:
+        fewer = run(replace(chosen.setting, num_threads=threads))
+        if fewer.samples_per_second > grown * chosen.samples_per_second:
+            chosen, reason = fewer, f"torch.set_num_threads({threads}) leaves the workers cores; {reason}"
+    yours = next((t for t in _fastest_each(timings) if t.setting == baseline), None)
+    gain = chosen.samples_per_second / max(yours.samples_per_second, 1e-9) if yours is not None else math.inf
+    if yours is not None and yours.setting != chosen.setting and gain < 1 + CLEAR_MARGIN:
+        chosen, reason = yours, f"yours kept, the choice being {gain:.2f}x it (under {1 + CLEAR_MARGIN:g}x); {reason}"
     return LoaderTuneResult(
         **vars(chosen.setting),
         samples_per_second=chosen.samples_per_second,
@@ -343,6 +383,7 @@ def tune_loader(
         seconds=time.perf_counter() - started,
         reason=reason,
         settled=settled,
+        with_step=consume is not None,
     )
 
 
@@ -406,14 +447,39 @@ def _settled(
     return chosen, reason, False
 
 
+@contextlib.contextmanager
+def intra_op_threads_set(threads: Optional[int]) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block (``None``: as they are)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fewer_threads(
+    intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
+) -> Optional[int]:
+    """The intra-op threads that leave the busy workers their cores, when the two oversubscribe them (``None``: they
+    fit within 10%, or there is nothing to lower).
+
+    >>> fewer_threads(2, 2, 0.9, cores=2), fewer_threads(2, 8, 0.1, cores=4)
+    (1, None)
+    """
+    busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
+    threads = max(1, cores - math.ceil(busy))
+    return None if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads else threads
+
+
 def oversubscription(
     intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
 ) -> Optional[str]:
     """A warning when the model's intra-op threads and busy workers want more cores than there are (CPU training)."""
+    threads = fewer_threads(intra_op_threads, workers, worker_cpu_fraction, cores)
+    if threads is None:
+        return None
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
-    threads = max(1, cores - math.ceil(busy))
-    if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads:
-        return None  # within 10% of the cores, or nothing left to lower
     return (
         f"oversubscription: torch runs {intra_op_threads} intra-op threads for the model and the {workers} loader"
         f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"

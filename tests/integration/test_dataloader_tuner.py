@@ -232,3 +232,43 @@ def test_the_loaders_worker_process_is_seen_as_a_child():
     assert _child_pids() - before == loaded_by
     del iterator  # shuts its worker down and joins it
     assert not (_child_pids() - before) & loaded_by
+
+
+def test_each_timed_batch_runs_the_training_step_so_settings_are_judged_end_to_end(tmp_path):
+    """A 10 ms step bounds what any setting can reach (16 samples a batch: 1,600 samples/s), where the
+    loader alone delivers far more: the candidates were timed with the step competing for the cores."""
+    dataset = SlowDataset(640)
+    tuner = DataLoaderTuner(max_seconds=1.0, verbose=False)
+    trainer = quiet_trainer(tmp_path, [tuner], max_steps=2)
+    trainer.fit(MLP(step_sleep_s=0.01), DataLoader(dataset, batch_size=16))
+    assert tuner.result.with_step
+    assert all(t.samples_per_second <= 1600 for t in tuner.result.candidates)
+    alone = time_loader(DataLoader(dataset, batch_size=16), LoaderSetting(0), 16)
+    assert alone.samples_per_second > 3 * 1600
+    assert trainer.global_step == 2  # the step's backward passes left no gradient behind: training ran as set
+
+
+def test_the_users_setting_is_kept_unless_the_choice_is_clearly_faster_end_to_end():
+    """A 5 ms step on preloaded samples: the loader alone is fastest without workers, but end to end one
+    worker (the user's) is as fast, so it is kept (each timing as disturbed as the other: sleeps)."""
+
+    def build(setting: LoaderSetting) -> DataLoader:
+        return DataLoader(SlowDataset(4000), batch_size=8, **setting.loader_kwargs())
+
+    yours = LoaderSetting(1, 2, False)
+    result = tune_loader(build, 2, max_seconds=1.0, baseline=yours, consume=lambda batch: time.sleep(0.005))
+    assert result.setting == yours, result.reason
+
+
+def test_the_main_threads_loading_share_leaves_the_training_step_out():
+    """Sleeping samples (waiting on I/O) with a step that computes: the loading is still seen waiting."""
+
+    def burn(batch) -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.01:
+            pass
+
+    loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=4)
+    timing = time_loader(loader, LoaderSetting(0), 8, consume=burn)
+    assert timing.loading_cpu_fraction < 0.5
+    assert timing.samples_per_second <= 4 / 0.018  # 8 ms of sleeps and 10 ms of step a batch
