@@ -2,12 +2,10 @@
 and ``pin_memory`` by timing copies of it in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`);
 Lightning then builds the chosen setting each time it asks for the loader, until ``teardown``.
 
-Each timed batch also runs the module's forward and backward (automatic optimization, one process; the
-weights, gradients and RNG states are put back), so a setting is judged end to end, the model competing
-with the workers for the cores; on CPU, fewer torch threads (``torch.set_num_threads``, until ``teardown``)
-are applied when they make it faster. The user's setting is kept unless the choice is 10% faster. Under DDP
-every rank times the loader alone at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores (affinity
-within the cgroup quota, shared by the host's processes), more only while workers wait on I/O. An
+Each timed batch runs the module's forward and backward (automatic optimization, one process; the state is put
+back): settings are judged end to end, the user's kept unless the choice is 10% faster. Under DDP every rank times
+the loader alone at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores
+(affinity within the cgroup quota, shared by the host's processes), more only while workers wait on I/O. An
 ``IterableDataset``, several loaders, or a loader that is not a ``DataLoader`` is left alone, with the reason.
 
 Logged once when training starts:
@@ -20,7 +18,6 @@ Logged once when training starts:
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
@@ -121,11 +118,6 @@ class DataLoaderTuner(Callback):
             self.decide(trainer)
             if self.result is not None:
                 FitSession.of(trainer).apply(self._undo, rebuild=self.rebuild)
-                if threads := self.result.num_threads:
-                    self._undo.add(
-                        "torch.set_num_threads", functools.partial(torch.set_num_threads, torch.get_num_threads())
-                    )
-                    torch.set_num_threads(threads)
         self._report(trainer)
 
     def rebuild(self, loader: DataLoader) -> DataLoader:
@@ -159,9 +151,8 @@ class DataLoaderTuner(Callback):
         baseline = LoaderSetting(
             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
         )
-        stepping = trainer.lightning_module.automatic_optimization and trainer.world_size == 1
         with (
-            _state_kept(trainer) if stepping else contextlib.nullcontext(),  # the step's gradients, buffers, RNG
+            _training_step(trainer, loader) as step,
             rng_kept(loader),
             signals_stop_our_work(trainer, raise_at_once=True),
             WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress,
@@ -178,8 +169,7 @@ class DataLoaderTuner(Callback):
                 max_workers=self.max_num_workers,
                 baseline=baseline,
                 on_timed=lambda timing: progress.done(_candidate_line(timing, baseline)),
-                consume=_training_step(trainer, loader) if stepping else None,
-                intra_op_threads=torch.get_num_threads() if not on_gpu else None,
+                consume=step,
             )
         self.result = res = trainer.strategy.broadcast(result, src=0)
         kept = res.setting == baseline
@@ -200,10 +190,10 @@ class DataLoaderTuner(Callback):
                 f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); set `num_workers`"
                 " yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
             )
-        warning = (
-            not on_gpu and not res.with_step and oversubscription(torch.get_num_threads(), res.num_workers, busy, cores)
+        warning = trainer.strategy.root_device.type == "cpu" and oversubscription(
+            torch.get_num_threads(), res.num_workers, busy, cores
         )
-        if warning:  # timed with the step, fewer threads were timed and applied if faster
+        if warning:
             rank_zero_warn(f"DataLoaderTuner: {warning}")
         return res
 
@@ -233,29 +223,28 @@ class DataLoaderTuner(Callback):
 
 
 @contextlib.contextmanager
-def _state_kept(trainer: Trainer) -> Iterator[None]:
-    state = TrainingState(trainer)
-    try:
-        yield
-    finally:
-        state.restore()
-
-
-def _training_step(trainer: Trainer, loader: DataLoader) -> Optional[Callable[[Any], None]]:
-    """The module's forward and backward on a batch (the time a step competes for the cores), checked on one
-    batch (``None`` when it fails)."""
-    loss_of, strategy = loss_function(trainer.lightning_module), trainer.strategy
+def _training_step(trainer: Trainer, loader: DataLoader) -> Iterator[Optional[Callable[[Any], None]]]:
+    """The module's forward and backward on a batch, to run on each timed batch (``None`` under manual
+    optimization or DDP, or when it fails on a first batch); what it changes is put back after the block."""
+    module, strategy = trainer.lightning_module, trainer.strategy
+    state = TrainingState(trainer) if module.automatic_optimization and trainer.world_size == 1 else None
+    loss_of = loss_function(module)
 
     def step(batch: Any) -> None:
         with trainer.precision_plugin.train_step_context():
-            loss = loss_of(strategy.batch_to_device(batch))
-        loss.backward()
+            loss_of(strategy.batch_to_device(batch)).backward()
 
+    checked = state is not None
     try:
-        step(next(iter(loader)))
+        if checked:
+            step(next(iter(loader)))
     except Exception:  # noqa: BLE001 - a step that fails here fails in training: the loader is timed alone
-        return None
-    return step
+        checked = False
+    try:
+        yield step if checked else None
+    finally:
+        if state is not None:
+            state.restore()
 
 
 def _why_not_tunable(loader: Any) -> Optional[str]:

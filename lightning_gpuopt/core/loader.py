@@ -3,10 +3,8 @@
 :func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
 while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
 ``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
-``tolerance`` of the best (or the cheapest that keeps up with the target). Given the training step
-(``consume``), each batch fetched runs it, so workers are timed competing with it for the cores; then
-fewer torch threads are timed where workers and threads oversubscribe the cores, and the user's setting
-is kept unless the choice is :data:`CLEAR_MARGIN` faster.
+``tolerance`` of the best (or the cheapest that keeps up with the target), each batch running the training
+step when given (end to end); the user's setting is kept unless the choice is :data:`CLEAR_MARGIN` faster.
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -18,14 +16,13 @@ is kept unless the choice is :data:`CLEAR_MARGIN` faster.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from resource import RUSAGE_CHILDREN, getrusage
 from typing import Callable, Iterator, Optional
@@ -36,21 +33,20 @@ from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
-#: how much faster than the user's setting a choice must be to replace it
-CLEAR_MARGIN = 0.10
+CLEAR_MARGIN = 0.10  #: how much faster than the user's setting a choice must be to replace it
 #: times a candidate's loader
 _Run = Callable[["LoaderSetting"], "LoaderTiming"]
+_Choose = Callable[[list["LoaderTiming"]], tuple["LoaderTiming", str]]  #: the choice among timings, and why
 
 
 @dataclass(frozen=True)
 class LoaderSetting:
-    """One candidate: the ``DataLoader`` arguments the tuner sets, and torch's intra-op threads (``None``: as set)."""
+    """One candidate: the ``DataLoader`` arguments the tuner sets."""
 
     num_workers: int
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
-    num_threads: Optional[int] = None
 
     def loader_kwargs(self) -> dict:
         """Keyword arguments for ``DataLoader`` (valid for ``num_workers=0`` too)."""
@@ -65,17 +61,14 @@ class LoaderSetting:
     def describe(self) -> str:
         """``'num_workers=0, pin_memory=False'``: the arguments that apply."""
         kwargs = self.loader_kwargs().items()
-        text = ", ".join(f"{k}={v}" for k, v in kwargs if self.num_workers or k in ("num_workers", "pin_memory"))
-        return text + (f", torch.set_num_threads({self.num_threads})" if self.num_threads else "")
+        return ", ".join(f"{k}={v}" for k, v in kwargs if self.num_workers or k in ("num_workers", "pin_memory"))
 
     def short(self) -> str:
         """``'8 workers, prefetch 2, persistent'``-style label for tables."""
         workers = self.num_workers
         text = f"{workers} worker{'s' if workers > 1 else ''}, prefetch {self.prefetch_factor or 2}"
         text = text + (", persistent" if self.persistent_workers else "") if workers else "main process (0 workers)"
-        return (
-            text + (", pinned" if self.pin_memory else "") + (f", {self.num_threads} threads" * bool(self.num_threads))
-        )
+        return text + (", pinned" if self.pin_memory else "")
 
     @property
     def cost(self) -> tuple[int, int]:
@@ -121,15 +114,10 @@ class LoaderTuneResult:
     reason: str = ""
     #: False when repeated timings kept changing the choice (a busy machine): the choice is uncertain
     settled: bool = True
-    num_threads: Optional[int] = None
-    #: whether each timed batch also ran the training step (rates end to end), else the loader alone
-    with_step: bool = False
 
     @property
     def setting(self) -> LoaderSetting:
-        return LoaderSetting(
-            self.num_workers, self.prefetch_factor, self.persistent_workers, self.pin_memory, self.num_threads
-        )
+        return LoaderSetting(self.num_workers, self.prefetch_factor, self.persistent_workers, self.pin_memory)
 
     @property
     def speedup(self) -> Optional[float]:
@@ -213,9 +201,8 @@ def time_loader(
 ) -> LoaderTiming:
     """Time ``loader`` (built with ``setting``): start-up to the first batch, then the steady rate past the
     ``W x prefetch_factor`` batches ``iter()`` queues at once, over at least ``batches``, fill + 8 and
-    ``min_seconds`` (a shorter epoch: the overall rate), ``consume`` run on each batch. It stops past
-    ``max_seconds``, or (stopped early) once the time since the first batch exceeds ``give_up_after_s(batches
-    fetched)``. The main thread's computing share leaves ``consume`` out."""
+    ``min_seconds`` (a shorter epoch: the overall rate), each batch given to ``consume`` (not in the loading's
+    CPU share). It stops past ``max_seconds``, or (stopped early) once ``give_up_after_s(batches fetched)`` passed."""
     workers = setting.num_workers
     fill = workers * (setting.prefetch_factor or 2) if workers else 1
     wanted = max(batches, fill + 8)
@@ -298,14 +285,12 @@ def tune_loader(
     baseline: Optional[LoaderSetting] = None,
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
     consume: Optional[Callable[[object], None]] = None,
-    intra_op_threads: Optional[int] = None,
 ) -> LoaderTuneResult:
     """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one:
     ``batches`` per candidate, none started past ``max_seconds``, at most ``max_workers`` (default
     ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all;
-    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing; ``consume``, the
-    training step, run on each batch; ``intra_op_threads``: torch's threads where the step computes on the
-    host (fewer are timed when the chosen workers and they oversubscribe the cores)."""
+    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing; ``consume`` (the
+    training step) run on each batch."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
@@ -320,8 +305,8 @@ def tune_loader(
         return math.inf if leader is None else 2.0 * (leader.startup_s + fetched * leader.batch_s) + 0.05
 
     def run(setting: LoaderSetting) -> LoaderTiming:
-        with warnings.catch_warnings(), intra_op_threads_set(setting.num_threads):
-            warnings.filterwarnings("ignore", message="This DataLoader will create")  # workers past cores: measured
+        with warnings.catch_warnings():  # torch warns whenever workers outnumber cores: that is what is measured
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
             timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, 0.25, consume)
         timings.append(timing)
         if on_timed is not None:
@@ -361,18 +346,8 @@ def tune_loader(
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
-    chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started + max_seconds)
-    threads = intra_op_threads and fewer_threads(
-        intra_op_threads, chosen.setting.num_workers, chosen.worker_cpu_fraction, usable_cpus
-    )
-    if threads and time.perf_counter() - started <= max_seconds:
-        fewer = run(replace(chosen.setting, num_threads=threads))
-        if fewer.samples_per_second > grown * chosen.samples_per_second:
-            chosen, reason = fewer, f"torch.set_num_threads({threads}) leaves the workers cores; {reason}"
-    yours = next((t for t in _fastest_each(timings) if t.setting == baseline), None)
-    gain = chosen.samples_per_second / max(yours.samples_per_second, 1e-9) if yours is not None else math.inf
-    if yours is not None and yours.setting != chosen.setting and gain < 1 + CLEAR_MARGIN:
-        chosen, reason = yours, f"yours kept, the choice being {gain:.2f}x it (under {1 + CLEAR_MARGIN:g}x); {reason}"
+    choose = lambda timed: _choose(timed, tolerance, target_samples_per_second, baseline)  # noqa: E731
+    chosen, reason, settled = _settled(timings, run, choose, started + max_seconds)
     return LoaderTuneResult(
         **vars(chosen.setting),
         samples_per_second=chosen.samples_per_second,
@@ -383,7 +358,6 @@ def tune_loader(
         seconds=time.perf_counter() - started,
         reason=reason,
         settled=settled,
-        with_step=consume is not None,
     )
 
 
@@ -402,9 +376,11 @@ def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
     return list(fastest.values())
 
 
-def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[float]) -> tuple[LoaderTiming, str]:
+def _choose(
+    timings: list[LoaderTiming], tolerance: float, target: Optional[float], yours: Optional[LoaderSetting] = None
+) -> tuple[LoaderTiming, str]:
     """The cheapest of each setting's least disturbed timing that keeps up with ``target``, else within
-    ``tolerance`` of the best; and why."""
+    ``tolerance`` of the best, unless the user's setting ``yours`` is within :data:`CLEAR_MARGIN` of it; and why."""
     timings = _fastest_each(timings)
     finished = [t for t in timings if not t.stopped_early] or timings
     top = max(t.samples_per_second for t in finished)
@@ -414,15 +390,20 @@ def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[floa
     else:
         pool = [t for t in finished if t.samples_per_second >= (1 - tolerance) * top]
         reason = f"the cheapest setting within {tolerance:.0%} of the best ({top:,.0f} samples/s)"
-    return min(pool, key=lambda t: t.setting.cost), reason
+    chosen = min(pool, key=lambda t: t.setting.cost)
+    kept = next((t for t in timings if t.setting == yours and t is not chosen), None)
+    gain = chosen.samples_per_second / max(kept.samples_per_second, 1e-9) if kept is not None else math.inf
+    if kept is not None and gain < 1 + CLEAR_MARGIN:
+        return kept, f"yours kept, the choice being {gain:.2f}x it (under {1 + CLEAR_MARGIN:g}x); {reason}"
+    return chosen, reason
 
 
 def _settled(
-    timings: list[LoaderTiming], run: _Run, tolerance: float, target: Optional[float], deadline: float
+    timings: list[LoaderTiming], run: _Run, choose: _Choose, deadline: float
 ) -> tuple[LoaderTiming, str, bool]:
     """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
     alternating order, until the choice is the same after a round as before it (else the reason says so)."""
-    chosen, reason = _choose(timings, tolerance, target)
+    chosen, reason = choose(timings)
     changes = [chosen.setting]
     for round_index in range(3):
         if time.perf_counter() > deadline:
@@ -434,7 +415,7 @@ def _settled(
         contenders = [t.setting for t in finished if t.samples_per_second >= 0.5 * top]
         for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
             run(setting)  # appended to ``timings``
-        again, reason = _choose(timings, tolerance, target)
+        again, reason = choose(timings)
         if again.setting == chosen.setting:
             return again, reason, True
         chosen = again
@@ -447,39 +428,14 @@ def _settled(
     return chosen, reason, False
 
 
-@contextlib.contextmanager
-def intra_op_threads_set(threads: Optional[int]) -> Iterator[None]:
-    """``torch.set_num_threads(threads)`` inside the block (``None``: as they are)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def fewer_threads(
-    intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
-) -> Optional[int]:
-    """The intra-op threads that leave the busy workers their cores, when the two oversubscribe them (``None``: they
-    fit within 10%, or there is nothing to lower).
-
-    >>> fewer_threads(2, 2, 0.9, cores=2), fewer_threads(2, 8, 0.1, cores=4)
-    (1, None)
-    """
-    busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
-    threads = max(1, cores - math.ceil(busy))
-    return None if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads else threads
-
-
 def oversubscription(
     intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
 ) -> Optional[str]:
     """A warning when the model's intra-op threads and busy workers want more cores than there are (CPU training)."""
-    threads = fewer_threads(intra_op_threads, workers, worker_cpu_fraction, cores)
-    if threads is None:
-        return None
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
+    threads = max(1, cores - math.ceil(busy))
+    if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads:
+        return None  # within 10% of the cores, or nothing left to lower
     return (
         f"oversubscription: torch runs {intra_op_threads} intra-op threads for the model and the {workers} loader"
         f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"
