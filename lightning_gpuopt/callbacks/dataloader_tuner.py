@@ -226,9 +226,8 @@ class DataLoaderTuner(Callback):
 def _training_step(trainer: Trainer, loader: DataLoader) -> Iterator[Optional[Callable[[Any], None]]]:
     """The module's forward and backward on a batch, to run on each timed batch (``None`` under manual
     optimization or DDP, or when it fails on a first batch); what it changes is put back after the block."""
-    module, strategy = trainer.lightning_module, trainer.strategy
+    module, strategy, loss_of = trainer.lightning_module, trainer.strategy, loss_function(trainer.lightning_module)
     state = TrainingState(trainer) if module.automatic_optimization and trainer.world_size == 1 else None
-    loss_of = loss_function(module)
 
     def step(batch: Any) -> None:
         with trainer.precision_plugin.train_step_context():

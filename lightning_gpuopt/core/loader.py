@@ -347,7 +347,7 @@ def tune_loader(
         if all(t.setting != deeper for t in timings):
             run(deeper)
     choose = lambda timed: _choose(timed, tolerance, target_samples_per_second, baseline)  # noqa: E731
-    chosen, reason, settled = _settled(timings, run, choose, started + max_seconds)
+    chosen, reason, settled = _settled(timings, run, choose, started + max_seconds, baseline)
     return LoaderTuneResult(
         **vars(chosen.setting),
         samples_per_second=chosen.samples_per_second,
@@ -399,10 +399,10 @@ def _choose(
 
 
 def _settled(
-    timings: list[LoaderTiming], run: _Run, choose: _Choose, deadline: float
+    timings: list[LoaderTiming], run: _Run, choose: _Choose, deadline: float, yours: Optional[LoaderSetting]
 ) -> tuple[LoaderTiming, str, bool]:
     """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
-    alternating order, until the choice is the same after a round as before it (else the reason says so)."""
+    alternating order, until the choice stays; else ``yours`` is kept if it was chosen once (or none retimed)."""
     chosen, reason = choose(timings)
     changes = [chosen.setting]
     for round_index in range(3):
@@ -425,6 +425,9 @@ def _settled(
         reason += f"; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy"
     else:
         reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
+    kept = next((t for t in _fastest_each(timings) if t.setting == yours != chosen.setting), None)
+    if kept is not None and (len(changes) == 1 or yours in changes):
+        return kept, f"yours kept: {reason}", False
     return chosen, reason, False
 
 

@@ -82,9 +82,7 @@ class StepTotals:
     compute_fraction = property(lambda self: self.share(self.compute_s))
     other_fraction = property(lambda self: self.share(self.other_s))
     #: main-thread CPU seconds per second of data wait (near 1: loading computes in the main process)
-    loader_cpu_fraction = property(
-        lambda self: min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None
-    )
+    loader_cpu_fraction = property(lambda self: min(1.0, self.data_wait_cpu_s / w) if (w := self.data_wait_s) else None)
     gpu_idle_fraction = property(lambda self: self.gpu_idle_s / t if (t := self.gpu_busy_s + self.gpu_idle_s) else None)
     samples_per_second = property(lambda self: self.samples / self.wall_s if self.wall_s > 0 and self.samples else None)
 

@@ -22,7 +22,15 @@ from lightning import LightningDataModule, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
-from lightning_gpuopt.core.loader import LoaderSetting, LoaderTiming, _child_pids, _choose, time_loader, tune_loader
+from lightning_gpuopt.core.loader import (
+    LoaderSetting,
+    LoaderTiming,
+    _child_pids,
+    _choose,
+    _settled,
+    time_loader,
+    tune_loader,
+)
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -261,10 +269,11 @@ def test_the_main_threads_loading_share_leaves_the_training_step_out():
     assert timing.samples_per_second <= 4 / 0.018  # 8 ms of sleeps and 10 ms of step a batch
 
 
-def test_the_choice_keeps_the_users_setting_unless_it_is_clearly_faster():
-    def timing(workers: int, rate: float) -> LoaderTiming:
-        return LoaderTiming(LoaderSetting(workers, 2 if workers else None), 8, 64, 0.1, 1.0, rate, None)
+def timing(workers: int, rate: float) -> LoaderTiming:
+    return LoaderTiming(LoaderSetting(workers, 2 if workers else None), 8, 64, 0.1, 1.0, rate, None)
 
+
+def test_the_choice_keeps_the_users_setting_unless_it_is_clearly_faster():
     yours = LoaderSetting(2, 2)
     chosen, reason = _choose([timing(0, 1000.0), timing(2, 1050.0)], 0.05, None, yours)
     assert chosen.setting == yours and reason.startswith("yours kept, the choice being 0.95x it (under 1.1x)")
@@ -272,3 +281,17 @@ def test_the_choice_keeps_the_users_setting_unless_it_is_clearly_faster():
     assert chosen.setting == LoaderSetting(0)  # the user's is the cheapest within tolerance anyway
     chosen, _ = _choose([timing(0, 1200.0), timing(2, 1000.0)], 0.05, None, yours)
     assert chosen.setting == LoaderSetting(0)  # 1.2x: clearly faster
+
+
+def test_a_choice_not_confirmed_by_a_second_timing_keeps_the_users_setting():
+    yours = LoaderSetting(0)
+    chosen, reason, settled = _settled(
+        [timing(0, 1000.0), timing(2, 1300.0)], time_loader, lambda timed: _choose(timed, 0.05, None, yours), 0.0, yours
+    )
+    assert chosen.setting == yours and not settled
+    assert reason.startswith("yours kept: the cheapest setting within 5%") and "unconfirmed" in reason
+    # without the user's setting among the timings, the choice stands (and says it is unconfirmed)
+    chosen, reason, settled = _settled(
+        [timing(2, 1300.0)], time_loader, lambda timed: _choose(timed, 0.05, None), 0.0, yours
+    )
+    assert chosen.setting.num_workers == 2 and not settled and "unconfirmed" in reason
