@@ -251,8 +251,7 @@ def _why_not_tunable(loader: Any) -> Optional[str]:
     if isinstance(loader, (list, tuple, dict)):
         return "there are several train loaders; tune each by hand or pass one loader."
     if not isinstance(loader, DataLoader):
-        kind = type(loader).__name__
-        return f"it is a {kind}, not a torch.utils.data.DataLoader, so its worker settings cannot be rebuilt."
+        return f"it is a {type(loader).__name__}, not a torch.utils.data.DataLoader: its worker settings cannot be rebuilt."
     if isinstance(loader.dataset, IterableDataset):
         return (
             f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): with more workers each would yield"

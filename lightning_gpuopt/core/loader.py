@@ -401,8 +401,8 @@ def _choose(
 def _settled(
     timings: list[LoaderTiming], run: _Run, choose: _Choose, deadline: float, yours: Optional[LoaderSetting]
 ) -> tuple[LoaderTiming, str, bool]:
-    """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
-    alternating order, until the choice stays; else ``yours`` is kept if it was chosen once (or none retimed)."""
+    """``(chosen, reason, settled)``: the contenders (half the best or more) timed again, up to 3 rounds in turn,
+    until the choice stays; if not, ``yours`` is kept when it won once (or none was retimed) and is 2/3 of it."""
     chosen, reason = choose(timings)
     changes = [chosen.setting]
     for round_index in range(3):
@@ -426,7 +426,8 @@ def _settled(
     else:
         reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
     kept = next((t for t in _fastest_each(timings) if t.setting == yours != chosen.setting), None)
-    if kept is not None and (len(changes) == 1 or yours in changes):
+    doubtful = len(changes) == 1 or yours in changes  # timed once, or the user's setting won a round
+    if kept is not None and doubtful and chosen.samples_per_second < 1.5 * kept.samples_per_second:
         return kept, f"yours kept: {reason}", False
     return chosen, reason, False
 

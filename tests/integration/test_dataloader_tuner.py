@@ -295,3 +295,8 @@ def test_a_choice_not_confirmed_by_a_second_timing_keeps_the_users_setting():
         [timing(2, 1300.0)], time_loader, lambda timed: _choose(timed, 0.05, None), 0.0, yours
     )
     assert chosen.setting.num_workers == 2 and not settled and "unconfirmed" in reason
+    # a choice at 1.5x the user's or more stands even when unconfirmed
+    chosen, _, _ = _settled(
+        [timing(0, 1000.0), timing(2, 1600.0)], time_loader, lambda t: _choose(t, 0.05, None), 0.0, yours
+    )
+    assert chosen.setting.num_workers == 2
