@@ -114,8 +114,8 @@ class HookTimes(Probe):
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if self._started_at is None or self._ended_at is None:
             return []
-        fit_s = self._ended_at - self._started_at
-        epochs, train_s = max(1, report.settings.epochs), max(0.0, fit_s - report.totals.validation_s)
+        fit_s = train_s = report.totals.train_s or self._ended_at - self._started_at  # the table's denominator
+        epochs = max(1, report.settings.epochs)
         found: list[Optional[Finding]] = []
         scale, hooks = self._steps / max(1, self._sampled_steps), dict(self._hooks)
         for action, (seconds, calls) in self._sampled.items():

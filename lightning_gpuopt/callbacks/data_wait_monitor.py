@@ -148,8 +148,7 @@ class DataWaitMonitor(Callback):
                 self._gpu.before_transfer()
 
         def saved(seconds: float, cpu_seconds: float) -> None:
-            if not self._in_validation:
-                clock.add_excluded("checkpoint", seconds)
+            clock.add_excluded("checkpoint", seconds)  # in validation too: taken out of its time below
 
         listeners: dict[str, _profiler_tap.Listener] = {
             compat.fetch_action(trainer): fetched,
@@ -165,12 +164,13 @@ class DataWaitMonitor(Callback):
             if trainer.sanity_checking or self._validation_wrapper is not timed_run:
                 return run(*args, **kwargs)
             self._in_validation = True
-            started = time.perf_counter()
+            started, saved_s = time.perf_counter(), clock.excluded_s["checkpoint"]
             try:
                 return run(*args, **kwargs)
             finally:
                 self._in_validation = False
-                clock.add_excluded("validation", time.perf_counter() - started)
+                saved_s = clock.excluded_s["checkpoint"] - saved_s
+                clock.add_excluded("validation", time.perf_counter() - started - saved_s)
 
         val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
 

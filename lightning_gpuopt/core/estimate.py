@@ -30,6 +30,7 @@ from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, 
 
 ManualStep = Callable[[Any, list], None]  #: a whole manual-optimization step: its own backward passes and steps
 StepContext = Callable[[], ContextManager[Any]]
+_CONTAINERS = (list, dict, set, tuple, collections.OrderedDict, collections.defaultdict)  #: restored_attributes copies
 
 
 class NotTraceable(Exception):
@@ -87,9 +88,8 @@ class MemoryEstimate:
     torchinfo_total_bytes: int | None
     predicted_peak_bytes: int
     measured_peak_bytes: int | None = None
-    max_batch_size: int | None = (
-        None  #: the largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
-    )
+    #: the largest ``b`` with ``fixed_bytes + bytes_per_sample * b <= capacity_bytes``
+    max_batch_size: int | None = None
     method: str = "traced"  #: "traced" (fake-tensor trace), "torchinfo-fallback" or "parameters-only"
     batch_size: int | None = None
     buffers_bytes: int = 0
@@ -156,8 +156,11 @@ class StepEstimator:
         if step.forward_input is not None:
             try:
                 summary = _torchinfo_summary(step)
-            except Exception as error:  # noqa: BLE001 - a summary is optional
-                notes.append(f"torchinfo could not summarise the model: {_first_line(error)}")
+            except Exception as error:  # noqa: BLE001 - a summary is optional: why not, and the parameters by child
+                why = _first_line(error)
+                why = "it has no `forward`" if why.startswith("NotImplementedError") else why
+                children = [f"{n} {sum(p.numel() for p in c.parameters()):,}" for n, c in step.module.named_children()]
+                notes.append(f"no torchinfo summary ({why}); parameters by child: {', '.join(children) or 'none'}")
         untraced = list(step.untraced)
         try:
             estimate = self._traced()

@@ -227,8 +227,8 @@ def slow_hook(
     if unit == "steps" and name != "on_train_epoch_end":
         fix += ", or move the work to on_train_epoch_end"
     figures = {"seconds": float(total_s), "calls": float(calls), "ms_per_call": per_call * 1e3, "share": share}
-    message = f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.0%} of"
-    message += f" training time ({train_s:.2f} s from train start to end, validation excluded)"
+    message = f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.1%} of"
+    message += f" training time ({train_s:.2f} s from train start to end)"
     return Finding("slow-hook", message, fix, hook, figures | {"suggested_every_n": float(every)})
 
 
@@ -305,7 +305,7 @@ def checkpoint_time(
         figures["checkpoint_mb"] = checkpoint_bytes / 1e6
     size = f", {checkpoint_bytes / 1e6:.1f} MB each" if checkpoint_bytes else ""
     message = f"{saves} checkpoint save(s) took {seconds:.2f} s ({1e3 * seconds / saves:.0f} ms each{size}),"
-    message += f" {share:.0%} of the fit's time from train start to end ({fit_s:.2f} s, {steps} steps)"
+    message += f" {share:.1%} of training time ({fit_s:.2f} s from train start to end, {steps} steps)"
     where = ", ".join(saver.name for saver in savers if saver.saves) or None
     return Finding("checkpoint-time", message, fix, where, figures)
 

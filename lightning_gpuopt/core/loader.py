@@ -3,7 +3,8 @@
 :func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
 while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
 ``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
-``tolerance`` of the best (or the cheapest that keeps up with the target).
+``tolerance`` of the best (or the cheapest that keeps up with the target), each batch running the training
+step when given (end to end); the user's setting is kept unless the choice is :data:`CLEAR_MARGIN` faster.
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -32,8 +33,10 @@ from torch.utils.data import DataLoader, Sampler
 
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
+CLEAR_MARGIN = 0.10  #: how much faster than the user's setting a choice must be to replace it
 #: times a candidate's loader
 _Run = Callable[["LoaderSetting"], "LoaderTiming"]
+_Choose = Callable[[list["LoaderTiming"]], tuple["LoaderTiming", str]]  #: the choice among timings, and why
 
 
 @dataclass(frozen=True)
@@ -194,11 +197,12 @@ def time_loader(
     give_up_after_s: Optional[Callable[[int], float]] = None,
     max_seconds: float = math.inf,
     min_seconds: float = 0.0,
+    consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTiming:
     """Time ``loader`` (built with ``setting``): start-up to the first batch, then the steady rate past the
     ``W x prefetch_factor`` batches ``iter()`` queues at once, over at least ``batches``, fill + 8 and
-    ``min_seconds`` (a shorter epoch: the overall rate). It stops past ``max_seconds``, or (stopped early)
-    once the time since the first batch exceeds ``give_up_after_s(batches fetched)``."""
+    ``min_seconds`` (a shorter epoch: the overall rate), each batch given to ``consume`` (not in the loading's
+    CPU share). It stops past ``max_seconds``, or (stopped early) once ``give_up_after_s(batches fetched)`` passed."""
     workers = setting.num_workers
     fill = workers * (setting.prefetch_factor or 2) if workers else 1
     wanted = max(batches, fill + 8)
@@ -211,9 +215,16 @@ def time_loader(
     main_before = _scheduled_seconds(main_thread) if not workers else None
     first_ready = fill_ready = started
     samples = steady_samples = fetched = 0
+    consumed = [0.0, 0.0, 0.0]  # the step's wall, CPU and run-queue seconds (main thread)
     stopped_early = False
     try:
         for batch in iterator:
+            if consume is not None:
+                step_started, before = time.perf_counter(), _scheduled_seconds(main_thread) or (0.0, 0.0)
+                consume(batch)
+                after = _scheduled_seconds(main_thread) or before
+                spent_s = [time.perf_counter() - step_started, *(end - start for end, start in zip(after, before))]
+                consumed = [total + spent for total, spent in zip(consumed, spent_s)]
             now = time.perf_counter()
             size = batch_samples(batch) or 1
             samples, fetched = samples + size, fetched + 1
@@ -254,7 +265,8 @@ def time_loader(
         reaped = (sum(getrusage(RUSAGE_CHILDREN)[:2]) - cpu_before, 0.0)
         worker_cpu = _cpu_fraction(*(scheduled or reaped), workers, elapsed)
     if main_before is not None and main_after is not None:
-        loading_cpu = _cpu_fraction(main_after[0] - main_before[0], main_after[1] - main_before[1], 1, elapsed)
+        on_cpu, waiting = (end - start - step for end, start, step in zip(main_after, main_before, consumed[1:]))
+        loading_cpu = _cpu_fraction(max(0.0, on_cpu), waiting, 1, elapsed - consumed[0])
     return LoaderTiming(
         setting, fetched, samples, first_ready - started, elapsed, rate, worker_cpu, stopped_early, loading_cpu
     )
@@ -272,11 +284,13 @@ def tune_loader(
     max_workers: Optional[int] = None,
     baseline: Optional[LoaderSetting] = None,
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
+    consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTuneResult:
     """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one:
     ``batches`` per candidate, none started past ``max_seconds``, at most ``max_workers`` (default
     ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all;
-    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing."""
+    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing; ``consume`` (the
+    training step) run on each batch."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
@@ -293,7 +307,7 @@ def tune_loader(
     def run(setting: LoaderSetting) -> LoaderTiming:
         with warnings.catch_warnings():  # torch warns whenever workers outnumber cores: that is what is measured
             warnings.filterwarnings("ignore", message="This DataLoader will create")
-            timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, min_seconds=0.25)
+            timing = time_loader(build(setting), setting, batches, give_up, max_seconds / 4, 0.25, consume)
         timings.append(timing)
         if on_timed is not None:
             on_timed(timing)
@@ -332,7 +346,8 @@ def tune_loader(
         deeper = LoaderSetting(leader.setting.num_workers, 4, leader.setting.persistent_workers, pin_memory)
         if all(t.setting != deeper for t in timings):
             run(deeper)
-    chosen, reason, settled = _settled(timings, run, tolerance, target_samples_per_second, started + max_seconds)
+    choose = lambda timed: _choose(timed, tolerance, target_samples_per_second, baseline)  # noqa: E731
+    chosen, reason, settled = _settled(timings, run, choose, started + max_seconds, baseline)
     return LoaderTuneResult(
         **vars(chosen.setting),
         samples_per_second=chosen.samples_per_second,
@@ -361,9 +376,11 @@ def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
     return list(fastest.values())
 
 
-def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[float]) -> tuple[LoaderTiming, str]:
+def _choose(
+    timings: list[LoaderTiming], tolerance: float, target: Optional[float], yours: Optional[LoaderSetting] = None
+) -> tuple[LoaderTiming, str]:
     """The cheapest of each setting's least disturbed timing that keeps up with ``target``, else within
-    ``tolerance`` of the best; and why."""
+    ``tolerance`` of the best, unless the user's setting ``yours`` is within :data:`CLEAR_MARGIN` of it; and why."""
     timings = _fastest_each(timings)
     finished = [t for t in timings if not t.stopped_early] or timings
     top = max(t.samples_per_second for t in finished)
@@ -373,15 +390,20 @@ def _choose(timings: list[LoaderTiming], tolerance: float, target: Optional[floa
     else:
         pool = [t for t in finished if t.samples_per_second >= (1 - tolerance) * top]
         reason = f"the cheapest setting within {tolerance:.0%} of the best ({top:,.0f} samples/s)"
-    return min(pool, key=lambda t: t.setting.cost), reason
+    chosen = min(pool, key=lambda t: t.setting.cost)
+    kept = next((t for t in timings if t.setting == yours and t is not chosen), None)
+    gain = chosen.samples_per_second / max(kept.samples_per_second, 1e-9) if kept is not None else math.inf
+    if kept is not None and gain < 1 + CLEAR_MARGIN:
+        return kept, f"yours kept, the choice being {gain:.2f}x it (under {1 + CLEAR_MARGIN:g}x); {reason}"
+    return chosen, reason
 
 
 def _settled(
-    timings: list[LoaderTiming], run: _Run, tolerance: float, target: Optional[float], deadline: float
+    timings: list[LoaderTiming], run: _Run, choose: _Choose, deadline: float, yours: Optional[LoaderSetting]
 ) -> tuple[LoaderTiming, str, bool]:
-    """``(chosen, reason, settled)``: the contenders (at least half the best) timed again, up to 3 rounds in
-    alternating order, until the choice is the same after a round as before it (else the reason says so)."""
-    chosen, reason = _choose(timings, tolerance, target)
+    """``(chosen, reason, settled)``: the contenders (half the best or more) timed again, up to 3 rounds in turn,
+    until the choice stays; if not, ``yours`` is kept when it won once (or none was retimed) and is 2/3 of it."""
+    chosen, reason = choose(timings)
     changes = [chosen.setting]
     for round_index in range(3):
         if time.perf_counter() > deadline:
@@ -393,7 +415,7 @@ def _settled(
         contenders = [t.setting for t in finished if t.samples_per_second >= 0.5 * top]
         for setting in reversed(contenders) if round_index % 2 == 0 else contenders:
             run(setting)  # appended to ``timings``
-        again, reason = _choose(timings, tolerance, target)
+        again, reason = choose(timings)
         if again.setting == chosen.setting:
             return again, reason, True
         chosen = again
@@ -403,6 +425,10 @@ def _settled(
         reason += f"; uncertain: repeated timings kept changing the choice ({steps}), the machine is busy"
     else:
         reason += "; unconfirmed: `max_seconds` ran out before the choice was timed twice"
+    kept = next((t for t in _fastest_each(timings) if t.setting == yours != chosen.setting), None)
+    doubtful = len(changes) == 1 or yours in changes  # timed once, or the user's setting won a round
+    if kept is not None and doubtful and chosen.samples_per_second < 1.5 * kept.samples_per_second:
+        return kept, f"yours kept: {reason}", False
     return chosen, reason, False
 
 

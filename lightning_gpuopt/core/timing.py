@@ -44,6 +44,8 @@ class StepTotals:
     validation_s: float = 0.0
     checkpoint_s: float = 0.0
     worker_startup_s: float = 0.0
+    #: train start to end, the denominator of every share of training time (0.0: the parts above summed)
+    train_s: float = 0.0
     #: CUDA: device time from step start to end, and between steps (0.0 elsewhere)
     gpu_busy_s: float = 0.0
     gpu_idle_s: float = 0.0
@@ -56,21 +58,19 @@ class StepTotals:
                        "other_fraction", "loader_cpu_fraction", "gpu_idle_fraction", "samples_per_second")
     # fmt: on
 
-    @property
-    def other_s(self) -> float:
-        """Step time outside data wait, transfer and compute (hooks, logging, schedulers, progress bar)."""
-        return max(0.0, self.wall_s - self.data_wait_s - self.transfer_s - self.compute_s)
+    #: step time outside data wait, transfer and compute (hooks, logging, schedulers, progress bar)
+    other_s = property(lambda self: max(0.0, self.wall_s - self.data_wait_s - self.transfer_s - self.compute_s))
 
     def share(self, seconds: float) -> Optional[float]:
-        """``seconds`` as a share of the steps' wall time (``None`` without a step)."""
+        """``seconds`` as a share of the steps' wall time (``None`` without a step); ``*_fraction``: of each part."""
         return seconds / self.wall_s if self.wall_s > 0 else None
 
     def per_step(self, seconds: float) -> float:
         return seconds / self.steps if self.steps else 0.0
 
     def training_share(self, seconds: float) -> Optional[float]:
-        """``seconds`` as a share of training time: steps, validation, checkpoint saving and loader start-up."""
-        total = self.wall_s + self.validation_s + self.checkpoint_s + self.worker_startup_s
+        """``seconds`` as a share of training time (:attr:`train_s`)."""
+        total = self.train_s or self.wall_s + self.validation_s + self.checkpoint_s + self.worker_startup_s
         return seconds / total if total > 0 else None
 
     step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
@@ -188,6 +188,7 @@ class StepClock:
         self.series = BinnedSeries(_COLUMNS)
         self._window_start = StepTotals()
         self._epoch_started_at: Optional[float] = None
+        self._train_started_at: Optional[float] = None
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
@@ -197,6 +198,7 @@ class StepClock:
         """A training epoch starts: its first batch carries the loader's start-up cost."""
         self.epochs_seen += 1
         self._epoch_started_at = self._clock()
+        self._train_started_at = self._train_started_at or self._epoch_started_at
         self._last_end = None
         self._clear_pending()
 
@@ -245,8 +247,11 @@ class StepClock:
         """The measured steps' sums, and the time kept apart."""
         sums = dict(zip(_COLUMNS, self.series.sums()))
         sums |= {f"{kind}_s": self.excluded_s.get(kind, 0.0) for kind in ("validation", "checkpoint")}
-        samples = round(sums.pop("samples"))
-        return StepTotals(self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), **sums)
+        samples, started = round(sums.pop("samples")), self._train_started_at
+        train_s = self._clock() - started if started is not None else 0.0
+        return StepTotals(
+            self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), train_s=train_s, **sums
+        )
 
     def take_window(self) -> StepTotals:
         """The steps' sums since the previous call (for periodic logging)."""

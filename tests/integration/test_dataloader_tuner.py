@@ -22,7 +22,15 @@ from lightning import LightningDataModule, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import DataLoaderTuner, DataWaitMonitor, LoaderTuneResult
-from lightning_gpuopt.core.loader import LoaderSetting, _child_pids, time_loader, tune_loader
+from lightning_gpuopt.core.loader import (
+    LoaderSetting,
+    LoaderTiming,
+    _child_pids,
+    _choose,
+    _settled,
+    time_loader,
+    tune_loader,
+)
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -232,3 +240,63 @@ def test_the_loaders_worker_process_is_seen_as_a_child():
     assert _child_pids() - before == loaded_by
     del iterator  # shuts its worker down and joins it
     assert not (_child_pids() - before) & loaded_by
+
+
+def test_each_timed_batch_runs_the_training_step_so_settings_are_judged_end_to_end(tmp_path):
+    """A 10 ms step bounds what any setting can reach (16 samples a batch: 1,600 samples/s), where the
+    loader alone delivers far more: the candidates were timed with the step competing for the cores."""
+    dataset = SlowDataset(640)
+    tuner = DataLoaderTuner(max_seconds=1.0, verbose=False)
+    trainer = quiet_trainer(tmp_path, [tuner], max_steps=2)
+    trainer.fit(MLP(step_sleep_s=0.01), DataLoader(dataset, batch_size=16))
+    assert all(t.samples_per_second <= 1600 for t in tuner.result.candidates)
+    alone = time_loader(DataLoader(dataset, batch_size=16), LoaderSetting(0), 16)
+    assert alone.samples_per_second > 3 * 1600
+    assert trainer.global_step == 2  # the step's backward passes left no gradient behind: training ran as set
+
+
+def test_the_main_threads_loading_share_leaves_the_training_step_out():
+    """Sleeping samples (waiting on I/O) with a step that computes: the loading is still seen waiting."""
+
+    def burn(batch) -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.01:
+            pass
+
+    loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=4)
+    timing = time_loader(loader, LoaderSetting(0), 8, consume=burn)
+    assert timing.loading_cpu_fraction < 0.5
+    assert timing.samples_per_second <= 4 / 0.018  # 8 ms of sleeps and 10 ms of step a batch
+
+
+def timing(workers: int, rate: float) -> LoaderTiming:
+    return LoaderTiming(LoaderSetting(workers, 2 if workers else None), 8, 64, 0.1, 1.0, rate, None)
+
+
+def test_the_choice_keeps_the_users_setting_unless_it_is_clearly_faster():
+    yours = LoaderSetting(2, 2)
+    chosen, reason = _choose([timing(0, 1000.0), timing(2, 1050.0)], 0.05, None, yours)
+    assert chosen.setting == yours and reason.startswith("yours kept, the choice being 0.95x it (under 1.1x)")
+    chosen, _ = _choose([timing(0, 1000.0), timing(2, 1050.0)], 0.05, None, LoaderSetting(0))
+    assert chosen.setting == LoaderSetting(0)  # the user's is the cheapest within tolerance anyway
+    chosen, _ = _choose([timing(0, 1200.0), timing(2, 1000.0)], 0.05, None, yours)
+    assert chosen.setting == LoaderSetting(0)  # 1.2x: clearly faster
+
+
+def test_a_choice_not_confirmed_by_a_second_timing_keeps_the_users_setting():
+    yours = LoaderSetting(0)
+    chosen, reason, settled = _settled(
+        [timing(0, 1000.0), timing(2, 1300.0)], time_loader, lambda timed: _choose(timed, 0.05, None, yours), 0.0, yours
+    )
+    assert chosen.setting == yours and not settled
+    assert reason.startswith("yours kept: the cheapest setting within 5%") and "unconfirmed" in reason
+    # without the user's setting among the timings, the choice stands (and says it is unconfirmed)
+    chosen, reason, settled = _settled(
+        [timing(2, 1300.0)], time_loader, lambda timed: _choose(timed, 0.05, None), 0.0, yours
+    )
+    assert chosen.setting.num_workers == 2 and not settled and "unconfirmed" in reason
+    # a choice at 1.5x the user's or more stands even when unconfirmed
+    chosen, _, _ = _settled(
+        [timing(0, 1000.0), timing(2, 1600.0)], time_loader, lambda t: _choose(t, 0.05, None), 0.0, yours
+    )
+    assert chosen.setting.num_workers == 2

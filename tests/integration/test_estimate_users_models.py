@@ -325,3 +325,29 @@ def test_a_dataloader_iter_step_falls_back_with_the_reason_not_a_type_error():
     assert not any("TypeError" in note for note in estimate.notes)
     assert estimate.optimizer_bytes == estimate.params_bytes  # SGD with momentum, by rule
     assert "not traced because" in render_estimate(estimate)
+
+
+class CalledInTrainingStep(L.LightningModule):
+    """No ``forward``: ``training_step`` calls the model it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_without_forward_gets_its_parameters_by_child_in_one_note():
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(32, 32), torch.randint(0, 10, (32,))), batch_size=8
+    )
+    estimator = MemoryEstimator(verbose=False)
+    trainer_for([estimator]).fit(CalledInTrainingStep(), loader)
+    assert "no torchinfo summary (it has no `forward`); parameters by child: model 2,762" in estimator.estimate.notes
+    assert not any("could not summarise" in note for note in estimator.estimate.notes)
+    assert estimator.estimate.method == "traced"

@@ -22,7 +22,15 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 from lightning_gpuopt import DataWaitMonitor
 from lightning_gpuopt.callbacks import _detect_hooks, _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import DiskRead, dataset_files, filesystem_type, read_sample
-from lightning_gpuopt.core.findings import CheckpointSaver, checkpoint_time, nice_ceil, slow_disk, slow_hook
+from lightning_gpuopt.core.findings import (
+    CHECKPOINT_SHARE,
+    CheckpointSaver,
+    checkpoint_time,
+    nice_ceil,
+    slow_disk,
+    slow_hook,
+)
+from lightning_gpuopt.core.report import data_wait_table, format_fraction
 
 
 def make_trainer(tmp_path, callbacks, **kwargs) -> Trainer:
@@ -277,6 +285,29 @@ def test_saving_every_step_a_large_checkpoint_is_found_with_the_setting_to_chang
     assert of_kind(monitor, "slow-hook") == []
     # the monitor's own figure agrees on what saving cost
     assert monitor.report.totals.checkpoint_s == pytest.approx(finding.figures["seconds"], rel=0.05)
+
+
+def test_the_table_and_the_finding_show_one_share_of_one_denominator(tmp_path):
+    """Saves at each validation's end: before, the table left them in validation and divided by the
+    measured steps, the finding counted them and divided by the fit (two figures, one finding missing)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1)
+    monitor, _ = fit(
+        tmp_path,
+        BigCheckpoint(),
+        loader(64),
+        callbacks=[checkpoint],
+        val_loader=loader(16),
+        max_steps=-1,
+        max_epochs=3,
+        enable_checkpointing=True,
+    )
+    totals = monitor.report.totals
+    share = totals.training_share(totals.checkpoint_s)
+    assert share >= CHECKPOINT_SHARE
+    (finding,) = of_kind(monitor, "checkpoint-time")
+    assert finding.figures["saves"] == 3 and finding.figures["share"] == pytest.approx(share, rel=1e-6)
+    shown = format_fraction(share)
+    assert f"({shown} of training time)" in data_wait_table(monitor.report) and shown in finding.message
 
 
 def test_saving_once_an_epoch_over_many_steps_is_no_finding(tmp_path):
