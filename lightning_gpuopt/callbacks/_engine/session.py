@@ -71,15 +71,7 @@ class _GivenSource(compat.DataLoaderSource):
 
 
 class FitSession:
-    """The services our callbacks share in one fit of one Trainer (see the module docstring).
-
-    Example::
-
-        session = FitSession.of(trainer)        # in setup(): the first of our callbacks opens it
-        loader = session.loader(batch_size=64)  # in on_fit_start: a copy of the user's loader
-        session.apply(undo, batch_size=("batch_size", 64, True))
-        FitSession.close(trainer)               # in teardown() / on_exception()
-    """
+    """The services our callbacks share in one fit of one Trainer (see the module docstring)."""
 
     _open: ClassVar[weakref.WeakKeyDictionary[Any, FitSession]] = weakref.WeakKeyDictionary()
 
@@ -149,7 +141,9 @@ class FitSession:
         self.probe_loader()  # before the source is swapped: it may ask the user's
         with Undo().scope() as undo, rng_kept():
             compat.reset_train_loader(trainer)
-            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, _given_source(trainer, make))
+            source = compat.train_source(trainer)
+            given = _GivenSource(source.instance, source.name, make=make)
+            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, given)
             trainer.fit_loop.setup_data()
         return compat.built_train_loader(trainer) if compat.train_loader_built(trainer) else None
 
@@ -190,7 +184,8 @@ class FitSession:
             changed = True
         if rebuild is not None:
             source = compat.train_source(trainer)
-            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, _rebuilt_source(source, rebuild))
+            rebuilt = _RebuiltSource(source.instance, source.name, inner=source, rebuild=rebuild)
+            undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, rebuilt)
         built, lightnings = self._lightnings is not None or compat.train_loader_built(trainer), self._lightnings
         self._probe, self._lightnings = None, None
         if not changed and not (built and rebuild is not None):
@@ -218,12 +213,3 @@ def _sized(dataset: Any) -> bool:
         return len(dataset) > 0
     except TypeError:
         return False
-
-
-def _rebuilt_source(source: Any, rebuild: Callable[[DataLoader], Any]) -> Any:
-    return _RebuiltSource(source.instance, source.name, inner=source, rebuild=rebuild)
-
-
-def _given_source(trainer: Any, make: Callable[[], Any]) -> Any:
-    source = compat.train_source(trainer)
-    return _GivenSource(source.instance, source.name, make=make)

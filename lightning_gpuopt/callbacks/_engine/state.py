@@ -87,15 +87,7 @@ def _progress_objects(loop: Any, seen: set[int]) -> Iterator[Any]:
 
 
 class TrainingState:
-    """What the training state is now, to be put back by :meth:`restore` (see the module docstring).
-
-    Example::
-
-        state = TrainingState(trainer)
-        state.reset_for_trial()      # counters at zero, a fresh scaler: a trial's steps run from the start
-        ...                          # real training steps
-        state.restore()              # nothing of them is left
-    """
+    """What the training state is now, to be put back by :meth:`restore` (see the module docstring)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
