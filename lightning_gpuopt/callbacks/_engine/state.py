@@ -108,7 +108,9 @@ class TrainingState:
         self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         self._attributes = contextlib.ExitStack()
-        self._attributes.enter_context(restored_attributes(*_attribute_owners(trainer)))
+        datamodule = getattr(trainer, "datamodule", None)  # its attributes, like the module's, are the user's state
+        owners = [trainer.lightning_module, *([datamodule] if datamodule is not None else [])]
+        self._attributes.enter_context(restored_attributes(*owners))
 
     def reset_for_trial(self) -> None:
         """The state training starts from, with counters at zero (so a trial's steps all run)."""
@@ -145,9 +147,3 @@ class TrainingState:
             optimizer.load_state_dict(cloned(state))
         for config, state in zip(self.trainer.lr_scheduler_configs, self.schedulers):
             config.scheduler.load_state_dict(cloned(state))
-
-
-def _attribute_owners(trainer: Any) -> list[Any]:
-    """The module and, when there is one, the datamodule (their attributes are the user's state)."""
-    datamodule = getattr(trainer, "datamodule", None)
-    return [trainer.lightning_module, *([datamodule] if datamodule is not None else [])]
