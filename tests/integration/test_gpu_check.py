@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 
+import pytest
 from helpers import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
@@ -21,6 +23,16 @@ def load_script():
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def lightning_log_levels_kept():
+    """The script quiets Lightning's loggers for its own process: put them back for the tests that follow."""
+    names = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def test_dry_run_writes_every_section_and_the_simulator_agrees_with_itself(tmp_path):

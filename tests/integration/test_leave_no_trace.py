@@ -581,5 +581,8 @@ def test_a_compiled_module_trains_compiled_every_step_as_by_hand(tmp_path, name)
     graphs, calls, steps, weights = compiled_fit(tmp_path / "run", [callback], where)
     settings = chosen(callback) if not isinstance(callback, (MemoryEstimator, DataWaitMonitor)) else Settings()
     hand = compiled_fit(tmp_path / "by_hand", [], where, settings)
-    assert (graphs, calls, steps) == hand[:3] and graphs >= 1 and calls >= steps == 3
+    assert (graphs, steps) == (hand[0], hand[2]) and graphs >= 1 and calls >= steps == 3
+    # the loader tuner times each candidate with the (compiled) training step running, state put back
+    tuned = "DataLoaderTuner" in name or "max-throughput" in name
+    assert calls > hand[1] if tuned else calls == hand[1]
     assert all(torch.equal(weights[key], hand[3][key]) for key in hand[3])
