@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from lightning import Callback, LightningModule
 from torch import nn
+from torch.utils.data import Dataset
 
 from lightning_gpuopt.core.loader import usable_cpu_count
 
@@ -41,6 +42,20 @@ def append(title: str, markdown_table: str, notes: str = "") -> Path:
     with RESULTS.open("a") as handle:
         handle.write(section)
     return RESULTS
+
+
+class LatencyDataset(Dataset):
+    """Tensors served one sample at a time, each ``__getitem__`` sleeping ``delay_s`` (a read from disk or network)."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor, delay_s: float) -> None:
+        self.features, self.labels, self.delay_s = features, labels, delay_s
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay_s)
+        return self.features[index], self.labels[index]
 
 
 class Stopwatch(Callback):

@@ -22,7 +22,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,9 @@ from rich.table import Table
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MLP, Stopwatch, append
+from _common import MLP, LatencyDataset, Stopwatch, append
 
 from lightning_gpuopt import DataLoaderTuner
-
-
-class LatencyDataset(Dataset):
-    def __init__(self, features: torch.Tensor, labels: torch.Tensor, delay_s: float) -> None:
-        self.features, self.labels, self.delay_s = features, labels, delay_s
-
-    def __len__(self) -> int:
-        return len(self.features)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.delay_s)
-        return self.features[index], self.labels[index]
 
 
 def train(

@@ -32,23 +32,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import append
+from _common import LatencyDataset, append
 
 from lightning_gpuopt import DataLoaderTuner
 
 
-class SleepDataset(Dataset):
-    def __init__(self, size: int, delay_s: float) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(size, 64, generator=generator), torch.randint(0, 10, (size,), generator=generator)
-        self.delay_s = delay_s
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.delay_s)
-        return self.x[index], self.y[index]
+def sleeping(size: int, delay_s: float) -> LatencyDataset:
+    generator = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(size, 64, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+    return LatencyDataset(features, labels, delay_s)
 
 
 class PngDataset(Dataset):
@@ -112,7 +104,7 @@ def workloads(args: argparse.Namespace) -> dict[str, tuple[Dataset, Any]]:
     images = TensorDataset(torch.randn(256, 3, 32, 32, generator=generator), torch.randint(0, 10, (256,)))
     mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))  # noqa: E731
     return {
-        f"io-bound ({args.delay_ms} ms/sample)": (SleepDataset(512, args.delay_ms / 1e3), mlp),
+        f"io-bound ({args.delay_ms} ms/sample)": (sleeping(512, args.delay_ms / 1e3), mlp),
         "pil-decode (256 PNGs)": (PngDataset(), lambda: cnn(16)),
         "compute-bound (preloaded)": (images, lambda: cnn(64)),
     }
