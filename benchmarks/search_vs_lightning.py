@@ -13,22 +13,20 @@ fit (the search plus one training step, the same for every method), the batch si
 measurement (a fresh model and Trainer running 2 steps inside a fresh ``MemoryBudget(CAP)``).
 Goal: ours <= 1/4 of Lightning's training steps, and within [90%, 100%] of the true largest fit.
 
-On a simulated H100 (``--device simulated-h100``; ``all``, the default, runs both tables): every
-method runs inside an identical fresh ``SimulatedGpu("H100", memory=M)`` (M per model, so that the
-largest fit is a few hundred samples): memory is counted at the simulated card's caching allocator
-(blocks, segments, cache, the 32 MiB cuBLAS workspace) and an OOM is the real
-``torch.OutOfMemoryError`` with CUDA's wording. Ours runs with its defaults (``BatchSizeSearch()``:
-``max_memory=None`` is the card's usable memory, ``margin=0.1``) and with ``margin=0``; Lightning's
-``BatchSizeFinder`` with its defaults (``power``) and ``binsearch``, nothing wrapped. Every found
-size is then checked independently: a fresh model and Trainer, on a fresh card of the same memory,
-train one whole shuffled epoch at that size (``max_epochs=1``, a data set of 3.5x the size: three
-full batches and a short last one), OOM or not; the card's peak reserved and allocated bytes during
-that epoch are reported. The true largest fit is the largest size that trains such an epoch, found
-by bisection over the same (cached) check, seeded with the found sizes' checks.
+On simulated cards (``--device simulated``, the default; ``cpu`` the table above, ``all`` both): 2 cards
+(H100, A100) x 4 model families (a small GPT, a convnet, an MLP, a GRU), each in an identical fresh
+``SimulatedGpu(card, memory=M)`` (memory counted at the simulated caching allocator, an OOM is
+``torch.OutOfMemoryError`` with CUDA's wording); ``--precisions``: 16-mixed and bf16-mixed on the GPT and the
+convnet. Ours with its defaults (``BatchSizeSearch()``: the card's usable memory, ``margin="auto"``), Lightning's
+``BatchSizeFinder(mode="binsearch")`` with its defaults, nothing wrapped. Truth: the largest size at which a
+fresh model and Trainer on a fresh card train one whole shuffled epoch (3.5x the size in samples), by
+bisection over that cached check, seeded with the found sizes' checks. Then the fill-memory cost:
+``GpuOpt("fill-memory")`` for 20 steps against the same model trained by hand at the batch it chose.
 
 Usage::
 
-    .venv/bin/python benchmarks/search_vs_lightning.py --precisions  # simulated cards, appends a section to RESULTS.md
+    .venv/bin/python benchmarks/search_vs_lightning.py               # 2 simulated cards x 4 families, appended to RESULTS.md
+    .venv/bin/python benchmarks/search_vs_lightning.py --precisions  # 16-mixed and bf16-mixed on the convnet and GPT
     .venv/bin/python benchmarks/search_vs_lightning.py --device simulated --no-write --only MLP,GRU
     .venv/bin/python benchmarks/search_vs_lightning.py --smoke     # one tiny model on the simulated card
 """
@@ -259,7 +257,7 @@ _FAMILIES = [  # (name, make, memory, description): a largest fit of a hundred t
 ]  # fmt: skip
 #: 2 simulated cards x 4 model families, float32
 SIMULATED_WORKLOADS = [
-    SimulatedWorkload(name, make, memory, 2048, description, card)
+    SimulatedWorkload(name, make, memory, 16384 if name == "MLP" else 2048, description, card)
     for card in ("H100", "A100")
     for name, make, memory, description in _FAMILIES
 ]
@@ -505,11 +503,11 @@ def print_and_record_simulated(
             "`GpuOpt('fill-memory')` (the preset as shipped: MemoryFill, MemoryEstimator, DataWaitMonitor) for "
             f"{COST_STEPS} steps against the same model trained by hand at the micro-batch it chose, no callbacks; "
             "'added' = the difference, in seconds and in training steps at that size (the by-hand run's median "
-            f"step). Wall time: {wall_seconds:.0f} s.\n\n" + "\n\n".join(notes)
+            f"step). Wall time: {wall_seconds:.0f} s, on this 2-core CPU machine, loaded by other work: the seconds "
+            "are noisy (two benchmarks ran at once), the steps are not.\n\n" + "\n\n".join(notes)
         )
-        path = append(
-            "search_vs_lightning.py: defaults vs BatchSizeFinder on 2 simulated cards", "\n".join(lines), text
-        )
+        title = "mixed precision" if rows and rows[0][0].precision != "32-true" else "2 simulated cards"
+        path = append(f"search_vs_lightning.py: defaults vs BatchSizeFinder, {title}", "\n".join(lines), text)
         print(f"appended to {path}")
 
 
@@ -563,7 +561,7 @@ def main() -> None:
         help="cpu: MemoryBudget caps; simulated: 2 simulated cards x 4 model families (default); all: both",
     )
     parser.add_argument("--only", default="", help="comma-separated model families of the simulated table")
-    parser.add_argument("--precisions", action="store_true", help="also the mixed-precision rows")
+    parser.add_argument("--precisions", action="store_true", help="the mixed-precision table instead")
     parser.add_argument(
         "--smoke", action="store_true", help="the simulated table on one tiny model only (seconds; never written)"
     )
@@ -581,11 +579,9 @@ def main() -> None:
     if args.device in ("simulated", "all"):
         started = time.perf_counter()
         only = set(filter(None, args.only.split(",")))
-        workloads = [
-            w for w in SIMULATED_WORKLOADS + PRECISION_WORKLOADS * args.precisions if not only or w.name in only
-        ]
-        rows, notes = run_simulated(workloads)
-        costs = [fill_memory_cost(w) for w in SIMULATED_WORKLOADS[:4] if not only or w.name in only]
+        workloads = PRECISION_WORKLOADS if args.precisions else SIMULATED_WORKLOADS
+        rows, notes = run_simulated([w for w in workloads if not only or w.name in only])
+        costs = [] if args.precisions else [fill_memory_cost(w) for w in workloads[:4] if not only or w.name in only]
         print_and_record_simulated(rows, notes, args.no_write, time.perf_counter() - started, costs)
 
 
