@@ -366,13 +366,23 @@ def epoch_trainer(root: str, precision: str = "32-true", **kwargs: Any) -> L.Tra
     )  # fmt: skip
 
 
+def fit_catching_oom(trainer: L.Trainer, model: L.LightningModule) -> None:
+    """``trainer.fit(model)``; a training step at the size found that runs out of memory ends it (the epoch
+    check then says so)."""
+    try:
+        trainer.fit(model)
+    except Exception as error:
+        if not is_out_of_memory_error(error):
+            raise
+
+
 def run_ours_simulated(workload: SimulatedWorkload, **search_args: Any) -> dict:
     model = workload.make(num_samples=workload.samples, batch_size=16)
     steps = counting_steps(model)
     search = BatchSizeSearch(verbose=False, **search_args)
     with tempfile.TemporaryDirectory() as root, simulated_card(workload):
         started = time.perf_counter()
-        epoch_trainer(root, workload.precision, callbacks=[search], max_steps=1).fit(model)
+        fit_catching_oom(epoch_trainer(root, workload.precision, callbacks=[search], max_steps=1), model)
         seconds = time.perf_counter() - started
     result = search.result
     return dict(
@@ -401,7 +411,7 @@ def run_lightning_simulated(workload: SimulatedWorkload, mode: str) -> dict:
     try:
         with tempfile.TemporaryDirectory() as root, simulated_card(workload):
             started = time.perf_counter()
-            epoch_trainer(root, workload.precision, callbacks=[finder], max_steps=1).fit(model)
+            fit_catching_oom(epoch_trainer(root, workload.precision, callbacks=[finder], max_steps=1), model)
             seconds = time.perf_counter() - started
     finally:
         batch_size_scaling._try_loop_run = original
