@@ -13,23 +13,21 @@ fit (the search plus one training step, the same for every method), the batch si
 measurement (a fresh model and Trainer running 2 steps inside a fresh ``MemoryBudget(CAP)``).
 Goal: ours <= 1/4 of Lightning's training steps, and within [90%, 100%] of the true largest fit.
 
-On a simulated H100 (``--device simulated-h100``; ``all``, the default, runs both tables): every
-method runs inside an identical fresh ``SimulatedGpu("H100", memory=M)`` (M per model, so that the
-largest fit is a few hundred samples): memory is counted at the simulated card's caching allocator
-(blocks, segments, cache, the 32 MiB cuBLAS workspace) and an OOM is the real
-``torch.OutOfMemoryError`` with CUDA's wording. Ours runs with its defaults (``BatchSizeSearch()``:
-``max_memory=None`` is the card's usable memory, ``margin=0.1``) and with ``margin=0``; Lightning's
-``BatchSizeFinder`` with its defaults (``power``) and ``binsearch``, nothing wrapped. Every found
-size is then checked independently: a fresh model and Trainer, on a fresh card of the same memory,
-train one whole shuffled epoch at that size (``max_epochs=1``, a data set of 3.5x the size: three
-full batches and a short last one), OOM or not; the card's peak reserved and allocated bytes during
-that epoch are reported. The true largest fit is the largest size that trains such an epoch, found
-by bisection over the same (cached) check, seeded with the found sizes' checks.
+On simulated cards (``--device simulated``, the default; ``cpu`` the table above, ``all`` both): 2 cards
+(H100, A100) x 4 model families (a small GPT, a convnet, an MLP, a GRU), each in an identical fresh
+``SimulatedGpu(card, memory=M)`` (memory counted at the simulated caching allocator, an OOM is
+``torch.OutOfMemoryError`` with CUDA's wording); ``--precisions``: 16-mixed and bf16-mixed on the GPT and the
+convnet. Ours with its defaults (``BatchSizeSearch()``: the card's usable memory, ``margin="auto"``), Lightning's
+``BatchSizeFinder(mode="binsearch")`` with its defaults, nothing wrapped. Truth: the largest size at which a
+fresh model and Trainer on a fresh card train one whole shuffled epoch (3.5x the size in samples), by
+bisection over that cached check, seeded with the found sizes' checks. Then the fill-memory cost:
+``GpuOpt("fill-memory")`` for 20 steps against the same model trained by hand at the batch it chose.
 
 Usage::
 
-    .venv/bin/python benchmarks/search_vs_lightning.py            # both tables, appends two sections to RESULTS.md
-    .venv/bin/python benchmarks/search_vs_lightning.py --device simulated-h100 --no-write
+    .venv/bin/python benchmarks/search_vs_lightning.py               # 2 simulated cards x 4 families, appended to RESULTS.md
+    .venv/bin/python benchmarks/search_vs_lightning.py --precisions  # 16-mixed and bf16-mixed on the convnet and GPT
+    .venv/bin/python benchmarks/search_vs_lightning.py --device simulated --no-write --only MLP,GRU
     .venv/bin/python benchmarks/search_vs_lightning.py --smoke     # one tiny model on the simulated card
 """
 
@@ -185,42 +183,89 @@ def run_lightning(name: str, samples: int, cap: int, mode: str) -> dict:
     return dict(trials=trials[0], steps=steps[0] - 1, seconds=seconds, batch=finder.optimal_batch_size)
 
 
-# ----------------------------------------------------------------------------- simulated H100
+# ----------------------------------------------------------------------------- simulated cards
 
-#: the simulated card every method and every check runs on
-CARD = "H100"
+
+class MLPClassifier(L.LightningModule):
+    """A 3-layer MLP on synthetic 256-feature vectors (10 classes), Adam."""
+
+    def __init__(self, hidden: int = 1024, num_samples: int = 512, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size, self.num_samples = batch_size, num_samples
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(self.num_samples, 256, generator=generator), torch.randint(0, 10, (self.num_samples,))
+        data = torch.utils.data.TensorDataset(x, y)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True, generator=generator)
+
+
+class GRUTagger(L.LightningModule):
+    """An embedding, a 1-layer GRU and a per-token head on synthetic token sequences (a tagger), Adam."""
+
+    def __init__(self, width: int = 128, seq_len: int = 32, num_samples: int = 512, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size, self.num_samples, self.seq_len = batch_size, num_samples, seq_len
+        self.embedding = torch.nn.Embedding(256, width)
+        self.gru = torch.nn.GRU(width, width, batch_first=True)
+        self.head = torch.nn.Linear(width, 16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        hidden, _ = self.gru(self.embedding(batch[0]))
+        return torch.nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (self.num_samples, self.seq_len), generator=generator)
+        data = torch.utils.data.TensorDataset(tokens, tokens % 16)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True, generator=generator)
 
 
 @dataclass(frozen=True)
 class SimulatedWorkload:
-    """A model built by ``make(num_samples=..., batch_size=...)`` on a card of ``memory``; the
-    searches see ``samples`` training samples (well above twice the largest fit, so that
-    Lightning's doubling is not stopped by the data set's length)."""
+    """A model built by ``make(num_samples=..., batch_size=...)`` on a ``card`` of ``memory`` in ``precision``;
+    the searches see ``samples`` training samples (well above twice the largest fit, so that Lightning's
+    doubling is not stopped by the data set's length)."""
 
     name: str
     make: Callable[..., L.LightningModule]
     memory: str
     samples: int
     description: str
+    card: str = "H100"
+    precision: str = "32-true"
 
 
-#: examples/models.py, scaled to a few MB of parameters (x4 with gradients and Adam's two moments), so
-#: that the 32 MiB cuBLAS workspace is not everything, and a largest fit of a few hundred samples
+_FAMILIES = [  # (name, make, memory, description): a largest fit of a hundred to a few hundred samples
+    ("small GPT", functools.partial(TokenTransformer, width=128, depth=4), "176MiB", "TokenTransformer(width=128, depth=4, seq_len=32), AdamW"),
+    ("convnet", functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8), "96MiB", "ResidualConvNet(channels=128, depth=2, image_size=8), Adam"),
+    ("MLP", functools.partial(MLPClassifier, hidden=1024), "128MiB", "MLPClassifier(256 -> 1024 -> 1024 -> 10), Adam"),
+    ("GRU", functools.partial(GRUTagger, width=128, seq_len=32), "96MiB", "GRUTagger(width=128, seq_len=32), Adam"),
+]  # fmt: skip
+#: 2 simulated cards x 4 model families, float32
 SIMULATED_WORKLOADS = [
-    SimulatedWorkload(
-        "transformer",
-        functools.partial(TokenTransformer, width=128, depth=4),
-        "320MiB",
-        2048,
-        "TokenTransformer(width=128, depth=4, seq_len=32), AdamW",
-    ),
-    SimulatedWorkload(
-        "cnn",
-        functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8),
-        "192MiB",
-        2048,
-        "ResidualConvNet(channels=128, depth=2, image_size=8), Adam",
-    ),
+    SimulatedWorkload(name, make, memory, 16384 if name == "MLP" else 2048, description, card)
+    for card in ("H100", "A100")
+    for name, make, memory, description in _FAMILIES
+]
+#: mixed precision on the convnet and the transformer (the defaults' >= 0.95 of the truth, without OOM)
+PRECISION_WORKLOADS = [
+    SimulatedWorkload(name, make, memory, 2048, description, "H100", precision)
+    for precision in ("16-mixed", "bf16-mixed")
+    for name, make, memory, description in _FAMILIES[:2]
 ]
 
 #: the smallest setting (``--smoke``, and the test of this script): the two cuBLAS workspaces (forward and
@@ -250,7 +295,7 @@ class EpochCheck:
 
 class EpochChecker:
     """``check(b)``: does a fresh model train a whole shuffled epoch at batch ``b`` on a fresh
-    ``SimulatedGpu(CARD, memory)``? The data set holds ``3 * b + b // 2`` samples: three full
+    ``SimulatedGpu(card, memory)``? The data set holds ``3 * b + b // 2`` samples: three full
     batches and a short last one. Results are cached; ``checks`` lists the epochs run, in order."""
 
     def __init__(self, workload: SimulatedWorkload) -> None:
@@ -264,9 +309,9 @@ class EpochChecker:
             steps = counting_steps(model)
             started = time.perf_counter()
             trains = True
-            with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=self.workload.memory) as gpu:
+            with tempfile.TemporaryDirectory() as root, simulated_card(self.workload) as gpu:
                 try:
-                    epoch_trainer(root).fit(model)  # the model's train_dataloader() shuffles
+                    epoch_trainer(root, self.workload.precision).fit(model)  # train_dataloader() shuffles
                 except Exception as error:
                     if not is_out_of_memory_error(error):
                         raise
@@ -311,26 +356,35 @@ class EpochChecker:
         return low
 
 
-def epoch_trainer(root: str) -> L.Trainer:
+def simulated_card(workload: SimulatedWorkload) -> SimulatedGpu:
+    return SimulatedGpu(workload.card, memory=workload.memory)
+
+
+def epoch_trainer(root: str, precision: str = "32-true", **kwargs: Any) -> L.Trainer:
+    options = dict(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+        accelerator="cpu", devices=1, precision=precision, default_root_dir=root, enable_model_summary=False,
+        **{**options, **kwargs},
+    )  # fmt: skip
+
+
+def fit_catching_oom(trainer: L.Trainer, model: L.LightningModule) -> None:
+    """``trainer.fit(model)``; a training step at the size found that runs out of memory ends it (the epoch
+    check then says so)."""
+    try:
+        trainer.fit(model)
+    except Exception as error:
+        if not is_out_of_memory_error(error):
+            raise
 
 
 def run_ours_simulated(workload: SimulatedWorkload, **search_args: Any) -> dict:
     model = workload.make(num_samples=workload.samples, batch_size=16)
     steps = counting_steps(model)
     search = BatchSizeSearch(verbose=False, **search_args)
-    with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=workload.memory):
+    with tempfile.TemporaryDirectory() as root, simulated_card(workload):
         started = time.perf_counter()
-        trainer(root, [search], max_steps=1).fit(model)
+        fit_catching_oom(epoch_trainer(root, workload.precision, callbacks=[search], max_steps=1), model)
         seconds = time.perf_counter() - started
     result = search.result
     return dict(
@@ -357,9 +411,9 @@ def run_lightning_simulated(workload: SimulatedWorkload, mode: str) -> dict:
     finder = BatchSizeFinder(mode=mode)
     batch_size_scaling._try_loop_run = counted_trial
     try:
-        with tempfile.TemporaryDirectory() as root, SimulatedGpu(CARD, memory=workload.memory):
+        with tempfile.TemporaryDirectory() as root, simulated_card(workload):
             started = time.perf_counter()
-            trainer(root, [finder], max_steps=1).fit(model)
+            fit_catching_oom(epoch_trainer(root, workload.precision, callbacks=[finder], max_steps=1), model)
             seconds = time.perf_counter() - started
     finally:
         batch_size_scaling._try_loop_run = original
@@ -371,123 +425,142 @@ def ratios(ours: dict, binsearch: dict) -> dict:
     return {key: ours[key] / binsearch[key] for key in ("trials", "steps", "seconds")} | {"batch": None}
 
 
+METHODS = {
+    "BatchSizeSearch()": lambda w: run_ours_simulated(w),
+    "Lightning binsearch": lambda w: run_lightning_simulated(w, "binsearch"),
+}
+
+
 def run_simulated(workloads: list[SimulatedWorkload], echo: Callable[[str], None] = print) -> tuple[list, list[str]]:
-    """Every method on every workload, each found size checked, and the truth; table rows and notes."""
+    """Ours (defaults) and Lightning's binsearch on every workload, each found size checked with a whole
+    shuffled epoch on a fresh card, and the truth bisected; one row per workload, and notes."""
     rows, notes = [], []
     for workload in workloads:
-        methods = {
-            "BatchSizeSearch()": run_ours_simulated(workload),
-            "BatchSizeSearch(margin=0)": run_ours_simulated(workload, margin=0.0),
-            "Lightning power": run_lightning_simulated(workload, "power"),
-            "Lightning binsearch": run_lightning_simulated(workload, "binsearch"),
-        }
+        methods = {method: run(workload) for method, run in METHODS.items()}
         checker = EpochChecker(workload)
-        for figures in methods.values():
+        for method, figures in methods.items():
             figures["check"] = checker.check(figures["batch"])
+            echo(f"{workload.name} {workload.card} {workload.precision} {method}: trials {figures['log']}")
         verifying = len(checker.checks)
         truth = checker.largest_fit(upper=workload.samples)
-        truth_check = checker.check(truth) if truth else None
-        for method, figures in methods.items():
-            rows.append((workload, method, figures, truth))
-            echo(f"{workload.name} {method}: trials {figures['log']}")
-        ours, binsearch = methods["BatchSizeSearch()"], methods["Lightning binsearch"]
-        rows.append(
-            (
-                workload,
-                "ours() / binsearch",
-                ratios(ours, binsearch),
-                truth,
-            )
-        )
-        rows.append(
-            (
-                workload,
-                "truth: epochs bisected",
-                dict(
-                    trials=len(checker.checks),
-                    steps=sum(c.steps for c in checker.checks),
-                    seconds=sum(c.seconds for c in checker.checks),
-                    batch=truth,
-                    check=truth_check,
-                ),
-                truth,
-            )
-        )
-        extra = len(checker.checks) - verifying
-        parameters = sum(p.numel() for p in workload.make(num_samples=2, batch_size=2).parameters())
+        methods["truth"] = dict(batch=truth, check=checker.check(truth) if truth else None, epochs=len(checker.checks))
+        rows.append((workload, methods))
+        ours = methods["BatchSizeSearch()"]
         notes.append(
-            f"{workload.name}: {workload.description}, {parameters / 1e6:.2f}M parameters "
-            f"({format_bytes(4 * parameters)} in float32), card memory {workload.memory}; truth {truth} from "
-            f"{len(checker.checks)} epochs ({verifying} checking the found sizes, {extra} more bisecting): "
+            f"{workload.name} on {workload.card} {workload.memory}, {workload.precision}: {workload.description}; "
+            f"truth {truth} from {len(checker.checks)} epochs ({verifying} checking the found sizes): "
             + ", ".join(f"{c.batch_size} {'trains' if c.trains else 'OOM'}" for c in checker.checks)
-            + ". Ours (default) trials (size, fits, peak allocated): "
+            + ". Ours: trials (size, fits, peak) "
             + ", ".join(f"({b}, {'yes' if f else 'no'}, {format_bytes(p) if p else '-'})" for b, f, p in ours["log"])
-            + f", budget {format_bytes(ours['budget'])}, predicted {ours['predicted']}."
+            + f", predicted {ours['predicted']}; Lightning binsearch's sizes {methods['Lightning binsearch']['log']}."
         )
     return rows, notes
 
 
-def print_and_record_simulated(rows: list, notes: list[str], no_write: bool, wall_seconds: float) -> None:
-    headers = [
-        "model",
-        "card",
-        "method",
-        "trials",
-        "training steps",
-        "seconds",
-        "batch found",
-        "true largest fit",
-        "found / true",
-        "trains a shuffled epoch",
-        "epoch peak reserved",
-        "epoch peak allocated",
-    ]
-    table = Table(title=f"BatchSizeSearch vs Lightning BatchSizeFinder on a simulated {CARD} (CPU)")
+SIMULATED_HEADERS = [
+    "model", "card", "precision", "truth", "ours", "Lightning", "ours / truth", "Lightning / truth",
+    "ours trains an epoch", "steps ours", "steps Lightning", "steps ratio", "s ours", "s Lightning", "s ratio",
+]  # fmt: skip
+
+
+def simulated_cells(workload: SimulatedWorkload, methods: dict) -> list[str]:
+    ours, theirs, truth = methods["BatchSizeSearch()"], methods["Lightning binsearch"], methods["truth"]["batch"]
+    share = lambda figures: f"{figures['batch'] / truth:.2f}" if truth and figures["batch"] else "n/a"  # noqa: E731
+    trains = "yes" if ours["check"].trains else "NO: OOM"
+    return [
+        workload.name, f"{workload.card} {workload.memory}", workload.precision, str(truth), str(ours["batch"]),
+        str(theirs["batch"]), share(ours), share(theirs), trains, str(ours["steps"]), str(theirs["steps"]),
+        f"{ours['steps'] / theirs['steps']:.2f}x", f"{ours['seconds']:.1f}", f"{theirs['seconds']:.1f}",
+        f"{ours['seconds'] / theirs['seconds']:.2f}x",
+    ]  # fmt: skip
+
+
+def markdown_table(title: str, headers: list[str], rows: list[list[str]]) -> list[str]:
+    table = Table(title=title)
     for header in headers:
         table.add_column(header)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for workload, method, figures, truth in rows:
-        ratio = "/" in method
-        batch, check = figures["batch"], figures.get("check")
-        share = "" if batch is None else f"{batch / truth:.0%}" if truth else "n/a"
-        cells = [
-            workload.name,
-            f"{CARD} {workload.memory}",
-            method,
-            _cell(figures["trials"], ratio),
-            _cell(figures["steps"], ratio),
-            f"{figures['seconds']:.2f}x" if ratio else f"{figures['seconds']:.1f}",
-            "" if batch is None else str(batch),
-            "" if ratio else str(truth),
-            share,
-            "" if check is None else ("yes" if check.trains else "NO: OOM"),
-            "" if check is None else format_bytes(check.peak_reserved),
-            "" if check is None else format_bytes(check.peak_allocated),
-        ]
+    for cells in rows:
         table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
-    Console(width=200).print(table)
+    Console(width=220).print(table)
+    return [
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+        *("| " + " | ".join(c) + " |" for c in rows),
+    ]
+
+
+def print_and_record_simulated(
+    rows: list, notes: list[str], no_write: bool, wall_seconds: float, costs: Optional[list] = None
+) -> None:
+    title = "BatchSizeSearch() vs Lightning BatchSizeFinder(mode='binsearch') on simulated cards (CPU)"
+    lines = markdown_table(title, SIMULATED_HEADERS, [simulated_cells(w, m) for w, m in rows])
+    if costs:
+        lines += [
+            "",
+            *markdown_table("GpuOpt('fill-memory') cost against the same settings by hand", COST_HEADERS, costs),
+        ]
     for note in notes:
         print(note)
     if not no_write:
         text = (
-            f'Every method in an identical fresh `SimulatedGpu("{CARD}", memory=M)` on a CPU Trainer (memory '
-            "counted at the simulated caching allocator, cuBLAS workspace 32 MiB, CUDA's OOM). Ours with its "
-            "defaults (`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 0.1) and with "
-            "`margin=0`; Lightning's `BatchSizeFinder` with its defaults (power; init_val=2, steps_per_trial=3) "
-            "and binsearch (margin 5%). 'trains a shuffled epoch': a fresh model and Trainer on a fresh card of "
-            "the same memory train one whole shuffled epoch at the found size (`max_epochs=1`, 3.5x the size in "
-            "samples: three full batches and a short last one) without OOM; the epoch's peak reserved and "
-            "allocated bytes on that card ('truth' row: at the true largest fit). True largest fit: the largest "
-            "size that trains such an epoch, by bisection over the same cached check, seeded with the found "
-            "sizes' checks ('truth' row: the epochs it ran, found sizes' checks included). Training steps: "
-            "`training_step` calls on real tensors, failed trials included. Wall time of this table: "
-            f"{wall_seconds:.0f} s.\n\n" + "\n\n".join(notes)
+            "Every method in an identical fresh `SimulatedGpu(card, memory=M)` on a CPU Trainer (memory counted at "
+            "the simulated caching allocator, cuBLAS workspace, CUDA's OOM). Ours with its defaults "
+            "(`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 'auto': room for 1/32 more "
+            "samples at the measured bytes per sample); Lightning's `BatchSizeFinder(mode='binsearch')` with its "
+            "defaults (init_val=2, steps_per_trial=3, margin 5%). Truth: the largest size at which a fresh model and "
+            "Trainer on a fresh card train one whole shuffled epoch (`max_epochs=1`, 3.5x the size in samples: "
+            "three full batches and a short last one), by bisection over that cached check. 'ours trains an epoch': "
+            "the same check at our size. Steps: `training_step` calls on real tensors (failed trials included; the "
+            "fake-tensor estimate is none). Seconds: the fit (search + one training step). Fill-memory cost: "
+            "`GpuOpt('fill-memory')` (the preset as shipped: MemoryFill, MemoryEstimator, DataWaitMonitor) for "
+            f"{COST_STEPS} steps against the same model trained by hand at the micro-batch it chose, no callbacks; "
+            "'added' = the difference, in seconds and in training steps at that size (the by-hand run's median "
+            f"step). Wall time: {wall_seconds:.0f} s, on this 2-core CPU machine, loaded by other work: the seconds "
+            "are noisy (two benchmarks ran at once), the steps are not.\n\n" + "\n\n".join(notes)
         )
-        path = append(
-            f"search_vs_lightning.py: BatchSizeSearch vs BatchSizeFinder on a simulated {CARD}", "\n".join(lines), text
-        )
+        title = "mixed precision" if rows and rows[0][0].precision != "32-true" else "2 simulated cards"
+        path = append(f"search_vs_lightning.py: defaults vs BatchSizeFinder, {title}", "\n".join(lines), text)
         print(f"appended to {path}")
+
+
+COST_STEPS = 20
+COST_HEADERS = ["model", "card", "batch chosen", "GpuOpt s", "by hand s", "added s", "added, in steps at that size"]
+
+
+class StepTimer(L.Callback):
+    """Seconds of each training step (batch start to batch end)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
+
+
+def fill_memory_cost(workload: SimulatedWorkload) -> list[str]:
+    """``GpuOpt("fill-memory")`` for ``COST_STEPS`` steps against the same settings by hand, on the same card."""
+    from lightning_gpuopt import GpuOpt
+
+    def timed(callbacks: list, batch_size: int) -> float:
+        model = workload.make(num_samples=workload.samples, batch_size=batch_size)
+        with tempfile.TemporaryDirectory() as root, simulated_card(workload):
+            started = time.perf_counter()
+            epoch_trainer(root, workload.precision, callbacks=callbacks, max_steps=COST_STEPS).fit(model)
+            return time.perf_counter() - started
+
+    gpuopt, timer = GpuOpt("fill-memory"), StepTimer()
+    ours = timed([gpuopt], 16)
+    plan = gpuopt.report.memory_fill
+    by_hand = timed([timer], plan.micro_batch_size)
+    step = sorted(timer.seconds)[len(timer.seconds) // 2]
+    added = ours - by_hand
+    return [
+        workload.name, f"{workload.card} {workload.memory}", f"{plan.micro_batch_size} x {plan.accumulate_grad_batches}",
+        f"{ours:.1f}", f"{by_hand:.1f}", f"{added:.1f}", f"{added / step:.1f}",
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -495,10 +568,12 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="do not append to benchmarks/RESULTS.md")
     parser.add_argument(
         "--device",
-        choices=("cpu", "simulated-h100", "all"),
-        default="all",
-        help="cpu: MemoryBudget caps; simulated-h100: a simulated H100 card; all: both tables",
+        choices=("cpu", "simulated", "all"),
+        default="simulated",
+        help="cpu: MemoryBudget caps; simulated: 2 simulated cards x 4 model families (default); all: both",
     )
+    parser.add_argument("--only", default="", help="comma-separated model families of the simulated table")
+    parser.add_argument("--precisions", action="store_true", help="the mixed-precision table instead")
     parser.add_argument(
         "--smoke", action="store_true", help="the simulated table on one tiny model only (seconds; never written)"
     )
@@ -513,10 +588,13 @@ def main() -> None:
         return
     if args.device in ("cpu", "all"):
         run_cpu(args.no_write)
-    if args.device in ("simulated-h100", "all"):
+    if args.device in ("simulated", "all"):
         started = time.perf_counter()
-        rows, notes = run_simulated(SIMULATED_WORKLOADS)
-        print_and_record_simulated(rows, notes, args.no_write, time.perf_counter() - started)
+        only = set(filter(None, args.only.split(",")))
+        workloads = PRECISION_WORKLOADS if args.precisions else SIMULATED_WORKLOADS
+        rows, notes = run_simulated([w for w in workloads if not only or w.name in only])
+        costs = [] if args.precisions else [fill_memory_cost(w) for w in workloads[:4] if not only or w.name in only]
+        print_and_record_simulated(rows, notes, args.no_write, time.perf_counter() - started, costs)
 
 
 def run_cpu(no_write: bool) -> None:

@@ -4,10 +4,12 @@ In ``on_fit_start`` it predicts the largest batch from a step traced on fake ten
 (:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
 :func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps
 each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`). A trial fits
-when it did not run out of memory and its peak stayed within ``max_memory * (1 - margin)``: on a CUDA
-card the peak of *reserved* memory under the allocator's cap, elsewhere a
-:class:`~lightning_gpuopt.core.memory.MemoryBudget` over everything the step holds (so on CPU
-``max_memory`` is required). The size found is set wherever ``batch_arg_name`` lives and kept after
+when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
+default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
+in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
+allocator's own out-of-memory error; with a number, the peak of reserved memory within ``max_memory * (1 -
+margin)``. On a CUDA card the allocator's cap, elsewhere a :class:`~lightning_gpuopt.core.memory.MemoryBudget`
+over everything the step holds (so on CPU ``max_memory`` is required). The size found is set wherever ``batch_arg_name`` lives and kept after
 the fit, applied as a run by hand has it (``configure_optimizers()`` again, so a schedule sized by
 ``estimated_stepping_batches`` counts the new steps; :mod:`._engine.session`); nothing else of the
 trials is left, and a failed fit puts the user's size back. Under DDP a size fits only if it fitted on
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -84,7 +86,8 @@ class BatchSizeSearch(Callback):
     Args:
         max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: a CUDA card's free
             memory plus what torch holds (required on CPU).
-        margin: a trial fits only if its peak stays within ``max_memory * (1 - margin)``.
+        margin: ``"auto"``: a size fits only if 1/32 more samples would (measured headroom); a number: only if
+            its peak stays within ``max_memory * (1 - margin)``.
         steps_per_trial: real training steps per trial (from the second on, optimizer state exists).
         max_trials, min_batch_size, max_batch_size: the search's bounds (sizes also stop at a rank's samples).
         batch_arg_name: the model attribute, ``hparams`` key or datamodule attribute holding the batch size.
@@ -96,7 +99,7 @@ class BatchSizeSearch(Callback):
     def __init__(
         self,
         max_memory: Optional[int | float | str] = None,
-        margin: float = 0.1,
+        margin: Union[float, Literal["auto"]] = "auto",
         steps_per_trial: int = 2,
         max_trials: int = 10,
         min_batch_size: int = 1,
@@ -108,7 +111,8 @@ class BatchSizeSearch(Callback):
     ) -> None:
         if max_memory is not None:  # a fraction is resolved against the device later
             parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
-        check_number("margin", margin, "margin=0.1 (10% headroom)", low=0, high=1, high_inclusive=False)
+        if margin != "auto":
+            check_number("margin", margin, "margin='auto' or margin=0.1", low=0, high=1, high_inclusive=False)
         check_int("steps_per_trial", steps_per_trial, 1, "steps_per_trial=2, so that optimizer state exists")
         check_int("max_trials", max_trials, 1, "max_trials=10")
         check_int("min_batch_size", min_batch_size, 1, "min_batch_size=1")
@@ -121,7 +125,7 @@ class BatchSizeSearch(Callback):
         check_name("batch_arg_name", batch_arg_name, "batch_arg_name='batch_size'")
         check_choice("mode", mode, MODES, "mode='fill' (as large as fits) or mode='cap' (never above your batch size)")
         check_bool("verbose", verbose, "verbose=False")
-        self.max_memory, self.margin = max_memory, float(margin)
+        self.max_memory, self.margin = max_memory, margin if margin == "auto" else float(margin)
         self.steps_per_trial, self.max_trials = steps_per_trial, max_trials
         self.min_batch_size, self.max_batch_size, self.multiple_of = min_batch_size, max_batch_size, multiple_of
         self.batch_arg_name, self.mode, self.verbose = batch_arg_name, mode, verbose
@@ -153,14 +157,12 @@ class BatchSizeSearch(Callback):
         log_metrics(trainer, logged_metrics(self.result))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.release_memory_cap()
-        FitSession.close(trainer)
+        self.release_memory_cap(trainer)
         if stage == "fit":
             self._undo.after_success(type(self).__name__)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.release_memory_cap()
-        FitSession.close(trainer)
+        self.release_memory_cap(trainer)
         self._undo.after_failure(type(self).__name__)
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
@@ -172,10 +174,13 @@ class BatchSizeSearch(Callback):
             self._memory_cap = card.memory_cap(self.capacity_bytes(pl_module.device))
             self._memory_cap.start()
 
-    def release_memory_cap(self) -> None:
+    def release_memory_cap(self, trainer: Any = None) -> None:
+        """Lift the cap of :meth:`hold_memory_cap`; with ``trainer``, also end its fit's session."""
         cap, self._memory_cap = self._memory_cap, None
         if cap is not None:
             cap.stop()
+        if trainer is not None:
+            FitSession.close(trainer)
 
     def capacity_bytes(self, device: torch.device) -> int:
         """``max_memory`` in bytes; without one, what a CUDA card has free plus what torch holds."""
@@ -188,13 +193,14 @@ class BatchSizeSearch(Callback):
             return device_for(device).usable_memory()
         return parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
 
-    def budget_bytes(self, device: torch.device) -> int:
-        """What a trial's peak may reach: ``max_memory`` less ``margin``.
+    def budget_bytes(self, device: torch.device, capacity: Optional[int] = None) -> int:
+        """What a trial's peak may reach: ``max_memory`` less a numeric ``margin``.
 
         >>> BatchSizeSearch(max_memory="100MB", margin=0.1).budget_bytes(torch.device("cpu"))
         90000000
         """
-        return int(self.capacity_bytes(device) * (1.0 - self.margin))
+        capacity = self.capacity_bytes(device) if capacity is None else capacity
+        return int(capacity * (1.0 - (0.0 if self.margin == "auto" else self.margin)))
 
     def check_usable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Raise ``MisconfigurationException`` when no search can resize this fit's batches."""
@@ -231,7 +237,7 @@ class BatchSizeSearch(Callback):
         lower = self.min_batch_size if min_batch_size is None else min_batch_size
         started, session = time.perf_counter(), FitSession.of(trainer)
         capacity = self.capacity_bytes(module.device)  # asked once: free memory moves between two readings
-        budget = int(capacity * (1.0 - self.margin))
+        budget = self.budget_bytes(module.device, capacity)
         initial = _initial_batch_size(session, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
         outcomes: dict[int, TrialOutcome] = {}
@@ -245,17 +251,23 @@ class BatchSizeSearch(Callback):
             start = start or (predicted if predicted is not None else initial)
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
-            def fits(size: int) -> tuple[bool, Optional[int]]:
+            def fits(size: int) -> tuple[bool, Optional[int]]:  # the headroom is on allocated bytes, smooth in size
                 firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
                 hooks = [
                     o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
                     for i, o in optimizers
                 ]
                 try:
-                    outcomes[size] = trials.run(size, budget, capacity)
+                    outcome = outcomes[size] = trials.run(size, budget, capacity)
                 finally:
                     any(hook.remove() for hook in hooks)
-                return agreed(trainer, outcomes[size], budget, search_budget)
+                auto = self.margin == "auto" and outcome.allocated_bytes is not None
+                return agreed(
+                    trainer,
+                    replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome,
+                    budget,
+                    search_budget,
+                )
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
                 result = search_largest_fit(
@@ -267,6 +279,7 @@ class BatchSizeSearch(Callback):
                     multiple_of=self.multiple_of,
                     max_trials=self.max_trials,
                     bytes_per_sample=per_sample,
+                    headroom=1 / 32 if self.margin == "auto" else 0.0,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
             size = result.batch_size
@@ -392,9 +405,13 @@ def _initial_batch_size(session: FitSession, name: str) -> int:
     holders = compat.attribute_holders(trainer.lightning_module, name)
     values = [holder[name] if isinstance(holder, dict) else getattr(holder, name) for holder in holders]
     loader = session.probe_loader()
-    refusal = _why_batch_size_is_not_the_loaders(loader)
-    if refusal:
-        raise MisconfigurationException(f"BatchSizeSearch: {refusal}")
+    batch_sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise MisconfigurationException(
+            f"BatchSizeSearch: the train loader's batches come from its `batch_sampler` ({type(batch_sampler).__name__}),"
+            " which decides their size, not `batch_size`: the batch sizes tried would not be the ones trained. Build the"
+            " loader with `batch_size=` (and a `sampler=`), or leave BatchSizeSearch out and size the batch sampler yourself."
+        )
     loader_size: Any = getattr(loader, "batch_size", None) if isinstance(loader, DataLoader) else None
     if len(set(map(repr, values))) > 1:
         places = ", ".join(f"{_holder_name(holder, name)}={value!r}" for holder, value in zip(holders, values))
@@ -429,24 +446,11 @@ def _ignored_message(trainer: pl.Trainer, name: str, wanted: Any, size: Any) -> 
     )
 
 
-def _why_batch_size_is_not_the_loaders(loader: Any) -> Optional[str]:
-    """Why setting the batch size cannot change this loader's batches, or None."""
-    batch_sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return (
-            f"the train loader's batches come from its `batch_sampler` ({type(batch_sampler).__name__}), which decides"
-            " their size, not `batch_size`: the batch sizes tried would not be the ones trained. Build the loader with"
-            " `batch_size=` (and a `sampler=`), or leave BatchSizeSearch out and size the batch sampler yourself."
-        )
-    return None
-
-
 def _holder_name(holder: Any, name: str) -> str:
-    if isinstance(holder, compat.any_namespace("", "LightningModule")):
-        return f"`model.{name}`"
-    if isinstance(holder, compat.any_namespace("", "LightningDataModule")):
-        return f"`datamodule.{name}`"
-    return f"`hparams.{name}`"
+    kinds = (("LightningModule", "model"), ("LightningDataModule", "datamodule"), ("", "hparams"))
+    return next(
+        f"`{where}.{name}`" for kind, where in kinds if not kind or isinstance(holder, compat.any_namespace("", kind))
+    )
 
 
 def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int) -> tuple:
@@ -474,20 +478,14 @@ def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[TrialOutcome], 
     out-of-memory message is known for this rank only)."""
     mine = [float(budget), -1.0, -1.0, 0.0, 0.0, 0.0]
     if outcome is not None:
-        known_cap, known_peak = outcome.cap_bytes, outcome.peak_bytes
-        mine[1:] = [-1 if known_cap is None else known_cap, -1 if known_peak is None else known_peak]
+        mine[1:] = [-1 if v is None else v for v in (outcome.cap_bytes, outcome.peak_bytes)]
         mine[3:] = [float(outcome.fitted), float(outcome.oom_message is not None), 1.0]
     parts = []
     for rank, (rank_budget, cap, peak, fitted, oom, known) in enumerate(gather_ranks(trainer, mine)):
         message = outcome.oom_message if rank == trainer.global_rank and outcome is not None else None
         figures = (int(rank_budget), None if cap < 0 else int(cap), None if peak < 0 else int(peak))
-        side = _missed(*figures, bool(oom), message, "its")
-        if not known or fitted:
-            side = (
-                "ran no trial at this size"
-                if not known
-                else f"fitted (peak {_bytes(figures[2])}, its budget {_bytes(figures[0])})"
-            )
+        side = f"fitted (peak {_bytes(figures[2])}, its budget {_bytes(figures[0])})" if fitted else ""
+        side = "ran no trial at this size" if not known else side or _missed(*figures, bool(oom), message, "its")
         parts.append(f"rank {rank} {side}")
     return "; ".join(parts)
 

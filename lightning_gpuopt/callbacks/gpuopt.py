@@ -39,7 +39,7 @@ from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
 _FILL_KEYS = (
     "global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
-    "objective", "batch_arg_name", "on_oom",
+    "objective", "batch_arg_name", "on_oom", "scale_lr",
 )  # fmt: skip
 _SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
 
@@ -84,7 +84,7 @@ class GpuOpt(Callback):
         monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner,
             MemoryFill.
         max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
-            min_micro_batch_size, batch_arg_name, on_oom: MemoryFill's (``max_memory`` also MemoryEstimator's).
+            min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
         plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
             TensorBoard or W&B logger (needs ``lightning-gpuopt[plot]``; a warning when it cannot draw).
@@ -103,7 +103,7 @@ class GpuOpt(Callback):
         tune_loader: Optional[bool] = None,
         fill_memory: Optional[bool] = None,
         max_memory: Optional[Union[int, float, str]] = None,
-        margin: Optional[float] = None,
+        margin: Optional[Union[float, Literal["auto"]]] = None,
         global_batch_size: Optional[int] = None,
         amp: Optional[Union[bool, Literal["auto"]]] = None,
         checkpointing: Optional[Union[bool, str, list[str]]] = None,
@@ -113,14 +113,12 @@ class GpuOpt(Callback):
         batch_arg_name: Optional[str] = None,
         loader_max_seconds: Optional[float] = None,
         on_oom: Optional[OnOom] = None,
+        scale_lr: Optional[Literal["linear", "sqrt"]] = None,
         plots: Optional[bool] = None,
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "plots", "__class__")}
-        if plots is not None and not isinstance(plots, bool):
-            raise ValueError(
-                f"`plots`={plots!r} is not a bool; expected plots=True (draw PNGs at the end of fit) "
-                "or plots=False (the default)."
-            )
+        if plots is not None:
+            check_bool("plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False (the default)")
         self.plots = bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
@@ -171,6 +169,8 @@ class GpuOpt(Callback):
                 accumulate_grad_batches=plan.accumulate_grad_batches if plan else None,
                 rebuild=self.tuner.rebuild if self.tuner is not None and tuned is not None else None,
             )
+            if self.fill is not None:
+                self.fill.follow_lr(trainer, self._undo)
         for part in self.parts:
             if part is self.fill or part is self.tuner:
                 part._report(trainer)

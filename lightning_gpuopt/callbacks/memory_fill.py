@@ -1,16 +1,19 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for (by default the run's batch size x ``accumulate_grad_batches`` x devices)
-it decides, from measurements and the pure plan of :mod:`lightning_gpuopt.core.fill`: mixed precision
-in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else ``16-mixed``; on CPU only with ``amp=True``;
-only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
+For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's
+``BatchSizeFinder`` sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's
+batch size x ``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
+:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else
+``16-mixed``; on CPU only with ``amp=True``; only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
 repeated blocks (always with ``True`` or named classes; with ``"auto"`` when the largest micro-batch
 would fall below ``min_micro_batch_size``; each group checked to give the plain step's loss and
 gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and
 as few accumulation steps as that allows. Both are applied as a run by hand has them
 (:mod:`._engine.session`); a short last accumulation group of an epoch is scaled to a mean. With
 ``on_oom="adapt"`` an out-of-memory error in a step retrains that batch in smaller micro-batches
-(:mod:`._engine.oom_recovery`). Levers that cannot apply are refused with the reason. Everything is
+(:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the run's, ``scale_lr`` scales every
+learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or ``sqrt(k)``; without it the plan
+says what each rule would set. Levers that cannot apply are refused with the reason. Everything is
 put back at teardown and after a failed fit; checkpoints keep the user's batch size.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
@@ -23,6 +26,7 @@ and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"`` section
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from typing import Any, Literal, Optional, Sequence, Union, cast
@@ -51,11 +55,13 @@ from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.estimate import StepEstimator
 from lightning_gpuopt.core.fill import (
+    LR_RULES,
     MIXED_PRECISIONS,
     FillRequest,
     MemoryFillPlan,
     NoFit,
     choose_precision,
+    lr_note,
     plan_micro_batches,
 )
 from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
@@ -64,6 +70,7 @@ from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
 REPORT_SECTION = "memory_fill"
 OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
+_SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
 _SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
 
@@ -80,7 +87,8 @@ class MemoryFill(Callback):
         fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches, fill.plan.changes
 
     Args:
-        global_batch_size: samples per optimizer step over all devices; must divide by their count.
+        global_batch_size: samples per optimizer step over all devices; must divide by their count. ``None``:
+            the largest micro-batch that fits (with ``objective="memory"``: your batch x accumulation x devices).
         amp: ``"auto"`` (mixed precision on GPUs), ``True`` (also on CPU, as bf16-mixed) or ``False``.
         checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
         accumulation: ``"auto"`` (as many steps as needed) or ``False`` (the global batch in one step).
@@ -89,6 +97,7 @@ class MemoryFill(Callback):
         objective: ``"throughput"`` (the largest micro-batch) or ``"memory"`` (the smallest footprint).
         verbose: log the plan and the trials.
         on_oom: ``"raise"``, or ``"adapt"``: retrain a batch that ran out of memory in smaller micro-batches.
+        scale_lr: ``"linear"`` or ``"sqrt"``: the learning rates follow the global batch's growth over yours.
     """
 
     def __init__(
@@ -98,7 +107,7 @@ class MemoryFill(Callback):
         checkpointing: Union[str, bool, Sequence[BlockSpec]] = "auto",
         accumulation: Literal["auto", False] = "auto",
         max_memory: Optional[Union[int, float, str]] = None,
-        margin: float = 0.1,
+        margin: Union[float, Literal["auto"]] = "auto",
         min_micro_batch_size: int = 8,
         objective: Objective = "throughput",
         batch_arg_name: str = "batch_size",
@@ -106,6 +115,7 @@ class MemoryFill(Callback):
         max_trials: int = 10,
         verbose: bool = True,
         on_oom: OnOom = "raise",
+        scale_lr: Optional[Literal["linear", "sqrt"]] = None,
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None)", allow_none=True)
         check_choice("amp", amp, ("auto", True, False), "amp='auto' (mixed precision on GPUs, not on CPU)")
@@ -115,15 +125,16 @@ class MemoryFill(Callback):
         check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
+        check_choice("scale_lr", scale_lr, (None, *LR_RULES), "scale_lr='linear', 'sqrt' or None (keep the lr)")
         options = (max_memory, margin, steps_per_trial, max_trials, batch_arg_name)
         keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
         self._search_options: dict[str, Any] = dict(zip(keys, options))
-        BatchSizeSearch(**self._search_options)  # validates them
+        self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
         self.global_batch_size, self.amp, self.accumulation = global_batch_size, amp, accumulation
         self.checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
-        self.max_memory, self.margin, self.batch_arg_name = max_memory, float(margin), batch_arg_name
+        self.max_memory, self.margin, self.batch_arg_name = max_memory, self._search_options["margin"], batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
-        self.verbose, self.on_oom = verbose, on_oom
+        self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
         self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
@@ -173,12 +184,10 @@ class MemoryFill(Callback):
         manual = not pl_module.automatic_optimization
         if manual and self.on_oom == "adapt":
             self._reasons.append(
-                "on_oom='adapt' needs automatic optimization: out-of-memory errors are raised as before"
+                "on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
+                "backward and the optimizer): out-of-memory errors are raised as before"
             )
-            rank_zero_warn(
-                "MemoryFill: on_oom='adapt' cannot adapt manual optimization (your training_step runs the "
-                "backward and the optimizer); out-of-memory errors are raised as before."
-            )
+            rank_zero_warn(f"MemoryFill: {self._reasons[-1]}.")
         fixed: Optional[int] = None
         reason = "manual optimization: Lightning cannot accumulate gradients for it (accumulate in your training_step)"
         if manual:
@@ -195,7 +204,8 @@ class MemoryFill(Callback):
                     f"multiple of {fixed * world}."
                 )
             self._reasons.append(reason)
-        return FillRequest(samples, self.min_micro_batch_size, fixed, self.objective)
+        fill = self.global_batch_size is None and self.objective == "throughput"
+        return FillRequest(samples, self.min_micro_batch_size, fixed, self.objective, fill=fill)
 
     def _decide_precision(self, trainer: pl.Trainer) -> None:
         strategy = type(trainer.strategy).__name__
@@ -235,6 +245,7 @@ class MemoryFill(Callback):
                 batch_size=(self.batch_arg_name, self.plan.micro_batch_size, False),
                 accumulate_grad_batches=self.plan.accumulate_grad_batches,
             )
+            self.follow_lr(trainer, self._undo)
         self._report(trainer)
 
     def decide(self, trainer: pl.Trainer) -> MemoryFillPlan:
@@ -243,7 +254,11 @@ class MemoryFill(Callback):
         session, search = FitSession.of(trainer), self.search
         request, blocks = self._request, self._blocks
         samples = session.samples_per_rank()
-        if samples is not None and samples < request.samples_per_rank:
+        if request.fill:  # as large as fits, up to the loader's samples
+            request = replace(
+                request, samples_per_rank=(samples or search.max_batch_size) * (request.fixed_accumulation or 1)
+            )
+        elif samples is not None and samples < request.samples_per_rank:
             world = trainer.world_size
             raise MisconfigurationException(
                 f"MemoryFill: global_batch_size={self._requested} asks {request.samples_per_rank} samples per device "
@@ -252,27 +267,23 @@ class MemoryFill(Callback):
                 f"global_batch_size of at most {samples * world}, or train on more data."
             )
         blocks.check(session)
-        if blocks.may_switch_on and request.objective == "throughput":
-            predicted = self._predicted_largest(trainer, search)
-            if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
-                ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
-                why = f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
-                blocks.switch_on(why)
-                blocks.check(session)
-                self._prediction = None  # of the step without checkpointing
-        request = replace(request, may_checkpoint=blocks.may_switch_on)
 
         def checkpoint(reason: str) -> bool:
-            self._prediction = None
+            self._prediction = None  # of the step without checkpointing
             blocks.switch_on(reason)
             blocks.check(session)
             return blocks.on is not None
 
-        def largest_fit(upper: int, accumulating: bool) -> Optional[int]:
-            return self._largest_fit(trainer, upper, accumulating)
-
+        if blocks.may_switch_on and request.objective == "throughput":
+            predicted = self._predicted_largest(trainer, search)
+            if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
+                ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
+                checkpoint(
+                    f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
+                )
+        request = replace(request, may_checkpoint=blocks.may_switch_on)
         try:
-            decision = plan_micro_batches(request, largest_fit, checkpoint)
+            decision = plan_micro_batches(request, functools.partial(self._largest_fit, trainer), checkpoint)
         except NoFit as missed:
             raise NoBatchSizeFitsError(self._nothing_fits_message(missed)) from None
         self._reasons.extend(decision.reasons)
@@ -339,12 +350,27 @@ class MemoryFill(Callback):
             reasons=list(self._reasons),
             on_oom=self.on_oom,
         )
-        if plan.global_batch_size != plan.requested_global_batch_size:
+        if self._request.fill:
+            plan.reasons.append(f"global_batch_size=None: the micro-batch is the largest that fits, {largest}")
+        elif plan.global_batch_size != plan.requested_global_batch_size:
             plan.reasons.append(
                 f"{self._request.samples_per_rank} samples per device do not split evenly into micro-batches "
                 f"of at most {largest}: the global batch is {plan.global_batch_size}"
             )
         return replace(plan, seconds=time.perf_counter() - self._started)
+
+    def follow_lr(self, trainer: pl.Trainer, undo: Undo) -> None:
+        """Once the plan is applied: the learning rates follow the global batch's growth over the user's (``scale_lr``)."""
+        plan = self.plan
+        assert plan is not None
+        users = plan.initial_batch_size * plan.initial_accumulate_grad_batches * plan.world_size
+        lrs = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups]
+        if plan.global_batch_size != users and lrs:
+            factor, note = lr_note(self.scale_lr, plan.global_batch_size / users, lrs[0])
+            plan.reasons.append(note)
+            if factor != 1.0:
+                scale_learning_rates(trainer, factor, undo)
+                plan.lr_change = (lrs[0], float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
@@ -368,10 +394,8 @@ class MemoryFill(Callback):
         accumulate = trainer.accumulate_grad_batches
         if self._correct_short_groups and 0 < counted < accumulate:
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.mul_(accumulate / counted)
+                for param in (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
+                    param.grad.mul_(accumulate / counted)
 
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._oom_recovery is not None:
@@ -389,21 +413,21 @@ class MemoryFill(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._oom_recovery = None
-        if self.search is not None:
-            self.search.release_memory_cap()
-        FitSession.close(trainer)
+        self._close(trainer)
         self._undo.after_failure("MemoryFill")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
         if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
             self._write_report(trainer)
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._close(trainer)
+            self._undo.after_success("MemoryFill")
+
+    def _close(self, trainer: pl.Trainer) -> None:
         if self.search is not None:
-            self.search.release_memory_cap()
+            self.search.release_memory_cap(trainer)
         FitSession.close(trainer)
-        self._undo.after_success("MemoryFill")
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None and self.search is not None
@@ -417,6 +441,26 @@ class MemoryFill(Callback):
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+
+
+def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None:
+    """Every param group's ``lr`` (and a schedule's ``initial_lr``/``max_lr``/``min_lr``) and every schedule's
+    ``base_lrs``/``max_lrs``/``_last_lr`` times ``factor``; undone by dividing them back (the schedule's progress kept)."""
+    owners: list[Any] = [group for optimizer in trainer.optimizers for group in optimizer.param_groups]
+    owners += [getattr(c.scheduler, name, None) for c in trainer.lr_scheduler_configs for name in _SCHEDULE_LISTS]
+    places = [(owner, key) for owner in owners if isinstance(owner, (dict, list)) for key in _keys(owner)]
+
+    def scale(up: bool) -> None:
+        for owner, key in places:
+            owner[key] = owner[key] * factor if up else owner[key] / factor
+
+    scale(True)
+    undo.add("the learning rates", lambda: scale(False))
+
+
+def _keys(owner: Any) -> list:
+    keys = range(len(owner)) if isinstance(owner, list) else ("lr", "initial_lr", "max_lr", "min_lr")
+    return [key for key in keys if isinstance(owner.get(key) if isinstance(owner, dict) else owner[key], float)]
 
 
 def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optional[int]:
@@ -454,7 +498,7 @@ def plan_table(plan: MemoryFillPlan) -> str:
         ("activation checkpointing", blocks if plan.checkpointing else "off"),
         ("micro-batch", f"{plan.initial_batch_size} → {plan.micro_batch_size} (largest that fits: {plan.largest_fit})"),
         ("accumulate_grad_batches", f"{plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"),
-        ("global batch", f"{plan.global_batch_size} (asked: {plan.requested_global_batch_size}, {world})"),
+        ("global batch", f"{plan.global_batch_size} (asked or yours: {plan.requested_global_batch_size}, {world})"),
         ("budget", format_bytes(plan.budget_bytes)),
         ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / {peak} (at {plan.largest_fit})"),
     ]
@@ -465,10 +509,9 @@ def plan_table(plan: MemoryFillPlan) -> str:
 
 def oom_summary(plan: MemoryFillPlan) -> str:
     """``on_oom`` and each adaptation as ``step S: old → new (why)``."""
-    if not plan.oom_adaptations:
+    steps = [
+        f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in plan.oom_adaptations
+    ]
+    if not steps:
         return f"{plan.on_oom} (no out-of-memory error so far)"
-    adaptations = plan.oom_adaptations
-    steps = "; ".join(
-        f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in adaptations
-    )
-    return f"{plan.on_oom}: {len(plan.oom_adaptations)} adaptation(s): {steps}"
+    return f"{plan.on_oom}: {len(steps)} adaptation(s): {'; '.join(steps)}"

@@ -1,6 +1,6 @@
 """The memory levers' decisions for :class:`~lightning_gpuopt.MemoryFill` (mixed precision, activation
-checkpointing, micro-batch and accumulation), pure: measurements come in as figures or as oracles that
-run real trials. :class:`MemoryFillPlan` is what was decided and measured."""
+checkpointing, micro-batch, accumulation and the learning rate's rule), pure: measurements come in as figures
+or as oracles that run real trials. :class:`MemoryFillPlan` is what was decided and measured."""
 
 from __future__ import annotations
 
@@ -12,6 +12,24 @@ from lightning_gpuopt.core.oom import OomAdaptation
 
 #: precisions MemoryFill may switch to
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+#: how the learning rate follows a grown batch: ``k`` times (Goyal et al. 2017) or ``sqrt(k)`` (Adam-like optimizers)
+LR_RULES = ("linear", "sqrt")
+
+
+def lr_note(rule: Optional[str], grown: float, lr: float) -> tuple[float, str]:
+    """The factor ``rule`` scales the learning rate by for a global batch ``grown`` times the user's, and the
+    report's line (with ``rule=None`` the factor is 1 and the line says what each rule would set).
+
+    >>> lr_note("linear", 4.0, 0.05)
+    (4.0, "scale_lr='linear': the global batch is 4x yours, lr 0.05 → 0.2 (all groups, schedules)")
+    >>> lr_note(None, 4.0, 0.05)[1]
+    "the global batch is 4x yours, lr kept at 0.05: scale_lr='linear' would set 0.2, scale_lr='sqrt' 0.1"
+    """
+    factors, head = {"linear": grown, "sqrt": math.sqrt(grown)}, f"the global batch is {grown:.4g}x yours"
+    if rule is None:
+        would = f"scale_lr='linear' would set {lr * grown:.4g}, scale_lr='sqrt' {lr * factors['sqrt']:.4g}"
+        return 1.0, f"{head}, lr kept at {lr:.4g}: {would}"
+    return factors[rule], f"scale_lr={rule!r}: {head}, lr {lr:.4g} → {lr * factors[rule]:.4g} (all groups, schedules)"
 
 
 def choose_precision(
@@ -60,7 +78,8 @@ def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, in
 class FillRequest:
     """What a plan must reach: ``samples_per_rank`` per optimizer step, in micro-batches of at least
     ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is
-    not ours to choose (set by the user, manual optimization, ``accumulation=False``)."""
+    not ours to choose (set by the user, manual optimization, ``accumulation=False``). ``fill``: no global
+    batch asked for; the micro-batch is the largest that fits up to ``samples_per_rank`` (the loader's)."""
 
     samples_per_rank: int
     min_micro_batch_size: int = 8
@@ -69,6 +88,7 @@ class FillRequest:
     objective: str = "throughput"
     #: whether checkpointing may still be switched on (``checkpointing="auto"``, not on yet)
     may_checkpoint: bool = False
+    fill: bool = False
 
     @property
     def needed(self) -> int:
@@ -78,7 +98,9 @@ class FillRequest:
     @property
     def wanted(self) -> int:
         """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
-        return min(self.min_micro_batch_size, self.needed) if self.fixed_accumulation is None else self.needed
+        return (
+            min(self.min_micro_batch_size, self.needed) if self.fixed_accumulation is None or self.fill else self.needed
+        )
 
 
 @dataclass
@@ -120,6 +142,8 @@ def plan_micro_batches(
         found = "no micro-batch" if largest is None else f"a largest micro-batch of {largest}"
         if checkpoint(f"the trials found {found} < {wanted} without it"):
             largest = largest_fit(upper, False)
+    if request.fill and largest is not None:
+        return FillDecision(largest, request.fixed_accumulation or 1, largest, reasons)
     if largest is not None and largest < needed and free_accumulation:
         accumulating = largest_fit(largest, True)
         if accumulating != largest:
@@ -160,6 +184,8 @@ class MemoryFillPlan:
     budget_bytes: Optional[int] = None
     predicted_peak_bytes: Optional[int] = None
     measured_peak_bytes: Optional[int] = None
+    #: the learning rate before and after ``scale_lr`` scaled it (``None``: not scaled)
+    lr_change: Optional[tuple[float, float]] = None
     #: why each lever was (not) used, in the order decided
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -176,5 +202,6 @@ class MemoryFillPlan:
             ("activation checkpointing", None, blocks if self.checkpointing else None),
             ("batch size", self.initial_batch_size, self.micro_batch_size),
             ("accumulate_grad_batches", self.initial_accumulate_grad_batches, self.accumulate_grad_batches),
+            ("learning rate", *(self.lr_change or (None, None))),
         ]
         return [f"{name}: {'' if old is None else f'{old} → '}{new}" for name, old, new in settings if old != new]

@@ -10,7 +10,10 @@ Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` th
    once two of its guesses missed (one alone may be a convex peak's kink): the peaks then do not decide;
 5. **stops** once the largest fit + ``multiple_of`` missed, at the upper bound, or after ``max_trials``.
 
-The answer was tested and fitted, never extrapolated.
+The answer was tested and fitted, never extrapolated. **Headroom** is in batch terms (BatchSizeSearch's
+``margin="auto"``: ``h = 1/32``): ``b`` fits only if its peak plus ``h * b`` samples at the measured bytes per
+sample (the estimate's slope, else the peak over ``b``, an upper bound) fits. A flat 10% of reserved memory,
+which moves by whole segments, cost a fifth of a U-Net's batch; this keeps the answer within 3% of the largest.
 
     >>> def fits(batch_size):                 # peak = 1 MB + 10 kB per sample, budget 11 MB
     ...     peak = 1_000_000 + 10_000 * batch_size
@@ -18,6 +21,9 @@ The answer was tested and fitted, never extrapolated.
     >>> result = search_largest_fit(fits, budget_bytes=11_000_000, start=64, max_batch_size=4096)
     >>> result.batch_size, result.stop_reason, [trial.batch_size for trial in result.trials]
     (1000, 'bracketed', [64, 256, 1000, 1001])
+    >>> search = dict(budget_bytes=11_000_000, start=64, max_batch_size=4096, headroom=1 / 32)  # 3% lower
+    >>> search_largest_fit(fits, **search, bytes_per_sample=10_000).batch_size, search_largest_fit(fits, **search).batch_size
+    (969, 966)
 
 A meter that under-reports (the line says 130 fit): the first miss contradicts it, and the search bisects:
 
@@ -183,6 +189,7 @@ def search_largest_fit(
     max_trials: int = 10,
     bytes_per_sample: Optional[float] = None,
     max_growth: float = 4.0,
+    headroom: float = 0.0,
     on_trial: Optional[Callable[[Trial], None]] = None,
 ) -> BatchSizeSearchResult:
     """The largest batch size in ``[min_batch_size, max_batch_size]``, a multiple of ``multiple_of``, that
@@ -193,6 +200,7 @@ def search_largest_fit(
         budget_bytes: the memory a trial's peak must stay within (for the extrapolation).
         start: the first size to try (rounded and clamped), e.g. the estimate's predicted maximum.
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
+        headroom: a size fits only if ``headroom`` times it more samples would too (see the module docstring).
         on_trial: called with each trial as it ends (progress reporting).
     """
     if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1:
@@ -213,19 +221,20 @@ def search_largest_fit(
     while size is not None and len(trials) < max_trials:
         started = time.perf_counter()
         fitted, peak = fits(size)
-        trials.append(Trial(size, bool(fitted), None if peak is None else int(peak), time.perf_counter() - started))
+        padded = None if peak is None else int(peak + headroom * size * (bytes_per_sample or peak / size))
+        fitted = bool(fitted) and (not headroom or padded is None or padded <= budget_bytes)
+        trials.append(Trial(size, fitted, None if peak is None else int(peak), time.perf_counter() - started))
         if on_trial is not None:
             on_trial(trials[-1])
         if fitted:
             state.best = size if state.best is None else max(state.best, size)
-            if peak is not None:
-                state.points.append((size, int(peak)))
+            if padded is not None:
+                state.points.append((size, padded))
         else:
             state.miss = size if state.miss is None else min(state.miss, size)
             state.line_misses += line_prediction is not None and line_prediction >= size  # the line said it fits
-        size, reason, line_prediction = _next_guess(
-            state, lo, hi, multiple_of, budget_bytes, bytes_per_sample, max_growth
-        )
+        per_sample = bytes_per_sample and bytes_per_sample * (1 + headroom)
+        size, reason, line_prediction = _next_guess(state, lo, hi, multiple_of, budget_bytes, per_sample, max_growth)
     return BatchSizeSearchResult(
         state.best, trials, budget_bytes, reason or "max trials", first, lower_bound=lo, upper_bound=hi
     )

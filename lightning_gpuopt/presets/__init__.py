@@ -22,7 +22,7 @@ PRESET_KEYS: dict[str, str] = {
     "tune_loader": "run DataLoaderTuner: measure and apply num_workers / prefetch_factor / pin_memory",
     "fill_memory": "run MemoryFill: largest micro-batch, AMP, activation checkpointing, gradient accumulation",
     "max_memory": "memory a step may use: bytes, '20GiB', or a fraction of the device (0.9); required on CPU",
-    "margin": "headroom kept free: a size fits only if its peak stays within max_memory * (1 - margin)",
+    "margin": "headroom: 'auto' (a size fits only if 1/32 more samples would, at the measured bytes per sample) or a number: its peak within max_memory * (1 - margin)",
     "global_batch_size": "samples per optimizer step over all devices; default: batch size x accumulation x devices",
     "amp": "mixed precision: 'auto' (bf16-mixed / 16-mixed on GPUs, off on CPU), true, or false",
     "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, or a list of module class names",
@@ -31,6 +31,7 @@ PRESET_KEYS: dict[str, str] = {
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
     "batch_arg_name": "where the batch size lives: attribute of the model, its hparams or the datamodule",
     "loader_max_seconds": "time budget of DataLoaderTuner, in seconds",
+    "scale_lr": "'linear' or 'sqrt': the learning rates follow the global batch's growth over yours; null: kept (the report says what each would set)",
     "on_oom": "an out-of-memory error in a training step: 'adapt' (train the batch again in smaller micro-batches, keep them) or 'raise'",
 }
 

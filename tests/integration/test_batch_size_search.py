@@ -7,6 +7,7 @@ number of real training steps at that size inside a fresh ``MemoryBudget`` with 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ def trainer_for(tmp_path, callbacks, max_steps: int = 1, **kwargs: Any) -> Train
 
 def search(tmp_path, name: str, samples: int = SAMPLES, max_steps: int = 1, **kwargs: Any):
     kwargs.setdefault("max_memory", BUDGET)
+    kwargs.setdefault("margin", 0.1)  # the flat margin; the default, measured headroom is tested on its own
     initial = kwargs.pop("initial", 16)
     searcher = BatchSizeSearch(**kwargs)
     model = make_model(name, num_samples=samples, batch_size=initial)
@@ -56,6 +58,12 @@ def test_result_is_the_largest_batch_that_fits_checked_independently(tmp_path, n
     assert chosen and all(t.fits and t.peak_bytes <= result.budget_bytes for t in chosen)
     assert fits_independently(tmp_path, name, result.batch_size, result.budget_bytes)
     assert not fits_independently(tmp_path, name, result.batch_size + 1, result.budget_bytes)
+
+
+def test_the_default_headroom_lands_within_5_percent_of_the_largest_fit_and_fits(tmp_path):
+    result = search(tmp_path, "mlp", margin="auto", max_memory=10_000_000)[0].result
+    assert result.budget_bytes == 10_000_000 and fits_independently(tmp_path, "mlp", result.batch_size, 10_000_000)
+    assert not fits_independently(tmp_path, "mlp", math.ceil(result.batch_size / 0.95), 10_000_000)
 
 
 def test_multiple_of_eight(tmp_path):
@@ -364,7 +372,7 @@ def fits_sequences(tmp_path, cap_bytes: int, **kwargs: Any) -> bool:
 
 
 def test_varying_lengths_the_size_found_fits_the_longest_batch_of_a_whole_epoch(tmp_path):
-    searcher = BatchSizeSearch(max_memory=BUDGET)
+    searcher = BatchSizeSearch(max_memory=BUDGET, margin=0.1)  # a flat margin: the limit of its budget, exactly
     trainer_for(tmp_path, [searcher], max_steps=1).fit(SequenceClassifier())
     result = searcher.result
     assert any("batches of the largest sample" in note for note in result.notes), result.notes

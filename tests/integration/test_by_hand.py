@@ -32,7 +32,7 @@ MAX_MEMORY = "64MB"
 
 
 class Drawing(LightningModule):
-    def __init__(self, batch_size: int = 8, schedule: bool = True, workers: int = 0) -> None:
+    def __init__(self, batch_size: int = 8, schedule: bool = True, workers: int = 0, lr_times: float = 1.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.body = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, CLASSES))
@@ -68,11 +68,11 @@ class Drawing(LightningModule):
 
     def configure_optimizers(self) -> Any:
         CALLS["configure_optimizers"] += 1
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05 * self.hparams.lr_times, momentum=0.9)
         if not self.hparams.schedule:
             return optimizer
         total = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1 * self.hparams.lr_times, total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -109,6 +109,7 @@ def settings_of(callback: Callback) -> dict:
     if isinstance(callback, MemoryFill):
         plan = callback.plan
         return dict(
+            lr_times=plan.lr_change[1] / plan.lr_change[0] if plan.lr_change else 1.0,
             batch_size=plan.micro_batch_size,
             accumulate=plan.accumulate_grad_batches,
             precision=plan.precision,
@@ -122,6 +123,7 @@ def settings_of(callback: Callback) -> dict:
 def by_hand(tmp_path: Any, settings: dict, schedule: bool) -> tuple[Drawing, Rows, tuple, Counter]:
     workers = settings.get("loader", {}).get("num_workers", 0)
     model_kwargs = dict(batch_size=settings.get("batch_size", 8), schedule=schedule, workers=workers)
+    model_kwargs["lr_times"] = settings.get("lr_times", 1.0)  # the learning rate scaled by hand
     kwargs = dict(accumulate_grad_batches=settings.get("accumulate", 1), precision=settings.get("precision", "32-true"))
     model, rows, rng = fit(tmp_path / "by_hand", [], settings.get("checkpointed", ()), model=model_kwargs, **kwargs)
     return model, rows, rng, Counter(CALLS)
@@ -132,6 +134,9 @@ CALLBACKS: dict[str, Callable[[], Callback]] = {
     "BatchSizeSearch-cap": lambda: BatchSizeSearch(max_memory=MAX_MEMORY, mode="cap", verbose=False),
     "MemoryFill": lambda: MemoryFill(
         global_batch_size=32, max_memory=MAX_MEMORY, min_micro_batch_size=8, verbose=False
+    ),
+    "MemoryFill-scale_lr": lambda: MemoryFill(
+        global_batch_size=32, max_memory=MAX_MEMORY, min_micro_batch_size=8, scale_lr="linear", verbose=False
     ),
     "DataLoaderTuner": lambda: DataLoaderTuner(
         max_seconds=0.3, batches_per_candidate=2, max_num_workers=0, verbose=False
@@ -151,10 +156,14 @@ def test_a_run_with_the_callback_equals_its_choice_by_hand_when_the_users_code_d
     model, rows, rng = fit(tmp_path / "run", [callback], model=dict(schedule=schedule))
     calls = Counter(CALLS)
     settings = settings_of(callback)
+    assert settings.get("lr_times", 1.0) == (4.0 if name == "MemoryFill-scale_lr" else 1.0)  # 8 -> 32: linear
     hand_model, hand_rows, hand_rng, hand_calls = by_hand(tmp_path, settings, schedule)
     assert rows.rows == hand_rows.rows and len(rows.rows) >= 4  # losses, learning rates and batch sizes
     for (key, ours), theirs in zip(model.state_dict().items(), hand_model.state_dict().values()):
         assert torch.equal(ours, theirs), key
+    if name == "MemoryFill-scale_lr":  # put back at teardown: the schedule's learning rate, divided by 4
+        last = [m.trainer.optimizers[0].param_groups[0]["lr"] for m in (model, hand_model)]
+        assert last[0] == pytest.approx(last[1] / 4, rel=1e-12) and last[0] != last[1]
     assert torch.equal(rng[0], hand_rng[0]) and np.array_equal(rng[1], hand_rng[1]) and rng[2] == hand_rng[2]
     assert hand_calls["train_dataloader"] == 1 and calls["train_dataloader"] <= 2, calls
     changed = settings.get("batch_size", 8) != 8 or settings.get("accumulate", 1) != 1

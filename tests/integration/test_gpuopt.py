@@ -55,6 +55,20 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path):
     assert saved_report(trainer)["gpuopt"]["changes"] == ["batch size: 16 → 64"]
 
 
+def test_fill_memory_without_a_global_batch_trains_the_largest_batch_that_fits(tmp_path):
+    gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, monitor=False, estimate=False)
+    fit(tmp_path, gpuopt)
+    plan, search = gpuopt.report.memory_fill, gpuopt.report.batch_size_search
+    assert plan.micro_batch_size == search.batch_size > 16 and plan.accumulate_grad_batches == 1
+    assert (
+        search.stop_reason == "bracketed"
+        and not next(t for t in search.trials if t.batch_size == search.batch_size + 1).fits
+    )
+    grown = plan.global_batch_size / 16
+    assert gpuopt.report.changes == [f"batch size: 16 → {plan.micro_batch_size}"]  # the learning rate kept
+    assert f"the global batch is {grown:.4g}x yours, lr kept at 0.001: scale_lr='linear' would set" in plan.reasons[-1]
+
+
 def test_max_throughput_with_amp_on_cpu_and_a_tuned_loader(tmp_path):
     gpuopt = GpuOpt("max-throughput", max_memory=BUDGET, global_batch_size=128, amp=True, loader_max_seconds=3)
     fit(tmp_path, gpuopt)

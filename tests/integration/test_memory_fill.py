@@ -94,7 +94,7 @@ def assert_close(grads: dict, expected: dict) -> None:
 
 def fill_fit(tmp_path, name: str, samples: int, initial: int, *extra: Callback, trainer_kwargs=None, **fill_kwargs):
     model = make_model(name, num_samples=samples, batch_size=initial)
-    fill = MemoryFill(**fill_kwargs)
+    fill = MemoryFill(**{"margin": 0.1, **fill_kwargs})  # the budgets here are set for a flat 10% margin
     trainer = trainer_for(tmp_path, [fill, *extra], **(trainer_kwargs or {}))
     trainer.fit(model)
     return fill, model, trainer
@@ -184,7 +184,7 @@ class OneCycleModel(LightningModule):
 
 def test_step_counting_lr_schedulers_see_the_new_steps_per_epoch(tmp_path, mlp_budget_for_8):
     model = OneCycleModel(make_model("mlp", num_samples=128, batch_size=64))  # 2 steps an epoch as written
-    fill = MemoryFill(global_batch_size=32, max_memory=mlp_budget_for_8)  # 4 optimizer steps an epoch after
+    fill = MemoryFill(global_batch_size=32, max_memory=mlp_budget_for_8, margin=0.1)  # 4 optimizer steps an epoch after
     trainer = trainer_for(tmp_path, [fill], max_steps=-1, max_epochs=2)
     trainer.fit(model)
     assert (fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches) == (8, 4)
@@ -284,6 +284,7 @@ def test_explicit_precision_and_accumulation_are_respected(tmp_path, mlp_bf16_bu
         64,
         8,
         amp=True,
+        global_batch_size=32,
         max_memory=mlp_bf16_budget_for_8,
         trainer_kwargs=dict(precision="bf16-mixed", accumulate_grad_batches=4),
     )
@@ -319,7 +320,9 @@ class ManualModel(LightningModule):
 
 
 def test_manual_optimization_refuses_accumulation_with_the_reason(tmp_path, mlp_budget_for_8):
-    trainer = trainer_for(tmp_path, [MemoryFill(max_memory=mlp_budget_for_8, checkpointing=False)])
+    trainer = trainer_for(
+        tmp_path, [MemoryFill(global_batch_size=32, max_memory=mlp_budget_for_8, margin=0.1, checkpointing=False)]
+    )
     with pytest.raises(
         NoBatchSizeFitsError,
         match=r"largest micro-batch that fits is 1[5-9], but 32 .*manual optimization: Lightning cannot accumulate",
@@ -367,7 +370,7 @@ class UntraceableTransformer(type(make_model("transformer"))):
 def test_without_an_estimate_the_trials_turn_checkpointing_on(tmp_path, transformer_budget_needing_checkpointing):
     plain = make_model("transformer", num_samples=256, batch_size=32)
     model = UntraceableTransformer(plain.network, plain.inputs, batch_size=32)
-    fill = MemoryFill(global_batch_size=32, max_memory=transformer_budget_needing_checkpointing)
+    fill = MemoryFill(global_batch_size=32, max_memory=transformer_budget_needing_checkpointing, margin=0.1)
     trainer_for(tmp_path, [fill]).fit(model)
     plan = fill.plan
     assert plan.checkpointing and plan.micro_batch_size >= 8

@@ -58,7 +58,7 @@ CASES: dict[type, dict[str, list[Any]]] = {
     },
     BatchSizeSearch: {
         "max_memory": MEMORY,
-        "margin": ["0.1", True, NAN, -0.1, 1, 1.5, None],
+        "margin": ["0.1", "Auto", True, NAN, -0.1, 1, 1.5, None],
         "steps_per_trial": ints(1),
         "max_trials": ints(1),
         "min_batch_size": ints(1),
@@ -78,6 +78,7 @@ CASES: dict[type, dict[str, list[Any]]] = {
         "min_micro_batch_size": ints(1),
         "objective": ["speed", "Throughput", 1, None],
         "on_oom": ["Adapt", "retry", 1, None, True],
+        "scale_lr": ["Linear", "square", 1, True],
         "batch_arg_name": ["", 1, None],
         "steps_per_trial": ints(1),
         "max_trials": ints(1),
@@ -110,6 +111,7 @@ GPUOPT_CASES: dict[str, list[Any]] = {
     "batch_arg_name": ["", 1],
     "loader_max_seconds": [v for v in positive_numbers() if v is not None],
     "on_oom": ["Adapt", "retry", 1, True],
+    "scale_lr": ["Linear", "square", 1, True],
 }
 
 

@@ -39,12 +39,13 @@ MANUAL_TRIAL_BATCHES_AT_MOST = 8
 @dataclass
 class TrialOutcome:
     """This rank's side of one trial: whether it fitted here, its peak, the cap it ran under (``None``:
-    the device's own memory) and, when it ran out of memory, the error's message."""
+    the device's own memory), when it ran out of memory the error's message, and the peak of allocated bytes."""
 
     fitted: bool
     peak_bytes: Optional[int]
     cap_bytes: Optional[int]
     oom_message: Optional[str]
+    allocated_bytes: Optional[int] = None
 
 
 def gather_ranks(trainer: Any, values: Sequence[float]) -> list[list[float]]:
@@ -177,7 +178,8 @@ class Trials:
         peak = reserved if reserved is not None else meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= budget_bytes
         cap = (budget_bytes if not card.is_cuda else None) if capped else None
-        return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message)
+        allocated = None if meter.peak_bytes is None else int(meter.peak_bytes)
+        return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated)
 
     def _steps(self, meter: Any) -> None:
         """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran."""
