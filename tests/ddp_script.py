@@ -83,7 +83,7 @@ def search(out: Path) -> None:
     from lightning_gpuopt.core.report import to_dict
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # known before the processes join: budgets differ by rank
-    searcher = BatchSizeSearch(max_memory=SEARCH_BUDGETS[rank])
+    searcher = BatchSizeSearch(max_memory=SEARCH_BUDGETS[rank], margin=0.1)  # the check bisects at 90%
     model = make_model("mlp", num_samples=4096, batch_size=16)
     trainer = ddp_trainer(out, [searcher], max_steps=2)
     trainer.fit(model)
@@ -107,7 +107,7 @@ def nothing_fits(out: Path) -> None:
     from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    searcher = BatchSizeSearch(max_memory=NOTHING_FITS_BUDGETS[rank], max_trials=3)
+    searcher = BatchSizeSearch(max_memory=NOTHING_FITS_BUDGETS[rank], margin=0.1, max_trials=3)
     trainer = ddp_trainer(out, [searcher], max_steps=2)
     try:
         trainer.fit(make_model("mlp", num_samples=256, batch_size=16))
@@ -165,7 +165,7 @@ def simulated(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     model = make_model("cnn", num_samples=1024, batch_size=8)
     with SimulatedGpu("A100", memory=SIMULATED_CARDS[rank]) as gpu:
-        memory_fill = MemoryFill(global_batch_size=256, checkpointing=False, max_trials=4)  # max_memory: each card
+        memory_fill = MemoryFill(global_batch_size=512, checkpointing=False, max_trials=4)  # max_memory: each card
         trainer = ddp_trainer(out, [memory_fill], max_steps=2)
         trainer.fit(model)
     (out / f"simulated{trainer.global_rank}.json").write_text(

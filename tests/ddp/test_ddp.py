@@ -124,8 +124,8 @@ def test_ddp_on_simulated_cards_ranks_agree_on_the_tighter_card(launched):
     keys = ("precision", "micro_batch_size", "accumulate_grad_batches", "largest_fit")
     assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
     assert plans[0]["precision"] == "bf16-mixed"  # an A100: native bfloat16
-    assert plans[0]["micro_batch_size"] * plans[0]["accumulate_grad_batches"] * 2 == 256
-    assert plans[0]["accumulate_grad_batches"] > 1  # rank 1's 48 MiB card decided; rank 0's fits 128 whole
+    assert plans[0]["micro_batch_size"] * plans[0]["accumulate_grad_batches"] * 2 == 512
+    assert plans[0]["accumulate_grad_batches"] > 1  # rank 1's 48 MiB card decided; rank 0's fits 256 whole
     assert all(rank["global_step"] == 2 for rank in ranks)
     assert all(rank["peak_reserved"] <= rank["card"] for rank in ranks)  # no card ran out
 

@@ -263,7 +263,7 @@ def test_manual_optimization_is_not_adapted_and_says_so(tmp_path, dataset):
         warnings.simplefilter("always")
         trainer.fit(Manual(dataset, batch_size=8))
     assert any("cannot adapt manual optimization" in str(w.message) for w in caught)
-    assert any("needs automatic optimization" in reason for reason in fill.plan.reasons)
+    assert any("cannot adapt manual optimization" in reason for reason in fill.plan.reasons)
 
 
 def test_a_callback_calling_training_step_itself_gets_the_original(tmp_path, dataset):
