@@ -408,6 +408,7 @@ def test_fit_fills_the_estimate_logs_metrics_and_writes_the_report(tmp_path, cap
     report = read_json(Path(trainer.log_dir) / REPORT_FILENAME)
     assert from_dict(MemoryEstimate, report["memory"]) == estimate
     assert "gpuopt: memory estimate" in caplog.text and "measured peak" in caplog.text
+    assert caplog.text.count("kernel workspaces learned") == 1  # each note once: in the table
 
 
 def test_each_fit_gets_its_own_estimate():
