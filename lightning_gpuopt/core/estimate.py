@@ -17,7 +17,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
@@ -59,21 +59,6 @@ class TrainingStep:
     def __post_init__(self) -> None:
         if self.loss_fn is None and self.manual_step is None:
             raise ValueError("a TrainingStep needs `loss_fn` (automatic optimization) or `manual_step` (manual).")
-
-
-@dataclass
-class TracedStep:
-    """Figures of one traced step, in bytes as live at its end (``peak_bytes``: its peak)."""
-
-    batch_size: int | None
-    peak_bytes: int
-    params_bytes: int
-    buffers_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    batch_bytes: int
-    seconds: float
-    workspace_bytes: int = 0  #: kernel memory in the peak learned by the probe (workspaces, larger outputs)
 
 
 @dataclass
@@ -182,7 +167,9 @@ class StepEstimator:
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
             uses = "torchinfo's figures" if summary else "parameters, gradients, optimizer state and the batch only"
-            notes.append(f"the training step could not be traced on fake tensors ({reason}); the estimate uses {uses}")
+            notes.append(
+                f"the training step could not be traced on fake tensors ({reason}); the estimate uses {uses} and is less accurate"
+            )
             estimate = replace(self._fallback(summary), not_traced_reason=reason)
         if summary is not None:
             info, seconds = summary  # "Estimated Total Size": input, forward/backward pass and parameters
@@ -226,9 +213,9 @@ class StepEstimator:
             if predicted < 4:
                 break
             half, full = self.trace(predicted // 2), self.trace(predicted)
-            seconds += half.seconds + full.seconds
-            per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
-            fixed = full.peak_bytes + estimate.untraced_bytes - per_sample * predicted
+            seconds += (half.trace_seconds or 0.0) + (full.trace_seconds or 0.0)
+            per_sample = (full.predicted_peak_bytes - half.predicted_peak_bytes) / (predicted - predicted // 2)
+            fixed = full.predicted_peak_bytes + estimate.untraced_bytes - per_sample * predicted
             refined = _max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
             if refined is None or refined == predicted:
                 break
@@ -246,9 +233,9 @@ class StepEstimator:
             notes=[*estimate.notes, note] if predicted != first else estimate.notes,
         )
 
-    def trace(self, batch_size: int | None = None) -> TracedStep:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces;
-        with accumulation the second adds to the first one's gradients (a group's worst micro-batch)."""
+    def trace(self, batch_size: int | None = None) -> MemoryEstimate:
+        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces, as an estimate
+        (its peak; what is live at its end); with accumulation the second adds to the first one's gradients."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -267,8 +254,10 @@ class StepEstimator:
                 sized = functools.partial(storage_bytes, granularity=granularity)
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
-        size, seconds = batch_size or step.batch_size, time.perf_counter() - start
-        return TracedStep(size, tracker.peak_bytes, *held, seconds, tracker.workspace_bytes_at_peak)
+        seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
+        return _estimate_of(
+            batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds
+        )
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
@@ -293,16 +282,17 @@ class StepEstimator:
 
     def _traced(self) -> MemoryEstimate:
         step, profile, at_batch = self.step, self.workspaces, self.trace()
-        seconds = at_batch.seconds + (0.0 if profile is None else profile.seconds)
-        line: dict[str, float] = {}  # fixed_bytes and bytes_per_sample, with a batch size
+        seconds = (at_batch.trace_seconds or 0.0) + (0.0 if profile is None else profile.seconds)
+        fixed = per_sample = None  # without a batch size: no line
         if step.batch_size:
             at_double = self.trace(2 * step.batch_size)
-            seconds += at_double.seconds
-            per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
-            line = dict(fixed_bytes=at_batch.peak_bytes - per_sample * step.batch_size, bytes_per_sample=per_sample)
+            seconds += at_double.trace_seconds or 0.0
+            per_sample = (at_double.predicted_peak_bytes - at_batch.predicted_peak_bytes) / step.batch_size
+            fixed = at_batch.predicted_peak_bytes - per_sample * step.batch_size
         notes, n = [], step.accumulate_grad_batches
         if profile is not None and not profile.learned:
-            notes.append(f"kernel workspaces not counted ({profile.failure}): the peak leaves out kernels' own buffers")
+            left_out = "what kernels allocate inside themselves (e.g. oneDNN reorders)"
+            notes.append(f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out {left_out}")
         elif profile is not None:
             at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
             calls = f"{profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace sees"
@@ -319,7 +309,7 @@ class StepEstimator:
             notes.append(
                 f"manual optimization: traced {whole} and the steps of its {len(step.optimizers)} optimizer(s)"
             )
-        return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
+        return replace(at_batch, fixed_bytes=fixed, bytes_per_sample=per_sample, trace_seconds=seconds, notes=notes)
 
     def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
         step, params = self.step, list(self.step.module.parameters())
@@ -327,30 +317,25 @@ class StepEstimator:
         names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
         notes = [f"no rule for {names}: its state is measured after the first real step"] if rule is None else []
         trainable = [p for p in params if p.requires_grad]
-        held = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable)
-        figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
-        fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
+        fixed = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable), rule or 0
+        held = (*fixed, storage_bytes(step.batch) if summary is None else int(summary[0].total_input))
         if summary is None:
-            figures.peak_bytes = fixed + figures.batch_bytes
-            return _estimate_of(figures, "parameters-only", notes=notes)
-        figures.batch_bytes = int(summary[0].total_input)
-        per_batch = figures.batch_bytes + int(summary[0].total_output_bytes)
-        figures.peak_bytes = fixed + per_batch
+            return _estimate_of(step.batch_size, sum(held), held, "parameters-only", notes=notes)
+        per_batch = held[-1] + int(summary[0].total_output_bytes)
         per_sample = per_batch / step.batch_size if step.batch_size else None
-        return _estimate_of(figures, "torchinfo-fallback", fixed_bytes=fixed, bytes_per_sample=per_sample, notes=notes)
+        figures = dict(fixed_bytes=sum(fixed), bytes_per_sample=per_sample, notes=notes)
+        return _estimate_of(step.batch_size, sum(fixed) + per_batch, held, "torchinfo-fallback", **figures)
 
 
-def _estimate_of(figures: TracedStep, method: str, **changes: Any) -> MemoryEstimate:
-    shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
-    known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
-    return MemoryEstimate(
-        **shared,
-        activation_bytes=None if method == "parameters-only" else figures.peak_bytes - known - figures.batch_bytes,
-        torchinfo_total_bytes=None,
-        predicted_peak_bytes=figures.peak_bytes,
-        method=method,
-        **changes,
-    )
+def _estimate_of(
+    batch_size: int | None, peak: int, held: Sequence[int], method: str = "traced", **changes: Any
+) -> MemoryEstimate:
+    """The estimate of a step that peaks at ``peak`` bytes with ``held`` live at its end: the bytes of its parameters,
+    buffers, gradients, optimizer state and batch."""
+    params, buffers, grads, optimizer, batch = held
+    activations = None if method == "parameters-only" else peak - sum(held)
+    figures: dict[str, Any] = dict(buffers_bytes=buffers, batch_bytes=batch, batch_size=batch_size, method=method)
+    return MemoryEstimate(params, grads, optimizer, activations, None, peak, **figures, **changes)
 
 
 def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
@@ -475,9 +460,11 @@ def batch_to_trace(loader: Any, first: Any) -> tuple[Any, str, str | None]:
     samples were not looked at (``None``: they were). Where a map-style dataset's sample sizes vary (64 looked at,
     then all within 2 s), ``first``'s size in copies of its largest sample through ``collate_fn``; else ``first``."""
     size, dataset = batch_samples(first), getattr(loader, "dataset", None)
+    if size is None:  # no batch size: no line to extrapolate
+        return first, "the first batch", None
     said = f"the first batch (per-sample shapes {_shapes(first, size)})"
     batches = getattr(loader, "batch_sampler", None) is not None  # a DataLoader without batch_size=None
-    if size is None or dataset is None or not batches or isinstance(dataset, IterableDataset):
+    if dataset is None or not batches or isinstance(dataset, IterableDataset):
         return first, said, "the loader is a stream or batches no dataset, so its samples were not looked at"
     try:
         sizes = largest_samples_first(dataset, max_probe=64) and largest_samples_first(dataset, max_seconds=2.0)
@@ -485,7 +472,11 @@ def batch_to_trace(loader: Any, first: Any) -> tuple[Any, str, str | None]:
     except Exception as error:  # noqa: BLE001 - the user's dataset or collate_fn: trace the first batch
         return first, said, f"its samples could not be looked at ({_first_line(error)})"
     if sizes is None or sample_elements(longest, size) <= sample_elements(first, size):
-        return first, f"{said}, {'as long as the longest sample' if sizes else 'the samples looked at are alike'}", None
+        return (
+            first,
+            f"{said}{', as long as the longest sample' if sizes else '; the samples looked at are alike'}",
+            None,
+        )
     seen = "all" if sizes.complete else f"the {sizes.probed:,} looked at in 2 s; a larger one may exist"
     shapes = f"per-sample shapes {_shapes(longest, size)}, the first batch's {_shapes(first, size)}"
     return longest, f"{size} copies of the longest sample ({shapes}; of {sizes.total:,} samples, {seen})", None

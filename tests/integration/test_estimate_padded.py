@@ -101,7 +101,26 @@ def test_the_estimate_traces_a_batch_of_the_longest_sample_and_names_its_length(
     assert estimate.predicted_peak_bytes == pytest.approx(longest, rel=0.05)
     assert estimate.traced_batch.startswith("8 copies of the longest sample (per-sample shapes 64, 64, 64,")
     assert "the first batch's 8, 8, 8; of 72 samples, all)" in estimate.traced_batch
-    assert estimate.max_batch_size == int((200e6 - estimate.fixed_bytes) // estimate.bytes_per_sample)
+    # the line to the largest batch: a longest-length batch of the size it gives for 4 MB fills 4 MB
+    largest = int((4e6 - estimate.fixed_bytes) // estimate.bytes_per_sample)
+    assert steady_state_peak(pad_tokens([Sequences().items[-1]] * largest)) == pytest.approx(4e6, rel=0.05)
+
+
+def test_looking_at_samples_that_draw_random_numbers_leaves_training_as_without_the_estimator(tmp_path):
+    class Noisy(Sequences):
+        def __getitem__(self, index: int) -> torch.Tensor:  # a random crop, as augmentations draw
+            tokens = self.items[index]
+            return tokens[int(torch.randint(0, 2, ())) :]
+
+    def fit(callbacks: list) -> list[torch.Tensor]:
+        torch.manual_seed(7)
+        model = TinyBert(Noisy())
+        quiet_trainer(tmp_path, callbacks, max_steps=3).fit(model)
+        return [p.detach().clone() for p in model.parameters()]
+
+    by_hand, estimator = fit([]), MemoryEstimator(measure_steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(fit([estimator]), by_hand))
+    assert estimator.estimate.traced_batch.startswith("8 copies of the longest sample")
 
 
 def test_on_a_stream_the_estimate_says_it_traced_the_first_batch_and_what_longer_ones_cost(tmp_path):
