@@ -472,11 +472,7 @@ def batch_to_trace(loader: Any, first: Any) -> tuple[Any, str, str | None]:
     except Exception as error:  # noqa: BLE001 - the user's dataset or collate_fn: trace the first batch
         return first, said, f"its samples could not be looked at ({_first_line(error)})"
     if sizes is None or sample_elements(longest, size) <= sample_elements(first, size):
-        return (
-            first,
-            f"{said}{', as long as the longest sample' if sizes else '; the samples looked at are alike'}",
-            None,
-        )
+        return first, said + (", as long as the longest sample" if sizes else "; the samples looked at are alike"), None
     seen = "all" if sizes.complete else f"the {sizes.probed:,} looked at in 2 s; a larger one may exist"
     shapes = f"per-sample shapes {_shapes(longest, size)}, the first batch's {_shapes(first, size)}"
     return longest, f"{size} copies of the longest sample ({shapes}; of {sizes.total:,} samples, {seen})", None
