@@ -28,11 +28,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine.state import rng_kept
 from lightning_gpuopt.callbacks._engine.steps import loss_function, manual_step
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import MemoryEstimate, StepEstimator, TrainingStep, optimizer_state_rule_bytes
+from lightning_gpuopt.core.estimate import (
+    MemoryEstimate,
+    StepEstimator,
+    TrainingStep,
+    batch_to_trace,
+    optimizer_state_rule_bytes,
+)
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.op_memory import storage_bytes
@@ -53,6 +60,9 @@ class MemoryEstimator(Callback):
     The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
     Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
     batch size and at twice it; the line through both gives the largest batch size that fits ``max_memory``.
+    Where the samples of a map-style dataset vary in size (text padded per batch), the batch traced is copies of
+    the longest sample through the loader's ``collate_fn`` (``traced_batch`` names its shapes); on a stream it is
+    the first batch, and a note says that longer batches need more.
     A step that cannot be traced (``.item()``, data-dependent control flow, ``dataloader_iter``) falls back to
     torchinfo's figures with a warning saying why. Under DDP the gradient buckets are added and the measurement
     starts at the third step; gradient clipping's temporaries are not counted. Compiled code is traced eager.
@@ -77,9 +87,7 @@ class MemoryEstimator(Callback):
             parse_memory(max_memory, "cpu", name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
-        self.max_memory = max_memory
-        self.measure_steps = measure_steps
-        self.verbose = verbose
+        self.max_memory, self.measure_steps, self.verbose = max_memory, measure_steps, verbose
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
 
@@ -136,12 +144,14 @@ class MemoryEstimator(Callback):
         self._stop_meter()
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MemoryEstimate:
-        device = pl_module.device
-        optimizers = list(trainer.optimizers)
+        device, optimizers = pl_module.device, list(trainer.optimizers)
         if self.max_memory is not None:
             capacity = parse_memory(self.max_memory, device, name="max_memory", minimum=MIN_MAX_MEMORY_BYTES)
         else:
             capacity = device_for(device).usable_memory((pl_module, *optimizers))
+        with rng_kept():  # reading samples may draw random augmentations
+            traced, what, unseen = batch_to_trace(trainer.train_dataloader, batch)
+        longest, batch = traced is not batch, batch if traced is batch else trainer.strategy.batch_to_device(traced)
         step = TrainingStep(
             pl_module,
             batch,
@@ -153,11 +163,12 @@ class MemoryEstimator(Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             forward_input=_forward_input(trainer, pl_module, batch),
         )
-        estimate = StepEstimator(step).estimate(capacity)
+        estimate = StepEstimator(step).estimate(capacity).traced_on(batch, what, unseen)
+        if longest:
+            estimate.notes.append("the first steps measured may have shorter batches than the one traced")
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None
-        say = rank_zero_info if estimate.method == "traced" else rank_zero_warn
-        for note in estimate.notes:
-            say(f"MemoryEstimator: {note}")
+        for note in estimate.notes if estimate.method != "traced" else ():  # a traced estimate's are in the table
+            rank_zero_warn(f"MemoryEstimator: {note}")
         if isinstance(trainer.strategy.model, DistributedDataParallel):
             self._unmeasured_steps = 2  # DDP rebuilds its buckets in the second step
             if not trainer.strategy.model.gradient_as_bucket_view:
@@ -192,6 +203,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("method", estimate.method),
         *([("not traced because", estimate.not_traced_reason)] if estimate.not_traced_reason else []),
         ("batch size", str(estimate.batch_size)),
+        *([("batch traced", estimate.traced_batch)] if estimate.traced_batch else []),
         *([("micro-batches per optimizer step", str(accumulation))] if accumulation > 1 else []),
         ("parameters", format_bytes(estimate.params_bytes)),
         ("gradients", format_bytes(estimate.grads_bytes)),
@@ -218,8 +230,5 @@ def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
     example = pl_module.example_input_array
     if example is not None:
         return move_data_to_device(trainer.precision_plugin.convert_input(example), pl_module.device)
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    return None
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return first if isinstance(first, torch.Tensor) else None

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
@@ -60,6 +59,7 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     from lightning_gpuopt.callbacks._engine.steps import manual_step
     from lightning_gpuopt.core.device import cuda_available, device_for
     from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
+    from lightning_gpuopt.core.loader import batch_samples
     from lightning_gpuopt.core.memory import parse_memory
 
     for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
@@ -79,8 +79,8 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     module = module.to("cpu").train()
     module = module.to(torch.bfloat16) if args.precision == "bf16-true" else module
     trainer, datamodule = _trainer_and_datamodule(module, args, setup)
-    batch, loss_fn, inputs = _batch_and_loss(module, args, setup, datamodule)
-    setup.batch_size = _batch_size_of(batch)
+    batch, loss_fn, inputs, traced = _batch_and_loss(module, args, setup, datamodule)
+    setup.batch_size = batch_samples(batch)
     optimizers = _optimizers(module, args.optimizer, setup)
     if args.max_memory is None:
         setup.memory_source = f"what {device} can give a training step now (free + held by torch)"
@@ -106,6 +106,7 @@ def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     estimate = estimator.estimate(capacity)
     if estimate.max_batch_size and setup.batch_size and estimate.max_batch_size > 2 * setup.batch_size:
         estimate = estimator.refined(estimate)  # as BatchSizeSearch does; beyond 2B the line extrapolates
+    estimate = estimate if traced is None else estimate.traced_on(batch, *traced)
     return dataclasses.replace(estimate, notes=[*setup.notes, *estimate.notes]), setup
 
 
@@ -232,13 +233,11 @@ def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: Estima
             why = f"needs a LightningModule to train on its batches; `MODULE:CLASS`={args.target!r} is a plain torch.nn.Module."
             raise UsageError(f"`--datamodule`={args.datamodule!r} {why}")
         return None, None
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # no "GPU available: ..." lines in the command's output
+    logging.disable(logging.INFO)  # no "GPU available: ..." lines in the command's output
     try:
         trainer = Trainer(**_TRAINER)
     finally:
-        quiet.setLevel(level)
+        logging.disable(logging.NOTSET)
     compat.attach_data(trainer, module, datamodule=datamodule)
     trainer.strategy.connect(module)
     if datamodule is not None:
@@ -247,20 +246,13 @@ def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: Estima
     return trainer, datamodule
 
 
-def _batch_size_of(batch: Any) -> int | None:
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Trying to infer the batch_size from an ambiguous collection"
-            return int(extract_batch_size(batch))
-    except Exception:  # noqa: BLE001 - no tensor with a dimension in it
-        return None
-
-
 def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup, datamodule: Any) -> tuple:
-    """``(batch, loss_fn, forward_input)`` from --input-size, a dataloader, else example_input_array."""
+    """``(batch, loss_fn, forward_input, (what, unseen))`` from --input-size, a dataloader (``(what, unseen)`` as
+    :func:`~lightning_gpuopt.core.estimate.batch_to_trace` says; else ``None``), else example_input_array."""
     import torch
+
+    from lightning_gpuopt.core.estimate import sliced_batch
+    from lightning_gpuopt.core.loader import batch_samples
 
     setup.parameters = sum(p.numel() for p in module.parameters())
     if args.input_size:
@@ -282,7 +274,7 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
                 tensors.append(torch.randn(shape, device="cpu").to(dtype))
         batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
         setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
-        return batch, _stand_in_loss_fn(module, setup), batch
+        return batch, _stand_in_loss_fn(module, setup), batch, None
     found = _loader_batch(module, args.batch_size, setup, datamodule)
     if found is not None:
         return found
@@ -290,9 +282,10 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
     if example is None:
         why = "it has no train_dataloader() and no example_input_array; pass --input-size (e.g. --input-size 3,224,224, or --input-size 128 --dtype long for token ids), or for a LightningModule --datamodule MODULE:CLASS (a LightningDataModule whose train_dataloader() gives the batches)."
         raise UsageError(f"`MODULE:CLASS`={args.target!r} gives no batch: {why}")
-    batch = _resized(_on_host(example, module), args.batch_size or DEFAULT_BATCH_SIZE)
+    batch = _on_host(example, module)
+    batch = sliced_batch(batch, batch_samples(batch), args.batch_size or DEFAULT_BATCH_SIZE)
     setup.batch_source = "example_input_array, resized to the batch size"
-    return batch, _stand_in_loss_fn(module, setup), batch
+    return batch, _stand_in_loss_fn(module, setup), batch, None
 
 
 def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, datamodule: Any) -> tuple | None:
@@ -301,6 +294,8 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_gpuopt.callbacks._engine.steps import loss_function
+    from lightning_gpuopt.core.estimate import batch_to_trace, sliced_batch
+    from lightning_gpuopt.core.loader import batch_samples
 
     if datamodule is not None:
         source, owner = "the datamodule's train_dataloader()", datamodule
@@ -311,7 +306,9 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
     if batch_size is not None and isinstance(getattr(owner, "batch_size", None), int):
         owner.batch_size = batch_size
     try:
-        batch = _on_host(next(iter(owner.train_dataloader())), module)
+        loader = owner.train_dataloader()
+        batch, what, unseen = batch_to_trace(loader, next(iter(loader)))
+        batch = _on_host(batch, module)
     except Exception as error:  # noqa: BLE001 - the user's loader failed: say where, and what else works
         failed = f"{type(error).__name__}: {error}"
         if datamodule is not None:
@@ -319,9 +316,9 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
         why = f"train_dataloader() failed with a Trainer attached ({failed}); using example_input_array or --input-size instead"
         setup.notes.append(why)
         return None
-    loaded = _batch_size_of(batch)
+    loaded = batch_samples(batch)
     if batch_size is not None and loaded is not None and loaded != batch_size:
-        batch = _resized(batch, batch_size)
+        batch = sliced_batch(batch, loaded, batch_size)
         setup.notes.append(f"the dataloader gives batches of {loaded}; its samples are repeated to make {batch_size}")
     setup.batch_source = source
     example = getattr(module, "example_input_array", None)
@@ -331,8 +328,8 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
         setup.notes.append("no torchinfo summary: the batch is a dict and the model has no example_input_array")
     if is_overridden("training_step", module) and module.automatic_optimization:
         setup.loss = "the model's training_step()"
-        return batch, loss_function(module), forward_input
-    return batch, _stand_in_loss_fn(module, setup, forward_of=_first_tensor), forward_input
+        return batch, loss_function(module), forward_input, (what, unseen)
+    return batch, _stand_in_loss_fn(module, setup, forward_of=_first_tensor), forward_input, (what, unseen)
 
 
 def _first_tensor(batch: Any) -> Any:
@@ -349,24 +346,6 @@ def _on_host(data: Any, module: Any) -> Any:
     data = move_data_to_device(data, "cpu")
     bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters() if p.is_floating_point())
     return HalfPrecision("bf16-true").convert_input(data) if bf16 else data
-
-
-def _resized(batch: Any, batch_size: int) -> Any:
-    """``batch`` with the tensors of its leading dimension repeated or cut to ``batch_size`` rows."""
-    import torch
-
-    from lightning_gpuopt.core._torch_compat import tree_map
-
-    current = _batch_size_of(batch)
-    if current is None or current == batch_size:
-        return batch
-
-    def resize(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == current:
-            return value[torch.arange(batch_size, device=value.device) % current]
-        return value
-
-    return tree_map(resize, batch)
 
 
 def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = lambda b: b) -> Callable[[Any], Any]:

@@ -17,14 +17,17 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torchinfo
+from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, eager, profiler_running, tree_map
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for
+from lightning_gpuopt.core.loader import batch_samples, largest_samples_first
+from lightning_gpuopt.core.oom import sample_elements
 from lightning_gpuopt.core.op_memory import collect_tensors, storage_bytes
 from lightning_gpuopt.core.workspace import PROBE_BATCH_SIZE, WorkspaceProfile, WorkspaceRecorder, WorkspaceTracker
 
@@ -56,21 +59,6 @@ class TrainingStep:
     def __post_init__(self) -> None:
         if self.loss_fn is None and self.manual_step is None:
             raise ValueError("a TrainingStep needs `loss_fn` (automatic optimization) or `manual_step` (manual).")
-
-
-@dataclass
-class TracedStep:
-    """Figures of one traced step, in bytes as live at its end (``peak_bytes``: its peak)."""
-
-    batch_size: int | None
-    peak_bytes: int
-    params_bytes: int
-    buffers_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    batch_bytes: int
-    seconds: float
-    workspace_bytes: int = 0  #: kernel memory in the peak learned by the probe (workspaces, larger outputs)
 
 
 @dataclass
@@ -109,6 +97,7 @@ class MemoryEstimate:
     trace_seconds: float | None = None
     torchinfo_seconds: float | None = None
     not_traced_reason: str | None = None  #: why the step was not traced (``method`` is then a fallback)
+    traced_batch: str | None = None  #: which batch was traced, with its per-sample shapes (:func:`batch_to_trace`)
     notes: list[str] = field(default_factory=list)
 
     def with_measured_peak(self, measured_peak_bytes: int | None) -> MemoryEstimate:
@@ -125,6 +114,15 @@ class MemoryEstimate:
         added = optimizer_bytes - self.optimizer_bytes
         note = f"optimizer state measured after the first real step: {optimizer_bytes} bytes"
         return self._with_fixed_bytes_added(added, note, optimizer_bytes=optimizer_bytes)
+
+    def traced_on(self, batch: Any, what: str, unseen: str | None) -> MemoryEstimate:
+        """The estimate naming the ``batch`` it traced (``what``, from :func:`batch_to_trace`); where the samples
+        were not looked at (``unseen``: why), a note that longer ones need more, and about how much."""
+        note = f"traced {what}: {unseen}; batches of longer samples need more memory than this estimate"
+        length = next((int(t.shape[1]) for t in collect_tensors(batch) if t.dim() > 1), 0)
+        if length and self.bytes_per_sample:  # linear in the length; attention's scores grow with its square
+            note += f", about {self.bytes_per_sample / length:,.0f} bytes a sample per step of the length (dimension 1 of its first tensor with two or more, {length} here) or more"
+        return replace(self, traced_batch=what, notes=[*self.notes, *([note] if unseen else [])])
 
     def with_untraced_bytes(self, untraced_bytes: int, reason: str) -> MemoryEstimate:
         """Memory the real step holds outside the traced one, added."""
@@ -148,11 +146,11 @@ class StepEstimator:
 
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
         self.step, self._learns_workspaces = step, workspaces
+        self.card = device_for(_module_device(step.module) if step.device is None else torch.device(step.device))
 
     def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
         """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
-        step, notes = self.step, []
-        summary = None
+        step, notes, summary = self.step, [], None
         if step.forward_input is not None:
             try:
                 summary = _torchinfo_summary(step)
@@ -164,16 +162,13 @@ class StepEstimator:
         untraced = list(step.untraced)
         try:
             estimate = self._traced()
-            card = device_for(step.device if step.device is not None else _module_device(step.module))
-            if card.is_cuda and (cublas := card.capabilities.cublas_workspace_bytes):  # forward's and autograd's
+            if self.card.is_cuda and (cublas := self.card.capabilities.cublas_workspace_bytes):  # forward's, autograd's
                 untraced.insert(0, ("the cuBLAS workspaces of two threads (kept by the caching allocator)", 2 * cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
-            only = "parameters, gradients, optimizer state and the batch only (no torchinfo figures)"
-            uses = only if summary is None else "torchinfo's figures"
+            uses = "torchinfo's figures" if summary else "parameters, gradients, optimizer state and the batch only"
             notes.append(
-                f"the training step could not be traced on fake tensors ({reason}); the estimate uses "
-                f"{uses} and is less accurate"
+                f"the training step could not be traced on fake tensors ({reason}); the estimate uses {uses} and is less accurate"
             )
             estimate = replace(self._fallback(summary), not_traced_reason=reason)
         if summary is not None:
@@ -213,15 +208,14 @@ class StepEstimator:
         first = predicted = estimate.max_batch_size
         if estimate.method != "traced" or not self.step.batch_size or not predicted:
             return estimate
-        fixed = per_sample = None
-        seconds = 0.0
+        fixed, per_sample, seconds = None, None, 0.0
         for _ in range(passes):
             if predicted < 4:
                 break
             half, full = self.trace(predicted // 2), self.trace(predicted)
-            seconds += half.seconds + full.seconds
-            per_sample = (full.peak_bytes - half.peak_bytes) / (predicted - predicted // 2)
-            fixed = full.peak_bytes + estimate.untraced_bytes - per_sample * predicted
+            seconds += (half.trace_seconds or 0.0) + (full.trace_seconds or 0.0)
+            per_sample = (full.predicted_peak_bytes - half.predicted_peak_bytes) / (predicted - predicted // 2)
+            fixed = full.predicted_peak_bytes + estimate.untraced_bytes - per_sample * predicted
             refined = _max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
             if refined is None or refined == predicted:
                 break
@@ -239,13 +233,11 @@ class StepEstimator:
             notes=[*estimate.notes, note] if predicted != first else estimate.notes,
         )
 
-    def trace(self, batch_size: int | None = None) -> TracedStep:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces;
-        with accumulation the second adds to the first one's gradients (a group's worst micro-batch)."""
-        step, start = self.step, time.perf_counter()
-        target = _module_device(step.module) if step.device is None else torch.device(step.device)
-        granularity = CUDA_ALLOCATION_GRANULARITY if device_for(target).is_cuda else 1
-        profile = self.workspaces
+    def trace(self, batch_size: int | None = None) -> MemoryEstimate:
+        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces, as an estimate
+        (its peak; what is live at its end); with accumulation the second adds to the first one's gradients."""
+        step, start, profile = self.step, time.perf_counter(), self.workspaces
+        granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
@@ -262,19 +254,18 @@ class StepEstimator:
                 sized = functools.partial(storage_bytes, granularity=granularity)
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
-        size, seconds = batch_size or step.batch_size, time.perf_counter() - start
-        return TracedStep(size, tracker.peak_bytes, *held, seconds, tracker.workspace_bytes_at_peak)
+        seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
+        return _estimate_of(
+            batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds
+        )
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
-        """What the step's kernels allocate, from one real step on the host at ``min(batch_size, PROBE_BATCH_SIZE)``
-        samples on copies of the parameters and buffers; ``None`` for a step not on the host (a card's kernels
-        hold other buffers than the host's)."""
+        """What the step's kernels allocate, from one real host step at ``min(batch_size, PROBE_BATCH_SIZE)`` samples
+        on copies of the parameters and buffers; ``None`` off the host (a card's kernels hold other buffers)."""
         step = self.step
         tensors = collect_tensors(step.module, step.batch)
-        target = _module_device(step.module) if step.device is None else torch.device(step.device)
-        elsewhere = device_for(target).is_cuda
-        if not self._learns_workspaces or elsewhere or any(t.device.type != "cpu" for t in tensors):
+        if not self._learns_workspaces or self.card.is_cuda or any(t.device.type != "cpu" for t in tensors):
             return None
         size = None if step.batch_size is None else max(1, min(step.batch_size, PROBE_BATCH_SIZE))
         if profiler_running():
@@ -290,39 +281,35 @@ class StepEstimator:
         return WorkspaceProfile(tuple(recorder.calls), size, time.perf_counter() - start)
 
     def _traced(self) -> MemoryEstimate:
-        step, profile = self.step, self.workspaces
-        at_batch = self.trace()
-        seconds = at_batch.seconds + (0.0 if profile is None else profile.seconds)
-        line: dict[str, float] = {}  # fixed_bytes and bytes_per_sample, with a batch size
+        step, profile, at_batch = self.step, self.workspaces, self.trace()
+        seconds = (at_batch.trace_seconds or 0.0) + (0.0 if profile is None else profile.seconds)
+        fixed = per_sample = None  # without a batch size: no line
         if step.batch_size:
             at_double = self.trace(2 * step.batch_size)
-            seconds += at_double.seconds
-            per_sample = (at_double.peak_bytes - at_batch.peak_bytes) / step.batch_size
-            line = dict(fixed_bytes=at_batch.peak_bytes - per_sample * step.batch_size, bytes_per_sample=per_sample)
-        notes = []
+            seconds += at_double.trace_seconds or 0.0
+            per_sample = (at_double.predicted_peak_bytes - at_batch.predicted_peak_bytes) / step.batch_size
+            fixed = at_batch.predicted_peak_bytes - per_sample * step.batch_size
+        notes, n = [], step.accumulate_grad_batches
         if profile is not None and not profile.learned:
-            notes.append(
-                f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out what "
-                "kernels allocate inside themselves (e.g. oneDNN reorders)"
-            )
+            left_out = "what kernels allocate inside themselves (e.g. oneDNN reorders)"
+            notes.append(f"kernel workspaces not counted ({profile.failure}): the predicted peak leaves out {left_out}")
         elif profile is not None:
             at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
+            calls = f"{profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace sees"
+            probe = f"a real forward and backward pass on the host{at} ({calls}, {profile.seconds:.2f} s)"
             notes.append(
-                f"kernel workspaces learned from a real forward and backward pass on the host{at} "
-                f"({profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace "
-                f"sees, {profile.seconds:.2f} s): {at_batch.workspace_bytes} bytes of the predicted peak"
+                f"kernel workspaces learned from {probe}: {at_batch.workspace_bytes} bytes of the predicted peak"
             )
-        if step.accumulate_grad_batches > 1:
+        if n > 1:
             notes.append(
-                f"traced accumulating {step.accumulate_grad_batches} micro-batches per optimizer step: the gradients "
-                "of earlier micro-batches are alive through the next forward and backward pass"
+                f"traced accumulating {n} micro-batches per optimizer step: the gradients of earlier micro-batches are alive through the next forward and backward pass"
             )
         if step.manual_step is not None:
+            whole = "the whole training_step (from batch_idx 0 until every optimizer stepped), its backward passes"
             notes.append(
-                "manual optimization: traced the whole training_step (from batch_idx 0 until every optimizer stepped), its "
-                f"backward passes and the steps of its {len(step.optimizers)} optimizer(s)"
+                f"manual optimization: traced {whole} and the steps of its {len(step.optimizers)} optimizer(s)"
             )
-        return _estimate_of(at_batch, "traced", trace_seconds=seconds, notes=notes, **line)
+        return replace(at_batch, fixed_bytes=fixed, bytes_per_sample=per_sample, trace_seconds=seconds, notes=notes)
 
     def _fallback(self, summary: tuple[torchinfo.ModelStatistics, float] | None) -> MemoryEstimate:
         step, params = self.step, list(self.step.module.parameters())
@@ -330,41 +317,33 @@ class StepEstimator:
         names = ", ".join(type(optimizer).__name__ for optimizer in step.optimizers)
         notes = [f"no rule for {names}: its state is measured after the first real step"] if rule is None else []
         trainable = [p for p in params if p.requires_grad]
-        held = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable)
-        figures = TracedStep(step.batch_size, 0, *held, rule or 0, storage_bytes(step.batch), 0.0)
-        fixed = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
+        fixed = storage_bytes(params), storage_bytes(list(step.module.buffers())), storage_bytes(trainable), rule or 0
+        held = (*fixed, storage_bytes(step.batch) if summary is None else int(summary[0].total_input))
         if summary is None:
-            figures.peak_bytes = fixed + figures.batch_bytes
-            return _estimate_of(figures, "parameters-only", notes=notes)
-        figures.batch_bytes = int(summary[0].total_input)
-        per_batch = figures.batch_bytes + int(summary[0].total_output_bytes)
-        figures.peak_bytes = fixed + per_batch
+            return _estimate_of(step.batch_size, sum(held), held, "parameters-only", notes=notes)
+        per_batch = held[-1] + int(summary[0].total_output_bytes)
         per_sample = per_batch / step.batch_size if step.batch_size else None
-        return _estimate_of(figures, "torchinfo-fallback", fixed_bytes=fixed, bytes_per_sample=per_sample, notes=notes)
+        figures = dict(fixed_bytes=sum(fixed), bytes_per_sample=per_sample, notes=notes)
+        return _estimate_of(step.batch_size, sum(fixed) + per_batch, held, "torchinfo-fallback", **figures)
 
 
-def _estimate_of(figures: TracedStep, method: str, **changes: Any) -> MemoryEstimate:
-    shared = {key: value for key, value in asdict(figures).items() if key not in ("peak_bytes", "seconds")}
-    known = figures.params_bytes + figures.buffers_bytes + figures.grads_bytes + figures.optimizer_bytes
-    return MemoryEstimate(
-        **shared,
-        activation_bytes=None if method == "parameters-only" else figures.peak_bytes - known - figures.batch_bytes,
-        torchinfo_total_bytes=None,
-        predicted_peak_bytes=figures.peak_bytes,
-        method=method,
-        **changes,
-    )
+def _estimate_of(
+    batch_size: int | None, peak: int, held: Sequence[int], method: str = "traced", **changes: Any
+) -> MemoryEstimate:
+    """The estimate of a step that peaks at ``peak`` bytes with ``held`` live at its end: the bytes of its parameters,
+    buffers, gradients, optimizer state and batch."""
+    params, buffers, grads, optimizer, batch = held
+    activations = None if method == "parameters-only" else peak - sum(held)
+    figures: dict[str, Any] = dict(buffers_bytes=buffers, batch_bytes=batch, batch_size=batch_size, method=method)
+    return MemoryEstimate(params, grads, optimizer, activations, None, peak, **figures, **changes)
 
 
 def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequence[torch.Tensor]) -> None:
     """``step.manual_step``; or forward, ``zero_grads`` set to ``None``, backward and ``optimizers``' steps."""
-    if step.manual_step is not None:
-        with step.step_context():
-            step.manual_step(batch, optimizers)
-        return
-    assert step.loss_fn is not None
     with step.step_context():
-        loss = step.loss_fn(batch)
+        if step.manual_step is not None:
+            return step.manual_step(batch, optimizers)
+        loss = step.loss_fn(batch)  # type: ignore[misc]  # a TrainingStep has one of them
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
     for param in zero_grads:
@@ -376,9 +355,6 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
 
 def _module_device(module: torch.nn.Module) -> torch.device:
     return next((tensor.device for tensor in (*module.parameters(), *module.buffers())), torch.device("cpu"))
-
-
-_CONTAINERS = (list, dict, set, tuple, collections.OrderedDict, collections.defaultdict)
 
 
 def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]:
@@ -423,7 +399,6 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet
     """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied), compiled
     code runs eager and the ``quiet`` loggers are silent; after it its attributes, the logger levels, dynamo's
     caches and torch's, Python's and NumPy's RNG states are as before. Yields real id -> twin."""
-    twin_of: dict[int, Any] = {}
     stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
     slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]
     device = _module_device(module)
@@ -434,9 +409,8 @@ def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet
         try:
             for logger, _ in levels:
                 logger.setLevel(logging.CRITICAL + 1)
+            twin_of = {key: make(tensor) for key, tensor in {id(t): t for _, _, t in slots}.items()}  # tied: one twin
             for store, name, tensor in slots:
-                if id(tensor) not in twin_of:
-                    twin_of[id(tensor)] = make(tensor)
                 store[name] = twin_of[id(tensor)]
             yield twin_of
         finally:
@@ -481,10 +455,44 @@ def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fak
         return tree_map(resized, batch)
 
 
+def batch_to_trace(loader: Any, first: Any) -> tuple[Any, str, str | None]:
+    """``(batch, what, unseen)``: the batch to trace for ``loader`` (first batch ``first``), it in words, and why its
+    samples were not looked at (``None``: they were). Where a map-style dataset's sample sizes vary (64 looked at,
+    then all within 2 s), ``first``'s size in copies of its largest sample through ``collate_fn``; else ``first``."""
+    size, dataset = batch_samples(first), getattr(loader, "dataset", None)
+    if size is None:  # no batch size: no line to extrapolate
+        return first, "the first batch", None
+    said = f"the first batch (per-sample shapes {_shapes(first, size)})"
+    batches = getattr(loader, "batch_sampler", None) is not None  # a DataLoader without batch_size=None
+    if dataset is None or not batches or isinstance(dataset, IterableDataset):
+        return first, said, "the loader is a stream or batches no dataset, so its samples were not looked at"
+    try:
+        sizes = largest_samples_first(dataset, max_probe=64) and largest_samples_first(dataset, max_seconds=2.0)
+        longest = None if sizes is None else loader.collate_fn([dataset[sizes.order[0]] for _ in range(size)])
+    except Exception as error:  # noqa: BLE001 - the user's dataset or collate_fn: trace the first batch
+        return first, said, f"its samples could not be looked at ({_first_line(error)})"
+    if sizes is None or sample_elements(longest, size) <= sample_elements(first, size):
+        return first, said + (", as long as the longest sample" if sizes else "; the samples looked at are alike"), None
+    seen = "all" if sizes.complete else f"the {sizes.probed:,} looked at in 2 s; a larger one may exist"
+    shapes = f"per-sample shapes {_shapes(longest, size)}, the first batch's {_shapes(first, size)}"
+    return longest, f"{size} copies of the longest sample ({shapes}; of {sizes.total:,} samples, {seen})", None
+
+
+def _shapes(batch: Any, size: int | None) -> str:
+    return ", ".join("x".join(map(str, t.shape[1:])) or "1" for t in collect_tensors(batch) if _is_batched(t, size))
+
+
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views)."""
-    cut = new_batch_size is not None
-    return tree_map(lambda v: v[:new_batch_size] if cut and _is_batched(v, batch_size) else v, batch)
+    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views), or its rows
+    repeated to ``new_batch_size`` where it has fewer."""
+
+    def sliced(value: Any) -> Any:
+        if new_batch_size is None or not _is_batched(value, batch_size):
+            return value
+        rows = torch.arange(new_batch_size, device=value.device) % value.shape[0]
+        return value[:new_batch_size] if new_batch_size <= value.shape[0] else value[rows]
+
+    return tree_map(sliced, batch)
 
 
 def host_step_context(precision: str) -> StepContext:
