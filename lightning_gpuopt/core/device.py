@@ -256,17 +256,14 @@ _simulations: list[Device] = []
 
 @contextlib.contextmanager
 def simulating(device: Device) -> Iterator[Device]:
-    """Within the block, :func:`device_for` answers ``device`` for the host and for ``"cuda"``."""
+    """Within the block, :func:`device_for` answers ``device`` for the host and for ``"cuda"`` (one at a time)."""
+    if _simulations:
+        raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
     _simulations.append(device)
     try:
         yield device
     finally:
         _simulations.remove(device)
-
-
-def simulated_device() -> Optional[Device]:
-    """The simulated card in force, if any."""
-    return _simulations[-1] if _simulations else None
 
 
 def cuda_available() -> bool:
