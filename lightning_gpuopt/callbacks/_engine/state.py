@@ -76,16 +76,6 @@ def cloned(collection: Any) -> Any:
     return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
 
 
-def _progress_objects(loop: Any, seen: set[int]) -> Iterator[Any]:
-    """Every progress counter of ``loop`` and its child loops."""
-    for value in list(vars(loop).values()):
-        if isinstance(value, compat.progress_classes()) and id(value) not in seen:
-            seen.add(id(value))
-            yield value
-        elif isinstance(value, compat.loop_classes()):
-            yield from _progress_objects(value, seen)
-
-
 class TrainingState:
     """What the training state is now, to be put back by :meth:`restore` (see the module docstring)."""
 
@@ -99,7 +89,7 @@ class TrainingState:
         ]
         self.optimizers = [_host_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
-        self.progress = [(p, _host_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop, set())]
+        self.progress = [(p, _host_copy(p.state_dict())) for p in compat.progress_counters(trainer.fit_loop)]
         self.batches_that_stepped = compat.batches_that_stepped(trainer)
         self.should_stop = trainer.should_stop
         self.rng = rng_states()
