@@ -38,16 +38,6 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
 
 
-def loader_generators(loader: Any) -> list[torch.Generator]:
-    """The loader's own generators (its ``generator`` and its sampler's), which iterating it draws from."""
-    samplers = (
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    )
-    return [g for g in (getattr(owner, "generator", None) for owner in samplers) if isinstance(g, torch.Generator)]
-
-
 @contextlib.contextmanager
 def rng_kept(*loaders: Any) -> Iterator[None]:
     """The global RNG states and ``loaders``' own generators are as they were once the block ends.
@@ -58,7 +48,11 @@ def rng_kept(*loaders: Any) -> Iterator[None]:
     >>> torch.equal(torch.get_rng_state(), before)
     True
     """
-    generators = [generator for loader in loaders for generator in loader_generators(loader)]
+    # each loader's own generators, which iterating it draws from: its ``generator`` and its samplers'
+    samplers = [getattr(loader, "sampler", None) for loader in loaders]
+    samplers += [getattr(getattr(loader, "batch_sampler", None), "sampler", None) for loader in loaders]
+    owned = (getattr(owner, "generator", None) for owner in (*loaders, *samplers))
+    generators = [generator for generator in owned if isinstance(generator, torch.Generator)]
     states, generator_states = rng_states(), [generator.get_state() for generator in generators]
     try:
         yield
