@@ -172,7 +172,7 @@ def check_strategy(trainer: Any, callback: Any) -> None:
 
 
 def progress_counters(loop: Any, seen: Optional[set[int]] = None) -> list[Any]:
-    """Every progress counter (``loops.progress._BaseProgress``) of ``loop`` and its child loops (``loops.loop._Loop``)."""
+    """Every progress counter (``loops.progress._BaseProgress``) of ``loop`` and its child loops (``_Loop``)."""
     seen, found = set() if seen is None else seen, []
     for value in list(vars(loop).values()):
         if isinstance(value, any_namespace("loops.progress", "_BaseProgress")) and id(value) not in seen:

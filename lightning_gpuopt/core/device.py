@@ -15,6 +15,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import psutil
@@ -32,12 +33,9 @@ def _host_memory_bytes(available: bool = False) -> int:
     memory = psutil.virtual_memory()
     num_bytes = int(memory.available if available else memory.total)
     for path in _CGROUP_MEMORY_LIMIT_FILES:
-        try:
-            with open(path) as handle:
-                text = handle.read().strip()
-        except OSError:
-            continue
-        return min(num_bytes, int(text)) if text.isdigit() else num_bytes
+        with contextlib.suppress(OSError):
+            text = Path(path).read_text().strip()
+            return min(num_bytes, int(text)) if text.isdigit() else num_bytes
     return num_bytes
 
 

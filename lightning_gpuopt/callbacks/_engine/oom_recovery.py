@@ -230,8 +230,8 @@ class OomRecovery:
         )
         self.plan.oom_adaptations.append(adaptation)
         rank_zero_warn(
-            f"MemoryFill(on_oom='adapt'): out of memory at step {step} (batch {index}, {elements} elements per "
-            f"sample): micro-batch {attempted} → {adaptation.new_micro_batch_size}, the batch is trained again ({reason})."
+            f"MemoryFill(on_oom='adapt'): out of memory at step {step} (batch {index}, {elements} elements per sample):"
+            f" micro-batch {attempted} → {adaptation.new_micro_batch_size}, the batch is trained again ({reason})."
         )
         count, micro = float(len(self.plan.oom_adaptations)), float(adaptation.new_micro_batch_size)
         log_metrics(self.trainer, {"gpuopt/oom_adaptations": count, "gpuopt/oom_micro_batch_size": micro})
