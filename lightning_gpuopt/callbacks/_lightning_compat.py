@@ -140,12 +140,9 @@ def check_trainer_namespace(trainer: Any, callback: Any) -> None:
     if ours == theirs:
         return check_strategy(trainer, callback)
     name, kind = type(callback).__name__, f"`{type(trainer).__module__}.{type(trainer).__name__}`"
-    fix = _PACKAGE_FOR.get(theirs)
-    advice = (
-        f"import it as `from {fix} import {name}`"
-        if fix
-        else f"use it with a Trainer from `{ours}` ({kind} is neither)"
-    )
+    advice = f"use it with a Trainer from `{ours}` ({kind} is neither)"
+    if theirs in _PACKAGE_FOR:
+        advice = f"import it as `from {_PACKAGE_FOR[theirs]} import {name}`"
     raise TypeError(f"{name} from `{_PACKAGE_FOR[ours]}` is built on `{ours}`, but the Trainer is {kind}: {advice}.")
 
 

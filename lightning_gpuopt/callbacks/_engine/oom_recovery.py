@@ -162,11 +162,10 @@ class OomRecovery:
                     grads = [p.grad for p in params]
                 except BaseException as exc:
                     if not is_out_of_memory_error(exc):
-                        _put_back(params, kept)
                         raise
-                    error = f"{self._phase}: {_first_line(exc)}"
-                    phase = self._phase
-                _put_back(params, kept)
+                    phase, error = self._phase, f"{self._phase}: {_first_line(exc)}"
+                finally:
+                    _put_back(params, kept)
                 if error is not None:
                     value = output = grads = None
                     release_memory()
