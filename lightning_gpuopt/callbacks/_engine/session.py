@@ -181,14 +181,11 @@ class FitSession:
             undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, rebuilt)
         built, lightnings = self._lightnings is not None or compat.train_loader_built(trainer), self._lightnings
         self._probe, self._lightnings = None, None
-        if not changed and not (built and rebuild is not None):
-            if lightnings is not None:  # nothing changed: training uses the loader Lightning built, as by hand
-                compat.attach_train_loader(trainer, lightnings)
-            return False
-        compat.reset_train_loader(trainer)
-        if lightnings is not None:
+        if lightnings is not None:  # put back: training uses the loader Lightning built, as by hand, unless...
             compat.attach_train_loader(trainer, lightnings)
-            compat.reset_train_loader(trainer)
+        if not changed and not (built and rebuild is not None):
+            return False
+        compat.reset_train_loader(trainer)  # ...a change makes the loop build it again
         start, stop = self._configure_rng
         if start is not None:
             compat.set_rng_states(start)  # where configure_optimizers (and a loader built in it) first drew
