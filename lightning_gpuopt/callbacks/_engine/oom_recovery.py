@@ -64,8 +64,7 @@ class OomRecovery:
         self.limits = MicroBatchLimits()
         self._original = pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
-        self._in_loop_step = self._zeroed_expected = False
-        self._zeroed_seen = self._handed = False
+        self._in_loop_step = self._zeroed_expected = self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
         undo.set(trainer.strategy, "training_step", self._loop_step)
         self._strategy_optimizer_step = trainer.strategy.optimizer_step
@@ -126,7 +125,13 @@ class OomRecovery:
         expected = (grad_scale(scaler) if scaler is not None else 1.0) / trainer.accumulate_grad_batches
 
         def hand_over(grad_output: torch.Tensor) -> list:
-            self._check_zeroed()
+            self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
+            if self._zeroed_expected and not self._zeroed_seen:
+                raise RuntimeError(
+                    "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an "
+                    "accumulation group as expected, so the gradients set aside cannot be combined correctly; use "
+                    "on_oom='raise'."
+                )
             factor = grad_output / expected
             return [None if grad is None else grad.mul_(factor.to(grad.dtype)) for grad in grads]
 
@@ -134,14 +139,6 @@ class OomRecovery:
         if isinstance(output, Mapping):
             return {**{k: v for k, v in output.items() if k != "loss"}, "loss": loss}
         return loss
-
-    def _check_zeroed(self) -> None:
-        self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
-        if self._zeroed_expected and not self._zeroed_seen:
-            raise RuntimeError(
-                "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an accumulation "
-                "group as expected, so the gradients set aside cannot be combined correctly; use on_oom='raise'."
-            )
 
     def _train_until_it_fits(
         self, batch: Any, size: int, elements: int, idx: Any, params: list, kept: list, *call: Any
