@@ -30,12 +30,10 @@ def parse_memory(
 ) -> int:
     """Bytes from an int, a string with a decimal (``"300MB"``) or binary (``"20GiB"``) unit, or a
     float in ``(0, 1]`` (that fraction of ``device``); else ``ValueError`` naming ``name``."""
-    works = (
-        'an int of bytes >= {}, a string such as "300MB" or "20GiB", or a float in (0, 1] (a fraction of the device)'
-    )
+    works = f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", or a float in (0, 1] (of the device)'
 
     def fail(problem: str) -> ValueError:
-        return ValueError(f"`{name}`={value!r} {problem}; expected {works.format(minimum)}.")
+        return ValueError(f"`{name}`={value!r} {problem}; expected {works}.")
 
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise fail("is a bool" if isinstance(value, bool) else f"has type {type(value).__name__}")
