@@ -127,12 +127,11 @@ class SimulatedGpu:
 
     def __enter__(self) -> SimulatedGpu:
         with contextlib.ExitStack() as stack:
-            for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
+            contexts = (simulating(self.device), self.device, using_nvml_library(self.nvml), fp16_kept_on_cpu())
+            for context in (*contexts, warnings.catch_warnings()):
                 stack.enter_context(context)
-            stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")  # a no-op here
             self._entered = stack.pop_all()
-        self._entered.enter_context(fp16_kept_on_cpu())
         self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 
