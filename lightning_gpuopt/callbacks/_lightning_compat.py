@@ -140,12 +140,9 @@ def check_trainer_namespace(trainer: Any, callback: Any) -> None:
     if ours == theirs:
         return check_strategy(trainer, callback)
     name, kind = type(callback).__name__, f"`{type(trainer).__module__}.{type(trainer).__name__}`"
-    fix = _PACKAGE_FOR.get(theirs)
-    advice = (
-        f"import it as `from {fix} import {name}`"
-        if fix
-        else f"use it with a Trainer from `{ours}` ({kind} is neither)"
-    )
+    advice = f"use it with a Trainer from `{ours}` ({kind} is neither)"
+    if theirs in _PACKAGE_FOR:
+        advice = f"import it as `from {_PACKAGE_FOR[theirs]} import {name}`"
     raise TypeError(f"{name} from `{_PACKAGE_FOR[ours]}` is built on `{ours}`, but the Trainer is {kind}: {advice}.")
 
 
@@ -171,14 +168,16 @@ def check_strategy(trainer: Any, callback: Any) -> None:
     )
 
 
-def loop_classes() -> tuple[type, ...]:
-    """``loops.loop._Loop``: every loop."""
-    return any_namespace("loops.loop", "_Loop")
-
-
-def progress_classes() -> tuple[type, ...]:
-    """``loops.progress._BaseProgress``: every progress counter."""
-    return any_namespace("loops.progress", "_BaseProgress")
+def progress_counters(loop: Any, seen: Optional[set[int]] = None) -> list[Any]:
+    """Every progress counter (``loops.progress._BaseProgress``) of ``loop`` and its child loops (``_Loop``)."""
+    seen, found = set() if seen is None else seen, []
+    for value in list(vars(loop).values()):
+        if isinstance(value, any_namespace("loops.progress", "_BaseProgress")) and id(value) not in seen:
+            seen.add(id(value))
+            found.append(value)
+        elif isinstance(value, any_namespace("loops.loop", "_Loop")):
+            found += progress_counters(value, seen)
+    return found
 
 
 def batches_that_stepped(trainer: Any) -> int:
@@ -213,15 +212,12 @@ def signal_connector(trainer: Any) -> Any:
     return trainer._signal_connector
 
 
-def strategy_optimizer_lists(strategy: Any) -> tuple[Any, Any]:
-    """``(strategy._optimizers, strategy._lightning_optimizers)``."""
-    return strategy._optimizers, strategy._lightning_optimizers
-
-
-def set_strategy_optimizer_lists(strategy: Any, optimizers: Any, lightning_optimizers: Any) -> None:
-    """Set both lists as given (the public setter would build new ``LightningOptimizer`` wrappers)."""
-    strategy._optimizers = optimizers
-    strategy._lightning_optimizers = lightning_optimizers
+def swap_strategy_optimizers(strategy: Any, optimizers: Any, lightning_optimizers: Any) -> tuple[Any, Any]:
+    """Set ``strategy._optimizers`` and ``_lightning_optimizers`` as given (the public setter would build new
+    ``LightningOptimizer`` wrappers); returns the two lists they held."""
+    held = strategy._optimizers, strategy._lightning_optimizers
+    strategy._optimizers, strategy._lightning_optimizers = optimizers, lightning_optimizers
+    return held
 
 
 def to_lightning_optimizer(optimizer: Any, strategy: Any) -> LightningOptimizer:

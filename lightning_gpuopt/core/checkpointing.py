@@ -25,11 +25,6 @@ _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 _MISSING = object()
 
 
-def _is_key_value_cache(value: Any) -> bool:
-    """A HuggingFace ``Cache`` (``update`` and ``get_seq_length``), whatever the argument holding it is called."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
-
-
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with
     a sibling, hold parameters and have submodules (transformer layers, residual blocks), outermost only."""
@@ -94,7 +89,8 @@ def _running_stats_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args``/``kwargs`` with any key/value cache cleared and ``use_cache=False``, as the signature binds them."""
+    """``args``/``kwargs`` with any key/value cache (by argument name, or a HuggingFace ``Cache``: ``update`` and
+    ``get_seq_length``) cleared and ``use_cache=False``, as the signature binds them."""
     if signature is None:
         return args, kwargs
     try:
@@ -106,7 +102,8 @@ def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs:
     changed = False
     for store in stores:
         for name, value in list(store.items()):
-            if value is not None and (name in _CACHE_ARGUMENTS or _is_key_value_cache(value)):
+            cache = callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+            if value is not None and (name in _CACHE_ARGUMENTS or cache):
                 store[name], changed = None, True
         if store.get("use_cache"):
             store["use_cache"], changed = False, True

@@ -15,7 +15,8 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
 
 import psutil
 import torch
@@ -32,12 +33,9 @@ def _host_memory_bytes(available: bool = False) -> int:
     memory = psutil.virtual_memory()
     num_bytes = int(memory.available if available else memory.total)
     for path in _CGROUP_MEMORY_LIMIT_FILES:
-        try:
-            with open(path) as handle:
-                text = handle.read().strip()
-        except OSError:
-            continue
-        return min(num_bytes, int(text)) if text.isdigit() else num_bytes
+        with contextlib.suppress(OSError):
+            text = Path(path).read_text().strip()
+            return min(num_bytes, int(text)) if text.isdigit() else num_bytes
     return num_bytes
 
 
@@ -74,16 +72,6 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str = "", report
     if reported is not None or pairs:
         return reported if reported is not None else sum(int(kib) * 1024 * int(count) for kib, count in pairs)
     return 32 * 2**20 if 9 <= capability[0] <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8
-
-
-def peaks_from_stats(stats: Mapping[str, Any]) -> tuple[int, int, int]:
-    """``(peak allocated, peak reserved, alloc retries)`` in ``torch.cuda.memory_stats()`` (peaks since the last reset).
-
-    >>> peaks_from_stats({"allocated_bytes.all.peak": 5, "reserved_bytes.all.peak": 8, "num_alloc_retries": 1})
-    (5, 8, 1)
-    """
-    keys = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries")
-    return tuple(int(stats.get(key, 0)) for key in keys)  # type: ignore[return-value]
 
 
 class Device:
@@ -235,10 +223,11 @@ class _CudaPeakMeter(SpanMeter):
         _running_cuda_meters.append(self)
 
     def _fold(self) -> int:
-        allocated, reserved, retries = peaks_from_stats(torch.cuda.memory_stats(self.device.torch_device))
-        self.peak_bytes = max(self.peak_bytes or 0, allocated)
-        self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, reserved)
-        return retries
+        """Take the allocator's peaks since the last reset into this span's; its count of alloc retries."""
+        stats = torch.cuda.memory_stats(self.device.torch_device)
+        self.peak_bytes = max(self.peak_bytes or 0, int(stats.get("allocated_bytes.all.peak", 0)))
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, int(stats.get("reserved_bytes.all.peak", 0)))
+        return int(stats.get("num_alloc_retries", 0))
 
     def _end(self) -> None:
         try:
@@ -256,17 +245,14 @@ _simulations: list[Device] = []
 
 @contextlib.contextmanager
 def simulating(device: Device) -> Iterator[Device]:
-    """Within the block, :func:`device_for` answers ``device`` for the host and for ``"cuda"``."""
+    """Within the block, :func:`device_for` answers ``device`` for the host and for ``"cuda"`` (one at a time)."""
+    if _simulations:
+        raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
     _simulations.append(device)
     try:
         yield device
     finally:
         _simulations.remove(device)
-
-
-def simulated_device() -> Optional[Device]:
-    """The simulated card in force, if any."""
-    return _simulations[-1] if _simulations else None
 
 
 def cuda_available() -> bool:

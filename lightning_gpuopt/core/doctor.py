@@ -88,13 +88,6 @@ def cuda_driver_check(build: Optional[str], driver: Optional[int], driver_releas
     return Check("cuda_driver", "fail", value + ": the driver is too old, CUDA cannot start", fix, details)
 
 
-def _cuda_driver() -> Check:
-    with nvml.nvml_session() as (lib, _):
-        driver = None if lib is None else int(lib.nvmlSystemGetCudaDriverVersion())  # e.g. 12040 for CUDA 12.4
-        release = "" if lib is None else str(lib.nvmlSystemGetDriverVersion())  # e.g. "550.54.15"
-    return cuda_driver_check(torch.version.cuda, driver, release)
-
-
 def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
     """How the wheel runs on a GPU of ``capability``: "native" (a cubin for it or an earlier minor
     of its major), "ptx" (JIT-compiled from PTX at start-up) or "none"."""
@@ -162,10 +155,10 @@ def _gpus() -> Check:
             return Check("gpus", "info", f"{', '.join(names)} (NVML unavailable: {why})")
         return Check("gpus", "warn", f"no GPU visible: {why}", _NO_GPU_FIX, {"count": 0})
     value, gpus = "; ".join(text for text, _ in rows) or "the driver shows no GPU", [gpu for _, gpu in rows]
-    if not any(gpu["visible"] for gpu in gpus):
+    visible = [gpu for gpu in gpus if gpu["visible"]]
+    if not visible:
         value += f"; none visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         return Check("gpus", "warn", value, _NO_GPU_FIX, {"gpus": gpus})
-    visible = [gpu for gpu in gpus if gpu["visible"]]
     hot = [g for g in visible if (g["utilization_percent"] or 0) > _BUSY_UTILISATION]
     full = [g for g in visible if (g["memory_used_bytes"] or 0) > _BUSY_MEMORY * (g["memory_total_bytes"] or 0)]
     busy = ", ".join(str(g["index"]) for g in visible if g in hot or g in full)
@@ -247,6 +240,16 @@ def gpu_matmul_check(name: str, tflops: dict[str, float], size: int) -> Check:
     return Check("matmul", "info" if peaks is None else "warn" if low else "ok", value, fix if low else "", details)
 
 
+def _timed(card: device_layer.Device, repeats: int, call: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """Seconds ``repeats`` calls take once the device is idle, to the end of their work on it."""
+    card.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call(*args, **kwargs)
+    card.synchronize()
+    return time.perf_counter() - start
+
+
 def _matmul_flops(kind: str, size: int, device: torch.device | str, seconds: float) -> float:
     """Achieved FLOP/s of ``size x size`` matmuls in ``kind`` (fp32, tf32 or bf16) over about ``seconds``."""
     card, precision = device_layer.device_for(device), torch.get_float32_matmul_precision()
@@ -255,16 +258,8 @@ def _matmul_flops(kind: str, size: int, device: torch.device | str, seconds: flo
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32
         a, b = (torch.randn(size, size, device=device).to(dtype) for _ in "ab")
         out = torch.matmul(a, b)  # warm-up: kernel choice, clocks
-        card.synchronize()
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        card.synchronize()
-        repeats = max(1, min(10_000, int(seconds / max(time.perf_counter() - start, 1e-6))))
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.matmul(a, b, out=out)
-        card.synchronize()
-        return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+        repeats = max(1, min(10_000, int(seconds / max(_timed(card, 1, torch.matmul, a, b, out=out), 1e-6))))
+        return 2.0 * size**3 * repeats / _timed(card, repeats, torch.matmul, a, b, out=out)
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -382,12 +377,7 @@ def _pinned_memory(num_bytes: int = 64 * 2**20) -> Check:
     card = device_layer.device_for(target.device)
     for source in (pinned, torch.empty(num_bytes, dtype=torch.uint8)):  # pinned, then pageable
         target.copy_(source, non_blocking=True)  # warm-up
-        card.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            target.copy_(source, non_blocking=True)
-        card.synchronize()
-        speeds.append(3 * num_bytes / (time.perf_counter() - start) / 1e9)
+        speeds.append(3 * num_bytes / _timed(card, 3, target.copy_, source, non_blocking=True) / 1e9)
     return pinned_memory_check(num_bytes, seconds, *speeds)
 
 
@@ -418,8 +408,8 @@ def _shm(path: str = "/dev/shm") -> Check:
 
 #: every check by name, in order (the GPU processes before the benchmark puts this process on the GPU)
 CHECKS: dict[str, Callable[..., Check]] = {
-    "torch_build": _torch_build, "cuda_driver": _cuda_driver, "gpu_arch": _gpu_arch, "gpus": _gpus,
-    "gpu_processes": _gpu_processes, "matmul": _matmul,
+    "torch_build": _torch_build, "cuda_driver": lambda: cuda_driver_check(torch.version.cuda, *nvml.driver_versions()),
+    "gpu_arch": _gpu_arch, "gpus": _gpus, "gpu_processes": _gpu_processes, "matmul": _matmul,
     "cpu_cores": lambda: cpu_cores_check(os.cpu_count() or 1, usable_cpu_count(within_quota=False), cgroup_cpu_quota()),
     "torch_threads": _torch_threads, "blas": _blas, "pinned_memory": _pinned_memory, "shm": _shm,
 }  # fmt: skip

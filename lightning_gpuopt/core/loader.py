@@ -31,6 +31,8 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from lightning_gpuopt.core.op_memory import leaves
+
 #: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
 IO_BOUND_WORKERS_PER_CORE = 4
 CLEAR_MARGIN = 0.10  #: how much faster than the user's setting a choice must be to replace it
@@ -184,10 +186,7 @@ def batch_samples(batch: object) -> Optional[int]:
     >>> batch_samples(({"x": torch.zeros(8, 3)}, torch.zeros(8)))
     8
     """
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((found for found in map(batch_samples, items) if found is not None), None)
+    return next((int(leaf.shape[0]) for leaf in leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 
 
 def time_loader(

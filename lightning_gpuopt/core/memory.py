@@ -30,26 +30,17 @@ def parse_memory(
 ) -> int:
     """Bytes from an int, a string with a decimal (``"300MB"``) or binary (``"20GiB"``) unit, or a
     float in ``(0, 1]`` (that fraction of ``device``); else ``ValueError`` naming ``name``."""
-    works = (
-        f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", '
-        "or a float in (0, 1] (a fraction of the device)"
-    )
+    works = f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", or a float in (0, 1] (of the device)'
 
     def fail(problem: str) -> ValueError:
         return ValueError(f"`{name}`={value!r} {problem}; expected {works}.")
 
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise fail("is a bool" if isinstance(value, bool) else f"has type {type(value).__name__}")
+    of, hint = "", ""
     if isinstance(value, int):
-        if value <= 0:
-            raise fail("is not positive")
-        if value < minimum:
-            raise ValueError(
-                f"`{name}`={value!r} is {value} byte{'s' if value != 1 else ''}, below the minimum of "
-                f"{minimum} bytes; for the whole device give the fraction 1.0. Expected {works}."
-            )
-        return value
-    if isinstance(value, float):
+        num_bytes, hint = value, "; for the whole device give the fraction 1.0"
+    elif isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise fail("is a float outside (0, 1]")
         if device is None:
@@ -58,19 +49,17 @@ def parse_memory(
                 'pass `device=` or give bytes / a string such as "20GiB".'
             )
         total = device_for(device).total_memory()
-        num_bytes = int(value * total)
-        if num_bytes < minimum:
-            raise fail(f"is {num_bytes} bytes of the device's {total}, below the minimum of {minimum} bytes")
-        return num_bytes
-    match = _MEMORY_STRING.match(value)
-    if match is None:
-        raise fail("is not a memory size")
-    unit = (match.group(2) or "B").upper()  # K, M, G, T: powers of 1000, or of 1024 with an "i"
-    num_bytes = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0]))
-    if num_bytes <= 0:
-        raise fail("is zero bytes")
+        num_bytes, of = int(value * total), f" of the device's {total}"
+    else:
+        match = _MEMORY_STRING.match(value)
+        if match is None:
+            raise fail("is not a memory size")
+        unit = (match.group(2) or "B").upper()  # K, M, G, T: powers of 1000, or of 1024 with an "i"
+        num_bytes = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0]))
+    if num_bytes <= 0 and not of:
+        raise fail("is not positive" if hint else "is zero bytes")
     if num_bytes < minimum:
-        raise fail(f"is {num_bytes} bytes, below the minimum of {minimum} bytes")
+        raise fail(f"is {num_bytes} bytes{of}, below the minimum of {minimum} bytes{hint}")
     return num_bytes
 
 

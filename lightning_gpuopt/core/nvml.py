@@ -227,6 +227,14 @@ def nvml_devices(lib: Any, uuids: Optional[Sequence[str]] = None) -> tuple[list[
     return devices, [index for index, _ in entries]
 
 
+def driver_versions() -> tuple[Optional[int], str]:
+    """The CUDA version the driver supports (``12040``: 12.4) and its release (``"550.54.15"``); ``(None, "")``."""
+    with nvml_session() as (lib, _):
+        if lib is None:
+            return None, ""
+        return int(lib.nvmlSystemGetCudaDriverVersion()), str(lib.nvmlSystemGetDriverVersion())
+
+
 def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
     """``(utilisation % or None on MIG, memory used, memory total)`` of a device now; used from the v2 memory
     struct where the driver has it (v1's ``used`` counts the driver's reserved memory too)."""
@@ -304,9 +312,7 @@ class NvmlSampler:
 
     def _sample_once(self) -> None:
         lib = self._lib
-        for device in self._devices if lib is not None else []:
-            if device.handle is None:
-                continue
+        for device in [d for d in self._devices if d.handle is not None] if lib is not None else []:
             try:
                 reading = read_usage(lib, device.handle)
             except lib.NVMLError as error:

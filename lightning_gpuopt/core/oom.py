@@ -16,9 +16,11 @@ batch's gradient **when the loss is a mean over the batch's samples** (``reducti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
+
+from lightning_gpuopt.core.op_memory import leaves
 
 
 class BatchSplitError(ValueError):
@@ -71,19 +73,11 @@ class MicroBatchLimits:
         return adaptation
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch nested in dicts, lists and tuples."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (dict, list, tuple)):
-        for value in batch.values() if isinstance(batch, dict) else batch:
-            yield from _tensors(value)
-
-
 def sample_elements(batch: Any, batch_size: int) -> int:
     """Elements per sample of ``batch`` (its tensors' elements / ``batch_size``, summed): the size of sample
     :class:`MicroBatchLimits` keys on (a padded batch of long sequences has more)."""
-    return sum(tensor.numel() // max(1, batch_size) for tensor in _tensors(batch) if tensor.dim() > 0)
+    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    return sum(tensor.numel() // max(1, batch_size) for tensor in tensors)
 
 
 def split_batch(batch: Any, size: int, *, batch_size: int) -> list[tuple[Any, float]]:

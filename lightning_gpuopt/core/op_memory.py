@@ -84,15 +84,10 @@ _lock = threading.Lock()
 _VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
-def _op_key(func: Any, flat: list) -> tuple:
-    """The op, the intra-op threads (oneDNN picks kernels by them) and its arguments' metadata."""
-
-    def key(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
-        return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
-
-    return (func, torch.get_num_threads(), *map(key, flat))
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
+    return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
 
 
 def _peak_from(records: list) -> int:
@@ -110,8 +105,9 @@ def _peak_from(records: list) -> int:
 
 def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[int]]:
     """``func``'s output and the peak its kernel allocated, learned once per key (``None``: unknown and another
-    profiler runs); ``flat``: the :func:`leaves` of ``(args, kwargs)``."""
-    key = _op_key(func, flat)
+    profiler runs); ``flat``: the :func:`leaves` of ``(args, kwargs)``. The key: the op, the intra-op threads
+    (oneDNN picks kernels by them) and its arguments' metadata."""
+    key = (func, torch.get_num_threads(), *map(_leaf_key, flat))
     known = _templates.get(key)
     if known is not None or compat.profiler_running():
         return func(*args, **kwargs), known

@@ -90,32 +90,14 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     figure, axes = _new_figure(axes)
     sizes = [trial.batch_size for trial in search.trials] + [search.batch_size or 0]
     right = max(sizes) * 1.15 if max(sizes) > 0 else 1.0
-    ceiling = (
-        max(
-            [search.budget_bytes or 0, (estimate.capacity_bytes or 0) if estimate else 0]
-            + [trial.peak_bytes or 0 for trial in search.trials]
-        )
-        / _MIB
-    )
+    peaks = [search.budget_bytes or 0, (estimate.capacity_bytes or 0) if estimate else 0]
+    ceiling = max(peaks + [trial.peak_bytes or 0 for trial in search.trials]) / _MIB
     fitted = [trial for trial in search.trials if trial.fits and trial.peak_bytes is not None]
-    axes.scatter(
-        [t.batch_size for t in fitted],
-        [(t.peak_bytes or 0) / _MIB for t in fitted],
-        color="#2ca02c",
-        marker="o",
-        zorder=3,
-        label="fits: peak compared with the budget",
-    )
-    missed = [trial for trial in search.trials if not trial.fits]
-    axes.scatter(
-        [t.batch_size for t in missed],
-        [ceiling] * len(missed),
-        color="#d62728",
-        marker="x",
-        zorder=3,
-        clip_on=False,
-        label="out of memory (drawn at the top)",
-    )
+    missed = [trial.batch_size for trial in search.trials if not trial.fits]
+    dots = dict(marker="o", zorder=3, label="fits: peak compared with the budget")
+    axes.scatter([t.batch_size for t in fitted], [(t.peak_bytes or 0) / _MIB for t in fitted], color="#2ca02c", **dots)
+    crosses = dict(marker="x", zorder=3, clip_on=False, label="out of memory (drawn at the top)")
+    axes.scatter(missed, [ceiling] * len(missed), color="#d62728", **crosses)
     for number, trial in enumerate(search.trials, 1):
         place = (trial.batch_size, (trial.peak_bytes or 0) / _MIB if trial.fits else ceiling)
         axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=8, color="#555555")
@@ -126,17 +108,13 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         axes.plot([0, right], ends, linestyle="--", color="#555555", label=label)
     if estimate is not None and estimate.measured_peak_bytes and estimate.batch_size:
         error = f", estimate {estimate.estimate_error:+.1%}" if estimate.estimate_error is not None else ""
-        axes.scatter(
-            [estimate.batch_size],
-            [estimate.measured_peak_bytes / _MIB],
-            color="#9467bd",
-            marker="D",
-            zorder=4,
-            label=f"measured at {estimate.batch_size}: allocated{error}",
-        )
+        label = f"measured at {estimate.batch_size}: allocated{error}"
+        measured = estimate.measured_peak_bytes / _MIB
+        axes.scatter([estimate.batch_size], [measured], color="#9467bd", marker="D", zorder=4, label=label)
     if search.budget_bytes:
-        budget_mib = search.budget_bytes / _MIB
-        axes.axhline(budget_mib, color="#ff7f0e", label=f"budget ({budget_mib:,.1f} MiB)")
+        axes.axhline(
+            search.budget_bytes / _MIB, color="#ff7f0e", label=f"budget ({search.budget_bytes / _MIB:,.1f} MiB)"
+        )
     if estimate is not None and estimate.capacity_bytes:
         capacity = estimate.capacity_bytes / _MIB
         axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"device capacity ({capacity:,.1f} MiB)")

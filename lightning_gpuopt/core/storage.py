@@ -71,6 +71,8 @@ def filesystem(url: str) -> tuple[Any, str]:
     """``(fsspec filesystem, path in it)`` for ``url``; :class:`FilesystemUnavailableError` when the
     protocol's package is not installed or the protocol is unknown."""
     from fsspec.core import url_to_fs
+    from fsspec.registry import known_implementations
+    from fsspec.utils import get_protocol
 
     try:
         return url_to_fs(url)
@@ -78,24 +80,13 @@ def filesystem(url: str) -> tuple[Any, str]:
         missing = isinstance(error, ImportError)  # else a ValueError: is it an unknown protocol?
         if not missing and "protocol not known" not in str(error).lower():
             raise
-        protocol, package = _missing_implementation(url, str(error) if missing else "")
-        reason = str(error) or type(error).__name__
-        raise FilesystemUnavailableError(url, protocol, package if missing else None, reason) from error
-
-
-def _missing_implementation(url: str, message: str) -> tuple[str, Optional[str]]:
-    """The protocol of ``url`` (of a chain ``a::b://...``, the one whose import failed) and the package
-    fsspec's registry names for it (``s3`` -> ``s3fs``; ``None``: unknown protocol)."""
-    from fsspec.registry import known_implementations
-    from fsspec.utils import get_protocol
-
-    protocols = [get_protocol(part) for part in url.split("::")]
-    known = [protocol for protocol in protocols if protocol in known_implementations]
-    failed = [protocol for protocol in known if known_implementations[protocol].get("err") == message]
-    protocol = (failed or known or protocols)[0]
-    if protocol not in known_implementations:
-        return protocol, None
-    return protocol, known_implementations[protocol]["class"].split(".")[0]
+        # the protocol (of a chain ``a::b://...``, the one whose import failed) and its package in fsspec's registry
+        protocols = [get_protocol(part) for part in url.split("::")]
+        known = [protocol for protocol in protocols if protocol in known_implementations]
+        failed = [name for name in known if missing and known_implementations[name].get("err") == str(error)]
+        protocol = (failed or known or protocols)[0]
+        package = known_implementations[protocol]["class"].split(".")[0] if missing and protocol in known else None
+        raise FilesystemUnavailableError(url, protocol, package, str(error) or type(error).__name__) from error
 
 
 def read_bytes(location: Location) -> bytes:

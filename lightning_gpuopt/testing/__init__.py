@@ -16,7 +16,7 @@ import warnings
 from typing import Any, Optional, Union
 
 from lightning_gpuopt.callbacks._lightning_compat import fp16_kept_on_cpu
-from lightning_gpuopt.core.device import simulated_device, simulating
+from lightning_gpuopt.core.device import simulating
 from lightning_gpuopt.core.memory import parse_memory
 from lightning_gpuopt.core.nvml import using_nvml_library
 from lightning_gpuopt.testing._allocator import CachingAllocatorModel
@@ -65,19 +65,16 @@ class SimulatedGpu:
         cublas_workspace: Optional[int] = None,
         nvml_error: Optional[str] = None,
     ) -> None:
-        if not isinstance(profile, GpuProfile) and profile not in GPU_PROFILES:
-            raise ValueError(
-                f"`profile`={profile!r} is not a known card; expected one of "
-                f"{', '.join(map(repr, GPU_PROFILES))} or a GpuProfile."
-            )
-        base = profile if isinstance(profile, GpuProfile) else GPU_PROFILES[profile]
+        base = profile if isinstance(profile, GpuProfile) else GPU_PROFILES.get(profile)
+        if base is None:
+            known = ", ".join(map(repr, GPU_PROFILES))
+            raise ValueError(f"`profile`={profile!r} is not a known card; expected one of {known} or a GpuProfile.")
         if isinstance(memory, float) and 0 < memory <= 1:
             total = int(memory * base.total_bytes)
         else:
             total = base.total_bytes if memory is None else parse_memory(memory, name="memory")
-        if context_memory is None:
-            context = int(base.context_bytes * total / base.total_bytes)
-        else:
+        context = int(base.context_bytes * total / base.total_bytes)
+        if context_memory is not None:
             context = 0 if context_memory == 0 else parse_memory(context_memory, name="context_memory")
         if context >= total:
             raise ValueError(
@@ -129,15 +126,12 @@ class SimulatedGpu:
         return 0 if now <= then else round(100 * min(1.0, (busy - busy_then) / (now - then)))
 
     def __enter__(self) -> SimulatedGpu:
-        if simulated_device() is not None:
-            raise RuntimeError("a SimulatedGpu is already entered; simulate one card at a time")
         with contextlib.ExitStack() as stack:
-            for context in (simulating(self.device), self.device, using_nvml_library(self.nvml)):
+            contexts = (simulating(self.device), self.device, using_nvml_library(self.nvml), fp16_kept_on_cpu())
+            for context in (*contexts, warnings.catch_warnings()):
                 stack.enter_context(context)
-            stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")  # a no-op here
             self._entered = stack.pop_all()
-        self._entered.enter_context(fp16_kept_on_cpu())
         self._last_reading = (time.perf_counter(), self.device.busy_s)
         return self
 

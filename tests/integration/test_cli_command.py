@@ -19,7 +19,7 @@ import torch
 from helpers import REPO, TESTS, usable_cores_from_the_os
 
 from lightning_gpuopt import cli
-from lightning_gpuopt.cli.command import DEFAULT_BATCH_SIZE
+from lightning_gpuopt.cli._estimate_inputs import DEFAULT_BATCH_SIZE
 from lightning_gpuopt.core import doctor
 from lightning_gpuopt.core.loader import usable_cpu_count
 from lightning_gpuopt.core.op_memory import LiveTensorTracker

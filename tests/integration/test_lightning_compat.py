@@ -188,9 +188,8 @@ def _is_source(value: Any, c: ModuleType) -> bool:
 
 
 def _progress(trainer: Any, c: ModuleType) -> list:
-    """What the trial engine saves and resets: its walk over the loops (of this namespace's build)."""
-    state = importlib.import_module(c.__name__.replace("_lightning_compat", "_engine.state"))
-    return list(state._progress_objects(trainer.fit_loop, set()))
+    """What the trial engine saves and resets: the counters of the loops (of this namespace's build)."""
+    return c.progress_counters(trainer.fit_loop)
 
 
 #: attribute -> (how it is read, what it must be, the check); each read in on_train_batch_start
@@ -254,17 +253,16 @@ ATTRIBUTES: dict[str, tuple[Callable[[Any, ModuleType], Any], str, Callable[[Any
             and len(v) == 1
             and isinstance(v[0], c.any_namespace("core.optimizer", "LightningOptimizer"))
             and v[0].optimizer is t.strategy._optimizers[0]
-            and c.strategy_optimizer_lists(t.strategy)[1] is v
         ),
     ),
     "fit loop progress counters (_Loop / _BaseProgress)": (
         lambda t, c: _progress(t, c),
         "the fit loop and its epoch loop being _Loop instances holding _BaseProgress counters",
         lambda v, t, c: (
-            isinstance(t.fit_loop, c.loop_classes())
-            and isinstance(t.fit_loop.epoch_loop, c.loop_classes())
+            isinstance(t.fit_loop, c.any_namespace("loops.loop", "_Loop"))
+            and isinstance(t.fit_loop.epoch_loop, c.any_namespace("loops.loop", "_Loop"))
             and len(v) >= 3
-            and all(isinstance(p, c.progress_classes()) and callable(p.reset) for p in v)
+            and all(isinstance(p, c.any_namespace("loops.progress", "_BaseProgress")) and callable(p.reset) for p in v)
         ),
     ),
     "trainer._data_connector.attach_data": (
@@ -540,12 +538,14 @@ def test_precision_as_asked_and_fp16_kept_on_cpu(ns):
 
 def test_strategy_optimizer_lists_round_trip(ns, fitted):
     c, strategy = ns.compat, fitted["trainer"].strategy
-    saved = c.strategy_optimizer_lists(strategy)
-    c.set_strategy_optimizer_lists(strategy, [], [])
+    lists = strategy._optimizers, strategy._lightning_optimizers
+    saved = c.swap_strategy_optimizers(strategy, [], [])
+    if saved[0] is not lists[0] or saved[1] is not lists[1]:
+        moved(ns, "strategy._optimizers/_lightning_optimizers", "the lists the strategy held")
     if strategy.optimizers != [] or strategy._lightning_optimizers != []:
         moved(ns, "strategy._optimizers/_lightning_optimizers", "settable, and read by strategy.optimizers")
-    c.set_strategy_optimizer_lists(strategy, *saved)
-    if c.strategy_optimizer_lists(strategy)[0] is not saved[0] or strategy._lightning_optimizers is not saved[1]:
+    c.swap_strategy_optimizers(strategy, *saved)
+    if strategy._optimizers is not saved[0] or strategy._lightning_optimizers is not saved[1]:
         moved(ns, "strategy._optimizers/_lightning_optimizers", "the very lists put back")
 
 

@@ -17,12 +17,4 @@ from lightning_gpuopt.callbacks._engine.state import TrainingState, rng_kept
 from lightning_gpuopt.callbacks._engine.trials import Trials
 from lightning_gpuopt.callbacks._engine.undo import Undo, signals_stop_our_work
 
-__all__ = [
-    "FitSession",
-    "TrainingState",
-    "Trials",
-    "Undo",
-    "rebuild_loader",
-    "rng_kept",
-    "signals_stop_our_work",
-]
+__all__ = ["FitSession", "TrainingState", "Trials", "Undo", "rebuild_loader", "rng_kept", "signals_stop_our_work"]

@@ -30,43 +30,29 @@ from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core._torch_compat import grad_scale
 from lightning_gpuopt.core.device import release_memory
 from lightning_gpuopt.core.memory import is_out_of_memory_error
-from lightning_gpuopt.core.oom import MicroBatchLimits, OomAdaptation, sample_elements, split_batch
+from lightning_gpuopt.core.oom import MicroBatchLimits, sample_elements, split_batch
 
 #: what ``MemoryFill(on_oom=...)`` accepts
 ON_OOM = ("adapt", "raise")
 OnOom = Literal["adapt", "raise"]
 
 
-class _GradientBox:
-    """The gradients a wrapped ``training_step`` computed, waiting for Lightning's backward."""
-
-    def __init__(self, grads: list[Optional[torch.Tensor]], expected_grad: Any, check_zeroed: Callable[[], None]):
-        self.grads: Optional[list[Optional[torch.Tensor]]] = grads
-        self.expected_grad = expected_grad
-        self.check_zeroed = check_zeroed
-
-
 class _HandGradients(torch.autograd.Function):
-    """Returns the loss value; its backward gives each parameter the gradient kept in the box,
-    times the incoming gradient over the one the box was computed for (exactly 1 when Lightning
-    backwards the value as it does: divided by the accumulation, scaled by the AMP scaler)."""
+    """Returns the loss value; its backward gives the parameters the gradients ``hand_over(grad_output)``
+    returns: those the wrapped step computed, times the incoming gradient over the one they were computed
+    for (exactly 1 when Lightning backwards the value as it does: divided by the accumulation, scaled by
+    the AMP scaler)."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, box: _GradientBox, *params: torch.Tensor) -> torch.Tensor:
-        ctx.box = box
+    def forward(ctx: Any, value: torch.Tensor, hand_over: Callable[[Any], list], *params: torch.Tensor) -> torch.Tensor:
+        ctx.hand_over = hand_over
         return value.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        box, ctx.box = ctx.box, None
-        box.check_zeroed()
-        grads, box.grads = box.grads, None
-        assert grads is not None, "the gradients of a split step were handed out twice"
-        factor = grad_output / box.expected_grad
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(factor.to(grad.dtype))
-        return (None, None, *grads)
+        hand_over, ctx.hand_over = ctx.hand_over, None
+        assert hand_over is not None, "the gradients of a split step were handed out twice"
+        return (None, None, *hand_over(grad_output))
 
 
 class OomRecovery:
@@ -78,8 +64,7 @@ class OomRecovery:
         self.limits = MicroBatchLimits()
         self._original = pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
-        self._in_loop_step = self._zeroed_expected = False
-        self._zeroed_seen = self._handed = False
+        self._in_loop_step = self._zeroed_expected = self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
         undo.set(trainer.strategy, "training_step", self._loop_step)
         self._strategy_optimizer_step = trainer.strategy.optimizer_step
@@ -138,19 +123,22 @@ class OomRecovery:
         scaler = _enabled_scaler(trainer)
         # read without a host sync: the scale the micro-batches' losses were multiplied by
         expected = (grad_scale(scaler) if scaler is not None else 1.0) / trainer.accumulate_grad_batches
-        box = _GradientBox(grads, expected, self._check_zeroed)
-        loss = _HandGradients.apply(value, box, *params)
+
+        def hand_over(grad_output: torch.Tensor) -> list:
+            self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
+            if self._zeroed_expected and not self._zeroed_seen:
+                raise RuntimeError(
+                    "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an "
+                    "accumulation group as expected, so the gradients set aside cannot be combined correctly; use "
+                    "on_oom='raise'."
+                )
+            factor = grad_output / expected
+            return [None if grad is None else grad.mul_(factor.to(grad.dtype)) for grad in grads]
+
+        loss = _HandGradients.apply(value, hand_over, *params)
         if isinstance(output, Mapping):
             return {**{k: v for k, v in output.items() if k != "loss"}, "loss": loss}
         return loss
-
-    def _check_zeroed(self) -> None:
-        self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
-        if self._zeroed_expected and not self._zeroed_seen:
-            raise RuntimeError(
-                "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an accumulation "
-                "group as expected, so the gradients set aside cannot be combined correctly; use on_oom='raise'."
-            )
 
     def _train_until_it_fits(
         self, batch: Any, size: int, elements: int, idx: Any, params: list, kept: list, *call: Any
@@ -171,11 +159,10 @@ class OomRecovery:
                     grads = [p.grad for p in params]
                 except BaseException as exc:
                     if not is_out_of_memory_error(exc):
-                        _put_back(params, kept)
                         raise
-                    error = f"{self._phase}: {_first_line(exc)}"
-                    phase = self._phase
-                _put_back(params, kept)
+                    phase, error = self._phase, f"{self._phase}: {_first_line(exc)}"
+                finally:
+                    _put_back(params, kept)
                 if error is not None:
                     value = output = grads = None
                     release_memory()
@@ -226,37 +213,29 @@ class OomRecovery:
         return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
 
     def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:
-        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest
-        failed sample size; under DDP the reason names the ranks and phases only (the same on every rank)."""
-        attempted = min(failure[2] for failure in failures)
-        elements = min(failure[3] for failure in failures)
-        if self.trainer.world_size > 1:
-            where = ", ".join(f"{rank} ({phase})" for rank, phase, _, _ in failures)
-            reason = f"out of memory on rank{'s' if len(failures) > 1 else ''} {where}"
-        else:
-            reason = error or "out of memory"
+        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest failed sample
+        size; under DDP the reason names the ranks and phases only (the same on every rank). Each adaptation goes
+        to ``plan.oom_adaptations``, is warned (rank 0) and logged as ``gpuopt/oom_*`` at the step."""
+        attempted, elements = min(failure[2] for failure in failures), min(failure[3] for failure in failures)
+        where = ", ".join(f"{rank} ({phase})" for rank, phase, _, _ in failures)
+        many = "s" if len(failures) > 1 else ""
+        reason = f"out of memory on rank{many} {where}" if self.trainer.world_size > 1 else error or "out of memory"
         step, index = self.trainer.global_step, int(batch_idx or 0)
         adaptation = self.limits.adapt(
             step=step, attempted=attempted, elements=elements, reason=reason, batch_idx=index
         )
-        _report(self.trainer, self.plan, adaptation)
+        self.plan.oom_adaptations.append(adaptation)
+        rank_zero_warn(
+            f"MemoryFill(on_oom='adapt'): out of memory at step {step} (batch {index}, {elements} elements per sample):"
+            f" micro-batch {attempted} → {adaptation.new_micro_batch_size}, the batch is trained again ({reason})."
+        )
+        count, micro = float(len(self.plan.oom_adaptations)), float(adaptation.new_micro_batch_size)
+        log_metrics(self.trainer, {"gpuopt/oom_adaptations": count, "gpuopt/oom_micro_batch_size": micro})
 
     _phase = "forward"
 
 
 _PHASES = ("forward", "backward")
-
-
-def _report(trainer: pl.Trainer, plan: Any, adaptation: OomAdaptation) -> None:
-    """Add an adaptation to ``plan.oom_adaptations``, warn (rank 0) and log ``gpuopt/oom_*`` at the step."""
-    plan.oom_adaptations.append(adaptation)
-    rank_zero_warn(
-        f"MemoryFill(on_oom='adapt'): out of memory at step {adaptation.step} (batch {adaptation.batch_idx}, "
-        f"{adaptation.sample_elements} elements per sample): micro-batch {adaptation.old_micro_batch_size} → "
-        f"{adaptation.new_micro_batch_size}, the batch is trained again ({adaptation.reason})."
-    )
-    count, micro = float(len(plan.oom_adaptations)), float(adaptation.new_micro_batch_size)
-    log_metrics(trainer, {"gpuopt/oom_adaptations": count, "gpuopt/oom_micro_batch_size": micro})
 
 
 def _enabled_scaler(trainer: pl.Trainer) -> Any:

@@ -48,26 +48,19 @@ def rebuild_loader(loader: DataLoader, sampler: Any = None, **arguments: Any) ->
 
 
 @dataclass
-class _RebuiltSource(compat.DataLoaderSource):
-    """The fit loop's train-loader source, its loader passed through ``rebuild`` when it is one DataLoader."""
+class _Source(compat.DataLoaderSource):
+    """The fit loop's train-loader source: ``make()`` when given (a loader we built, for trials: no user hook
+    runs), else ``inner``'s loader, passed through ``rebuild`` when it is one DataLoader."""
 
     inner: Any = None
     rebuild: Optional[Callable[[DataLoader], Any]] = None
-
-    def dataloader(self) -> Any:
-        loader = self.inner.dataloader()
-        return self.rebuild(loader) if self.rebuild is not None and isinstance(loader, DataLoader) else loader
-
-
-@dataclass
-class _GivenSource(compat.DataLoaderSource):
-    """A train-loader source that hands out a loader we built (for trials): no user hook runs."""
-
     make: Optional[Callable[[], Any]] = None
 
     def dataloader(self) -> Any:
-        assert self.make is not None
-        return self.make()
+        if self.make is not None:
+            return self.make()
+        loader = self.inner.dataloader()
+        return self.rebuild(loader) if self.rebuild is not None and isinstance(loader, DataLoader) else loader
 
 
 class FitSession:
@@ -142,7 +135,7 @@ class FitSession:
         with Undo().scope() as undo, rng_kept():
             compat.reset_train_loader(trainer)
             source = compat.train_source(trainer)
-            given = _GivenSource(source.instance, source.name, make=make)
+            given = _Source(source.instance, source.name, make=make)
             undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, given)
             trainer.fit_loop.setup_data()
         return compat.built_train_loader(trainer) if compat.train_loader_built(trainer) else None
@@ -184,18 +177,15 @@ class FitSession:
             changed = True
         if rebuild is not None:
             source = compat.train_source(trainer)
-            rebuilt = _RebuiltSource(source.instance, source.name, inner=source, rebuild=rebuild)
+            rebuilt = _Source(source.instance, source.name, inner=source, rebuild=rebuild)
             undo.set(trainer.fit_loop, compat.TRAIN_SOURCE_ATTRIBUTE, rebuilt)
         built, lightnings = self._lightnings is not None or compat.train_loader_built(trainer), self._lightnings
         self._probe, self._lightnings = None, None
-        if not changed and not (built and rebuild is not None):
-            if lightnings is not None:  # nothing changed: training uses the loader Lightning built, as by hand
-                compat.attach_train_loader(trainer, lightnings)
-            return False
-        compat.reset_train_loader(trainer)
-        if lightnings is not None:
+        if lightnings is not None:  # put back: training uses the loader Lightning built, as by hand, unless...
             compat.attach_train_loader(trainer, lightnings)
-            compat.reset_train_loader(trainer)
+        if not changed and not (built and rebuild is not None):
+            return False
+        compat.reset_train_loader(trainer)  # ...a change makes the loop build it again
         start, stop = self._configure_rng
         if start is not None:
             compat.set_rng_states(start)  # where configure_optimizers (and a loader built in it) first drew

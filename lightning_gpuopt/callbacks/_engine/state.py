@@ -38,16 +38,6 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
 
 
-def loader_generators(loader: Any) -> list[torch.Generator]:
-    """The loader's own generators (its ``generator`` and its sampler's), which iterating it draws from."""
-    samplers = (
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    )
-    return [g for g in (getattr(owner, "generator", None) for owner in samplers) if isinstance(g, torch.Generator)]
-
-
 @contextlib.contextmanager
 def rng_kept(*loaders: Any) -> Iterator[None]:
     """The global RNG states and ``loaders``' own generators are as they were once the block ends.
@@ -58,7 +48,11 @@ def rng_kept(*loaders: Any) -> Iterator[None]:
     >>> torch.equal(torch.get_rng_state(), before)
     True
     """
-    generators = [generator for loader in loaders for generator in loader_generators(loader)]
+    # each loader's own generators, which iterating it draws from: its ``generator`` and its samplers'
+    samplers = [getattr(loader, "sampler", None) for loader in loaders]
+    samplers += [getattr(getattr(loader, "batch_sampler", None), "sampler", None) for loader in loaders]
+    owned = (getattr(owner, "generator", None) for owner in (*loaders, *samplers))
+    generators = [generator for generator in owned if isinstance(generator, torch.Generator)]
     states, generator_states = rng_states(), [generator.get_state() for generator in generators]
     try:
         yield
@@ -76,16 +70,6 @@ def cloned(collection: Any) -> Any:
     return apply_to_collection(collection, torch.Tensor, lambda t: t.clone())
 
 
-def _progress_objects(loop: Any, seen: set[int]) -> Iterator[Any]:
-    """Every progress counter of ``loop`` and its child loops."""
-    for value in list(vars(loop).values()):
-        if isinstance(value, compat.progress_classes()) and id(value) not in seen:
-            seen.add(id(value))
-            yield value
-        elif isinstance(value, compat.loop_classes()):
-            yield from _progress_objects(value, seen)
-
-
 class TrainingState:
     """What the training state is now, to be put back by :meth:`restore` (see the module docstring)."""
 
@@ -99,7 +83,7 @@ class TrainingState:
         ]
         self.optimizers = [_host_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
-        self.progress = [(p, _host_copy(p.state_dict())) for p in _progress_objects(trainer.fit_loop, set())]
+        self.progress = [(p, _host_copy(p.state_dict())) for p in compat.progress_counters(trainer.fit_loop)]
         self.batches_that_stepped = compat.batches_that_stepped(trainer)
         self.should_stop = trainer.should_stop
         self.rng = rng_states()

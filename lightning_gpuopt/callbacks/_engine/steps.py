@@ -73,10 +73,9 @@ def manual_step(trainer: Any, module: Any, batches: int = 4) -> ManualStep:
         check_one_batch_step(module)
         strategy, stepped = trainer.strategy, set[int]()
         with Undo().scope() as undo, logging_disabled(module), _schedulers_kept(trainer):
-            saved = compat.strategy_optimizer_lists(strategy)
-            undo.add("the strategy's optimizers", lambda: compat.set_strategy_optimizer_lists(strategy, *saved))
             twins = [_stepping_directly(optimizer, strategy, stepped) for optimizer in optimizers]
-            compat.set_strategy_optimizer_lists(strategy, list(optimizers), twins)
+            saved = compat.swap_strategy_optimizers(strategy, list(optimizers), twins)
+            undo.add("the strategy's optimizers", lambda: compat.swap_strategy_optimizers(strategy, *saved))
             undo.set(module, "manual_backward", lambda loss, *args, **kwargs: loss.backward(*args, **kwargs))
             for batch_idx in range(batches):
                 module.training_step(batch, batch_idx)

@@ -55,11 +55,7 @@ class Undo:
 
     def add(self, description: str, undo: Callable[[], Any], lasting: bool = False, last: bool = False) -> None:
         """Register a change with the callable that undoes it; ``last``: undone after every other one."""
-        change = Change(description, undo, lasting)
-        if last:
-            self._stack.insert(0, change)
-        else:
-            self._stack.append(change)
+        self._stack.insert(0 if last else len(self._stack), Change(description, undo, lasting))
 
     def set(self, owner: Any, name: str, value: Any, lasting: bool = False) -> None:
         """``owner.name = value`` (or ``owner[name]`` for a mapping), undone by the value it had (or
