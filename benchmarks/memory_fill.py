@@ -7,12 +7,12 @@ dropout, so the variants compute the same thing) and a CNN of residual blocks
 same global batch (the user's batch, ``--batch-size``) and the same ``max_memory``:
 
 * ``user's default``: no MemoryFill -- the user's batch in one step, float32 (the reference);
-* ``plain``: ``MemoryFill(amp=False, checkpointing=False)`` -- micro-batch and accumulation only;
-* ``+AMP``: ``MemoryFill(amp=True, checkpointing=False)`` -- bf16-mixed (on CPU too);
-* ``+checkpointing``: ``MemoryFill(amp=False, checkpointing=True)``;
-* ``+both``: ``MemoryFill(amp=True, checkpointing=True)``;
-* ``chosen plan``: ``MemoryFill()`` -- ``amp="auto"`` (bf16 on GPUs, float32 on CPU) and
-  ``checkpointing="auto"`` (on when the largest micro-batch would be below 8).
+* ``plain``: ``MemoryFill(precision=None, activation_checkpointing=False)`` -- micro-batch and accumulation only;
+* ``+AMP``: ``MemoryFill(precision="bf16-mixed", activation_checkpointing=False)`` -- bf16-mixed (on CPU too);
+* ``+checkpointing``: ``MemoryFill(precision=None, activation_checkpointing=True)``;
+* ``+both``: ``MemoryFill(precision="bf16-mixed", activation_checkpointing=True)``;
+* ``chosen plan``: ``MemoryFill()`` -- ``precision="auto"`` (bf16 on GPUs, float32 on CPU) and
+  ``activation_checkpointing="auto"`` (on when the largest micro-batch would be below 8).
 
 Per variant the table gives the plan (precision, checkpointed blocks, the largest micro-batch its
 trials found, micro-batch x accumulation), the peak the trial of the largest fit measured and
@@ -80,14 +80,14 @@ from lightning_gpuopt.core.report import format_bytes
 #: variant -> MemoryFill arguments (None: no MemoryFill, the user's own config)
 VARIANTS: dict[str, Optional[dict[str, Any]]] = {
     "user's default": None,
-    "plain": dict(amp=False, checkpointing=False),
-    "+AMP": dict(amp=True, checkpointing=False),
-    "+checkpointing": dict(amp=False, checkpointing=True),
-    "+both": dict(amp=True, checkpointing=True),
+    "plain": dict(precision=None, activation_checkpointing=False),
+    "+AMP": dict(precision="bf16-mixed", activation_checkpointing=False),
+    "+checkpointing": dict(precision=None, activation_checkpointing=True),
+    "+both": dict(precision="bf16-mixed", activation_checkpointing=True),
     "chosen plan": dict(),
 }
 #: the simulated max_memory per model on CPU (--scale 1): the plain largest micro-batch is small
-#: (< 16; below 8 for the transformer, so checkpointing="auto" turns on there and not for the CNN)
+#: (< 16; below 8 for the transformer, so activation_checkpointing="auto" turns on there and not for the CNN)
 CPU_BUDGETS = {"transformer": "11MB", "cnn": "8MB"}
 #: defaults per accelerator. CPU: small models under a simulated budget, steps of tens of ms, a few
 #: minutes in all. GPU: models 16x wider and longer (per-sample activations ~256x) and a global batch

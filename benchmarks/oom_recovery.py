@@ -202,7 +202,7 @@ def run_fill(name: str, setting: Setting, data: Dataset, cap: int, on_oom: str, 
         global_batch_size=setting.batch_size,
         max_memory=cap,
         margin=0.1,
-        checkpointing=False,
+        activation_checkpointing=False,
         on_oom=on_oom,
         verbose=False,
     )

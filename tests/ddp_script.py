@@ -165,7 +165,9 @@ def simulated(out: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     model = make_model("cnn", num_samples=1024, batch_size=8)
     with SimulatedGpu("A100", memory=SIMULATED_CARDS[rank]) as gpu:
-        memory_fill = MemoryFill(global_batch_size=512, checkpointing=False, max_trials=4)  # max_memory: each card
+        memory_fill = MemoryFill(
+            global_batch_size=512, activation_checkpointing=False, max_trials=4
+        )  # max_memory: each card
         trainer = ddp_trainer(out, [memory_fill], max_steps=2)
         trainer.fit(model)
     (out / f"simulated{trainer.global_rank}.json").write_text(
@@ -203,7 +205,9 @@ def oom(out: Path) -> None:
     # short step's peak) does not
     cap = int(5 * step_peak(TokenModel(dataset), pad_collate([dataset[i] for i in range(8)])))
     model = TokenModel(dataset, batch_size=8)
-    memory_fill = MemoryFill(global_batch_size=16, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
+    memory_fill = MemoryFill(
+        global_batch_size=16, max_memory="1GB", activation_checkpointing=False, on_oom="adapt", verbose=False
+    )
     trainer = ddp_trainer(out, [memory_fill, CapDuringTraining(cap)], max_steps=4, limit_val_batches=0)
     trainer.fit(model)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"oom{trainer.global_rank}.pt")

@@ -52,12 +52,12 @@ def checked_setting(value: Any) -> Union[str, bool, list]:
     if isinstance(value, str):
         if not value.strip() or value.strip().lower() in _SWITCH_WORDS:
             raise ValueError(
-                f"`checkpointing` must be {works}, got {value!r} (a str, not a switch: write True or False without quotes)."
+                f"`activation_checkpointing` must be {works}, got {value!r} (a str, not a switch: write True or False without quotes)."
             )
         return [value]
     is_list = isinstance(value, (list, tuple)) and len(value) > 0
     if not is_list or not all(isinstance(v, type) or (isinstance(v, str) and v.strip()) for v in value):
-        raise ValueError(f"`checkpointing` must be {works}, got {value!r}.")
+        raise ValueError(f"`activation_checkpointing` must be {works}, got {value!r}.")
     return list(value)
 
 
@@ -83,18 +83,9 @@ class Checkpointing:
         """Whether ``"auto"`` may still switch checkpointing on (not tried yet, and there are blocks)."""
         return self.setting == "auto" and not self._tried and bool(find_repeated_blocks(self.module))
 
-    def decide_in_setup(self, sharded_strategy: Optional[str], objective: str) -> None:
-        """Explicit blocks on now; under a sharded strategy none (its own option); ``objective='memory'`` on."""
+    def decide_in_setup(self, objective: str) -> None:
+        """Explicit blocks on now; ``objective='memory'`` on."""
         if self.setting is False:
-            return
-        if sharded_strategy is not None:
-            if self.explicit:
-                raise MisconfigurationException(
-                    f"MemoryFill: checkpointing={self.setting!r} is not applied under {sharded_strategy}: use the "
-                    "strategy's own activation checkpointing option and checkpointing=False."
-                )
-            self.reasons.append(f"{sharded_strategy}: activation checkpointing left to the strategy")
-            self._tried = True
             return
         if self.explicit:
             blocks = (
@@ -102,9 +93,9 @@ class Checkpointing:
             )
             if not blocks:
                 raise MisconfigurationException(_no_blocks_message(self.module))
-            self._switch_on(blocks, f"checkpointing={self.setting!r}")
+            self._switch_on(blocks, f"activation_checkpointing={self.setting!r}")
         elif not find_repeated_blocks(self.module):
-            reason = f"no repeated blocks to checkpoint in {type(self.module).__name__} (pass checkpointing=[classes] to choose some)"
+            reason = f"no repeated blocks to checkpoint in {type(self.module).__name__} (pass activation_checkpointing=[classes] to choose some)"
             if objective == "memory":
                 reason += ": the smallest footprint falls back to the smallest micro-batch and accumulation"
                 rank_zero_info(f"MemoryFill: {reason}")
@@ -225,15 +216,15 @@ class Checkpointing:
         if self.explicit and not kept:
             handle, problem = refused[0]
             raise MisconfigurationException(
-                f"MemoryFill: checkpointing={self.setting!r} on {type(self.module).__name__}: a training step with "
+                f"MemoryFill: activation_checkpointing={self.setting!r} on {type(self.module).__name__}: a training step with "
                 f"its {'/'.join(handle.classes)} blocks checkpointed differs from the plain step ({problem}). Pass "
-                "checkpointing=[classes] naming blocks whose forward has no side effects, or checkpointing=False."
+                "activation_checkpointing=[classes] naming blocks whose forward has no side effects, or activation_checkpointing=False."
             )
         (rank_zero_warn if self.explicit else rank_zero_info)(f"MemoryFill: {self.reasons[-1]}")
 
 
 def _no_blocks_message(module: Any) -> str:
-    """The refusal of ``checkpointing=True`` on a model without repeated blocks, with classes to name instead
+    """The refusal of ``activation_checkpointing=True`` on a model without repeated blocks, with classes to name instead
     (submodules with parameters and submodules of their own)."""
     containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
     candidates = list(
@@ -247,12 +238,12 @@ def _no_blocks_message(module: Any) -> str:
         )
     )
     instead = (
-        f"Pass the module classes or qualified module names to checkpoint, e.g. checkpointing={candidates[:2]}, "
+        f"Pass the module classes or qualified module names to checkpoint, e.g. activation_checkpointing={candidates[:2]}, "
         if candidates
         else "It has no submodule with parameters and submodules of its own to checkpoint: "
     )
     return (
-        f"MemoryFill: checkpointing=True found no repeated blocks in {type(module).__name__} (same-class children "
-        f"of an nn.ModuleList/nn.Sequential with parameters and submodules). {instead}or checkpointing='auto' "
-        "(checkpoints the blocks it finds, else goes on without and says so), or checkpointing=False."
+        f"MemoryFill: activation_checkpointing=True found no repeated blocks in {type(module).__name__} (same-class children "
+        f"of an nn.ModuleList/nn.Sequential with parameters and submodules). {instead}or activation_checkpointing='auto' "
+        "(checkpoints the blocks it finds, else goes on without and says so), or activation_checkpointing=False."
     )

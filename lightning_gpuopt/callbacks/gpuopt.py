@@ -1,6 +1,6 @@
 """GpuOpt: one callback composed from a preset (name or YAML) plus keyword overrides.
 
-It runs its parts, quiet, in this order: :class:`MemoryFill` (precision in ``setup``; checkpointing, the
+It runs its parts, quiet, in this order: :class:`MemoryFill` (precision in ``setup``; activation checkpointing, the
 micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (timed at MemoryFill's micro-batch;
 both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
 of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
@@ -38,7 +38,7 @@ from lightning_gpuopt.core.search import BatchSizeSearchResult
 from lightning_gpuopt.presets import check_keys, load_preset_with_sources
 
 _FILL_KEYS = (
-    "global_batch_size", "amp", "checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
+    "global_batch_size", "precision", "activation_checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
     "objective", "batch_arg_name", "on_oom", "scale_lr",
 )  # fmt: skip
 _SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
@@ -83,9 +83,11 @@ class GpuOpt(Callback):
         preset: a shipped preset or a YAML file of settings (``preset: NAME`` extends one); ``None``: no preset.
         monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner,
             MemoryFill.
-        max_memory, margin, global_batch_size, amp, checkpointing, accumulation, objective,
+        max_memory, margin, global_batch_size, precision, activation_checkpointing, accumulation, objective,
             min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
+        verbose: progress lines and the combined report (``False``: quiet; the JSON report is written either way;
+            ``None``: ``True``).
         plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
             TensorBoard or W&B logger (needs ``lightning-gpuopt[plot]``; a warning when it cannot draw).
 
@@ -105,8 +107,8 @@ class GpuOpt(Callback):
         max_memory: Optional[Union[int, float, str]] = None,
         margin: Optional[Union[float, Literal["auto"]]] = None,
         global_batch_size: Optional[int] = None,
-        amp: Optional[Union[bool, Literal["auto"]]] = None,
-        checkpointing: Optional[Union[bool, str, list[str]]] = None,
+        precision: Optional[str] = None,
+        activation_checkpointing: Optional[Union[bool, str, list[str]]] = None,
         accumulation: Optional[Literal["auto", False]] = None,
         objective: Optional[Objective] = None,
         min_micro_batch_size: Optional[int] = None,
@@ -114,12 +116,15 @@ class GpuOpt(Callback):
         loader_max_seconds: Optional[float] = None,
         on_oom: Optional[OnOom] = None,
         scale_lr: Optional[Literal["linear", "sqrt"]] = None,
+        verbose: Optional[bool] = None,
         plots: Optional[bool] = None,
     ) -> None:
-        overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "plots", "__class__")}
-        if plots is not None:
-            check_bool("plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False (the default)")
-        self.plots = bool(plots)
+        overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "verbose", "plots", "__class__")}
+        check_bool("verbose", verbose, "verbose=False (quiet) or verbose=True (the default)", allow_none=True)
+        check_bool(
+            "plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False (the default)", allow_none=True
+        )
+        self.verbose, self.plots = verbose is not False, bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
         self.preset = preset
@@ -136,7 +141,7 @@ class GpuOpt(Callback):
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
         for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
             if part is not None:
-                part.progress = True
+                part.progress = self.verbose
         #: the combined result of the last ``fit``; ``None`` before one ended
         self.report: Optional[GpuOptReport] = None
         self._undo = Undo()  # what GpuOpt applied for its parts, and the SIGINT handler
@@ -200,7 +205,8 @@ class GpuOpt(Callback):
         self.report = self._combined_report()
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
-            rank_zero_info(render_report(self.report))
+            if self.verbose:
+                rank_zero_info(render_report(self.report))
             section = {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
             written = write_report_section(path, "gpuopt", section)
             if written is not None:

@@ -4,7 +4,7 @@ For the global batch asked for (without one: the largest micro-batch that fits, 
 ``BatchSizeFinder`` sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's
 batch size x ``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
 :mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else
-``16-mixed``; on CPU only with ``amp=True``; only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
+``16-mixed``; on CPU only when named, e.g. ``precision="bf16-mixed"``; only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
 repeated blocks (always with ``True`` or named classes; with ``"auto"`` when the largest micro-batch
 would fall below ``min_micro_batch_size``; each group checked to give the plain step's loss and
 gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and
@@ -60,6 +60,7 @@ from lightning_gpuopt.core.fill import (
     FillRequest,
     MemoryFillPlan,
     NoFit,
+    checked_precision,
     choose_precision,
     lr_note,
     plan_micro_batches,
@@ -71,7 +72,6 @@ REPORT_SECTION = "memory_fill"
 OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
-_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
 
 class MemoryFill(Callback):
@@ -89,11 +89,13 @@ class MemoryFill(Callback):
     Args:
         global_batch_size: samples per optimizer step over all devices; must divide by their count. ``None``:
             the largest micro-batch that fits (with ``objective="memory"``: your batch x accumulation x devices).
-        amp: ``"auto"`` (mixed precision on GPUs), ``True`` (also on CPU, as bf16-mixed) or ``False``.
-        checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
+        precision: what a ``32-true`` run switches to: ``"auto"`` (bf16-mixed / 16-mixed on GPUs, none on CPU),
+            ``"16-mixed"`` or ``"bf16-mixed"`` (also on CPU), or ``None`` / ``"32-true"`` (no switch). A
+            precision set on the Trainer is always kept.
+        activation_checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
         accumulation: ``"auto"`` (as many steps as needed) or ``False`` (the global batch in one step).
         max_memory, margin, batch_arg_name, steps_per_trial, max_trials: as :class:`BatchSizeSearch`'s.
-        min_micro_batch_size: below this micro-batch, ``checkpointing="auto"`` switches checkpointing on.
+        min_micro_batch_size: below this micro-batch, ``activation_checkpointing="auto"`` switches it on.
         objective: ``"throughput"`` (the largest micro-batch) or ``"memory"`` (the smallest footprint).
         verbose: log the plan and the trials.
         on_oom: ``"raise"``, or ``"adapt"``: retrain a batch that ran out of memory in smaller micro-batches.
@@ -103,8 +105,8 @@ class MemoryFill(Callback):
     def __init__(
         self,
         global_batch_size: Optional[int] = None,
-        amp: Union[Literal["auto"], bool] = "auto",
-        checkpointing: Union[str, bool, Sequence[BlockSpec]] = "auto",
+        precision: Optional[str] = "auto",
+        activation_checkpointing: Union[str, bool, Sequence[BlockSpec]] = "auto",
         accumulation: Literal["auto", False] = "auto",
         max_memory: Optional[Union[int, float, str]] = None,
         margin: Union[float, Literal["auto"]] = "auto",
@@ -118,9 +120,8 @@ class MemoryFill(Callback):
         scale_lr: Optional[Literal["linear", "sqrt"]] = None,
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None)", allow_none=True)
-        check_choice("amp", amp, ("auto", True, False), "amp='auto' (mixed precision on GPUs, not on CPU)")
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
-        checkpointing = checked_setting(checkpointing)
+        checkpointing = checked_setting(activation_checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
         check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
@@ -130,8 +131,12 @@ class MemoryFill(Callback):
         keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
         self._search_options: dict[str, Any] = dict(zip(keys, options))
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
-        self.global_batch_size, self.amp, self.accumulation = global_batch_size, amp, accumulation
-        self.checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
+        self.global_batch_size, self.precision, self.accumulation = (
+            global_batch_size,
+            checked_precision(precision),
+            accumulation,
+        )
+        self.activation_checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
         self.max_memory, self.margin, self.batch_arg_name = max_memory, self._search_options["margin"], batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
@@ -165,12 +170,11 @@ class MemoryFill(Callback):
         self._initial = dict(
             precision=trainer.precision, batch_size=initial, accumulate=trainer.accumulate_grad_batches
         )
-        self._blocks = Checkpointing(pl_module, self.checkpointing, self._undo, self._reasons)
+        self._blocks = Checkpointing(pl_module, self.activation_checkpointing, self._undo, self._reasons)
         with signals_stop_our_work(trainer, self._undo):
             self._request = self._plan_request(trainer, pl_module, initial)
             self._decide_precision(trainer)
-            sharded = type(trainer.strategy).__name__ in _SHARDED_STRATEGIES
-            self._blocks.decide_in_setup(type(trainer.strategy).__name__ if sharded else None, self.objective)
+            self._blocks.decide_in_setup(self.objective)  # a sharded strategy was refused (check_trainer_namespace)
 
     def _plan_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule, initial: int) -> FillRequest:
         world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
@@ -208,30 +212,22 @@ class MemoryFill(Callback):
         return FillRequest(samples, self.min_micro_batch_size, fixed, self.objective, fill=fill)
 
     def _decide_precision(self, trainer: pl.Trainer) -> None:
-        strategy = type(trainer.strategy).__name__
-        if strategy in _SHARDED_STRATEGIES:
-            if self.amp is True:
-                raise MisconfigurationException(
-                    f"MemoryFill: amp=True cannot swap the precision plugin of {strategy}: it needs its own "
-                    "precision class. Set Trainer(precision='bf16-mixed') instead and amp=False."
-                )
-            if self.amp == "auto":
-                self._reasons.append(f"{strategy}: mixed precision left to the strategy")
-            return
         card = device_for(trainer.strategy.root_device)
         bf16 = card.capabilities.native_bf16 if card.is_cuda else True  # is_bf16_supported counts emulation
         current, asked = str(trainer.precision), compat.precision_as_asked(trainer)
-        precision, reason = choose_precision(self.amp, card.type, current=current, bf16_supported=bf16, asked=asked)
-        if self.amp is not False:
+        precision, reason = choose_precision(
+            self.precision, card.type, current=current, bf16_supported=bf16, asked=asked
+        )
+        if self.precision is not None:
             self._reasons.append(reason)
         if precision is None:
-            if self.amp is True and current not in (*MIXED_PRECISIONS, "32-true"):
-                rank_zero_warn(f"MemoryFill: amp=True but {reason}.")
+            if self.precision not in (None, "auto") and current not in (*MIXED_PRECISIONS, "32-true"):
+                rank_zero_warn(f"MemoryFill: precision={self.precision!r} but {reason}.")
             return
         if type(trainer.strategy.precision_plugin) not in compat.any_namespace("plugins.precision", "Precision"):
             raise MisconfigurationException(
                 f"MemoryFill: cannot switch to {precision}: the run uses the precision plugin "
-                f"{type(trainer.strategy.precision_plugin).__name__}. Pass amp=False, or set the precision yourself."
+                f"{type(trainer.strategy.precision_plugin).__name__}. Pass precision=None, or set the precision yourself."
             )
         mixed = compat.of_namespace(trainer, "plugins.precision", "MixedPrecision")
         self._undo.set(trainer.strategy, "precision_plugin", mixed(precision, card.autocast_device_type))
@@ -322,7 +318,7 @@ class MemoryFill(Callback):
             found = f"the largest micro-batch that fits is {missed.largest}, but {missed.needed} per step is needed"
         return (
             f"MemoryFill: {found} in max_memory={self.max_memory!r} (margin {self.margin}). Decisions so far: "
-            f"{levers}. Allow more levers (amp=True, checkpointing=True, accumulation='auto'), a smaller "
+            f"{levers}. Allow more levers (precision='bf16-mixed', activation_checkpointing=True, accumulation='auto'), a smaller "
             "global_batch_size, or more memory."
         )
 

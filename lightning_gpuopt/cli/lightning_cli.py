@@ -93,7 +93,7 @@ class GpuOptCLI(WithGpuOpt, LightningCLI):
     callbacks and the saved ``config.yaml`` holds every resolved setting, so ``--config config.yaml`` runs the
     same again; a bad preset or setting is a usage error (exit status 2). In ``GpuOptCLI(MyModel)``'s train.py::
 
-        python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.amp false
+        python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.precision bf16-mixed
         python train.py fit --gpuopt my-team.yaml      # GpuOpt settings; `preset: NAME` extends a preset
         python train.py fit --config config.yaml       # a config with a `gpuopt:` section
     """

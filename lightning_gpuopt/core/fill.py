@@ -6,12 +6,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 from lightning_gpuopt.core.oom import OomAdaptation
 
 #: precisions MemoryFill may switch to
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+#: what ``precision=`` accepts (Lightning's short forms too) and what each means; ``None``/``"32-true"``: no switch
+PRECISIONS = {"auto": "auto", "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-mixed": "bf16-mixed",
+              "bf16": "bf16-mixed", "32-true": None, "32": None, 32: None, None: None}  # fmt: skip
+
+
+def checked_precision(value: object) -> Optional[str]:
+    """``value`` as ``"auto"``, a mixed precision or ``None`` (no switch), else a ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, type(None))) or value not in PRECISIONS:
+        raise ValueError(
+            f"`precision`={value!r} is not a precision MemoryFill switches to; expected 'auto' (mixed precision on "
+            "GPUs), '16-mixed', 'bf16-mixed', or None / '32-true' (no switch). For '16-true', 'bf16-true' or "
+            "'64-true', set Trainer(precision=...) yourself: a precision set on the Trainer is kept."
+        )
+    return PRECISIONS[value]
+
+
 #: how the learning rate follows a grown batch: ``k`` times (Goyal et al. 2017) or ``sqrt(k)`` (Adam-like optimizers)
 LR_RULES = ("linear", "sqrt")
 
@@ -33,28 +49,30 @@ def lr_note(rule: Optional[str], grown: float, lr: float) -> tuple[float, str]:
 
 
 def choose_precision(
-    amp: Union[str, bool], device_type: str, *, current: str, bf16_supported: bool, asked: bool = True
+    precision: Optional[str], device_type: str, *, current: str, bf16_supported: bool, asked: bool = True
 ) -> tuple[Optional[str], str]:
-    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``amp="auto"`` on
-    CUDA only (bf16-mixed, else 16-mixed with a scaler), ``amp=True`` also on CPU (bf16-mixed). ``asked``:
-    whether ``current`` is what the user set (on CPU, Lightning runs ``"16-mixed"`` as ``"bf16-mixed"``).
+    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``precision="auto"`` on
+    CUDA only (bf16-mixed, else 16-mixed with a scaler), a mixed precision named also on CPU (where autocast
+    runs ``16-mixed`` as bf16-mixed, as Lightning does). ``asked``: whether ``current`` is what the user set.
 
     >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
     ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
     """
-    if amp is False:
-        return None, "amp=False"
+    if precision is None:
+        return None, "precision=None: the Trainer's precision kept"
     if current != "32-true":
         how = "" if asked else ", or Lightning chose it (on CPU it runs '16-mixed' as 'bf16-mixed')"
         return None, f"precision={current!r} was set explicitly{how}: left as it is"
+    if precision != "auto":
+        if device_type == "cpu" and precision == "16-mixed":
+            return "bf16-mixed", "bf16-mixed: precision='16-mixed' on CPU runs as bfloat16 (as Lightning runs it)"
+        return precision, f"{precision}: asked for with precision={precision!r}"
     if device_type == "cuda":
         if bf16_supported:
             return "bf16-mixed", "bf16-mixed: the GPU supports bfloat16"
         return "16-mixed", "16-mixed with a gradient scaler: the GPU has no bfloat16"
     if device_type == "cpu":
-        if amp is True:
-            return "bf16-mixed", "bf16-mixed: asked for with amp=True (CPU autocast runs in bfloat16)"
-        return None, "amp='auto' leaves CPU runs in float32 (pass amp=True for bf16-mixed on CPU)"
+        return None, "precision='auto' leaves CPU runs in float32 (pass precision='bf16-mixed' for it on CPU)"
     return None, f"no mixed precision for a {device_type!r} device"
 
 
@@ -86,7 +104,7 @@ class FillRequest:
     fixed_accumulation: Optional[int] = None
     #: ``"throughput"``: the largest micro-batch that fits; ``"memory"``: the wanted one, no larger
     objective: str = "throughput"
-    #: whether checkpointing may still be switched on (``checkpointing="auto"``, not on yet)
+    #: whether checkpointing may still be switched on (``activation_checkpointing="auto"``, not on yet)
     may_checkpoint: bool = False
     fill: bool = False
 

@@ -24,8 +24,8 @@ PRESET_KEYS: dict[str, str] = {
     "max_memory": "memory a step may use: bytes, '20GiB', or a fraction of the device (0.9); required on CPU",
     "margin": "headroom: 'auto' (a size fits only if 1/32 more samples would, at the measured bytes per sample) or a number: its peak within max_memory * (1 - margin)",
     "global_batch_size": "samples per optimizer step over all devices; default: batch size x accumulation x devices",
-    "amp": "mixed precision: 'auto' (bf16-mixed / 16-mixed on GPUs, off on CPU), true, or false",
-    "checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, or a list of module class names",
+    "precision": "what a 32-true run switches to: 'auto' (bf16-mixed / 16-mixed on GPUs, none on CPU), '16-mixed', 'bf16-mixed', or null / '32-true' (none); a precision set on the Trainer is kept",
+    "activation_checkpointing": "activation checkpointing: 'auto' (when the micro-batch gets too small), true, false, or a list of module class names",
     "accumulation": "gradient accumulation: 'auto' (as many steps as the global batch needs) or false",
     "objective": "'throughput' (largest micro-batch that fits) or 'memory' (smallest footprint)",
     "min_micro_batch_size": "below this micro-batch size, activation checkpointing is switched on ('auto')",
@@ -91,7 +91,7 @@ def _load_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dic
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"preset file {path} cannot be read: {error}.") from None
     if loaded is not None and not isinstance(loaded, dict):
-        why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `amp: auto`."
+        why = f"holds a {type(loaded).__name__}, expected a mapping of settings such as `precision: auto`."
         raise ValueError(f"preset file {path} {why}")
     settings = dict(loaded or {})
     if not settings:

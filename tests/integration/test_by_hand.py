@@ -143,7 +143,9 @@ CALLBACKS: dict[str, Callable[[], Callback]] = {
     ),
     "GpuOpt-diagnose": lambda: GpuOpt("diagnose"),
     "GpuOpt-fill-memory": lambda: GpuOpt("fill-memory", global_batch_size=32, max_memory=MAX_MEMORY),
-    "GpuOpt-low-memory": lambda: GpuOpt("low-memory", global_batch_size=32, max_memory=MAX_MEMORY, amp=True),
+    "GpuOpt-low-memory": lambda: GpuOpt(
+        "low-memory", global_batch_size=32, max_memory=MAX_MEMORY, precision="bf16-mixed"
+    ),
 }
 
 

@@ -167,7 +167,7 @@ def test_tuner_leaves_a_dataset_already_on_the_card_alone(tmp_path):
 def test_amp_auto_picks_bf16_only_on_cards_with_native_bfloat16(tmp_path, profile, expected):
     model = make_model("mlp", num_samples=256, batch_size=16)
     with SimulatedGpu(profile, memory="256MiB"):
-        fill = MemoryFill(global_batch_size=64, accumulation=False, checkpointing=False)
+        fill = MemoryFill(global_batch_size=64, accumulation=False, activation_checkpointing=False)
         trainer = quiet_trainer(tmp_path, [fill], max_steps=2)
         trainer.fit(model)
     assert fill.plan.precision == expected
@@ -284,7 +284,7 @@ def test_memory_fill_on_a_card_uses_its_precision_and_stays_in_the_budget(tmp_pa
     budget = 64 * MIB
     model = make_model("transformer", num_samples=1024, batch_size=16)
     with SimulatedGpu(profile, memory="1GiB", cublas_workspace=0):
-        fill = MemoryFill(global_batch_size=256, max_memory=budget, checkpointing=False)
+        fill = MemoryFill(global_batch_size=256, max_memory=budget, activation_checkpointing=False)
         window = {}
 
         class TrainingPeak(Callback):
@@ -313,7 +313,7 @@ def test_the_readme_example_gpuopt_fits_a_simulated_t4(tmp_path):
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
-            callbacks=[GpuOpt("fill-memory", amp="auto")],
+            callbacks=[GpuOpt("fill-memory", precision="auto")],
         )
         trainer.fit(model)
     plan = trainer.callbacks[0].report.memory_fill

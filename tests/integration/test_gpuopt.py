@@ -70,7 +70,9 @@ def test_fill_memory_without_a_global_batch_trains_the_largest_batch_that_fits(t
 
 
 def test_max_throughput_with_amp_on_cpu_and_a_tuned_loader(tmp_path):
-    gpuopt = GpuOpt("max-throughput", max_memory=BUDGET, global_batch_size=128, amp=True, loader_max_seconds=3)
+    gpuopt = GpuOpt(
+        "max-throughput", max_memory=BUDGET, global_batch_size=128, precision="bf16-mixed", loader_max_seconds=3
+    )
     fit(tmp_path, gpuopt)
     report = gpuopt.report
     assert report.changes[0] == "precision: 32-true → bf16-mixed"
@@ -99,11 +101,11 @@ def test_low_memory_checkpoints_and_accumulates_at_the_smallest_micro_batch(tmp_
 def test_a_users_yaml_extends_a_preset_and_keywords_override_it(tmp_path):
     path = tmp_path / "team.yaml"
     path.write_text("preset: fill-memory\nmonitor: false\nmin_micro_batch_size: 4\n")
-    gpuopt = GpuOpt(str(path), max_memory=BUDGET, amp=True)
-    assert gpuopt.settings["checkpointing"] == "auto"  # from fill-memory
+    gpuopt = GpuOpt(str(path), max_memory=BUDGET, precision="bf16-mixed")
+    assert gpuopt.settings["activation_checkpointing"] == "auto"  # from fill-memory
     assert gpuopt.settings["min_micro_batch_size"] == 4 and gpuopt.settings["monitor"] is False  # from the file
-    assert gpuopt.settings["amp"] is True  # from the keyword
-    assert gpuopt.monitor is None and gpuopt.fill is not None and gpuopt.fill.amp is True
+    assert gpuopt.settings["precision"] == "bf16-mixed"  # from the keyword
+    assert gpuopt.monitor is None and gpuopt.fill is not None and gpuopt.fill.precision == "bf16-mixed"
     fit(tmp_path, gpuopt, max_steps=1)
     assert gpuopt.report.memory_fill.precision == "bf16-mixed"
 
@@ -248,3 +250,30 @@ def test_every_hook_a_part_overrides_is_written_out_in_gpuopt():
     assert overridden <= set(vars(GpuOpt)), sorted(overridden - set(vars(GpuOpt)))
     for name in overridden:
         assert getattr(vars(GpuOpt)[name], "__override__", False), f"GpuOpt.{name} lacks @override"
+
+
+def test_lightning_names_precision_activation_checkpointing_and_verbose(tmp_path, caplog):
+    # precision= takes a Lightning precision string (CPU runs it too), activation_checkpointing= names the blocks,
+    # verbose=False silences the combined report while the JSON report is still written
+    gpuopt = GpuOpt(
+        "fill-memory",
+        max_memory=BUDGET,
+        global_batch_size=32,
+        precision="bf16-mixed",
+        activation_checkpointing=["TransformerEncoderLayer"],
+        monitor=False,
+        estimate=False,
+        verbose=False,
+    )
+    with caplog.at_level("INFO"):
+        trainer, _ = fit(tmp_path, gpuopt, max_steps=1)
+    plan = gpuopt.report.memory_fill
+    assert plan.precision == "bf16-mixed" and plan.checkpointed_classes == ["TransformerEncoderLayer"]
+    assert trainer.precision == "32-true"  # put back at teardown
+    assert "gpuopt · preset" not in caplog.text and saved_report(trainer)["gpuopt"]["settings"]["precision"]
+    kept = GpuOpt("max-throughput", precision=None)  # None: the preset's value (its key in a YAML file: null)
+    assert kept.fill is not None and kept.fill.precision == "auto" and GpuOpt("fill-memory").fill.precision is None
+    with pytest.raises(ValueError, match=r"`precision`='bf16-true' is not a precision MemoryFill switches to"):
+        GpuOpt("fill-memory", precision="bf16-true")
+    with pytest.raises(ValueError, match=r"`verbose` must be True or False"):
+        GpuOpt(verbose="no")  # type: ignore[arg-type]

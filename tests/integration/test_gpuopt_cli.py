@@ -84,14 +84,29 @@ def test_fit_gpuopt_diagnose_measures_and_saves_its_settings(tmp_path):
 def test_fit_gpuopt_yaml_file_extending_a_preset(tmp_path, train):
     ran(train(tmp_path, "--gpuopt", str(CONFIGS / "team.yaml"), *QUICK))
     config = saved_config(tmp_path)["gpuopt"]
-    assert (config["checkpointing"], config["min_micro_batch_size"], config["global_batch_size"]) == ("auto", 4, 128)
+    assert (config["activation_checkpointing"], config["min_micro_batch_size"], config["global_batch_size"]) == (
+        "auto",
+        4,
+        128,
+    )
     plan = report(tmp_path)["memory_fill"]
     assert plan["micro_batch_size"] * plan["accumulate_grad_batches"] == 128
 
 
 def test_fit_dotted_override_changes_one_setting(tmp_path, train):
-    ran(train(tmp_path, "--gpuopt", "fill-memory", "--gpuopt.max_memory", "40MB", "--gpuopt.amp", "true", *QUICK))
-    assert saved_config(tmp_path)["gpuopt"]["amp"] is True
+    ran(
+        train(
+            tmp_path,
+            "--gpuopt",
+            "fill-memory",
+            "--gpuopt.max_memory",
+            "40MB",
+            "--gpuopt.precision",
+            "bf16-mixed",
+            *QUICK,
+        )
+    )
+    assert saved_config(tmp_path)["gpuopt"]["precision"] == "bf16-mixed"
     assert report(tmp_path)["gpuopt"]["changes"][0] == "precision: 32-true → bf16-mixed"
 
 
@@ -120,10 +135,10 @@ def test_without_the_flag_nothing_is_added(tmp_path, train):
 
 
 def test_preset_flag_forms():
-    assert preset_flag_as_key(["fit", "--gpuopt=low-memory", "--gpuopt.amp=false"]) == [
+    assert preset_flag_as_key(["fit", "--gpuopt=low-memory", "--gpuopt.precision=null"]) == [
         "fit",
         "--gpuopt.preset=low-memory",
-        "--gpuopt.amp=false",
+        "--gpuopt.precision=null",
     ]
 
 
@@ -134,11 +149,23 @@ def shipped_preset(name: str) -> dict:
 
 def test_print_config_shows_the_resolved_preset_and_overrides(tmp_path, train):
     result = train(
-        tmp_path, "--gpuopt", "fill-memory", "--gpuopt.amp", "true", "--gpuopt.max_memory", "40MB", "--print_config"
+        tmp_path,
+        "--gpuopt",
+        "fill-memory",
+        "--gpuopt.precision",
+        "bf16-mixed",
+        "--gpuopt.max_memory",
+        "40MB",
+        "--print_config",
     )
     ran(result)
     printed = yaml.safe_load(result.stdout)["gpuopt"]
-    expected = {**shipped_preset("fill-memory"), "amp": True, "max_memory": "40MB", "preset": "fill-memory"}
+    expected = {
+        **shipped_preset("fill-memory"),
+        "precision": "bf16-mixed",
+        "max_memory": "40MB",
+        "preset": "fill-memory",
+    }
     assert {key: printed[key] for key in expected} == expected
     assert all(value is None for key, value in printed.items() if key not in expected)  # the parts' own defaults
     assert not list(tmp_path.rglob("gpuopt_report.json"))  # printed, nothing ran
@@ -181,7 +208,9 @@ def test_a_subclass_that_overrides_add_arguments_to_parser_without_super_keeps_g
     assert saved_config(tmp_path)["notes"] == "mine"
 
 
-@pytest.mark.parametrize("text, line", [("amp: [auto\nmonitor: true\n", 2), ("preset: ../{folder}/self.yaml\n", None)])
+@pytest.mark.parametrize(
+    "text, line", [("precision: [auto\nmonitor: true\n", 2), ("preset: ../{folder}/self.yaml\n", None)]
+)
 def test_a_broken_preset_file_is_a_usage_error_naming_the_file(tmp_path, train, text, line):
     path = tmp_path / "self.yaml"
     path.write_text(text.format(folder=tmp_path.name))  # the second extends itself by another spelling

@@ -260,8 +260,8 @@ CALLBACKS: dict[str, Callable[[], Callback]] = {
     "MemoryFill": lambda: MemoryFill(
         global_batch_size=32,
         max_memory=MAX_MEMORY,
-        amp=True,
-        checkpointing=True,
+        precision="bf16-mixed",
+        activation_checkpointing=True,
         min_micro_batch_size=8,
         objective="memory",
         verbose=False,
@@ -270,9 +270,11 @@ CALLBACKS: dict[str, Callable[[], Callback]] = {
     "GpuOpt-diagnose": lambda: GpuOpt("diagnose"),
     "GpuOpt-fill-memory": lambda: GpuOpt("fill-memory", global_batch_size=32, max_memory=MAX_MEMORY),
     "GpuOpt-max-throughput": lambda: GpuOpt(
-        "max-throughput", global_batch_size=32, max_memory=MAX_MEMORY, amp=True, loader_max_seconds=0.5
+        "max-throughput", global_batch_size=32, max_memory=MAX_MEMORY, precision="bf16-mixed", loader_max_seconds=0.5
     ),
-    "GpuOpt-low-memory": lambda: GpuOpt("low-memory", global_batch_size=32, max_memory=MAX_MEMORY, amp=True),
+    "GpuOpt-low-memory": lambda: GpuOpt(
+        "low-memory", global_batch_size=32, max_memory=MAX_MEMORY, precision="bf16-mixed"
+    ),
 }
 
 
@@ -555,7 +557,7 @@ COMPILED = {
     "BatchSizeSearch": (CALLBACKS["BatchSizeSearch"], "__init__"),
     "MemoryFill": (
         lambda: MemoryFill(
-            global_batch_size=32, max_memory=MAX_MEMORY, amp=True, min_micro_batch_size=8, verbose=False
+            global_batch_size=32, max_memory=MAX_MEMORY, precision="bf16-mixed", min_micro_batch_size=8, verbose=False
         ),
         "__init__",
     ),
@@ -564,7 +566,13 @@ COMPILED = {
     "GpuOpt-diagnose": (CALLBACKS["GpuOpt-diagnose"], "configure_model"),
     "GpuOpt-fill-memory": (CALLBACKS["GpuOpt-fill-memory"], "__init__"),
     "GpuOpt-low-memory": (
-        lambda: GpuOpt("low-memory", global_batch_size=32, max_memory=MAX_MEMORY, amp=True, checkpointing=False),
+        lambda: GpuOpt(
+            "low-memory",
+            global_batch_size=32,
+            max_memory=MAX_MEMORY,
+            precision="bf16-mixed",
+            activation_checkpointing=False,
+        ),
         "__init__",
     ),
     "GpuOpt-max-throughput": (CALLBACKS["GpuOpt-max-throughput"], "__init__"),

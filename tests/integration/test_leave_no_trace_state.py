@@ -124,7 +124,12 @@ STATE_CALLBACKS: dict[str, Callable[[], Callback]] = {
     "DataWaitMonitor": lambda: DataWaitMonitor(verbose=False),
     **{name: make for name, make in CALLBACKS.items() if name != "MemoryFill"},  # it checkpoints: no blocks here
     "MemoryFill": lambda: MemoryFill(
-        global_batch_size=32, max_memory=MAX_MEMORY, amp=True, min_micro_batch_size=8, objective="memory", verbose=False
+        global_batch_size=32,
+        max_memory=MAX_MEMORY,
+        precision="bf16-mixed",
+        min_micro_batch_size=8,
+        objective="memory",
+        verbose=False,
     ),
 }
 _RUNS: dict[tuple, tuple[dict, dict]] = {}

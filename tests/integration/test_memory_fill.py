@@ -250,7 +250,13 @@ def test_a_budget_that_fits_only_with_checkpointing_turns_it_on(tmp_path, transf
     assert "forward" not in vars(model.network.encoder.layers[0])  # undone at teardown
     # the same budget without the lever: the largest fit is below 8
     off, _, _ = fill_fit(
-        tmp_path / "off", "transformer", 256, 32, global_batch_size=32, max_memory=budget, checkpointing=False
+        tmp_path / "off",
+        "transformer",
+        256,
+        32,
+        global_batch_size=32,
+        max_memory=budget,
+        activation_checkpointing=False,
     )
     assert not off.plan.checkpointing and off.plan.largest_fit < 8 <= plan.largest_fit
 
@@ -267,9 +273,9 @@ def test_bf16_mixed_on_cpu_when_asked_grows_the_micro_batch(tmp_path):
     root = tmp_path / "peaks"
     budget = budget_between(measured_peak(root, "transformer", 20), measured_peak(root, "transformer", 21))
     recorder = GradientRecorder()
-    options = dict(global_batch_size=64, max_memory=budget, checkpointing=False)
-    amp, _, trainer = fill_fit(tmp_path / "amp", "transformer", 128, 16, recorder, amp=True, **options)
-    plain, _, _ = fill_fit(tmp_path / "plain", "transformer", 128, 16, amp=False, **options)
+    options = dict(global_batch_size=64, max_memory=budget, activation_checkpointing=False)
+    amp, _, trainer = fill_fit(tmp_path / "amp", "transformer", 128, 16, recorder, precision="bf16-mixed", **options)
+    plain, _, _ = fill_fit(tmp_path / "plain", "transformer", 128, 16, precision=None, **options)
     assert plain.plan.largest_fit == 20
     assert amp.plan.precision == "bf16-mixed" and amp.plan.changes[0] == "precision: 32-true → bf16-mixed"
     assert isinstance(recorder.precision_plugins[0], MixedPrecision)  # training ran in it
@@ -283,7 +289,7 @@ def test_explicit_precision_and_accumulation_are_respected(tmp_path, mlp_bf16_bu
         "mlp",
         64,
         8,
-        amp=True,
+        precision="bf16-mixed",
         global_batch_size=32,
         max_memory=mlp_bf16_budget_for_8,
         trainer_kwargs=dict(precision="bf16-mixed", accumulate_grad_batches=4),
@@ -321,7 +327,8 @@ class ManualModel(LightningModule):
 
 def test_manual_optimization_refuses_accumulation_with_the_reason(tmp_path, mlp_budget_for_8):
     trainer = trainer_for(
-        tmp_path, [MemoryFill(global_batch_size=32, max_memory=mlp_budget_for_8, margin=0.1, checkpointing=False)]
+        tmp_path,
+        [MemoryFill(global_batch_size=32, max_memory=mlp_budget_for_8, margin=0.1, activation_checkpointing=False)],
     )
     with pytest.raises(
         NoBatchSizeFitsError,
@@ -333,11 +340,11 @@ def test_manual_optimization_refuses_accumulation_with_the_reason(tmp_path, mlp_
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(amp="yes"), "`amp` must be one of 'auto', True, False, got 'yes'"),
+        (dict(precision="yes"), "`precision`='yes' is not a precision MemoryFill switches to"),
         (dict(accumulation=True), "`accumulation` must be one of 'auto', False, got True"),
         (dict(objective="speed"), "`objective` must be one of 'throughput', 'memory', got 'speed'"),
         (dict(global_batch_size=0), "`global_batch_size` must be an integer >= 1"),
-        (dict(checkpointing=[3]), "`checkpointing` must be 'auto', .*, got \\[3\\]"),
+        (dict(activation_checkpointing=[3]), "`activation_checkpointing` must be 'auto', .*, got \\[3\\]"),
         (dict(margin=1.5), "`margin` must be a number in \\[0, 1\\), got 1.5"),
     ],
 )
@@ -347,7 +354,7 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_checkpointing_classes_that_match_nothing_list_the_blocks(tmp_path):
-    trainer = trainer_for(tmp_path, [MemoryFill(max_memory="200MB", checkpointing=["NoSuchBlock"])])
+    trainer = trainer_for(tmp_path, [MemoryFill(max_memory="200MB", activation_checkpointing=["NoSuchBlock"])])
     with pytest.raises(ValueError, match=r"'NoSuchBlock' matches no module.*TransformerEncoderLayer"):
         trainer.fit(make_model("transformer", num_samples=64, batch_size=8))
 
@@ -386,7 +393,7 @@ def test_accumulating_training_stays_within_the_budget_the_trials_kept(tmp_path)
     # without accumulation 32 fits this cap and 33 does not: a global batch of 64 = 32 x 2 would
     # be planned from trials that never accumulated
     cap = budget_between(*(measured_peak(tmp_path / "peaks", "transformer", size) for size in (32, 33)), margin=0)
-    fill = MemoryFill(global_batch_size=64, max_memory=cap, margin=0.0, checkpointing=False)
+    fill = MemoryFill(global_batch_size=64, max_memory=cap, margin=0.0, activation_checkpointing=False)
     guard = BudgetAroundTraining(cap)
     trainer_for(tmp_path, [fill, guard], max_steps=3).fit(make_model("transformer", num_samples=256, batch_size=64))
     plan = fill.plan  # the fit above raises OutOfMemoryError if a real step goes past the cap

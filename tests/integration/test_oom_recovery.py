@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -55,7 +55,11 @@ def fit(
 ):
     model = TokenModel(dataset, batch_size=batch_size)
     fill = MemoryFill(
-        global_batch_size=batch_size * accumulate, max_memory="1GB", checkpointing=False, on_oom=on_oom, verbose=False
+        global_batch_size=batch_size * accumulate,
+        max_memory="1GB",
+        activation_checkpointing=False,
+        on_oom=on_oom,
+        verbose=False,
     )
     options = dict(
         accelerator="cpu",
@@ -200,11 +204,13 @@ class StreamModel(TokenModel):
         return DataLoader(Stream(self.dataset), batch_size=self.batch_size, collate_fn=pad_collate)
 
 
-def fit_on_card(tmp_path, memory: str, on_oom: str, amp: bool, watcher: CapDuringTraining):
+def fit_on_card(tmp_path, memory: str, on_oom: str, precision: Optional[str], watcher: CapDuringTraining):
     dataset = VariableLengthDataset(40, long_at=LONG, long=1024)
     model = StreamModel(dataset, batch_size=8, hidden=256)
     with SimulatedGpu("T4", memory=memory) as gpu:
-        fill = MemoryFill(global_batch_size=8, checkpointing=False, amp=amp, on_oom=on_oom, verbose=False)
+        fill = MemoryFill(
+            global_batch_size=8, activation_checkpointing=False, precision=precision, on_oom=on_oom, verbose=False
+        )
         trainer = quiet_trainer(tmp_path, [fill, watcher], max_steps=4, limit_val_batches=0)
         trainer.fit(model)
     return model, fill, trainer, gpu
@@ -213,9 +219,9 @@ def fit_on_card(tmp_path, memory: str, on_oom: str, amp: bool, watcher: CapDurin
 def test_on_a_simulated_card_the_long_batch_the_plan_could_not_see_is_absorbed(tmp_path):
     watcher = CapDuringTraining(10**12)  # no cap of its own: records the step an exception ended the run
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
-        fit_on_card(tmp_path, "28MiB", "raise", False, watcher)
+        fit_on_card(tmp_path, "28MiB", "raise", None, watcher)
     assert watcher.died_at == 2
-    model, fill, trainer, gpu = fit_on_card(tmp_path, "28MiB", "adapt", False, CapDuringTraining(10**12))
+    model, fill, trainer, gpu = fit_on_card(tmp_path, "28MiB", "adapt", None, CapDuringTraining(10**12))
     assert fill.plan.micro_batch_size == 8 and trainer.global_step == 4
     assert {a.step for a in fill.plan.oom_adaptations} == {2}
     assert gpu.peak_reserved_bytes <= gpu.profile.total_bytes
@@ -226,9 +232,9 @@ def test_on_a_simulated_card_the_long_batch_the_plan_could_not_see_is_absorbed(t
 def test_on_a_simulated_card_with_16_mixed_the_gradient_scaler_applies_once(tmp_path):
     # 16-mixed (a T4 has no bfloat16) with its GradScaler: the split run equals the same run on a
     # card large enough for the long batch (a gradient scaled twice, or not unscaled, would not)
-    model, fill, _, _ = fit_on_card(tmp_path, "28MiB", "adapt", True, CapDuringTraining(10**12))
+    model, fill, _, _ = fit_on_card(tmp_path, "28MiB", "adapt", "auto", CapDuringTraining(10**12))
     assert fill.plan.precision == "16-mixed" and {a.step for a in fill.plan.oom_adaptations} == {2}
-    whole, fill_whole, _, _ = fit_on_card(tmp_path, "1GiB", "raise", True, CapDuringTraining(10**12))
+    whole, fill_whole, _, _ = fit_on_card(tmp_path, "1GiB", "raise", "auto", CapDuringTraining(10**12))
     assert fill_whole.plan.precision == "16-mixed" and not fill_whole.plan.oom_adaptations
     for name, value in weights(whole).items():
         torch.testing.assert_close(weights(model)[name], value, rtol=1e-3, atol=1e-5, msg=name)
@@ -257,7 +263,9 @@ def test_manual_optimization_is_not_adapted_and_says_so(tmp_path, dataset):
             self.manual_backward(super().training_step(batch, batch_idx))
             optimizer.step()
 
-    fill = MemoryFill(global_batch_size=8, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
+    fill = MemoryFill(
+        global_batch_size=8, max_memory="1GB", activation_checkpointing=False, on_oom="adapt", verbose=False
+    )
     trainer = quiet_trainer(tmp_path, [fill], max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -312,7 +320,9 @@ def test_out_of_memory_in_the_optimizer_step_says_adapt_covers_forward_and_backw
             optimizer.step()
     assert meter.peak_bytes > backward_peak + 700_000  # Adam's two buffers of 400 kB
     cap = CapDuringTraining((backward_peak + meter.peak_bytes) // 2)
-    fill = MemoryFill(global_batch_size=8, max_memory="1GB", checkpointing=False, on_oom="adapt", verbose=False)
+    fill = MemoryFill(
+        global_batch_size=8, max_memory="1GB", activation_checkpointing=False, on_oom="adapt", verbose=False
+    )
     trainer = quiet_trainer(None, [fill, cap], max_steps=4)
     with pytest.raises(
         torch.OutOfMemoryError, match=r"covers forward and backward only: out of memory in the optimizer step"

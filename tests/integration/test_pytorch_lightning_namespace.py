@@ -152,7 +152,7 @@ def test_batch_size_search_under_pytorch_lightning_finds_a_batch_that_trains_and
 def test_memory_fill_amp_under_pytorch_lightning_plans_as_under_lightning(tmp_path):
     plans = {}
     for namespace, (pl, package) in NAMESPACES.items():
-        fill = package.MemoryFill(max_memory="4MB", amp=True, global_batch_size=512, verbose=False)
+        fill = package.MemoryFill(max_memory="4MB", precision="bf16-mixed", global_batch_size=512, verbose=False)
         torch.manual_seed(0)
         run = trainer(pl, tmp_path / namespace, [fill], max_steps=2)
         run.fit(module_class(pl)())

@@ -99,7 +99,13 @@ def test_16_mixed_on_a_simulated_t4_scales_skips_the_inf_step_and_clips_unscaled
 ])  # fmt: skip
 def test_memory_fill_says_the_user_set_16_mixed_only_where_lightning_kept_it(tmp_path, simulated, reason):
     model = Overflowing()
-    fill = MemoryFill(global_batch_size=16, max_memory="64MiB", accumulation=False, checkpointing=False, amp=True)
+    fill = MemoryFill(
+        global_batch_size=16,
+        max_memory="64MiB",
+        accumulation=False,
+        activation_checkpointing=False,
+        precision="bf16-mixed",
+    )
     with SimulatedGpu("T4") if simulated else contextlib.nullcontext():
         quiet_trainer(tmp_path, [fill], max_steps=1, precision="16-mixed").fit(model)
     assert fill.plan.precision == ("16-mixed" if simulated else "bf16-mixed")

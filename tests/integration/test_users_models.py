@@ -133,7 +133,7 @@ def fit_gpt2(tmp_path, callbacks: list, batch_size: int = 4, own_checkpointing: 
 
 
 def test_gpt2_checkpointing_uses_the_models_own_switch_and_equals_it_by_hand(tmp_path):
-    fill = MemoryFill(checkpointing=True, max_memory=BUDGET, global_batch_size=8)
+    fill = MemoryFill(activation_checkpointing=True, max_memory=BUDGET, global_batch_size=8)
     ours = fit_gpt2(tmp_path / "ours", [fill])
     plan = fill.plan
     assert plan.checkpointing and plan.checkpointed_classes == ["GPT2Block"]
@@ -166,7 +166,7 @@ def test_gpt2_low_memory_trains_checkpointed_and_equals_plain_training(tmp_path)
 def test_gpt2_blocks_named_by_the_user_are_checkpointed_by_us_with_the_cache_cleared(tmp_path):
     # the user's class list: our torch.utils.checkpoint wrapper, not the model's switch; GPT2Model hands
     # each block the cache positionally, and the recomputation must not see it grown by the first pass
-    fill = MemoryFill(checkpointing=["GPT2Block"], max_memory=BUDGET, global_batch_size=8)
+    fill = MemoryFill(activation_checkpointing=["GPT2Block"], max_memory=BUDGET, global_batch_size=8)
     ours = fit_gpt2(tmp_path / "ours", [fill], max_steps=2)
     plan = fill.plan
     assert plan.checkpointed_classes == ["GPT2Block"] and not ours.model.is_activation_checkpointing
@@ -366,7 +366,7 @@ def test_a_models_own_checkpointing_that_updates_batchnorm_twice_is_replaced_by_
     torch.manual_seed(0)
     model = ImageClassifier(TinyConvModel(TinyConvConfig()))
     plain = copy.deepcopy(model)
-    fill = MemoryFill(checkpointing=True, max_memory=BUDGET, global_batch_size=8)
+    fill = MemoryFill(activation_checkpointing=True, max_memory=BUDGET, global_batch_size=8)
     torch.manual_seed(2)
     trainer_for(tmp_path / "ours", [fill], max_steps=2).fit(model)
     plan = fill.plan
@@ -503,17 +503,19 @@ def test_low_memory_without_repeated_blocks_falls_back_and_says_so(tmp_path, cap
 
 
 def test_explicit_checkpointing_on_a_model_without_blocks_refuses_naming_it(tmp_path):
-    fill = MemoryFill(checkpointing=True, max_memory=BUDGET, global_batch_size=16)
+    fill = MemoryFill(activation_checkpointing=True, max_memory=BUDGET, global_batch_size=16)
     with pytest.raises(
         MisconfigurationException,
         match=r"no repeated blocks in PaddedSequences .* no submodule with "
-        r"parameters .* checkpointing='auto'",
+        r"parameters .* activation_checkpointing='auto'",
     ):
         trainer_for(tmp_path, [fill]).fit(PaddedSequences())
     # a model with blocks of its own, just not repeated ones: they are named
     model = ImageClassifier(nn.Sequential(ConvBlock(3), nn.Flatten(), nn.Linear(3 * 16 * 16, 10)))
-    with pytest.raises(MisconfigurationException, match=r"in ImageClassifier .* e\.g\. checkpointing=\['ConvBlock'\]"):
-        trainer_for(tmp_path, [MemoryFill(checkpointing=True, max_memory=BUDGET)]).fit(model)
+    with pytest.raises(
+        MisconfigurationException, match=r"in ImageClassifier .* e\.g\. activation_checkpointing=\['ConvBlock'\]"
+    ):
+        trainer_for(tmp_path, [MemoryFill(activation_checkpointing=True, max_memory=BUDGET)]).fit(model)
 
 
 # ----------------------------------------------------------------------------- a block that cannot be recomputed
@@ -555,10 +557,10 @@ def test_a_block_whose_recomputation_differs_is_refused_with_the_reason(tmp_path
     assert [float(block.calls) for block in model.net[:2]] == [4.0, 4.0]  # 2 steps x 2 micro-batches
     with pytest.raises(
         MisconfigurationException,
-        match=r"checkpointing=True on CountingModel: a training step "
+        match=r"activation_checkpointing=True on CountingModel: a training step "
         r"with its CountingBlock blocks checkpointed differs",
     ):
-        trainer_for(tmp_path, [MemoryFill(checkpointing=True, max_memory=BUDGET)]).fit(CountingModel())
+        trainer_for(tmp_path, [MemoryFill(activation_checkpointing=True, max_memory=BUDGET)]).fit(CountingModel())
 
 
 # ----------------------------------------------------------------------------- an estimate that cannot trace
@@ -581,7 +583,9 @@ class PerSampleBias(MLPClassifier):
     "callback",
     [
         lambda: MemoryEstimator(max_memory=BUDGET),
-        lambda: MemoryFill(max_memory=BUDGET, global_batch_size=8, checkpointing=False),  # the search's estimate
+        lambda: MemoryFill(
+            max_memory=BUDGET, global_batch_size=8, activation_checkpointing=False
+        ),  # the search's estimate
     ],
 )
 def test_an_estimate_that_cannot_trace_is_one_warning_and_no_error_log(tmp_path, caplog, callback):

@@ -70,8 +70,8 @@ CASES: dict[type, dict[str, list[Any]]] = {
     },
     MemoryFill: {
         "global_batch_size": ints(1, allow_none=True),
-        "amp": ["false", "yes", "bf16", 1, 0, None],
-        "checkpointing": [1, 0, "", None, [], [1], {"a": 1}, "true"],
+        "precision": ["false", "yes", "fp8", "bf16-true", "16-true", 1, 0, True, False],
+        "activation_checkpointing": [1, 0, "", None, [], [1], {"a": 1}, "true"],
         "accumulation": ["false", "no", True, 1, 0, None, 4],
         "max_memory": MEMORY,
         "margin": ["0.1", True, NAN, -0.1, 1, None],
@@ -103,8 +103,8 @@ GPUOPT_CASES: dict[str, list[Any]] = {
     "max_memory": [v for v in MEMORY if v is not None],
     "margin": ["0.1", True, NAN, -0.1, 1],
     "global_batch_size": [v for v in ints(1) if v is not None],
-    "amp": ["false", "bf16", 1, 0],
-    "checkpointing": [1, 0, "", [], [1], "true"],
+    "precision": ["false", "fp8", "64-true", 1, 0, True],
+    "activation_checkpointing": [1, 0, "", [], [1], "true"],
     "accumulation": ["false", True, 1, 0, 4],
     "objective": ["speed", 1],
     "min_micro_batch_size": [v for v in ints(1) if v is not None],
@@ -131,15 +131,17 @@ def test_every_constructor_argument_and_preset_key_is_covered():
 
     for cls, table in CASES.items():
         assert set(inspect.signature(cls).parameters) == set(table), cls.__name__
-    # ``plots`` is GpuOpt's own (what to draw at the end of fit), not a preset key
-    assert set(GPUOPT_CASES) == set(PRESET_KEYS) == set(inspect.signature(GpuOpt).parameters) - {"preset", "plots"}
+    # ``verbose`` and ``plots`` are GpuOpt's own (what to log and draw), not preset keys
+    own = {"preset", "verbose", "plots"}
+    assert set(GPUOPT_CASES) == set(PRESET_KEYS) == set(inspect.signature(GpuOpt).parameters) - own
 
 
+@pytest.mark.parametrize("argument", ["plots", "verbose"])
 @pytest.mark.parametrize("value", ["yes", "false", 1, 0], ids=shown)
-def test_gpuopt_refuses_a_plots_value_that_is_not_a_bool(value):
+def test_gpuopt_refuses_a_plots_or_verbose_value_that_is_not_a_bool(argument, value):
     with pytest.raises(ValueError) as error:
-        GpuOpt("diagnose", plots=value)
-    assert_names(error, "plots", value)
+        GpuOpt("diagnose", **{argument: value})
+    assert_names(error, argument, value)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +224,7 @@ def test_a_fraction_too_small_for_the_device_is_refused_naming_the_fraction():
 def test_preset_that_extends_itself_names_the_cycle(tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
-    (sub / "a.yaml").write_text("preset: ../sub/a.yaml\namp: false\n")
+    (sub / "a.yaml").write_text("preset: ../sub/a.yaml\nprecision: null\n")
     with pytest.raises(ValueError, match="cycle") as error:
         load_preset(sub / "a.yaml")
     assert "a.yaml -> " in str(error.value) and len(str(error.value)) < 1000
@@ -241,7 +243,7 @@ def test_presets_extending_each_other_name_the_whole_chain(tmp_path):
 @pytest.mark.parametrize(
     "text, line",
     [
-        ("amp: [auto\nmonitor: true\n", 2),
+        ("precision: [auto\nmonitor: true\n", 2),
         ("monitor: true\n  estimate: false\n", 2),
         ("monitor: true\nmonitor: : x\n", 2),
     ],
