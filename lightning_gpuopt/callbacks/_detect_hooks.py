@@ -37,9 +37,14 @@ _NOT_USER_WORK = frozenset((
     "load_state_dict",
 ))
 # fmt: on
-#: hook calls in a step are timed in one step of this many, scaled by steps over sampled steps (1: every step;
-#: timing every call cost 3% of a 2 ms step), exact in calls for a hook called the same times every step
+#: hooks Lightning calls every training step: timed in one step of this many (fetch to fetch), scaled by
+#: steps over sampled steps (1: every step; timing every call cost 3-7% of a 2 ms step), exact in calls for a
+#: hook called the same times every step; other hooks (epoch, validation) are timed at every call
 HOOK_SAMPLE_EVERY = 16
+# fmt: off
+_PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
+             "on_after_backward", "on_before_optimizer_step")
+# fmt: on
 
 
 class HookTimes(Probe):
@@ -51,8 +56,11 @@ class HookTimes(Probe):
         self._started_at: Optional[float] = None
         self._ended_at: Optional[float] = None
         self._steps = self._sampled_steps = 0
-        self.in_sample = False  #: whether this training step's hook calls are timed
+        self.in_sample = False  #: whether this step's hook calls are timed (from its batch's fetch to the next)
         self._random = random.Random(0)
+        #: actions not to report to this probe: in sampled steps, and in the others (the per-step hooks too)
+        self.quiet_sampled: frozenset[str] = frozenset()
+        self.quiet = self._per_step = frozenset[str]()
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
         self._hooks: dict[str, tuple[float, int]] = {}
@@ -65,15 +73,26 @@ class HookTimes(Probe):
         for callback in trainer.callbacks:
             with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
                 self._callbacks[callback.state_key] = callback
+        owners = [
+            compat.MODULE_ACTION + type(pl_module).__name__,
+            *map(compat.CALLBACK_ACTION.__add__, self._callbacks),
+        ]
+        if trainer.datamodule is not None:
+            owners.append(compat.DATAMODULE_ACTION + type(trainer.datamodule).__name__)
+        never = [compat.strategy_action(trainer, hook) for hook in ("on_train_batch_start", *_NOT_USER_WORK)]
+        never += [compat.fetch_action(trainer), compat.TRAINING_BATCH_ACTION]
+        self.quiet_sampled = frozenset(never + [f"{owner}.{hook}" for owner in owners for hook in _NOT_USER_WORK])
+        self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
+        self.quiet = self.quiet_sampled | self._per_step
         self._started_at = time.perf_counter()
 
-    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+    def batch_fetched(self) -> frozenset[str]:
+        """A training batch is fetched: whether its step is sampled; the actions not to report until the next."""
         self.in_sample = self._steps < HOOK_SAMPLE_EVERY or self._random.random() * HOOK_SAMPLE_EVERY < 1
-        self._sampled_steps += self.in_sample
+        return self.quiet_sampled if self.in_sample else self.quiet
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._steps += 1
-        self.in_sample = False
+        self._steps, self._sampled_steps = self._steps + 1, self._sampled_steps + self.in_sample
 
     def _add_saves(self, action: str) -> None:
         saved = self._saves.get(action, [0.0, 0.0])
@@ -93,8 +112,8 @@ class HookTimes(Probe):
             # the first hook to end after a save is the one it ran in (its own on_save_checkpoint hooks end inside)
             seconds = max(0.0, seconds - pending[1])
             self._add_saves(action)
-        if not in_validation:
-            hooks = self._sampled if self.in_sample else self._hooks
+        if not in_validation:  # a per-step hook is seen in sampled steps (else only after a save: counted as is)
+            hooks = self._sampled if self.in_sample and action in self._per_step else self._hooks
             total_s, calls = hooks.get(action, (0.0, 0))
             hooks[action] = (total_s + seconds, calls + 1)
 
@@ -186,6 +205,8 @@ _MAX_LISTED, _MAX_WALKED, _MAX_STAT, _CHUNK = 1_000_000, 20_000, 256, 2**20
 class DatasetDisk(Probe):
     """``"slow-disk"``: read throughput of a sample of the training dataset's files against the rate training
     consumed them, decided only when the run was input-bound-ish."""
+
+    steps: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self._dataset: Any = None

@@ -48,17 +48,15 @@ _MAX_LINES = 5
 
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
-    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
-    profiled action (only on probes that override it, outside steps and in steps where one's ``in_sample`` is
-    true after ``step_start``), ``stop`` on every exit path (undoing what the probe installed; perhaps more than
-    once), then ``findings`` with the run's report."""
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``stop`` on every exit path
+    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report
+    (``HookTimes`` also hears of profiled actions)."""
 
-    in_sample = True
+    steps: Optional[tuple[int, ...]] = None  #: steps its ``step_start``/``step_end`` must see (None: every step)
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
-    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None: ...
     def stop(self) -> None: ...
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
@@ -85,6 +83,8 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
     ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
+
+    steps = _SAMPLED_STEPS
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -282,6 +282,8 @@ class _HostReadCounter(TorchDispatchMode):
 
 class HostSyncProbe(Probe):
     """``host-sync``: reads from the card to the host inside the :data:`SYNC_STEPS` warm-up steps."""
+
+    steps = SYNC_STEPS
 
     def __init__(self) -> None:
         self._device: Optional[Device] = None

@@ -257,6 +257,8 @@ def parser_option_actions(parser: Any) -> dict[str, Any]:
 
 
 SAVE_CHECKPOINT_ACTION = "save_checkpoint"
+#: the action around a whole training step (optimizer step included)
+TRAINING_BATCH_ACTION = "run_training_batch"
 #: hook actions are ``"<prefix><owner>.<hook>"``: a callback's state key, a module's or datamodule's class
 CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION = "[Callback]", "[LightningModule]", "[LightningDataModule]"
 HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)

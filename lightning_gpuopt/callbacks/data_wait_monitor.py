@@ -31,7 +31,7 @@ import math
 import os
 import time
 from dataclasses import astuple, replace
-from typing import Any, Optional, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -130,7 +130,9 @@ class DataWaitMonitor(Callback):
         self._validation_wrapper: Any = None
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
-        self._action_probes: list[Probe] = []
+        self._action_probes: list[HookTimes] = []
+        self._every_step: list[Probe] = []
+        self._probe_steps: set[int] = set()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -140,15 +142,21 @@ class DataWaitMonitor(Callback):
         self.report = None
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
-        self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
+        self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
+        self._every_step = [probe for probe in self._probes if probe.steps is None]  # the others: on a few steps
+        self._probe_steps = {step for probe in self._probes for step in probe.steps or ()}
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
             clock.add_fetch(seconds, cpu_seconds)
+            if self._tap is not None and self._action_probes:  # the step's hooks: timed when it is sampled
+                self._tap.quiet = self._action_probes[0].batch_fetched()
             if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
                 self._gpu.before_transfer()
 
         def saved(seconds: float, cpu_seconds: float) -> None:
             clock.add_excluded("checkpoint", seconds)  # in validation too: taken out of its time below
+            if self._tap is not None:  # the hook the save ran in ends after it: reported in any step
+                self._tap.quiet = ()
 
         listeners: dict[str, _profiler_tap.Listener] = {
             compat.fetch_action(trainer): fetched,
@@ -156,7 +164,8 @@ class DataWaitMonitor(Callback):
             compat.strategy_action(trainer, "training_step"): clock.add_forward,
             compat.SAVE_CHECKPOINT_ACTION: saved,
         }
-        self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
+        any_action = self._on_action if self._action_probes else None
+        self._tap = _profiler_tap.install(trainer, listeners, any_action, cpu_timed=(compat.fetch_action(trainer),))
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         run = val_loop.run
 
@@ -177,7 +186,7 @@ class DataWaitMonitor(Callback):
     def _on_action(self, action: str, seconds: float) -> None:
         self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
 
-    def _call_probes(self, hook: str, *args: Any, probes: Optional[list[Probe]] = None) -> list[Any]:
+    def _call_probes(self, hook: str, *args: Any, probes: Optional[Sequence[Probe]] = None) -> list[Any]:
         """Call ``hook`` on every probe (of ``probes``) and return what they return; one that fails is dropped
         with a warning (advice never costs the run)."""
         results = []
@@ -186,10 +195,13 @@ class DataWaitMonitor(Callback):
                 results.append(getattr(probe, hook)(*args))
             except Exception as error:  # noqa: BLE001 - advice never costs the run
                 probe.stop()
-                self._probes = [other for other in self._probes if other is not probe]
-                self._action_probes = [other for other in self._action_probes if other is not probe]
+                for kept in ("_probes", "_action_probes", "_every_step"):
+                    setattr(self, kept, [other for other in getattr(self, kept) if other is not probe])
                 rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
+
+    def _step_probes(self, step: int) -> list[Probe]:
+        return self._probes if step in self._probe_steps else self._every_step
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -243,9 +255,8 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
-        if self._tap is not None and self._action_probes:  # hook calls in a step: timed in the probes' sampled steps
-            self._tap.any_action = self._on_action if any(p.in_sample for p in self._action_probes) else None
+        step = self._clock.steps_seen
+        self._call_probes("step_start", trainer, pl_module, batch, step, probes=self._step_probes(step))
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -261,9 +272,7 @@ class DataWaitMonitor(Callback):
         clock.step_end(batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0)
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, step)
-        if self._tap is not None and self._action_probes:
-            self._tap.any_action = self._on_action
+        self._call_probes("step_end", trainer, pl_module, batch, step, probes=self._step_probes(step))
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
