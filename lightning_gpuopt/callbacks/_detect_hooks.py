@@ -36,12 +36,10 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-# fmt: on
 #: hooks Lightning calls every training step: timed in one step of this many (fetch to fetch), scaled by
 #: steps over sampled steps (1: every step; timing every call cost 3-7% of a 2 ms step), exact in calls for a
 #: hook called the same times every step; other hooks (epoch, validation) are timed at every call
 HOOK_SAMPLE_EVERY = 16
-# fmt: off
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
 # fmt: on
@@ -51,6 +49,9 @@ class HookTimes(Probe):
     """``"slow-hook"`` and ``"checkpoint-time"``: every hook's total time and calls (training part), every
     checkpoint save, and the one hook each save ran in."""
 
+    #: actions not to report to this probe: in sampled steps; in the others (its per-step hooks too)
+    quiet_sampled = quiet = _per_step = frozenset[str]()
+
     def __init__(self) -> None:
         #: train start and end: the probe listens in between
         self._started_at: Optional[float] = None
@@ -58,9 +59,6 @@ class HookTimes(Probe):
         self._steps = self._sampled_steps = 0
         self.in_sample = False  #: whether this step's hook calls are timed (from its batch's fetch to the next)
         self._random = random.Random(0)
-        #: actions not to report to this probe: in sampled steps, and in the others (the per-step hooks too)
-        self.quiet_sampled: frozenset[str] = frozenset()
-        self.quiet = self._per_step = frozenset[str]()
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
         self._hooks: dict[str, tuple[float, int]] = {}
@@ -73,12 +71,9 @@ class HookTimes(Probe):
         for callback in trainer.callbacks:
             with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
                 self._callbacks[callback.state_key] = callback
-        owners = [
-            compat.MODULE_ACTION + type(pl_module).__name__,
-            *map(compat.CALLBACK_ACTION.__add__, self._callbacks),
-        ]
-        if trainer.datamodule is not None:
-            owners.append(compat.DATAMODULE_ACTION + type(trainer.datamodule).__name__)
+        data = [compat.DATAMODULE_ACTION + type(trainer.datamodule).__name__] if trainer.datamodule is not None else []
+        owners = [compat.MODULE_ACTION + type(pl_module).__name__, *data]
+        owners += [compat.CALLBACK_ACTION + key for key in self._callbacks]
         never = [compat.strategy_action(trainer, hook) for hook in ("on_train_batch_start", *_NOT_USER_WORK)]
         never += [compat.fetch_action(trainer), compat.TRAINING_BATCH_ACTION]
         self.quiet_sampled = frozenset(never + [f"{owner}.{hook}" for owner in owners for hook in _NOT_USER_WORK])
@@ -205,8 +200,6 @@ _MAX_LISTED, _MAX_WALKED, _MAX_STAT, _CHUNK = 1_000_000, 20_000, 256, 2**20
 class DatasetDisk(Probe):
     """``"slow-disk"``: read throughput of a sample of the training dataset's files against the rate training
     consumed them, decided only when the run was input-bound-ish."""
-
-    steps: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self._dataset: Any = None

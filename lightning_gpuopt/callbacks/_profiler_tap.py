@@ -4,9 +4,9 @@ Lightning profiles the training dataloader's ``next()`` (``"[_TrainingEpochLoop]
 strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<state_key>.<hook>"``,
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
 :func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
-is called when an action of that name ends (its wall-clock seconds, and for names in ``cpu_timed`` the main
-thread's CPU seconds, else 0), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every
-action not in the tap's ``quiet`` names (a set the caller may swap at any time). Every call still
+is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds),
+``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the tap's
+``quiet`` names (the caller may swap them at any time). Every call still
 reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
@@ -18,21 +18,20 @@ from typing import Any, Callable, Container, Optional
 Listener = Callable[[float, float], None]
 #: called with every action's name and wall-clock seconds
 AnyListener = Callable[[str, float], None]
-_UNTIMED = (None, None, False)
+_UNTIMED = (None, None)
 
 
 class ProfilerTap:
-    """Wraps profiler ``inner``; ``timed``: action name -> (its listener, its on_start, whether CPU-timed)."""
+    """Wraps profiler ``inner``; ``timed``: action name -> (its listener, its on_start)."""
 
-    def __init__(self, inner: Any, timed: dict[str, tuple[Any, Any, bool]], any_action: Optional[AnyListener]) -> None:
+    def __init__(self, inner: Any, timed: dict[str, tuple[Any, Any]], any_action: Optional[AnyListener]) -> None:
         self.inner, self._timed, self.any_action = inner, timed, any_action
         self.quiet: Container[str] = ()
         self._started: dict[str, _Timed] = {}
 
     def _timer(self, inner: Any, action_name: str) -> _Timed:
-        listener, on_start, cpu = self._timed.get(action_name, _UNTIMED)
         report = None if self.any_action is None or action_name in self.quiet else self.any_action
-        return _Timed(inner, action_name, listener, on_start, report, cpu)
+        return _Timed(inner, action_name, *self._timed.get(action_name, _UNTIMED), report)
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
@@ -62,24 +61,23 @@ class _Timed:
     """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for ``start``/``stop``);
     a class with slots, not a generator: it runs on every hook call."""
 
-    __slots__ = ("any_action", "cpu", "cpu_timed", "inner", "listener", "name", "on_start", "wall")
+    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
 
-    def __init__(self, inner: Any, name: str, listener: Any, on_start: Any, any_action: Any, cpu_timed: bool) -> None:
+    def __init__(self, inner: Any, name: str, listener: Optional[Listener], on_start: Any, any_action: Any) -> None:
         self.inner, self.name, self.listener, self.on_start = inner, name, listener, on_start
         self.any_action: Optional[AnyListener] = any_action
-        self.cpu_timed = cpu_timed
 
     def __enter__(self) -> None:
         if self.inner is not None:
             self.inner.__enter__()
         if self.on_start is not None:
             self.on_start()
-        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.cpu_timed else 0.0
+        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.listener is not None else 0.0
 
     def __exit__(self, *exc_info: Any) -> Any:
         wall = time.perf_counter() - self.wall
         if self.listener is not None:
-            self.listener(wall, time.thread_time() - self.cpu if self.cpu_timed else 0.0)
+            self.listener(wall, time.thread_time() - self.cpu)
         if self.any_action is not None:
             self.any_action(self.name, wall)
         return self.inner.__exit__(*exc_info) if self.inner is not None else None
@@ -90,11 +88,10 @@ def install(
     listeners: dict[str, Listener],
     any_action: Optional[AnyListener] = None,
     on_start: Optional[dict[str, Callable[[], None]]] = None,
-    cpu_timed: Container[str] = (),
 ) -> ProfilerTap:
     """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` (the module docstring) and return it."""
     on_start = on_start or {}
-    timed = {name: (listeners.get(name), on_start.get(name), name in cpu_timed) for name in {*listeners, *on_start}}
+    timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
     tap = trainer.profiler = ProfilerTap(trainer.profiler, timed, any_action)
     return tap
 

@@ -131,8 +131,6 @@ class DataWaitMonitor(Callback):
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[HookTimes] = []
-        self._every_step: list[Probe] = []
-        self._probe_steps: set[int] = set()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -143,8 +141,6 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        self._every_step = [probe for probe in self._probes if probe.steps is None]  # the others: on a few steps
-        self._probe_steps = {step for probe in self._probes for step in probe.steps or ()}
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
             clock.add_fetch(seconds, cpu_seconds)
@@ -164,8 +160,7 @@ class DataWaitMonitor(Callback):
             compat.strategy_action(trainer, "training_step"): clock.add_forward,
             compat.SAVE_CHECKPOINT_ACTION: saved,
         }
-        any_action = self._on_action if self._action_probes else None
-        self._tap = _profiler_tap.install(trainer, listeners, any_action, cpu_timed=(compat.fetch_action(trainer),))
+        self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         run = val_loop.run
 
@@ -195,13 +190,10 @@ class DataWaitMonitor(Callback):
                 results.append(getattr(probe, hook)(*args))
             except Exception as error:  # noqa: BLE001 - advice never costs the run
                 probe.stop()
-                for kept in ("_probes", "_action_probes", "_every_step"):
-                    setattr(self, kept, [other for other in getattr(self, kept) if other is not probe])
+                self._probes = [other for other in self._probes if other is not probe]
+                self._action_probes = [other for other in self._action_probes if other is not probe]
                 rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
-
-    def _step_probes(self, step: int) -> list[Probe]:
-        return self._probes if step in self._probe_steps else self._every_step
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -255,8 +247,7 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        step = self._clock.steps_seen
-        self._call_probes("step_start", trainer, pl_module, batch, step, probes=self._step_probes(step))
+        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -268,11 +259,12 @@ class DataWaitMonitor(Callback):
         if clock is None:
             return
         step = clock.steps_seen
-        # an opaque batch object: the loader's batch size
-        clock.step_end(batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0)
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
+        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
+        clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, step, probes=self._step_probes(step))
+        self._call_probes("step_end", trainer, pl_module, batch, step)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
