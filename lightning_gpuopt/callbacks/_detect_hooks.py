@@ -1,8 +1,8 @@
 """Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings (:mod:`lightning_gpuopt.core.findings` decides).
 
 :class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from train start to end, as the profiler
-tap times them (in steps, those of the first :data:`HOOK_SAMPLE_EVERY` steps and of a random one in as many after,
-scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
+tap times them (the hooks of every step, between steps too: in the first :data:`HOOK_SAMPLE_EVERY` steps and a random
+one in as many after, scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
 with the page cache dropped, against the rate training consumed them (``gpuopt/dataset_read_mb_s``,
 ``gpuopt/dataset_needed_mb_s``)."""
 
