@@ -1,8 +1,8 @@
 """Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings (:mod:`lightning_gpuopt.core.findings` decides).
 
 :class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from train start to end, as the profiler
-tap times them (in steps, those of the first :data:`HOOK_SAMPLE_EVERY` steps and of a random one in as many after,
-scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
+tap times them (the hooks of every step, between steps too: in the first :data:`HOOK_SAMPLE_EVERY` steps and a random
+one in as many after, scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
 with the page cache dropped, against the rate training consumed them (``gpuopt/dataset_read_mb_s``,
 ``gpuopt/dataset_needed_mb_s``)."""
 
@@ -36,22 +36,28 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-# fmt: on
-#: hook calls in a step are timed in one step of this many, scaled by steps over sampled steps (1: every step;
-#: timing every call cost 3% of a 2 ms step), exact in calls for a hook called the same times every step
+#: hooks Lightning calls every training step: timed in one step of this many (fetch to fetch), scaled by
+#: steps over sampled steps (1: every step; timing every call cost 3-7% of a 2 ms step), exact in calls for a
+#: hook called the same times every step; other hooks (epoch, validation) are timed at every call
 HOOK_SAMPLE_EVERY = 16
+_PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
+             "on_after_backward", "on_before_optimizer_step")
+# fmt: on
 
 
 class HookTimes(Probe):
     """``"slow-hook"`` and ``"checkpoint-time"``: every hook's total time and calls (training part), every
     checkpoint save, and the one hook each save ran in."""
 
+    #: actions not to report to this probe: in sampled steps; in the others (its per-step hooks too)
+    quiet_sampled = quiet = _per_step = frozenset[str]()
+
     def __init__(self) -> None:
         #: train start and end: the probe listens in between
         self._started_at: Optional[float] = None
         self._ended_at: Optional[float] = None
         self._steps = self._sampled_steps = 0
-        self.in_sample = False  #: whether this training step's hook calls are timed
+        self.in_sample = False  #: whether this step's hook calls are timed (from its batch's fetch to the next)
         self._random = random.Random(0)
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
@@ -65,15 +71,23 @@ class HookTimes(Probe):
         for callback in trainer.callbacks:
             with contextlib.suppress(Exception):  # a failing state_key only loses the callback's class name
                 self._callbacks[callback.state_key] = callback
+        data = [compat.DATAMODULE_ACTION + type(trainer.datamodule).__name__] if trainer.datamodule is not None else []
+        owners = [compat.MODULE_ACTION + type(pl_module).__name__, *data]
+        owners += [compat.CALLBACK_ACTION + key for key in self._callbacks]
+        never = [compat.strategy_action(trainer, hook) for hook in ("on_train_batch_start", *_NOT_USER_WORK)]
+        never += [compat.fetch_action(trainer), compat.TRAINING_BATCH_ACTION]
+        self.quiet_sampled = frozenset(never + [f"{owner}.{hook}" for owner in owners for hook in _NOT_USER_WORK])
+        self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
+        self.quiet = self.quiet_sampled | self._per_step
         self._started_at = time.perf_counter()
 
-    def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
+    def batch_fetched(self) -> frozenset[str]:
+        """A training batch is fetched: whether its step is sampled; the actions not to report until the next."""
         self.in_sample = self._steps < HOOK_SAMPLE_EVERY or self._random.random() * HOOK_SAMPLE_EVERY < 1
-        self._sampled_steps += self.in_sample
+        return self.quiet_sampled if self.in_sample else self.quiet
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._steps += 1
-        self.in_sample = False
+        self._steps, self._sampled_steps = self._steps + 1, self._sampled_steps + self.in_sample
 
     def _add_saves(self, action: str) -> None:
         saved = self._saves.get(action, [0.0, 0.0])
@@ -93,8 +107,8 @@ class HookTimes(Probe):
             # the first hook to end after a save is the one it ran in (its own on_save_checkpoint hooks end inside)
             seconds = max(0.0, seconds - pending[1])
             self._add_saves(action)
-        if not in_validation:
-            hooks = self._sampled if self.in_sample else self._hooks
+        if not in_validation:  # a per-step hook is seen in sampled steps (else only after a save: counted as is)
+            hooks = self._sampled if self.in_sample and action in self._per_step else self._hooks
             total_s, calls = hooks.get(action, (0.0, 0))
             hooks[action] = (total_s + seconds, calls + 1)
 

@@ -48,17 +48,13 @@ _MAX_LINES = 5
 
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
-    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``action_timed`` after each
-    profiled action (only on probes that override it, outside steps and in steps where one's ``in_sample`` is
-    true after ``step_start``), ``stop`` on every exit path (undoing what the probe installed; perhaps more than
-    once), then ``findings`` with the run's report."""
-
-    in_sample = True
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``stop`` on every exit path
+    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report
+    (``HookTimes`` also hears of profiled actions)."""
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
-    def action_timed(self, action: str, seconds: float, in_validation: bool) -> None: ...
     def stop(self) -> None: ...
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:

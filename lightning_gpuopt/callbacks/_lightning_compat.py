@@ -252,7 +252,7 @@ def parser_option_actions(parser: Any) -> dict[str, Any]:
     return parser._option_string_actions
 
 
-SAVE_CHECKPOINT_ACTION = "save_checkpoint"
+SAVE_CHECKPOINT_ACTION, TRAINING_BATCH_ACTION = "save_checkpoint", "run_training_batch"  # a save; a whole step
 #: hook actions are ``"<prefix><owner>.<hook>"``: a callback's state key, a module's or datamodule's class
 CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION = "[Callback]", "[LightningModule]", "[LightningDataModule]"
 HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)

@@ -5,34 +5,38 @@ strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
 :func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
 is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds),
-``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action. Every call still
+``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the tap's
+``quiet`` names (the caller may swap them at any time). Every call still
 reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Container, Optional
 
 #: called with an action's wall-clock seconds and the main thread's CPU seconds meanwhile
 Listener = Callable[[float, float], None]
 #: called with every action's name and wall-clock seconds
 AnyListener = Callable[[str, float], None]
+_UNTIMED = (None, None)
 
 
 class ProfilerTap:
-    """Wraps profiler ``inner``; ``timed``: action name -> (its listener, its on_start), one look-up per action."""
+    """Wraps profiler ``inner``; ``timed``: action name -> (its listener, its on_start)."""
 
-    def __init__(
-        self, inner: Any, timed: dict[str, tuple[Optional[Listener], Any]], any_action: Optional[AnyListener]
-    ) -> None:
+    def __init__(self, inner: Any, timed: dict[str, tuple[Any, Any]], any_action: Optional[AnyListener]) -> None:
         self.inner, self._timed, self.any_action = inner, timed, any_action
+        self.quiet: Container[str] = ()
         self._started: dict[str, _Timed] = {}
+
+    def _timer(self, inner: Any, action_name: str) -> _Timed:
+        report = None if self.any_action is None or action_name in self.quiet else self.any_action
+        return _Timed(inner, action_name, *self._timed.get(action_name, _UNTIMED), report)
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
-        listener, on_start = self._timed.get(action_name, (None, None))
-        if listener is not None or on_start is not None or self.any_action is not None:
-            timer = self._started[action_name] = _Timed(None, action_name, listener, on_start, self.any_action)
+        if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
+            timer = self._started[action_name] = self._timer(None, action_name)
             timer.__enter__()
 
     def stop(self, action_name: str) -> None:
@@ -43,14 +47,12 @@ class ProfilerTap:
 
     def profile(self, action_name: str) -> Any:
         # this runs on every hook call: the common case (nothing to time) returns the inner context as it is
-        inner = self.inner.profile(action_name)
-        timed = self._timed.get(action_name)
-        if timed is not None:
-            return _Timed(inner, action_name, *timed, self.any_action)
-        return inner if self.any_action is None else _Timed(inner, action_name, None, None, self.any_action)
+        if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
+            return self._timer(self.inner.profile(action_name), action_name)
+        return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "any_action", "_timed", "_started"):  # not set yet (unpickling)
+        if name in ("inner", "any_action", "quiet", "_timed", "_started"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 

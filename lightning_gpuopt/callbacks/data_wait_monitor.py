@@ -31,7 +31,7 @@ import math
 import os
 import time
 from dataclasses import astuple, replace
-from typing import Any, Optional, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -130,7 +130,7 @@ class DataWaitMonitor(Callback):
         self._validation_wrapper: Any = None
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
-        self._action_probes: list[Probe] = []
+        self._action_probes: list[HookTimes] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -140,15 +140,19 @@ class DataWaitMonitor(Callback):
         self.report = None
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
-        self._action_probes = [probe for probe in self._probes if type(probe).action_timed is not Probe.action_timed]
+        self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
             clock.add_fetch(seconds, cpu_seconds)
+            if self._tap is not None and self._action_probes:  # the step's hooks: timed when it is sampled
+                self._tap.quiet = self._action_probes[0].batch_fetched()
             if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
                 self._gpu.before_transfer()
 
         def saved(seconds: float, cpu_seconds: float) -> None:
             clock.add_excluded("checkpoint", seconds)  # in validation too: taken out of its time below
+            if self._tap is not None:  # the hook the save ran in ends after it: reported in any step
+                self._tap.quiet = ()
 
         listeners: dict[str, _profiler_tap.Listener] = {
             compat.fetch_action(trainer): fetched,
@@ -177,7 +181,7 @@ class DataWaitMonitor(Callback):
     def _on_action(self, action: str, seconds: float) -> None:
         self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
 
-    def _call_probes(self, hook: str, *args: Any, probes: Optional[list[Probe]] = None) -> list[Any]:
+    def _call_probes(self, hook: str, *args: Any, probes: Optional[Sequence[Probe]] = None) -> list[Any]:
         """Call ``hook`` on every probe (of ``probes``) and return what they return; one that fails is dropped
         with a warning (advice never costs the run)."""
         results = []
@@ -244,8 +248,6 @@ class DataWaitMonitor(Callback):
         if self._clock is None:
             return
         self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
-        if self._tap is not None and self._action_probes:  # hook calls in a step: timed in the probes' sampled steps
-            self._tap.any_action = self._on_action if any(p.in_sample for p in self._action_probes) else None
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
@@ -257,13 +259,12 @@ class DataWaitMonitor(Callback):
         if clock is None:
             return
         step = clock.steps_seen
-        # an opaque batch object: the loader's batch size
-        clock.step_end(batch_samples(batch) or (self._settings.batch_size if self._settings else None) or 0)
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
+        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
+        clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
         self._call_probes("step_end", trainer, pl_module, batch, step)
-        if self._tap is not None and self._action_probes:
-            self._tap.any_action = self._on_action
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())

@@ -160,12 +160,8 @@ class BinnedSeries:
         return [sum(column) for column in zip(*self._sums)] if self._sums else [0.0] * len(self.columns)
 
 
-@dataclass(frozen=True)
-class StepStart:
-    """Whether a starting step is measured, and whether the gap before it is a plain step-to-step gap."""
-
-    measured: bool
-    clean_gap: bool
+#: whether a starting step is measured, and whether the gap before it is a plain step-to-step gap
+StepStart = collections.namedtuple("StepStart", ("measured", "clean_gap"))
 
 
 #: the per-step columns of :attr:`StepClock.series`: :class:`StepTotals` fields

@@ -198,6 +198,31 @@ def test_hooks_inside_steps_are_timed_in_a_sample_of_steps_and_scaled_to_every_s
     assert finding.figures["ms_per_call"] >= 4 and finding.figures["seconds"] >= steps * 0.004
 
 
+class SlowBatchAndEpochEnd(SlowHook):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        time.sleep(0.03)
+
+
+def test_per_step_hooks_between_steps_are_reported_only_in_sampled_steps_and_still_counted_exactly(tmp_path):
+    steps, monitor = 2 * 24, DataWaitMonitor(warmup_steps=2, verbose=False)
+    reported: list[tuple[str, bool]] = []
+    monitor._on_action = lambda action, seconds: (  # type: ignore[method-assign]  # a spy: it forwards every call
+        reported.append((action, monitor._action_probes[0].in_sample)),
+        DataWaitMonitor._on_action(monitor, action, seconds),
+    )
+    trainer = make_trainer(tmp_path, [monitor, SlowBatchAndEpochEnd(0.003)], max_steps=steps)
+    trainer.fit(MLP(), loader(24 * 16))
+    probe = monitor._action_probes[0]
+    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe._sampled_steps < steps
+    batch_end = [
+        in_sample for action, in_sample in reported if action.endswith("SlowBatchAndEpochEnd.on_train_batch_end")
+    ]
+    assert len(batch_end) == probe._sampled_steps and all(batch_end)  # not reported in the other steps
+    found = {finding.where: finding.figures for finding in of_kind(monitor, "slow-hook")}
+    assert found["SlowBatchAndEpochEnd.on_train_batch_end"]["calls"] == steps  # scaled, exact in calls
+    assert found["SlowBatchAndEpochEnd.on_train_epoch_end"]["calls"] == 2  # an epoch hook: every call, not scaled
+
+
 def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
     monitor, _ = fit(
         tmp_path,
