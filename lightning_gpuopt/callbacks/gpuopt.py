@@ -276,9 +276,8 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
 
 def render_report(report: GpuOptReport) -> str:
     """The combined report: what changed, then each part's table."""
-    search, loader = report.batch_size_search, report.dataloader
-    ran = [f"{len(search.trials)} batch size trial(s)"] if search else []
-    ran += [f"{len(loader.candidates)} loader setting(s) timed"] if loader else []
+    ran = [f"{len(report.batch_size_search.trials)} batch size trial(s)"] if report.batch_size_search else []
+    ran += [f"{len(report.dataloader.candidates)} loader setting(s) timed"] if report.dataloader else []
     kept = "nothing changed (measured only" + (f": {' and '.join(ran)} before training, undone)" if ran else ")")
     rows = [(str(i), change) for i, change in enumerate(report.changes or [kept], 1)]
     sections = [render_table(f"gpuopt · preset {report.preset} · changed", rows)]

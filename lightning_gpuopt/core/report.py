@@ -178,8 +178,7 @@ def format_fraction(fraction: float | None) -> str:
 
 
 def format_bytes(num_bytes: float | None, decimal: bool = False) -> str:
-    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``; ``decimal``: also as ``max_memory="40MB"`` is written,
-    ``'38.1 MiB (40 MB)'``."""
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``; ``decimal``: ``40e6`` -> ``'38.1 MiB (40 MB)'``."""
     if num_bytes is None:
         return "n/a"
     value = float(num_bytes)
@@ -253,8 +252,7 @@ def loader_summary(result: LoaderTuneResult) -> str:
 
 
 def loader_tune_table(result: LoaderTuneResult, message: str = "") -> str:
-    """The ``DataLoaderTuner`` result: one row per timed setting, the chosen one marked; ``message`` (default:
-    :func:`loader_summary`) below."""
+    """The ``DataLoaderTuner`` result: a row per setting, the chosen one marked; ``message`` (or the summary) below."""
     rows = []
     for timing in result.candidates:
         on = (timing.setting == result.setting, result.baseline is timing, timing.stopped_early)
