@@ -251,7 +251,8 @@ def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path)
     fit(tmp_path, gpuopt)
     tuned = gpuopt.report.dataloader
     text = render_report(gpuopt.report)
-    note = next(line.strip() for line in text.splitlines() if "your setting" in line)
+    below = text.split("gpuopt · DataLoaderTuner", 1)[1].split("┘\n", 1)[1]  # the note under the tuner's table
+    note = " ".join(below.split("\ngpuopt")[0].split())  # its wrapped lines joined
     assert not note.startswith(";")  # it read "; 1.00x your setting" with no sentence before it
     if tuned.setting == tuned.baseline.setting:
         assert note.startswith(f"kept your setting {tuned.baseline.setting.describe()}") and "1.00x" not in text
