@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> BatchSizeSearch:
     trainer.fit(Classifier(samples=args.samples))
 
     result = search.result
-    print(f"largest batch that fits: {result.batch_size}, found in {len(result.trials)} trials")
+    print(f"batch size set: {result.batch_size}, the largest that trained in {len(result.trials)} trial(s)")
     for trial in result.trials:
         print(
             f"  batch {trial.batch_size}: {'fits' if trial.fits else 'does not fit'}, peak {trial.peak_bytes:,} bytes"

@@ -110,10 +110,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     first = train(args, tune=False).report
     print("\n=== Run 2: the same, with DataLoaderTuner ===")
     second = train(args, tune=True).report
+    speed = (first.totals.samples_per_second, second.totals.samples_per_second)
     print(
         f"\ndata wait {first.data_wait_fraction:.0%} → {second.data_wait_fraction:.0%} of the step;"
-        f" {first.totals.samples_per_second:,.0f} → {second.totals.samples_per_second:,.0f} samples/s"
-        f" ({second.totals.samples_per_second / first.totals.samples_per_second:.1f}x); verdict {first.verdict} → {second.verdict}"
+        f" {speed[0]:,.0f} → {speed[1]:,.0f} samples/s ({speed[1] / speed[0]:.1f}x faster).\n"
+        f"Verdict of run 1: {first.verdict} ({first.verdict_reason}).\nVerdict of run 2, measured again after tuning:"
+        f" {'still ' if second.verdict == first.verdict else ''}{second.verdict} ({second.verdict_reason})."
     )
     print(f"JSON reports: {args.root_dir}/lightning_logs/version_{{0,1}}/gpuopt_report.json")
 

@@ -51,6 +51,7 @@ from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_ba
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.fill import lr_note
 from lightning_gpuopt.core.loader import batch_samples
 from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.report import batch_search_table, format_bytes, format_seconds, to_dict
@@ -147,6 +148,9 @@ class BatchSizeSearch(Callback):
             result = self.search(trainer)
             assert result.batch_size is not None
             session.apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
+        lrs = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups]
+        if result.batch_size != (initial := result.initial_batch_size) and initial and lrs:  # the batch grew k times
+            result.notes.append(lr_note(None, result.batch_size / initial, lrs[0], "MemoryFill's scale_lr")[1])
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -291,6 +295,7 @@ class BatchSizeSearch(Callback):
             batch_size=size,
             initial_batch_size=initial,
             predicted_batch_size=predicted,
+            limit_bytes=capacity,
             steps_per_trial=self.steps_per_trial,
             world_size=trainer.world_size,
             seconds=time.perf_counter() - started,
@@ -303,7 +308,7 @@ class BatchSizeSearch(Callback):
 
     def _upper_bound(self, session: FitSession, initial: int, max_batch_size: Optional[int]) -> tuple[int, str, Any]:
         upper = self.max_batch_size if max_batch_size is None else max_batch_size
-        note = f"max_batch_size={upper}"
+        note = f"max_batch_size={upper}" if max_batch_size is None else f"MemoryFill needs no micro-batch above {upper}"
         if self.mode == "cap" and initial < upper:
             upper, note = initial, f"mode='cap': never above your batch size {initial}"
         samples = session.samples_per_rank()
@@ -361,12 +366,12 @@ class BatchSizeSearch(Callback):
             "smaller margin, or a larger device)."
         )
 
-    def _report(self, trainer: pl.Trainer) -> None:
+    def _report(self, trainer: pl.Trainer, applied: bool = True) -> None:
         assert self.result is not None
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             if self.verbose:
-                rank_zero_info(batch_search_table(self.result))
+                rank_zero_info(batch_search_table(self.result, applied))
             write_report_section(path, REPORT_SECTION, to_dict(self.result))
 
 

@@ -50,7 +50,7 @@ from lightning_gpuopt.core.loader import (
     tune_loader,
     usable_cpu_count,
 )
-from lightning_gpuopt.core.report import format_seconds, loader_tune_table, to_dict
+from lightning_gpuopt.core.report import format_seconds, loader_summary, loader_tune_table, to_dict
 
 
 class DataLoaderTuner(Callback):
@@ -151,11 +151,12 @@ class DataLoaderTuner(Callback):
         baseline = LoaderSetting(
             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
         )
+        seen: list[LoaderSetting] = []  # every timing's setting, in order: the contenders are timed again
         with (
             _training_step(trainer, loader) as step,
             rng_kept(loader),
             signals_stop_our_work(trainer, raise_at_once=True),
-            WorkProgress(trainer, "DataLoaderTuner candidate", None, self.progress) as progress,
+            WorkProgress(trainer, "DataLoaderTuner timing", None, self.progress) as progress,
         ):
             result = tune_loader(
                 lambda setting: rebuild_loader(loader, **setting.loader_kwargs()),
@@ -168,14 +169,12 @@ class DataLoaderTuner(Callback):
                 persistent_workers=persistent,
                 max_workers=self.max_num_workers,
                 baseline=baseline,
-                on_timed=lambda timing: progress.done(_candidate_line(timing, baseline)),
+                on_timed=lambda timing: progress.done(_candidate_line(timing, baseline, seen)),
                 consume=step,
             )
         self.result = res = trainer.strategy.broadcast(result, src=0)
-        kept = res.setting == baseline
-        what = f"kept {baseline.describe()}" if kept else f"{baseline.describe()} → {res.setting.describe()}"
-        timed = f"{len(res.candidates)} settings timed in {res.seconds:.1f} s"
-        self.message = f"DataLoaderTuner: {what} ({res.reason}; {timed})"
+        timed = f"{len(res.candidates)} settings in {len(seen)} timings (the fastest of each kept), {res.seconds:.1f} s"
+        self.message = f"DataLoaderTuner: {loader_summary(res)}; {timed}"
         chosen = next((t for t in res.candidates if t.setting == res.setting), None)
         busy = chosen.worker_cpu_fraction if chosen else None
         if res.num_workers > cores and busy is not None:
@@ -291,13 +290,14 @@ def _measured_ceiling(trainer: Trainer) -> Optional[float]:
     return None
 
 
-def _candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting] = None) -> str:
-    """One timed loader setting in words, for progress reporting.
+def _candidate_line(timing: LoaderTiming, baseline: Optional[LoaderSetting], seen: list) -> str:
+    """One timing of a loader setting in words, for progress reporting (``seen``: the settings timed before; appended).
 
-    >>> _candidate_line(LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25))
-    '2 workers, prefetch 2, persistent: 5,064 samples/s (start-up 210.0 ms)'
+    >>> _candidate_line(LoaderTiming(LoaderSetting(2, 2, True), 8, 256, 0.21, 0.5, 5063.6, 0.25), None, [LoaderSetting(2, 2, True)])
+    '2 workers, prefetch 2, persistent, again: 5,064 samples/s (start-up 210.0 ms)'
     """
-    yours = " [yours]" if timing.setting == baseline else ""
+    yours = (", again" if timing.setting in seen else "") + (" [yours]" if timing.setting == baseline else "")
+    seen.append(timing.setting)
     early = ", stopped early: slower than the best" if timing.stopped_early else ""
     speed, startup = f"{timing.samples_per_second:,.0f} samples/s", format_seconds(timing.startup_s)
     return f"{timing.setting.short()}{yours}: {speed} (start-up {startup}{early})"

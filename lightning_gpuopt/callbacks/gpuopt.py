@@ -282,12 +282,15 @@ def _each_part(parts: Any, name: str, *args: Any) -> None:
 
 def render_report(report: GpuOptReport) -> str:
     """The combined report: what changed, then each part's table."""
-    rows = [(str(i), change) for i, change in enumerate(report.changes or ["nothing (measured only)"], 1)]
+    ran = [f"{len(report.batch_size_search.trials)} batch size trial(s)"] if report.batch_size_search else []
+    ran += [f"{len(report.dataloader.candidates)} loader setting(s) timed"] if report.dataloader else []
+    kept = "nothing changed (measured only" + (f": {' and '.join(ran)} before training, undone)" if ran else ")")
+    rows = [(str(i), change) for i, change in enumerate(report.changes or [kept], 1)]
     sections = [render_table(f"gpuopt · preset {report.preset} · changed", rows)]
     tables: list[tuple[Any, Callable[[Any], str]]] = [
         (report.memory_fill, plan_table),
-        (report.batch_size_search, batch_search_table),
-        (report.dataloader, lambda result: loader_tune_table(result, "")),
+        (report.batch_size_search, lambda result: batch_search_table(result, applied=False)),
+        (report.dataloader, loader_tune_table),
         (report.memory, render_estimate),
         (report.data_wait, data_wait_table),
     ]

@@ -11,7 +11,7 @@ Logged once, when the measurement ends (or at the end of training); unknown valu
 * ``gpuopt/mem_torchinfo_error``: ``(torchinfo total - measured) / measured``.
 * ``gpuopt/mem_params_bytes``, ``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``: those bytes.
 * ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations, temporaries).
-* ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the capacity.
+* ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the memory limit.
 
 At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of ``gpuopt_report.json``.
 """
@@ -217,8 +217,8 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("estimate error", format_fraction(estimate.estimate_error)),
         ("torchinfo total", format_bytes(estimate.torchinfo_total_bytes)),
         ("torchinfo error", format_fraction(estimate.torchinfo_error)),
-        ("capacity", format_bytes(estimate.capacity_bytes)),
-        ("max batch size", str(estimate.max_batch_size)),
+        ("memory limit", format_bytes(estimate.capacity_bytes, decimal=True)),
+        ("largest batch (predicted)", f"{estimate.max_batch_size} (a line through {estimate.batch_size} and 2x)"),
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
     return render_table("gpuopt: memory estimate", rows, notes=estimate.notes)

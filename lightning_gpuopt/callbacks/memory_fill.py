@@ -347,7 +347,7 @@ class MemoryFill(Callback):
             on_oom=self.on_oom,
         )
         if self._request.fill:
-            plan.reasons.append(f"global_batch_size=None: the micro-batch is the largest that fits, {largest}")
+            plan.reasons.append(f"global_batch_size=None: the micro-batch is the largest that trained, {largest}")
         elif plan.global_batch_size != plan.requested_global_batch_size:
             plan.reasons.append(
                 f"{self._request.samples_per_rank} samples per device do not split evenly into micro-batches "
@@ -427,7 +427,7 @@ class MemoryFill(Callback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None and self.search is not None
-        self.search._report(trainer)  # the last search's trials: the "batch_size_search" section
+        self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
         if self.verbose and trainer.is_global_zero:
             rank_zero_info(plan_table(self.plan))
         self._write_report(trainer)
@@ -488,26 +488,20 @@ def plan_table(plan: MemoryFillPlan) -> str:
     changed = plan.precision != plan.initial_precision
     blocks = f"{len(plan.checkpointed_modules)} blocks ({', '.join(plan.checkpointed_classes)})"
     world = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
-    peak = format_bytes(plan.measured_peak_bytes)
+    peak, predicted = format_bytes(plan.measured_peak_bytes), format_bytes(plan.predicted_peak_bytes)
     rows = [
         ("precision", f"{plan.initial_precision} → {plan.precision}" if changed else plan.precision),
         ("activation checkpointing", blocks if plan.checkpointing else "off"),
-        ("micro-batch", f"{plan.initial_batch_size} → {plan.micro_batch_size} (largest that fits: {plan.largest_fit})"),
+        ("micro-batch", f"{plan.initial_batch_size} → {plan.micro_batch_size} (largest trained: {plan.largest_fit})"),
         ("accumulate_grad_batches", f"{plan.initial_accumulate_grad_batches} → {plan.accumulate_grad_batches}"),
         ("global batch", f"{plan.global_batch_size} (asked or yours: {plan.requested_global_batch_size}, {world})"),
         ("budget", format_bytes(plan.budget_bytes)),
-        ("peak: predicted / measured", f"{format_bytes(plan.predicted_peak_bytes)} / {peak} (at {plan.largest_fit})"),
+        ("peak: predicted / trained", f"{predicted} at {plan.micro_batch_size} / {peak} at {plan.largest_fit} (trial)"),
     ]
-    if plan.on_oom == "adapt" or plan.oom_adaptations:
-        rows.append(("on out of memory", oom_summary(plan)))
-    return render_table("MemoryFill plan", rows, notes=plan.reasons)
-
-
-def oom_summary(plan: MemoryFillPlan) -> str:
-    """``on_oom`` and each adaptation as ``step S: old → new (why)``."""
     steps = [
         f"step {a.step}: {a.old_micro_batch_size} → {a.new_micro_batch_size} ({a.reason})" for a in plan.oom_adaptations
     ]
-    if not steps:
-        return f"{plan.on_oom} (no out-of-memory error so far)"
-    return f"{plan.on_oom}: {len(steps)} adaptation(s): {'; '.join(steps)}"
+    if plan.on_oom == "adapt" or steps:  # on_oom and each adaptation
+        oom = f": {len(steps)} adaptation(s): {'; '.join(steps)}" if steps else " (no out-of-memory error so far)"
+        rows.append(("on out of memory", plan.on_oom + oom))
+    return render_table("MemoryFill plan", rows, notes=plan.reasons)

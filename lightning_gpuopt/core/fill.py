@@ -32,18 +32,18 @@ def checked_precision(value: object) -> Optional[str]:
 LR_RULES = ("linear", "sqrt")
 
 
-def lr_note(rule: Optional[str], grown: float, lr: float) -> tuple[float, str]:
+def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr") -> tuple[float, str]:
     """The factor ``rule`` scales the learning rate by for a global batch ``grown`` times the user's, and the
-    report's line (with ``rule=None`` the factor is 1 and the line says what each rule would set).
+    report's line (with ``rule=None`` the factor is 1 and the line says what each rule would set, and that ``how`` applies one).
 
     >>> lr_note("linear", 4.0, 0.05)
     (4.0, "scale_lr='linear': the global batch is 4x yours, lr 0.05 → 0.2 (all groups, schedules)")
     >>> lr_note(None, 4.0, 0.05)[1]
-    "the global batch is 4x yours, lr kept at 0.05: scale_lr='linear' would set 0.2, scale_lr='sqrt' 0.1"
+    "the global batch is 4x yours, lr kept at 0.05: the linear rule would set 0.2, the sqrt rule 0.1 (scale_lr='linear' or 'sqrt' applies one)"
     """
     factors, head = {"linear": grown, "sqrt": math.sqrt(grown)}, f"the global batch is {grown:.4g}x yours"
     if rule is None:
-        would = f"scale_lr='linear' would set {lr * grown:.4g}, scale_lr='sqrt' {lr * factors['sqrt']:.4g}"
+        would = f"the linear rule would set {lr * grown:.4g}, the sqrt rule {lr * factors['sqrt']:.4g} ({how}='linear' or 'sqrt' applies one)"
         return 1.0, f"{head}, lr kept at {lr:.4g}: {would}"
     return factors[rule], f"scale_lr={rule!r}: {head}, lr {lr:.4g} → {lr * factors[rule]:.4g} (all groups, schedules)"
 

@@ -1,9 +1,10 @@
-"""Report plumbing shared by every callback: results to JSON and back, and to text tables.
+"""Report plumbing shared by every callback: results (plain dataclasses) to JSON and back (:func:`to_dict`,
+:func:`from_dict`), a callback's section of ``gpuopt_report.json`` written atomically, locally or at an fsspec URL
+(:func:`update_json_section`), and ``rich`` tables as text for ``rank_zero_info`` (:func:`render_table`).
 
-Results are plain dataclasses: :func:`to_dict` makes them JSON (each class's ``JSON_PROPERTIES`` beside its
-fields), :func:`from_dict` reads them back, :func:`update_json_section` writes one callback's section of
-``gpuopt_report.json`` atomically, to a local path or any fsspec URL. :func:`render_table` renders ``rich``
-tables into a string the callbacks hand to ``rank_zero_info`` (library code never prints)."""
+Memory is named alike in every table, in MiB: the **memory limit** is ``max_memory`` (without one, a CUDA card's free
+memory plus what torch holds); the **budget**, what a trial's peak may reach, is the limit less a numeric ``margin``
+(with ``"auto"``, none: a size fits only if 1/32 more samples would). A largest batch is *trained* or *predicted*."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ REPORT_FILENAME = "gpuopt_report.json"
 REPORT_VERSION = 2
 #: why a batch size search stopped, in words, by its ``stop_reason``
 STOP_REASONS = {
-    "bracketed": "stopped: the next size up ran out of memory",
-    "upper bound": "stopped at the upper bound (max_batch_size, or the dataset's size)",
+    "bracketed": "stopped: the next size up did not fit",
+    "upper bound": "stopped at the upper bound (max_batch_size, or the samples a rank holds): larger were not tried",
     "max trials": "stopped after max_trials",
     "nothing fits": "stopped: not even the smallest size fits",
 }
@@ -176,8 +177,8 @@ def format_fraction(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{fraction * 100:.1f}%"
 
 
-def format_bytes(num_bytes: float | None) -> str:
-    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``."""
+def format_bytes(num_bytes: float | None, decimal: bool = False) -> str:
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``; ``decimal``: ``40e6`` -> ``'38.1 MiB (40 MB)'``."""
     if num_bytes is None:
         return "n/a"
     value = float(num_bytes)
@@ -185,7 +186,8 @@ def format_bytes(num_bytes: float | None) -> str:
         if abs(value) < 1024 or unit == "TiB":
             break
         value /= 1024
-    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    text = f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    return f"{text} ({num_bytes / 1e6:,.6g} MB)" if decimal else text
 
 
 def data_wait_table(report: DataWaitReport) -> str:
@@ -241,8 +243,16 @@ def data_wait_table(report: DataWaitReport) -> str:
     return render_table("gpuopt · DataWaitMonitor", rows, ["Recommendations:", *notes])
 
 
-def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
-    """The ``DataLoaderTuner`` result: one row per timed setting, the chosen one marked."""
+def loader_summary(result: LoaderTuneResult) -> str:
+    """What the tuner did, in one line: kept the user's setting, or changed it and by how much; and why."""
+    if (base := result.baseline) is not None and result.setting == base.setting:
+        return f"kept your setting {base.setting.describe()} ({result.reason})"
+    speedup = "" if result.speedup is None else f": {result.speedup:.2f}x the samples/s of your setting"
+    return f"{base.setting.describe() + ' → ' if base else ''}{result.setting.describe()}{speedup} ({result.reason})"
+
+
+def loader_tune_table(result: LoaderTuneResult, message: str = "") -> str:
+    """The ``DataLoaderTuner`` result: a row per setting, the chosen one marked; ``message`` (or the summary) below."""
     rows = []
     for timing in result.candidates:
         on = (timing.setting == result.setting, result.baseline is timing, timing.stopped_early)
@@ -250,29 +260,21 @@ def loader_tune_table(result: LoaderTuneResult, message: str) -> str:
         cpu = "" if timing.worker_cpu_fraction is None else f", workers {timing.worker_cpu_fraction:.0%} CPU"
         figures = f"{timing.samples_per_second:>10,.0f} samples/s, start-up {format_seconds(timing.startup_s)}{cpu}"
         rows.append((timing.setting.short(), figures + (f"  [{', '.join(marks)}]" if marks else "")))
-    kept = result.baseline is not None and result.setting == result.baseline.setting
-    reason, known = f" ({result.reason})" if result.reason else "", result.speedup is not None
-    if message:  # else one line on what the tuner did: kept the user's setting, or changed it and by how much
-        summary = message + (f"; {result.speedup:.2f}x your setting" if known and not kept else "")
-    elif kept:
-        summary = f"kept your setting {result.setting.describe()}{reason}"
-    else:
-        before = f"{result.baseline.setting.describe()} → " if result.baseline is not None else ""
-        speedup = f": {result.speedup:.2f}x the samples/s of your setting" if known else ""
-        summary = f"{before}{result.setting.describe()}{speedup}{reason}"
-    return render_table("gpuopt · DataLoaderTuner", rows, [f"  {summary}"])
+    title = f"gpuopt · DataLoaderTuner · {len(rows)} settings, each at its fastest"
+    return render_table(title, rows, [f"  {message or loader_summary(result)}"])
 
 
-def batch_search_table(result: BatchSizeSearchResult) -> str:
-    """The ``BatchSizeSearch`` result: one row per trial in the order run, the chosen size marked."""
-    estimate = (
-        "no estimate" if result.predicted_batch_size is None else f"estimate predicted {result.predicted_batch_size}"
-    )
-    predicted = f"was {result.initial_batch_size}; {estimate}"
-    search = f"{len(result.trials)} trials x {result.steps_per_trial} steps in {format_seconds(result.seconds)}"
+def batch_search_table(result: BatchSizeSearchResult, applied: bool = True) -> str:
+    """The ``BatchSizeSearch`` result, a row per trial in order; ``applied``: its size was set (else MemoryFill's)."""
+    predicted = "no estimate" if result.predicted_batch_size is None else f"{result.predicted_batch_size} (estimate)"
+    search = f"{len(result.trials)} trial(s) x {result.steps_per_trial} steps in {format_seconds(result.seconds)}"
+    kept = "the memory limit less margin" if result.budget_bytes < (result.limit_bytes or 0) else "the memory limit"
+    trained = max((trial.batch_size for trial in result.trials if trial.fits), default=None)
     rows = [
-        ("batch size", f"{result.batch_size} ({predicted})"),
-        ("budget", f"{format_bytes(result.budget_bytes)} per rank, {result.world_size} rank(s)"),
+        *([("batch size", f"{result.initial_batch_size} → {result.batch_size}")] if applied else []),
+        ("largest batch: predicted / trained", f"{predicted} / {trained} (trials)"),
+        ("memory limit", f"{format_bytes(result.limit_bytes, decimal=True)} per rank, {result.world_size} rank(s)"),
+        ("budget", f"{format_bytes(result.budget_bytes)} ({kept})"),
         ("search", f"{search}; {STOP_REASONS.get(result.stop_reason, result.stop_reason)}"),
     ]
     for number, trial in enumerate(result.trials, 1):
@@ -280,4 +282,5 @@ def batch_search_table(result: BatchSizeSearchResult) -> str:
         outcome = "fits" if trial.fits else "does not fit"
         figures = f"peak {format_bytes(trial.peak_bytes)}, {format_seconds(trial.seconds)}"
         rows.append((f"trial {number}: {trial.batch_size}", f"{outcome:>12}, {figures}{mark}"))
-    return render_table("gpuopt · BatchSizeSearch", rows, [f"  {note}" for note in result.notes])
+    title = "gpuopt · BatchSizeSearch" + ("" if applied else " (MemoryFill's last search)")
+    return render_table(title, rows, [f"  {note}" for note in result.notes])

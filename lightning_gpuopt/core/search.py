@@ -62,7 +62,7 @@ class BatchSizeSearchResult:
 
     batch_size: Optional[int]
     trials: list[Trial] = field(default_factory=list)
-    #: the cap the search planned with (``max_memory`` less the margin; under DDP the smallest rank's)
+    #: the cap the search planned with (``max_memory``, kept as ``limit_bytes``, less the margin; under DDP the smallest rank's)
     budget_bytes: int = 0
     #: ``"bracketed"`` (largest fit + multiple_of missed), ``"upper bound"``, ``"max trials"`` or ``"nothing fits"``
     stop_reason: str = ""
@@ -72,6 +72,7 @@ class BatchSizeSearchResult:
     #: filled in by the callback
     initial_batch_size: Optional[int] = None
     predicted_batch_size: Optional[int] = None
+    limit_bytes: Optional[int] = None
     steps_per_trial: int = 0
     world_size: int = 1
     seconds: float = 0.0

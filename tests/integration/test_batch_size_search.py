@@ -264,6 +264,21 @@ def test_report_section_and_table(tmp_path, caplog):
     assert section["batch_size"] == searcher.result.batch_size
     assert [t["batch_size"] for t in section["trials"]] == [t.batch_size for t in searcher.result.trials]
     assert "BatchSizeSearch" in caplog.text and "CHOSEN" in caplog.text
+    # the memory limit as given (20 MB) and the budget, the limit less the margin, each under one name
+    result = searcher.result
+    assert (section["limit_bytes"], section["budget_bytes"]) == (20_000_000, 18_000_000)
+    table = {row[0].strip(): row[1].strip() for row in re.findall(r"^│ ([^│]+)│ ([^│]+)│$", caplog.text, re.M)}
+    assert table["memory limit"] == "19.1 MiB (20 MB) per rank, 1 rank(s)" and "capacity" not in table
+    assert table["budget"] == f"{format_bytes(18_000_000)} (the memory limit less margin)"
+    fitted = max(t.batch_size for t in result.trials if t.fits)
+    assert (
+        table["largest batch: predicted / trained"] == f"{result.predicted_batch_size} (estimate) / {fitted} (trials)"
+    )
+    assert table["batch size"] == f"16 → {result.batch_size}"
+    # the batch grew: the learning rate was kept, and the report says what each rule would set
+    grown, lr = result.batch_size / 16, 1e-3
+    note = f"the global batch is {grown:.4g}x yours, lr kept at {lr:.4g}: the linear rule would set {lr * grown:.4g}"
+    assert note in result.notes[-1] and result.notes[-1] in caplog.text.replace("\n    ", " ")
 
 
 def test_missing_batch_size_attribute_explains_how_to_expose_it(tmp_path):

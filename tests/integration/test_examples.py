@@ -40,7 +40,7 @@ def test_gpuopt_with_a_datamodule(tmp_path, capsys):
 def test_batch_size_search_alone(tmp_path, capsys):
     search = load("batch_size_search").main(["--samples", "256", "--steps", "2", "--root-dir", str(tmp_path)])
     assert search.result.batch_size == 256  # the whole small dataset fits the 16 MB budget
-    assert "largest batch that fits: 256" in capsys.readouterr().out
+    assert "batch size set: 256, the largest that trained in" in capsys.readouterr().out
 
 
 def test_the_users_simulated_gpu_test(tmp_path):
@@ -57,4 +57,6 @@ def test_quickstart_the_make_demo_target(tmp_path, capsys, monkeypatch):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "=== Run 2: the same, with DataLoaderTuner ===" in out and "samples/s" in out
+    # the verdict after the speed-up is the second run's own measurement, said so (not "input-bound → input-bound")
+    assert "Verdict of run 2, measured again after tuning: " in out and "verdict input-bound →" not in out
     assert len(list(tmp_path.rglob("gpuopt_report.json"))) == 2

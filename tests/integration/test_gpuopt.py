@@ -40,6 +40,12 @@ def test_diagnose_measures_and_changes_nothing(tmp_path):
     assert model.batch_size == 16 and trainer.precision == "32-true"
     saved = saved_report(trainer)
     assert saved["gpuopt"]["changes"] == [] and {"data_wait", "memory"} <= saved.keys()
+    assert "nothing changed (measured only)" in render_report(report)
+
+
+def rows(text: str, name: str) -> list[str]:
+    """The values of every table row of ``text`` named ``name``."""
+    return [line.split("│")[2].strip() for line in text.splitlines() if line.startswith(f"│ {name} ")]
 
 
 def test_fill_memory_lists_the_batch_it_set(tmp_path):
@@ -53,6 +59,28 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path):
     assert gpuopt.report.memory.batch_size == 64
     assert abs(gpuopt.report.memory.estimate_error) < 0.05
     assert saved_report(trainer)["gpuopt"]["changes"] == ["batch size: 16 → 64"]
+    # one figure per quantity, named alike in every table: the memory limit, the budget, the largest batch
+    text = render_report(gpuopt.report)
+    limit, budget = report_module.format_bytes(40_000_000, decimal=True), report_module.format_bytes(plan.budget_bytes)
+    assert limit == "38.1 MiB (40 MB)" and budget == "38.1 MiB"  # margin='auto' keeps none of it back
+    assert rows(text, "memory limit") == [f"{limit} per rank, 1 rank(s)", limit]  # BatchSizeSearch, MemoryEstimator
+    assert rows(text, "budget") == [budget, f"{budget} (the memory limit)"]  # MemoryFill, BatchSizeSearch
+    assert saved_report(trainer)["batch_size_search"]["limit_bytes"] == 40_000_000
+    assert rows(text, "micro-batch") == ["16 → 64 (largest trained: 64)"]
+    predicted = gpuopt.report.batch_size_search.predicted_batch_size
+    assert rows(text, "largest batch: predicted / trained") == [f"{predicted} (estimate) / 64 (trials)"]
+    flat = " ".join(text.replace("│", " ").split())  # table cells wrap
+    assert "stopped at the upper bound" in flat and "MemoryFill needs no micro-batch above 64" in flat  # why 64
+    assert not any(old in text for old in ("capacity", "largest that fits", "max batch size", "measured only"))
+
+
+def test_a_plan_that_changes_nothing_says_what_only_ran(tmp_path):
+    gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, global_batch_size=16, monitor=False, estimate=False)
+    fit(tmp_path, gpuopt, max_steps=1)
+    trials = len(gpuopt.report.batch_size_search.trials)
+    assert gpuopt.report.changes == [] and trials >= 1
+    expected = f"nothing changed (measured only: {trials} batch size trial(s) before training, undone)"
+    assert expected in " ".join(render_report(gpuopt.report).replace("│", " ").split())  # the cell wraps
 
 
 def test_fill_memory_without_a_global_batch_trains_the_largest_batch_that_fits(tmp_path):
@@ -66,7 +94,7 @@ def test_fill_memory_without_a_global_batch_trains_the_largest_batch_that_fits(t
     )
     grown = plan.global_batch_size / 16
     assert gpuopt.report.changes == [f"batch size: 16 → {plan.micro_batch_size}"]  # the learning rate kept
-    assert f"the global batch is {grown:.4g}x yours, lr kept at 0.001: scale_lr='linear' would set" in plan.reasons[-1]
+    assert f"the global batch is {grown:.4g}x yours, lr kept at 0.001: the linear rule would set" in plan.reasons[-1]
 
 
 def test_max_throughput_with_amp_on_cpu_and_a_tuned_loader(tmp_path):
@@ -225,7 +253,8 @@ def test_the_tuner_note_inside_gpuopt_says_what_it_did_to_your_setting(tmp_path)
     fit(tmp_path, gpuopt)
     tuned = gpuopt.report.dataloader
     text = render_report(gpuopt.report)
-    note = next(line.strip() for line in text.splitlines() if "your setting" in line)
+    below = text.split("gpuopt · DataLoaderTuner", 1)[1].split("┘\n", 1)[1]  # the note under the tuner's table
+    note = " ".join(below.split("\ngpuopt")[0].split())  # its wrapped lines joined
     assert not note.startswith(";")  # it read "; 1.00x your setting" with no sentence before it
     if tuned.setting == tuned.baseline.setting:
         assert note.startswith(f"kept your setting {tuned.baseline.setting.describe()}") and "1.00x" not in text

@@ -56,7 +56,7 @@ def trial_lines():
 
 @pytest.fixture
 def candidate_lines(trial_lines):
-    handler = Lines("DataLoaderTuner candidate")
+    handler = Lines("DataLoaderTuner timing")
     logging.getLogger().addHandler(handler)
     yield handler
     logging.getLogger().removeHandler(handler)
@@ -110,9 +110,13 @@ def test_each_loader_candidate_is_reported_and_gpuopt_shows_progress_of_its_quie
     candidates = gpuopt.report.dataloader.candidates
     # every timing run is one line (a contender may be timed twice; the result keeps its best timing)
     assert len(candidate_lines.lines) >= len(candidates) >= 2
-    assert candidate_lines.lines[0].startswith("DataLoaderTuner candidate 1: main process (0 workers) [yours]: ")
+    assert candidate_lines.lines[0].startswith("DataLoaderTuner timing 1: main process (0 workers) [yours]: ")
     for candidate in candidates:
         assert any(f": {candidate.setting.short()}" in line for line in candidate_lines.lines)
+    # the summary counts what the progress lines counted: settings, and timings (a repeat says "again")
+    lines = candidate_lines.lines
+    assert f"{len(candidates)} settings in {len(lines)} timings" in gpuopt.tuner.message
+    assert sum(", again" in line for line in lines) == len(lines) - len(candidates)
 
     quiet = DataLoaderTuner(max_seconds=1, verbose=False)
     before = len(candidate_lines.lines)
