@@ -3,7 +3,7 @@
 * ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, transfer, compute and other, stacked over
   training, with the GPU's idle time before each step where measured (CUDA);
 * ``memory.png`` (``"batch_size_search"``, ``"memory"``) -- each trial's peak memory against its batch size,
-  the estimate's line (or a line through the trials that fit), the budget, the capacity and the chosen size;
+  the estimate's line (or a line through the trials that fit), the budget, the memory limit and the chosen size;
 * ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen and the user's marked.
 
 Figures are drawn on an ``Agg`` canvas (pyplot's backend untouched); without matplotlib drawing raises
@@ -117,7 +117,7 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         )
     if estimate is not None and estimate.capacity_bytes:
         capacity = estimate.capacity_bytes / _MIB
-        axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"device capacity ({capacity:,.1f} MiB)")
+        axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"memory limit ({capacity:,.1f} MiB)")
     if search.batch_size is not None:
         axes.axvline(search.batch_size, color="#1f77b4", linestyle=":", label=f"chosen batch size {search.batch_size}")
     axes.set(xlim=(0, right), ylim=(0, ceiling * 1.08), xlabel="batch size (per rank)", ylabel="peak memory (MiB)")
