@@ -240,7 +240,7 @@ def test_without_matplotlib_gpuopt_warns_and_the_run_finishes(tmp_path, monkeypa
 
 
 def test_plots_off_by_default_and_a_bad_value_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"`plots` must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"`plots` must be True or False \(or None\), got 'yes'"):
         GpuOpt(plots="yes")  # type: ignore[arg-type]
     assert GpuOpt().plots is False
 
