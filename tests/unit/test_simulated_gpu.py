@@ -162,6 +162,10 @@ def test_host_data_stays_off_the_card_and_what_the_model_touches_is_on_it():
         assert gpu.allocated_bytes >= storage_bytes(network, x, out)
         backup = network[0].weight.detach().to("cpu", copy=True)  # an explicit copy to the host
         assert not gpu.device.holds(backup)
+        allocated = gpu.allocated_bytes
+        with torch.no_grad():  # a copy from the host into the card (a weight put back): CUDA allocates nothing
+            network[0].weight.copy_(backup)
+        assert not gpu.device.holds(backup) and gpu.allocated_bytes == allocated
 
 
 @pytest.mark.parametrize("name", sorted(GPU_PROFILES))
