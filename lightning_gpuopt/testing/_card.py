@@ -92,7 +92,11 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _SimulatedMeter(self, existing, max_bytes)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, workspaces: bool = False) -> None:
+        for block in self._cublas.values() if workspaces else ():
+            if block is not None:
+                self.allocator.free(block)
+        self._cublas = {} if workspaces else self._cublas
         self.allocator.empty_cache()
 
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -305,6 +305,12 @@ def test_cublas_keeps_one_workspace_per_thread_the_autograd_thread_from_the_firs
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what Lightning sets for deterministic=True
     with SimulatedGpu("T4", memory="1GiB") as gpu:
         assert linear_step(gpu) == (32 * MIB, 64 * MIB)
+        allocated = gpu.allocated_bytes
+        gpu.device.empty_cache()  # torch.cuda.empty_cache() keeps the workspaces
+        assert gpu.allocated_bytes == allocated
+        gpu.device.empty_cache(workspaces=True)  # torch._C._cuda_clearCublasWorkspaces() frees both
+        assert gpu.allocated_bytes == allocated - 64 * MIB
+        assert linear_step(gpu) == (32 * MIB, 64 * MIB)  # the next matmuls allocate them anew
 
 
 def test_a_convolution_takes_a_transient_workspace_where_it_fits_and_runs_without_where_not():
