@@ -417,7 +417,9 @@ def test_a_trial_after_a_failed_larger_one_measures_what_a_fresh_card_does(tmp_p
         torch.manual_seed(0)
         network = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
         model = ClassifierModule(network, torch.randn(4096, 64), batch_size=8)
-        search = BatchSizeSearch(min_batch_size=low, max_batch_size=high, max_trials=max_trials, verbose=False)
+        search = BatchSizeSearch(
+            min_batch_size=low, max_batch_size=high, max_trials=max_trials, steps_per_trial=1, verbose=False
+        )
         with SimulatedGpu("H100", memory="48MiB", cublas_workspace=0):
             quiet_trainer(tmp_path, [search], max_steps=1).fit(model)
         return [(t.batch_size, t.fits, t.peak_bytes) for t in search.result.trials]
