@@ -554,11 +554,15 @@ def fill_memory_cost(workload: SimulatedWorkload) -> list[str]:
     gpuopt, timer = GpuOpt("fill-memory"), StepTimer()
     ours = timed([gpuopt], 16)
     plan = gpuopt.report.memory_fill
-    by_hand = timed([timer], plan.micro_batch_size)
+    chosen = f"{plan.micro_batch_size} x {plan.accumulate_grad_batches}"
+    try:
+        by_hand = timed([timer], plan.micro_batch_size)
+    except torch.OutOfMemoryError:  # the size fill-memory chose does not train by hand: say so, not a cost
+        return [workload.name, f"{workload.card} {workload.memory}", chosen, f"{ours:.1f}", "OOM", "-", "-"]
     step = sorted(timer.seconds)[len(timer.seconds) // 2]
     added = ours - by_hand
     return [
-        workload.name, f"{workload.card} {workload.memory}", f"{plan.micro_batch_size} x {plan.accumulate_grad_batches}",
+        workload.name, f"{workload.card} {workload.memory}", chosen,
         f"{ours:.1f}", f"{by_hand:.1f}", f"{added:.1f}", f"{added / step:.1f}",
     ]  # fmt: skip
 

@@ -48,6 +48,11 @@ def stop_allocation_events() -> list:
     return torch.autograd._disable_profiler_legacy()
 
 
+def clear_cublas_workspaces() -> None:
+    """Free cuBLAS's workspaces (held in the caching allocator until then; the next matmul allocates anew)."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1

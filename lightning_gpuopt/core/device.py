@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import psutil
 import torch
 
+from lightning_gpuopt.core._torch_compat import clear_cublas_workspaces
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, SpanMeter, storage_bytes
 
 CUDA_ALLOCATION_GRANULARITY = 512  #: the CUDA caching allocator hands out blocks in multiples of this many bytes
@@ -141,8 +142,8 @@ class Device:
         """A meter whose span raises ``torch.OutOfMemoryError`` past ``max_bytes``."""
         return LiveTensorTracker(max_bytes, existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
 
-    def empty_cache(self) -> None:
-        """Return cached blocks to the driver."""
+    def empty_cache(self, workspaces: bool = False) -> None:
+        """Return cached blocks to the driver (``workspaces``: cuBLAS's workspaces first, as a fresh process has none)."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is on this device (of its type: any CUDA card for a card)."""
@@ -190,7 +191,9 @@ class CudaDevice(Device):
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _CudaPeakMeter(self, max_bytes)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, workspaces: bool = False) -> None:
+        if workspaces:
+            clear_cublas_workspaces()
         torch.cuda.empty_cache()
 
     def new_event(self) -> Any:

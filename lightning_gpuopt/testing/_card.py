@@ -92,7 +92,11 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _SimulatedMeter(self, existing, max_bytes)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, workspaces: bool = False) -> None:
+        for block in self._cublas.values() if workspaces else ():
+            if block is not None:
+                self.allocator.free(block)
+        self._cublas = {} if workspaces else self._cublas
         self.allocator.empty_cache()
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -186,13 +190,14 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
 
     def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
         """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there
-        first), or it is a factory op inside a ``forward``; ``.to("cpu", copy=True)`` is a copy to the host."""
+        first), or it is a factory op inside a ``forward``; ``.to("cpu", copy=True)`` is a copy to the host, and
+        ``card_tensor.copy_(host_tensor)`` a copy from it (CUDA's ``copy_`` allocates nothing for its source)."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
         if not inputs:
             return self._forward_depth > 0
-        if not any(self.holds(tensor) for tensor in inputs):
-            return False
+        if func is torch.ops.aten.copy_.default or not any(self.holds(tensor) for tensor in inputs):
+            return func is torch.ops.aten.copy_.default and self.holds(inputs[0])
         self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
         return True
 

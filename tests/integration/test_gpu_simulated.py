@@ -17,7 +17,7 @@ import torch
 from helpers import MLP, SlowDataset, preloaded_batches, preloaded_dataset, quiet_trainer
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from models_memory import make_model
+from models_memory import ClassifierModule, make_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -408,3 +408,23 @@ def test_mixed_precision_holds_no_more_than_full_precision_on_a_card(tmp_path):
     assert peaks["16-mixed"][0] <= 1.05 * peaks["32-true"][0], peaks  # was 59 MiB against 25
     # what MemoryFill(max_memory="64MiB")'s trial asks of a micro-batch of 8 (margin 0.1); it was 58 MiB
     assert peaks["16-mixed"][1] <= 0.9 * 64 * MIB
+
+
+def test_a_trial_after_a_failed_larger_one_measures_what_a_fresh_card_does(tmp_path):
+    """Trials put the weights back from host copies, which a card's ``copy_`` reads without holding them."""
+
+    def trials(low: int, high: int, max_trials: int) -> list[tuple[int, bool, int]]:
+        torch.manual_seed(0)
+        network = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        model = ClassifierModule(network, torch.randn(4096, 64), batch_size=8)
+        search = BatchSizeSearch(
+            min_batch_size=low, max_batch_size=high, max_trials=max_trials, steps_per_trial=1, verbose=False
+        )
+        with SimulatedGpu("H100", memory="48MiB", cublas_workspace=0):
+            quiet_trainer(tmp_path, [search], max_steps=1).fit(model)
+        return [(t.batch_size, t.fits, t.peak_bytes) for t in search.result.trials]
+
+    after_a_miss = trials(1, 4096, max_trials=2)
+    assert [fits for _, fits, _ in after_a_miss] == [False, True]
+    size = after_a_miss[1][0]
+    assert trials(size, size, max_trials=1) == [after_a_miss[1]]

@@ -162,6 +162,10 @@ def test_host_data_stays_off_the_card_and_what_the_model_touches_is_on_it():
         assert gpu.allocated_bytes >= storage_bytes(network, x, out)
         backup = network[0].weight.detach().to("cpu", copy=True)  # an explicit copy to the host
         assert not gpu.device.holds(backup)
+        allocated = gpu.allocated_bytes
+        with torch.no_grad():  # a copy from the host into the card (a weight put back): CUDA allocates nothing
+            network[0].weight.copy_(backup)
+        assert not gpu.device.holds(backup) and gpu.allocated_bytes == allocated
 
 
 @pytest.mark.parametrize("name", sorted(GPU_PROFILES))
@@ -301,6 +305,12 @@ def test_cublas_keeps_one_workspace_per_thread_the_autograd_thread_from_the_firs
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what Lightning sets for deterministic=True
     with SimulatedGpu("T4", memory="1GiB") as gpu:
         assert linear_step(gpu) == (32 * MIB, 64 * MIB)
+        allocated = gpu.allocated_bytes
+        gpu.device.empty_cache()  # torch.cuda.empty_cache() keeps the workspaces
+        assert gpu.allocated_bytes == allocated
+        gpu.device.empty_cache(workspaces=True)  # torch._C._cuda_clearCublasWorkspaces() frees both
+        assert gpu.allocated_bytes == allocated - 64 * MIB
+        assert linear_step(gpu) == (32 * MIB, 64 * MIB)  # the next matmuls allocate them anew
 
 
 def test_a_convolution_takes_a_transient_workspace_where_it_fits_and_runs_without_where_not():

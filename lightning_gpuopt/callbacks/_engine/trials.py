@@ -169,7 +169,8 @@ class Trials:
         card = device_for(module.device)
         baseline = self.ddp_bucket_bytes
         if card.is_cuda:
-            card.empty_cache()  # the trial reserves from a clean cache: what it holds is its own
+            # a clean cache, cuBLAS's workspaces freed (where an earlier trial left them, they split a segment):
+            card.empty_cache(workspaces=True)  # the trial reserves as on a fresh card
             meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
         else:
             meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
