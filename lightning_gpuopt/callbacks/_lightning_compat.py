@@ -13,7 +13,7 @@ both (:func:`any_namespace`). Each internal, with why no public API will do (non
 * ``epoch_loop._batches_that_stepped``: the logged step has no setter (``trainer.global_step`` counts optimizer
   steps); ``epoch_loop._broadcast_sigterm_tensor``: the per-step SIGTERM collective, skipped in trials.
 * ``loops.loop._Loop``, ``loops.progress._BaseProgress``: no public base classes, to find every progress counter.
-* ``trainer._logger_connector.reset_results()/reset_metrics()``; ``trainer._signal_connector.received_sigterm``
+* ``trainer._logger_connector.reset_results()/reset_metrics()``, ``trainer._results.batch``; ``trainer._signal_connector.received_sigterm``
   (``trainer.received_sigterm`` has no setter).
 * ``strategy._optimizers``/``_lightning_optimizers``: the ``strategy.optimizers`` setter builds new wrappers,
   dropping the step hooks set on the old ones; ``LightningOptimizer._to_lightning_optimizer``.
@@ -202,8 +202,11 @@ def restore_sigterm_broadcast(epoch_loop: Any) -> None:
 
 
 def reset_logged_results(trainer: Any) -> None:
-    """``trainer._logger_connector.reset_results()`` and ``reset_metrics()``: drop what was logged meanwhile."""
+    """``trainer._logger_connector.reset_results()`` and ``reset_metrics()``: drop what was logged meanwhile, and
+    the batch ``_results`` holds until ``on_batch_end`` (which a step that ran out of memory never reaches)."""
     trainer._logger_connector.reset_results()
+    if trainer._results is not None:
+        trainer._results.batch = None
     trainer._logger_connector.reset_metrics()
 
 

@@ -459,7 +459,12 @@ def test_step_counter_sigterm_broadcast_and_logged_results(ns, fitted):
     c.restore_sigterm_broadcast(epoch_loop)
     if "_broadcast_sigterm_tensor" in vars(epoch_loop) or not inspect.ismethod(epoch_loop._broadcast_sigterm_tensor):
         moved(ns, "epoch_loop._broadcast_sigterm_tensor", "the class's method back after restore_sigterm_broadcast")
+    stage, trainer.training = trainer.state.stage, True  # the fit loop active, as in a trial
+    trainer._results.batch = held = [torch.zeros(3)]  # as on_batch_start sets it
     c.reset_logged_results(trainer)
+    if trainer._results.batch is held:
+        moved(ns, "trainer._results.batch", "the batch a step holds until on_batch_end, dropped")
+    trainer.state.stage = stage
 
 
 def test_attach_data_attribute_holders_and_configure_optimizers(ns, tmp_path):
