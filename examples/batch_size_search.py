@@ -55,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> BatchSizeSearch:
     args = parser.parse_args(argv)
     max_memory = float(args.max_memory) if args.max_memory.replace(".", "", 1).isdigit() else args.max_memory
 
-    search = BatchSizeSearch(max_memory=max_memory, multiple_of=8)  # margin=0.1: 10% stays free
+    search = BatchSizeSearch(max_memory=max_memory, multiple_of=8)  # margin="auto": room for 1/32 more samples
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,

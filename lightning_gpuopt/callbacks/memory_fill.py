@@ -131,11 +131,8 @@ class MemoryFill(Callback):
         keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
         self._search_options: dict[str, Any] = dict(zip(keys, options))
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
-        self.global_batch_size, self.precision, self.accumulation = (
-            global_batch_size,
-            checked_precision(precision),
-            accumulation,
-        )
+        self.global_batch_size, self.accumulation = global_batch_size, accumulation
+        self.precision = checked_precision(precision)
         self.activation_checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
         self.max_memory, self.margin, self.batch_arg_name = max_memory, self._search_options["margin"], batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
