@@ -103,6 +103,7 @@ class TrainingState:
             progress.reset()
         compat.set_batches_that_stepped(self.trainer, 0)
         self.trainer.should_stop = False
+        compat.reset_logged_results(self.trainer)  # and the batch a failed trial left there: a fresh card holds none
         plugin = self.trainer.strategy.precision_plugin
         if self.scaler is not None:  # scale 1: memory does not depend on it, and float16 does not overflow
             plugin.scaler = torch.amp.GradScaler(plugin.device, init_scale=1.0, growth_interval=2**30)

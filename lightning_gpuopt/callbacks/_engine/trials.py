@@ -164,7 +164,6 @@ class Trials:
         compat.reset_train_loader(trainer)
         self.session.processed_loader(lambda: self.loader(batch_size))  # collectives: on every rank
         self.state.reset_for_trial()
-        compat.reset_logged_results(trainer)  # a failed trial's batch is held there: a fresh card holds nothing
         prefetched = getattr(compat.data_fetcher(trainer), "batches", [])
         existing = (module, *trainer.optimizers, prefetched)
         card = device_for(module.device)
