@@ -504,11 +504,11 @@ def largest_by_hand(card: Any, name: str, cap: int, steps: int, most: int) -> tu
     return low, tries
 
 
-def searched(card: Any, name: str, cap: int, plan: Plan) -> dict[str, Any]:
+def searched(card: Any, name: str, cap: int, plan: Plan, margin: Any = 0.0) -> dict[str, Any]:
     from lightning_gpuopt import BatchSizeSearch
 
     card.fresh()
-    search = BatchSizeSearch(max_memory=cap, margin=0.0, steps_per_trial=2, max_trials=20, verbose=False)
+    search = BatchSizeSearch(max_memory=cap, margin=margin, steps_per_trial=2, max_trials=20, verbose=False)
     quiet_fit(card, make_model(name, num_samples=plan.cap_samples, batch_size=8), steps=1, callbacks=(search,))
     result = search.result
     return {"batch_size": result.batch_size, "trials": len(result.trials)}
@@ -535,7 +535,25 @@ def largest_batch(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
             error = relative(row[side], row["by_hand"])
             row[f"{side}_error"] = error
             checks.append((f"{side} under {cap // MIB} MiB within 5% of by hand", error is not None and abs(error) <= 0.05, error))  # fmt: skip
-    return {"rows": rows, "note": "BatchSizeSearch with margin=0: a size fits when its trial ran under the cap"}
+        defaults_row(card, plan, cap, row, checks)
+    return {
+        "rows": rows,
+        "note": "BatchSizeSearch with margin=0: a size fits when its trial ran under the cap; 'defaults': "
+        "BatchSizeSearch() as shipped (margin='auto'), then a whole epoch of cap_samples trained at its size on a fresh card",
+    }
+
+
+def defaults_row(card: Any, plan: Plan, cap: int, row: dict[str, Any], checks: list) -> None:
+    """The default search's size on the card: at least 95% of by hand, and a whole epoch trains at it."""
+    found = searched(card, plan.cap_model, cap, plan, margin="auto")["batch_size"]
+    epoch_steps = max(1, plan.cap_samples // found)
+    row["defaults"], row["defaults_epoch_steps"] = found, epoch_steps
+    row["defaults_trains_epoch"] = _fits_by_hand(card, plan.cap_model, found, cap, epoch_steps)
+    share = found / row["by_hand"] if row["by_hand"] else None
+    checks.append((f"defaults under {cap // MIB} MiB >= 0.95 of by hand", share is not None and share >= 0.95, share))
+    checks.append(
+        (f"defaults under {cap // MIB} MiB train an epoch ({epoch_steps} steps)", row["defaults_trains_epoch"], found)
+    )
 
 
 def nvml(card: Any, plan: Plan, checks: list) -> dict[str, Any]:
