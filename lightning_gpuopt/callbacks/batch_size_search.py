@@ -59,6 +59,8 @@ from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, largest_s
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "batch_size_search"
+#: the search stops once the smallest size that did not fit is within this share of the largest that did
+SEARCH_TOLERANCE = 1 / 64
 MODES = ("fill", "cap")
 Mode = Literal["fill", "cap"]
 
@@ -284,6 +286,7 @@ class BatchSizeSearch(Callback):
                     max_trials=self.max_trials,
                     bytes_per_sample=per_sample,
                     headroom=1 / 32 if self.margin == "auto" else 0.0,
+                    tolerance=SEARCH_TOLERANCE,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
             size = result.batch_size
