@@ -65,8 +65,7 @@ class BatchSizeSearchResult:
     trials: list[Trial] = field(default_factory=list)
     #: the cap the search planned with (``max_memory``, kept as ``limit_bytes``, less the margin; under DDP the smallest rank's)
     budget_bytes: int = 0
-    #: ``"bracketed"`` (largest fit + multiple_of missed), ``"within tolerance"``, ``"upper bound"``, ``"max trials"``
-    #: or ``"nothing fits"``
+    #: ``"bracketed"`` (the next size up missed), ``"within tolerance"``, ``"upper bound"``, ``"max trials"``, ``"nothing fits"``
     stop_reason: str = ""
     start_batch_size: int = 0
     lower_bound: int = 1
