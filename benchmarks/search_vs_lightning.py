@@ -249,7 +249,7 @@ class SimulatedWorkload:
     precision: str = "32-true"
 
 
-_FAMILIES = [  # (name, make, memory, description): a largest fit of a hundred to a few hundred samples
+_FAMILIES = [  # (name, make, memory, description): a largest fit of tens to hundreds of samples (MLP: thousands)
     ("small GPT", functools.partial(TokenTransformer, width=128, depth=4), "176MiB", "TokenTransformer(width=128, depth=4, seq_len=32), AdamW"),
     ("convnet", functools.partial(ResidualConvNet, channels=128, depth=2, image_size=8), "96MiB", "ResidualConvNet(channels=128, depth=2, image_size=8), Adam"),
     ("MLP", functools.partial(MLPClassifier, hidden=1024), "128MiB", "MLPClassifier(256 -> 1024 -> 1024 -> 10), Adam"),

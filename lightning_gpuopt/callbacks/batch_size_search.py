@@ -3,7 +3,8 @@
 In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
 (:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
 :func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps
-each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`). A trial fits
+each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`), until a size at
+most 1/64 above the largest fit did not fit (below 64: the next size up). A trial fits
 when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
 default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
 in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
@@ -284,6 +285,7 @@ class BatchSizeSearch(Callback):
                     max_trials=self.max_trials,
                     bytes_per_sample=per_sample,
                     headroom=1 / 32 if self.margin == "auto" else 0.0,
+                    tolerance=1 / 64,  # see the module docstring
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
             size = result.batch_size

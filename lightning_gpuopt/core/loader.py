@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 
 import psutil
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_gpuopt.core.op_memory import leaves
 
@@ -476,7 +476,7 @@ def largest_samples_first(
 ) -> Optional[ProbedSizes]:
     """Every sample's size (in a seeded random order, at most ``max_probe`` samples and ``max_seconds``),
     largest first: a rare long sequence decides what fits. ``None`` when the dataset is not sized and
-    indexable or every sample looked at has the same size.
+    indexable or every sample looked at has the same size (a plain ``TensorDataset``'s rows all have: none is read).
 
     >>> largest_samples_first([torch.zeros(4)] * 4095 + [torch.zeros(64)]).order[0]
     4095
@@ -485,7 +485,7 @@ def largest_samples_first(
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
-    if length < 2:
+    if length < 2 or type(dataset) is TensorDataset:
         return None
     indices = list(range(length))
     random.Random(0).shuffle(indices)

@@ -40,6 +40,7 @@ REPORT_VERSION = 2
 #: why a batch size search stopped, in words, by its ``stop_reason``
 STOP_REASONS = {
     "bracketed": "stopped: the next size up did not fit",
+    "within tolerance": "stopped: a size within 1/64 above it did not fit",
     "upper bound": "stopped at the upper bound (max_batch_size, or the samples a rank holds): larger were not tried",
     "max trials": "stopped after max_trials",
     "nothing fits": "stopped: not even the smallest size fits",

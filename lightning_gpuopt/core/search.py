@@ -8,7 +8,8 @@ Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` th
 3. **interpolates** on that line inside the bracket (largest fit, smallest miss) once a size missed;
 4. **bisects** (or doubles, with no miss yet) when the line is flat or contradicts a trial, and for good
    once two of its guesses missed (one alone may be a convex peak's kink): the peaks then do not decide;
-5. **stops** once the largest fit + ``multiple_of`` missed, at the upper bound, or after ``max_trials``.
+5. **stops** once the largest fit + ``multiple_of`` missed, or a miss is within ``tolerance`` of the largest
+   fit (BatchSizeSearch: 1/64), at the upper bound, or after ``max_trials``.
 
 The answer was tested and fitted, never extrapolated. **Headroom** is in batch terms (BatchSizeSearch's
 ``margin="auto"``: ``h = 1/32``): ``b`` fits only if its peak plus ``h * b`` samples at the measured bytes per
@@ -64,7 +65,7 @@ class BatchSizeSearchResult:
     trials: list[Trial] = field(default_factory=list)
     #: the cap the search planned with (``max_memory``, kept as ``limit_bytes``, less the margin; under DDP the smallest rank's)
     budget_bytes: int = 0
-    #: ``"bracketed"`` (largest fit + multiple_of missed), ``"upper bound"``, ``"max trials"`` or ``"nothing fits"``
+    #: ``"bracketed"`` (the next size up missed), ``"within tolerance"``, ``"upper bound"``, ``"max trials"``, ``"nothing fits"``
     stop_reason: str = ""
     start_batch_size: int = 0
     lower_bound: int = 1
@@ -144,6 +145,7 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 @dataclass
 class _State:
+    tolerance: float  # stop once the smallest miss is within this share of the largest fit
     best: Optional[int] = None  # largest size that fitted
     miss: Optional[int] = None  # smallest size that did not fit
     points: list[tuple[int, int]] = field(default_factory=list)
@@ -158,8 +160,8 @@ def _next_guess(
     if best is None:  # only misses so far: halve towards the lower bound
         assert miss is not None
         return (None, "nothing fits", None) if miss <= lo else (_clamp(round_down(miss / 2, m), lo, miss - m), "", None)
-    if miss is not None and miss - best <= m:
-        return None, "bracketed", None
+    if miss is not None and miss - best <= max(m, state.tolerance * best):
+        return None, "bracketed" if miss - best <= m else "within tolerance", None
     if miss is None and best >= hi:
         return None, "upper bound", None
     ceiling = miss - m if miss is not None else min(hi, max(best + m, round_down(best * max_growth, m)))
@@ -191,6 +193,7 @@ def search_largest_fit(
     bytes_per_sample: Optional[float] = None,
     max_growth: float = 4.0,
     headroom: float = 0.0,
+    tolerance: float = 0.0,
     on_trial: Optional[Callable[[Trial], None]] = None,
 ) -> BatchSizeSearchResult:
     """The largest batch size in ``[min_batch_size, max_batch_size]``, a multiple of ``multiple_of``, that
@@ -202,12 +205,13 @@ def search_largest_fit(
         start: the first size to try (rounded and clamped), e.g. the estimate's predicted maximum.
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
         headroom: a size fits only if ``headroom`` times it more samples would too (see the module docstring).
+        tolerance: stop once the smallest miss is within ``tolerance`` times the largest fit of it (0: exact).
         on_trial: called with each trial as it ends (progress reporting).
     """
-    if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1:
+    if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1 or not 0 <= tolerance < 1:
         raise ValueError(
-            f"need multiple_of >= 1, max_trials >= 1, min_batch_size >= 1 and max_growth > 1; got {multiple_of=}, "
-            f"{max_trials=}, {min_batch_size=}, {max_growth=}"
+            f"need multiple_of >= 1, max_trials >= 1, min_batch_size >= 1, max_growth > 1 and 0 <= tolerance < 1; got "
+            f"{multiple_of=}, {max_trials=}, {min_batch_size=}, {max_growth=}, {tolerance=}"
         )
     lo, hi = round_up(min_batch_size, multiple_of), round_down(max_batch_size, multiple_of)
     if lo > hi:
@@ -215,7 +219,7 @@ def search_largest_fit(
             f"no multiple of multiple_of={multiple_of} lies in [min_batch_size={min_batch_size}, "
             f"max_batch_size={max_batch_size}]; lower multiple_of or min_batch_size, or raise the upper bound"
         )
-    state, trials = _State(), list[Trial]()
+    state, trials = _State(tolerance=tolerance), list[Trial]()
     first = _clamp(round_down(start, multiple_of), lo, hi)
     size: Optional[int] = first
     reason, line_prediction = "", None

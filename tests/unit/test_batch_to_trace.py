@@ -9,6 +9,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_gpuopt.core.estimate import batch_to_trace
+from lightning_gpuopt.core.loader import largest_samples_first
 
 
 class Lengths(Dataset):
@@ -64,3 +65,16 @@ def test_a_dataset_that_cannot_be_read_outside_the_loader_gives_the_first_batch_
     batch, what, unseen = batch_to_trace(loader, first)
     assert batch is first and what == "the first batch (per-sample shapes 3)"
     assert unseen == "its samples could not be looked at (OSError: no file handle outside the workers)"
+
+
+def test_sample_sizes_of_a_plain_tensor_dataset_are_known_without_reading_a_sample(monkeypatch):
+    # its rows are slices of the same tensors; a subclass may transform them, and is read as before
+    reads = []
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, index: reads.append(index) or torch.zeros(3))
+    data = TensorDataset(torch.zeros(4096, 3))
+    assert largest_samples_first(data) is None and reads == []
+
+    class Rows(TensorDataset):
+        pass
+
+    assert largest_samples_first(Rows(torch.zeros(4096, 3))) is None and len(reads) == 4096

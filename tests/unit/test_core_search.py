@@ -119,6 +119,62 @@ def test_random_linear_budgets_always_exact_and_within_8_trials():
         assert len(result.trials) <= 8, (fixed, per_sample, cap, start, multiple_of, result.trials)
 
 
+def test_a_tolerance_stops_within_it_of_the_limit_in_no_more_trials():
+    # limit 1000: with tolerance 1/64 the search may stop once the smallest miss is within 1/64 of the largest fit
+    rng = random.Random(1)
+    stopped_early = 0
+    for _ in range(300):
+        per_sample, fixed, limit = rng.randint(100, 100_000), rng.randint(0, 50_000_000), rng.randint(64, 5000)
+        cap = fixed + per_sample * limit + rng.randint(0, per_sample - 1)
+        start = max(1, int(limit * rng.uniform(0.05, 4.0)))
+        exact = search_largest_fit(
+            linear_oracle(fixed, per_sample, cap), budget_bytes=cap, start=start, max_batch_size=8192
+        )
+        fits = linear_oracle(fixed, per_sample, cap)
+        result = search_largest_fit(fits, budget_bytes=cap, start=start, max_batch_size=8192, tolerance=1 / 64)
+        assert [t.batch_size for t in result.trials] == fits.calls
+        assert all(t.fits == (t.batch_size <= limit) for t in result.trials)
+        assert limit / (1 + 1 / 64) <= result.batch_size <= limit and len(result.trials) <= len(exact.trials)
+        if result.stop_reason == "within tolerance":
+            miss = min(t.batch_size for t in result.trials if not t.fits)
+            assert 1 < miss - result.batch_size <= result.batch_size / 64
+            stopped_early += 1
+        else:
+            assert result.stop_reason == "bracketed" and result.batch_size == limit
+    assert stopped_early > 0  # the rule is exercised, not only the exact stop
+
+
+def test_a_tolerance_saves_the_last_bisections_where_the_line_misleads():
+    def fits(batch_size: int):
+        peak = 1_000 * batch_size + batch_size**2 * 3  # superlinear: the line always over-predicts
+        fits.calls.append(batch_size)
+        return peak <= 5_000_000, peak
+
+    limit = max(b for b in range(1, 5000) if 1_000 * b + 3 * b * b <= 5_000_000)  # 1135
+    search = dict(budget_bytes=5_000_000, start=100, max_batch_size=8192, max_trials=20)
+    fits.calls = []  # type: ignore[attr-defined]
+    exact = search_largest_fit(fits, **search)
+    fits.calls = []  # type: ignore[attr-defined]
+    result = search_largest_fit(fits, **search, tolerance=1 / 64)
+    miss = min(t.batch_size for t in result.trials if not t.fits)
+    assert exact.batch_size == limit and limit / (1 + 1 / 64) <= result.batch_size <= limit
+    assert result.stop_reason == "within tolerance" and miss - result.batch_size <= result.batch_size / 64
+    assert len(result.trials) < len(exact.trials), ([t.batch_size for t in exact.trials], fits.calls)
+
+
+def test_a_tolerance_below_one_size_is_the_exact_search():
+    # best / 64 < multiple_of: the stop is the exact one (limit 50, a size a sample)
+    fits = linear_oracle(3_000_000, 10_000, 3_500_000)
+    result = search_largest_fit(fits, budget_bytes=3_500_000, start=70, max_batch_size=8192, tolerance=1 / 64)
+    assert result.batch_size == 50 and result.stop_reason == "bracketed"
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, 1.0])
+def test_a_tolerance_outside_0_to_1_is_a_value_error(tolerance):
+    with pytest.raises(ValueError, match="0 <= tolerance < 1; got .*tolerance=" + str(tolerance)):
+        search_largest_fit(lambda b: (True, 0), budget_bytes=1, start=1, max_batch_size=5, tolerance=tolerance)
+
+
 def test_upper_bound_is_returned_when_everything_fits():
     fits = linear_oracle(1_000, 10, 10**12)
     result = search_largest_fit(fits, budget_bytes=10**12, start=10, max_batch_size=300)

@@ -142,6 +142,8 @@ class Trials:
 
     def __exit__(self, *exc_info: Any) -> None:
         failed = self._undo.undo()
+        if (card := device_for(self.module.device)).is_cuda:  # training starts as on a fresh card, as each trial
+            card.empty_cache(workspaces=True)
         if failed and exc_info[0] is None:
             raise failed[0][1]
 
