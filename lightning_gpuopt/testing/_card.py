@@ -103,8 +103,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self.allocator.empty_cache()
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        storage = storage_of(tensor)
-        return storage is not None and storage_key(storage) in self._blocks
+        return (storage := storage_of(tensor)) is not None and storage_key(storage) in self._blocks
 
     def new_event(self) -> HostEvent:
         return HostEvent()
@@ -246,8 +245,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def _countable_storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
         if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
             return None
-        storage = storage_of(tensor)
-        return storage if storage is not None and storage.nbytes() > 0 else None
+        return storage if (storage := storage_of(tensor)) is not None and storage.nbytes() > 0 else None
 
 
 class _MemoryEfficientAttention(torch.autograd.Function):
