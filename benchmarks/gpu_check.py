@@ -381,11 +381,21 @@ def replay(events: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     """The events through a fresh allocator model; the first where reserved bytes or segments differ."""
     model, blocks = CachingAllocatorModel(limit), {}
     real_reserved = real_segments = 0
+    card_segments: dict[int, int] = {}  # address -> bytes, and the card's live blocks: to say where the two differ
+    card_live: dict[int, int] = {}
     counts = {"alloc": 0, "free": 0, "segment_alloc": 0, "segment_free": 0}
     first: Optional[dict[str, Any]] = None
     previous = ""
     for index, event in enumerate(events):
-        action = event["action"]
+        action, addr = event["action"], event.get("addr", 0)
+        if action == "segment_alloc":
+            card_segments[addr] = event["size"]
+        elif action == "segment_free":
+            card_segments.pop(addr, None)
+        elif action == "alloc":
+            card_live[addr] = event["size"]
+        elif action == "free_completed":
+            card_live.pop(addr, None)
         if action in ("segment_alloc", "segment_map"):
             real_reserved += event["size"]
             real_segments += event.get("segments", 1) if action == "segment_alloc" else 0
@@ -409,12 +419,34 @@ def replay(events: list[dict[str, Any]], limit: int) -> dict[str, Any]:
                 "event": index, "action": action, "size": event["size"],
                 "card_reserved": real_reserved, "model_reserved": model.reserved_bytes,
                 "card_segments": real_segments, "model_segments": model.stats.num_segments,
+                "events_around": [{k: e.get(k) for k in ("action", "addr", "size", "stream")}
+                                  for e in events[max(0, index - 20) : index + 20]],
+                "events_around_start": max(0, index - 20),
+                "card_segment_list": [
+                    {"addr": a, "size": n, "live_blocks": [b for b in sorted(card_live) if a <= b < a + n],
+                     "live_bytes": sum(size for b, size in card_live.items() if a <= b < a + n)}
+                    for a, n in sorted(card_segments.items())],
+                "model_segment_list": model_segments(model),
             }  # fmt: skip
     return {
         "events": len(events), **counts, "first_divergence": first,
         "card_reserved_end": real_reserved, "model_reserved_end": model.reserved_bytes,
         "card_segments_end": real_segments, "model_segments_end": model.stats.num_segments,
     }  # fmt: skip
+
+
+def model_segments(model: CachingAllocatorModel) -> list[dict[str, Any]]:
+    """Each segment of the model: its address, pool, bytes and its blocks as (offset, size, allocated)."""
+    rows = []
+    for address, block in sorted(model._segments.items()):
+        parts: list[tuple[int, int, bool]] = []
+        while block is not None:
+            parts.append((block.offset, block.size, block.allocated))
+            block = block.next
+        rows.append({"addr": address, "small": parts and model._segments[address].small,
+                     "size": sum(p[1] for p in parts), "live_bytes": sum(p[1] for p in parts if p[2]),
+                     "blocks": parts})  # fmt: skip
+    return rows
 
 
 def allocator_replay(card: Any, plan: Plan, checks: list) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 and, while entered, the dispatch mode that serves each storage on the card from the caching-allocator model until
 it dies, and what a card's kernels hold (not the host kernels' buffers): a cuBLAS workspace per thread (forward,
 autograd), a convolution's transient cuDNN workspace (the input's bytes, where it fits: else cuDNN picks another
-algorithm), an RNN's weights cast once a call (cuDNN's flat weights), CUDA's ``foreach`` optimizer path.
+algorithm), an RNN's weights cast once a call (cuDNN's flat weights), CUDA's ``foreach`` optimizer path, SDPA on 4-D
+tensors with 16-byte-aligned heads as the memory-efficient kernel (``attention.cu``: output, float32 logsumexp of
+queries rounded up to 32 held for backward; then the gradients and a float32 ``delta``), not the math path's L x L.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from lightning_gpuopt.core._torch_compat import FakeTensor, TorchDispatchMode, in_backward, storage_key
@@ -60,6 +63,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # modules and optimizers on the card
         self._hooks: list[Any] = []
         self._forward_depth = 0
+        self._uncounted = False  # inside a fused kernel's host stand-in
 
     @property
     def uuid(self) -> str:
@@ -93,15 +97,13 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         return _SimulatedMeter(self, existing, max_bytes)
 
     def empty_cache(self, workspaces: bool = False) -> None:
-        for block in self._cublas.values() if workspaces else ():
-            if block is not None:
-                self.allocator.free(block)
+        for block in filter(None, self._cublas.values() if workspaces else ()):
+            self.allocator.free(block)
         self._cublas = {} if workspaces else self._cublas
         self.allocator.empty_cache()
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        storage = storage_of(tensor)
-        return storage is not None and storage_key(storage) in self._blocks
+        return (storage := storage_of(tensor)) is not None and storage_key(storage) in self._blocks
 
     def new_event(self) -> HostEvent:
         return HostEvent()
@@ -113,12 +115,15 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
             register_optimizer_step_pre_hook(self._optimizer_pre_hook),
             register_optimizer_step_post_hook(self._optimizer_post_hook),
         ]
+        self._sdpa = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._attention  # type: ignore[assignment]  # where MHA and users find it
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
             super().__exit__(*exc_info)
         finally:
+            F.scaled_dot_product_attention = self._sdpa
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
@@ -162,7 +167,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         kwargs = kwargs or {}
         flat = leaves((args, kwargs))
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
-        on_card = is_real_host_call(flat) and self._on_card(func, tensors, kwargs)
+        on_card = not self._uncounted and is_real_host_call(flat) and self._on_card(func, tensors, kwargs)
         started = time.perf_counter()
         out = func(*args, **kwargs)
         self.busy_s += time.perf_counter() - started
@@ -201,6 +206,19 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         self.adopt([tensor for tensor in inputs if tensor.dim() > 0])
         return True
 
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        if self.holds(q) and q.dim() == 4 and not any(t.size(-1) % (16 // t.element_size()) for t in (q, k, v)):
+            return _MemoryEfficientAttention.apply(self, rest, kwargs, q, k, v)
+        return self._sdpa(q, k, v, *rest, **kwargs)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Any:
+        self._uncounted, before = True, self._uncounted
+        try:
+            yield
+        finally:
+            self._uncounted = before
+
     def _take(self, storages: list[torch.UntypedStorage]) -> None:
         """Blocks for ``storages``; a failed request forgets what was taken and raises CUDA's error."""
         taken: list[Block] = []
@@ -218,8 +236,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         key = storage_key(storage)
 
         def release(_ref: weakref.ref) -> None:
-            entry = self._blocks.pop(key, None)
-            if entry is not None and entry[1] is not None:
+            if (entry := self._blocks.pop(key, None)) is not None and entry[1] is not None:
                 self.allocator.free(entry[1])
 
         self._blocks[key] = (weakref.ref(storage, release), block)
@@ -228,8 +245,31 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def _countable_storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
         if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
             return None
-        storage = storage_of(tensor)
-        return storage if storage is not None and storage.nbytes() > 0 else None
+        return storage if (storage := storage_of(tensor)) is not None and storage.nbytes() > 0 else None
+
+
+class _MemoryEfficientAttention(torch.autograd.Function):
+    """The host's math path, uncounted; the card holds what the fused kernel allocates (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, device: SimulatedCudaDevice, rest: tuple, kwargs: dict, *qkv: torch.Tensor) -> Any:
+        with torch.enable_grad(), device.uncounted():
+            ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in qkv]
+            ctx.out, ctx.device = device._sdpa(*ctx.inputs, *rest, **kwargs), device
+            lse = torch.empty(*qkv[0].shape[:2], -(-qkv[0].size(2) // 32) * 32 if ctx.out.requires_grad else 0)
+        device._take([s for s in map(storage_of, (ctx.out, lse)) if s is not None and s.nbytes()])
+        ctx.save_for_backward(lse)  # released once backward has run, as the kernel's saved logsumexp
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        with ctx.device.uncounted():
+            found = iter(torch.autograd.grad(ctx.out, [t for t in ctx.inputs if t.requires_grad], grad))
+        grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
+        ctx.device._take([storage_of(g) for g in grads if g is not None])
+        ctx.device.allocator.free(ctx.device.allocator.malloc(grad[..., 0].numel() * 4))  # delta: float32 per query
+        ctx.inputs = ctx.out = None  # the saved tensors go once backward has run
+        return (None, None, None, *grads)
 
 
 class _SimulatedMeter(SpanMeter):

@@ -97,3 +97,12 @@ def test_replay_reads_torchs_trace_and_reports_the_first_divergence():
     trace[3]["size"] = 6 * MIB  # a card that reserves a 5 MiB request in a 6 MiB segment
     first = script.replay(trace, limit=80 * 2**30)["first_divergence"]
     assert first["event"] == 4 and first["card_reserved"] == 8 * MIB and first["model_reserved"] == 22 * MIB
+    # what the next card run needs to see why: the events around it and both sides' segments there
+    assert [e["action"] for e in first["events_around"]][:5] == [e["action"] for e in trace[:5]]
+    card_segments = first["card_segment_list"]
+    assert [(s["addr"], s["size"]) for s in card_segments] == [(0x1000, 2 * MIB), (0x9000, 6 * MIB)]
+    assert card_segments[1]["live_blocks"] == [0x9000] and card_segments[1]["live_bytes"] == 5 * MIB
+    assert [(s["small"], s["size"], s["live_bytes"]) for s in first["model_segment_list"]] == [
+        (True, 2 * MIB, 4096),
+        (False, 20 * MIB, 5 * MIB),
+    ]

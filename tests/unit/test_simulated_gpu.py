@@ -101,9 +101,9 @@ def cnn():
     return network, torch.randn(32, 3, 32, 32)
 
 
-def transformer():
-    layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True)
-    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(16, 64, 128)
+def transformer():  # heads of 33 floats: not 16-byte aligned, so the card runs SDPA's math path, as the host does
+    layer = nn.TransformerEncoderLayer(132, 4, 256, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(16, 64, 132)
 
 
 @pytest.mark.parametrize("build", [mlp, cnn, transformer], ids=["mlp", "cnn-batchnorm", "transformer"])
@@ -345,3 +345,17 @@ def test_foreach_optimizer_temporaries_about_the_parameters_at_the_step():
         with pytest.raises(torch.OutOfMemoryError):
             optimizer.step()  # the temporaries do not fit
     assert optimizer.param_groups[0]["foreach"] is None  # the user's optimizer as it was
+
+
+def test_attention_is_charged_as_the_cards_fused_kernel_not_the_host_math_path():
+    """sm90 runs SDPA as memory-efficient attention: output + float32 logsumexp, never the L x L matrix (8 MiB)."""
+    torch.manual_seed(0)
+    with SimulatedGpu("H100") as gpu:
+        q, k, v = (torch.randn(2, 4, 512, 16, requires_grad=True) for _ in range(3))
+        gpu.place(q, k, v)
+        base = gpu.allocated_bytes
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        assert gpu.allocated_bytes - base == 2 * 4 * 512 * 16 * 4 + 2 * 4 * 512 * 4  # output + logsumexp
+        out.sum().backward()
+        assert gpu.peak_allocated_bytes - base < 2**21  # the 8 MiB attention matrix never reached the card
+        assert q.grad is not None and k.grad is not None and v.grad is not None
