@@ -5,7 +5,8 @@ micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (tim
 both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
 of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
 section of ``gpuopt_report.json`` and, with ``plots=True``, draws its PNGs. The parts log their own
-``gpuopt/...`` metrics. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
+``gpuopt/...`` metrics; MemoryFill's predicted peak is MemoryEstimator's trace of the first batch (the planned
+step traced once), logged then. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
 ``fill-memory``, ``max-throughput``, ``low-memory``.
 """
 
@@ -23,7 +24,7 @@ from typing_extensions import override
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import FitSession, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import OnOom
-from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -139,6 +140,8 @@ class GpuOpt(Callback):
         estimate = settings.get("estimate")
         self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if estimate else None
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
+        if self.fill is not None and self.estimator is not None:  # one trace of the planned step, not two
+            self.fill.predict_peak = False
         for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
             if part is not None:
                 part.progress = self.verbose
@@ -202,6 +205,8 @@ class GpuOpt(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:
             part.on_fit_end(trainer, pl_module)
+        if self.fill is not None and self.fill.plan is not None and not self.fill.predict_peak:
+            self.fill._write_report(trainer)  # with the predicted peak of the first batch
         self.report = self._combined_report()
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
@@ -217,7 +222,25 @@ class GpuOpt(Callback):
 
     on_train_start = _to_parts("on_train_start")
     on_train_epoch_start = _to_parts("on_train_epoch_start")
-    on_train_batch_start = _to_parts("on_train_batch_start")
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        """The parts; MemoryEstimator's trace of the first batch shows as progress and is MemoryFill's predicted peak."""
+        tracing = self.estimator is not None and self.estimator.estimate is None
+        for part in self.parts:
+            part.on_train_batch_start(trainer, pl_module, batch, i)
+        estimate = self.estimator.estimate if tracing and self.estimator else None
+        if estimate is None:
+            return
+        if self.verbose:
+            rank_zero_info(
+                f"MemoryEstimator: step traced at batch {estimate.batch_size} ({estimate.trace_seconds or 0:.1f} s)"
+            )
+        plan = self.fill.plan if self.fill else None
+        if plan and plan.predicted_peak_bytes is None and estimate.method == "traced":
+            plan.predicted_peak_bytes = estimate.predicted_peak_bytes
+            log_metrics(trainer, {"gpuopt/fill_predicted_peak_bytes": float(plan.predicted_peak_bytes)})
+
     on_before_zero_grad = _to_parts("on_before_zero_grad")
     on_before_optimizer_step = _to_parts("on_before_optimizer_step")
     on_train_batch_end = _to_parts("on_train_batch_end")

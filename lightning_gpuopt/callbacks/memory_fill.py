@@ -65,7 +65,7 @@ from lightning_gpuopt.core.fill import (
     lr_note,
     plan_micro_batches,
 )
-from lightning_gpuopt.core.report import format_bytes, render_table, to_dict
+from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "memory_fill"
@@ -138,6 +138,7 @@ class MemoryFill(Callback):
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
+        self.predict_peak = True  #: trace the step at the plan (GpuOpt: its MemoryEstimator's trace gives the peak)
         self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
@@ -300,10 +301,14 @@ class MemoryFill(Callback):
 
     def _predicted_largest(self, trainer: pl.Trainer, search: BatchSizeSearch) -> Optional[int]:
         """The calibrated estimate's largest micro-batch, the smallest over the ranks (``None``: not traced)."""
-        budget = search.budget_bytes(trainer.strategy.root_device)
+        budget, started = search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
         with Trials(FitSession.of(trainer), search.steps_per_trial, self.batch_arg_name) as trials:
             self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
-        predicted = self._prediction[0]
+        predicted, seconds = self._prediction[0], format_seconds(time.perf_counter() - started)
+        if self.progress and trainer.is_global_zero:
+            rank_zero_info(
+                f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of {predicted} ({seconds})"
+            )
         known = [int(row[0]) for row in gather_ranks(trainer, [-1 if predicted is None else predicted]) if row[0] >= 0]
         return min(known) if known else None
 
@@ -338,7 +343,7 @@ class MemoryFill(Callback):
             initial_accumulate_grad_batches=self._initial["accumulate"],
             largest_fit=largest,
             budget_bytes=self.search.result.budget_bytes,
-            predicted_peak_bytes=_predicted_peak(trainer, micro, accumulate),
+            predicted_peak_bytes=_predicted_peak(trainer, micro, accumulate) if self.predict_peak else None,
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
             on_oom=self.on_oom,

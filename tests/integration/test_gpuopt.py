@@ -15,6 +15,7 @@ from lightning_gpuopt import GpuOpt, available_presets, load_preset
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.gpuopt import render_report
 from lightning_gpuopt.core import report as report_module
+from lightning_gpuopt.core.estimate import StepEstimator
 
 BUDGET = "40MB"  # the transformer at micro-batch 64 fits it; checkpointing lets 8 fit far below
 
@@ -48,7 +49,11 @@ def rows(text: str, name: str) -> list[str]:
     return [line.split("│")[2].strip() for line in text.splitlines() if line.startswith(f"│ {name} ")]
 
 
-def test_fill_memory_lists_the_batch_it_set(tmp_path):
+def test_fill_memory_lists_the_batch_it_set(tmp_path, monkeypatch):
+    traced, estimate = [], StepEstimator.estimate
+    monkeypatch.setattr(
+        StepEstimator, "estimate", lambda self, *a: traced.append(self.step.batch_size) or estimate(self, *a)
+    )
     gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, global_batch_size=64)
     trainer, _ = fit(tmp_path, gpuopt)
     plan = gpuopt.report.memory_fill
@@ -59,6 +64,9 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path):
     assert gpuopt.report.memory.batch_size == 64
     assert abs(gpuopt.report.memory.estimate_error) < 0.05
     assert saved_report(trainer)["gpuopt"]["changes"] == ["batch size: 16 → 64"]
+    # the planned step is estimated once: MemoryEstimator's trace of the first batch is the plan's predicted peak
+    assert traced == [16, 64] and plan.predicted_peak_bytes == gpuopt.report.memory.predicted_peak_bytes
+    assert saved_report(trainer)["memory_fill"]["predicted_peak_bytes"] == plan.predicted_peak_bytes
     # one figure per quantity, named alike in every table: the memory limit, the budget, the largest batch
     text = render_report(gpuopt.report)
     limit, budget = report_module.format_bytes(40_000_000, decimal=True), report_module.format_bytes(plan.budget_bytes)
