@@ -295,8 +295,9 @@ class EpochCheck:
 
 class EpochChecker:
     """``check(b)``: does a fresh model train a whole shuffled epoch at batch ``b`` on a fresh
-    ``SimulatedGpu(card, memory)``? The data set holds ``3 * b + b // 2`` samples: three full
-    batches and a short last one. Results are cached; ``checks`` lists the epochs run, in order."""
+    ``SimulatedGpu(card, memory)``? The data set holds ``10 * b + b // 2`` samples: ten full batches
+    and a short last one (a GRU at the edge of its card first ran out of memory at its 4th step).
+    Results are cached; ``checks`` lists the epochs run, in order."""
 
     def __init__(self, workload: SimulatedWorkload) -> None:
         self.workload = workload
@@ -305,7 +306,7 @@ class EpochChecker:
 
     def check(self, batch_size: int) -> EpochCheck:
         if batch_size not in self.cache:
-            model = self.workload.make(num_samples=3 * batch_size + max(1, batch_size // 2), batch_size=batch_size)
+            model = self.workload.make(num_samples=10 * batch_size + max(1, batch_size // 2), batch_size=batch_size)
             steps = counting_steps(model)
             started = time.perf_counter()
             trains = True
@@ -508,15 +509,15 @@ def print_and_record_simulated(
             "(`BatchSizeSearch()`: max_memory None = the card's usable memory, margin 'auto': room for 1/32 more "
             "samples at the measured bytes per sample); Lightning's `BatchSizeFinder(mode='binsearch')` with its "
             "defaults (init_val=2, steps_per_trial=3, margin 5%). Truth: the largest size at which a fresh model and "
-            "Trainer on a fresh card train one whole shuffled epoch (`max_epochs=1`, 3.5x the size in samples: "
-            "three full batches and a short last one), by bisection over that cached check. 'ours trains an epoch': "
+            "Trainer on a fresh card train one whole shuffled epoch (`max_epochs=1`, 10.5x the size in samples: "
+            "ten full batches and a short last one), by bisection over that cached check. 'ours trains an epoch': "
             "the same check at our size. Steps: `training_step` calls on real tensors (failed trials included; the "
             "fake-tensor estimate is none). Seconds: the fit (search + one training step). Fill-memory cost: "
             "`GpuOpt('fill-memory')` (the preset as shipped: MemoryFill, MemoryEstimator, DataWaitMonitor) for "
             f"{COST_STEPS} steps against the same model trained by hand at the micro-batch it chose, no callbacks; "
             "'added' = the difference, in seconds and in training steps at that size (the by-hand run's median "
             f"step). Wall time: {wall_seconds:.0f} s, on this 2-core CPU machine, loaded by other work: the seconds "
-            "are noisy (two benchmarks ran at once), the steps are not.\n\n" + "\n\n".join(notes)
+            "are noisy, the steps are not.\n\n" + "\n\n".join(notes)
         )
         title = "mixed precision" if rows and rows[0][0].precision != "32-true" else "2 simulated cards"
         path = append(f"search_vs_lightning.py: defaults vs BatchSizeFinder, {title}", "\n".join(lines), text)

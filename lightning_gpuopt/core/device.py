@@ -25,6 +25,7 @@ from lightning_gpuopt.core._torch_compat import clear_cublas_workspaces
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, SpanMeter, storage_bytes
 
 CUDA_ALLOCATION_GRANULARITY = 512  #: the CUDA caching allocator hands out blocks in multiples of this many bytes
+CUDA_SMALL_SEGMENT_BYTES = 2 * 2**20  #: its small pool's segment (``kSmallBuffer``): requests up to 1 MiB share these
 # the cgroup memory limit: v2's ``memory.max``, else v1's (``max`` in v2, and in v1 a figure near 2**63, mean none)
 _CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 

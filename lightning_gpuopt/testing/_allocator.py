@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY
+from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, CUDA_SMALL_SEGMENT_BYTES
 from lightning_gpuopt.core.search import round_up
 
 _MIB = 2**20
-SMALL_SIZE, SMALL_BUFFER = _MIB, 2 * _MIB  # the small pool: requests up to 1 MiB, 2 MiB segments
+SMALL_SIZE, SMALL_BUFFER = _MIB, CUDA_SMALL_SEGMENT_BYTES  # the small pool: requests up to 1 MiB, 2 MiB segments
 # the large pool: 20 MiB segments for requests below 10 MiB, else the request rounded up to 2 MiB
 MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * _MIB, 20 * _MIB, 2 * _MIB
 

@@ -38,3 +38,16 @@ def test_simulated_path_runs_checks_and_bisects_on_the_smallest_setting(capsys):
     assert ours["check"].trains and 0.95 * truth <= ours["batch"] <= truth
     assert methods["truth"]["check"].trains
     assert "simulated cards" in capsys.readouterr().out
+
+
+def test_a_size_found_at_the_edge_of_the_card_keeps_training():
+    """GRU on a simulated H100 of 96 MiB: every size near the limit reserves all but 0.6 MiB of the card, and 50
+    first runs out of memory at its 4th step (a new 2 MiB small-pool segment). Its 2-step trial fitted; the
+    trial at the edge now runs as many steps again, so the size found trains ten full batches."""
+    bench = load_benchmark()
+    (workload,) = [w for w in bench.SIMULATED_WORKLOADS if w.name == "GRU" and w.card == "H100"]
+    found = bench.run_ours_simulated(workload)
+    checker = bench.EpochChecker(workload)
+    assert checker.check(found["batch"]).trains
+    assert not checker.check(found["batch"] + 1).trains  # the limit itself, not a size below it
+    assert found["steps"] > 2 * found["trials"]  # the trials at the edge ran longer

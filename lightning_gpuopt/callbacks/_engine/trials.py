@@ -6,7 +6,9 @@ epoch hooks do), and under DDP the bare module steps without collectives, so a r
 memory cannot strand the others. Each trial starts from :class:`TrainingState`, draws full batches of
 the largest samples from a copy of the user's loader, and runs ``steps_per_trial`` optimizer steps (more
 after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
-place). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
+place). A trial that leaves less than one small-pool segment (2 MiB) of the cap unreserved runs as many steps
+again: such a size fits only if no later step needs a new segment (a GRU at the edge asked for one at its 4th
+step). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
 peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
 on every rank. ``torch.compile``d code runs eager in trials: no recompiles, dynamo's caches as by hand.
 """
@@ -27,7 +29,7 @@ from lightning_gpuopt.callbacks._engine.session import FitSession
 from lightning_gpuopt.callbacks._engine.state import TrainingState
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.core._torch_compat import eager
-from lightning_gpuopt.core.device import device_for
+from lightning_gpuopt.core.device import CUDA_SMALL_SEGMENT_BYTES, device_for
 from lightning_gpuopt.core.loader import TrialSampler
 from lightning_gpuopt.core.memory import call_catching_oom
 from lightning_gpuopt.core.op_memory import storage_bytes
@@ -115,7 +117,7 @@ class Trials:
         self.state = TrainingState(trainer)  # before anything runs: a loader iterator draws from the RNG
         self._undo.add("the training state", self.state.restore)
         per_step = max(1, trainer.accumulate_grad_batches)
-        self.batches = (MANUAL_TRIAL_BATCHES_AT_MOST if self.manual else 2 * per_step) * self.steps_per_trial
+        self.batches = (MANUAL_TRIAL_BATCHES_AT_MOST if self.manual else 4 * per_step) * self.steps_per_trial
         undo = self._undo
         for holder in compat.attribute_holders(self.module, self.batch_arg_name):  # trials set the sizes tried
             name = self.batch_arg_name
@@ -176,7 +178,8 @@ class Trials:
             meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
         else:
             meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
-        outcome = call_catching_oom(self._steps, meter)
+        edge = capacity_bytes - CUDA_SMALL_SEGMENT_BYTES if card.is_cuda and capped else None
+        outcome = call_catching_oom(functools.partial(self._steps, card=card, edge_bytes=edge), meter)
         reserved = meter.peak_reserved_bytes if card.is_cuda else None
         peak = reserved if reserved is not None else meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= budget_bytes
@@ -184,12 +187,14 @@ class Trials:
         allocated = None if meter.peak_bytes is None else int(meter.peak_bytes)
         return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated)
 
-    def _steps(self, meter: Any) -> None:
-        """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran."""
+    def _steps(self, meter: Any, card: Any, edge_bytes: Optional[int]) -> None:
+        """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran;
+        as many again where the card's reserved memory passed ``edge_bytes`` (see the module docstring)."""
         trainer, epoch_loop = self.trainer, self.trainer.fit_loop.epoch_loop
         steps = _TrialSteps(list(trainer.optimizers), self.steps_per_trial if self.manual else 0)
         trainer.callbacks = [steps]
         fetcher = compat.data_fetcher(trainer)
+        epoch_loop.max_steps = -1 if self.manual else self.steps_per_trial  # an earlier trial may have run more
         try:
             with meter:
                 self.module.on_train_epoch_start()
@@ -197,6 +202,10 @@ class Trials:
                 wanted = self.steps_per_trial
                 while not self.manual and (steps.stepped or [wanted])[0] < wanted and epoch_loop.max_steps < 2 * wanted:
                     epoch_loop.max_steps += 1
+                    trainer.should_stop = False
+                    epoch_loop.run(fetcher)
+                if not self.manual and edge_bytes is not None and card.reserved_memory() > edge_bytes:
+                    epoch_loop.max_steps += wanted
                     trainer.should_stop = False
                     epoch_loop.run(fetcher)
         finally:
