@@ -149,9 +149,9 @@ class BatchSizeSearch(Callback):
             result = self.search(trainer)
             assert result.batch_size is not None
             session.apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
-        lrs = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups]
-        if result.batch_size != (initial := result.initial_batch_size) and initial and lrs:  # the batch grew k times
-            result.notes.append(lr_note(None, result.batch_size / initial, lrs[0], "MemoryFill's scale_lr")[1])
+        lr = next((float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups), None)
+        if result.batch_size != (initial := result.initial_batch_size) and initial and lr is not None:  # grew k times
+            result.notes.append(lr_note(None, result.batch_size / initial, lr, "MemoryFill's scale_lr")[1])
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

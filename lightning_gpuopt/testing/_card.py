@@ -257,7 +257,7 @@ class _MemoryEfficientAttention(torch.autograd.Function):
             ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in qkv]
             ctx.out, ctx.device = device._sdpa(*ctx.inputs, *rest, **kwargs), device
             lse = torch.empty(*qkv[0].shape[:2], -(-qkv[0].size(2) // 32) * 32 if ctx.out.requires_grad else 0)
-        device._take([s for s in map(storage_of, (ctx.out, lse)) if s is not None and s.nbytes()])
+        device._take([s for s in map(device._countable_storage, (ctx.out, lse)) if s is not None])
         ctx.save_for_backward(lse)  # released once backward has run, as the kernel's saved logsumexp
         return ctx.out.detach()
 
@@ -266,7 +266,7 @@ class _MemoryEfficientAttention(torch.autograd.Function):
         with ctx.device.uncounted():
             found = iter(torch.autograd.grad(ctx.out, [t for t in ctx.inputs if t.requires_grad], grad))
         grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
-        ctx.device._take([storage_of(g) for g in grads if g is not None])
+        ctx.device._take([s for g in grads if g is not None and (s := ctx.device._countable_storage(g)) is not None])
         ctx.device.allocator.free(ctx.device.allocator.malloc(grad[..., 0].numel() * 4))  # delta: float32 per query
         ctx.inputs = ctx.out = None  # the saved tensors go once backward has run
         return (None, None, None, *grads)

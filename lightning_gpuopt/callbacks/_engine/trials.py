@@ -195,19 +195,21 @@ class Trials:
         trainer.callbacks = [steps]
         fetcher = compat.data_fetcher(trainer)
         epoch_loop.max_steps = -1 if self.manual else self.steps_per_trial  # an earlier trial may have run more
+
+        def run_on(more: int) -> None:  # the epoch goes on, ``more`` optimizer steps further
+            epoch_loop.max_steps += more
+            trainer.should_stop = False
+            epoch_loop.run(fetcher)
+
         try:
             with meter:
                 self.module.on_train_epoch_start()
-                epoch_loop.run(fetcher)
+                run_on(0)
                 wanted = self.steps_per_trial
                 while not self.manual and (steps.stepped or [wanted])[0] < wanted and epoch_loop.max_steps < 2 * wanted:
-                    epoch_loop.max_steps += 1
-                    trainer.should_stop = False
-                    epoch_loop.run(fetcher)
+                    run_on(1)
                 if not self.manual and edge_bytes is not None and card.reserved_memory() > edge_bytes:
-                    epoch_loop.max_steps += wanted
-                    trainer.should_stop = False
-                    epoch_loop.run(fetcher)
+                    run_on(wanted)
         finally:
             steps.remove()
             trainer.callbacks = []
