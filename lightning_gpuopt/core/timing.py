@@ -18,7 +18,7 @@ from lightning_gpuopt.core.checks import check_int
 
 
 class Event(Protocol):
-    """A device timing event: a CUDA event with timing on (made by :mod:`.device`) or the simulated card's host event."""
+    """A device timing event: a CUDA event with timing (from :mod:`.device`) or the simulated card's host event."""
 
     def query(self) -> bool: ...
     def elapsed_time(self, end: Any) -> float: ...
