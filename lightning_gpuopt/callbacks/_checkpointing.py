@@ -49,15 +49,12 @@ def checked_setting(value: Any) -> Union[str, bool, list]:
     )
     if isinstance(value, bool) or value == "auto":
         return value
-    if isinstance(value, str):
-        if not value.strip() or value.strip().lower() in _SWITCH_WORDS:
-            raise ValueError(
-                f"`activation_checkpointing` must be {works}, got {value!r} (a str, not a switch: write True or False without quotes)."
-            )
+    if isinstance(value, str) and value.strip() and value.strip().lower() not in _SWITCH_WORDS:
         return [value]
+    switch = " (a str, not a switch: write True or False without quotes)" if isinstance(value, str) else ""
     is_list = isinstance(value, (list, tuple)) and len(value) > 0
-    if not is_list or not all(isinstance(v, type) or (isinstance(v, str) and v.strip()) for v in value):
-        raise ValueError(f"`activation_checkpointing` must be {works}, got {value!r}.")
+    if switch or not is_list or not all(isinstance(v, type) or (isinstance(v, str) and v.strip()) for v in value):
+        raise ValueError(f"`activation_checkpointing` must be {works}, got {value!r}{switch}.")
     return list(value)
 
 
@@ -88,9 +85,8 @@ class Checkpointing:
         if self.setting is False:
             return
         if self.explicit:
-            blocks = (
-                find_repeated_blocks(self.module) if self.setting is True else select_blocks(self.module, self.setting)
-            )
+            blocks = find_repeated_blocks(self.module) if self.setting is True else None
+            blocks = blocks if blocks is not None else select_blocks(self.module, self.setting)
             if not blocks:
                 raise MisconfigurationException(_no_blocks_message(self.module))
             self._switch_on(blocks, f"activation_checkpointing={self.setting!r}")
@@ -178,20 +174,17 @@ class Checkpointing:
                 batch = trainer.strategy.batch_to_device(next(iter(session.loader(batch_size=CHECK_SAMPLES))))
                 batch = sliced_batch(batch, batch_samples(batch), CHECK_SAMPLES)
             except Exception as error:  # noqa: BLE001 - no batch to check on: refuse with the reason
-                problems: list[Optional[str]] = [
-                    f"no batch to check the recomputation on ({type(error).__name__}: {error})"
-                ] * len(groups)
+                why = f"no batch to check the recomputation on ({type(error).__name__}: {error})"
+                problems: list[Optional[str]] = [why] * len(groups)
             else:
-                problems = []
+                problems, context = [], trainer.precision_plugin.train_step_context
                 for group in groups:
                     with contextlib.ExitStack() as others:
                         for other in switched_on:
                             if other is not group:
                                 others.enter_context(other.paused())
-                        context = trainer.precision_plugin.train_step_context
-                        problems.append(
-                            check_recomputation(module, loss_function(module), batch, group, step_context=context)
-                        )
+                        problem = check_recomputation(module, loss_function(module), batch, group, step_context=context)
+                        problems.append(problem)
         finally:
             state.restore()
         agreed = [all(row[0] for row in gather_ranks(trainer, [float(problem is None)])) for problem in problems]
@@ -200,26 +193,24 @@ class Checkpointing:
     def _keep(self, kept: list[CheckpointedBlocks], check: str) -> None:
         self.on = CheckpointedBlocks.joined(kept) if kept else None
         if self.on is not None:
-            self.reasons.append(
-                f"activation checkpointing on {len(self.on.names)} {'/'.join(self.on.classes)} blocks "
-                f"({self.on.method}; {check}): {self._reason}"
-            )
+            blocks = f"{len(self.on.names)} {'/'.join(self.on.classes)} blocks"
+            self.reasons.append(f"activation checkpointing on {blocks} ({self.on.method}; {check}): {self._reason}")
 
     def _refuse(self, refused: list, kept: list) -> None:
         for handle, problem in refused:
-            self.reasons.append(
-                f"activation checkpointing refused for {len(handle.names)} {'/'.join(handle.classes)} blocks: "
-                f"a checkpointed step differs from a plain one ({problem})"
-            )
+            blocks = f"{len(handle.names)} {'/'.join(handle.classes)} blocks"
+            differs = f"a checkpointed step differs from a plain one ({problem})"
+            self.reasons.append(f"activation checkpointing refused for {blocks}: {differs}")
         if not refused:
             return
         if self.explicit and not kept:
             handle, problem = refused[0]
-            raise MisconfigurationException(
-                f"MemoryFill: activation_checkpointing={self.setting!r} on {type(self.module).__name__}: a training step with "
-                f"its {'/'.join(handle.classes)} blocks checkpointed differs from the plain step ({problem}). Pass "
-                "activation_checkpointing=[classes] naming blocks whose forward has no side effects, or activation_checkpointing=False."
+            what = f"activation_checkpointing={self.setting!r} on {type(self.module).__name__}"
+            instead = "Pass activation_checkpointing=[classes] naming blocks whose forward has no side effects, or activation_checkpointing=False."
+            differs = (
+                f"a training step with its {'/'.join(handle.classes)} blocks checkpointed differs from the plain step"
             )
+            raise MisconfigurationException(f"MemoryFill: {what}: {differs} ({problem}). {instead}")
         (rank_zero_warn if self.explicit else rank_zero_info)(f"MemoryFill: {self.reasons[-1]}")
 
 
@@ -227,23 +218,11 @@ def _no_blocks_message(module: Any) -> str:
     """The refusal of ``activation_checkpointing=True`` on a model without repeated blocks, with classes to name instead
     (submodules with parameters and submodules of their own)."""
     containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-    candidates = list(
-        dict.fromkeys(
-            type(sub).__name__
-            for name, sub in module.named_modules()
-            if name
-            and not isinstance(sub, containers)
-            and next(sub.parameters(), None) is not None
-            and next(sub.children(), None) is not None
-        )
-    )
-    instead = (
-        f"Pass the module classes or qualified module names to checkpoint, e.g. activation_checkpointing={candidates[:2]}, "
-        if candidates
-        else "It has no submodule with parameters and submodules of its own to checkpoint: "
-    )
-    return (
-        f"MemoryFill: activation_checkpointing=True found no repeated blocks in {type(module).__name__} (same-class children "
-        f"of an nn.ModuleList/nn.Sequential with parameters and submodules). {instead}or activation_checkpointing='auto' "
-        "(checkpoints the blocks it finds, else goes on without and says so), or activation_checkpointing=False."
-    )
+    subs = [sub for name, sub in module.named_modules() if name and not isinstance(sub, containers)]
+    nested = [s for s in subs if next(s.parameters(), None) is not None and next(s.children(), None) is not None]
+    candidates = list(dict.fromkeys(type(sub).__name__ for sub in nested))
+    instead = f"Pass the module classes or qualified module names to checkpoint, e.g. activation_checkpointing={candidates[:2]}, "
+    instead = instead if candidates else "It has no submodule with parameters and submodules of its own to checkpoint: "
+    found = f"found no repeated blocks in {type(module).__name__} (same-class children of an nn.ModuleList/nn.Sequential with parameters and submodules)"
+    auto = "activation_checkpointing='auto' (checkpoints the blocks it finds, else goes on without and says so)"
+    return f"MemoryFill: activation_checkpointing=True {found}. {instead}or {auto}, or activation_checkpointing=False."
