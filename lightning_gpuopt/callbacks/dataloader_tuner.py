@@ -92,13 +92,10 @@ class DataLoaderTuner(Callback):
         check_int("max_num_workers", max_num_workers, 0, "max_num_workers=8", allow_none=True)
         check_bool("persistent_workers", persistent_workers, "persistent_workers=False")
         check_bool("verbose", verbose, "verbose=False")
-        self.max_seconds = float(max_seconds)
+        self.max_seconds, self.tolerance = float(max_seconds), float(tolerance)
         self.batches_per_candidate = batches_per_candidate
-        self.tolerance = float(tolerance)
-        self.target_samples_per_second = target_samples_per_second
-        self.max_num_workers = max_num_workers
-        self.persistent_workers = persistent_workers
-        self.verbose = verbose
+        self.target_samples_per_second, self.max_num_workers = target_samples_per_second, max_num_workers
+        self.persistent_workers, self.verbose = persistent_workers, verbose
         self.progress = verbose  # report each candidate as it is timed
         #: the measurement and the choice (the same on every rank); ``None`` if not tuned
         self.result: Optional[LoaderTuneResult] = None
@@ -148,9 +145,8 @@ class DataLoaderTuner(Callback):
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
         persistent = self.persistent_workers and not (on_gpu and reloads > 0)
-        baseline = LoaderSetting(
-            loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory
-        )
+        kept = (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+        baseline = LoaderSetting(*kept)
         seen: list[LoaderSetting] = []  # every timing's setting, in order: the contenders are timed again
         with (
             _training_step(trainer, loader) as step,
@@ -180,19 +176,15 @@ class DataLoaderTuner(Callback):
         if res.num_workers > cores and busy is not None:
             # PyTorch's DataLoader warns past the CPU affinity alone, not past a cgroup quota
             warns = "PyTorch will warn that " if res.num_workers > usable_cpu_count(within_quota=False) else ""
-            self.message += (
-                f". {warns}{res.num_workers} workers exceed the {cores} usable cores: they were measured busy only"
-                f" {busy:.0%} of the time (waiting on I/O), so more workers than cores is what keeps up here"
-            )
+            measured = f"they were measured busy only {busy:.0%} of the time (waiting on I/O), so more workers than cores is what keeps up here"
+            self.message += f". {warns}{res.num_workers} workers exceed the {cores} usable cores: {measured}"
         if not res.settled:
-            rank_zero_warn(
-                f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); set `num_workers`"
-                " yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
+            instead = (
+                "set `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
             )
-        warning = trainer.strategy.root_device.type == "cpu" and oversubscription(
-            torch.get_num_threads(), res.num_workers, busy, cores
-        )
-        if warning:
+            rank_zero_warn(f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); {instead}")
+        on_cpu = trainer.strategy.root_device.type == "cpu"
+        if warning := on_cpu and oversubscription(torch.get_num_threads(), res.num_workers, busy, cores):
             rank_zero_warn(f"DataLoaderTuner: {warning}")
         return res
 
@@ -252,11 +244,8 @@ def _why_not_tunable(loader: Any) -> Optional[str]:
     if not isinstance(loader, DataLoader):
         return f"it is a {type(loader).__name__}, not a torch.utils.data.DataLoader: its worker settings cannot be rebuilt."
     if isinstance(loader.dataset, IterableDataset):
-        return (
-            f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): with more workers each would yield"
-            " the whole stream unless the dataset splits it with torch.utils.data.get_worker_info(). Set num_workers"
-            " yourself once it does."
-        )
+        split = "unless the dataset splits it with torch.utils.data.get_worker_info(). Set num_workers yourself once it does."
+        return f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): with more workers each would yield the whole stream {split}"
     return None
 
 
@@ -273,12 +262,9 @@ def _samples_on_device(loader: Any, device: Device) -> Optional[str]:
     on_device = [leaf for leaf in tree_leaves(sample) if isinstance(leaf, torch.Tensor) and device.holds(leaf)]
     if not on_device:
         return None
-    return (
-        f"its samples are already on {device.describe()} (the first sample holds {len(on_device)} device "
-        "tensor(s)): pin_memory=True fails on them (only dense CPU tensors can be pinned) and worker processes "
-        "would touch CUDA after fork. Keep num_workers=0 and pin_memory=False for such data, or keep the dataset "
-        "on the host and let the tuner choose workers."
-    )
+    why = "pin_memory=True fails on them (only dense CPU tensors can be pinned) and worker processes would touch CUDA after fork"
+    instead = "Keep num_workers=0 and pin_memory=False for such data, or keep the dataset on the host and let the tuner choose workers."
+    return f"its samples are already on {device.describe()} (the first sample holds {len(on_device)} device tensor(s)): {why}. {instead}"
 
 
 def _measured_ceiling(trainer: Trainer) -> Optional[float]:

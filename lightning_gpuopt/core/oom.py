@@ -61,12 +61,10 @@ class MicroBatchLimits:
         half as many. Raises :class:`OutOfMemoryAtOneSampleError` at 1."""
         if attempted <= 1:
             done = [f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})" for a in self.adaptations]
-            raise OutOfMemoryAtOneSampleError(
-                f"out of memory with a micro-batch of 1 sample ({elements} elements per sample) at step {step}: "
-                f"nothing smaller can be tried. Adaptations so far: {', '.join(done) or 'none'}. Last error: "
-                f"{reason}. Free memory (a smaller model, mixed precision, activation checkpointing, shorter "
-                "samples) or use a larger device."
-            )
+            at_one = f"out of memory with a micro-batch of 1 sample ({elements} elements per sample) at step {step}"
+            instead = "Free memory (a smaller model, mixed precision, activation checkpointing, shorter samples) or use a larger device."
+            tried = f"Adaptations so far: {', '.join(done) or 'none'}. Last error: {reason}."
+            raise OutOfMemoryAtOneSampleError(f"{at_one}: nothing smaller can be tried. {tried} {instead}")
         adaptation = OomAdaptation(step, batch_idx, attempted, attempted // 2, elements, reason)
         self.limits.append((elements, attempted // 2))
         self.adaptations.append(adaptation)
@@ -95,11 +93,9 @@ def _slice(batch: Any, start: int, stop: int, batch_size: int) -> Any:
         if batch.dim() == 0:
             return batch
         if batch.shape[0] != batch_size:
-            raise BatchSplitError(
-                f"cannot split a batch of {batch_size} samples: it holds a tensor of shape {tuple(batch.shape)} whose "
-                f"first dimension is not {batch_size}. Recovery from out-of-memory errors cuts every tensor of the "
-                "batch along dimension 0; put the samples first, or use on_oom='raise'."
-            )
+            held = f"it holds a tensor of shape {tuple(batch.shape)} whose first dimension is not {batch_size}"
+            how = "Recovery from out-of-memory errors cuts every tensor of the batch along dimension 0; put the samples first, or use on_oom='raise'."
+            raise BatchSplitError(f"cannot split a batch of {batch_size} samples: {held}. {how}")
         return batch[start:stop]
     if isinstance(batch, dict):
         return type(batch)((key, _slice(value, start, stop, batch_size)) for key, value in batch.items())

@@ -131,19 +131,14 @@ def _existing_sections(location: Location, warn: Callable[[str], None]) -> dict[
         problem = f"it is not valid JSON ({error})"
     if problem is None:
         return content
-    if isinstance(location, Path):
-        path, exists, move = str(location), os.path.exists, os.replace
-    else:
-        fs, path = filesystem(location)
-        exists, move = fs.exists, fs.mv
+    fs, path = (None, str(location)) if isinstance(location, Path) else filesystem(location)
+    exists, move = (os.path.exists, os.replace) if fs is None else (fs.exists, fs.mv)
     number = 1
     while exists(f"{path}.corrupt-{number}"):
         number += 1
     move(path, f"{path}.corrupt-{number}")
-    warn(
-        f"gpuopt: the existing report {location} could not be read: {problem}. It was kept as"
-        f" {location}.corrupt-{number}; the new report starts empty."
-    )
+    kept = f"It was kept as {location}.corrupt-{number}; the new report starts empty."
+    warn(f"gpuopt: the existing report {location} could not be read: {problem}. {kept}")
     return {}
 
 

@@ -31,9 +31,8 @@ class FilesystemUnavailableError(ImportError):
         self.url, self.protocol, self.package, self.reason = url, protocol, package, reason
         known = "use a local path or a protocol fsspec knows (`fsspec.registry.known_implementations`)"
         remedy = f"install it with `pip install {package}`" if package else known
-        super().__init__(
-            f"{url} needs the fsspec filesystem of {protocol!r}, which is not available ({reason}): {remedy}"
-        )
+        message = f"{url} needs the fsspec filesystem of {protocol!r}, which is not available ({reason}): {remedy}"
+        super().__init__(message)
 
 
 def is_url(path: Union[str, os.PathLike]) -> bool:

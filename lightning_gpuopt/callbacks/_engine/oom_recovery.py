@@ -87,11 +87,10 @@ class OomRecovery:
         except BaseException as exc:
             if not (self._handed and is_out_of_memory_error(exc)):
                 raise
-            raise torch.OutOfMemoryError(
-                f"MemoryFill(on_oom='adapt') covers forward and backward only: out of memory in the optimizer step "
-                f"({type(optimizer).__name__}) of step {self.trainer.global_step}, whose state (new for a layer unfrozen "
-                f"mid-run) micro-batches do not shrink; leave room for it (a smaller max_memory). {_first_line(exc)}"
-            ) from exc
+            step = f"the optimizer step ({type(optimizer).__name__}) of step {self.trainer.global_step}"
+            why = "whose state (new for a layer unfrozen mid-run) micro-batches do not shrink; leave room for it (a smaller max_memory)"
+            message = f"MemoryFill(on_oom='adapt') covers forward and backward only: out of memory in {step}, {why}. {_first_line(exc)}"
+            raise torch.OutOfMemoryError(message) from exc
 
     def zero_grad_called(self) -> None:
         """Lightning zeroed the gradients (``on_before_zero_grad``): expected on a group's first batch."""
@@ -127,11 +126,11 @@ class OomRecovery:
         def hand_over(grad_output: torch.Tensor) -> list:
             self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
             if self._zeroed_expected and not self._zeroed_seen:
-                raise RuntimeError(
-                    "MemoryFill(on_oom='adapt'): Lightning did not zero the gradients on the first batch of an "
-                    "accumulation group as expected, so the gradients set aside cannot be combined correctly; use "
-                    "on_oom='raise'."
+                not_zeroed = (
+                    "Lightning did not zero the gradients on the first batch of an accumulation group as expected"
                 )
+                why = "so the gradients set aside cannot be combined correctly; use on_oom='raise'."
+                raise RuntimeError(f"MemoryFill(on_oom='adapt'): {not_zeroed}, {why}")
             factor = grad_output / expected
             return [None if grad is None else grad.mul_(factor.to(grad.dtype)) for grad in grads]
 
@@ -162,7 +161,8 @@ class OomRecovery:
                         raise
                     phase, error = self._phase, f"{self._phase}: {_first_line(exc)}"
                 finally:
-                    _put_back(params, kept)
+                    for param, grad in zip(params, kept):
+                        param.grad = grad
                 if error is not None:
                     value = output = grads = None
                     release_memory()
@@ -184,10 +184,8 @@ class OomRecovery:
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if loss is None:
                 if size < batch_size:
-                    raise RuntimeError(
-                        "MemoryFill(on_oom='adapt'): training_step returned None for a micro-batch "
-                        "of a batch split after an out-of-memory error; it cannot be skipped in part."
-                    )
+                    split = "a micro-batch of a batch split after an out-of-memory error; it cannot be skipped in part."
+                    raise RuntimeError(f"MemoryFill(on_oom='adapt'): training_step returned None for {split}")
                 return None, None
             weighted = loss if weight == 1.0 else loss * weight
             scaled = weighted / trainer.accumulate_grad_batches
@@ -242,11 +240,6 @@ def _enabled_scaler(trainer: pl.Trainer) -> Any:
     """The precision plugin's AMP gradient scaler when it scales (``None`` otherwise)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
-
-
-def _put_back(params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
-    for param, grad in zip(params, grads):
-        param.grad = grad
 
 
 def _first_line(error: BaseException) -> str:
