@@ -85,8 +85,8 @@ class Checkpointing:
         if self.setting is False:
             return
         if self.explicit:
-            blocks = find_repeated_blocks(self.module) if self.setting is True else None
-            blocks = blocks if blocks is not None else select_blocks(self.module, self.setting)
+            spec = self.setting
+            blocks = find_repeated_blocks(self.module) if spec is True else select_blocks(self.module, spec)
             if not blocks:
                 raise MisconfigurationException(_no_blocks_message(self.module))
             self._switch_on(blocks, f"activation_checkpointing={self.setting!r}")
@@ -207,10 +207,8 @@ class Checkpointing:
             handle, problem = refused[0]
             what = f"activation_checkpointing={self.setting!r} on {type(self.module).__name__}"
             instead = "Pass activation_checkpointing=[classes] naming blocks whose forward has no side effects, or activation_checkpointing=False."
-            differs = (
-                f"a training step with its {'/'.join(handle.classes)} blocks checkpointed differs from the plain step"
-            )
-            raise MisconfigurationException(f"MemoryFill: {what}: {differs} ({problem}). {instead}")
+            differs = f"a training step with its {'/'.join(handle.classes)} blocks checkpointed differs"
+            raise MisconfigurationException(f"MemoryFill: {what}: {differs} from the plain step ({problem}). {instead}")
         (rank_zero_warn if self.explicit else rank_zero_info)(f"MemoryFill: {self.reasons[-1]}")
 
 

@@ -33,8 +33,7 @@ _WARNED: set[str] = set()
 
 
 def report_dir(trainer: Trainer) -> Location:
-    """The report's folder: a ``Path`` when local, else the URL string (a collective under DDP: call it on every
-    rank)."""
+    """The report's folder: a ``Path`` when local, else the URL (a collective under DDP: call it on every rank)."""
     return as_location(trainer.log_dir or trainer.default_root_dir)
 
 
@@ -54,8 +53,7 @@ def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
 
 
 def save_report_plots(trainer: Trainer, report_path: Location) -> list[Location]:
-    """Rank 0: draw the report's PNGs beside it and log them to every TensorBoard or W&B logger; the PNGs
-    written. What cannot be drawn or logged is a warning."""
+    """Rank 0: the report's PNGs drawn beside it and logged to each TensorBoard or W&B logger; failures warn."""
     try:
         from lightning_gpuopt.core.plot import save_plots
 
@@ -68,16 +66,13 @@ def save_report_plots(trainer: Trainer, report_path: Location) -> list[Location]
         try:
             _log_pngs(logger, paths, step)
         except Exception as error:  # noqa: BLE001 - a logger that cannot take images never fails the run
-            rank_zero_warn(
-                f"gpuopt: the plots were drawn to {parent_location(report_path)} but not logged to "
-                f"{type(logger).__name__}: {error}"
-            )
+            drawn = f"the plots were drawn to {parent_location(report_path)} but not logged to {type(logger).__name__}"
+            rank_zero_warn(f"gpuopt: {drawn}: {error}")
     return paths
 
 
 def _log_pngs(logger: Any, paths: list[Location], step: int) -> None:
-    """Each PNG as ``gpuopt/NAME``: TensorBoard's ``add_image``, or a ``log_image`` (W&B's; a path when local,
-    the pixels at a URL)."""
+    """Each PNG as ``gpuopt/NAME``: TensorBoard's ``add_image``, or W&B's ``log_image`` (a path, or the pixels)."""
     tensorboard = isinstance(logger, compat.any_namespace("loggers", "TensorBoardLogger"))
     if not tensorboard and not callable(getattr(logger, "log_image", None)):
         return
@@ -113,10 +108,8 @@ def write_report_section(path: str | os.PathLike, section: str, data: dict[str, 
         blocker = None if is_url(path) else next((p for p in Path(path).parents if p.is_file()), None)
         if blocker is not None:
             reason = f"{blocker} is a file, not a folder (give a log dir or report_path in a folder)"
-        message = (
-            f"gpuopt: could not write the report {path}: {reason}; training goes on without it"
-            " (the results stay on the callbacks: `.report`, `.result`, `.plan`, `.estimate`)."
-        )
+        kept = "the results stay on the callbacks: `.report`, `.result`, `.plan`, `.estimate`"
+        message = f"gpuopt: could not write the report {path}: {reason}; training goes on without it ({kept})."
     if message not in _WARNED:
         _WARNED.add(message)
         rank_zero_warn(message)

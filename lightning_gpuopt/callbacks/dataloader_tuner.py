@@ -179,10 +179,8 @@ class DataLoaderTuner(Callback):
             measured = f"they were measured busy only {busy:.0%} of the time (waiting on I/O), so more workers than cores is what keeps up here"
             self.message += f". {warns}{res.num_workers} workers exceed the {cores} usable cores: {measured}"
         if not res.settled:
-            instead = (
-                "set `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
-            )
-            rank_zero_warn(f"DataLoaderTuner: the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); {instead}")
+            uncertain = f"the choice is uncertain ({res.reason.rsplit('; ', 1)[-1]}); set `num_workers` yourself, or tune again when the machine is quieter (`max_seconds` gives it longer)"
+            rank_zero_warn(f"DataLoaderTuner: {uncertain}")
         on_cpu = trainer.strategy.root_device.type == "cpu"
         if warning := on_cpu and oversubscription(torch.get_num_threads(), res.num_workers, busy, cores):
             rank_zero_warn(f"DataLoaderTuner: {warning}")

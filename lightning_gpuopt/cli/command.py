@@ -184,17 +184,14 @@ def _run_plot(args: argparse.Namespace) -> int:
     out = as_location(args.out) if args.out is not None else parent_location(report)
     try:
         written = save_plots(data, out)
-    except PlotUnavailableError as error:
-        sys.stderr.write(f"gpuopt plot: error: {error}\n")
-        return 1
     except FilesystemUnavailableError as error:
         raise UsageError(f"`--out`={str(out)!r}: {error}") from None
     except Exception as error:
-        if isinstance(out, Path):  # writing to a URL: what its filesystem raises is a message, not a traceback
+        no_matplotlib = isinstance(error, PlotUnavailableError)
+        if isinstance(out, Path) and not no_matplotlib:  # at a URL, what its filesystem raises is a message
             raise
-        sys.stderr.write(
-            f"gpuopt plot: error: the PNGs could not be written to {out}: {type(error).__name__}: {error}\n"
-        )
+        why = f"the PNGs could not be written to {out}: {type(error).__name__}: {error}"
+        sys.stderr.write(f"gpuopt plot: error: {error if no_matplotlib else why}\n")
         return 1
     if args.json:
         _print_json({"written": [str(path) for path in written]})

@@ -61,10 +61,9 @@ def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str
         if not matches:
             found = sorted({type(m).__name__ for _, m in find_repeated_blocks(model)})
             named = entry.__name__ if isinstance(entry, type) else entry
-            raise ValueError(
-                f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; its repeated blocks are "
-                f"of class {found or 'none'} (or give qualified module names such as {[n for n, _ in modules[1:3]]})."
-            )
+            instead = f"or give qualified module names such as {[n for n, _ in modules[1:3]]}"
+            blocks = f"its repeated blocks are of class {found or 'none'} ({instead})"
+            raise ValueError(f"`checkpointing` entry {named!r} matches no module of {type(model).__name__}; {blocks}.")
         chosen.extend(match for match in matches if match not in chosen)
     return _outermost(chosen)
 

@@ -16,6 +16,7 @@ step when given (end to end); the user's setting is kept unless the choice is :d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -130,11 +131,9 @@ class LoaderTuneResult:
 def cgroup_cpu_quota() -> Optional[float]:
     """The cgroup CPU limit in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); ``None`` without one."""
     cgroup = Path("/sys/fs/cgroup")
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
     try:
         quota_us, period_us = (int((cgroup / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
         return None if quota_us <= 0 else quota_us / period_us
@@ -237,8 +236,8 @@ def time_loader(
             if (fetched >= wanted and spent >= min_seconds) or (fetched >= fill + 2 and spent > max_seconds):
                 break
             # judged from the first batch on: a slow start is timed apart, and persistent workers pay it once
-            if give_up_after_s is not None and now - first_ready > give_up_after_s(fetched):
-                stopped_early = True
+            stopped_early = give_up_after_s is not None and now - first_ready > give_up_after_s(fetched)
+            if stopped_early:
                 break
     finally:
         ended = time.perf_counter()
@@ -266,9 +265,8 @@ def time_loader(
     if main_before is not None and main_after is not None:
         on_cpu, waiting = (end - start - step for end, start, step in zip(main_after, main_before, consumed[1:]))
         loading_cpu = _cpu_fraction(max(0.0, on_cpu), waiting, 1, elapsed - consumed[0])
-    return LoaderTiming(
-        setting, fetched, samples, first_ready - started, elapsed, rate, worker_cpu, stopped_early, loading_cpu
-    )
+    startup = first_ready - started
+    return LoaderTiming(setting, fetched, samples, startup, elapsed, rate, worker_cpu, stopped_early, loading_cpu)
 
 
 def tune_loader(
@@ -439,11 +437,8 @@ def oversubscription(
     threads = max(1, cores - math.ceil(busy))
     if workers == 0 or intra_op_threads + busy <= 1.1 * cores or threads >= intra_op_threads:
         return None  # within 10% of the cores, or nothing left to lower
-    return (
-        f"oversubscription: torch runs {intra_op_threads} intra-op threads for the model and the {workers} loader"
-        f" workers keep ~{busy:.1f} cores busy, {intra_op_threads + busy:.1f} > {cores} usable cores; call"
-        f" torch.set_num_threads({threads}) so neither stalls the other."
-    )
+    wanted = f"{intra_op_threads} intra-op threads for the model and the {workers} loader workers keep ~{busy:.1f} cores busy"
+    return f"oversubscription: torch runs {wanted}, {intra_op_threads + busy:.1f} > {cores} usable cores; call torch.set_num_threads({threads}) so neither stalls the other."
 
 
 def _sample_size(sample: object) -> int:
@@ -484,7 +479,7 @@ def largest_samples_first(
     try:
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
-        return None
+        length = 0
     if length < 2 or type(dataset) is TensorDataset:
         return None
     indices = list(range(length))

@@ -68,8 +68,7 @@ def storage_bytes(*objects: Any, granularity: int = 1) -> int:
 
 
 def is_real_host_call(flat: list) -> bool:
-    """Whether an op call, given as the :func:`leaves` of its ``(args, kwargs)``, runs on real host tensors
-    (nothing fake, meta or elsewhere)."""
+    """Whether an op call (the :func:`leaves` of its ``(args, kwargs)``) runs on real host tensors only."""
     for leaf in flat:
         device = leaf.device if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.device) else None
         if isinstance(leaf, FakeTensor) or (device is not None and device.type != "cpu"):
@@ -81,13 +80,12 @@ _Meter = TypeVar("_Meter", bound="SpanMeter")
 _MAX_TEMPLATES = 50_000  # learned peaks, shared by the process; cleared when they pass this
 _templates: dict[Any, int] = {}
 _lock = threading.Lock()
-_VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type, leaf.requires_grad)
-    return leaf if isinstance(leaf, _VALUES) else type(leaf).__name__
+    return leaf if isinstance(leaf, _ATOMS) else type(leaf).__name__
 
 
 def _peak_from(records: list) -> int:
@@ -244,11 +242,9 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         # while the op ran it held its outputs and its workspace, at least the allocator's peak inside it
         needed = max(sum(entry[2] for entry in new) + workspace, inside)
         if self.max_bytes is not None and needed and self.live_bytes + needed > self.max_bytes:
-            where = "any device" if self.device is None else str(self.device)
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory (simulated by {type(self).__name__} on {where}): {func} tried to allocate "
-                f"{needed} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
-            )
+            where = f"simulated by {type(self).__name__} on {'any device' if self.device is None else self.device}"
+            asked = f"{func} tried to allocate {needed} bytes with {self.live_bytes} bytes live and a cap of {self.max_bytes} bytes."
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({where}): {asked}")
         if self.live_bytes + needed > self.peak_bytes:
             self.peak_bytes = self.live_bytes + needed
             self._surplus = {key: more for key, more in self._surplus.items() if key in self._live}

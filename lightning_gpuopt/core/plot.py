@@ -37,15 +37,12 @@ class PlotUnavailableError(ImportError):
 
 
 def _new_figure(axes: Any = None, width: float = 8.0, height: float = 4.5) -> tuple[Figure, Any]:
-    """``axes``' figure and ``axes``; without ``axes``, a new one-plot figure on an Agg canvas (not pyplot: no
-    global backend switched, no figure kept alive)."""
+    """``(axes.figure, axes)``, or a new one-plot figure on an Agg canvas (not pyplot's: no global state)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:
-        raise PlotUnavailableError(
-            "Drawing the gpuopt report needs matplotlib: `pip install lightning-gpuopt[plot]`"
-            f" (or `pip install matplotlib`). ({error})"
-        ) from None
+        needs = "Drawing the gpuopt report needs matplotlib: `pip install lightning-gpuopt[plot]` (or `pip install matplotlib`)."
+        raise PlotUnavailableError(f"{needs} ({error})") from None
     if axes is not None:
         return axes.figure, axes
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -112,9 +109,8 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
         measured = estimate.measured_peak_bytes / _MIB
         axes.scatter([estimate.batch_size], [measured], color="#9467bd", marker="D", zorder=4, label=label)
     if search.budget_bytes:
-        axes.axhline(
-            search.budget_bytes / _MIB, color="#ff7f0e", label=f"budget ({search.budget_bytes / _MIB:,.1f} MiB)"
-        )
+        budget = search.budget_bytes / _MIB
+        axes.axhline(budget, color="#ff7f0e", label=f"budget ({budget:,.1f} MiB)")
     if estimate is not None and estimate.capacity_bytes:
         capacity = estimate.capacity_bytes / _MIB
         axes.axhline(capacity, color="#000000", linewidth=0.8, label=f"memory limit ({capacity:,.1f} MiB)")

@@ -24,8 +24,7 @@ Location = Union[Path, str]
 
 
 class FilesystemUnavailableError(ImportError):
-    """The URL's protocol has no usable fsspec filesystem here (its package is not installed, or fsspec
-    knows no such protocol); the message names the URL and what to install."""
+    """No fsspec filesystem for the URL's protocol (unknown, or its package missing); the message says what to do."""
 
     def __init__(self, url: str, protocol: str, package: Optional[str], reason: str) -> None:
         self.url, self.protocol, self.package, self.reason = url, protocol, package, reason
@@ -67,8 +66,7 @@ def parent_location(location: Location) -> Location:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path in it)`` for ``url``; :class:`FilesystemUnavailableError` when the
-    protocol's package is not installed or the protocol is unknown."""
+    """``(fsspec filesystem, path in it)`` for ``url``, else :class:`FilesystemUnavailableError`."""
     from fsspec.core import url_to_fs
     from fsspec.registry import known_implementations
     from fsspec.utils import get_protocol

@@ -99,9 +99,8 @@ class WorkspaceRecorder(TorchDispatchMode):
         inputs = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         outputs = _new_storage_bytes(_tensors(out), inputs)
         extra = max(0, (peak or 0) - sum(outputs))
-        surplus = tuple(
-            max(0, real - fake) for real, fake in zip(outputs, _meta_output_bytes(func, args, kwargs, outputs))
-        )
+        fakes = _meta_output_bytes(func, args, kwargs, outputs)
+        surplus = tuple(max(0, real - fake) for real, fake in zip(outputs, fakes))
         self.calls.append(ProbedCall(_signature(func, inputs), extra, surplus, _input_bytes(inputs)))
         return out
 

@@ -126,11 +126,8 @@ class OomRecovery:
         def hand_over(grad_output: torch.Tensor) -> list:
             self._handed = True  # the gradients go to the parameters: what runs out of memory now is the step
             if self._zeroed_expected and not self._zeroed_seen:
-                not_zeroed = (
-                    "Lightning did not zero the gradients on the first batch of an accumulation group as expected"
-                )
-                why = "so the gradients set aside cannot be combined correctly; use on_oom='raise'."
-                raise RuntimeError(f"MemoryFill(on_oom='adapt'): {not_zeroed}, {why}")
+                not_zeroed = "Lightning did not zero the gradients on the first batch of an accumulation group as expected, so the gradients set aside cannot be combined correctly; use on_oom='raise'."
+                raise RuntimeError(f"MemoryFill(on_oom='adapt'): {not_zeroed}")
             factor = grad_output / expected
             return [None if grad is None else grad.mul_(factor.to(grad.dtype)) for grad in grads]
 
@@ -201,8 +198,7 @@ class OomRecovery:
         return total, output
 
     def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
-        """``(rank, phase, attempted, elements)`` of every rank whose try ran out of memory (one
-        all-gather under DDP: every rank gets the same list)."""
+        """``(rank, phase, attempted, elements)`` of each rank whose try ran out of memory (the same on every rank)."""
         mine = (_PHASES.index(phase) + 1 if phase is not None else 0, attempted or 0, elements)
         if self.trainer.world_size <= 1:
             return [(0, str(phase), mine[1], mine[2])] if mine[0] else []

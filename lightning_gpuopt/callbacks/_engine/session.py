@@ -86,10 +86,7 @@ class FitSession:
     @classmethod
     def of(cls, trainer: Any) -> FitSession:
         """The trainer's session, opened on first use (in ``setup``, before ``configure_optimizers`` runs)."""
-        session = cls._open.get(trainer)
-        if session is None:
-            session = cls._open[trainer] = cls(trainer)
-        return session
+        return cls._open.get(trainer) or cls._open.setdefault(trainer, cls(trainer))
 
     @classmethod
     def close(cls, trainer: Any) -> None:
@@ -120,8 +117,11 @@ class FitSession:
         """Every sample's size, largest first (``None`` when all are alike or the dataset is not sized),
         and whether the dataset is a sized map-style one (looked at once per fit)."""
         if self._sizes is None:
-            dataset = getattr(self.probe_loader(), "dataset", None)
-            sized = _sized(dataset) and not isinstance(dataset, IterableDataset)
+            dataset: Any = getattr(self.probe_loader(), "dataset", None)
+            try:
+                sized = len(dataset) > 0 and not isinstance(dataset, IterableDataset)
+            except TypeError:
+                sized = False
             with rng_kept():
                 self._sizes = (largest_samples_first(dataset) if sized else None, sized)
         return self._sizes
@@ -141,8 +141,7 @@ class FitSession:
         return compat.built_train_loader(trainer) if compat.train_loader_built(trainer) else None
 
     def samples_per_rank(self) -> Optional[int]:
-        """Samples each rank's loader draws in an epoch (its sampler's length under Lightning's distributed
-        sampler), if known; a collective under DDP."""
+        """Samples each rank's loader draws in an epoch (its sampler's length), if known; a collective under DDP."""
         try:
             loader = self.processed_loader(self.loader)
             sampler = getattr(loader, "sampler", None)
@@ -196,10 +195,3 @@ class FitSession:
         if stop is None or not same_rng_states(now, stop):
             compat.set_rng_states(now)  # something drew between configure_optimizers and us: keep the present
         return changed
-
-
-def _sized(dataset: Any) -> bool:
-    try:
-        return len(dataset) > 0
-    except TypeError:
-        return False

@@ -92,9 +92,8 @@ class Undo:
         failed = self._unwind(keep_lasting)
         if failed:
             names, (_, error) = ", ".join(change.description for change, _ in failed), failed[0]
-            raise RuntimeError(
-                f"{owner}: could not undo the change of {names} at teardown: {type(error).__name__}: {error}"
-            ) from error
+            message = f"{owner}: could not undo the change of {names} at teardown: {type(error).__name__}: {error}"
+            raise RuntimeError(message) from error
 
     def _unwind(self, keep_lasting: bool) -> list[tuple[Change, BaseException]]:
         failed: list[tuple[Change, BaseException]] = []
