@@ -44,9 +44,7 @@ _SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1",
 def checked_setting(value: Any) -> Union[str, bool, list]:
     """``"auto"``, ``True``, ``False`` or a non-empty list of module classes / class names / module names
     (one name alone becomes a list of one), else a ``ValueError`` naming the value."""
-    works = (
-        "'auto', True, False or a list of module classes / class names / module names, e.g. ['TransformerEncoderLayer']"
-    )
+    works = "must be 'auto', True, False or a list of module classes / class names / module names, e.g. ['TransformerEncoderLayer']"
     if isinstance(value, bool) or value == "auto":
         return value
     if isinstance(value, str) and value.strip() and value.strip().lower() not in _SWITCH_WORDS:
@@ -54,7 +52,7 @@ def checked_setting(value: Any) -> Union[str, bool, list]:
     switch = " (a str, not a switch: write True or False without quotes)" if isinstance(value, str) else ""
     is_list = isinstance(value, (list, tuple)) and len(value) > 0
     if switch or not is_list or not all(isinstance(v, type) or (isinstance(v, str) and v.strip()) for v in value):
-        raise ValueError(f"`activation_checkpointing` must be {works}, got {value!r}{switch}.")
+        raise ValueError(f"`activation_checkpointing` {works}, got {value!r}{switch}.")
     return list(value)
 
 
@@ -160,14 +158,11 @@ class Checkpointing:
         self._refuse(refused, kept)
 
     def _problems(
-        self,
-        session: FitSession,
-        groups: list[CheckpointedBlocks],
-        switched_on: Optional[list[CheckpointedBlocks]] = None,
+        self, session: FitSession, groups: list[CheckpointedBlocks], enabled: Optional[list[CheckpointedBlocks]] = None
     ) -> list[Optional[str]]:
-        """For each group, why a step with it alone differs from a plain step (``None``: it does not)."""
+        """Per group, why a step with it alone of ``enabled`` on differs from a plain step (``None``: it does not)."""
         trainer, module = session.trainer, self.module
-        switched_on = groups if switched_on is None else switched_on
+        enabled = groups if enabled is None else enabled
         state = TrainingState(trainer)  # weights, grads, RNG states and attributes are put back
         try:
             try:
@@ -180,7 +175,7 @@ class Checkpointing:
                 problems, context = [], trainer.precision_plugin.train_step_context
                 for group in groups:
                     with contextlib.ExitStack() as others:
-                        for other in switched_on:
+                        for other in enabled:
                             if other is not group:
                                 others.enter_context(other.paused())
                         problem = check_recomputation(module, loss_function(module), batch, group, step_context=context)

@@ -56,9 +56,9 @@ def check_bool(name: str, value: Any, example: str, allow_none: bool = False) ->
     if value is None and allow_none:
         return None
     if not isinstance(value, bool):
-        got = f"{value!r} (a {type(value).__name__})"
+        none = " (or None)" if allow_none else ""
         raise ValueError(
-            f"`{name}` must be True or False{' (or None)' if allow_none else ''}, got {got}; e.g. {example}."
+            f"`{name}` must be True or False{none}, got {value!r} (a {type(value).__name__}); e.g. {example}."
         )
     return value
 

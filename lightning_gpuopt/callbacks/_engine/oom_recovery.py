@@ -219,10 +219,9 @@ class OomRecovery:
             step=step, attempted=attempted, elements=elements, reason=reason, batch_idx=index
         )
         self.plan.oom_adaptations.append(adaptation)
-        rank_zero_warn(
-            f"MemoryFill(on_oom='adapt'): out of memory at step {step} (batch {index}, {elements} elements per sample):"
-            f" micro-batch {attempted} → {adaptation.new_micro_batch_size}, the batch is trained again ({reason})."
-        )
+        at = f"at step {step} (batch {index}, {elements} elements per sample)"
+        smaller = f"micro-batch {attempted} → {adaptation.new_micro_batch_size}, the batch is trained again ({reason})"
+        rank_zero_warn(f"MemoryFill(on_oom='adapt'): out of memory {at}: {smaller}.")
         count, micro = float(len(self.plan.oom_adaptations)), float(adaptation.new_micro_batch_size)
         log_metrics(self.trainer, {"gpuopt/oom_adaptations": count, "gpuopt/oom_micro_batch_size": micro})
 
