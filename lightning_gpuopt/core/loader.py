@@ -142,9 +142,8 @@ def cgroup_cpu_quota() -> Optional[float]:
 
 
 def usable_cpu_count(within_quota: bool = True) -> int:
-    """CPU cores this process may keep busy: its affinity (not ``os.cpu_count()``), at most the cgroup quota
-    rounded up (``docker run --cpus=1`` on 16 cores: 1). Unlike Lightning's ``suggested_max_num_workers``
-    it heeds the quota and keeps the main process's core (the tuner times it)."""
+    """CPU cores this process may keep busy: its affinity (not ``os.cpu_count()``), at most the cgroup quota rounded up
+    (``--cpus=1`` on 16 cores: 1); unlike Lightning's ``suggested_max_num_workers``, the main process's core counts."""
     getter = getattr(os, "sched_getaffinity", None)
     affinity = len(getter(0)) if getter is not None else (os.cpu_count() or 1)
     quota = cgroup_cpu_quota() if within_quota else None
@@ -160,9 +159,8 @@ def _child_pids() -> Optional[set[int]]:
 
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
-    """(seconds on a CPU, seconds waiting in a run queue) summed over ``schedstat`` files (Linux), else
-    None. Not psutil: it has no run-queue wait, which is taken out so a busy machine does not make a
-    CPU-bound loader look I/O-bound."""
+    """(seconds on a CPU, seconds waiting in a run queue) summed over ``schedstat`` files (Linux), else None. Not
+    psutil, which has no run-queue wait: taken out, a busy machine does not make a CPU-bound loader look I/O-bound."""
     on_cpu = waiting = 0
     try:
         for path in paths:
@@ -283,11 +281,10 @@ def tune_loader(
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
     consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTuneResult:
-    """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one:
-    ``batches`` per candidate, none started past ``max_seconds``, at most ``max_workers`` (default
-    ``IO_BOUND_WORKERS_PER_CORE`` x ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all;
-    ``baseline`` (the user's setting) timed first; ``on_timed`` called with each timing; ``consume`` (the
-    training step) run on each batch."""
+    """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one: ``batches``
+    per candidate, none started past ``max_seconds``, at most ``max_workers`` (default ``IO_BOUND_WORKERS_PER_CORE`` x
+    ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all; ``baseline`` (the user's setting) timed
+    first; ``on_timed`` called with each timing; ``consume`` (the training step) run on each batch."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []

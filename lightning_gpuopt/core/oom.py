@@ -79,9 +79,8 @@ def sample_elements(batch: Any, batch_size: int) -> int:
 
 
 def split_batch(batch: Any, size: int, *, batch_size: int) -> list[tuple[Any, float]]:
-    """``batch`` cut into micro-batches of at most ``size`` samples along dimension 0 (views; containers
-    rebuilt; 0-dim tensors and other leaves shared), each with its weight ``samples / batch_size``. A tensor with another
-    first dimension raises :class:`BatchSplitError`."""
+    """``batch`` cut into micro-batches of at most ``size`` samples along dimension 0, each weighted by its share of
+    ``batch_size`` (views; containers rebuilt; 0-dim tensors, other leaves shared; other lengths: BatchSplitError)."""
     if size < 1 or batch_size < 1:
         raise ValueError(f"size={size} and batch_size={batch_size} must be >= 1")
     bounds = [(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]

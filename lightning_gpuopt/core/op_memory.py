@@ -102,9 +102,8 @@ def _peak_from(records: list) -> int:
 
 
 def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[int]]:
-    """``func``'s output and the peak its kernel allocated, learned once per key (``None``: unknown and another
-    profiler runs); ``flat``: the :func:`leaves` of ``(args, kwargs)``. The key: the op, the intra-op threads
-    (oneDNN picks kernels by them) and its arguments' metadata."""
+    """``func``'s output and the peak its kernel allocated (``None``: unknown while another profiler runs), learned once
+    per op, intra-op threads (oneDNN's kernels follow them) and argument metadata; ``flat``: :func:`leaves` of it."""
     key = (func, torch.get_num_threads(), *map(_leaf_key, flat))
     known = _templates.get(key)
     if known is not None or compat.profiler_running():
@@ -157,10 +156,9 @@ class SpanMeter:
 
 
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
-    """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from
-    the op that made them, or the start for ``existing``, until they die, plus ``baseline_bytes``.
-    With ``workspaces``, a real host op also counts the peak its kernel allocates while it runs. An op
-    whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError`` ("CUDA out of memory")."""
+    """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from the op that made
+    them, or the start for ``existing``, until they die, plus ``baseline_bytes``. With ``workspaces``, a real host op
+    also counts the peak its kernel allocates; an op whose new bytes would pass ``max_bytes`` raises an OOM error."""
 
     peak_bytes: int
 

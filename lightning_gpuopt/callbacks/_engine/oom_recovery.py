@@ -38,10 +38,9 @@ OnOom = Literal["adapt", "raise"]
 
 
 class _HandGradients(torch.autograd.Function):
-    """Returns the loss value; its backward gives the parameters the gradients ``hand_over(grad_output)``
-    returns: those the wrapped step computed, times the incoming gradient over the one they were computed
-    for (exactly 1 when Lightning backwards the value as it does: divided by the accumulation, scaled by
-    the AMP scaler)."""
+    """Returns the loss value; its backward gives the parameters the gradients ``hand_over(grad_output)`` returns: those
+    the wrapped step computed, times the incoming gradient over the one they were computed for (exactly 1 when Lightning
+    backwards the value as it does: divided by the accumulation, scaled by the AMP scaler)."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, hand_over: Callable[[Any], list], *params: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,8 @@ from lightning_gpuopt.core.loader import ProbedSizes, largest_samples_first
 
 
 def rebuild_loader(loader: DataLoader, sampler: Any = None, **arguments: Any) -> DataLoader:
-    """A copy of ``loader`` (same dataset, collate_fn, ...) with other arguments (``batch_size``,
-    ``num_workers``, ...) and, when given, another ``sampler``; re-created the way Lightning re-creates
-    a loader (from the arguments it recorded when the user's hook built it)."""
+    """A copy of ``loader`` with other arguments (``batch_size``, ``num_workers``, ...) and, when given, ``sampler``,
+    re-created as Lightning re-creates a loader (from the arguments it recorded when the user's hook built it)."""
     args, kwargs = compat.dataloader_init_args_and_kwargs(loader, loader.sampler if sampler is None else sampler)
     positional = compat.saved_arg_names(loader)
     values = list(args)
@@ -127,9 +126,8 @@ class FitSession:
         return self._sizes
 
     def processed_loader(self, make: Callable[[], Any]) -> Any:
-        """The loader ``make()`` returns, set up by the fit loop as training's (the distributed sampler
-        injected, the fetcher started): a collective under DDP, call it on every rank. The fit loop
-        holds it until :func:`~lightning_gpuopt.callbacks._lightning_compat.reset_train_loader`."""
+        """The loader ``make()`` returns, set up by the fit loop as training's (sampler injected, fetcher started) and
+        held by it until ``_lightning_compat.reset_train_loader``: a collective under DDP, call it on every rank."""
         trainer = self.trainer
         self.probe_loader()  # before the source is swapped: it may ask the user's
         with Undo().scope() as undo, rng_kept():
@@ -158,10 +156,9 @@ class FitSession:
         accumulate_grad_batches: Optional[int] = None,
         rebuild: Optional[Callable[[DataLoader], Any]] = None,
     ) -> bool:
-        """Set what our callbacks decided, registered in ``undo``, and build again what depends on it as a
-        run by hand builds it (see the module docstring). ``batch_size``: ``(batch_arg_name, size, lasting)``;
-        ``rebuild``: applied to the loader training builds (e.g. worker settings). Returns whether
-        ``configure_optimizers()`` ran again."""
+        """Set what our callbacks decided, registered in ``undo``, and build again what depends on it as a run by hand
+        builds it (see the module docstring). ``batch_size``: ``(batch_arg_name, size, lasting)``; ``rebuild``: applied
+        to the loader training builds (e.g. worker settings). Returns whether ``configure_optimizers()`` ran again."""
         trainer, module = self.trainer, self.trainer.lightning_module
         now = rng_states()
         changed = False
