@@ -72,7 +72,7 @@ def save_report_plots(trainer: Trainer, report_path: Location) -> list[Location]
 
 
 def _log_pngs(logger: Any, paths: list[Location], step: int) -> None:
-    """Each PNG as ``gpuopt/NAME``: TensorBoard's ``add_image``, or W&B's ``log_image`` (a path, or the pixels)."""
+    """Each PNG as ``gpuopt/NAME``: TensorBoard's ``add_image``, or ``log_image`` (W&B's: a local path, else pixels)."""
     tensorboard = isinstance(logger, compat.any_namespace("loggers", "TensorBoardLogger"))
     if not tensorboard and not callable(getattr(logger, "log_image", None)):
         return

@@ -145,8 +145,8 @@ class DataLoaderTuner(Callback):
         cores = max(1, usable_cpu_count() // (trainer.num_devices if trainer.world_size > 1 else 1))
         reloads = cast(Any, trainer).reload_dataloaders_every_n_epochs  # set by Lightning, not declared on Trainer
         persistent = self.persistent_workers and not (on_gpu and reloads > 0)
-        kept = (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
-        baseline = LoaderSetting(*kept)
+        yours = (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory)
+        baseline = LoaderSetting(*yours)
         seen: list[LoaderSetting] = []  # every timing's setting, in order: the contenders are timed again
         with (
             _training_step(trainer, loader) as step,

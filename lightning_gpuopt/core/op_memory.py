@@ -158,7 +158,7 @@ class SpanMeter:
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from the op that made
     them, or the start for ``existing``, until they die, plus ``baseline_bytes``. With ``workspaces``, a real host op
-    also counts the peak its kernel allocates; an op whose new bytes would pass ``max_bytes`` raises an OOM error."""
+    also counts its kernel's peak; an op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``."""
 
     peak_bytes: int
 

@@ -156,8 +156,7 @@ def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[st
     console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
     console.print(table)
     text = console.file.getvalue().rstrip()  # type: ignore[attr-defined]
-    wrapped = [textwrap.fill(note, width, subsequent_indent="    ") for note in notes]
-    return "\n".join([text, *wrapped])
+    return "\n".join([text, *(textwrap.fill(note, width, subsequent_indent="    ") for note in notes)])
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -145,8 +145,7 @@ class OomRecovery:
         while True:
             error = attempted = phase = None
             if not done:
-                limit = self.limits.limit_for(elements)
-                attempted = min(limit or size, size)
+                attempted = min(self.limits.limit_for(elements) or size, size)
                 for param in params:
                     param.grad = None
                 try:

@@ -74,8 +74,7 @@ class FitSession:
         self._lightnings: Optional[tuple[dict, dict]] = None
         self._sizes: Optional[tuple[Optional[ProbedSizes], bool]] = None
         self._configure_rng: list[Optional[dict[str, Any]]] = [None, None]
-        module = trainer.lightning_module
-        action = f"{compat.MODULE_ACTION}{type(module).__name__}.configure_optimizers"
+        action = f"{compat.MODULE_ACTION}{type(trainer.lightning_module).__name__}.configure_optimizers"
         self._tap = _profiler_tap.install(
             trainer,
             {action: lambda *_: self._configure_rng.__setitem__(1, rng_states())},
