@@ -87,7 +87,7 @@ class Checkpointing:
             blocks = find_repeated_blocks(self.module) if spec is True else select_blocks(self.module, spec)
             if not blocks:
                 raise MisconfigurationException(_no_blocks_message(self.module))
-            self._switch_on(blocks, f"activation_checkpointing={self.setting!r}")
+            self.switch_on(f"activation_checkpointing={self.setting!r}", blocks)
         elif not find_repeated_blocks(self.module):
             reason = f"no repeated blocks to checkpoint in {type(self.module).__name__} (pass activation_checkpointing=[classes] to choose some)"
             if objective == "memory":
@@ -96,13 +96,11 @@ class Checkpointing:
             self.reasons.append(reason)
             self._tried = True
         elif objective == "memory":
-            self._switch_on(find_repeated_blocks(self.module), "objective='memory': the smallest footprint")
+            self.switch_on("objective='memory': the smallest footprint")
 
-    def switch_on(self, reason: str) -> None:
-        """``"auto"``: the repeated blocks on, to be checked (:meth:`check`) before anything trains."""
-        self._switch_on(find_repeated_blocks(self.module), reason)
-
-    def _switch_on(self, blocks: list, reason: str) -> None:
+    def switch_on(self, reason: str, blocks: Optional[list] = None) -> None:
+        """``blocks`` (default: the repeated ones) on, to be checked (:meth:`check`) before anything trains."""
+        blocks = find_repeated_blocks(self.module) if blocks is None else blocks
         self._tried, self._reason = True, reason
         native = [] if isinstance(self.setting, list) else native_checkpointing_owners(self.module)
         groups: list[tuple[CheckpointedBlocks, list]] = []
