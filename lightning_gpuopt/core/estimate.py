@@ -240,8 +240,9 @@ class StepEstimator:
         )
 
     def trace(self, batch_size: int | None = None) -> MemoryEstimate:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces, as an estimate
-        (its peak; what is live at its end); with accumulation the second adds to the first one's gradients."""
+        """A step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and optimizer
+        state (zeros, stepped: its passes peak no higher; a manual step runs twice), with the learned workspaces, as
+        an estimate (its peak; what is live at its end); with accumulation it adds to the first one's gradients."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -254,7 +255,10 @@ class StepEstimator:
                 WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
-                _run_step(step, fake_batch, optimizers, zero_grads=params)
+                if step.manual_step is None:  # a first step's gradients and optimizer state, without its passes
+                    _stepped_on_zeros([p for p in params if p.requires_grad], optimizers)
+                else:
+                    _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
                 _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
                 sized = functools.partial(storage_bytes, granularity=granularity)
@@ -355,6 +359,14 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
     for param in zero_grads:
         param.grad = None
     loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+def _stepped_on_zeros(params: list, optimizers: list) -> None:
+    """Gradients of zeros, and the optimizers' steps on them: the state a first step leaves."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
     for optimizer in optimizers:
         optimizer.step()
 

@@ -492,3 +492,15 @@ def test_a_line_too_flat_at_the_batch_is_redrawn_near_the_limit_then_checked_wit
     refined = estimator.refined(estimate)
     assert estimate.max_batch_size == 1337 and refined.max_batch_size == 526
     assert traced == [1337, 668, 526]  # the line fails at 1,337, is re-drawn, and holds at 526
+
+
+def test_a_trace_runs_one_forward_pass_after_a_first_steps_state_of_zeros():
+    model, optimizer, batch, loss_fn, real_step = steady_state_step("transformer", 8)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    step = TrainingStep(model, batch, loss_fn, optimizers=[optimizer], batch_size=8)
+    traced = StepEstimator(step, workspaces=False).trace(16)  # no real probe step on the host
+    assert len(forwards) == 1  # the first step's passes are left out: its gradients and Adam's state are zeros
+    assert traced.grads_bytes == storage_bytes([p for p in model.parameters() if p.requires_grad])
+    real_step()  # the state a real first step leaves
+    assert traced.optimizer_bytes == storage_bytes(optimizer) > 0
