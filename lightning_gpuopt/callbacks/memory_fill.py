@@ -345,10 +345,6 @@ class MemoryFill(Callback):
         assert self.search is not None and self.search.result is not None and self._request is not None
         micro, accumulate, largest = decision.micro_batch_size, decision.accumulate_grad_batches, decision.largest_fit
         blocks = self._blocks.on if self._blocks is not None else None
-        started = time.perf_counter()
-        predicted = _predicted_peak(trainer, micro, accumulate) if self.predict_peak else None
-        if self.predict_peak:
-            self._seconds["peak trace"] = time.perf_counter() - started
         plan = MemoryFillPlan(
             precision=str(trainer.precision),
             checkpointing=blocks is not None,
@@ -364,7 +360,7 @@ class MemoryFill(Callback):
             initial_accumulate_grad_batches=self._initial["accumulate"],
             largest_fit=largest,
             budget_bytes=self.search.result.budget_bytes,
-            predicted_peak_bytes=predicted,
+            predicted_peak_bytes=_predicted_peak(trainer, micro, accumulate) if self.predict_peak else None,
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
             on_oom=self.on_oom,

@@ -1,6 +1,6 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
+:class:`StepEstimator` traces a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
 (no memory used, nothing changed): the line ``fixed_bytes + bytes_per_sample * b``, with host kernels'
 workspaces learned from one small real step (:mod:`.workspace`). An untraceable step gets torchinfo's
 figures plus parameters, gradients and optimizer state by rule.
@@ -255,8 +255,11 @@ class StepEstimator:
                 WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
-                if step.manual_step is None:  # a first step's gradients and optimizer state, without its passes
-                    _stepped_on_zeros([p for p in params if p.requires_grad], optimizers)
+                if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes
+                    for param in params:
+                        param.grad = torch.zeros_like(param) if param.requires_grad else None
+                    for optimizer in optimizers:
+                        optimizer.step()
                 else:
                     _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
@@ -359,14 +362,6 @@ def _run_step(step: TrainingStep, batch: Any, optimizers: list, zero_grads: Sequ
     for param in zero_grads:
         param.grad = None
     loss.backward()
-    for optimizer in optimizers:
-        optimizer.step()
-
-
-def _stepped_on_zeros(params: list, optimizers: list) -> None:
-    """Gradients of zeros, and the optimizers' steps on them: the state a first step leaves."""
-    for param in params:
-        param.grad = torch.zeros_like(param)
     for optimizer in optimizers:
         optimizer.step()
 
