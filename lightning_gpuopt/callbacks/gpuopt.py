@@ -36,13 +36,10 @@ from lightning_gpuopt.core.fill import MemoryFillPlan
 from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.report import batch_search_table, data_wait_table, loader_tune_table, render_table
 from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import check_keys, load_preset_with_sources
+from lightning_gpuopt.presets import PRESET_KEYS, check_keys, load_preset_with_sources
 
-_FILL_KEYS = (
-    "global_batch_size", "precision", "activation_checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
-    "objective", "batch_arg_name", "on_oom", "scale_lr",
-)  # fmt: skip
 _SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
+_FILL_KEYS = tuple(key for key in PRESET_KEYS if key not in (*_SWITCHES, "loader_max_seconds"))  # MemoryFill's
 
 
 @dataclass

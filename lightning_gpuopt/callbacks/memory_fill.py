@@ -150,7 +150,7 @@ class MemoryFill(Callback):
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
         self._prediction: Optional[tuple] = None  # the estimate of the step as the next search runs it
-        self._seconds = {"estimate": 0.0, "trials": 0.0}  # what the plan's phases took
+        self._estimate_seconds = 0.0  # the plan's estimates took
         self._written = False  # the report section
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
@@ -289,10 +289,9 @@ class MemoryFill(Callback):
         self._correct_short_groups = decision.accumulate_grad_batches > 1 and request.fixed_accumulation is None
         self.plan = self._make_plan(trainer, decision)
         if self.progress and trainer.is_global_zero:
-            phases = ", ".join(
-                f"{name} {format_seconds(seconds)}" for name, seconds in self._seconds.items() if seconds
-            )
-            rank_zero_info(f"MemoryFill: planned in {format_seconds(self.plan.seconds)} ({phases})")
+            spent, estimates = self.plan.seconds, self._estimate_seconds
+            phases = f"estimate {format_seconds(estimates)}, trials and the rest {format_seconds(spent - estimates)}"
+            rank_zero_info(f"MemoryFill: planned in {format_seconds(spent)} ({phases})")
         return self.plan
 
     def _largest_fit(self, trainer: pl.Trainer, upper: int, accumulating: bool) -> Optional[int]:
@@ -303,25 +302,23 @@ class MemoryFill(Callback):
         prediction: tuple = (None, None, []) if accumulating else self._predicted(trainer)
         if accumulating:  # up to the largest fit without accumulation: the search starts there
             trainer.accumulate_grad_batches = 2
-        timer = time.perf_counter()
         try:
             return self.search.search(trainer, 1, max(1, upper), prediction, start).batch_size
         except NoBatchSizeFitsError:
             return None
         finally:
             trainer.accumulate_grad_batches = previous
-            self._seconds["trials"] += time.perf_counter() - timer
 
     def _predicted(self, trainer: pl.Trainer) -> tuple:
-        """This rank's estimate of the step as planned so far: ``(largest micro-batch, bytes per sample, notes)``,
-        traced once per plan step and shared by the checkpointing decision and the search's start."""
+        """This rank's ``(largest micro-batch, bytes per sample, notes)`` for the step as planned so far (traced once:
+        the checkpointing decision and the search's start share it)."""
         if self._prediction is None:
             assert self.search is not None
             budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
             with Trials(FitSession.of(trainer), self.search.steps_per_trial, self.batch_arg_name) as trials:
                 self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
             seconds = time.perf_counter() - started
-            self._seconds["estimate"] += seconds
+            self._estimate_seconds += seconds
             if self.progress and trainer.is_global_zero:
                 rank_zero_info(
                     f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of "

@@ -142,7 +142,7 @@ def test_fill_memory_shows_each_phase_of_its_added_time_as_a_line(tmp_path, tria
         f"BatchSizeSearch trial {n}/10" for n in range(1, trials + 1)
     ]
     assert re.fullmatch(
-        r"MemoryFill: planned in [\d.]+ m?s \(estimate [\d.]+ m?s, trials [\d.]+ m?s\)", ours[trials + 1]
+        r"MemoryFill: planned in [\d.]+ m?s \(estimate [\d.]+ m?s, trials and the rest [\d.]+ m?s\)", ours[trials + 1]
     )
     assert ours[trials + 2].startswith(f"MemoryEstimator: step traced at batch {plan.micro_batch_size} (")
     assert len(ours) == trials + 3
