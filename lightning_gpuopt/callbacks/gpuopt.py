@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import FitSession, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import OnOom
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, save_report_plots, write_report_section
+from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -36,13 +36,10 @@ from lightning_gpuopt.core.fill import MemoryFillPlan
 from lightning_gpuopt.core.loader import LoaderTuneResult
 from lightning_gpuopt.core.report import batch_search_table, data_wait_table, loader_tune_table, render_table
 from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import check_keys, load_preset_with_sources
+from lightning_gpuopt.presets import PRESET_KEYS, check_keys, load_preset_with_sources
 
-_FILL_KEYS = (
-    "global_batch_size", "precision", "activation_checkpointing", "accumulation", "max_memory", "margin", "min_micro_batch_size",
-    "objective", "batch_arg_name", "on_oom", "scale_lr",
-)  # fmt: skip
 _SWITCHES = ("monitor", "estimate", "tune_loader", "fill_memory")
+_FILL_KEYS = tuple(key for key in PRESET_KEYS if key not in (*_SWITCHES, "loader_max_seconds"))  # MemoryFill's
 
 
 @dataclass
@@ -205,8 +202,6 @@ class GpuOpt(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:
             part.on_fit_end(trainer, pl_module)
-        if self.fill is not None and self.fill.plan is not None and not self.fill.predict_peak:
-            self.fill._write_report(trainer)  # with the predicted peak of the first batch
         self.report = self._combined_report()
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
@@ -236,10 +231,10 @@ class GpuOpt(Callback):
             rank_zero_info(
                 f"MemoryEstimator: step traced at batch {estimate.batch_size} ({estimate.trace_seconds or 0:.1f} s)"
             )
-        plan = self.fill.plan if self.fill else None
-        if plan and plan.predicted_peak_bytes is None and estimate.method == "traced":
-            plan.predicted_peak_bytes = estimate.predicted_peak_bytes
-            log_metrics(trainer, {"gpuopt/fill_predicted_peak_bytes": float(plan.predicted_peak_bytes)})
+        if self.fill is not None and self.fill.plan is not None and not self.fill.predict_peak:
+            self.fill.use_predicted_peak(
+                trainer, estimate.predicted_peak_bytes if estimate.method == "traced" else None
+            )
 
     on_before_zero_grad = _to_parts("on_before_zero_grad")
     on_before_optimizer_step = _to_parts("on_before_optimizer_step")

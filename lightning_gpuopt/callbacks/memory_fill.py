@@ -138,7 +138,8 @@ class MemoryFill(Callback):
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
-        self.predict_peak = True  #: trace the step at the plan (GpuOpt: its MemoryEstimator's trace gives the peak)
+        #: trace the planned step for its peak; ``False``: the caller hands it in (:meth:`use_predicted_peak`)
+        self.predict_peak = True
         self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
@@ -149,6 +150,8 @@ class MemoryFill(Callback):
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
         self._prediction: Optional[tuple] = None  # the estimate of the step as the next search runs it
+        self._estimate_seconds = 0.0  # the plan's estimates took
+        self._written = False  # the report section
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
@@ -269,7 +272,9 @@ class MemoryFill(Callback):
             return blocks.on is not None
 
         if blocks.may_switch_on and request.objective == "throughput":
-            predicted = self._predicted_largest(trainer, search)
+            mine = self._predicted(trainer)[0]
+            known = [int(row[0]) for row in gather_ranks(trainer, [-1 if mine is None else mine]) if row[0] >= 0]
+            predicted = min(known) if known else None  # the tightest rank's
             if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
                 ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
                 checkpoint(
@@ -283,15 +288,20 @@ class MemoryFill(Callback):
         self._reasons.extend(decision.reasons)
         self._correct_short_groups = decision.accumulate_grad_batches > 1 and request.fixed_accumulation is None
         self.plan = self._make_plan(trainer, decision)
+        if self.progress and trainer.is_global_zero:
+            spent, estimates = self.plan.seconds, self._estimate_seconds
+            phases = f"estimate {format_seconds(estimates)}, trials and the rest {format_seconds(spent - estimates)}"
+            rank_zero_info(f"MemoryFill: planned in {format_seconds(spent)} ({phases})")
         return self.plan
 
     def _largest_fit(self, trainer: pl.Trainer, upper: int, accumulating: bool) -> Optional[int]:
         """The search's largest micro-batch up to ``upper``; ``accumulating``: with the earlier micro-batches'
         gradients alive through the next backward, as training keeps them (2 micro-batches: the peak of any)."""
         assert self.search is not None
-        previous, prediction, start = trainer.accumulate_grad_batches, self._prediction, None
+        previous, start = trainer.accumulate_grad_batches, upper if accumulating else None
+        prediction: tuple = (None, None, []) if accumulating else self._predicted(trainer)
         if accumulating:  # up to the largest fit without accumulation: the search starts there
-            trainer.accumulate_grad_batches, prediction, start = 2, (None, None, []), upper
+            trainer.accumulate_grad_batches = 2
         try:
             return self.search.search(trainer, 1, max(1, upper), prediction, start).batch_size
         except NoBatchSizeFitsError:
@@ -299,18 +309,22 @@ class MemoryFill(Callback):
         finally:
             trainer.accumulate_grad_batches = previous
 
-    def _predicted_largest(self, trainer: pl.Trainer, search: BatchSizeSearch) -> Optional[int]:
-        """The calibrated estimate's largest micro-batch, the smallest over the ranks (``None``: not traced)."""
-        budget, started = search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
-        with Trials(FitSession.of(trainer), search.steps_per_trial, self.batch_arg_name) as trials:
-            self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
-        predicted, seconds = self._prediction[0], format_seconds(time.perf_counter() - started)
-        if self.progress and trainer.is_global_zero:
-            rank_zero_info(
-                f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of {predicted} ({seconds})"
-            )
-        known = [int(row[0]) for row in gather_ranks(trainer, [-1 if predicted is None else predicted]) if row[0] >= 0]
-        return min(known) if known else None
+    def _predicted(self, trainer: pl.Trainer) -> tuple:
+        """This rank's ``(largest micro-batch, bytes per sample, notes)`` for the step as planned so far (traced once:
+        the checkpointing decision and the search's start share it)."""
+        if self._prediction is None:
+            assert self.search is not None
+            budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
+            with Trials(FitSession.of(trainer), self.search.steps_per_trial, self.batch_arg_name) as trials:
+                self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
+            seconds = time.perf_counter() - started
+            self._estimate_seconds += seconds
+            if self.progress and trainer.is_global_zero:
+                rank_zero_info(
+                    f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of "
+                    f"{self._prediction[0]} ({format_seconds(seconds)})"
+                )
+        return self._prediction
 
     def _nothing_fits_message(self, missed: NoFit) -> str:
         levers = ", ".join(self._reasons) or "none"
@@ -414,6 +428,10 @@ class MemoryFill(Callback):
         self._close(trainer)
         self._undo.after_failure("MemoryFill")
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan is not None and not self._written:  # the peak handed in never came: no batch was trained
+            self._write_report(trainer)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
         if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
@@ -432,10 +450,21 @@ class MemoryFill(Callback):
         self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
         if self.verbose and trainer.is_global_zero:
             rank_zero_info(plan_table(self.plan))
+        if self.predict_peak:  # else once the peak is handed in
+            self._write_report(trainer)
+
+    def use_predicted_peak(self, trainer: pl.Trainer, peak_bytes: Optional[int]) -> None:
+        """With :attr:`predict_peak` off: the planned step's peak, predicted elsewhere (GpuOpt: its
+        MemoryEstimator's trace of the first batch; ``None``: not traced), logged and written with the plan."""
+        assert self.plan is not None
+        self.plan.predicted_peak_bytes = peak_bytes
+        if peak_bytes is not None:
+            log_metrics(trainer, {"gpuopt/fill_predicted_peak_bytes": float(peak_bytes)})
         self._write_report(trainer)
 
     def _write_report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None
+        self._written = True
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
@@ -465,7 +494,8 @@ def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optiona
     """The estimate's peak at the planned micro-batch and accumulation, with every lever in place."""
     try:
         with Trials(FitSession.of(trainer), 1, "batch_size") as trials:
-            estimate = StepEstimator(training_step(trials, trial_batch(trials, micro), accumulate)).estimate()
+            step = training_step(trials, trial_batch(trials, micro), accumulate)
+            estimate = StepEstimator(step).estimate(line=False)  # one trace: the peak, no line
         return estimate.predicted_peak_bytes if estimate.method == "traced" else None
     except Exception:  # noqa: BLE001 - a prediction is optional here
         return None

@@ -1,6 +1,6 @@
 """Peak memory of a training step, predicted before it runs, and the largest batch that fits.
 
-:class:`StepEstimator` traces two steps of a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
+:class:`StepEstimator` traces a :class:`TrainingStep` on fake tensors at ``B`` and ``2B``
 (no memory used, nothing changed): the line ``fixed_bytes + bytes_per_sample * b``, with host kernels'
 workspaces learned from one small real step (:mod:`.workspace`). An untraceable step gets torchinfo's
 figures plus parameters, gradients and optimizer state by rule.
@@ -148,8 +148,9 @@ class StepEstimator:
         self.step, self._learns_workspaces = step, workspaces
         self.card = device_for(_module_device(step.module) if step.device is None else torch.device(step.device))
 
-    def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
-        """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
+    def estimate(self, capacity_bytes: int | None = None, line: bool = True) -> MemoryEstimate:
+        """The peak at the step's batch size and (``line``: a second trace at twice it) the line to the largest
+        batch for ``capacity_bytes``."""
         step, notes, summary = self.step, [], None
         if step.forward_input is not None:
             try:
@@ -161,7 +162,7 @@ class StepEstimator:
                 notes.append(f"no torchinfo summary ({why}); parameters by child: {', '.join(children) or 'none'}")
         untraced = list(step.untraced)
         try:
-            estimate = self._traced()
+            estimate = self._traced(line)
             if self.card.is_cuda and (cublas := self.card.capabilities.cublas_workspace_bytes):  # forward's, autograd's
                 untraced.insert(0, ("the cuBLAS workspaces of two threads (kept by the caching allocator)", 2 * cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
@@ -194,9 +195,10 @@ class StepEstimator:
         return estimate
 
     def refined(self, estimate: MemoryEstimate, passes: int = 2) -> MemoryEstimate:
-        """``estimate`` with its line re-traced at half the largest batch and the largest batch, up to
-        ``passes`` times, until the answer stops moving (the line through ``B`` and ``2B`` can be too
-        flat: at small batches the optimizer step can set the peak). The peak at ``B`` stays as traced.
+        """``estimate`` with its line checked by a trace at the largest batch it gives: kept where that peak gives
+        the same largest batch, else re-drawn through a second trace at half of it, up to ``passes`` times, until the
+        answer stops moving (the line through ``B`` and ``2B`` can be too flat: at small batches the optimizer step
+        can set the peak). The peak at ``B`` stays as traced.
 
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
         >>> estimator = StepEstimator(TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
@@ -208,20 +210,24 @@ class StepEstimator:
         first = predicted = estimate.max_batch_size
         if estimate.method != "traced" or not self.step.batch_size or not predicted:
             return estimate
-        fixed, per_sample, seconds = None, None, 0.0
+        capacity, untraced, seconds = estimate.capacity_bytes, estimate.untraced_bytes, estimate.trace_seconds or 0.0
+        fixed, per_sample = estimate.fixed_bytes, estimate.bytes_per_sample
         for _ in range(passes):
-            if predicted < 4:
+            if predicted < 4 or per_sample is None:
                 break
-            half, full = self.trace(predicted // 2), self.trace(predicted)
-            seconds += (half.trace_seconds or 0.0) + (full.trace_seconds or 0.0)
+            full = self.trace(predicted)
+            seconds += full.trace_seconds or 0.0
+            at_limit = full.predicted_peak_bytes + untraced
+            if _max_batch_size_for(capacity, at_limit - per_sample * predicted, per_sample) == predicted:
+                break  # the line holds at the limit
+            half = self.trace(predicted // 2)
+            seconds += half.trace_seconds or 0.0
             per_sample = (full.predicted_peak_bytes - half.predicted_peak_bytes) / (predicted - predicted // 2)
-            fixed = full.predicted_peak_bytes + estimate.untraced_bytes - per_sample * predicted
-            refined = _max_batch_size_for(estimate.capacity_bytes, fixed, per_sample)
+            fixed = at_limit - per_sample * predicted
+            refined = _max_batch_size_for(capacity, fixed, per_sample)
             if refined is None or refined == predicted:
                 break
             predicted = refined
-        if fixed is None:
-            return estimate
         b = self.step.batch_size
         note = f"the line was re-traced near the limit (the line through batch sizes {b} and {2 * b} gave {first:,})"
         return replace(
@@ -229,13 +235,14 @@ class StepEstimator:
             fixed_bytes=fixed,
             bytes_per_sample=per_sample,
             max_batch_size=predicted,
-            trace_seconds=(estimate.trace_seconds or 0.0) + seconds,
+            trace_seconds=seconds,
             notes=[*estimate.notes, note] if predicted != first else estimate.notes,
         )
 
     def trace(self, batch_size: int | None = None) -> MemoryEstimate:
-        """Two steps at ``batch_size`` (default: the step's) on fake tensors, with the learned workspaces, as an estimate
-        (its peak; what is live at its end); with accumulation the second adds to the first one's gradients."""
+        """A step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and optimizer
+        state (zeros, stepped: its passes peak no higher; a manual step runs twice), with the learned workspaces, as
+        an estimate (its peak; what is live at its end); with accumulation it adds to the first one's gradients."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -248,7 +255,13 @@ class StepEstimator:
                 WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
-                _run_step(step, fake_batch, optimizers, zero_grads=params)
+                if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes
+                    for param in params:
+                        param.grad = torch.zeros_like(param) if param.requires_grad else None
+                    for optimizer in optimizers:
+                        optimizer.step()
+                else:
+                    _run_step(step, fake_batch, optimizers, zero_grads=params)
                 tracker.next_step()
                 _run_step(step, fake_batch, optimizers, zero_grads=params if step.accumulate_grad_batches <= 1 else [])
                 sized = functools.partial(storage_bytes, granularity=granularity)
@@ -280,11 +293,11 @@ class StepEstimator:
             return WorkspaceProfile(batch_size=size, seconds=time.perf_counter() - start, failure=_first_line(error))
         return WorkspaceProfile(tuple(recorder.calls), size, time.perf_counter() - start)
 
-    def _traced(self) -> MemoryEstimate:
+    def _traced(self, line: bool) -> MemoryEstimate:
         step, profile, at_batch = self.step, self.workspaces, self.trace()
         seconds = (at_batch.trace_seconds or 0.0) + (0.0 if profile is None else profile.seconds)
         fixed = per_sample = None  # without a batch size: no line
-        if step.batch_size:
+        if step.batch_size and line:
             at_double = self.trace(2 * step.batch_size)
             seconds += at_double.trace_seconds or 0.0
             per_sample = (at_double.predicted_peak_bytes - at_batch.predicted_peak_bytes) / step.batch_size

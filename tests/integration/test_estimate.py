@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import doctest
 import logging
+import math
 from pathlib import Path
 
 import lightning as L
@@ -459,3 +460,47 @@ def test_bad_constructor_arguments_fail_early(kwargs, argument):
 def test_module_examples_run():
     assert doctest.testmod(estimate_module).failed == 0
     assert doctest.testmod(workspace_module).failed == 0
+
+
+def counted_traces(estimator: StepEstimator) -> list[int]:
+    """The batch sizes ``estimator`` traces from now on, in order."""
+    traced, trace = [], estimator.trace
+    estimator.trace = lambda batch_size=None: traced.append(batch_size) or trace(batch_size)  # type: ignore[method-assign]
+    return traced
+
+
+def test_a_line_that_holds_at_its_limit_costs_one_trace_and_gives_the_redrawn_lines_answer():
+    model, optimizer, batch, loss_fn, _ = steady_state_step("cnn", 8)
+    estimator = StepEstimator(TrainingStep(model, batch, loss_fn, optimizers=[optimizer], batch_size=8))
+    estimate = estimator.estimate(capacity_bytes=4 * estimator.estimate().predicted_peak_bytes)
+    predicted, traced = estimate.max_batch_size, counted_traces(estimator)
+    refined = estimator.refined(estimate)
+    assert traced == [predicted] and refined.max_batch_size == predicted and refined.notes == estimate.notes
+    half, full = estimator.trace(predicted // 2), estimator.trace(predicted)  # the line re-drawn near the limit
+    per_sample = (full.predicted_peak_bytes - half.predicted_peak_bytes) / (predicted - predicted // 2)
+    fixed = full.predicted_peak_bytes + estimate.untraced_bytes - per_sample * predicted
+    assert math.floor((estimate.capacity_bytes - fixed) / per_sample) == predicted
+
+
+def test_a_line_too_flat_at_the_batch_is_redrawn_near_the_limit_then_checked_with_one_trace():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    step = TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
+                        optimizers=[torch.optim.Adam(model.parameters())])  # fmt: skip
+    estimator = StepEstimator(step)
+    estimate = estimator.estimate(capacity_bytes=4 * 10**6)  # the optimizer step sets the peak at 4 and 8
+    traced = counted_traces(estimator)
+    refined = estimator.refined(estimate)
+    assert estimate.max_batch_size == 1337 and refined.max_batch_size == 526
+    assert traced == [1337, 668, 526]  # the line fails at 1,337, is re-drawn, and holds at 526
+
+
+def test_a_trace_runs_one_forward_pass_after_a_first_steps_state_of_zeros():
+    model, optimizer, batch, loss_fn, real_step = steady_state_step("transformer", 8)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    step = TrainingStep(model, batch, loss_fn, optimizers=[optimizer], batch_size=8)
+    traced = StepEstimator(step, workspaces=False).trace(16)  # no real probe step on the host
+    assert len(forwards) == 1  # the first step's passes are left out: its gradients and Adam's state are zeros
+    assert traced.grads_bytes == storage_bytes([p for p in model.parameters() if p.requires_grad])
+    real_step()  # the state a real first step leaves
+    assert traced.optimizer_bytes == storage_bytes(optimizer) > 0

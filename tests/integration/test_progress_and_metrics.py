@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -122,6 +123,29 @@ def test_each_loader_candidate_is_reported_and_gpuopt_shows_progress_of_its_quie
     before = len(candidate_lines.lines)
     make_trainer(tmp_path, [quiet]).fit(MLP(), DataLoader(SlowDataset(2048, delay_s=0.0002), batch_size=32))
     assert quiet.result.candidates and len(candidate_lines.lines) == before
+
+
+def test_fill_memory_shows_each_phase_of_its_added_time_as_a_line(tmp_path, trial_lines):
+    lines = Lines("")
+    logging.getLogger().addHandler(lines)
+    gpuopt = GpuOpt("fill-memory", max_memory=BUDGET, monitor=False)
+    make_trainer(tmp_path, [gpuopt]).fit(make_model("mlp", num_samples=4096, batch_size=16))
+    logging.getLogger().removeHandler(lines)
+    ours = [line for line in lines.lines if line.startswith(("MemoryFill", "BatchSizeSearch", "MemoryEstimator"))]
+    trials, plan = len(gpuopt.report.batch_size_search.trials), gpuopt.report.memory_fill
+    predicted = gpuopt.report.batch_size_search.predicted_batch_size
+    # the estimate before the trials, each trial, the plan's time by phase, the trace of the first batch
+    assert ours[0].startswith(
+        f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of {predicted} ("
+    )
+    assert [line.split(":")[0] for line in ours[1 : trials + 1]] == [
+        f"BatchSizeSearch trial {n}/10" for n in range(1, trials + 1)
+    ]
+    assert re.fullmatch(
+        r"MemoryFill: planned in [\d.]+ m?s \(estimate [\d.]+ m?s, trials and the rest [\d.]+ m?s\)", ours[trials + 1]
+    )
+    assert ours[trials + 2].startswith(f"MemoryEstimator: step traced at batch {plan.micro_batch_size} (")
+    assert len(ours) == trials + 3
 
 
 # ------------------------------------------------------------------ metrics for EarlyStopping / ModelCheckpoint
