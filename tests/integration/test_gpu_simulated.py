@@ -9,6 +9,7 @@ on a fresh simulated card of the same size, without running out of memory.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -425,7 +426,7 @@ def test_a_trial_after_a_failed_larger_one_measures_what_a_fresh_card_does(tmp_p
         return [(t.batch_size, t.fits, t.peak_bytes) for t in search.result.trials]
 
     searched = trials(1, 4096, max_trials=5)  # the first trial fits (3/4 of the estimate), then larger ones miss
-    after_a_miss = next(t for earlier, t in zip(searched, searched[1:]) if not earlier[1] and t[1])
+    after_a_miss = next(t for earlier, t in itertools.pairwise(searched) if not earlier[1] and t[1])
     assert trials(after_a_miss[0], after_a_miss[0], max_trials=1) == [after_a_miss]
 
 
