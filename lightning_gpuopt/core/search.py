@@ -11,7 +11,7 @@ Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` th
 5. **stops** once the largest fit + ``multiple_of`` missed, or a miss is within ``tolerance`` of the largest
    fit (BatchSizeSearch: 1/64), at the upper bound, or after ``max_trials``;
 6. **confirms** the answer (``confirm``; BatchSizeSearch: twice the steps at the edge of the card): one that
-   does not hold is a miss, the size below it is confirmed at once, and the search goes on.
+   does not hold is a miss, the size below it is confirmed at once, and the search goes on with confirmations.
 
 The answer was tested and fitted, never extrapolated. **Headroom** is in batch terms (BatchSizeSearch's
 ``margin="auto"``: ``h = 1/32``): ``b`` fits only if its peak plus ``h * b`` samples at the measured bytes per
@@ -228,7 +228,7 @@ def search_largest_fit(
     state, trials, confirmed = _State(tolerance=tolerance), list[Trial](), set[int]()
     first = _clamp(round_down(start, multiple_of), lo, hi)
     size: Optional[int] = first
-    reason, line_prediction, holds = "", None, confirm or (lambda _: True)
+    reason, line_prediction, holds, refuted = "", None, confirm or (lambda _: True), False
     while (size is not None and len(trials) < max_trials) or (confirm and state.best not in (None, *confirmed)):
         started, reported = time.perf_counter(), len(trials)
         if size is None or len(trials) >= max_trials:  # the answer, confirmed before it is given
@@ -238,12 +238,14 @@ def search_largest_fit(
             trials.append(Trial(answer, False, None, time.perf_counter() - started))
             state.miss = answer
             state.best = max((t.batch_size for t in trials if t.fits and t.batch_size < answer), default=None)
-            if (state.best or 0) < (below := answer - multiple_of) >= lo:  # the limit is near: the next size down, long
+            if not refuted and (state.best or 0) < (below := answer - multiple_of) >= lo:  # the next size down
                 confirmed.add(below)
                 trials.append(Trial(below, holds(below), None, time.perf_counter() - started))
                 state.best, state.miss = (below, answer) if trials[-1].fits else (state.best, below)
+            refuted = True  # short trials do not decide here: every later trial is a confirmation
         else:
-            fitted, peak = fits(size)
+            fitted, peak = (holds(size), None) if refuted else fits(size)
+            confirmed.update([size] if refuted else [])
             padded = None if peak is None else int(peak + headroom * size * (bytes_per_sample or peak / size))
             fitted = bool(fitted) and (not headroom or padded is None or padded <= budget_bytes)
             trials.append(Trial(size, fitted, None if peak is None else int(peak), time.perf_counter() - started))

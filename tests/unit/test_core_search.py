@@ -333,6 +333,7 @@ def test_an_answer_that_does_not_hold_counts_as_a_miss_and_the_search_goes_on_be
         (49, True),
     ]
     assert search(max_trials=2).batch_size == 49  # past max_trials too, the answer is confirmed
-    holds[0] = 45  # the next size down does not hold either: the search goes on, each answer confirmed
+    holds[0] = 45  # the next size down does not hold either: the search goes on with confirmations only
     result = search(max_trials=20)
-    assert result.batch_size == 45 and confirmed[-1] == 45 and 50 in confirmed
+    after = [trial.batch_size for trial in result.trials[4:]]
+    assert result.batch_size == 45 and confirmed[:2] == [50, 49] and confirmed[2:] == after and 46 in after
