@@ -2,9 +2,12 @@
 
 In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
 (:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
-:func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps
-each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`), until a size at
-most 1/64 above the largest fit did not fit (below 64: the next size up). A trial fits
+:func:`lightning_gpuopt.core.search.search_largest_fit` picks, from 3/4 of the prediction (the estimate counts
+allocated bytes, not the allocator's fragmentation: it predicted 3% to 190% above the limit on all 8 rows of
+``benchmarks/search_vs_lightning.py``; a first trial that fits calibrates the line): ``steps_per_trial`` real
+training steps each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`),
+until a size at most 1/64 above the largest fit did not fit (below 64: the next size up); an answer whose
+trial left the card all but full is confirmed with twice the steps. A trial fits
 when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
 default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
 in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
@@ -18,7 +21,7 @@ every rank.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/batch_size`` (found and set), ``gpuopt/batch_search_trials``, ``gpuopt/batch_search_steps``
-(trials x ``steps_per_trial``), ``gpuopt/batch_search_seconds``, ``gpuopt/batch_search_peak_bytes``
+(the training batches the trials began), ``gpuopt/batch_search_seconds``, ``gpuopt/batch_search_peak_bytes``
 (the chosen size's trial, the largest over ranks), ``gpuopt/batch_search_budget_bytes`` (the cap of
 every trial, the tightest rank's) and ``gpuopt/batch_search_predicted`` (the estimate's largest batch,
 when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section.
@@ -253,17 +256,17 @@ class BatchSizeSearch(Callback):
             predicted, per_sample, notes = prediction or predicted_largest_fit(trials, initial, budget)
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
-            start = start or (predicted if predicted is not None else initial)
+            start = start or (int(predicted * 3 / 4) if predicted is not None else initial)  # see the module docstring
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
-            def fits(size: int) -> tuple[bool, Optional[int]]:  # the headroom is on allocated bytes, smooth in size
+            def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
                 firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
                 hooks = [
                     o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
                     for i, o in optimizers
                 ]
                 try:
-                    outcome = outcomes[size] = trials.run(size, budget, capacity)
+                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps)
                 finally:
                     any(hook.remove() for hook in hooks)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
@@ -272,6 +275,12 @@ class BatchSizeSearch(Callback):
                     replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome,
                     budget,
                     search_budget,
+                )
+
+            def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
+                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual
+                return (
+                    not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
                 )
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
@@ -286,6 +295,7 @@ class BatchSizeSearch(Callback):
                     bytes_per_sample=per_sample,
                     headroom=1 / 32 if self.margin == "auto" else 0.0,
                     tolerance=1 / 64,  # see the module docstring
+                    confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                 )
             size = result.batch_size
@@ -299,6 +309,7 @@ class BatchSizeSearch(Callback):
             predicted_batch_size=predicted,
             limit_bytes=capacity,
             steps_per_trial=self.steps_per_trial,
+            steps=trials.batches_run,
             world_size=trainer.world_size,
             seconds=time.perf_counter() - started,
             notes=[*notes, *([upper_note] if upper_note and result.stop_reason == "upper bound" else []), *fit_notes],
@@ -382,7 +393,7 @@ def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
     metrics = {
         "batch_size": result.batch_size or 0,
         "batch_search_trials": result.num_trials,
-        "batch_search_steps": result.num_trials * result.steps_per_trial,
+        "batch_search_steps": result.steps,
         "batch_search_seconds": result.seconds,
         "batch_search_budget_bytes": result.budget_bytes,
         "batch_search_peak_bytes": result.peak_bytes,

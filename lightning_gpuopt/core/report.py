@@ -261,7 +261,7 @@ def loader_tune_table(result: LoaderTuneResult, message: str = "") -> str:
 def batch_search_table(result: BatchSizeSearchResult, applied: bool = True) -> str:
     """The ``BatchSizeSearch`` result, a row per trial in order; ``applied``: its size was set (else MemoryFill's)."""
     predicted = "no estimate" if result.predicted_batch_size is None else f"{result.predicted_batch_size} (estimate)"
-    search = f"{len(result.trials)} trial(s) x {result.steps_per_trial} steps in {format_seconds(result.seconds)}"
+    search = f"{len(result.trials)} trial(s), {result.steps} steps in {format_seconds(result.seconds)}"
     kept = "the memory limit less margin" if result.budget_bytes < (result.limit_bytes or 0) else "the memory limit"
     trained = max((trial.batch_size for trial in result.trials if trial.fits), default=None)
     rows = [

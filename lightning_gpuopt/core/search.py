@@ -2,14 +2,16 @@
 
 Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that runs a real trial, and
 
-1. **probes** ``start`` (the estimate's predicted maximum);
+1. **probes** ``start`` (BatchSizeSearch: 3/4 of the estimate's predicted maximum);
 2. **extrapolates** while all fit, on the line ``peak(b) = a + s * b`` through the two largest fits (one
    fit: the estimate's slope, or through zero), at most ``max_growth`` times the largest fit;
 3. **interpolates** on that line inside the bracket (largest fit, smallest miss) once a size missed;
 4. **bisects** (or doubles, with no miss yet) when the line is flat or contradicts a trial, and for good
    once two of its guesses missed (one alone may be a convex peak's kink): the peaks then do not decide;
 5. **stops** once the largest fit + ``multiple_of`` missed, or a miss is within ``tolerance`` of the largest
-   fit (BatchSizeSearch: 1/64), at the upper bound, or after ``max_trials``.
+   fit (BatchSizeSearch: 1/64), at the upper bound, or after ``max_trials``;
+6. **confirms** the answer (``confirm``; BatchSizeSearch: twice the steps at the edge of the card): one that
+   does not hold is a miss, the size below it is confirmed at once, and the search goes on with confirmations.
 
 The answer was tested and fitted, never extrapolated. **Headroom** is in batch terms (BatchSizeSearch's
 ``margin="auto"``: ``h = 1/32``): ``b`` fits only if its peak plus ``h * b`` samples at the measured bytes per
@@ -75,6 +77,7 @@ class BatchSizeSearchResult:
     predicted_batch_size: Optional[int] = None
     limit_bytes: Optional[int] = None
     steps_per_trial: int = 0
+    steps: int = 0  #: the training batches the trials began (a trial that ran out of memory: fewer)
     world_size: int = 1
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -194,6 +197,7 @@ def search_largest_fit(
     max_growth: float = 4.0,
     headroom: float = 0.0,
     tolerance: float = 0.0,
+    confirm: Optional[Callable[[int], bool]] = None,
     on_trial: Optional[Callable[[Trial], None]] = None,
 ) -> BatchSizeSearchResult:
     """The largest batch size in ``[min_batch_size, max_batch_size]``, a multiple of ``multiple_of``, that
@@ -206,6 +210,8 @@ def search_largest_fit(
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
         headroom: a size fits only if ``headroom`` times it more samples would too (see the module docstring).
         tolerance: stop once the smallest miss is within ``tolerance`` times the largest fit of it (0: exact).
+        confirm: ``confirm(size)`` says whether the answer holds (e.g. more steps of a size at the edge of the
+            card); where it does not, that size counts as a miss and the search goes on below it.
         on_trial: called with each trial as it ends (progress reporting).
     """
     if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1 or not 0 <= tolerance < 1:
@@ -219,25 +225,38 @@ def search_largest_fit(
             f"no multiple of multiple_of={multiple_of} lies in [min_batch_size={min_batch_size}, "
             f"max_batch_size={max_batch_size}]; lower multiple_of or min_batch_size, or raise the upper bound"
         )
-    state, trials = _State(tolerance=tolerance), list[Trial]()
+    state, trials, confirmed = _State(tolerance=tolerance), list[Trial](), set[int]()
     first = _clamp(round_down(start, multiple_of), lo, hi)
     size: Optional[int] = first
-    reason, line_prediction = "", None
-    while size is not None and len(trials) < max_trials:
-        started = time.perf_counter()
-        fitted, peak = fits(size)
-        padded = None if peak is None else int(peak + headroom * size * (bytes_per_sample or peak / size))
-        fitted = bool(fitted) and (not headroom or padded is None or padded <= budget_bytes)
-        trials.append(Trial(size, fitted, None if peak is None else int(peak), time.perf_counter() - started))
-        if on_trial is not None:
-            on_trial(trials[-1])
-        if fitted:
-            state.best = size if state.best is None else max(state.best, size)
-            if padded is not None:
-                state.points.append((size, padded))
+    reason, line_prediction, holds, refuted = "", None, confirm or (lambda _: True), False
+    while (size is not None and len(trials) < max_trials) or (confirm and state.best not in (None, *confirmed)):
+        started, reported = time.perf_counter(), len(trials)
+        if size is None or len(trials) >= max_trials:  # the answer, confirmed before it is given
+            confirmed.add(answer := int(state.best or 0))
+            if holds(answer):
+                continue
+            trials.append(Trial(answer, False, None, time.perf_counter() - started))
+            state.miss = answer
+            state.best = max((t.batch_size for t in trials if t.fits and t.batch_size < answer), default=None)
+            if not refuted and (state.best or 0) < (below := answer - multiple_of) >= lo:  # the next size down
+                confirmed.add(below)
+                trials.append(Trial(below, holds(below), None, time.perf_counter() - started))
+                state.best, state.miss = (below, answer) if trials[-1].fits else (state.best, below)
+            refuted = True  # short trials do not decide here: every later trial is a confirmation
         else:
-            state.miss = size if state.miss is None else min(state.miss, size)
-            state.line_misses += line_prediction is not None and line_prediction >= size  # the line said it fits
+            fitted, peak = (holds(size), None) if refuted else fits(size)
+            confirmed.update([size] if refuted else [])
+            padded = None if peak is None else int(peak + headroom * size * (bytes_per_sample or peak / size))
+            fitted = bool(fitted) and (not headroom or padded is None or padded <= budget_bytes)
+            trials.append(Trial(size, fitted, None if peak is None else int(peak), time.perf_counter() - started))
+            if fitted:
+                state.best = size if state.best is None else max(state.best, size)
+                if padded is not None:
+                    state.points.append((size, padded))
+            else:
+                state.miss = size if state.miss is None else min(state.miss, size)
+                state.line_misses += line_prediction is not None and line_prediction >= size  # the line said it fits
+        any(on_trial(trial) for trial in trials[reported:] if on_trial)
         per_sample = bytes_per_sample and bytes_per_sample * (1 + headroom)
         size, reason, line_prediction = _next_guess(state, lo, hi, multiple_of, budget_bytes, per_sample, max_growth)
     return BatchSizeSearchResult(

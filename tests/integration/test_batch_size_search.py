@@ -233,6 +233,13 @@ def test_state_is_restored_bit_for_bit_and_loggers_see_no_trial(tmp_path):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
 
     model.configure_optimizers = configure_optimizers
+    original_step, steps = model.training_step, []  # calls on real tensors (the estimate's traces: fake ones)
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        steps.extend([] if hasattr(batch[0], "fake_mode") else [batch_idx])
+        return original_step(batch, batch_idx)
+
+    model.training_step = training_step
     before = StateBefore()
     after = StateAfter(before)
     searcher = BatchSizeSearch(max_memory=BUDGET)
@@ -248,7 +255,9 @@ def test_state_is_restored_bit_for_bit_and_loggers_see_no_trial(tmp_path):
     logged = [metrics for metrics, _ in logger.calls if "gpuopt/batch_size" in metrics]
     assert len(logged) == 1 and logged[0]["gpuopt/batch_size"] == searcher.result.batch_size
     assert logged[0]["gpuopt/batch_search_trials"] == len(searcher.result.trials)
-    assert logged[0]["gpuopt/batch_search_steps"] == 2 * len(searcher.result.trials)
+    # the steps the trials ran (one that ran out of memory: fewer), not trials x steps_per_trial: every call but
+    # the estimate's first trace (on the host's batch) and training's 2 steps
+    assert logged[0]["gpuopt/batch_search_steps"] == len(steps) - 1 - 2 == searcher.result.steps
     # no checkpoint of the search remains; the only one is training's own (enable_checkpointing=True)
     checkpoints = sorted(p.name for p in tmp_path.rglob("*.ckpt"))
     assert all(not name.startswith(".") and "scale_batch" not in name for name in checkpoints)

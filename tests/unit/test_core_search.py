@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 
@@ -306,3 +307,33 @@ def test_a_line_whose_guesses_keep_missing_is_dropped_for_bisection():
     result = search_largest_fit(fits, budget_bytes=40_000_000, start=2616, max_batch_size=8192, max_trials=10)
     check_wrong_model(result, fits, limit, 1)
     assert result.batch_size == limit == 3488, [(t.batch_size, t.fits) for t in result.trials]
+
+
+def test_an_answer_that_does_not_hold_counts_as_a_miss_and_the_search_goes_on_below_it():
+    # short trials fit up to 50; a longer run holds only up to ``holds`` (a GRU at the edge of its card)
+    confirmed: list[int] = []
+    holds = [49]
+
+    def confirm(batch_size: int) -> bool:
+        confirmed.append(batch_size)
+        return batch_size <= holds[0]
+
+    def search(**options: int) -> Any:
+        confirmed.clear()
+        fits = lambda b: (b <= 50, 1000 * b)  # noqa: E731
+        return search_largest_fit(fits, budget_bytes=10**9, start=40, max_batch_size=50, confirm=confirm, **options)
+
+    result = search()
+    assert result.batch_size == 49 and confirmed == [50, 49] and result.stop_reason == "bracketed"
+    # the refuted answer counts as a trial; the next size down is tried long at once
+    assert [(trial.batch_size, trial.fits) for trial in result.trials] == [
+        (40, True),
+        (50, True),
+        (50, False),
+        (49, True),
+    ]
+    assert search(max_trials=2).batch_size == 49  # past max_trials too, the answer is confirmed
+    holds[0] = 45  # the next size down does not hold either: the search goes on with confirmations only
+    result = search(max_trials=20)
+    after = [trial.batch_size for trial in result.trials[4:]]
+    assert result.batch_size == 45 and confirmed[:2] == [50, 49] and confirmed[2:] == after and 46 in after

@@ -6,9 +6,10 @@ epoch hooks do), and under DDP the bare module steps without collectives, so a r
 memory cannot strand the others. Each trial starts from :class:`TrainingState`, draws full batches of
 the largest samples from a copy of the user's loader, and runs ``steps_per_trial`` optimizer steps (more
 after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
-place). A trial that leaves less than one small-pool segment (2 MiB) of the cap unreserved runs as many steps
-again: such a size fits only if no later step needs a new segment (a GRU at the edge asked for one at its 4th
-step). Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
+place); :attr:`Trials.batches_run` counts the batches begun. A trial that leaves less than one small-pool
+segment (2 MiB) of the cap unreserved is ``at_edge``: such a size fits only if no later step needs a new
+segment (a GRU at the edge asked for one at its 4th step), so the search confirms its answer there with a
+trial of twice the steps. Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
 peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
 on every rank. ``torch.compile``d code runs eager in trials: no recompiles, dynamo's caches as by hand.
 """
@@ -40,14 +41,16 @@ MANUAL_TRIAL_BATCHES_AT_MOST = 8
 
 @dataclass
 class TrialOutcome:
-    """This rank's side of one trial: whether it fitted here, its peak, the cap it ran under (``None``:
-    the device's own memory), when it ran out of memory the error's message, and the peak of allocated bytes."""
+    """This rank's side of one trial: whether it fitted here, its peak, the cap it ran under (``None``: the
+    device's own memory), when it ran out of memory the error's message, the peak of allocated bytes, and
+    whether it ended with all but one small-pool segment of a card's cap reserved (see the module docstring)."""
 
     fitted: bool
     peak_bytes: Optional[int]
     cap_bytes: Optional[int]
     oom_message: Optional[str]
     allocated_bytes: Optional[int] = None
+    at_edge: bool = False
 
 
 def gather_ranks(trainer: Any, values: Sequence[float]) -> list[list[float]]:
@@ -70,7 +73,7 @@ class _TrialSteps(Callback):
             optimizer.register_step_post_hook(functools.partial(self._count, index))
             for index, optimizer in enumerate(optimizers)
         ]
-        self._complete = 0
+        self._complete = self.begun = 0  # batches complete (manual optimization), begun
         self._began_complete = False
         self._at_start: list[int] = []
         self._stepped_when_complete = [False] * len(optimizers)
@@ -79,6 +82,7 @@ class _TrialSteps(Callback):
         self.stepped[index] += 1
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.begun += 1
         self._began_complete, self._at_start = all(self.stepped), list(self.stepped)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -110,6 +114,7 @@ class Trials:
         self.module = self.trainer.lightning_module
         self.manual = not self.module.automatic_optimization
         self.state: Optional[TrainingState] = None
+        self.batches_run = 0  #: batches begun by every trial so far (a trial that ran out of memory: fewer)
         self._undo = Undo()
 
     def __enter__(self) -> Trials:
@@ -159,9 +164,12 @@ class Trials:
         length = max(len(dataset), batch_size * self.batches * self.trainer.world_size)
         return self.session.loader(TrialSampler(order, length), batch_size=batch_size)
 
-    def run(self, batch_size: int, budget_bytes: int, capacity_bytes: int, capped: bool = True) -> TrialOutcome:
-        """One trial at ``batch_size`` on this rank: fits when it ran without running out of memory and its
-        peak stayed within ``budget_bytes`` (``capped=False``: measured without a cap)."""
+    def run(
+        self, batch_size: int, budget_bytes: int, capacity_bytes: int, capped: bool = True, steps: Optional[int] = None
+    ) -> TrialOutcome:
+        """One trial at ``batch_size`` on this rank (``steps`` optimizer steps, by default ``steps_per_trial``): fits
+        when it ran without running out of memory and its peak stayed within ``budget_bytes`` (``capped=False``:
+        measured without a cap)."""
         trainer, module = self.trainer, self.module
         assert self.state is not None
         lightning_setattr(module, self.batch_arg_name, batch_size)  # as training will hold it
@@ -178,23 +186,23 @@ class Trials:
             meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
         else:
             meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
-        edge = capacity_bytes - CUDA_SMALL_SEGMENT_BYTES if card.is_cuda and capped else None
-        outcome = call_catching_oom(functools.partial(self._steps, card=card, edge_bytes=edge), meter)
+        outcome = call_catching_oom(functools.partial(self._steps, card, steps or self.steps_per_trial), meter)
         reserved = meter.peak_reserved_bytes if card.is_cuda else None
         peak = reserved if reserved is not None else meter.peak_bytes
         fitted = not outcome.out_of_memory and peak is not None and peak <= budget_bytes
         cap = (budget_bytes if not card.is_cuda else None) if capped else None
         allocated = None if meter.peak_bytes is None else int(meter.peak_bytes)
-        return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated)
+        edge = capped and (outcome.value or 0) > capacity_bytes - CUDA_SMALL_SEGMENT_BYTES  # reserved at the end
+        return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated, edge)
 
-    def _steps(self, meter: Any, card: Any, edge_bytes: Optional[int]) -> None:
-        """The trial's steps; after a skipped scaler step, more until ``steps_per_trial`` optimizer steps ran;
-        as many again where the card's reserved memory passed ``edge_bytes`` (see the module docstring)."""
+    def _steps(self, card: Any, wanted: int, meter: Any) -> int:
+        """``wanted`` steps (after a skipped scaler step, more until that many optimizer steps ran); the bytes
+        then reserved on a CUDA card."""
         trainer, epoch_loop = self.trainer, self.trainer.fit_loop.epoch_loop
-        steps = _TrialSteps(list(trainer.optimizers), self.steps_per_trial if self.manual else 0)
+        steps = _TrialSteps(list(trainer.optimizers), wanted if self.manual else 0)
         trainer.callbacks = [steps]
         fetcher = compat.data_fetcher(trainer)
-        epoch_loop.max_steps = -1 if self.manual else self.steps_per_trial  # an earlier trial may have run more
+        epoch_loop.max_steps = -1 if self.manual else wanted  # an earlier trial may have run more
 
         def run_on(more: int) -> None:  # the epoch goes on, ``more`` optimizer steps further
             epoch_loop.max_steps += more
@@ -205,12 +213,11 @@ class Trials:
             with meter:
                 self.module.on_train_epoch_start()
                 run_on(0)
-                wanted = self.steps_per_trial
                 while not self.manual and (steps.stepped or [wanted])[0] < wanted and epoch_loop.max_steps < 2 * wanted:
                     run_on(1)
-                if not self.manual and edge_bytes is not None and card.reserved_memory() > edge_bytes:
-                    run_on(wanted)
+                return card.reserved_memory() if card.is_cuda else 0
         finally:
+            self.batches_run += steps.begun
             steps.remove()
             trainer.callbacks = []
 
