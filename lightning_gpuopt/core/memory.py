@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for, release_memory
+from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, card_allocated_memory, device_for, release_memory
 from lightning_gpuopt.core.op_memory import LiveTensorTracker
 
 MIN_MAX_MEMORY_BYTES = 1024  #: the fewest bytes a callback's ``max_memory`` accepts (not ``max_memory=1``)
@@ -111,11 +111,12 @@ class CallOutcome:
 
 def call_catching_oom(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
     """Call ``fn``; report an OOM instead of raising it, with its memory freed (other errors propagate)."""
+    allocated_before = card_allocated_memory()
     try:
         return CallOutcome(value=fn(*args, **kwargs))
     except BaseException as exc:
         if not is_out_of_memory_error(exc):
             raise
         message = str(exc)
-    release_memory()
+    release_memory(allocated_before)
     return CallOutcome(out_of_memory=True, error_message=message)

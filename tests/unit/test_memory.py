@@ -312,5 +312,46 @@ def test_call_catching_oom_frees_the_failed_calls_tensors():
         call_catching_oom(lambda: {}["missing"])
 
 
+def _collected_generations(fn):
+    """The generations the garbage collector collected while ``fn`` ran (automatic collections included)."""
+    generations = []
+
+    def record(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(record)
+    return generations
+
+
+def test_a_failed_call_on_a_card_collects_every_generation_only_when_its_tensors_outlive_the_young_ones():
+    from lightning_gpuopt.testing import SimulatedGpu
+
+    seed = torch.ones(1 << 20)  # 4 MiB on the card once placed
+
+    def step(old_cycle):
+        activations = seed * 2
+        if old_cycle:  # a cycle holding the tensor, moved to the oldest generation before the step fails
+            holder = {"tensor": activations}
+            holder["self"] = holder
+            gc.collect()
+        seed.repeat(32)  # 128 MiB: past the card
+
+    with SimulatedGpu("H100", memory="64MiB") as gpu:
+        gpu.place(seed)
+        baseline = gpu.allocated_bytes
+        outcomes = []
+        young = _collected_generations(lambda: outcomes.append(call_catching_oom(step, False)))
+        assert outcomes[-1].out_of_memory and gpu.allocated_bytes == baseline
+        assert 2 not in young  # the failed step's own garbage is young: no full collection
+        old = _collected_generations(lambda: outcomes.append(call_catching_oom(step, True)))
+        assert outcomes[-1].out_of_memory and gpu.allocated_bytes == baseline  # freed by a full one
+        assert old.count(2) == 2  # the step's own, and the one its held tensor asked for
+
+
 def test_module_examples_run():
     assert doctest.testmod(memory, optionflags=doctest.ELLIPSIS).failed == 0
