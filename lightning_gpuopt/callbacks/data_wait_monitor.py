@@ -3,7 +3,10 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``.
+``gpuopt_report.json``. The fetch and the copy to the device are timed every step; ``training_step`` and the hooks
+(findings) in the first :data:`SAMPLE_EVERY` steps and a random one in as many after (``training_step`` scaled): in the
+others the profiler tap leaves the profiler's path from ``on_train_batch_start`` to ``on_train_batch_end`` (a save
+puts it back at once). This keeps the monitor's cost near 1% of a 2 ms step.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -27,8 +30,10 @@ Logged once, at the end of ``fit``, with ``find_patterns=True``:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+import random
 import time
 from dataclasses import astuple, replace
 from typing import Any, Optional, Sequence, cast
@@ -40,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLE_EVERY as SAMPLE_EVERY
 from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
     HostSyncProbe,
@@ -126,11 +132,13 @@ class DataWaitMonitor(Callback):
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
-        self._in_validation = False
-        self._validation_wrapper: Any = None
+        self._in_validation = self._sampled = self._pulls = False
+        self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[HookTimes] = []
+        self._every_step: list[Probe] = []  # the probes that hear every step's start and end; the others, at these:
+        self._probe_steps: set[int] = set()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -141,11 +149,16 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
+        self._every_step = [probe for probe in self._probes if probe.steps is None]  # the rest: at their steps
+        self._probe_steps = {step for probe in self._probes if probe.steps is not None for step in probe.steps}
+        rng = random.Random(0)
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
-            clock.add_fetch(seconds, cpu_seconds)
-            if self._tap is not None and self._action_probes:  # the step's hooks: timed when it is sampled
-                self._tap.quiet = self._action_probes[0].batch_fetched()
+            clock.add_fetch(seconds, cpu_seconds)  # the step's training_step and hooks: timed when it is sampled
+            self._sampled = clock.steps_seen < self.warmup_steps + SAMPLE_EVERY or rng.random() * SAMPLE_EVERY < 1
+            if self._tap is not None and self._action_probes:  # not reported to the probe until the next fetch
+                hooks = self._action_probes[0]
+                hooks.in_sample, self._tap.quiet = self._sampled, hooks.quiet_sampled if self._sampled else hooks.quiet
             if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
                 self._gpu.before_transfer()
 
@@ -162,10 +175,10 @@ class DataWaitMonitor(Callback):
         }
         self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        run = val_loop.run
+        run, save = val_loop.run, trainer.save_checkpoint
 
         def timed_run(*args: Any, **kwargs: Any) -> Any:  # whole validation runs in fit, loader start-up included
-            if trainer.sanity_checking or self._validation_wrapper is not timed_run:
+            if trainer.sanity_checking or self._wrappers.get((val_loop, "run")) is not timed_run:
                 return run(*args, **kwargs)
             self._in_validation = True
             started, saved_s = time.perf_counter(), clock.excluded_s["checkpoint"]
@@ -176,7 +189,13 @@ class DataWaitMonitor(Callback):
                 saved_s = clock.excluded_s["checkpoint"] - saved_s
                 clock.add_excluded("validation", time.perf_counter() - started - saved_s)
 
-        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
+        def save_in_path(*args: Any, **kwargs: Any) -> Any:  # a save in a step the tap left: the tap back in first
+            _profiler_tap.bypass(trainer, self._tap)
+            return save(*args, **kwargs)
+
+        for owner, name, wrapper in ((val_loop, "run", timed_run), (trainer, "save_checkpoint", save_in_path)):
+            setattr(owner, name, wrapper)  # on the instance; _restore deletes it
+            self._wrappers[owner, name] = wrapper
 
     def _on_action(self, action: str, seconds: float) -> None:
         self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
@@ -192,16 +211,17 @@ class DataWaitMonitor(Callback):
                 probe.stop()
                 self._probes = [other for other in self._probes if other is not probe]
                 self._action_probes = [other for other in self._action_probes if other is not probe]
+                self._every_step = [other for other in self._every_step if other is not probe]
                 rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
         self._tap = None
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if self._validation_wrapper is not None and vars(val_loop).get("run") is self._validation_wrapper:
-            del val_loop.run
-        self._validation_wrapper = None
+        for (owner, name), wrapper in self._wrappers.items():
+            if vars(owner).get(name) is wrapper:
+                delattr(owner, name)
+        self._wrappers = {}
         if self._sampler is not None:
             self._sampler.stop()
         for probe in self._probes:
@@ -238,19 +258,29 @@ class DataWaitMonitor(Callback):
             self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig and card.uuid else None)
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
+        self._pulls = "dataloader_iter" in inspect.signature(pl_module.training_step).parameters  # fetches in it
         self._call_probes("fit_start", trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
             self._clock.epoch_start()
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._clock is None:
+        clock = self._clock
+        if clock is None:
             return
-        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
-        start = self._clock.step_start()
+        step = clock.steps_seen
+        probes = self._probes if step in self._probe_steps else self._every_step
+        if probes:
+            self._call_probes("step_start", trainer, pl_module, batch, step, probes=probes)
+        start = clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
+        # nothing timed until on_train_batch_end in the other steps: the tap leaves the profiler's path
+        _profiler_tap.bypass(trainer, self._tap, out=not (self._sampled or self._pulls))
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -258,13 +288,16 @@ class DataWaitMonitor(Callback):
         clock = self._clock
         if clock is None:
             return
+        _profiler_tap.bypass(trainer, self._tap)
         step = clock.steps_seen
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
         samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
         clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, step)
+        probes = self._probes if step in self._probe_steps else self._every_step
+        if probes:
+            self._call_probes("step_end", trainer, pl_module, batch, step, probes=probes)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
