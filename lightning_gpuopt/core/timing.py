@@ -165,14 +165,14 @@ StepStart = collections.namedtuple("StepStart", ("measured", "clean_gap"))
 
 
 #: the per-step columns of :attr:`StepClock.series`: :class:`StepTotals` fields
-_COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s", "compute_s", "forward_s")
+_COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s", "compute_s")
 
 
 class StepClock:
     """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
     seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
-    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (or not: a measured
-    step without it counts the mean of those with it), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (perhaps in some
+    steps only: scaled to every measured step), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -233,12 +233,9 @@ class StepClock:
         if self._measuring_step and self._last_end is not None:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            forward_s = self._forward_s
-            if forward_s is None:  # not timed in this step: the mean of the measured steps it was timed in
-                forward_s = self._forwards[0] / max(1, self._forwards[1])
-            else:
-                self._forwards = [self._forwards[0] + forward_s, self._forwards[1] + 1]
-            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, self._transfer_s, compute_s, forward_s)
+            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, self._transfer_s, compute_s)
+            if self._forward_s is not None:
+                self._forwards = [self._forwards[0] + self._forward_s, self._forwards[1] + 1]
             self.series.add(self.steps_seen, row)
             self.measured_steps += 1
         self.steps_seen += 1
@@ -251,10 +248,9 @@ class StepClock:
         sums = dict(zip(_COLUMNS, self.series.sums()))
         sums |= {f"{kind}_s": self.excluded_s.get(kind, 0.0) for kind in ("validation", "checkpoint")}
         samples, started = round(sums.pop("samples")), self._train_started_at
-        train_s = self._clock() - started if started is not None else 0.0
-        return StepTotals(
-            self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), train_s=train_s, **sums
-        )
+        sums["train_s"] = self._clock() - started if started is not None else 0.0
+        sums["forward_s"] = self._forwards[0] * self.measured_steps / max(1, self._forwards[1])
+        return StepTotals(self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), **sums)
 
     def take_window(self) -> StepTotals:
         """The steps' sums since the previous call (for periodic logging)."""
@@ -266,7 +262,7 @@ class StepClock:
         """The measured steps binned; ``gpu_idle`` (:attr:`CudaStepTimer.idle_series`) is kept when it covers
         the same steps."""
         points = self.series.points()
-        _, wall, wait, _, transfer, compute, _ = [list(column) for column in zip(*points)] if points else [[]] * 7
+        _, wall, wait, _, transfer, compute = [list(column) for column in zip(*points)] if points else [[]] * 6
         idle = gpu_idle.points() if gpu_idle is not None and gpu_idle.steps == self.series.steps and points else None
         other = [max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)]
         idle_s = [point[0] for point in idle] if idle is not None else None
