@@ -34,10 +34,9 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-#: hooks Lightning calls every training step: timed (as is ``training_step``) in the first ``warmup_steps`` + this
-#: many steps and a random one in this many after (fetch to fetch), scaled by steps over sampled steps, exact in
-#: calls for a hook called the same times every step; other hooks (epoch, validation) are timed at every call.
-#: 16: the tap's cost in a sampled step (about 20% of a 2 ms step, every hook timed) is 1% or so of the run
+#: hooks Lightning calls every training step (and ``training_step``): timed in the first ``warmup_steps`` + this many
+#: steps and a random one in this many after (fetch to fetch), scaled by steps over sampled steps, exact in calls for
+#: a hook called the same times every step; other hooks (epoch, validation): every call. Cost: about 1/16 of 5-10%
 HOOK_SAMPLE_EVERY = 16
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
@@ -50,7 +49,6 @@ class HookTimes(Probe):
 
     #: actions not to report to this probe: in sampled steps; in the others (its per-step hooks too)
     quiet_sampled = quiet = _per_step = frozenset[str]()
-    steps = None
 
     def __init__(self) -> None:
         #: train start and end: the probe listens in between

@@ -52,9 +52,6 @@ class Probe:
     (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report
     (``HookTimes`` also hears of profiled actions)."""
 
-    #: steps whose ``step_start`` and ``step_end`` the probe needs (``None``: every step; it may hear others)
-    steps: Optional[frozenset[int]] = frozenset()
-
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
@@ -84,8 +81,6 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
     ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
-
-    steps = frozenset(_SAMPLED_STEPS)
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -165,8 +160,6 @@ def _graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 
 class KeptGraphProbe(Probe):
     """``graph-kept``: autograd graphs held by module attributes across steps."""
-
-    steps = None
 
     def __init__(self) -> None:
         self._steps: list[int] = []
@@ -285,8 +278,6 @@ class _HostReadCounter(TorchDispatchMode):
 
 class HostSyncProbe(Probe):
     """``host-sync``: reads from the card to the host inside the :data:`SYNC_STEPS` warm-up steps."""
-
-    steps = frozenset(SYNC_STEPS)
 
     def __init__(self) -> None:
         self._device: Optional[Device] = None

@@ -3,10 +3,9 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``. The fetch and the copy to the device are timed every step; ``training_step`` and the hooks
-(findings) in the first :data:`SAMPLE_EVERY` steps and a random one in as many after (``training_step`` scaled): in the
-others the profiler tap leaves the profiler's path from ``on_train_batch_start`` to ``on_train_batch_end`` (a save
-puts it back at once). This keeps the monitor's cost near 1% of a 2 ms step.
+``gpuopt_report.json``. The fetch and the copy to the device are timed every step, ``training_step`` and the hooks
+in the steps :data:`SAMPLE_EVERY` says (scaled): in the others the profiler tap leaves the profiler's path from
+``on_train_batch_start`` to ``on_train_batch_end`` (a save puts it back first).
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -137,8 +136,6 @@ class DataWaitMonitor(Callback):
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[HookTimes] = []
-        self._every_step: list[Probe] = []  # the probes that hear every step's start and end; the others, at these:
-        self._probe_steps: set[int] = set()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -149,8 +146,6 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        self._every_step = [probe for probe in self._probes if probe.steps is None]  # the rest: at their steps
-        self._probe_steps = {step for probe in self._probes if probe.steps is not None for step in probe.steps}
         rng = random.Random(0)
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
@@ -211,7 +206,6 @@ class DataWaitMonitor(Callback):
                 probe.stop()
                 self._probes = [other for other in self._probes if other is not probe]
                 self._action_probes = [other for other in self._action_probes if other is not probe]
-                self._every_step = [other for other in self._every_step if other is not probe]
                 rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
         return results
 
@@ -269,18 +263,13 @@ class DataWaitMonitor(Callback):
         _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        clock = self._clock
-        if clock is None:
+        if self._clock is None:
             return
-        step = clock.steps_seen
-        probes = self._probes if step in self._probe_steps else self._every_step
-        if probes:
-            self._call_probes("step_start", trainer, pl_module, batch, step, probes=probes)
-        start = clock.step_start()
+        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
+        start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
-        # nothing timed until on_train_batch_end in the other steps: the tap leaves the profiler's path
-        _profiler_tap.bypass(trainer, self._tap, out=not (self._sampled or self._pulls))
+        _profiler_tap.bypass(trainer, self._tap, out=not (self._sampled or self._pulls))  # back at the batch's end
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -295,9 +284,7 @@ class DataWaitMonitor(Callback):
         clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
-        probes = self._probes if step in self._probe_steps else self._every_step
-        if probes:
-            self._call_probes("step_end", trainer, pl_module, batch, step, probes=probes)
+        self._call_probes("step_end", trainer, pl_module, batch, step)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
