@@ -51,12 +51,10 @@ class HookTimes(Probe):
     quiet_sampled = quiet = _per_step = frozenset[str]()
 
     def __init__(self) -> None:
-        #: train start and end: the probe listens in between
-        self._started_at: Optional[float] = None
+        self._started_at: Optional[float] = None  # train start and end: the probe listens in between
         self._ended_at: Optional[float] = None
         self._steps = self._sampled_steps = 0
-        #: whether this step's hook calls are timed (from its batch's fetch to the next; the monitor decides)
-        self.in_sample = False
+        self.in_sample = False  #: whether this step's hook calls are timed (fetch to fetch; the monitor decides)
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
         self._hooks: dict[str, tuple[float, int]] = {}

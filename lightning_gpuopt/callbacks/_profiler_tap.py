@@ -3,12 +3,11 @@
 Lightning profiles the training dataloader's ``next()`` (``"[_TrainingEpochLoop].train_dataloader_next"``),
 strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<state_key>.<hook>"``,
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
-:func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
-is called when an action of that name ends (its wall-clock seconds; the main thread's CPU seconds for the actions
-timed by ``start``/``stop``, the loader's ``next()``, else 0), ``on_start[name]()`` when one begins,
-``any_action(name, wall_s)`` after every action not in the tap's ``quiet`` names (the caller may swap them at any
-time); :func:`bypass` takes it out of the path and back. Every call reaches the wrapped profiler, so the user's
-profiler sees what it saw, and stacked taps each see every action."""
+:func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)`` is
+called when an action of that name ends (the main thread's CPU seconds for ``start``/``stop`` actions, the loader's
+``next()``; else 0), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the
+tap's ``quiet`` names (swappable at any time); :func:`bypass` takes it out of the path and back. Every call reaches
+the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
 

@@ -257,10 +257,8 @@ class DataWaitMonitor(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
+            _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
             self._clock.epoch_start()
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
@@ -343,9 +341,7 @@ def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) ->
     """Every rank's totals in rank order, on every rank (one all-gather; a no-op on a single device)."""
     row = [math.nan if value is None else float(value) for value in astuple(totals)]
     dtype = torch.float32 if device.type == "mps" else torch.float64
-    gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=dtype, device=device))
-    ranks = []
-    for steps, samples, *seconds, util in gathered.reshape(-1, len(row)).detach().cpu().double().tolist():
-        figures = StepTotals(round(steps), round(samples), *seconds)  # the fields' order: seconds, then the util
-        ranks.append(replace(figures, gpu_util_mean=None if math.isnan(util) else util))
-    return ranks
+    gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=dtype, device=device)).reshape(-1, len(row))
+    rows = gathered.detach().cpu().double().tolist()  # each: steps, samples, the seconds in field order, the util
+    ranks = [StepTotals(round(steps), round(samples), *seconds) for steps, samples, *seconds, _ in rows]
+    return [replace(rank, gpu_util_mean=None if math.isnan(row[-1]) else row[-1]) for rank, row in zip(ranks, rows)]

@@ -76,29 +76,24 @@ class StepTotals:
     step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
     data_wait_per_step_s = property(lambda self: self.per_step(self.data_wait_s), doc="Mean data wait a step.")
 
-    @property
-    def arrival_per_step_s(self) -> float:
-        """Per step, the time before the gradient sync: data wait + transfer + forward."""
-        return self.per_step(self.data_wait_s + self.transfer_s + self.forward_s)
+    arrival_per_step_s = property(
+        lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s),
+        doc="Per step, the time before the gradient sync: data wait + transfer + forward.",
+    )
 
     data_wait_fraction = property(lambda self: self.share(self.data_wait_s), doc="Data wait's share of the steps.")
     transfer_fraction = property(lambda self: self.share(self.transfer_s), doc="Transfer's share of the steps.")
     compute_fraction = property(lambda self: self.share(self.compute_s), doc="Compute's share of the steps.")
     other_fraction = property(lambda self: self.share(self.other_s), doc="The rest's share of the steps.")
 
-    @property
-    def loader_cpu_fraction(self) -> Optional[float]:
-        """Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process)."""
-        return min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None
-
-    @property
-    def gpu_idle_fraction(self) -> Optional[float]:
-        total = self.gpu_busy_s + self.gpu_idle_s
-        return self.gpu_idle_s / total if total > 0 else None
-
-    @property
-    def samples_per_second(self) -> Optional[float]:
-        return self.samples / self.wall_s if self.wall_s > 0 and self.samples > 0 else None
+    loader_cpu_fraction = property(
+        lambda self: min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None,
+        doc="Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process).",
+    )
+    gpu_idle_fraction = property(
+        lambda self: self.gpu_idle_s / total if (total := self.gpu_busy_s + self.gpu_idle_s) > 0 else None
+    )
+    samples_per_second = property(lambda self: self.samples / self.wall_s if self.wall_s > 0 and self.samples else None)
 
 
 #: at most this many points in a :class:`StepTimeline` (pairs of points merge when a run has more)
@@ -132,9 +127,7 @@ class BinnedSeries:
         self._sums: list[list[float]] = []
         self._counts: list[int] = []
 
-    @property
-    def steps(self) -> int:
-        return sum(self._counts)
+    steps = property(lambda self: sum(self._counts), doc="The steps added.")
 
     def add(self, step: int, values: Sequence[float]) -> None:
         if (not self._counts or self._counts[-1] >= self.steps_per_point) and len(self._counts) == self.max_points:
@@ -278,8 +271,7 @@ class CudaStepTimer:
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
-        self.steps = 0
-        self.busy_s = self.idle_s = 0.0
+        self.steps, self.busy_s, self.idle_s = 0, 0.0, 0.0
         #: (start, end, previous step's end or ``None`` after an unclean gap) of unresolved steps
         self._pending: collections.deque[tuple[Event, Event, Optional[Event]]] = collections.deque()
         self._transfer_start: Optional[Event] = None
