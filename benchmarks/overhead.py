@@ -6,16 +6,19 @@ step is timed from the start of step ``--warmup`` to the end of the last step by
 minimal stopwatch in every variant; the end of fit (last step's end to train end: the monitor's
 report) is shown apart, and in a second ratio over the run's steps. A variant's ratio is its step time over the bare run's
 in the same round; the table gives the median ratio over rounds (goal: DataWaitMonitor
-<= 1.01x).
+<= 1.01x), and the same for the median step of each run (a loaded machine's pauses left out).
 
     python benchmarks/overhead.py                      # CPU
     python benchmarks/overhead.py --accelerator gpu    # make bench-gpu
     python benchmarks/overhead.py --cpu-clock          # a loaded machine: CPU seconds of the main thread
+    git archive main lightning_gpuopt | tar -x -C /tmp/before && python benchmarks/overhead.py --before /tmp/before
+                                                       # also the monitor of another copy of the package, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import statistics
@@ -37,40 +40,50 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, Stopwatch, append
 
 from lightning_gpuopt import DataWaitMonitor
-from lightning_gpuopt.callbacks import _detect_hooks
 
-SAMPLE_EVERY = _detect_hooks.HOOK_SAMPLE_EVERY
+#: the monitor of the package copy given by ``--before``
+BEFORE = "DataWaitMonitor (--before)"
+VARIANTS = ["bare", "empty Callback", "DataWaitMonitor", "DataWaitMonitor(find_patterns=False)", "SimpleProfiler"]
+before_monitor: Any = None
 
-#: "every hook timed" is the monitor before hook calls inside steps were sampled (HOOK_SAMPLE_EVERY = 1)
-EVERY_HOOK = "DataWaitMonitor, every hook timed"
-VARIANTS = (
-    "bare",
-    "empty Callback",
-    "DataWaitMonitor",
-    EVERY_HOOK,
-    "DataWaitMonitor(find_patterns=False)",
-    "SimpleProfiler",
-)
+
+def monitor_of(root: str) -> Any:
+    """``DataWaitMonitor`` of the ``lightning_gpuopt`` copy under ``root``, imported apart (its own modules)."""
+    ours = {name: module for name, module in sys.modules.items() if name.partition(".")[0] == "lightning_gpuopt"}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module("lightning_gpuopt.callbacks.data_wait_monitor").DataWaitMonitor
+    finally:
+        sys.path.remove(root)
+        for name in [name for name in sys.modules if name.partition(".")[0] == "lightning_gpuopt"]:
+            del sys.modules[name]
+        sys.modules.update(ours)
 
 
 class StepStopwatch(Stopwatch):
     """Also notes the end of the last step: the steps end there; the rest, to train end, is the end of fit
     (the monitor's report: findings, table, JSON), a cost once a fit, shown apart."""
 
+    ends: list[float]
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.last_step_end = self.clock()
+        if self.started is not None:  # each step's end: the median step, robust to a loaded machine's pauses
+            self.ends = [*getattr(self, "ends", [self.started]), self.last_step_end]
 
 
-def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> tuple[float, float]:
-    """(seconds a step, from the start of step ``warmup`` to the end of the last one; seconds of the end of fit)."""
+def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: Path) -> tuple[float, float, float]:
+    """(seconds a step, from the start of step ``warmup`` to the end of the last one; seconds of the end of fit;
+    the median step's seconds)."""
     seed_everything(0, verbose=False)
     stopwatch = StepStopwatch(args.warmup, time.thread_time if args.cpu_clock else time.perf_counter)
     callbacks: list[Callback] = [stopwatch]
     profiler = None
-    if variant in ("DataWaitMonitor", EVERY_HOOK):
-        callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup))
-    _detect_hooks.HOOK_SAMPLE_EVERY = 1 if variant == EVERY_HOOK else SAMPLE_EVERY
+    if variant in ("DataWaitMonitor", BEFORE):
+        callbacks.insert(0, (before_monitor if variant == BEFORE else DataWaitMonitor)(warmup_steps=args.warmup))
     if variant == "DataWaitMonitor(find_patterns=False)":  # the findings' share of the overhead
         callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup, find_patterns=False))
     if variant == "empty Callback":  # what Lightning charges for dispatching hooks to any callback
@@ -90,7 +103,12 @@ def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: P
     )
     trainer.fit(MLP(args.features, args.hidden), loader)
     assert stopwatch.started is not None and stopwatch.ended is not None
-    return (stopwatch.last_step_end - stopwatch.started) / stopwatch.steps, stopwatch.ended - stopwatch.last_step_end
+    median = statistics.median(end - start for start, end in zip(stopwatch.ends, stopwatch.ends[1:]))
+    return (
+        (stopwatch.last_step_end - stopwatch.started) / stopwatch.steps,
+        stopwatch.ended - stopwatch.last_step_end,
+        median,
+    )
 
 
 def main() -> None:
@@ -107,8 +125,13 @@ def main() -> None:
         action="store_true",
         help="time the main thread's CPU seconds, torch on one thread (a machine loaded by other work)",
     )
+    parser.add_argument("--before", help="a folder holding another lightning_gpuopt: its DataWaitMonitor too")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.before:
+        global before_monitor
+        before_monitor = monitor_of(args.before)
+        VARIANTS.insert(3, BEFORE)
     if args.cpu_clock:
         torch.set_num_threads(1)
 
@@ -122,6 +145,7 @@ def main() -> None:
     ends: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     with_end: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    medians: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     order = random.Random(0)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as root:
@@ -130,9 +154,10 @@ def main() -> None:
             variants = list(VARIANTS)
             order.shuffle(variants)
             measured = {variant: run_once(variant, args, loader, Path(root)) for variant in variants}
-            (bare_step, bare_end) = measured["bare"]
+            (bare_step, bare_end, bare_median) = measured["bare"]
             for variant in VARIANTS:
-                step, end = measured[variant]
+                step, end, median = measured[variant]
+                medians[variant].append(median / bare_median)
                 times[variant].append(step)
                 ends[variant].append(end)
                 ratios[variant].append(step / bare_step)
@@ -146,7 +171,7 @@ def main() -> None:
 
     table = Table(title=f"Step-time overhead, {args.rounds} interleaved rounds × {args.steps} steps; {load}")
     columns = ["variant", "median step time", "ratio to bare (median of rounds)", "min–max ratio"]
-    columns += ["end of fit (median)", f"ratio with the end of fit, {args.steps} steps"]
+    columns += ["end of fit (median)", f"ratio with the end of fit, {args.steps} steps", "median step's ratio"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for column in columns:
         table.add_column(column)
@@ -156,6 +181,7 @@ def main() -> None:
         spread = f"{min(ratios[variant]):.3f}–{max(ratios[variant]):.3f}"
         row = [variant, f"{step:.3f} ms", f"{ratio:.3f}x", spread, f"{statistics.median(ends[variant]) * 1e3:.1f} ms"]
         row.append(f"{statistics.median(with_end[variant]):.3f}x")
+        row.append(f"{statistics.median(medians[variant]):.3f}x")
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     Console().print(table)

@@ -1,8 +1,7 @@
 """Probes of the ``"slow-hook"``, ``"checkpoint-time"`` and ``"slow-disk"`` findings (:mod:`lightning_gpuopt.core.findings` decides).
 
 :class:`HookTimes` totals every hook call and ``trainer.save_checkpoint`` from train start to end, as the profiler
-tap times them (the hooks of every step, between steps too: in the first :data:`HOOK_SAMPLE_EVERY` steps and a random
-one in as many after, scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
+tap times them (the hooks of every step, between steps too: in the steps :data:`HOOK_SAMPLE_EVERY` says, scaled). :class:`DatasetDisk` finds the training dataset's files and, at train end, reads a sample of them
 with the page cache dropped, against the rate training consumed them (``gpuopt/dataset_read_mb_s``,
 ``gpuopt/dataset_needed_mb_s``)."""
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import time
 from typing import Any, Iterable, NamedTuple, Optional
 
@@ -36,9 +34,9 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-#: hooks Lightning calls every training step: timed in one step of this many (fetch to fetch), scaled by
-#: steps over sampled steps (1: every step; timing every call cost 3-7% of a 2 ms step), exact in calls for a
-#: hook called the same times every step; other hooks (epoch, validation) are timed at every call
+#: hooks Lightning calls every training step (and ``training_step``): timed in the first ``warmup_steps`` + this many
+#: steps and a random one in this many after (fetch to fetch), scaled by steps over sampled steps, exact in calls for
+#: a hook called the same times every step; other hooks (epoch, validation): every call. Cost: about 1/16 of 5-10%
 HOOK_SAMPLE_EVERY = 16
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
@@ -53,12 +51,10 @@ class HookTimes(Probe):
     quiet_sampled = quiet = _per_step = frozenset[str]()
 
     def __init__(self) -> None:
-        #: train start and end: the probe listens in between
-        self._started_at: Optional[float] = None
+        self._started_at: Optional[float] = None  # train start and end: the probe listens in between
         self._ended_at: Optional[float] = None
         self._steps = self._sampled_steps = 0
-        self.in_sample = False  #: whether this step's hook calls are timed (from its batch's fetch to the next)
-        self._random = random.Random(0)
+        self.in_sample = False  #: whether this step's hook calls are timed (fetch to fetch; the monitor decides)
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
         self._hooks: dict[str, tuple[float, int]] = {}
@@ -80,11 +76,6 @@ class HookTimes(Probe):
         self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
         self.quiet = self.quiet_sampled | self._per_step
         self._started_at = time.perf_counter()
-
-    def batch_fetched(self) -> frozenset[str]:
-        """A training batch is fetched: whether its step is sampled; the actions not to report until the next."""
-        self.in_sample = self._steps < HOOK_SAMPLE_EVERY or self._random.random() * HOOK_SAMPLE_EVERY < 1
-        return self.quiet_sampled if self.in_sample else self.quiet
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
         self._steps, self._sampled_steps = self._steps + 1, self._sampled_steps + self.in_sample

@@ -3,11 +3,11 @@
 Lightning profiles the training dataloader's ``next()`` (``"[_TrainingEpochLoop].train_dataloader_next"``),
 strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<state_key>.<hook>"``,
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
-:func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)``
-is called when an action of that name ends (its wall-clock seconds and the main thread's CPU seconds),
-``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the tap's
-``quiet`` names (the caller may swap them at any time). Every call still
-reaches the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
+:func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)`` is
+called when an action of that name ends (the main thread's CPU seconds for ``start``/``stop`` actions, the loader's
+``next()``; else 0), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the
+tap's ``quiet`` names (swappable at any time); :func:`bypass` takes it out of the path and back. Every call reaches
+the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
 from __future__ import annotations
 
@@ -58,8 +58,7 @@ class ProfilerTap:
 
 
 class _Timed:
-    """An action's timing, inside the wrapped profiler's own context ``inner`` (``None`` for ``start``/``stop``);
-    a class with slots, not a generator: it runs on every hook call."""
+    """An action's timing in the wrapped profiler's context ``inner`` (``None`` for ``start``/``stop``); slots: fast."""
 
     __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
 
@@ -72,12 +71,12 @@ class _Timed:
             self.inner.__enter__()
         if self.on_start is not None:
             self.on_start()
-        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.listener is not None else 0.0
+        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.inner is None else 0.0
 
     def __exit__(self, *exc_info: Any) -> Any:
         wall = time.perf_counter() - self.wall
-        if self.listener is not None:
-            self.listener(wall, time.thread_time() - self.cpu)
+        if self.listener is not None:  # a syscall, the CPU time: only for start/stop (once a step, the fetch)
+            self.listener(wall, time.thread_time() - self.cpu if self.inner is None else 0.0)
         if self.any_action is not None:
             self.any_action(self.name, wall)
         return self.inner.__exit__(*exc_info) if self.inner is not None else None
@@ -92,8 +91,14 @@ def install(
     """Wrap ``trainer.profiler`` in a :class:`ProfilerTap` (the module docstring) and return it."""
     on_start = on_start or {}
     timed = {name: (listeners.get(name), on_start.get(name)) for name in {*listeners, *on_start}}
-    tap = trainer.profiler = ProfilerTap(trainer.profiler, timed, any_action)
-    return tap
+    trainer.profiler = ProfilerTap(trainer.profiler, timed, any_action)
+    return trainer.profiler
+
+
+def bypass(trainer: Any, tap: Optional[ProfilerTap], out: bool = False) -> None:
+    """Take ``tap`` out of ``trainer.profiler`` (``out``, where on top of the chain: it sees nothing then) or back."""
+    if tap is not None and trainer.profiler is (tap if out else tap.inner):
+        trainer.profiler = tap.inner if out else tap
 
 
 def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:

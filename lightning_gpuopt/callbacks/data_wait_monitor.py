@@ -3,7 +3,9 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``.
+``gpuopt_report.json``. The fetch and the copy to the device are timed every step, ``training_step`` and the hooks
+in the steps :data:`SAMPLE_EVERY` says (scaled): in the others the profiler tap leaves the profiler's path from
+``on_train_batch_start`` to ``on_train_batch_end`` (a save puts it back first).
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -27,8 +29,10 @@ Logged once, at the end of ``fit``, with ``find_patterns=True``:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+import random
 import time
 from dataclasses import astuple, replace
 from typing import Any, Optional, Sequence, cast
@@ -40,6 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks import _profiler_tap
+from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLE_EVERY as SAMPLE_EVERY
 from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
     HostSyncProbe,
@@ -126,8 +131,8 @@ class DataWaitMonitor(Callback):
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
-        self._in_validation = False
-        self._validation_wrapper: Any = None
+        self._in_validation = self._sampled = self._pulls = False
+        self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
         self._action_probes: list[HookTimes] = []
@@ -141,11 +146,14 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
+        rng = random.Random(0)
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
-            clock.add_fetch(seconds, cpu_seconds)
-            if self._tap is not None and self._action_probes:  # the step's hooks: timed when it is sampled
-                self._tap.quiet = self._action_probes[0].batch_fetched()
+            clock.add_fetch(seconds, cpu_seconds)  # the step's training_step and hooks: timed when it is sampled
+            self._sampled = clock.steps_seen < self.warmup_steps + SAMPLE_EVERY or rng.random() * SAMPLE_EVERY < 1
+            if self._tap is not None and self._action_probes:  # not reported to the probe until the next fetch
+                hooks = self._action_probes[0]
+                hooks.in_sample, self._tap.quiet = self._sampled, hooks.quiet_sampled if self._sampled else hooks.quiet
             if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
                 self._gpu.before_transfer()
 
@@ -162,10 +170,10 @@ class DataWaitMonitor(Callback):
         }
         self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        run = val_loop.run
+        run, save = val_loop.run, trainer.save_checkpoint
 
         def timed_run(*args: Any, **kwargs: Any) -> Any:  # whole validation runs in fit, loader start-up included
-            if trainer.sanity_checking or self._validation_wrapper is not timed_run:
+            if trainer.sanity_checking or self._wrappers.get((val_loop, "run")) is not timed_run:
                 return run(*args, **kwargs)
             self._in_validation = True
             started, saved_s = time.perf_counter(), clock.excluded_s["checkpoint"]
@@ -176,7 +184,13 @@ class DataWaitMonitor(Callback):
                 saved_s = clock.excluded_s["checkpoint"] - saved_s
                 clock.add_excluded("validation", time.perf_counter() - started - saved_s)
 
-        val_loop.run = self._validation_wrapper = timed_run  # type: ignore[method-assign]  # on the instance; _restore deletes it
+        def save_in_path(*args: Any, **kwargs: Any) -> Any:  # a save in a step the tap left: the tap back in first
+            _profiler_tap.bypass(trainer, self._tap)
+            return save(*args, **kwargs)
+
+        for owner, name, wrapper in ((val_loop, "run", timed_run), (trainer, "save_checkpoint", save_in_path)):
+            setattr(owner, name, wrapper)  # on the instance; _restore deletes it
+            self._wrappers[owner, name] = wrapper
 
     def _on_action(self, action: str, seconds: float) -> None:
         self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
@@ -198,10 +212,10 @@ class DataWaitMonitor(Callback):
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
         self._tap = None
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if self._validation_wrapper is not None and vars(val_loop).get("run") is self._validation_wrapper:
-            del val_loop.run
-        self._validation_wrapper = None
+        for (owner, name), wrapper in self._wrappers.items():
+            if vars(owner).get(name) is wrapper:
+                delattr(owner, name)
+        self._wrappers = {}
         if self._sampler is not None:
             self._sampler.stop()
         for probe in self._probes:
@@ -238,10 +252,12 @@ class DataWaitMonitor(Callback):
             self._sampler = NvmlSampler(self.nvml_interval_s, uuids=[card.uuid] if mig and card.uuid else None)
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
+        self._pulls = "dataloader_iter" in inspect.signature(pl_module.training_step).parameters  # fetches in it
         self._call_probes("fit_start", trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
+            _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
             self._clock.epoch_start()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -251,6 +267,7 @@ class DataWaitMonitor(Callback):
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
+        _profiler_tap.bypass(trainer, self._tap, out=not (self._sampled or self._pulls))  # back at the batch's end
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -258,6 +275,7 @@ class DataWaitMonitor(Callback):
         clock = self._clock
         if clock is None:
             return
+        _profiler_tap.bypass(trainer, self._tap)
         step = clock.steps_seen
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
         samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
@@ -323,9 +341,7 @@ def gather_totals(trainer: Trainer, totals: StepTotals, device: torch.device) ->
     """Every rank's totals in rank order, on every rank (one all-gather; a no-op on a single device)."""
     row = [math.nan if value is None else float(value) for value in astuple(totals)]
     dtype = torch.float32 if device.type == "mps" else torch.float64
-    gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=dtype, device=device))
-    ranks = []
-    for steps, samples, *seconds, util in gathered.reshape(-1, len(row)).detach().cpu().double().tolist():
-        figures = StepTotals(round(steps), round(samples), *seconds)  # the fields' order: seconds, then the util
-        ranks.append(replace(figures, gpu_util_mean=None if math.isnan(util) else util))
-    return ranks
+    gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=dtype, device=device)).reshape(-1, len(row))
+    rows = gathered.detach().cpu().double().tolist()  # each: steps, samples, the seconds in field order, the util
+    ranks = [StepTotals(round(steps), round(samples), *seconds) for steps, samples, *seconds, _ in rows]
+    return [replace(rank, gpu_util_mean=None if math.isnan(row[-1]) else row[-1]) for rank, row in zip(ranks, rows)]

@@ -69,9 +69,7 @@ class RunSettings:
     #: seconds from each epoch's start to its first batch
     worker_startup_s: list[float] = field(default_factory=list)
 
-    @property
-    def cpus_per_process(self) -> int:
-        return max(1, self.usable_cpus // max(1, self.processes_per_host))
+    cpus_per_process = property(lambda self: max(1, self.usable_cpus // max(1, self.processes_per_host)))
 
 
 @dataclass(frozen=True)
@@ -279,29 +277,12 @@ class DataWaitReport:
     timeline: Optional[StepTimeline] = None
     findings: list[Finding] = field(default_factory=list)
 
-    @property
-    def verdict(self) -> str:
-        return self.diagnosis.verdict
-
-    @property
-    def verdict_reason(self) -> str:
-        return self.diagnosis.reason
-
-    @property
-    def recommendations(self) -> list[str]:
-        return self.diagnosis.recommendations
-
-    @property
-    def data_wait_fraction(self) -> Optional[float]:
-        return self.totals.data_wait_fraction
-
-    @property
-    def gpu_idle_fraction(self) -> Optional[float]:
-        return self.totals.gpu_idle_fraction
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
+    verdict = property(lambda self: self.diagnosis.verdict, doc="The diagnosis's verdict (``str``).")
+    verdict_reason = property(lambda self: self.diagnosis.reason, doc="Its reason, with the figures (``str``).")
+    recommendations = property(lambda self: self.diagnosis.recommendations, doc="Its changes to try (``list[str]``).")
+    data_wait_fraction = property(lambda self: self.totals.data_wait_fraction, doc="Of the job's totals.")
+    gpu_idle_fraction = property(lambda self: self.totals.gpu_idle_fraction, doc="Of the job's totals.")
+    world_size = property(lambda self: len(self.ranks), doc="The ranks that reported (``int``).")
 
     @property
     def rank_spread(self) -> dict[str, Spread]:

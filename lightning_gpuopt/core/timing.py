@@ -76,29 +76,24 @@ class StepTotals:
     step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
     data_wait_per_step_s = property(lambda self: self.per_step(self.data_wait_s), doc="Mean data wait a step.")
 
-    @property
-    def arrival_per_step_s(self) -> float:
-        """Per step, the time before the gradient sync: data wait + transfer + forward."""
-        return self.per_step(self.data_wait_s + self.transfer_s + self.forward_s)
+    arrival_per_step_s = property(
+        lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s),
+        doc="Per step, the time before the gradient sync: data wait + transfer + forward.",
+    )
 
     data_wait_fraction = property(lambda self: self.share(self.data_wait_s), doc="Data wait's share of the steps.")
     transfer_fraction = property(lambda self: self.share(self.transfer_s), doc="Transfer's share of the steps.")
     compute_fraction = property(lambda self: self.share(self.compute_s), doc="Compute's share of the steps.")
     other_fraction = property(lambda self: self.share(self.other_s), doc="The rest's share of the steps.")
 
-    @property
-    def loader_cpu_fraction(self) -> Optional[float]:
-        """Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process)."""
-        return min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None
-
-    @property
-    def gpu_idle_fraction(self) -> Optional[float]:
-        total = self.gpu_busy_s + self.gpu_idle_s
-        return self.gpu_idle_s / total if total > 0 else None
-
-    @property
-    def samples_per_second(self) -> Optional[float]:
-        return self.samples / self.wall_s if self.wall_s > 0 and self.samples > 0 else None
+    loader_cpu_fraction = property(
+        lambda self: min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None,
+        doc="Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process).",
+    )
+    gpu_idle_fraction = property(
+        lambda self: self.gpu_idle_s / total if (total := self.gpu_busy_s + self.gpu_idle_s) > 0 else None
+    )
+    samples_per_second = property(lambda self: self.samples / self.wall_s if self.wall_s > 0 and self.samples else None)
 
 
 #: at most this many points in a :class:`StepTimeline` (pairs of points merge when a run has more)
@@ -132,9 +127,7 @@ class BinnedSeries:
         self._sums: list[list[float]] = []
         self._counts: list[int] = []
 
-    @property
-    def steps(self) -> int:
-        return sum(self._counts)
+    steps = property(lambda self: sum(self._counts), doc="The steps added.")
 
     def add(self, step: int, values: Sequence[float]) -> None:
         if (not self._counts or self._counts[-1] >= self.steps_per_point) and len(self._counts) == self.max_points:
@@ -165,14 +158,14 @@ StepStart = collections.namedtuple("StepStart", ("measured", "clean_gap"))
 
 
 #: the per-step columns of :attr:`StepClock.series`: :class:`StepTotals` fields
-_COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s", "compute_s", "forward_s")
+_COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s", "compute_s")
 
 
 class StepClock:
     """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
     seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
-    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward`,
-    :meth:`step_end`; :meth:`add_excluded` for time between steps."""
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (perhaps in some
+    steps only: scaled to every measured step), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -188,6 +181,7 @@ class StepClock:
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
+        self._forwards = [0.0, 0]  # forward seconds and count of the measured steps it was timed in
         self._clear_pending()
 
     def epoch_start(self) -> None:
@@ -199,7 +193,8 @@ class StepClock:
         self._clear_pending()
 
     def _clear_pending(self) -> None:
-        self._fetch_s = self._fetch_cpu_s = self._transfer_s = self._forward_s = self._excluded_s = 0.0
+        self._fetch_s = self._fetch_cpu_s = self._transfer_s = self._excluded_s = 0.0
+        self._forward_s: Optional[float] = None
 
     def add_fetch(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self._fetch_s += seconds
@@ -209,7 +204,7 @@ class StepClock:
         self._transfer_s += seconds
 
     def add_forward(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        self._forward_s += seconds
+        self._forward_s = (self._forward_s or 0.0) + seconds
 
     def add_excluded(self, kind: str, seconds: float) -> None:
         """Validation, checkpoint saving, ...: totalled under ``kind``, kept out of the steps."""
@@ -231,7 +226,9 @@ class StepClock:
         if self._measuring_step and self._last_end is not None:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, self._transfer_s, compute_s, self._forward_s)
+            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, self._transfer_s, compute_s)
+            if self._forward_s is not None:
+                self._forwards = [self._forwards[0] + self._forward_s, self._forwards[1] + 1]
             self.series.add(self.steps_seen, row)
             self.measured_steps += 1
         self.steps_seen += 1
@@ -244,10 +241,9 @@ class StepClock:
         sums = dict(zip(_COLUMNS, self.series.sums()))
         sums |= {f"{kind}_s": self.excluded_s.get(kind, 0.0) for kind in ("validation", "checkpoint")}
         samples, started = round(sums.pop("samples")), self._train_started_at
-        train_s = self._clock() - started if started is not None else 0.0
-        return StepTotals(
-            self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), train_s=train_s, **sums
-        )
+        sums["train_s"] = self._clock() - started if started is not None else 0.0
+        sums["forward_s"] = self._forwards[0] * self.measured_steps / max(1, self._forwards[1])
+        return StepTotals(self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), **sums)
 
     def take_window(self) -> StepTotals:
         """The steps' sums since the previous call (for periodic logging)."""
@@ -259,7 +255,7 @@ class StepClock:
         """The measured steps binned; ``gpu_idle`` (:attr:`CudaStepTimer.idle_series`) is kept when it covers
         the same steps."""
         points = self.series.points()
-        _, wall, wait, _, transfer, compute, _ = [list(column) for column in zip(*points)] if points else [[]] * 7
+        _, wall, wait, _, transfer, compute = [list(column) for column in zip(*points)] if points else [[]] * 6
         idle = gpu_idle.points() if gpu_idle is not None and gpu_idle.steps == self.series.steps and points else None
         other = [max(0.0, w - d - t - c) for w, d, t, c in zip(wall, wait, transfer, compute)]
         idle_s = [point[0] for point in idle] if idle is not None else None
@@ -275,8 +271,7 @@ class CudaStepTimer:
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new_event = new_event
-        self.steps = 0
-        self.busy_s = self.idle_s = 0.0
+        self.steps, self.busy_s, self.idle_s = 0, 0.0, 0.0
         #: (start, end, previous step's end or ``None`` after an unclean gap) of unresolved steps
         self._pending: collections.deque[tuple[Event, Event, Optional[Event]]] = collections.deque()
         self._transfer_start: Optional[Event] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from typing import Any, Optional
 
 import pytest
 from helpers import (
@@ -20,6 +21,7 @@ from helpers import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
+from models_users import DataloaderIterModule
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import DataWaitMonitor, DataWaitReport
@@ -171,6 +173,104 @@ def test_users_profiler_keeps_working_and_is_restored(tmp_path):
     # the profiler and the monitor timed the same calls
     measured = sum(fetches[1:])  # step 0 is warm-up (and the epoch's start-up)
     assert monitor.report.totals.data_wait_s == pytest.approx(measured, rel=0.05)
+
+
+class SeesProfiler(MLP):
+    """Notes, in each ``training_step``, whether the monitor's profiler tap is in ``trainer.profiler``'s path;
+    saves a checkpoint in ``training_step`` every ``save_every`` steps."""
+
+    def __init__(self, save_every: int = 0, path: Any = None) -> None:
+        super().__init__(step_sleep_s=0.002)
+        self.tapped: list[bool] = []
+        self.save_every, self.path = save_every, path
+
+    def training_step(self, batch, batch_idx):
+        self.tapped.append(type(self.trainer.profiler).__name__ == "ProfilerTap")
+        if self.save_every and len(self.tapped) % self.save_every == 0:
+            self.trainer.save_checkpoint(self.path / f"step{len(self.tapped)}.ckpt")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("find_patterns", [True, False])
+def test_training_step_is_timed_in_sampled_steps_and_the_tap_leaves_the_path_in_the_others(tmp_path, find_patterns):
+    profiler, model = SimpleProfiler(), SeesProfiler()
+    monitor = DataWaitMonitor(warmup_steps=1, find_patterns=find_patterns, verbose=False)
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=160, profiler=profiler)
+    trainer.fit(model, DataLoader(preloaded_dataset(8 * 200, 32), batch_size=8))
+
+    assert all(model.tapped[:17]) and 3 <= sum(model.tapped[17:]) <= 30  # warm-up + 16, then about one in 16
+    assert trainer.profiler is profiler  # restored; it saw every step
+    steps = profiler.recorded_durations["[Strategy]SingleDeviceStrategy.training_step"]
+    fetches = profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]
+    assert len(steps) == 160 and len(fetches) >= 160
+    totals = monitor.report.totals
+    waits = monitor.report.timeline.data_wait_s  # a point a step: every step's fetch was timed
+    assert len(waits) == totals.steps == 159 and all(wait > 0 for wait in waits)
+    assert 0.3 * sum(fetches[1:160]) <= totals.data_wait_s <= sum(fetches[1:160])  # ours: inside the profiler's
+    assert totals.forward_s == pytest.approx(sum(steps[1:]), rel=0.3)  # the sampled steps' mean, scaled
+    assert 0 < totals.forward_s < totals.compute_s
+
+
+def test_a_save_inside_a_step_the_tap_left_is_timed_and_counted_like_any_other(tmp_path):
+    profiler, model = SimpleProfiler(), SeesProfiler(save_every=10, path=tmp_path)
+    monitor = DataWaitMonitor(warmup_steps=1, verbose=False)
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=80, profiler=profiler)
+    trainer.fit(model, DataLoader(preloaded_dataset(8 * 100, 32), batch_size=8))
+
+    assert not all(model.tapped[19::10])  # some saves ran in steps whose start the tap did not see
+    saves = profiler.recorded_durations["save_checkpoint"]
+    assert len(saves) == 8 and 0.7 * sum(saves) <= monitor.report.totals.checkpoint_s <= sum(saves)  # ours: inside
+    hooks = monitor._action_probes[0]  # every save reached the checkpoint-time probe
+    assert sum(saves for saves, _ in hooks._saves.values()) + hooks._pending_saves[0] == 8
+
+
+class EndsEpochWhenUntapped(MLP):
+    """Ends its first epoch (``-1``) at the first step after 20 whose start the monitor's tap is not in the path of;
+    notes at each epoch start whether the tap is in the path (for the epoch's fetches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended_at: Optional[int] = None
+        self.tapped_at_epoch_start: list[bool] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.ended_at is None and batch_idx > 20 and type(self.trainer.profiler).__name__ != "ProfilerTap":
+            self.ended_at = batch_idx
+            return -1
+        return None
+
+    def on_train_epoch_start(self) -> None:
+        self.tapped_at_epoch_start.append(type(self.trainer.profiler).__name__ == "ProfilerTap")
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_an_epoch_ended_by_on_train_batch_start_has_its_save_timed_and_the_tap_back_for_the_next(tmp_path, save):
+    profiler, model = SimpleProfiler(), EndsEpochWhenUntapped()
+    monitor = DataWaitMonitor(warmup_steps=1, verbose=False)
+    checkpoint = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)] if save else []
+    trainer = quiet_trainer(
+        tmp_path, [monitor, *checkpoint], max_epochs=2, profiler=profiler, enable_checkpointing=save
+    )
+    trainer.fit(model, DataLoader(preloaded_dataset(8 * 40, 32), batch_size=8))
+
+    assert model.ended_at is not None and model.tapped_at_epoch_start == [True, True]
+    saves = profiler.recorded_durations["save_checkpoint"]
+    assert len(saves) == 2 * save and 0.7 * sum(saves) <= monitor.report.totals.checkpoint_s <= sum(saves)
+
+
+class PullsSlowBatches(DataloaderIterModule):
+    """``training_step(self, dataloader_iter)``: its batches are fetched inside the step, 8 sleeps of 0.5 ms each."""
+
+    def train_dataloader(self):
+        return DataLoader(SlowDataset(64, delay_s=0.0005), batch_size=8)
+
+
+def test_a_training_step_that_pulls_its_batches_has_its_fetch_timed_in_every_step(tmp_path):
+    monitor = DataWaitMonitor(warmup_steps=1, verbose=False)
+    quiet_trainer(tmp_path, [monitor], max_steps=80).fit(PullsSlowBatches())
+    totals = monitor.report.totals
+    assert totals.steps >= 60  # 10 epochs of 8 steps, each epoch's first not measured
+    assert 0.8 * 0.004 <= totals.data_wait_per_step_s <= 3 * 0.004  # every step's fetch, not the sampled ones'
 
 
 def test_multi_epoch_run_reports_loader_start_up_per_epoch(tmp_path):

@@ -98,3 +98,21 @@ def test_take_window_resets_only_the_window():
 def test_negative_warmup_is_refused():
     with pytest.raises(ValueError, match="warmup_steps"):
         StepClock(warmup_steps=-1)
+
+
+def test_forward_timed_in_some_steps_is_scaled_to_every_measured_step():
+    time = ScriptedClock()
+    clock = StepClock(warmup_steps=1, clock=time)
+    clock.epoch_start()
+    for step in range(9):
+        time.advance(0.001)
+        clock.add_fetch(0.001)
+        clock.step_start()
+        if step % 4 == 0 or step == 1:  # timed in steps 1, 4 and 8 (measured) and 0 (warm-up: not counted)
+            clock.add_forward({0: 1.0, 1: 0.003, 4: 0.004}.get(step, 0.005))
+        time.advance(0.010)
+        clock.step_end(4)
+    totals = clock.totals()
+    assert totals.steps == 8 and totals.compute_s == pytest.approx(8 * 0.010)
+    assert totals.forward_s == pytest.approx(8 * (0.003 + 0.004 + 0.005) / 3)  # the timed steps' mean, each step
+    assert clock.take_window().forward_s == 0.0  # the windows logged carry no forward time
