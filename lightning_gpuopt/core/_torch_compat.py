@@ -3,7 +3,8 @@
 ``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
 pytree (no public one), fake tensors, the dispatch mode that sees every op (and a block outside the modes on), ``UntypedStorage._cdata``
 (``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's allocator events (cheaper than
-``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``) and the compiler's ``force_eager`` stance.
+``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``), the compiler's ``force_eager`` stance and the
+``DataLoader`` iterator that fetches in this process.
 """
 
 from __future__ import annotations
@@ -67,3 +68,8 @@ def eager() -> Any:
     """A context in which ``torch.compile``d code runs eager and dynamo sees no frame: its caches stay as
     they are (a compiled frame first called under a dispatch mode would be marked to run eager for good)."""
     return torch.compiler.set_stance("force_eager")
+
+
+def single_process_loader_iterator() -> type:
+    """The iterator of a ``DataLoader`` without workers: its ``_next_data()`` fetches and collates a batch here."""
+    return torch.utils.data.dataloader._SingleProcessDataLoaderIter

@@ -359,3 +359,32 @@ def test_attention_is_charged_as_the_cards_fused_kernel_not_the_host_math_path()
         out.sum().backward()
         assert gpu.peak_allocated_bytes - base < 2**21  # the 8 MiB attention matrix never reached the card
         assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_a_loader_without_workers_builds_its_batches_on_the_host_and_the_card_counts_them_at_the_forward():
+    network, _ = mlp()
+    iterator_class = torch.utils.data.dataloader._SingleProcessDataLoaderIter
+    fetch, modes = iterator_class._next_data, []
+
+    class CardData(torch.utils.data.Dataset):  # a dataset kept on the card
+        def __init__(self, gpu):
+            self.data = torch.randn(64, 512)
+            gpu.place(self.data)
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, index):
+            modes.append(torch.utils._python_dispatch._get_current_dispatch_mode())
+            return self.data[index]
+
+    with SimulatedGpu("A100", memory="1GiB", cublas_workspace=0) as gpu:
+        gpu.place(network)
+        iterator = iter(torch.utils.data.DataLoader(CardData(gpu), batch_size=32))
+        held = gpu.allocated_bytes
+        batch = next(iterator)
+        assert modes == [None] * 32 and gpu.allocated_bytes == held  # no op of the fetch reached the card
+        with gpu.device.peak_meter() as meter:
+            network(batch)
+        assert gpu.device.holds(batch) and meter.peak_bytes >= batch.numel() * 4  # counted as it enters the model
+    assert iterator_class._next_data is fetch

@@ -98,3 +98,10 @@ def test_eager_runs_compiled_code_eager_and_leaves_dynamos_caches_alone():
     compiled(torch.ones(2))
     assert len(graphs) == 1
     torch._dynamo.reset()
+
+
+def test_a_loader_without_workers_fetches_through_the_single_process_iterator():
+    loader = torch.utils.data.DataLoader(torch.arange(6), batch_size=3)
+    iterator = iter(loader)
+    assert isinstance(iterator, compat.single_process_loader_iterator()), _fails("_SingleProcessDataLoaderIter")
+    assert iterator._next_data().tolist() == [0, 1, 2], _fails("_SingleProcessDataLoaderIter._next_data")
