@@ -192,7 +192,7 @@ class Trials:
         fitted = not outcome.out_of_memory and peak is not None and peak <= budget_bytes
         cap = (budget_bytes if not card.is_cuda else None) if capped else None
         allocated = None if meter.peak_bytes is None else int(meter.peak_bytes)
-        edge = capped and (outcome.value or 0) > capacity_bytes - CUDA_SMALL_SEGMENT_BYTES  # reserved at the end
+        edge = capped and card.is_cuda and (outcome.value or 0) > capacity_bytes - CUDA_SMALL_SEGMENT_BYTES  # reserved
         return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated, edge)
 
     def _steps(self, card: Any, wanted: int, meter: Any) -> int:
