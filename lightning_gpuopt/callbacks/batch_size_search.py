@@ -236,7 +236,7 @@ class BatchSizeSearch(Callback):
     ) -> Any:
         """Run the search now (from ``on_fit_start`` on, before training) and return :attr:`result`, setting
         nothing (:class:`MemoryFill` searches its micro-batch with it). ``prediction``: the estimate's
-        ``(largest, bytes_per_sample, notes)`` when the caller has it (no second trace of the same step);
+        ``(largest, bytes_per_sample, notes)`` when the caller has it (e.g. a ``Prediction``; no second trace);
         ``start``: the first size to try (by default the predicted one, else the user's).
         Raises :class:`NoBatchSizeFitsError`."""
         compat.check_trainer_namespace(trainer, self)
@@ -253,7 +253,7 @@ class BatchSizeSearch(Callback):
         loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
-            predicted, per_sample, notes = prediction or predicted_largest_fit(trials, initial, budget)
+            predicted, per_sample, notes = (prediction or predicted_largest_fit(trials, initial, budget))[:3]
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
             start = start or (int(predicted * 3 / 4) if predicted is not None else initial)  # see the module docstring

@@ -5,8 +5,7 @@ micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (tim
 both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
 of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
 section of ``gpuopt_report.json`` and, with ``plots=True``, draws its PNGs. The parts log their own
-``gpuopt/...`` metrics; MemoryFill's predicted peak is MemoryEstimator's trace of the first batch (the planned
-step traced once), logged then. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
+``gpuopt/...`` metrics. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
 ``fill-memory``, ``max-throughput``, ``low-memory``.
 """
 
@@ -137,8 +136,6 @@ class GpuOpt(Callback):
         estimate = settings.get("estimate")
         self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if estimate else None
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
-        if self.fill is not None and self.estimator is not None:  # one trace of the planned step, not two
-            self.fill.predict_peak = False
         for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
             if part is not None:
                 part.progress = self.verbose
@@ -220,7 +217,7 @@ class GpuOpt(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        """The parts; MemoryEstimator's trace of the first batch shows as progress and is MemoryFill's predicted peak."""
+        """The parts; MemoryEstimator's trace of the first batch shows as progress."""
         tracing = self.estimator is not None and self.estimator.estimate is None
         for part in self.parts:
             part.on_train_batch_start(trainer, pl_module, batch, i)
@@ -230,10 +227,6 @@ class GpuOpt(Callback):
         if self.verbose:
             rank_zero_info(
                 f"MemoryEstimator: step traced at batch {estimate.batch_size} ({estimate.trace_seconds or 0:.1f} s)"
-            )
-        if self.fill is not None and self.fill.plan is not None and not self.fill.predict_peak:
-            self.fill.use_predicted_peak(
-                trainer, estimate.predicted_peak_bytes if estimate.method == "traced" else None
             )
 
     on_before_zero_grad = _to_parts("on_before_zero_grad")

@@ -20,8 +20,9 @@ Logged once when training starts (to every logger and ``trainer.callback_metrics
 ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``, ``gpuopt/global_batch_size`` (samples per
 optimizer step over all ranks), ``gpuopt/mixed_precision`` (1 or 0), ``gpuopt/checkpointed_blocks``,
 ``gpuopt/fill_measured_peak_bytes`` (the trial of the largest fit), ``gpuopt/fill_predicted_peak_bytes``
-(the estimate at the micro-batch). At each out-of-memory adaptation: ``gpuopt/oom_adaptations`` (so far)
-and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"`` section of ``gpuopt_report.json``.
+(the estimate's lines at the micro-batch, not traced again). At each out-of-memory adaptation:
+``gpuopt/oom_adaptations`` (so far) and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"``
+section of ``gpuopt_report.json``.
 """
 
 from __future__ import annotations
@@ -47,13 +48,12 @@ from lightning_gpuopt.callbacks._engine import (
     signals_stop_our_work,
 )
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
-from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit, training_step, trial_batch
+from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
-from lightning_gpuopt.core.estimate import StepEstimator
 from lightning_gpuopt.core.fill import (
     LR_RULES,
     MIXED_PRECISIONS,
@@ -138,8 +138,6 @@ class MemoryFill(Callback):
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
-        #: trace the planned step for its peak; ``False``: the caller hands it in (:meth:`use_predicted_peak`)
-        self.predict_peak = True
         self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
@@ -149,9 +147,8 @@ class MemoryFill(Callback):
         self._blocks: Optional[Checkpointing] = None
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
-        self._prediction: Optional[tuple] = None  # the estimate of the step as the next search runs it
+        self._prediction: Optional[Prediction] = None  # the estimate of the step as the next search runs it
         self._estimate_seconds = 0.0  # the plan's estimates took
-        self._written = False  # the report section
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
@@ -299,7 +296,7 @@ class MemoryFill(Callback):
         gradients alive through the next backward, as training keeps them (2 micro-batches: the peak of any)."""
         assert self.search is not None
         previous, start = trainer.accumulate_grad_batches, upper if accumulating else None
-        prediction: tuple = (None, None, []) if accumulating else self._predicted(trainer)
+        prediction = Prediction(None, None, []) if accumulating else self._predicted(trainer)
         if accumulating:  # up to the largest fit without accumulation: the search starts there
             trainer.accumulate_grad_batches = 2
         try:
@@ -309,9 +306,9 @@ class MemoryFill(Callback):
         finally:
             trainer.accumulate_grad_batches = previous
 
-    def _predicted(self, trainer: pl.Trainer) -> tuple:
-        """This rank's ``(largest micro-batch, bytes per sample, notes)`` for the step as planned so far (traced once:
-        the checkpointing decision and the search's start share it)."""
+    def _predicted(self, trainer: pl.Trainer) -> Prediction:
+        """This rank's estimate of the step as planned so far (traced once: the checkpointing decision, the search's
+        start and the plan's predicted peak share it)."""
         if self._prediction is None:
             assert self.search is not None
             budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
@@ -322,7 +319,7 @@ class MemoryFill(Callback):
             if self.progress and trainer.is_global_zero:
                 rank_zero_info(
                     f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of "
-                    f"{self._prediction[0]} ({format_seconds(seconds)})"
+                    f"{self._prediction.largest} ({format_seconds(seconds)})"
                 )
         return self._prediction
 
@@ -357,7 +354,7 @@ class MemoryFill(Callback):
             initial_accumulate_grad_batches=self._initial["accumulate"],
             largest_fit=largest,
             budget_bytes=self.search.result.budget_bytes,
-            predicted_peak_bytes=_predicted_peak(trainer, micro, accumulate) if self.predict_peak else None,
+            predicted_peak_bytes=self._prediction.peak_bytes(micro) if self._prediction else None,
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
             on_oom=self.on_oom,
@@ -428,10 +425,6 @@ class MemoryFill(Callback):
         self._close(trainer)
         self._undo.after_failure("MemoryFill")
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan is not None and not self._written:  # the peak handed in never came: no batch was trained
-            self._write_report(trainer)
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
         if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
@@ -450,21 +443,10 @@ class MemoryFill(Callback):
         self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
         if self.verbose and trainer.is_global_zero:
             rank_zero_info(plan_table(self.plan))
-        if self.predict_peak:  # else once the peak is handed in
-            self._write_report(trainer)
-
-    def use_predicted_peak(self, trainer: pl.Trainer, peak_bytes: Optional[int]) -> None:
-        """With :attr:`predict_peak` off: the planned step's peak, predicted elsewhere (GpuOpt: its
-        MemoryEstimator's trace of the first batch; ``None``: not traced), logged and written with the plan."""
-        assert self.plan is not None
-        self.plan.predicted_peak_bytes = peak_bytes
-        if peak_bytes is not None:
-            log_metrics(trainer, {"gpuopt/fill_predicted_peak_bytes": float(peak_bytes)})
         self._write_report(trainer)
 
     def _write_report(self, trainer: pl.Trainer) -> None:
         assert self.plan is not None
-        self._written = True
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
             write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
@@ -488,17 +470,6 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None
 def _keys(owner: Any) -> list:
     keys = range(len(owner)) if isinstance(owner, list) else ("lr", "initial_lr", "max_lr", "min_lr")
     return [key for key in keys if isinstance(owner.get(key) if isinstance(owner, dict) else owner[key], float)]
-
-
-def _predicted_peak(trainer: pl.Trainer, micro: int, accumulate: int) -> Optional[int]:
-    """The estimate's peak at the planned micro-batch and accumulation, with every lever in place."""
-    try:
-        with Trials(FitSession.of(trainer), 1, "batch_size") as trials:
-            step = training_step(trials, trial_batch(trials, micro), accumulate)
-            estimate = StepEstimator(step).estimate(line=False)  # one trace: the peak, no line
-        return estimate.predicted_peak_bytes if estimate.method == "traced" else None
-    except Exception:  # noqa: BLE001 - a prediction is optional here
-        return None
 
 
 def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:

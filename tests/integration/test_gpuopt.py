@@ -68,10 +68,14 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path, monkeypatch):
     assert gpuopt.report.memory.batch_size == 64
     assert abs(gpuopt.report.memory.estimate_error) < 0.05
     assert saved_report(trainer)["gpuopt"]["changes"] == ["batch size: 16 → 64"]
-    # the planned step is estimated once: MemoryEstimator's trace of the first batch is the plan's predicted peak
+    # the planned step is traced once (MemoryEstimator, at 64): the plan's predicted peak is its estimate's lines
+    # at 64, no trace of its own, and equals that trace
     assert traced == [16, 64] and plan.predicted_peak_bytes == gpuopt.report.memory.predicted_peak_bytes
+    assert trainer.callback_metrics["gpuopt/fill_predicted_peak_bytes"].item() == pytest.approx(
+        plan.predicted_peak_bytes
+    )
     assert saved_report(trainer)["memory_fill"]["predicted_peak_bytes"] == plan.predicted_peak_bytes
-    assert written == ["memory_fill"]  # once, when the peak came
+    assert written == ["memory_fill"]  # once
     # one figure per quantity, named alike in every table: the memory limit, the budget, the largest batch
     text = render_report(gpuopt.report)
     limit, budget = report_module.format_bytes(40_000_000, decimal=True), report_module.format_bytes(plan.budget_bytes)

@@ -399,3 +399,12 @@ def test_accumulating_training_stays_within_the_budget_the_trials_kept(tmp_path)
     plan = fill.plan  # the fit above raises OutOfMemoryError if a real step goes past the cap
     assert guard.budget is None and plan.accumulate_grad_batches > 1 and plan.global_batch_size == 64
     assert plan.largest_fit < 32 and any("when accumulating" in reason for reason in plan.reasons)
+
+
+def test_the_predicted_peak_far_below_the_limit_is_the_peak_the_trial_measured(tmp_path):
+    """The plan's predicted peak comes from its estimate's lines, not a trace of its own: far below the limit (the
+    MLP at 64 in 200 MB, where Adam's step sets the peak) the line re-drawn near the limit alone said 37% less."""
+    fill, _, _ = fill_fit(tmp_path, "mlp", 128, 32, global_batch_size=64, max_memory="200MB")
+    plan = fill.plan
+    assert (plan.micro_batch_size, plan.largest_fit) == (64, 64)  # the trial measured the planned micro-batch
+    assert plan.predicted_peak_bytes == pytest.approx(plan.measured_peak_bytes, rel=0.05)

@@ -3,18 +3,12 @@ batch of the trials' own loader, refined by traces near the limit."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import NamedTuple, Optional
 
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._engine.trials import Trials
 from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.loader import batch_samples
-
-
-def trial_batch(trials: Trials, batch_size: int) -> Any:
-    """A batch of the trials' loader at ``batch_size``, on the module's device."""
-    trainer = trials.trainer
-    return trainer.strategy.batch_to_device(next(iter(trials.loader(batch_size))))
 
 
 def sizes_note(trials: Trials) -> Optional[str]:
@@ -33,9 +27,11 @@ def sizes_note(trials: Trials) -> Optional[str]:
     )
 
 
-def training_step(trials: Trials, batch: Any, accumulate: Optional[int] = None) -> TrainingStep:
-    """The module's training step on ``batch``, as training runs it (precision, accumulation, DDP's buckets)."""
+def training_step(trials: Trials, batch_size: int) -> TrainingStep:
+    """The module's training step on a batch of the trials' loader at ``batch_size``, on the module's device, as
+    training runs it (precision, accumulation, DDP's buckets)."""
     trainer, module = trials.trainer, trials.module
+    batch = trainer.strategy.batch_to_device(next(iter(trials.loader(batch_size))))
     return TrainingStep(
         module,
         batch,
@@ -43,24 +39,39 @@ def training_step(trials: Trials, batch: Any, accumulate: Optional[int] = None) 
         optimizers=list(trainer.optimizers[:1]) if len(trainer.optimizers) == 1 else [],
         batch_size=batch_samples(batch),
         step_context=trainer.precision_plugin.train_step_context,
-        accumulate_grad_batches=trainer.accumulate_grad_batches if accumulate is None else accumulate,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
         untraced=[("DDP gradient buckets", trials.ddp_bucket_bytes)] if trials.ddp_bucket_bytes else [],
     )
 
 
-def predicted_largest_fit(
-    trials: Trials, batch_size: int, budget: int
-) -> tuple[Optional[int], Optional[float], list[str]]:
-    """The estimate's largest batch for ``budget`` and its bytes per sample (``None``: no estimate), and notes."""
+class Prediction(NamedTuple):
+    """The estimate's largest batch for a budget, its bytes per sample (``None``: no estimate) and notes; ``lines``:
+    its lines ``(fixed_bytes, bytes_per_sample)``, through the traced batch and twice it and re-drawn near the limit."""
+
+    largest: Optional[int]
+    bytes_per_sample: Optional[float]
+    notes: list[str]
+    lines: tuple[tuple[float, float], ...] = ()
+
+    def peak_bytes(self, batch_size: int) -> Optional[int]:
+        """The peak at ``batch_size``: the highest line there (each is exact where traced, below the peak elsewhere:
+        the optimizer step can set it at small batches, the activations at large ones)."""
+        return int(max(fixed + per_sample * batch_size for fixed, per_sample in self.lines)) if self.lines else None
+
+
+def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Prediction:
+    """The estimate of the step on a batch of ``batch_size`` for ``budget``."""
     note = sizes_note(trials)
     notes = [note] if note else []
     try:
-        estimator = StepEstimator(training_step(trials, trial_batch(trials, batch_size)))
+        estimator = StepEstimator(training_step(trials, batch_size))
         estimate = estimator.estimate(budget)
         if estimate.method != "traced":
             reason = f"the step could not be traced on fake tensors ({estimate.not_traced_reason}); started at your batch size"
-            return None, None, [reason, *notes]
+            return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
-        return refined.max_batch_size, refined.bytes_per_sample, notes
+        lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
+        return Prediction(refined.max_batch_size, refined.bytes_per_sample, notes, lines)
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
-        return None, None, [f"no estimate ({type(error).__name__}: {error}); started at your batch size", *notes]
+        reason = f"no estimate ({type(error).__name__}: {error}); started at your batch size"
+        return Prediction(None, None, [reason, *notes])
