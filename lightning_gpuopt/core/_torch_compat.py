@@ -70,6 +70,6 @@ def eager() -> Any:
     return torch.compiler.set_stance("force_eager")
 
 
-def single_process_loader_iterator() -> type:
+def single_process_loader_iterator() -> Any:
     """The iterator of a ``DataLoader`` without workers: its ``_next_data()`` fetches and collates a batch here."""
     return torch.utils.data.dataloader._SingleProcessDataLoaderIter
