@@ -256,7 +256,9 @@ def search_largest_fit(
             else:
                 state.miss = size if state.miss is None else min(state.miss, size)
                 state.line_misses += line_prediction is not None and line_prediction >= size  # the line said it fits
-        any(on_trial(trial) for trial in trials[reported:] if on_trial)
+        if on_trial is not None:  # each trial this round ran, as it ended
+            for trial in trials[reported:]:
+                on_trial(trial)
         per_sample = bytes_per_sample and bytes_per_sample * (1 + headroom)
         size, reason, line_prediction = _next_guess(state, lo, hi, multiple_of, budget_bytes, per_sample, max_growth)
     return BatchSizeSearchResult(
