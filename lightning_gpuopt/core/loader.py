@@ -426,9 +426,7 @@ def _settled(
     return chosen, reason, False
 
 
-def oversubscription(
-    intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
-) -> Optional[str]:
+def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: float | None, cores: int) -> str | None:
     """A warning when the model's intra-op threads and busy workers want more cores than there are (CPU training)."""
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
     threads = max(1, cores - math.ceil(busy))
