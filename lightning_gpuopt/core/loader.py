@@ -152,10 +152,9 @@ def usable_cpu_count(within_quota: bool = True) -> int:
 
 def _child_pids() -> Optional[set[int]]:
     """This process's children (the loader's workers); None when the platform does not list them."""
-    try:
+    with contextlib.suppress(psutil.Error):
         return {child.pid for child in psutil.Process().children()}
-    except psutil.Error:
-        return None
+    return None
 
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:

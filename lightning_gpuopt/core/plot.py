@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import statistics
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_gpuopt.core.diagnosis import DataWaitReport
@@ -183,10 +182,7 @@ def save_plots(
         if not isinstance(report, (str, os.PathLike)):
             raise ValueError("a report given as a dict needs an `out_dir` for its PNGs, e.g. out_dir='plots/'.")
         out_dir = parent_location(as_location(report))
-    out = as_location(out_dir)
-    if isinstance(out, Path):
-        out.mkdir(parents=True, exist_ok=True)
-    written = []
+    out, written = as_location(out_dir), []
     for name, figure in report_figures(report).items():
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
