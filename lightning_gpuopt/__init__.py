@@ -31,28 +31,7 @@ _PUBLIC = {
 #: subpackages that ``import lightning_gpuopt`` used to import, reachable as attributes (imported on first use)
 _SUBMODULES = ("callbacks", "cli", "core", "presets")
 
-__all__ = [
-    "BatchSizeSearch",
-    "BatchSizeSearchResult",
-    "DataLoaderTuner",
-    "DataWaitMonitor",
-    "DataWaitReport",
-    "GpuOpt",
-    "GpuOptCLI",
-    "GpuOptReport",
-    "LoaderTuneResult",
-    "MemoryBudget",
-    "MemoryEstimate",
-    "MemoryEstimator",
-    "MemoryFill",
-    "MemoryFillPlan",
-    "NoBatchSizeFitsError",
-    "__version__",
-    "available_presets",
-    "load_preset",
-    "parse_memory",
-    "save_plots",
-]
+__all__ = sorted(["__version__", *_PUBLIC])  # what `import *` gives; the typed imports below re-export each
 
 
 def __getattr__(name: str) -> _Any:
@@ -72,22 +51,22 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
-    from lightning_gpuopt.callbacks import (
-        BatchSizeSearch,
-        DataLoaderTuner,
-        DataWaitMonitor,
-        GpuOpt,
-        GpuOptReport,
-        MemoryEstimator,
-        MemoryFill,
-        NoBatchSizeFitsError,
-    )
-    from lightning_gpuopt.cli.lightning_cli import GpuOptCLI
-    from lightning_gpuopt.core.diagnosis import DataWaitReport
-    from lightning_gpuopt.core.estimate import MemoryEstimate
-    from lightning_gpuopt.core.fill import MemoryFillPlan
-    from lightning_gpuopt.core.loader import LoaderTuneResult
-    from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
-    from lightning_gpuopt.core.plot import save_plots
-    from lightning_gpuopt.core.search import BatchSizeSearchResult
-    from lightning_gpuopt.presets import available_presets, load_preset
+    from lightning_gpuopt.callbacks import BatchSizeSearch as BatchSizeSearch
+    from lightning_gpuopt.callbacks import DataLoaderTuner as DataLoaderTuner
+    from lightning_gpuopt.callbacks import DataWaitMonitor as DataWaitMonitor
+    from lightning_gpuopt.callbacks import GpuOpt as GpuOpt
+    from lightning_gpuopt.callbacks import GpuOptReport as GpuOptReport
+    from lightning_gpuopt.callbacks import MemoryEstimator as MemoryEstimator
+    from lightning_gpuopt.callbacks import MemoryFill as MemoryFill
+    from lightning_gpuopt.callbacks import NoBatchSizeFitsError as NoBatchSizeFitsError
+    from lightning_gpuopt.cli.lightning_cli import GpuOptCLI as GpuOptCLI
+    from lightning_gpuopt.core.diagnosis import DataWaitReport as DataWaitReport
+    from lightning_gpuopt.core.estimate import MemoryEstimate as MemoryEstimate
+    from lightning_gpuopt.core.fill import MemoryFillPlan as MemoryFillPlan
+    from lightning_gpuopt.core.loader import LoaderTuneResult as LoaderTuneResult
+    from lightning_gpuopt.core.memory import MemoryBudget as MemoryBudget
+    from lightning_gpuopt.core.memory import parse_memory as parse_memory
+    from lightning_gpuopt.core.plot import save_plots as save_plots
+    from lightning_gpuopt.core.search import BatchSizeSearchResult as BatchSizeSearchResult
+    from lightning_gpuopt.presets import available_presets as available_presets
+    from lightning_gpuopt.presets import load_preset as load_preset

@@ -137,10 +137,10 @@ class Device:
 
     def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         """A meter of a span's peak (the host counts ``existing`` and ``baseline_bytes`` too)."""
-        return LiveTensorTracker(existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
+        return self.memory_cap(None, existing, baseline_bytes)
 
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        """A meter whose span raises ``torch.OutOfMemoryError`` past ``max_bytes``."""
+    def memory_cap(self, max_bytes: Optional[int], existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+        """A meter whose span raises ``torch.OutOfMemoryError`` past ``max_bytes`` (``None``: no cap)."""
         return LiveTensorTracker(max_bytes, existing=existing, device=self.torch_device, baseline_bytes=baseline_bytes)
 
     def empty_cache(self, workspaces: bool = False) -> None:
@@ -186,10 +186,7 @@ class CudaDevice(Device):
     def reserved_memory(self) -> int:
         return int(torch.cuda.memory_reserved(self.torch_device))
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        return _CudaPeakMeter(self)
-
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+    def memory_cap(self, max_bytes: Optional[int], existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _CudaPeakMeter(self, max_bytes)
 
     def empty_cache(self, workspaces: bool = False) -> None:

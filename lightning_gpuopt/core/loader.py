@@ -152,10 +152,9 @@ def usable_cpu_count(within_quota: bool = True) -> int:
 
 def _child_pids() -> Optional[set[int]]:
     """This process's children (the loader's workers); None when the platform does not list them."""
-    try:
+    with contextlib.suppress(psutil.Error):
         return {child.pid for child in psutil.Process().children()}
-    except psutil.Error:
-        return None
+    return None
 
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
@@ -426,9 +425,7 @@ def _settled(
     return chosen, reason, False
 
 
-def oversubscription(
-    intra_op_threads: int, workers: int, worker_cpu_fraction: Optional[float], cores: int
-) -> Optional[str]:
+def oversubscription(intra_op_threads: int, workers: int, worker_cpu_fraction: float | None, cores: int) -> str | None:
     """A warning when the model's intra-op threads and busy workers want more cores than there are (CPU training)."""
     busy = workers * (worker_cpu_fraction if worker_cpu_fraction is not None else 1.0)
     threads = max(1, cores - math.ceil(busy))

@@ -44,10 +44,8 @@ def parse_memory(
         if not 0.0 < value <= 1.0:
             raise fail("is a float outside (0, 1]")
         if device is None:
-            raise ValueError(
-                f"`{name}`={value!r} is a fraction of a device, but no device was given; "
-                'pass `device=` or give bytes / a string such as "20GiB".'
-            )
+            instead = 'pass `device=` or give bytes / a string such as "20GiB"'
+            raise ValueError(f"`{name}`={value!r} is a fraction of a device, but no device was given; {instead}.")
         total = device_for(device).total_memory()
         num_bytes, of = int(value * total), f" of the device's {total}"
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
+import statistics
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_gpuopt.core.diagnosis import DataWaitReport
@@ -123,9 +123,7 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     return figure
 
 
-def _memory_line(
-    search: BatchSizeSearchResult, estimate: Optional[MemoryEstimate]
-) -> Optional[tuple[float, float, str]]:
+def _memory_line(search: BatchSizeSearchResult, estimate: MemoryEstimate | None) -> tuple[float, float, str] | None:
     """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line through the
     trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
@@ -134,10 +132,8 @@ def _memory_line(
     points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
     if len(points) < 2:
         return None
-    mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)
-    covariance = sum((x - mean_x) * (y - mean_y) for x, y in points.items())
-    slope = covariance / sum((x - mean_x) ** 2 for x in points)
-    return (mean_y - slope * mean_x, slope, "line through the trials that fit") if slope > 0 else None
+    slope, intercept = statistics.linear_regression(list(points), list(points.values()))
+    return (intercept, slope, "line through the trials that fit") if slope > 0 else None
 
 
 def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:
@@ -186,10 +182,7 @@ def save_plots(
         if not isinstance(report, (str, os.PathLike)):
             raise ValueError("a report given as a dict needs an `out_dir` for its PNGs, e.g. out_dir='plots/'.")
         out_dir = parent_location(as_location(report))
-    out = as_location(out_dir)
-    if isinstance(out, Path):
-        out.mkdir(parents=True, exist_ok=True)
-    written = []
+    out, written = as_location(out_dir), []
     for name, figure in report_figures(report).items():
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")

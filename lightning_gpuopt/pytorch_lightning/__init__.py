@@ -12,16 +12,20 @@ same source, so a ``pytorch_lightning.Trainer`` takes them; results and ``core``
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
+import lightning_gpuopt as _lightning_gpuopt
 from lightning_gpuopt import callbacks as _callbacks
-from lightning_gpuopt.callbacks import GpuOptReport, NoBatchSizeFitsError
+from lightning_gpuopt.callbacks import GpuOptReport as GpuOptReport
+from lightning_gpuopt.callbacks import NoBatchSizeFitsError as NoBatchSizeFitsError
 from lightning_gpuopt.cli import lightning_cli as _cli
-from lightning_gpuopt.core.diagnosis import DataWaitReport
-from lightning_gpuopt.core.estimate import MemoryEstimate
-from lightning_gpuopt.core.fill import MemoryFillPlan
-from lightning_gpuopt.core.loader import LoaderTuneResult
-from lightning_gpuopt.core.memory import MemoryBudget, parse_memory
-from lightning_gpuopt.core.search import BatchSizeSearchResult
-from lightning_gpuopt.presets import available_presets, load_preset
+from lightning_gpuopt.core.diagnosis import DataWaitReport as DataWaitReport
+from lightning_gpuopt.core.estimate import MemoryEstimate as MemoryEstimate
+from lightning_gpuopt.core.fill import MemoryFillPlan as MemoryFillPlan
+from lightning_gpuopt.core.loader import LoaderTuneResult as LoaderTuneResult
+from lightning_gpuopt.core.memory import MemoryBudget as MemoryBudget
+from lightning_gpuopt.core.memory import parse_memory as parse_memory
+from lightning_gpuopt.core.search import BatchSizeSearchResult as BatchSizeSearchResult
+from lightning_gpuopt.presets import available_presets as available_presets
+from lightning_gpuopt.presets import load_preset as load_preset
 
 
 class BatchSizeSearch(_callbacks.BatchSizeSearch, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
@@ -58,23 +62,5 @@ class GpuOptCLI(_cli.WithGpuOpt, LightningCLI):
     default_parser_class = GpuOptArgumentParser
 
 
-__all__ = [
-    "BatchSizeSearch",
-    "BatchSizeSearchResult",
-    "DataLoaderTuner",
-    "DataWaitMonitor",
-    "DataWaitReport",
-    "GpuOpt",
-    "GpuOptCLI",
-    "GpuOptReport",
-    "LoaderTuneResult",
-    "MemoryBudget",
-    "MemoryEstimate",
-    "MemoryEstimator",
-    "MemoryFill",
-    "MemoryFillPlan",
-    "NoBatchSizeFitsError",
-    "available_presets",
-    "load_preset",
-    "parse_memory",
-]
+#: the public names of :mod:`lightning_gpuopt`, less ``__version__`` and ``save_plots``
+__all__ = [name for name in _lightning_gpuopt.__all__ if name not in ("__version__", "save_plots")]

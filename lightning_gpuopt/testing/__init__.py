@@ -77,10 +77,8 @@ class SimulatedGpu:
         if context_memory is not None:
             context = 0 if context_memory == 0 else parse_memory(context_memory, name="context_memory")
         if context >= total:
-            raise ValueError(
-                f"`context_memory`={context} bytes leaves nothing of the card's {total} bytes; "
-                "expected a context smaller than `memory`."
-            )
+            nothing = f"leaves nothing of the card's {total} bytes; expected a context smaller than `memory`"
+            raise ValueError(f"`context_memory`={context} bytes {nothing}.")
         if nvml_error not in (None, "no-permission", "not-supported"):
             raise ValueError(f"`nvml_error`={nvml_error!r} is not one of None, 'no-permission', 'not-supported'.")
         driver = int(max(0, base.nvml_total_bytes - base.total_bytes) * total / base.total_bytes)  # NVML's reserved

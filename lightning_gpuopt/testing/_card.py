@@ -100,10 +100,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
     def reserved_memory(self) -> int:
         return self.allocator.reserved_bytes
 
-    def peak_meter(self, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
-        return _SimulatedMeter(self, existing)
-
-    def memory_cap(self, max_bytes: int, existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
+    def memory_cap(self, max_bytes: Optional[int], existing: Iterable[Any] = (), baseline_bytes: int = 0) -> SpanMeter:
         return _SimulatedMeter(self, existing, max_bytes)
 
     def empty_cache(self, workspaces: bool = False) -> None:

@@ -112,6 +112,7 @@ def test_a_report_without_a_timeline_or_sections_draws_what_it_has(stored, tmp_p
     assert [path.name for path in written] == ["step_time.png"]
     assert_png_with_content(written[0])
     assert save_plots({"gpuopt": stored["gpuopt"]}, tmp_path / "none") == []
+    assert not (tmp_path / "none").exists()  # nothing drawn: no empty folder made
 
 
 def test_without_matplotlib_the_error_names_the_extra(stored, monkeypatch):
