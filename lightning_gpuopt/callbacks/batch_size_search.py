@@ -49,7 +49,7 @@ from lightning_gpuopt.callbacks._engine import (
     rng_kept,
     signals_stop_our_work,
 )
-from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
@@ -253,10 +253,12 @@ class BatchSizeSearch(Callback):
         loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
-            predicted, per_sample, notes = (prediction or predicted_largest_fit(trials, initial, budget))[:3]
+            prediction = prediction or predicted_largest_fit(trials, initial, budget)
+            predicted, per_sample, notes = prediction[:3]
+            share = 1 if isinstance(prediction, Prediction) and prediction.replayed else 3 / 4
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
-            start = start or (int(predicted * 3 / 4) if predicted is not None else initial)  # see the module docstring
+            start = start or (int(predicted * share) if predicted is not None else initial)  # see the module docstring
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
@@ -297,6 +299,7 @@ class BatchSizeSearch(Callback):
                     tolerance=1 / 64,  # see the module docstring
                     confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
+                    near=share == 1,
                 )
             size = result.batch_size
             message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""

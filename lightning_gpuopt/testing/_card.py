@@ -31,9 +31,9 @@ from lightning_gpuopt.core._torch_compat import (
     single_process_loader_iterator,
     storage_key,
 )
+from lightning_gpuopt.core.allocator import Block, CachingAllocatorModel, PeakWindow
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
 from lightning_gpuopt.core.op_memory import SpanMeter, collect_tensors, is_real_host_call, leaves, storage_of
-from lightning_gpuopt.testing._allocator import Block, CachingAllocatorModel, PeakWindow
 
 # ops that use cuBLAS on a real card (a thread's workspace is allocated on its first of them)
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})

@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._engine.trials import Trials
+from lightning_gpuopt.core.allocator import largest_replayed_fit
 from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.loader import batch_samples
 
@@ -52,6 +53,7 @@ class Prediction(NamedTuple):
     bytes_per_sample: Optional[float]
     notes: list[str]
     lines: tuple[tuple[float, float], ...] = ()
+    replayed: bool = False  #: ``largest`` is the allocator replay's (:func:`replayed_fit`), not the line's
 
     def peak_bytes(self, batch_size: int) -> Optional[int]:
         """The peak at ``batch_size``: the highest line there (each is exact where traced, below the peak elsewhere:
@@ -71,7 +73,22 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
             return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
         lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
-        return Prediction(refined.max_batch_size, refined.bytes_per_sample, notes, lines)
+        largest = replayed_fit(estimator, refined.max_batch_size, budget)
+        return Prediction(
+            largest or refined.max_batch_size, refined.bytes_per_sample, notes, lines, largest is not None
+        )
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
         reason = f"no estimate ({type(error).__name__}: {error}); started at your batch size"
         return Prediction(None, None, [reason, *notes])
+
+
+def replayed_fit(estimator: StepEstimator, largest: Optional[int], budget: int) -> Optional[int]:
+    """On a card, the largest batch up to twice ``largest`` (the line's) whose traced step, replayed through the
+    caching allocator's model after the untraced blocks (a cuBLAS workspace per thread, DDP's buckets), fits
+    ``budget``; ``None`` elsewhere (the host, data-dependent steps)."""
+    cublas = estimator.card.capabilities.cublas_workspace_bytes if estimator.card.is_cuda else 0
+    held = [*([cublas] * 2 * bool(cublas)), *(num_bytes for _, num_bytes in estimator.step.untraced)]
+    found = (
+        largest and estimator.card.is_cuda and largest_replayed_fit(estimator.allocations, budget, 2 * largest, held)
+    )
+    return found or None

@@ -6,13 +6,15 @@ blocks (equal sizes: lowest address first; a segment takes the lowest free addre
 least 512 bytes (small) or over 1 MiB (large); freed blocks merge and stay cached. ``expandable=True``: each pool is
 one segment mapping pages (2 MiB, 20 MiB) at its end; ``empty_cache`` unmaps its free tail. A segment past the
 limit first releases the free segments, then raises :class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also
-kept per window (a meter's own span).
+kept per window (a meter's own span). :func:`replay` runs a step's :class:`AllocationTrace` through it, and
+:func:`largest_replayed_fit` finds the largest batch whose replayed step fits a cap (the allocator's fragmentation
+included, which a count of allocated bytes misses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -209,3 +211,69 @@ def format_size(num_bytes: int) -> str:
     """
     power = next(p for p in (0, 10, 20, 30) if num_bytes <= 2**p * 1024 or p == 30)
     return f"{num_bytes / 2**power:.2f} {'KMG'[power // 10 - 1]}iB" if power else f"{num_bytes} bytes"
+
+
+@dataclass(frozen=True)
+class AllocationTrace:
+    """A step's storage allocations in order: ``sizes[k]`` the bytes of the k-th; per event in ``order``, -1
+    allocates the next one, ``k >= 0`` frees the k-th."""
+
+    sizes: tuple[int, ...]
+    order: tuple[int, ...]
+
+    def at(self, batch_size: int, traced: int, other: AllocationTrace, other_traced: int) -> AllocationTrace:
+        """The trace at ``batch_size``: each allocation's bytes on the line through this trace at ``traced`` samples
+        and ``other`` (the same events) at ``other_traced``, rounded up to the allocator's 512 bytes.
+
+        >>> AllocationTrace((512, 1024), (-1, -1, 0)).at(4, 1, AllocationTrace((512, 2048), (-1, -1, 0)), 2).sizes
+        (512, 4096)
+        """
+        slope = [(b - a) / (other_traced - traced) for a, b in zip(self.sizes, other.sizes)]
+        sizes = (
+            round_up(max(0.0, a + s * (batch_size - traced)), CUDA_ALLOCATION_GRANULARITY)
+            for a, s in zip(self.sizes, slope)
+        )
+        return AllocationTrace(tuple(sizes), self.order)
+
+
+def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = ()) -> Optional[int]:
+    """The peak of reserved bytes when the blocks of ``held`` and then ``trace``'s events are served under a cap of
+    ``limit_bytes``; ``None`` where a request runs out of memory.
+
+    >>> replay(AllocationTrace((600_000, 600_000, 1_200_000), (-1, -1, 0, -1)), 64 * _MIB)  # 2 small + 1 large
+    23068672
+    """
+    model, blocks = CachingAllocatorModel(limit_bytes), list[Block]()
+    try:
+        for size in held:
+            model.malloc(size)
+        for event in trace.order:
+            if event < 0:
+                blocks.append(model.malloc(trace.sizes[len(blocks)]))
+            else:
+                model.free(blocks[event])
+    except AllocatorOutOfMemory:
+        return None
+    return model.stats.peak_reserved_bytes
+
+
+def largest_replayed_fit(
+    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, held: Sequence[int] = ()
+) -> Optional[int]:
+    """The largest batch up to ``upper`` whose step, replayed (:func:`replay`) with each allocation on the line
+    through the two largest traced batches that made the same events, fits ``limit_bytes``; ``None`` without two
+    such traces (data-dependent control flow) or where batch 1 does not fit."""
+    sizes = sorted(traces, reverse=True)
+    pair = next(((b, a) for a in sizes for b in sizes if b < a and traces[a].order == traces[b].order), None)
+    if pair is None:
+        return None
+    low, high = pair
+
+    def fits(batch_size: int) -> bool:
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, held) is not None
+
+    lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo or None
