@@ -13,6 +13,7 @@ included, which a count of allocated bytes misses).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -215,11 +216,13 @@ def format_size(num_bytes: int) -> str:
 
 @dataclass(frozen=True)
 class AllocationTrace:
-    """A step's storage allocations in order: ``sizes[k]`` the bytes of the k-th; per event in ``order``, -1
-    allocates the next one, ``k >= 0`` frees the k-th."""
+    """A step's allocations in order: ``sizes[k]`` the bytes of the k-th; per event in ``order``, -1 allocates the
+    next one, -2 the next one and frees it at once (a kernel's workspace, left out where it does not fit), ``k >= 0``
+    frees the k-th. The training step begins at ``order[step]`` (before it: what it starts from)."""
 
     sizes: tuple[int, ...]
     order: tuple[int, ...]
+    step: int = 0
 
     def at(self, batch_size: int, traced: int, other: AllocationTrace, other_traced: int) -> AllocationTrace:
         """The trace at ``batch_size``: each allocation's bytes on the line through this trace at ``traced`` samples
@@ -233,35 +236,54 @@ class AllocationTrace:
             round_up(max(0.0, a + s * (batch_size - traced)), CUDA_ALLOCATION_GRANULARITY)
             for a, s in zip(self.sizes, slope)
         )
-        return AllocationTrace(tuple(sizes), self.order)
+        return AllocationTrace(tuple(sizes), self.order, self.step)
 
 
-def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = ()) -> Optional[int]:
-    """The peak of reserved bytes when the blocks of ``held`` and then ``trace``'s events are served under a cap of
-    ``limit_bytes``; ``None`` where a request runs out of memory.
+def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = (), steps: int = 1) -> Optional[int]:
+    """The peak of reserved bytes when the blocks of ``held``, ``trace``'s events, and its step ``steps - 1`` times
+    more are served under a cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
+    the blocks its previous one kept (of the sizes it freed from before it: the gradients) in their place; what it kept
+    in no one's place (a cuBLAS workspace) is made by the first step alone.
 
     >>> replay(AllocationTrace((600_000, 600_000, 1_200_000), (-1, -1, 0, -1)), 64 * _MIB)  # 2 small + 1 large
     23068672
+    >>> grads = AllocationTrace((12 * _MIB,) * 3, (-1, -1, 0, -1, 1), step=1)  # g; a, free g, g', free a
+    >>> [replay(grads, 64 * _MIB, steps=steps) // _MIB for steps in (1, 2, 3)]  # g' is freed where g was
+    [24, 24, 24]
     """
-    model, blocks = CachingAllocatorModel(limit_bytes), list[Block]()
+    model, blocks = CachingAllocatorModel(limit_bytes), dict[int, Optional[Block]]()
+    body, before = trace.order[trace.step :], trace.order[: trace.step]
+    first = sum(event < 0 for event in before)  # the step's first allocation
+    freed = {event for event in body if event >= 0}
+    kept = [k for k in range(first, len(trace.sizes)) if k not in freed and trace.sizes[k]]
+    pairs: dict[int, int] = {}  # an allocation from before the step that the step frees -> what it keeps in its place
+    for old in sorted(k for k in freed if k < first):
+        pairs[old] = next((k for k in kept if trace.sizes[k] == trace.sizes[old] and k not in pairs.values()), -1)
+    once = set(kept) - set(pairs.values())  # kept in no one's place (a cuBLAS workspace): made by the first step
     try:
         for size in held:
             model.malloc(size)
-        for event in trace.order:
-            if event < 0:
-                blocks.append(model.malloc(trace.sizes[len(blocks)]))
-            else:
-                model.free(blocks[event])
+        for repeat, (events, count) in enumerate([(before, 0), *[(body, first)] * steps]):
+            blocks.update({old: blocks.get(new) for old, new in pairs.items()} if repeat > 1 else {})
+            for event in events:
+                if event == -2:
+                    with contextlib.suppress(AllocatorOutOfMemory):
+                        model.free(model.malloc(trace.sizes[count]))
+                elif event < 0 and (repeat < 2 or count not in once):
+                    blocks[count] = model.malloc(trace.sizes[count])
+                elif (block := blocks.pop(event, None)) is not None:
+                    model.free(block)
+                count += event < 0
     except AllocatorOutOfMemory:
         return None
     return model.stats.peak_reserved_bytes
 
 
 def largest_replayed_fit(
-    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, held: Sequence[int] = ()
+    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, held: Sequence[int] = (), steps: int = 1
 ) -> Optional[int]:
-    """The largest batch up to ``upper`` whose step, replayed (:func:`replay`) with each allocation on the line
-    through the two largest traced batches that made the same events, fits ``limit_bytes``; ``None`` without two
+    """The largest batch up to ``upper`` whose ``steps``, replayed (:func:`replay`) with each allocation on the line
+    through the two largest traced batches that made the same events, fit ``limit_bytes``; ``None`` without two
     such traces (data-dependent control flow) or where batch 1 does not fit."""
     sizes = sorted(traces, reverse=True)
     pair = next(((b, a) for a in sizes for b in sizes if b < a and traces[a].order == traces[b].order), None)
@@ -270,7 +292,7 @@ def largest_replayed_fit(
     low, high = pair
 
     def fits(batch_size: int) -> bool:
-        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, held) is not None
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, held, steps) is not None
 
     lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
     while hi - lo > 1:

@@ -248,7 +248,7 @@ class StepEstimator:
         card its allocations are kept in :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode, cublas = FakeTensorMode(allow_non_fake_inputs=True), self.card.capabilities.cublas_workspace_bytes
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
             params = list(step.module.parameters())
@@ -256,7 +256,10 @@ class StepEstimator:
             with (
                 mode,
                 WorkspaceTracker(
-                    learned, existing=(step.module, fake_batch), granularity=granularity, record=self.card.is_cuda
+                    learned,
+                    existing=(step.module, fake_batch),
+                    granularity=granularity,
+                    cublas_bytes=cublas if self.card.is_cuda else None,
                 ) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
@@ -273,7 +276,7 @@ class StepEstimator:
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
                 if tracker.sizes is not None and (size := batch_size or step.batch_size):
-                    self.allocations[size] = AllocationTrace(tuple(tracker.sizes), tuple(tracker.events))
+                    self.allocations[size] = AllocationTrace(tuple(tracker.sizes), tuple(tracker.events), tracker.step)
         seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
         return _estimate_of(
             batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds

@@ -73,7 +73,7 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
             return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
         lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
-        largest = replayed_fit(estimator, refined.max_batch_size, budget)
+        largest = replayed_fit(estimator, refined.max_batch_size, budget, trials.steps_per_trial)
         return Prediction(
             largest or refined.max_batch_size, refined.bytes_per_sample, notes, lines, largest is not None
         )
@@ -82,13 +82,14 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
         return Prediction(None, None, [reason, *notes])
 
 
-def replayed_fit(estimator: StepEstimator, largest: Optional[int], budget: int) -> Optional[int]:
-    """On a card, the largest batch up to twice ``largest`` (the line's) whose traced step, replayed through the
-    caching allocator's model after the untraced blocks (a cuBLAS workspace per thread, DDP's buckets), fits
-    ``budget``; ``None`` elsewhere (the host, data-dependent steps)."""
-    cublas = estimator.card.capabilities.cublas_workspace_bytes if estimator.card.is_cuda else 0
-    held = [*([cublas] * 2 * bool(cublas)), *(num_bytes for _, num_bytes in estimator.step.untraced)]
+def replayed_fit(estimator: StepEstimator, largest: Optional[int], budget: int, steps: int) -> Optional[int]:
+    """On a card, the largest batch up to twice ``largest`` (the line's) whose ``steps`` traced steps, replayed through
+    the caching allocator's model after DDP's buckets, fit ``budget``; ``None`` elsewhere (the host, data-dependent
+    steps)."""
+    held = [num_bytes for _, num_bytes in estimator.step.untraced]
     found = (
-        largest and estimator.card.is_cuda and largest_replayed_fit(estimator.allocations, budget, 2 * largest, held)
+        largest
+        and estimator.card.is_cuda
+        and largest_replayed_fit(estimator.allocations, budget, 2 * largest, held, steps)
     )
     return found or None
