@@ -255,11 +255,14 @@ class BatchSizeSearch(Callback):
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             prediction = prediction or predicted_largest_fit(trials, initial, budget)
             predicted, per_sample, notes = prediction[:3]
-            share = 1 if isinstance(prediction, Prediction) and prediction.replayed else 3 / 4
+            steps = prediction.trial_steps if isinstance(prediction, Prediction) else 0  # 0: the line's prediction
+            share, long = (1 if steps else 3 / 4), steps > self.steps_per_trial
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
             start = start or (int(predicted * share) if predicted is not None else initial)  # see the module docstring
             search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
+
+            trial_steps = 2 * self.steps_per_trial if long else None  # every trial a confirmation
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
                 firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
@@ -268,7 +271,7 @@ class BatchSizeSearch(Callback):
                     for i, o in optimizers
                 ]
                 try:
-                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps)
+                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
                 finally:
                     any(hook.remove() for hook in hooks)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
@@ -280,7 +283,7 @@ class BatchSizeSearch(Callback):
                 )
 
             def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
-                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual
+                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not long
                 return (
                     not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
                 )

@@ -53,7 +53,9 @@ class Prediction(NamedTuple):
     bytes_per_sample: Optional[float]
     notes: list[str]
     lines: tuple[tuple[float, float], ...] = ()
-    replayed: bool = False  #: ``largest`` is the allocator replay's (:func:`replayed_fit`), not the line's
+    #: where ``largest`` is the allocator replay's (:func:`replayed_fit`), not the line's: the steps a trial needs for
+    #: its answer to hold (twice the trials' steps where more steps in a warm cache fit fewer samples); else 0
+    trial_steps: int = 0
 
     def peak_bytes(self, batch_size: int) -> Optional[int]:
         """The peak at ``batch_size``: the highest line there (each is exact where traced, below the peak elsewhere:
@@ -73,19 +75,19 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
             return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
         lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
-        largest = replayed_fit(estimator, refined.max_batch_size, budget, trials.steps_per_trial)
-        return Prediction(
-            largest or refined.max_batch_size, refined.bytes_per_sample, notes, lines, largest is not None
-        )
+        steps, line = trials.steps_per_trial, refined.max_batch_size
+        short = replayed_fit(estimator, line, budget, steps)
+        held = short and replayed_fit(estimator, short, budget, 2 * steps)  # a warm cache: what the answer must survive
+        largest, steps = (held, 2 * steps) if held and short and held < short else (short, steps)
+        return Prediction(largest or line, refined.bytes_per_sample, notes, lines, steps if largest else 0)
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
         reason = f"no estimate ({type(error).__name__}: {error}); started at your batch size"
         return Prediction(None, None, [reason, *notes])
 
 
 def replayed_fit(estimator: StepEstimator, largest: Optional[int], budget: int, steps: int) -> Optional[int]:
-    """On a card, the largest batch up to twice ``largest`` (the line's) whose ``steps`` traced steps, replayed through
-    the caching allocator's model after DDP's buckets, fit ``budget``; ``None`` elsewhere (the host, data-dependent
-    steps)."""
+    """On a card, the largest batch up to twice ``largest`` whose ``steps`` traced steps, replayed through the caching
+    allocator's model after DDP's buckets, fit ``budget``; ``None`` elsewhere (the host, data-dependent steps)."""
     held = [num_bytes for _, num_bytes in estimator.step.untraced]
     found = (
         largest
