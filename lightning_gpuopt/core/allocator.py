@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -239,9 +239,9 @@ class AllocationTrace:
         return AllocationTrace(tuple(sizes), self.order, self.step)
 
 
-def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = (), steps: int = 1) -> Optional[int]:
-    """The peak of reserved bytes when the blocks of ``held``, ``trace``'s events, and its step ``steps - 1`` times
-    more are served under a cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
+def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional[int]:
+    """The peak of reserved bytes when ``trace``'s events, and its step ``steps - 1`` times more, are served under a
+    cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
     the blocks its previous one kept (of the sizes it freed from before it: the gradients) in their place; what it kept
     in no one's place (a cuBLAS workspace) is made by the first step alone.
 
@@ -261,8 +261,6 @@ def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = (), s
         pairs[old] = next((k for k in kept if trace.sizes[k] == trace.sizes[old] and k not in pairs.values()), -1)
     once = set(kept) - set(pairs.values())  # kept in no one's place (a cuBLAS workspace): made by the first step
     try:
-        for size in held:
-            model.malloc(size)
         for repeat, (events, count) in enumerate([(before, 0), *[(body, first)] * steps]):
             blocks.update({old: blocks.get(new) for old, new in pairs.items()} if repeat > 1 else {})
             for event in events:
@@ -280,7 +278,7 @@ def replay(trace: AllocationTrace, limit_bytes: int, held: Sequence[int] = (), s
 
 
 def largest_replayed_fit(
-    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, held: Sequence[int] = (), steps: int = 1
+    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, steps: int = 1
 ) -> Optional[int]:
     """The largest batch up to ``upper`` whose ``steps``, replayed (:func:`replay`) with each allocation on the line
     through the two largest traced batches that made the same events, fit ``limit_bytes``; ``None`` without two
@@ -292,7 +290,7 @@ def largest_replayed_fit(
     low, high = pair
 
     def fits(batch_size: int) -> bool:
-        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, held, steps) is not None
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is not None
 
     lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
     while hi - lo > 1:

@@ -34,10 +34,6 @@ def test_a_kernels_workspace_is_freed_at_once_and_left_out_where_it_does_not_fit
     assert replay(trace, 16 * MIB) == 14 * MIB  # no room for the workspace: the kernel ran without it
 
 
-def test_held_blocks_are_served_first():
-    assert replay(AllocationTrace((MIB,), (-1,)), 64 * MIB, held=[12 * MIB]) == 14 * MIB
-
-
 def test_a_repeated_step_frees_what_its_previous_step_kept_in_place_and_makes_what_it_keeps_alone_once():
     # before the step: a gradient g; the step: a workspace w kept (made once), activation a, free g, g', free a
     trace = AllocationTrace((12 * MIB, 4 * MIB, 12 * MIB, 12 * MIB), (-1, -1, -1, 0, -1, 2), step=1)

@@ -87,11 +87,8 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
 
 def replayed_fit(estimator: StepEstimator, largest: Optional[int], budget: int, steps: int) -> Optional[int]:
     """On a card, the largest batch up to twice ``largest`` whose ``steps`` traced steps, replayed through the caching
-    allocator's model after DDP's buckets, fit ``budget``; ``None`` elsewhere (the host, data-dependent steps)."""
-    held = [num_bytes for _, num_bytes in estimator.step.untraced]
+    allocator's model, fit ``budget``; ``None`` elsewhere (the host, data-dependent steps)."""
     found = (
-        largest
-        and estimator.card.is_cuda
-        and largest_replayed_fit(estimator.allocations, budget, 2 * largest, held, steps)
+        largest and estimator.card.is_cuda and largest_replayed_fit(estimator.allocations, budget, 2 * largest, steps)
     )
     return found or None
