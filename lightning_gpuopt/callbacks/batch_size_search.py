@@ -1,13 +1,14 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
 In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
-(:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
-:func:`lightning_gpuopt.core.search.search_largest_fit` picks, from 3/4 of the prediction (the estimate counts
-allocated bytes, not the allocator's fragmentation: it predicted 3% to 190% above the limit on all 8 rows of
-``benchmarks/search_vs_lightning.py``; a first trial that fits calibrates the line): ``steps_per_trial`` real
-training steps each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`),
-until a size at most 1/64 above the largest fit did not fit (below 64: the next size up); an answer whose
-trial left the card all but full is confirmed with twice the steps. A trial fits
+(:mod:`lightning_gpuopt.core.estimate`): on a card, the trace's allocations replayed through the caching
+allocator's model (:mod:`lightning_gpuopt.core.allocator`, fragmentation included), and the trials start at that
+prediction and walk from it (``near``); elsewhere the line of allocated bytes, and they start at 3/4 of it (see
+:mod:`lightning_gpuopt.core.search`). Trials run at the sizes
+:func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps each (twice
+that where the replay says more steps in a warm cache fit fewer samples), through the Trainer's loop, strategy and
+precision plugin (:mod:`._engine.trials`), until a size at most 1/64 above the largest fit did not fit (below 64:
+the next size up); an answer whose trial left the card all but full is confirmed with twice the steps. A trial fits
 when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
 default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
 in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
