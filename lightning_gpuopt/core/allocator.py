@@ -226,11 +226,7 @@ class AllocationTrace:
 
     def at(self, batch_size: int, traced: int, other: AllocationTrace, other_traced: int) -> AllocationTrace:
         """The trace at ``batch_size``: each allocation's bytes on the line through this trace at ``traced`` samples
-        and ``other`` (the same events) at ``other_traced``, rounded up to the allocator's 512 bytes.
-
-        >>> AllocationTrace((512, 1024), (-1, -1, 0)).at(4, 1, AllocationTrace((512, 2048), (-1, -1, 0)), 2).sizes
-        (512, 4096)
-        """
+        and ``other`` (the same events) at ``other_traced``, rounded up to the allocator's 512 bytes."""
         slope = [(b - a) / (other_traced - traced) for a, b in zip(self.sizes, other.sizes)]
         sizes = (
             round_up(max(0.0, a + s * (batch_size - traced)), CUDA_ALLOCATION_GRANULARITY)
@@ -243,14 +239,7 @@ def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional
     """The peak of reserved bytes when ``trace``'s events, and its step ``steps - 1`` times more, are served under a
     cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
     the blocks its previous one kept (of the sizes it freed from before it: the gradients) in their place; what it kept
-    in no one's place (a cuBLAS workspace) is made by the first step alone.
-
-    >>> replay(AllocationTrace((600_000, 600_000, 1_200_000), (-1, -1, 0, -1)), 64 * _MIB)  # 2 small + 1 large
-    23068672
-    >>> grads = AllocationTrace((12 * _MIB,) * 3, (-1, -1, 0, -1, 1), step=1)  # g; a, free g, g', free a
-    >>> [replay(grads, 64 * _MIB, steps=steps) // _MIB for steps in (1, 2, 3)]  # g' is freed where g was
-    [24, 24, 24]
-    """
+    in no one's place (a cuBLAS workspace) is made by the first step alone."""
     model, blocks = CachingAllocatorModel(limit_bytes), dict[int, Optional[Block]]()
     body, before = trace.order[trace.step :], trace.order[: trace.step]
     first = sum(event < 0 for event in before)  # the step's first allocation

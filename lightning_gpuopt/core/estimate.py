@@ -248,19 +248,16 @@ class StepEstimator:
         card its allocations are kept in :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
-        mode, cublas = FakeTensorMode(allow_non_fake_inputs=True), self.card.capabilities.cublas_workspace_bytes
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
+            existing = (step.module, fake_batch)
             params = list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
             with (
                 mode,
-                WorkspaceTracker(
-                    learned,
-                    existing=(step.module, fake_batch),
-                    granularity=granularity,
-                    cublas_bytes=cublas if self.card.is_cuda else None,
-                ) as tracker,
+                WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes

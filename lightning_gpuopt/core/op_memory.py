@@ -159,8 +159,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from the op that made
     them, or the start for ``existing``, until they die, plus ``baseline_bytes``. With ``workspaces``, a real host op
     also counts its kernel's peak; an op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``.
-    With ``record``, :attr:`sizes` and :attr:`events` list the storages' allocations and frees in order (see
-    :class:`~lightning_gpuopt.core.allocator.AllocationTrace`)."""
+    ``record``: :attr:`sizes` and :attr:`events` as :class:`~lightning_gpuopt.core.allocator.AllocationTrace` has them."""
 
     peak_bytes: int
 

@@ -2,10 +2,8 @@
 
 :class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
 (oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
-adds it, scaled to the inputs, to the k-th call of each signature in a fake step, and (recording for a card)
-the allocations a card's kernels make: a cuBLAS workspace per thread (forward, autograd) at its first matrix
-product, kept; a convolution's cuDNN workspace of its largest input's bytes, freed at once (where it fits: else
-cuDNN picks another algorithm).
+adds it, scaled to the inputs, to the k-th call of each signature in a fake step, and records a card's kernels'
+allocations: a cuBLAS workspace per thread at its first matrix product; a convolution's of its largest input.
 """
 
 from __future__ import annotations
@@ -143,7 +141,7 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 class WorkspaceTracker(LiveTensorTracker):
     """A fake trace's tracker with ``profile``'s kernel memory added (:attr:`workspace_bytes_at_peak` of the
     peak); call :meth:`next_step` where each step after the first begins. ``cublas_bytes`` (not ``None``: a card's
-    step, recorded) adds the card's kernels' allocations to the recorded events (see the module docstring)."""
+    step): records the events, the card's kernels' with them."""
 
     def __init__(
         self, profile: Optional[WorkspaceProfile] = None, *args: Any, cublas_bytes: Optional[int] = None, **kwargs: Any
@@ -162,13 +160,13 @@ class WorkspaceTracker(LiveTensorTracker):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        name, thread = func.overloadpacket.__name__, in_backward()
-        if self.sizes is not None and name in MATMUL_OPS and thread not in self._cublas and self.cublas_bytes:
+        name, thread, sizes = func.overloadpacket.__name__, in_backward(), self.sizes
+        if sizes is not None and name in MATMUL_OPS and thread not in self._cublas and self.cublas_bytes:  # kept
             self._cublas.add(thread)
-            self.sizes.append(self.cublas_bytes)
+            sizes.append(self.cublas_bytes)
             self.events.append(-1)
-        if self.sizes is not None and name in ("convolution", "convolution_backward"):
-            self.sizes.append(max(_input_bytes(_tensors((args, kwargs or {}))), default=0))
+        if sizes is not None and name in ("convolution", "convolution_backward"):  # freed at once, where it fits
+            sizes.append(max(_input_bytes(_tensors((args, kwargs or {}))), default=0))
             self.events.append(-2)
         return out
 
