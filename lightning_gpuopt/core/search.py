@@ -3,9 +3,9 @@
 Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that runs a real trial, and
 
 1. **probes** ``start`` (BatchSizeSearch on a card: the largest batch whose traced step, replayed through the
-   caching allocator's model, fits, ``near=True``: it was the truth or within 6% of it, below, on 12 of the 12
-   benchmark and held-out rows; elsewhere 3/4 of the line of allocated bytes, which ignores fragmentation and
-   predicted 3% to 190% above the limit on all 8 benchmark rows);
+   caching allocator's model, fits, ``near=True``: from 6% below the truth to 2% above it on the 8 benchmark and
+   4 held-out rows; elsewhere 3/4 of the line of allocated bytes, which ignores fragmentation and predicted 3% to
+   190% above the limit on all 8 benchmark rows);
 2. **extrapolates** while all fit, on the line ``peak(b) = a + s * b`` through the two largest fits (one
    fit: the estimate's slope, or through zero), at most ``max_growth`` times the largest fit (``near``: until a
    size fits and one misses, the k-th guess at most ``tolerance * 2**(k-1)`` above the largest fit, or below the
