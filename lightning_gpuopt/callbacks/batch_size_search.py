@@ -256,14 +256,14 @@ class BatchSizeSearch(Callback):
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             prediction = prediction or predicted_largest_fit(trials, initial, budget)
             predicted, per_sample, notes = prediction[:3]
-            steps = prediction.trial_steps if isinstance(prediction, Prediction) else 0  # 0: the line's prediction
-            share, long = (1 if steps else 3 / 4), steps > self.steps_per_trial
+            # the trial steps of the allocator replay's prediction, 0: the line's (see the module docstring)
+            replayed = prediction.trial_steps if isinstance(prediction, Prediction) and not start else 0
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
-            start = start or (int(predicted * share) if predicted is not None else initial)  # see the module docstring
-            search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
-
-            trial_steps = 2 * self.steps_per_trial if long else None  # every trial a confirmation
+            start = start or (int(predicted * (1 if replayed else 3 / 4)) if predicted is not None else initial)
+            plan = _agree_plan(trainer, budget, start, per_sample, max(upper, lower), replayed)
+            search_budget, start, per_sample, upper, replayed = plan
+            trial_steps = replayed if replayed > self.steps_per_trial else None  # every trial a confirmation
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
                 firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
@@ -284,7 +284,7 @@ class BatchSizeSearch(Callback):
                 )
 
             def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
-                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not long
+                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not trial_steps
                 return (
                     not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
                 )
@@ -303,7 +303,7 @@ class BatchSizeSearch(Callback):
                     tolerance=1 / 64,  # see the module docstring
                     confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
-                    near=share == 1,
+                    near=bool(replayed),
                 )
             size = result.batch_size
             message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
@@ -478,12 +478,13 @@ def _holder_name(holder: Any, name: str) -> str:
     )
 
 
-def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int) -> tuple:
-    """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
-    rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper])
+def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int, steps: int) -> tuple:
+    """The smallest budget, start, upper bound and replayed trial steps, and the steepest estimated slope over the
+    ranks."""
+    rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper, steps])
     slopes = [row[2] for row in rows if row[2] >= 0]
-    least = [int(min(row[i] for row in rows)) for i in (0, 1, 3)]
-    return least[0], least[1], max(slopes) if slopes else None, least[2]
+    least = [int(min(row[i] for row in rows)) for i in (0, 1, 3, 4)]
+    return least[0], least[1], max(slopes) if slopes else None, least[2], least[3]
 
 
 def _bytes(num_bytes: Optional[int]) -> str:
