@@ -54,11 +54,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from models_memory import make_model
 
+from lightning_gpuopt.core.allocator import CachingAllocatorModel
 from lightning_gpuopt.core.device import Capabilities, device_for
 from lightning_gpuopt.core.memory import is_out_of_memory_error
 from lightning_gpuopt.core.nvml import NvmlSampler, nvml_devices, nvml_session, read_usage
 from lightning_gpuopt.testing import SimulatedGpu
-from lightning_gpuopt.testing._allocator import CachingAllocatorModel
 from lightning_gpuopt.testing._card import GpuProfile
 
 MIB = 2**20

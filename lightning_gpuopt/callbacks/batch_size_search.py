@@ -1,13 +1,14 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
 In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
-(:mod:`lightning_gpuopt.core.estimate`), then runs trials at the sizes
-:func:`lightning_gpuopt.core.search.search_largest_fit` picks, from 3/4 of the prediction (the estimate counts
-allocated bytes, not the allocator's fragmentation: it predicted 3% to 190% above the limit on all 8 rows of
-``benchmarks/search_vs_lightning.py``; a first trial that fits calibrates the line): ``steps_per_trial`` real
-training steps each, through the Trainer's loop, strategy and precision plugin (:mod:`._engine.trials`),
-until a size at most 1/64 above the largest fit did not fit (below 64: the next size up); an answer whose
-trial left the card all but full is confirmed with twice the steps. A trial fits
+(:mod:`lightning_gpuopt.core.estimate`): on a card, the trace's allocations replayed through the caching
+allocator's model (:mod:`lightning_gpuopt.core.allocator`, fragmentation included), and the trials start at that
+prediction and walk from it (``near``); elsewhere the line of allocated bytes, and they start at 3/4 of it (see
+:mod:`lightning_gpuopt.core.search`). Trials run at the sizes
+:func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps each (twice
+that where the replay says more steps in a warm cache fit fewer samples), through the Trainer's loop, strategy and
+precision plugin (:mod:`._engine.trials`), until a size at most 1/64 above the largest fit did not fit (below 64:
+the next size up); an answer whose trial left the card all but full is confirmed with twice the steps. A trial fits
 when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
 default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
 in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
@@ -49,7 +50,7 @@ from lightning_gpuopt.callbacks._engine import (
     rng_kept,
     signals_stop_our_work,
 )
-from lightning_gpuopt.callbacks._engine.predict import predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
@@ -253,11 +254,16 @@ class BatchSizeSearch(Callback):
         loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
-            predicted, per_sample, notes = (prediction or predicted_largest_fit(trials, initial, budget))[:3]
+            prediction = prediction or predicted_largest_fit(trials, initial, budget)
+            predicted, per_sample, notes = prediction[:3]
+            # the trial steps of the allocator replay's prediction, 0: the line's (see the module docstring)
+            replayed = prediction.trial_steps if isinstance(prediction, Prediction) and not start else 0
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
-            start = start or (int(predicted * 3 / 4) if predicted is not None else initial)  # see the module docstring
-            search_budget, start, per_sample, upper = _agree_plan(trainer, budget, start, per_sample, max(upper, lower))
+            start = start or (int(predicted * (1 if replayed else 3 / 4)) if predicted is not None else initial)
+            plan = _agree_plan(trainer, budget, start, per_sample, max(upper, lower), replayed)
+            search_budget, start, per_sample, upper, replayed = plan
+            trial_steps = replayed if replayed > self.steps_per_trial else None  # every trial a confirmation
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
                 firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
@@ -266,7 +272,7 @@ class BatchSizeSearch(Callback):
                     for i, o in optimizers
                 ]
                 try:
-                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps)
+                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
                 finally:
                     any(hook.remove() for hook in hooks)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
@@ -278,7 +284,7 @@ class BatchSizeSearch(Callback):
                 )
 
             def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
-                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual
+                edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not trial_steps
                 return (
                     not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
                 )
@@ -297,6 +303,7 @@ class BatchSizeSearch(Callback):
                     tolerance=1 / 64,  # see the module docstring
                     confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
+                    near=bool(replayed),
                 )
             size = result.batch_size
             message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
@@ -471,12 +478,13 @@ def _holder_name(holder: Any, name: str) -> str:
     )
 
 
-def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int) -> tuple:
-    """The smallest budget, start and upper bound and the steepest estimated slope over the ranks."""
-    rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper])
+def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int, steps: int) -> tuple:
+    """The smallest budget, start, upper bound and replayed trial steps, and the steepest estimated slope over the
+    ranks."""
+    rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper, steps])
     slopes = [row[2] for row in rows if row[2] >= 0]
-    least = [int(min(row[i] for row in rows)) for i in (0, 1, 3)]
-    return least[0], least[1], max(slopes) if slopes else None, least[2]
+    least = [int(min(row[i] for row in rows)) for i in (0, 1, 3, 4)]
+    return least[0], least[1], max(slopes) if slopes else None, least[2], least[3]
 
 
 def _bytes(num_bytes: Optional[int]) -> str:

@@ -25,6 +25,7 @@ import torchinfo
 from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.core._torch_compat import FAKE_KERNEL_LOGGERS, FakeTensorMode, eager, profiler_running, tree_map
+from lightning_gpuopt.core.allocator import AllocationTrace
 from lightning_gpuopt.core.device import CUDA_ALLOCATION_GRANULARITY, device_for
 from lightning_gpuopt.core.loader import batch_samples, largest_samples_first
 from lightning_gpuopt.core.oom import sample_elements
@@ -147,6 +148,7 @@ class StepEstimator:
     def __init__(self, step: TrainingStep, *, workspaces: bool = True) -> None:
         self.step, self._learns_workspaces = step, workspaces
         self.card = device_for(_module_device(step.module) if step.device is None else torch.device(step.device))
+        self.allocations: dict[int, AllocationTrace] = {}  #: on a card, each traced batch size's allocations
 
     def estimate(self, capacity_bytes: int | None = None, line: bool = True) -> MemoryEstimate:
         """The peak at the step's batch size and (``line``: a second trace at twice it) the line to the largest
@@ -242,17 +244,20 @@ class StepEstimator:
     def trace(self, batch_size: int | None = None) -> MemoryEstimate:
         """A step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and optimizer
         state (zeros, stepped: its passes peak no higher; a manual step runs twice), with the learned workspaces, as
-        an estimate (its peak; what is live at its end); with accumulation it adds to the first one's gradients."""
+        an estimate (its peak; what is live at its end); with accumulation it adds to the first one's gradients. On a
+        card its allocations are kept in :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
+            existing = (step.module, fake_batch)
             params = list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
             with (
                 mode,
-                WorkspaceTracker(learned, existing=(step.module, fake_batch), granularity=granularity) as tracker,
+                WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas) as tracker,
             ):
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes
@@ -267,6 +272,8 @@ class StepEstimator:
                 sized = functools.partial(storage_bytes, granularity=granularity)
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
+                if tracker.sizes is not None and (size := batch_size or step.batch_size):
+                    self.allocations[size] = AllocationTrace(tuple(tracker.sizes), tuple(tracker.events), tracker.step)
         seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
         return _estimate_of(
             batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds

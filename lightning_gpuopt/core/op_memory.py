@@ -158,7 +158,8 @@ class SpanMeter:
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from the op that made
     them, or the start for ``existing``, until they die, plus ``baseline_bytes``. With ``workspaces``, a real host op
-    also counts its kernel's peak; an op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``."""
+    also counts its kernel's peak; an op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``.
+    ``record``: :attr:`sizes` and :attr:`events` as :class:`~lightning_gpuopt.core.allocator.AllocationTrace` has them."""
 
     peak_bytes: int
 
@@ -175,18 +176,23 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
         granularity: int = 1,
         baseline_bytes: int = 0,
         workspaces: bool = True,
+        record: bool = False,
     ) -> None:
         super().__init__()
         self.max_bytes, self.existing, self.granularity = max_bytes, tuple(existing), granularity
         self.baseline_bytes, self.workspaces = baseline_bytes, workspaces
         self.device = None if device is None else torch.device(device)
         self.live_bytes = self.peak_bytes = self.workspace_bytes_at_peak = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._live: dict[int, tuple[weakref.ref, int, int]] = {}
+        self.sizes: Optional[list[int]] = [] if record else None
+        self.events: list[int] = []
         self._surplus: dict[int, int] = {}  # storages counted above their size: key -> bytes
 
     def _begin(self) -> None:
         self._live.clear()
         self._surplus.clear()
+        self.events = []
+        self.sizes = None if self.sizes is None else []
         self.live_bytes = self.peak_bytes = self.baseline_bytes
         self.workspace_bytes_at_peak = 0
         for key, storage, num_bytes, _ in self._new_storages(collect_tensors(*self.existing), set()):
@@ -227,8 +233,12 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self.live_bytes -= entry[1]
+                self.events += [] if self.sizes is None else [entry[2]]
 
-        self._live[key] = (weakref.ref(storage, release), num_bytes)
+        self._live[key] = (weakref.ref(storage, release), num_bytes, -1 if self.sizes is None else len(self.sizes))
+        if self.sizes is not None:
+            self.sizes.append(num_bytes)
+            self.events.append(-1)
         self.live_bytes += num_bytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 

@@ -2,7 +2,8 @@
 
 :class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
 (oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
-adds it, scaled to the inputs, to the k-th call of each signature in a fake step.
+adds it, scaled to the inputs, to the k-th call of each signature in a fake step, and records a card's kernels'
+allocations: a cuBLAS workspace per thread at its first matrix product; a convolution's of its largest input.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_gpuopt.core._torch_compat import TorchDispatchMode, storage_key, tree_map
+from lightning_gpuopt.core._torch_compat import TorchDispatchMode, in_backward, storage_key, tree_map
 from lightning_gpuopt.core.op_memory import (
     LiveTensorTracker,
     call_learning_allocations,
@@ -25,6 +26,8 @@ from lightning_gpuopt.core.op_memory import (
 #: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
 #: convolution on one thread goes to oneDNN from 16 samples on)
 PROBE_BATCH_SIZE = 16
+#: ops that use cuBLAS on a card (a thread's workspace is allocated on its first of them)
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
 
 
 def _signature(func: Any, tensors: list[torch.Tensor]) -> tuple:
@@ -137,10 +140,14 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 class WorkspaceTracker(LiveTensorTracker):
     """A fake trace's tracker with ``profile``'s kernel memory added (:attr:`workspace_bytes_at_peak` of the
-    peak); call :meth:`next_step` where each step after the first begins."""
+    peak); call :meth:`next_step` where each step after the first begins. ``cublas_bytes`` (not ``None``: a card's
+    step): records the events, the card's kernels' with them."""
 
-    def __init__(self, profile: Optional[WorkspaceProfile] = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, workspaces=False, **kwargs)
+    def __init__(
+        self, profile: Optional[WorkspaceProfile] = None, *args: Any, cublas_bytes: Optional[int] = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, workspaces=False, record=cublas_bytes is not None, **kwargs)
+        self.cublas_bytes, self._cublas, self.step = cublas_bytes or 0, set[bool](), 0
         self.probed: dict[tuple, list[ProbedCall]] = collections.defaultdict(list)
         for call in () if profile is None else profile.calls:
             self.probed[call.signature].append(call)
@@ -148,11 +155,25 @@ class WorkspaceTracker(LiveTensorTracker):
 
     def _begin(self) -> None:
         self._seen.clear()
+        self._cublas.clear()
         super()._begin()
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name, thread, sizes = func.overloadpacket.__name__, in_backward(), self.sizes
+        if sizes is not None and name in MATMUL_OPS and thread not in self._cublas and self.cublas_bytes:  # kept
+            self._cublas.add(thread)
+            sizes.append(self.cublas_bytes)
+            self.events.append(-1)
+        if sizes is not None and name in ("convolution", "convolution_backward"):  # freed at once, where it fits
+            sizes.append(max(_input_bytes(_tensors((args, kwargs or {}))), default=0))
+            self.events.append(-2)
+        return out
+
     def next_step(self) -> None:
-        """Calls from now on belong to the next step."""
+        """Calls from now on belong to the next step (the recorded events' :attr:`step` begins here)."""
         self._seen.clear()
+        self.step = len(self.events)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
         out = func(*args, **kwargs)

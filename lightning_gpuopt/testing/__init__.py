@@ -16,10 +16,10 @@ import warnings
 from typing import Any, Optional, Union
 
 from lightning_gpuopt.callbacks._lightning_compat import fp16_kept_on_cpu
+from lightning_gpuopt.core.allocator import CachingAllocatorModel
 from lightning_gpuopt.core.device import simulating
 from lightning_gpuopt.core.memory import parse_memory
 from lightning_gpuopt.core.nvml import using_nvml_library
-from lightning_gpuopt.testing._allocator import CachingAllocatorModel
 from lightning_gpuopt.testing._card import GpuProfile, SimulatedCudaDevice
 from lightning_gpuopt.testing._nvml import FakeNvml, FakeNvmlDevice
 

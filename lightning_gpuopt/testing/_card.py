@@ -31,12 +31,10 @@ from lightning_gpuopt.core._torch_compat import (
     single_process_loader_iterator,
     storage_key,
 )
+from lightning_gpuopt.core.allocator import Block, CachingAllocatorModel, PeakWindow
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
 from lightning_gpuopt.core.op_memory import SpanMeter, collect_tensors, is_real_host_call, leaves, storage_of
-from lightning_gpuopt.testing._allocator import Block, CachingAllocatorModel, PeakWindow
-
-# ops that use cuBLAS on a real card (a thread's workspace is allocated on its first of them)
-_MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
+from lightning_gpuopt.core.workspace import MATMUL_OPS
 
 
 @dataclass(frozen=True)
@@ -203,7 +201,7 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                 self._track(new[0], None)  # held while the first cast is
                 return out
         self._take(new)
-        if name in _MATMUL_OPS and (thread := in_backward()) not in self._cublas:
+        if name in MATMUL_OPS and (thread := in_backward()) not in self._cublas:
             size = self.capabilities.cublas_workspace_bytes
             self._cublas[thread] = self.allocator.malloc(size) if size else None
         if name in ("convolution", "convolution_backward"):

@@ -9,10 +9,10 @@ from helpers import profiler_peak_bytes, quiet_trainer
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
+from lightning_gpuopt.core.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.op_memory import LiveTensorTracker, storage_bytes
 from lightning_gpuopt.testing import GPU_PROFILES, SimulatedGpu
-from lightning_gpuopt.testing._allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorOutOfMemory, CachingAllocatorModel
 
 MIB = 2**20
 
@@ -269,8 +269,8 @@ def test_out_of_memory_names_sizes_as_torch_formats_them_and_the_fraction_cap():
 
 
 def test_profiles_total_what_torch_reports_and_nvml_its_own_figure():
+    from lightning_gpuopt.core.allocator import format_size
     from lightning_gpuopt.core.nvml import read_usage
-    from lightning_gpuopt.testing._allocator import format_size
 
     totals = {name: format_size(GPU_PROFILES[name].total_bytes) for name in ("H100", "T4", "A100")}
     assert totals == {"H100": "79.11 GiB", "T4": "14.75 GiB", "A100": "39.39 GiB"}

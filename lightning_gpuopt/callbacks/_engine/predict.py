@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._engine.trials import Trials
+from lightning_gpuopt.core.allocator import largest_replayed_fit
 from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep
 from lightning_gpuopt.core.loader import batch_samples
 
@@ -52,6 +53,9 @@ class Prediction(NamedTuple):
     bytes_per_sample: Optional[float]
     notes: list[str]
     lines: tuple[tuple[float, float], ...] = ()
+    #: where ``largest`` is the allocator replay's (:mod:`lightning_gpuopt.core.allocator`), not the line's: the
+    #: steps a trial needs for its answer to hold (twice the trials' where a warm cache fits fewer samples); else 0
+    trial_steps: int = 0
 
     def peak_bytes(self, batch_size: int) -> Optional[int]:
         """The peak at ``batch_size``: the highest line there (each is exact where traced, below the peak elsewhere:
@@ -71,7 +75,12 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
             return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
         lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
-        return Prediction(refined.max_batch_size, refined.bytes_per_sample, notes, lines)
+        steps, line, on_card = trials.steps_per_trial, refined.max_batch_size, estimator.card.is_cuda
+        # on a card: the largest batch up to twice the line's whose steps, replayed on the allocator's model, fit
+        short = on_card and line and largest_replayed_fit(estimator.allocations, budget, 2 * line, steps)
+        held = short and largest_replayed_fit(estimator.allocations, budget, 2 * short, 2 * steps)  # a warm cache
+        largest, steps = (held, 2 * steps) if held and short and held < short else (short or None, steps)
+        return Prediction(largest or line, refined.bytes_per_sample, notes, lines, steps if largest else 0)
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
         reason = f"no estimate ({type(error).__name__}: {error}); started at your batch size"
         return Prediction(None, None, [reason, *notes])

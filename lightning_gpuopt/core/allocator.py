@@ -6,11 +6,14 @@ blocks (equal sizes: lowest address first; a segment takes the lowest free addre
 least 512 bytes (small) or over 1 MiB (large); freed blocks merge and stay cached. ``expandable=True``: each pool is
 one segment mapping pages (2 MiB, 20 MiB) at its end; ``empty_cache`` unmaps its free tail. A segment past the
 limit first releases the free segments, then raises :class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also
-kept per window (a meter's own span).
+kept per window (a meter's own span). :func:`replay` runs a step's :class:`AllocationTrace` through it, and
+:func:`largest_replayed_fit` finds the largest batch whose replayed step fits a cap (the allocator's fragmentation
+included, which a count of allocated bytes misses).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -209,3 +212,77 @@ def format_size(num_bytes: int) -> str:
     """
     power = next(p for p in (0, 10, 20, 30) if num_bytes <= 2**p * 1024 or p == 30)
     return f"{num_bytes / 2**power:.2f} {'KMG'[power // 10 - 1]}iB" if power else f"{num_bytes} bytes"
+
+
+@dataclass(frozen=True)
+class AllocationTrace:
+    """A step's allocations in order: ``sizes[k]`` the bytes of the k-th; per event in ``order``, -1 allocates the
+    next one, -2 the next one and frees it at once (a kernel's workspace, left out where it does not fit), ``k >= 0``
+    frees the k-th. The training step begins at ``order[step]`` (before it: what it starts from)."""
+
+    sizes: tuple[int, ...]
+    order: tuple[int, ...]
+    step: int = 0
+
+    def at(self, batch_size: int, traced: int, other: AllocationTrace, other_traced: int) -> AllocationTrace:
+        """The trace at ``batch_size``: each allocation's bytes on the line through this trace at ``traced`` samples
+        and ``other`` (the same events) at ``other_traced``, rounded up to the allocator's 512 bytes."""
+        slope = [(b - a) / (other_traced - traced) for a, b in zip(self.sizes, other.sizes)]
+        sizes = (
+            round_up(max(0.0, a + s * (batch_size - traced)), CUDA_ALLOCATION_GRANULARITY)
+            for a, s in zip(self.sizes, slope)
+        )
+        return AllocationTrace(tuple(sizes), self.order, self.step)
+
+
+def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional[int]:
+    """The peak of reserved bytes when ``trace``'s events, and its step ``steps - 1`` times more, are served under a
+    cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
+    the blocks its previous one kept (of the sizes it freed from before it: the gradients) in their place; what it kept
+    in no one's place (a cuBLAS workspace) is made by the first step alone."""
+    model, blocks = CachingAllocatorModel(limit_bytes), dict[int, Optional[Block]]()
+    body, before = trace.order[trace.step :], trace.order[: trace.step]
+    first = sum(event < 0 for event in before)  # the step's first allocation
+    freed = {event for event in body if event >= 0}
+    kept = [k for k in range(first, len(trace.sizes)) if k not in freed and trace.sizes[k]]
+    pairs: dict[int, int] = {}  # an allocation from before the step that the step frees -> what it keeps in its place
+    for old in sorted(k for k in freed if k < first):
+        pairs[old] = next((k for k in kept if trace.sizes[k] == trace.sizes[old] and k not in pairs.values()), -1)
+    once = set(kept) - set(pairs.values())  # kept in no one's place (a cuBLAS workspace): made by the first step
+    try:
+        for repeat, (events, count) in enumerate([(before, 0), *[(body, first)] * steps]):
+            blocks.update({old: blocks.get(new) for old, new in pairs.items()} if repeat > 1 else {})
+            for event in events:
+                if event == -2:
+                    with contextlib.suppress(AllocatorOutOfMemory):
+                        model.free(model.malloc(trace.sizes[count]))
+                elif event < 0 and (repeat < 2 or count not in once):
+                    blocks[count] = model.malloc(trace.sizes[count])
+                elif (block := blocks.pop(event, None)) is not None:
+                    model.free(block)
+                count += event < 0
+    except AllocatorOutOfMemory:
+        return None
+    return model.stats.peak_reserved_bytes
+
+
+def largest_replayed_fit(
+    traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, steps: int = 1
+) -> Optional[int]:
+    """The largest batch up to ``upper`` whose ``steps``, replayed (:func:`replay`) with each allocation on the line
+    through the two largest traced batches that made the same events, fit ``limit_bytes``; ``None`` without two
+    such traces (data-dependent control flow) or where batch 1 does not fit."""
+    sizes = sorted(traces, reverse=True)
+    pair = next(((b, a) for a in sizes for b in sizes if b < a and traces[a].order == traces[b].order), None)
+    if pair is None:
+        return None
+    low, high = pair
+
+    def fits(batch_size: int) -> bool:
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is not None
+
+    lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo or None
