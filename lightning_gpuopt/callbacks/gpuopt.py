@@ -173,6 +173,9 @@ class GpuOpt(Callback):
             )
             if self.fill is not None:
                 self.fill.follow_lr(trainer, self._undo)
+            if self.estimator is not None:  # the step as planned is traced once more, at its batch only
+                slope = self.fill.prediction if self.fill is not None else None
+                self.estimator.bytes_per_sample = slope.bytes_per_sample if slope is not None else None
         for part in self.parts:
             if part is self.fill or part is self.tuner:
                 part._report(trainer)

@@ -1,7 +1,8 @@
 """MemoryEstimator: predict a training step's peak memory before it runs, then measure it.
 
-Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
-torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
+Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`) at its batch and
+twice it (once, with the slope of :attr:`MemoryEstimator.bytes_per_sample` where GpuOpt's MemoryFill measured it),
+with torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
 Logged once, when the measurement ends (or at the end of training); unknown values are not logged:
 
 * ``gpuopt/mem_predicted_peak_bytes``: the predicted peak of a step at the current batch size.
@@ -18,6 +19,8 @@ At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -88,6 +91,9 @@ class MemoryEstimator(Callback):
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory, self.measure_steps, self.verbose = max_memory, measure_steps, verbose
+        #: bytes a sample adds to the peak, where another part measured them (GpuOpt sets MemoryFill's): the step is
+        #: then traced at its batch only, and the line to the largest batch has this slope
+        self.bytes_per_sample: float | None = None
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
 
@@ -163,7 +169,15 @@ class MemoryEstimator(Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             forward_input=_forward_input(trainer, pl_module, batch),
         )
-        estimate = StepEstimator(step).estimate(capacity).traced_on(batch, what, unseen)
+        slope = self.bytes_per_sample
+        estimate = StepEstimator(step).estimate(capacity, slope is None).traced_on(batch, what, unseen)
+        if slope and estimate.method == "traced" and estimate.batch_size:  # the line through this peak at that slope
+            fixed = estimate.predicted_peak_bytes - slope * estimate.batch_size
+            most = max(0, math.floor((capacity - fixed) / slope))
+            estimate = replace(estimate, fixed_bytes=fixed, bytes_per_sample=slope, max_batch_size=most)
+            estimate.notes.append(
+                f"the line's slope is MemoryFill's estimate near the limit, {format_bytes(slope)} a sample"
+            )
         if longest:
             estimate.notes.append("the first steps measured may have shorter batches than the one traced")
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None
@@ -218,7 +232,10 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("torchinfo total", format_bytes(estimate.torchinfo_total_bytes)),
         ("torchinfo error", format_fraction(estimate.torchinfo_error)),
         ("memory limit", format_bytes(estimate.capacity_bytes, decimal=True)),
-        ("largest batch (predicted)", f"{estimate.max_batch_size} (a line through {estimate.batch_size} and 2x)"),
+        (
+            "largest batch (predicted)",
+            f"{estimate.max_batch_size} ({format_bytes(estimate.bytes_per_sample)} a sample)",
+        ),
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
     return render_table("gpuopt: memory estimate", rows, notes=estimate.notes)

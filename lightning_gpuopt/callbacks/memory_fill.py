@@ -147,7 +147,7 @@ class MemoryFill(Callback):
         self._blocks: Optional[Checkpointing] = None
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
-        self._prediction: Optional[Prediction] = None  # the estimate of the step as the next search runs it
+        self.prediction: Optional[Prediction] = None  #: the estimate of the step as the next search runs it
         self._estimate_seconds = 0.0  # the plan's estimates took
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
@@ -263,7 +263,7 @@ class MemoryFill(Callback):
         blocks.check(session)
 
         def checkpoint(reason: str) -> bool:
-            self._prediction = None  # of the step without checkpointing
+            self.prediction = None  # of the step without checkpointing
             blocks.switch_on(reason)
             blocks.check(session)
             return blocks.on is not None
@@ -309,19 +309,19 @@ class MemoryFill(Callback):
     def _predicted(self, trainer: pl.Trainer) -> Prediction:
         """This rank's estimate of the step as planned so far (traced once: the checkpointing decision, the search's
         start and the plan's predicted peak share it)."""
-        if self._prediction is None:
+        if self.prediction is None:
             assert self.search is not None
             budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
             with Trials(FitSession.of(trainer), self.search.steps_per_trial, self.batch_arg_name) as trials:
-                self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
+                self.prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
             seconds = time.perf_counter() - started
             self._estimate_seconds += seconds
             if self.progress and trainer.is_global_zero:
                 rank_zero_info(
                     f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of "
-                    f"{self._prediction.largest} ({format_seconds(seconds)})"
+                    f"{self.prediction.largest} ({format_seconds(seconds)})"
                 )
-        return self._prediction
+        return self.prediction
 
     def _nothing_fits_message(self, missed: NoFit) -> str:
         levers = ", ".join(self._reasons) or "none"
@@ -354,7 +354,7 @@ class MemoryFill(Callback):
             initial_accumulate_grad_batches=self._initial["accumulate"],
             largest_fit=largest,
             budget_bytes=self.search.result.budget_bytes,
-            predicted_peak_bytes=self._prediction.peak_bytes(micro) if self._prediction else None,
+            predicted_peak_bytes=self.prediction.peak_bytes(micro) if self.prediction else None,
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
             on_oom=self.on_oom,
