@@ -20,6 +20,7 @@ At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -94,6 +95,7 @@ class MemoryEstimator(Callback):
         #: bytes a sample adds to the peak, where another part measured them (GpuOpt sets MemoryFill's): the step is
         #: then traced at its batch only, and the line to the largest batch has this slope
         self.bytes_per_sample: float | None = None
+        self.progress = verbose  #: a line when the step is traced
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
 
@@ -110,7 +112,10 @@ class MemoryEstimator(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.estimate is None:
-            self.estimate = self._predict(trainer, pl_module, batch)
+            started, self.estimate = time.perf_counter(), self._predict(trainer, pl_module, batch)
+            if self.progress and trainer.is_global_zero:
+                seconds = format_seconds(time.perf_counter() - started)
+                rank_zero_info(f"MemoryEstimator: step traced at batch {self.estimate.batch_size} ({seconds})")
         self._batches_started += 1
         if self._measured or self._batches_started <= self._unmeasured_steps:
             return
