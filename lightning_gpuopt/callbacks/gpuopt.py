@@ -217,7 +217,6 @@ class GpuOpt(Callback):
 
     on_train_start = _to_parts("on_train_start")
     on_train_epoch_start = _to_parts("on_train_epoch_start")
-
     on_train_batch_start = _to_parts("on_train_batch_start")
     on_before_zero_grad = _to_parts("on_before_zero_grad")
     on_before_optimizer_step = _to_parts("on_before_optimizer_step")

@@ -1,8 +1,7 @@
 """MemoryEstimator: predict a training step's peak memory before it runs, then measure it.
 
-Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`) at its batch and
-twice it (once, with the slope of :attr:`MemoryEstimator.bytes_per_sample` where GpuOpt's MemoryFill measured it),
-with torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
+Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
+torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
 Logged once, when the measurement ends (or at the end of training); unknown values are not logged:
 
 * ``gpuopt/mem_predicted_peak_bytes``: the predicted peak of a step at the current batch size.
@@ -63,7 +62,8 @@ class MemoryEstimator(Callback):
 
     The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
     Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
-    batch size and at twice it; the line through both gives the largest batch size that fits ``max_memory``.
+    batch size and at twice it (only at it where :attr:`bytes_per_sample` is given); the line through both gives
+    the largest batch size that fits ``max_memory``.
     Where the samples of a map-style dataset vary in size (text padded per batch), the batch traced is copies of
     the longest sample through the loader's ``collate_fn`` (``traced_batch`` names its shapes); on a stream it is
     the first batch, and a note says that longer batches need more.
@@ -237,10 +237,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
         ("torchinfo total", format_bytes(estimate.torchinfo_total_bytes)),
         ("torchinfo error", format_fraction(estimate.torchinfo_error)),
         ("memory limit", format_bytes(estimate.capacity_bytes, decimal=True)),
-        (
-            "largest batch (predicted)",
-            f"{estimate.max_batch_size} ({format_bytes(estimate.bytes_per_sample)} a sample)",
-        ),
+        ("largest batch (predicted)", f"{estimate.max_batch_size} (+{format_bytes(estimate.bytes_per_sample)}/sample)"),
         ("trace time", format_seconds(estimate.trace_seconds)),
     ]
     return render_table("gpuopt: memory estimate", rows, notes=estimate.notes)
