@@ -18,7 +18,6 @@ At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -178,10 +177,10 @@ class MemoryEstimator(Callback):
         estimate = StepEstimator(step).estimate(capacity, slope is None).traced_on(batch, what, unseen)
         if slope and estimate.method == "traced" and estimate.batch_size:  # the line through this peak at that slope
             fixed = estimate.predicted_peak_bytes - slope * estimate.batch_size
-            most = max(0, math.floor((capacity - fixed) / slope))
+            most = max(0, int((capacity - fixed) // slope))
             estimate = replace(estimate, fixed_bytes=fixed, bytes_per_sample=slope, max_batch_size=most)
             estimate.notes.append(
-                f"the line's slope is MemoryFill's estimate near the limit, {format_bytes(slope)} a sample"
+                f"the line's slope: MemoryFill's estimate near the limit, {format_bytes(slope)}/sample"
             )
         if longest:
             estimate.notes.append("the first steps measured may have shorter batches than the one traced")

@@ -1,20 +1,18 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's
-``BatchSizeFinder`` sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's
-batch size x ``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
-:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else
-``16-mixed``; on CPU only when named, e.g. ``precision="bf16-mixed"``; only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
-repeated blocks (always with ``True`` or named classes; with ``"auto"`` when the largest micro-batch
-would fall below ``min_micro_batch_size``; each group checked to give the plain step's loss and
-gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and
-as few accumulation steps as that allows. Both are applied as a run by hand has them
-(:mod:`._engine.session`); a short last accumulation group of an epoch is scaled to a mean. With
-``on_oom="adapt"`` an out-of-memory error in a step retrains that batch in smaller micro-batches
-(:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the run's, ``scale_lr`` scales every
-learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or ``sqrt(k)``; without it the plan
-says what each rule would set. Levers that cannot apply are refused with the reason. Everything is
-put back at teardown and after a failed fit; checkpoints keep the user's batch size.
+For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's ``BatchSizeFinder``
+sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's batch size x
+``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
+:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (as ``precision`` says, for a run left at ``32-true``);
+then in ``on_fit_start`` activation checkpointing of the repeated blocks (always with ``True`` or named classes; with
+``"auto"`` when the largest micro-batch would fall below ``min_micro_batch_size``; each group checked to give the plain
+step's loss and gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and as
+few accumulation steps as that allows. Both are applied as a run by hand has them (:mod:`._engine.session`); a short
+last accumulation group of an epoch is scaled to a mean. With ``on_oom="adapt"`` an out-of-memory error in a step
+retrains that batch in smaller micro-batches (:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the
+run's, ``scale_lr`` scales every learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or
+``sqrt(k)``; without it the plan says what each rule would set. Levers that cannot apply are refused with the reason.
+Everything is put back at teardown and after a failed fit; checkpoints keep the user's batch size.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``, ``gpuopt/global_batch_size`` (samples per
