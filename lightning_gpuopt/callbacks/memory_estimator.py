@@ -179,9 +179,7 @@ class MemoryEstimator(Callback):
             fixed = estimate.predicted_peak_bytes - slope * estimate.batch_size
             most = max(0, int((capacity - fixed) // slope))
             estimate = replace(estimate, fixed_bytes=fixed, bytes_per_sample=slope, max_batch_size=most)
-            estimate.notes.append(
-                f"the line's slope: MemoryFill's estimate near the limit, {format_bytes(slope)}/sample"
-            )
+            estimate.notes.append(f"the line's slope is MemoryFill's estimate's, {format_bytes(slope)} a sample")
         if longest:
             estimate.notes.append("the first steps measured may have shorter batches than the one traced")
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None
