@@ -50,6 +50,9 @@ class Undo:
     def __init__(self) -> None:
         self._stack: list[Change] = []
 
+    def __len__(self) -> int:
+        return len(self._stack)
+
     def add(self, description: str, undo: Callable[[], Any], lasting: bool = False, last: bool = False) -> None:
         """Register a change with the callable that undoes it; ``last``: undone after every other one."""
         self._stack.insert(0 if last else len(self._stack), Change(description, undo, lasting))
