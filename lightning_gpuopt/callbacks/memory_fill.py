@@ -380,7 +380,6 @@ class MemoryFill(Callback):
                 plan.lr_change = (lrs[0], float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._micro_batches_in_group = 0
         if self.plan is None or self.search is None:
             return
         check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, self.plan.micro_batch_size)
