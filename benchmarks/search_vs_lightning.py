@@ -526,7 +526,10 @@ def print_and_record_simulated(
 
 COST_STEPS = 20
 COST_TITLE = "GpuOpt('fill-memory') cost against the same settings by hand"
-COST_HEADERS = ["model", "card", "batch chosen", "GpuOpt s", "by hand s", "added s", "added, in steps at that size"]
+COST_HEADERS = [
+    "model", "card", "batch chosen", "GpuOpt s", "by hand s", "added s", "added, in steps at that size",
+    "estimates s", "trials s", "added - estimates, in steps",
+]  # fmt: skip
 
 
 class StepTimer(L.Callback):
@@ -554,18 +557,21 @@ def fill_memory_cost(workload: SimulatedWorkload) -> list[str]:
             return time.perf_counter() - started
 
     gpuopt, timer = GpuOpt("fill-memory"), StepTimer()
-    ours = timed([gpuopt], 16)
+    ours = timed([gpuopt, timer], 16)  # its training steps (the trials set callbacks aside) and the by-hand run's
     plan = gpuopt.report.memory_fill
     chosen = f"{plan.micro_batch_size} x {plan.accumulate_grad_batches}"
     try:
         by_hand = timed([timer], plan.micro_batch_size)
     except torch.OutOfMemoryError:  # the size fill-memory chose does not train by hand: say so, not a cost
-        return [workload.name, f"{workload.card} {workload.memory}", chosen, f"{ours:.1f}", "OOM", "-", "-"]
+        return [workload.name, f"{workload.card} {workload.memory}", chosen, f"{ours:.1f}", "OOM", *["-"] * 5]
     step = sorted(timer.seconds)[len(timer.seconds) // 2]
-    added = ours - by_hand
+    added, trials, memory = ours - by_hand, gpuopt.report.batch_size_search.seconds, gpuopt.report.memory
+    # MemoryFill's estimate (its plan's time but the search's) and MemoryEstimator's trace (with torchinfo)
+    estimates = plan.seconds - trials + (memory.trace_seconds or 0.0) + (memory.torchinfo_seconds or 0.0)
     return [
         workload.name, f"{workload.card} {workload.memory}", chosen,
         f"{ours:.1f}", f"{by_hand:.1f}", f"{added:.1f}", f"{added / step:.1f}",
+        f"{estimates:.1f}", f"{trials:.1f}", f"{(added - estimates) / step:.1f}",
     ]  # fmt: skip
 
 
@@ -577,7 +583,9 @@ def record_costs(costs: list, no_write: bool, wall_seconds: float) -> None:
             f"`GpuOpt('fill-memory')` (the preset as shipped: MemoryFill, MemoryEstimator, DataWaitMonitor) for {COST_STEPS} "
             "steps against the same model trained by hand at the micro-batch it chose, no callbacks, each on a fresh "
             "`SimulatedGpu(card, memory=M)` on a CPU Trainer; 'added' = the difference, in seconds and in training "
-            f"steps at that size (the by-hand run's median step). Wall time: {wall_seconds:.0f} s, on this 2-core CPU "
+            "steps at that size (the median training step of both runs); 'estimates': MemoryFill's plan outside its "
+            "search (its estimate's traces) and MemoryEstimator's trace and torchinfo summary; 'trials': the search; "
+            f"the goal counts 'added - estimates'. Wall time: {wall_seconds:.0f} s, on this 2-core CPU "
             "machine, loaded by other work: the seconds are noisy."
         )
         print(

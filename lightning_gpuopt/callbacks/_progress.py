@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
@@ -59,9 +58,7 @@ class WorkProgress:
             of = f"/{self.total}" if self.total else ""
             rank_zero_info(f"{self.title} {self.count}{of}: {line}")
 
-    def __exit__(
-        self, kind: Optional[type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         if self._bar is not None:
             if self.total is not None:  # the search stopped early: the bar shows how many ran
                 self._bar.update(self._task, total=self.count)

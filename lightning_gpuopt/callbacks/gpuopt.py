@@ -136,7 +136,7 @@ class GpuOpt(Callback):
         estimate = settings.get("estimate")
         self.estimator = MemoryEstimator(max_memory=settings.get("max_memory"), verbose=False) if estimate else None
         self.monitor = DataWaitMonitor(verbose=False) if settings.get("monitor") else None
-        for part in (self.fill, self.tuner):  # quiet parts (one combined report), but long work shows progress
+        for part in (self.fill, self.tuner, self.estimator):  # quiet parts, but long work shows progress
             if part is not None:
                 part.progress = self.verbose
         #: the combined result of the last ``fit``; ``None`` before one ended
@@ -173,6 +173,8 @@ class GpuOpt(Callback):
             )
             if self.fill is not None:
                 self.fill.follow_lr(trainer, self._undo)
+            if self.estimator is not None:  # the planned step is traced once more, at its batch only
+                self.estimator.bytes_per_sample = getattr(self.fill and self.fill.prediction, "bytes_per_sample", None)
         for part in self.parts:
             if part is self.fill or part is self.tuner:
                 part._report(trainer)
@@ -214,21 +216,7 @@ class GpuOpt(Callback):
 
     on_train_start = _to_parts("on_train_start")
     on_train_epoch_start = _to_parts("on_train_epoch_start")
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        """The parts; MemoryEstimator's trace of the first batch shows as progress."""
-        tracing = self.estimator is not None and self.estimator.estimate is None
-        for part in self.parts:
-            part.on_train_batch_start(trainer, pl_module, batch, i)
-        estimate = self.estimator.estimate if tracing and self.estimator else None
-        if estimate is None:
-            return
-        if self.verbose:
-            rank_zero_info(
-                f"MemoryEstimator: step traced at batch {estimate.batch_size} ({estimate.trace_seconds or 0:.1f} s)"
-            )
-
+    on_train_batch_start = _to_parts("on_train_batch_start")
     on_before_zero_grad = _to_parts("on_before_zero_grad")
     on_before_optimizer_step = _to_parts("on_before_optimizer_step")
     on_train_batch_end = _to_parts("on_train_batch_end")

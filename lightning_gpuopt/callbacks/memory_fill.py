@@ -1,20 +1,18 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's
-``BatchSizeFinder`` sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's
-batch size x ``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
-:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (``bf16-mixed`` on a GPU with bfloat16, else
-``16-mixed``; on CPU only when named, e.g. ``precision="bf16-mixed"``; only when the run was left at ``32-true``); then in ``on_fit_start`` activation checkpointing of the
-repeated blocks (always with ``True`` or named classes; with ``"auto"`` when the largest micro-batch
-would fall below ``min_micro_batch_size``; each group checked to give the plain step's loss and
-gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and
-as few accumulation steps as that allows. Both are applied as a run by hand has them
-(:mod:`._engine.session`); a short last accumulation group of an epoch is scaled to a mean. With
-``on_oom="adapt"`` an out-of-memory error in a step retrains that batch in smaller micro-batches
-(:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the run's, ``scale_lr`` scales every
-learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or ``sqrt(k)``; without it the plan
-says what each rule would set. Levers that cannot apply are refused with the reason. Everything is
-put back at teardown and after a failed fit; checkpoints keep the user's batch size.
+For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's ``BatchSizeFinder``
+sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's batch size x
+``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
+:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (as ``precision`` says, for a run left at ``32-true``);
+then in ``on_fit_start`` activation checkpointing of the repeated blocks (always with ``True`` or named classes; with
+``"auto"`` when the largest micro-batch would fall below ``min_micro_batch_size``; each group checked to give the plain
+step's loss and gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and as
+few accumulation steps as that allows. Both are applied as a run by hand has them (:mod:`._engine.session`); a short
+last accumulation group of an epoch is scaled to a mean. With ``on_oom="adapt"`` an out-of-memory error in a step
+retrains that batch in smaller micro-batches (:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the
+run's, ``scale_lr`` scales every learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or
+``sqrt(k)``; without it the plan says what each rule would set. Levers that cannot apply are refused with the reason.
+Everything is put back at teardown and after a failed fit; checkpoints keep the user's batch size.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``, ``gpuopt/global_batch_size`` (samples per
@@ -147,7 +145,7 @@ class MemoryFill(Callback):
         self._blocks: Optional[Checkpointing] = None
         self._request: Optional[FillRequest] = None
         self._oom_recovery: Optional[OomRecovery] = None
-        self._prediction: Optional[Prediction] = None  # the estimate of the step as the next search runs it
+        self.prediction: Optional[Prediction] = None  #: the estimate of the step as the next search runs it
         self._estimate_seconds = 0.0  # the plan's estimates took
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
@@ -263,7 +261,7 @@ class MemoryFill(Callback):
         blocks.check(session)
 
         def checkpoint(reason: str) -> bool:
-            self._prediction = None  # of the step without checkpointing
+            self.prediction = None  # of the step without checkpointing
             blocks.switch_on(reason)
             blocks.check(session)
             return blocks.on is not None
@@ -309,19 +307,19 @@ class MemoryFill(Callback):
     def _predicted(self, trainer: pl.Trainer) -> Prediction:
         """This rank's estimate of the step as planned so far (traced once: the checkpointing decision, the search's
         start and the plan's predicted peak share it)."""
-        if self._prediction is None:
+        if self.prediction is None:
             assert self.search is not None
             budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
             with Trials(FitSession.of(trainer), self.search.steps_per_trial, self.batch_arg_name) as trials:
-                self._prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
+                self.prediction = predicted_largest_fit(trials, self._initial["batch_size"], budget)
             seconds = time.perf_counter() - started
             self._estimate_seconds += seconds
             if self.progress and trainer.is_global_zero:
                 rank_zero_info(
                     f"MemoryFill estimate: a trace of the step predicts a largest micro-batch of "
-                    f"{self._prediction.largest} ({format_seconds(seconds)})"
+                    f"{self.prediction.largest} ({format_seconds(seconds)})"
                 )
-        return self._prediction
+        return self.prediction
 
     def _nothing_fits_message(self, missed: NoFit) -> str:
         levers = ", ".join(self._reasons) or "none"
@@ -354,7 +352,7 @@ class MemoryFill(Callback):
             initial_accumulate_grad_batches=self._initial["accumulate"],
             largest_fit=largest,
             budget_bytes=self.search.result.budget_bytes,
-            predicted_peak_bytes=self._prediction.peak_bytes(micro) if self._prediction else None,
+            predicted_peak_bytes=self.prediction.peak_bytes(micro) if self.prediction else None,
             measured_peak_bytes=self.search.result.peak_bytes,
             reasons=list(self._reasons),
             on_oom=self.on_oom,
@@ -382,7 +380,6 @@ class MemoryFill(Callback):
                 plan.lr_change = (lrs[0], float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._micro_batches_in_group = 0
         if self.plan is None or self.search is None:
             return
         check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, self.plan.micro_batch_size)
