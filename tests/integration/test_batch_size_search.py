@@ -6,6 +6,7 @@ number of real training steps at that size inside a fresh ``MemoryBudget`` with 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -64,6 +65,23 @@ def test_the_default_headroom_lands_within_5_percent_of_the_largest_fit_and_fits
     result = search(tmp_path, "mlp", margin="auto", max_memory=10_000_000)[0].result
     assert result.budget_bytes == 10_000_000 and fits_independently(tmp_path, "mlp", result.batch_size, 10_000_000)
     assert not fits_independently(tmp_path, "mlp", math.ceil(result.batch_size / 0.95), 10_000_000)
+
+
+def test_trials_set_the_objects_alive_aside_from_the_collector_and_training_gets_them_back(tmp_path):
+    """A failed trial's full collection then scans the trials' objects only (see ``objects_set_aside``)."""
+    model, frozen = make_model("mlp", num_samples=SAMPLES, batch_size=16), []
+    step = model.training_step
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        frozen.append(gc.get_freeze_count() > 0)
+        return step(batch, batch_idx)
+
+    model.training_step = training_step
+    searcher = BatchSizeSearch(max_memory=BUDGET, verbose=False)
+    trainer_for(tmp_path, [searcher], max_steps=2).fit(model)
+    assert any(not trial.fits for trial in searcher.result.trials)  # a trial ran out of memory under the freeze
+    assert frozen[:-2] == [True] * (len(frozen) - 2) and frozen[-2:] == [False, False]  # training: as before
+    assert gc.get_freeze_count() == 0
 
 
 def test_multiple_of_eight(tmp_path):

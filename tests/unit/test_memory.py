@@ -355,3 +355,35 @@ def test_a_failed_call_on_a_card_collects_every_generation_only_when_its_tensors
 
 def test_module_examples_run():
     assert doctest.testmod(memory, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_objects_set_aside_keep_a_full_collection_to_what_the_block_made_and_leave_a_users_freeze_alone():
+    from lightning_gpuopt.core.device import objects_set_aside
+
+    class Node:
+        pass
+
+    def node_cycle():
+        node = Node()
+        node.self = node
+        return weakref.ref(node)
+
+    old = node_cycle()  # garbage from before the block: left to the collection after it
+    assert gc.get_freeze_count() == 0
+    with objects_set_aside():
+        assert gc.get_freeze_count() > 0
+        new = node_cycle()  # garbage the block made
+        gc.collect()
+        assert new() is None and old() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old() is None
+
+    gc.freeze()  # the user's own freeze (e.g. before forking workers) stays as it is
+    try:
+        frozen = gc.get_freeze_count()
+        with objects_set_aside():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -30,7 +30,7 @@ from lightning_gpuopt.callbacks._engine.session import FitSession
 from lightning_gpuopt.callbacks._engine.state import TrainingState
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.core._torch_compat import eager
-from lightning_gpuopt.core.device import CUDA_SMALL_SEGMENT_BYTES, device_for
+from lightning_gpuopt.core.device import CUDA_SMALL_SEGMENT_BYTES, device_for, objects_set_aside
 from lightning_gpuopt.core.loader import TrialSampler
 from lightning_gpuopt.core.memory import call_catching_oom
 from lightning_gpuopt.core.op_memory import storage_bytes
@@ -130,6 +130,8 @@ class Trials:
         undo.set(trainer, "callbacks", [])
         (stance := eager()).__enter__()  # compiled code runs eager: dynamo's caches stay as training finds them
         undo.add("the compiler's stance", lambda: stance.__exit__(None, None, None))
+        (set_aside := objects_set_aside()).__enter__()  # a failed trial's full collection scans the trials' objects
+        undo.add("the collector's objects", lambda: set_aside.__exit__(None, None, None))
         dummy = compat.of_namespace(trainer, "loggers.logger", "DummyLogger")
         undo.set(trainer, "loggers", [dummy()] if trainer.loggers else [])
         undo.set(trainer, "limit_val_batches", 0)
