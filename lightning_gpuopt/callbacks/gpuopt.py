@@ -173,8 +173,6 @@ class GpuOpt(Callback):
             )
             if self.fill is not None:
                 self.fill.follow_lr(trainer, self._undo)
-            if self.estimator is not None:  # the planned step is traced once more, at its batch only
-                self.estimator.bytes_per_sample = getattr(self.fill and self.fill.prediction, "bytes_per_sample", None)
         for part in self.parts:
             if part is self.fill or part is self.tuner:
                 part._report(trainer)

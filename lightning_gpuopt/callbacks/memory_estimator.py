@@ -19,7 +19,6 @@ At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,7 +60,7 @@ class MemoryEstimator(Callback):
 
     The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
     Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
-    batch size and at twice it (only at it where :attr:`bytes_per_sample` is given); the line through both gives
+    batch size and at twice it; the line through both gives
     the largest batch size that fits ``max_memory``.
     Where the samples of a map-style dataset vary in size (text padded per batch), the batch traced is copies of
     the longest sample through the loader's ``collate_fn`` (``traced_batch`` names its shapes); on a stream it is
@@ -91,9 +90,6 @@ class MemoryEstimator(Callback):
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory, self.measure_steps, self.verbose = max_memory, measure_steps, verbose
-        #: bytes a sample adds to the peak, where another part measured them (GpuOpt sets MemoryFill's): the step is
-        #: then traced at its batch only, and the line to the largest batch has this slope
-        self.bytes_per_sample: float | None = None
         self.progress = verbose  #: a line when the step is traced
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
@@ -173,13 +169,7 @@ class MemoryEstimator(Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             forward_input=_forward_input(trainer, pl_module, batch),
         )
-        slope = self.bytes_per_sample
-        estimate = StepEstimator(step).estimate(capacity, slope is None).traced_on(batch, what, unseen)
-        if slope and estimate.method == "traced" and estimate.batch_size:  # the line through this peak at that slope
-            fixed = estimate.predicted_peak_bytes - slope * estimate.batch_size
-            most = max(0, int((capacity - fixed) // slope))
-            estimate = replace(estimate, fixed_bytes=fixed, bytes_per_sample=slope, max_batch_size=most)
-            estimate.notes.append(f"the line's slope is MemoryFill's estimate's, {format_bytes(slope)} a sample")
+        estimate = StepEstimator(step).estimate(capacity).traced_on(batch, what, unseen)
         if longest:
             estimate.notes.append("the first steps measured may have shorter batches than the one traced")
         self._optimizer_needs_measuring = estimate.method != "traced" and optimizer_state_rule_bytes(optimizers) is None

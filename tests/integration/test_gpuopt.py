@@ -11,7 +11,7 @@ from helpers import missing_protocol, quiet_trainer
 from lightning import Trainer
 from models_memory import make_model
 
-from lightning_gpuopt import GpuOpt, MemoryEstimator, available_presets, load_preset
+from lightning_gpuopt import GpuOpt, available_presets, load_preset
 from lightning_gpuopt.callbacks import memory_fill as memory_fill_module
 from lightning_gpuopt.callbacks._reporting import report_dir, write_report_section
 from lightning_gpuopt.callbacks.gpuopt import render_report
@@ -55,18 +55,6 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path, monkeypatch):
     monkeypatch.setattr(
         StepEstimator, "estimate", lambda self, *a: traced.append(self.step.batch_size) or estimate(self, *a)
     )
-    traces, trace, predict = [], StepEstimator.trace, MemoryEstimator._predict
-    estimating = [False]  # MemoryEstimator's trace of the first batch is running
-    monkeypatch.setattr(StepEstimator, "trace", lambda self, *a: traces.append(estimating[0]) or trace(self, *a))
-
-    def predicting(*args):
-        estimating[0] = True
-        try:
-            return predict(*args)
-        finally:
-            estimating[0] = False
-
-    monkeypatch.setattr(MemoryEstimator, "_predict", predicting)
     written = []  # the memory_fill sections written
     write = memory_fill_module.write_report_section
     monkeypatch.setattr(memory_fill_module, "write_report_section", lambda *a: written.append(a[1]) or write(*a))
@@ -88,15 +76,6 @@ def test_fill_memory_lists_the_batch_it_set(tmp_path, monkeypatch):
     )
     assert saved_report(trainer)["memory_fill"]["predicted_peak_bytes"] == plan.predicted_peak_bytes
     assert written == ["memory_fill"]  # once
-    # MemoryEstimator traces the planned step once, at its batch, and draws its line with MemoryFill's slope
-    memory, slope = gpuopt.report.memory, gpuopt.fill.prediction.bytes_per_sample
-    assert traces.count(True) == 1 and traces.count(False) >= 3 and memory.bytes_per_sample == slope
-    assert memory.fixed_bytes + slope * 64 == memory.predicted_peak_bytes
-    assert (
-        memory.fixed_bytes + slope * memory.max_batch_size
-        <= 40_000_000
-        < memory.fixed_bytes + slope * (memory.max_batch_size + 1)
-    )
     # one figure per quantity, named alike in every table: the memory limit, the budget, the largest batch
     text = render_report(gpuopt.report)
     limit, budget = report_module.format_bytes(40_000_000, decimal=True), report_module.format_bytes(plan.budget_bytes)
