@@ -53,7 +53,6 @@ class HookTimes(Probe):
     def __init__(self) -> None:
         self._started_at: Optional[float] = None  # train start and end: the probe listens in between
         self._ended_at: Optional[float] = None
-        self._steps = self._sampled_steps = 0
         self.in_sample = False  #: whether this step's hook calls are timed (fetch to fetch; the monitor decides)
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
@@ -76,9 +75,6 @@ class HookTimes(Probe):
         self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
         self.quiet = self.quiet_sampled | self._per_step
         self._started_at = time.perf_counter()
-
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._steps, self._sampled_steps = self._steps + 1, self._sampled_steps + self.in_sample
 
     def _add_saves(self, action: str) -> None:
         saved = self._saves.get(action, [0.0, 0.0])
@@ -122,7 +118,7 @@ class HookTimes(Probe):
         fit_s = train_s = report.totals.train_s or self._ended_at - self._started_at  # the table's denominator
         epochs = max(1, report.settings.epochs)
         found: list[Optional[Finding]] = []
-        scale, hooks = self._steps / max(1, self._sampled_steps), dict(self._hooks)
+        scale, hooks = self.steps_seen / max(1, self.sampled_steps), dict(self._hooks)
         for action, (seconds, calls) in self._sampled.items():
             total_s, total = hooks.get(action, (0.0, 0))
             hooks[action] = (total_s + seconds * scale, total + round(calls * scale))
@@ -150,7 +146,7 @@ class HookTimes(Probe):
             optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
             parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
             size = max(sizes, default=0) or None
-            found.append(checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters))
+            found.append(checkpoint_time(list(savers.values()), fit_s, self.steps_seen, size, optimizer, parameters))
         return [finding for finding in found if finding is not None]
 
 

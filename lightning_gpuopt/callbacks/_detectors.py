@@ -48,9 +48,13 @@ _MAX_LINES = 5
 
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
-    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``stop`` on every exit path
-    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report
-    (``HookTimes`` also hears of profiled actions)."""
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``) when a probe's :attr:`steps` hold
+    it, ``stop`` on every exit path (undoing what the probe installed; perhaps more than once), then ``findings``
+    with the run's report, :attr:`steps_seen` and :attr:`sampled_steps` set (``HookTimes`` also hears of actions)."""
+
+    steps: tuple[int, ...] = ()
+    #: training steps ended in the fit, and those of them whose hooks were timed (``HOOK_SAMPLE_EVERY``)
+    steps_seen = sampled_steps = 0
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
@@ -81,6 +85,8 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
     ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
+
+    steps = _SAMPLED_STEPS
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -161,13 +167,14 @@ def _graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 class KeptGraphProbe(Probe):
     """``graph-kept``: autograd graphs held by module attributes across steps."""
 
+    steps = GRAPH_STEPS
+
     def __init__(self) -> None:
         self._steps: list[int] = []
         self._nodes: list[dict[str, int]] = []
         self._live: list[Optional[int]] = []
         self._containers: set[str] = set()
         self._device: Optional[Device] = None
-        self._next_step = 0
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._device = device_for(pl_module.device)
@@ -183,13 +190,10 @@ class KeptGraphProbe(Probe):
         if step in GRAPH_STEPS:
             self._sample(pl_module, step)
 
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._next_step = step + 1
-
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         # after the last step as well: a short run reaches few of the sampled steps
-        if self._next_step and (not self._steps or self._next_step > self._steps[-1]):
-            self._sample(pl_module, self._next_step)
+        if self.steps_seen and (not self._steps or self.steps_seen > self._steps[-1]):
+            self._sample(pl_module, self.steps_seen)
         paths = sorted({path for sample in self._nodes for path in sample})
         nodes = {path: [sample.get(path, 0) for sample in self._nodes] for path in paths}
         found = graph_kept(self._steps, nodes, self._live, containers=sorted(self._containers))
@@ -278,6 +282,8 @@ class _HostReadCounter(TorchDispatchMode):
 
 class HostSyncProbe(Probe):
     """``host-sync``: reads from the card to the host inside the :data:`SYNC_STEPS` warm-up steps."""
+
+    steps = SYNC_STEPS
 
     def __init__(self) -> None:
         self._device: Optional[Device] = None

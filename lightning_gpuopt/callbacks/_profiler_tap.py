@@ -27,28 +27,33 @@ class ProfilerTap:
     def __init__(self, inner: Any, timed: dict[str, tuple[Any, Any]], any_action: Optional[AnyListener]) -> None:
         self.inner, self._timed, self.any_action = inner, timed, any_action
         self.quiet: Container[str] = ()
-        self._started: dict[str, _Timed] = {}
-
-    def _timer(self, inner: Any, action_name: str) -> _Timed:
-        report = None if self.any_action is None or action_name in self.quiet else self.any_action
-        return _Timed(inner, action_name, *self._timed.get(action_name, _UNTIMED), report)
+        self._started: dict[str, tuple[bool, float, float]] = {}  # start/stop: (reported, wall, CPU)
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            timer = self._started[action_name] = self._timer(None, action_name)
-            timer.__enter__()
+            on_start = self._timed.get(action_name, _UNTIMED)[1]
+            if on_start is not None:
+                on_start()
+            self._started[action_name] = (action_name not in self.quiet, time.perf_counter(), time.thread_time())
 
     def stop(self, action_name: str) -> None:
-        timer = self._started.pop(action_name, None)
-        if timer is not None:
-            timer.__exit__(None, None, None)
+        started = self._started.pop(action_name, None)
+        if started is not None:
+            report, wall, cpu = started
+            wall = time.perf_counter() - wall
+            listener = self._timed.get(action_name, _UNTIMED)[0]
+            if listener is not None:  # a syscall, the CPU time: for start/stop only (once a step, the fetch)
+                listener(wall, time.thread_time() - cpu)
+            if report and self.any_action is not None:
+                self.any_action(action_name, wall)
         self.inner.stop(action_name)
 
     def profile(self, action_name: str) -> Any:
         # this runs on every hook call: the common case (nothing to time) returns the inner context as it is
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            return self._timer(self.inner.profile(action_name), action_name)
+            report = None if self.any_action is None or action_name in self.quiet else self.any_action
+            return _Timed(self.inner.profile(action_name), action_name, *self._timed.get(action_name, _UNTIMED), report)
         return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,28 +63,27 @@ class ProfilerTap:
 
 
 class _Timed:
-    """An action's timing in the wrapped profiler's context ``inner`` (``None`` for ``start``/``stop``); slots: fast."""
+    """An action's timing in the wrapped profiler's context ``inner``; slots: fast."""
 
-    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
+    __slots__ = ("any_action", "inner", "listener", "name", "on_start", "wall")
 
     def __init__(self, inner: Any, name: str, listener: Optional[Listener], on_start: Any, any_action: Any) -> None:
         self.inner, self.name, self.listener, self.on_start = inner, name, listener, on_start
         self.any_action: Optional[AnyListener] = any_action
 
     def __enter__(self) -> None:
-        if self.inner is not None:
-            self.inner.__enter__()
+        self.inner.__enter__()
         if self.on_start is not None:
             self.on_start()
-        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.inner is None else 0.0
+        self.wall = time.perf_counter()
 
     def __exit__(self, *exc_info: Any) -> Any:
         wall = time.perf_counter() - self.wall
-        if self.listener is not None:  # a syscall, the CPU time: only for start/stop (once a step, the fetch)
-            self.listener(wall, time.thread_time() - self.cpu if self.inner is None else 0.0)
+        if self.listener is not None:
+            self.listener(wall, 0.0)
         if self.any_action is not None:
             self.any_action(self.name, wall)
-        return self.inner.__exit__(*exc_info) if self.inner is not None else None
+        return self.inner.__exit__(*exc_info)
 
 
 def install(
