@@ -42,17 +42,18 @@ GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _MAX_GRAPH_NODES = 100_000
 #: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
+#: the steps on which the probes' ``step_start`` and ``step_end`` are called
+PROBE_STEPS = frozenset((*_SAMPLED_STEPS, *GRAPH_STEPS, *SYNC_STEPS))
 #: source lines kept per run for the message
 _MAX_LINES = 5
 
 
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
-    ``step_end`` around training step ``step`` (0-based from the start of ``fit``) when a probe's :attr:`steps` hold
-    it, ``stop`` on every exit path (undoing what the probe installed; perhaps more than once), then ``findings``
-    with the run's report, :attr:`steps_seen` and :attr:`sampled_steps` set (``HookTimes`` also hears of actions)."""
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``) of :data:`PROBE_STEPS`, ``stop``
+    on every exit path (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's
+    report, :attr:`steps_seen` and :attr:`sampled_steps` set (``HookTimes`` also hears of actions)."""
 
-    steps: tuple[int, ...] = ()
     #: training steps ended in the fit, and those of them whose hooks were timed (``HOOK_SAMPLE_EVERY``)
     steps_seen = sampled_steps = 0
 
@@ -85,8 +86,6 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 class ModuleAndDeviceChecks(Probe):
     """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
     ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
-
-    steps = _SAMPLED_STEPS
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -166,8 +165,6 @@ def _graphs_held(pl_module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 
 class KeptGraphProbe(Probe):
     """``graph-kept``: autograd graphs held by module attributes across steps."""
-
-    steps = GRAPH_STEPS
 
     def __init__(self) -> None:
         self._steps: list[int] = []
@@ -282,8 +279,6 @@ class _HostReadCounter(TorchDispatchMode):
 
 class HostSyncProbe(Probe):
     """``host-sync``: reads from the card to the host inside the :data:`SYNC_STEPS` warm-up steps."""
-
-    steps = SYNC_STEPS
 
     def __init__(self) -> None:
         self._device: Optional[Device] = None

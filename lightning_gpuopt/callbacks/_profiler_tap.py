@@ -5,7 +5,7 @@ strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
 :func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)`` is
 called when an action of that name ends (the main thread's CPU seconds for ``start``/``stop`` actions, the loader's
-``next()``; else 0), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the
+``next()``; else 0), ``on_start[name]()`` when a ``profile`` action begins, ``any_action(name, wall_s)`` after every action not in the
 tap's ``quiet`` names (swappable at any time); :func:`bypass` takes it out of the path and back. Every call reaches
 the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Container, Optional
 Listener = Callable[[float, float], None]
 #: called with every action's name and wall-clock seconds
 AnyListener = Callable[[str, float], None]
-_UNTIMED = (None, None)
+_UNTIMED, _NOT_STARTED = (None, None), (False, 0.0, 0.0)
 
 
 class ProfilerTap:
@@ -32,20 +32,15 @@ class ProfilerTap:
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            on_start = self._timed.get(action_name, _UNTIMED)[1]
-            if on_start is not None:
-                on_start()
             self._started[action_name] = (action_name not in self.quiet, time.perf_counter(), time.thread_time())
 
     def stop(self, action_name: str) -> None:
-        started = self._started.pop(action_name, None)
-        if started is not None:
-            report, wall, cpu = started
-            wall = time.perf_counter() - wall
-            listener = self._timed.get(action_name, _UNTIMED)[0]
-            if listener is not None:  # a syscall, the CPU time: for start/stop only (once a step, the fetch)
+        reported, wall, cpu = self._started.pop(action_name, _NOT_STARTED)
+        if wall:
+            wall, listener = time.perf_counter() - wall, self._timed.get(action_name, _UNTIMED)[0]
+            if listener is not None:  # the CPU time, a syscall: for start/stop only (once a step, the fetch)
                 listener(wall, time.thread_time() - cpu)
-            if report and self.any_action is not None:
+            if reported and self.any_action is not None:
                 self.any_action(action_name, wall)
         self.inner.stop(action_name)
 

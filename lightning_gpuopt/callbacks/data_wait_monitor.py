@@ -47,6 +47,7 @@ from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLE_EVERY as SAMPLE_EVERY
 from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
+    PROBE_STEPS,
     HostSyncProbe,
     KeptGraphProbe,
     ModuleAndDeviceChecks,
@@ -133,7 +134,6 @@ class DataWaitMonitor(Callback):
         self._log_every = self._next_log = 50
         self._in_validation = self._sampled = self._pulls = False
         self._sampled_steps = 0
-        self._probe_steps: frozenset[int] = frozenset()  # the steps the probes look at
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
@@ -148,7 +148,6 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        self._probe_steps = frozenset(step for probe in self._probes for step in probe.steps)
         rng, first = random.Random(0).random, self.warmup_steps + SAMPLE_EVERY
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
@@ -268,7 +267,7 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        if self._clock.steps_seen in self._probe_steps:
+        if self._clock.steps_seen in PROBE_STEPS and self._probes:
             self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
         start = self._clock.step_start()
         if self._gpu is not None:
@@ -283,11 +282,11 @@ class DataWaitMonitor(Callback):
         _profiler_tap.bypass(trainer, self._tap)
         step, self._sampled_steps = clock.steps_seen, self._sampled_steps + self._sampled
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
-        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
+        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
         clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
-        if step in self._probe_steps:
+        if step in PROBE_STEPS and self._probes:
             self._call_probes("step_end", trainer, pl_module, batch, step)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
