@@ -36,19 +36,21 @@ class ProfilerTap:
 
     def stop(self, action_name: str) -> None:
         reported, wall, cpu = self._started.pop(action_name, _NOT_STARTED)
-        if wall:
-            wall, listener = time.perf_counter() - wall, self._timed.get(action_name, _UNTIMED)[0]
-            if listener is not None:  # the CPU time, a syscall: for start/stop only (once a step, the fetch)
-                listener(wall, time.thread_time() - cpu)
-            if reported and self.any_action is not None:
-                self.any_action(action_name, wall)
+        if wall:  # the CPU time, a syscall: for start/stop only (once a step, the fetch)
+            self._ended(action_name, reported, time.perf_counter() - wall, time.thread_time() - cpu)
         self.inner.stop(action_name)
+
+    def _ended(self, action_name: str, reported: bool, wall: float, cpu: float) -> None:
+        listener = self._timed.get(action_name, _UNTIMED)[0]
+        if listener is not None:
+            listener(wall, cpu)
+        if reported and self.any_action is not None:
+            self.any_action(action_name, wall)
 
     def profile(self, action_name: str) -> Any:
         # this runs on every hook call: the common case (nothing to time) returns the inner context as it is
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            report = None if self.any_action is None or action_name in self.quiet else self.any_action
-            return _Timed(self.inner.profile(action_name), action_name, *self._timed.get(action_name, _UNTIMED), report)
+            return _Timed(self, action_name, self.inner.profile(action_name))
         return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,26 +60,22 @@ class ProfilerTap:
 
 
 class _Timed:
-    """An action's timing in the wrapped profiler's context ``inner``; slots: fast."""
+    """A ``profile`` action's timing in the wrapped profiler's context ``inner``; slots: fast."""
 
-    __slots__ = ("any_action", "inner", "listener", "name", "on_start", "wall")
+    __slots__ = ("inner", "name", "reported", "tap", "wall")
 
-    def __init__(self, inner: Any, name: str, listener: Optional[Listener], on_start: Any, any_action: Any) -> None:
-        self.inner, self.name, self.listener, self.on_start = inner, name, listener, on_start
-        self.any_action: Optional[AnyListener] = any_action
+    def __init__(self, tap: ProfilerTap, name: str, inner: Any) -> None:
+        self.tap, self.name, self.inner, self.reported = tap, name, inner, name not in tap.quiet
 
     def __enter__(self) -> None:
         self.inner.__enter__()
-        if self.on_start is not None:
-            self.on_start()
+        on_start = self.tap._timed.get(self.name, _UNTIMED)[1]
+        if on_start is not None:
+            on_start()
         self.wall = time.perf_counter()
 
     def __exit__(self, *exc_info: Any) -> Any:
-        wall = time.perf_counter() - self.wall
-        if self.listener is not None:
-            self.listener(wall, 0.0)
-        if self.any_action is not None:
-            self.any_action(self.name, wall)
+        self.tap._ended(self.name, self.reported, time.perf_counter() - self.wall, 0.0)
         return self.inner.__exit__(*exc_info)
 
 
