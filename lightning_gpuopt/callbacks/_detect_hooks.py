@@ -34,9 +34,8 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-#: hooks Lightning calls every training step (and ``training_step``): timed in the first ``warmup_steps`` + this many
-#: steps and a random one in this many after (fetch to fetch), scaled by steps over sampled steps, exact in calls for
-#: a hook called the same times every step; other hooks (epoch, validation): every call. Cost: about 1/16 of 5-10%
+#: hooks Lightning calls every step (and the transfer, ``training_step``): timed in the first ``warmup_steps`` + this
+#: many steps and a random one in this many after, scaled (calls exact if the same every step); other hooks: every call
 HOOK_SAMPLE_EVERY = 16
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
@@ -125,7 +124,8 @@ class HookTimes(Probe):
         for action, (seconds, calls) in hooks.items():
             callback, owner, hook, in_module = self._owner(action)
             if hook not in _NOT_USER_WORK and not _ours_or_builtin(callback):
-                found.append(slow_hook(f"{owner}.{hook}", seconds, calls, train_s, epochs, in_module))
+                sampled = (self.sampled_steps, self.steps_seen) if action in self._sampled else None
+                found.append(slow_hook(f"{owner}.{hook}", seconds, calls, train_s, epochs, in_module, sampled=sampled))
         if self._pending_saves[0]:
             self._add_saves("")
         savers: dict[Any, CheckpointSaver] = {}  # one a ModelCheckpoint (by id), else one a hook

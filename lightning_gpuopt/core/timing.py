@@ -75,17 +75,12 @@ class StepTotals:
 
     step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
     data_wait_per_step_s = property(lambda self: self.per_step(self.data_wait_s), doc="Mean data wait a step.")
-
-    arrival_per_step_s = property(
-        lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s),
-        doc="Per step, the time before the gradient sync: data wait + transfer + forward.",
-    )
-
+    #: per step, the time before the gradient sync: data wait + transfer + forward
+    arrival_per_step_s = property(lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s))
     data_wait_fraction = property(lambda self: self.share(self.data_wait_s), doc="Data wait's share of the steps.")
     transfer_fraction = property(lambda self: self.share(self.transfer_s), doc="Transfer's share of the steps.")
     compute_fraction = property(lambda self: self.share(self.compute_s), doc="Compute's share of the steps.")
     other_fraction = property(lambda self: self.share(self.other_s), doc="The rest's share of the steps.")
-
     loader_cpu_fraction = property(
         lambda self: min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None,
         doc="Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process).",
@@ -181,8 +176,7 @@ class StepClock:
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
-        # forward and transfer seconds, and the count of the measured steps each was timed in
-        self._forwards, self._transfers = [0.0, 0], [0.0, 0]
+        self._forwards, self._transfers = [0.0, 0], [0.0, 0]  # seconds, and the measured steps each was timed in
         self._clear_pending()
 
     def epoch_start(self) -> None:
@@ -228,15 +222,13 @@ class StepClock:
         if self._measuring_step and self._last_end is not None:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            transfer_s = self._transfer_s
+            transfer_s = self._transfer_s  # timed in this step, else the mean of the steps it was timed in
             if transfer_s is not None:
                 self._transfers = [self._transfers[0] + transfer_s, self._transfers[1] + 1]
-            else:  # not timed in this step: the mean of the steps it was timed in
-                transfer_s = self._transfers[0] / max(1, self._transfers[1])
-            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, transfer_s, compute_s)
+            transfer_s = self._transfers[0] / max(1, self._transfers[1]) if transfer_s is None else transfer_s
             if self._forward_s is not None:
                 self._forwards = [self._forwards[0] + self._forward_s, self._forwards[1] + 1]
-            self.series.add(self.steps_seen, row)
+            self.series.add(self.steps_seen, (samples, wall_s, self._fetch_s, self._fetch_cpu_s, transfer_s, compute_s))
             self.measured_steps += 1
         self.steps_seen += 1
         self._last_end = now

@@ -196,6 +196,7 @@ def test_hooks_inside_steps_are_timed_in_a_sample_of_steps_and_scaled_to_every_s
     assert finding.where == "SlowStepHook.on_before_optimizer_step"
     assert finding.figures["calls"] == steps  # exact: called once every step
     assert finding.figures["ms_per_call"] >= 4 and finding.figures["seconds"] >= steps * 0.004
+    assert f"; timed in {probe.sampled_steps} of {steps} steps and scaled" in finding.message  # the sampling, stated
 
 
 class SlowBatchAndEpochEnd(SlowHook):
@@ -221,6 +222,9 @@ def test_per_step_hooks_between_steps_are_reported_only_in_sampled_steps_and_sti
     found = {finding.where: finding.figures for finding in of_kind(monitor, "slow-hook")}
     assert found["SlowBatchAndEpochEnd.on_train_batch_end"]["calls"] == steps  # scaled, exact in calls
     assert found["SlowBatchAndEpochEnd.on_train_epoch_end"]["calls"] == 2  # an epoch hook: every call, not scaled
+    messages = {finding.where: finding.message for finding in of_kind(monitor, "slow-hook")}
+    assert "scaled" in messages["SlowBatchAndEpochEnd.on_train_batch_end"]
+    assert "scaled" not in messages["SlowBatchAndEpochEnd.on_train_epoch_end"]
 
 
 def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
