@@ -3,6 +3,10 @@ torch on one thread), for a bare run, an empty Callback and the monitor (and, wi
 monitor), from step :data:`SKIP` to the end of training (the monitor's report included). Python calls a step are exact (cProfile's times are inflated by its own cost a call: read them as shares).
 
     python benchmarks/overhead_profile.py --steps 2000 --before /tmp/before
+
+``--replay N``: instead, CPU microseconds a step of Lightning's per-step profiler actions and hook calls replayed
+N times a block inside a live fit (at step :data:`SKIP`), each variant's best of 7 blocks: a loaded machine's noise
+left out, so a few microseconds show (the cost in a real step is larger: caches are cold after the step's compute).
 """
 
 from __future__ import annotations
@@ -10,12 +14,16 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,12 +67,87 @@ def profile(callbacks: list[Any], steps: int, loader: DataLoader) -> pstats.Stat
     return pstats.Stats(profiled.profiler)
 
 
+class Replay(Callback):
+    """At step :data:`SKIP`, replays ``steps`` times what Lightning calls a step (the fetch, the transfer hooks, the
+    callbacks' and the module's per-step hooks inside their profiler actions), in 7 blocks; ``seconds``: each
+    block's main-thread CPU seconds a step. Then stops the fit."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.seconds = steps, []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != SKIP:
+            return
+        hooks = [
+            (callback, f"[Callback]{callback.state_key}.") for callback in trainer.callbacks if callback is not self
+        ]
+        module, strategy = (
+            f"[LightningModule]{type(pl_module).__name__}.",
+            f"[Strategy]{type(trainer.strategy).__name__}.",
+        )
+        fetch = f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next"
+        inner_hooks = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+        def action(name: str, call: Any = None, *args: Any) -> None:
+            with trainer.profiler.profile(name):
+                if call is not None:
+                    call(trainer, pl_module, *args)
+
+        for _ in range(7):
+            started = time.thread_time()
+            for index in range(self.steps):
+                trainer.profiler.start(fetch)
+                trainer.profiler.stop(fetch)
+                for name in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"):
+                    action(module + name)
+                action(strategy + "batch_to_device")
+                for callback, prefix in hooks:
+                    action(prefix + "on_train_batch_start", callback.on_train_batch_start, batch, index)
+                action(module + "on_train_batch_start")
+                with trainer.profiler.profile("run_training_batch"):
+                    action(strategy + "training_step")
+                    for hook in inner_hooks:
+                        args = () if hook == "on_after_backward" else (None,)
+                        for callback, prefix in hooks:
+                            action(prefix + hook, getattr(callback, hook), *args)
+                        action(module + hook)
+                for callback, prefix in hooks:
+                    action(prefix + "on_train_batch_end", callback.on_train_batch_end, outputs, batch, index)
+                action(module + "on_train_batch_end")
+            self.seconds.append((time.thread_time() - started) / self.steps)
+        trainer.should_stop = True
+
+
+def replay(variants: dict[str, Any], steps: int, loader: DataLoader, rounds: int = 3) -> list[str]:
+    """Each variant's replayed CPU microseconds a step, and against an empty Callback's: table rows."""
+    best: dict[str, list[float]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(rounds):  # interleaved
+            for name, callbacks in variants.items():
+                replayed = Replay(steps)
+                trainer = Trainer(
+                    accelerator="cpu",
+                    max_steps=SKIP + 10,
+                    callbacks=[*callbacks(), replayed],
+                    logger=CSVLogger(root),
+                    enable_progress_bar=False,
+                    enable_model_summary=False,
+                    enable_checkpointing=False,
+                )
+                trainer.fit(MLP(256, 256), loader)
+                best[name].append(min(replayed.seconds))
+    empty = statistics.median(best["empty Callback"])
+    middle = {name: statistics.median(seconds) for name, seconds in best.items()}
+    return [f"| {name} | {mid * 1e6:.1f} µs | {(mid - empty) * 1e6:+.1f} µs |" for name, mid in middle.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--before", help="a folder holding another lightning_gpuopt: its DataWaitMonitor too")
     parser.add_argument("--top", type=int, default=12, help="functions shown a monitor")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--replay", type=int, default=0, help="replay this many steps a block instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -73,9 +156,26 @@ def main() -> None:
     loader = DataLoader(TensorDataset(features, torch.randint(0, 10, (samples,), generator=generator)), batch_size=64)
     variants: dict[str, Any] = {"bare": lambda: [], "empty Callback": lambda: [Callback()]}
     variants["DataWaitMonitor"] = lambda: [DataWaitMonitor(warmup_steps=20, verbose=False)]
+    variants["DataWaitMonitor(find_patterns=False)"] = lambda: [
+        DataWaitMonitor(warmup_steps=20, verbose=False, find_patterns=False)
+    ]
     if args.before:
         before = monitor_of(args.before)
         variants["DataWaitMonitor (--before)"] = lambda: [before(warmup_steps=20, verbose=False)]
+    if args.replay:
+        head = [
+            "| variant | CPU a replayed step (median of 3 rounds' best block) | over an empty Callback |",
+            "|---|---|---|",
+        ]
+        table = "\n".join(head + replay(variants, args.replay, loader))
+        print(table)
+        if not args.no_record:
+            title = f"overhead_profile.py --replay: DataWaitMonitor's per-step code, {args.replay} steps a block"
+            notes = (
+                "Lightning's per-step profiler actions and hook calls replayed inside a live fit (MLP 256, CSVLogger)"
+            )
+            append(title, table, notes + "; main-thread CPU time. This 2-core CPU machine, loaded by other work.")
+        return
     calls: dict[str, float] = {}
     lines = [
         "| variant | function | calls a step | own share of the run | with callees, share |",

@@ -34,9 +34,8 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-#: hooks Lightning calls every training step (and ``training_step``): timed in the first ``warmup_steps`` + this many
-#: steps and a random one in this many after (fetch to fetch), scaled by steps over sampled steps, exact in calls for
-#: a hook called the same times every step; other hooks (epoch, validation): every call. Cost: about 1/16 of 5-10%
+#: hooks Lightning calls every step (and the transfer, ``training_step``): timed in the first ``warmup_steps`` + this
+#: many steps and a random one in this many after, scaled (calls exact if the same every step); other hooks: every call
 HOOK_SAMPLE_EVERY = 16
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
@@ -53,7 +52,6 @@ class HookTimes(Probe):
     def __init__(self) -> None:
         self._started_at: Optional[float] = None  # train start and end: the probe listens in between
         self._ended_at: Optional[float] = None
-        self._steps = self._sampled_steps = 0
         self.in_sample = False  #: whether this step's hook calls are timed (fetch to fetch; the monitor decides)
         self._callbacks: dict[str, Any] = {}
         #: action name -> (seconds outside checkpoint saves, calls), validation excluded: outside steps, in sampled steps
@@ -76,9 +74,6 @@ class HookTimes(Probe):
         self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
         self.quiet = self.quiet_sampled | self._per_step
         self._started_at = time.perf_counter()
-
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._steps, self._sampled_steps = self._steps + 1, self._sampled_steps + self.in_sample
 
     def _add_saves(self, action: str) -> None:
         saved = self._saves.get(action, [0.0, 0.0])
@@ -122,14 +117,15 @@ class HookTimes(Probe):
         fit_s = train_s = report.totals.train_s or self._ended_at - self._started_at  # the table's denominator
         epochs = max(1, report.settings.epochs)
         found: list[Optional[Finding]] = []
-        scale, hooks = self._steps / max(1, self._sampled_steps), dict(self._hooks)
+        scale, hooks = self.steps_seen / max(1, self.sampled_steps), dict(self._hooks)
         for action, (seconds, calls) in self._sampled.items():
             total_s, total = hooks.get(action, (0.0, 0))
             hooks[action] = (total_s + seconds * scale, total + round(calls * scale))
         for action, (seconds, calls) in hooks.items():
             callback, owner, hook, in_module = self._owner(action)
             if hook not in _NOT_USER_WORK and not _ours_or_builtin(callback):
-                found.append(slow_hook(f"{owner}.{hook}", seconds, calls, train_s, epochs, in_module))
+                sampled = (self.sampled_steps, self.steps_seen) if action in self._sampled else None
+                found.append(slow_hook(f"{owner}.{hook}", seconds, calls, train_s, epochs, in_module, sampled=sampled))
         if self._pending_saves[0]:
             self._add_saves("")
         savers: dict[Any, CheckpointSaver] = {}  # one a ModelCheckpoint (by id), else one a hook
@@ -150,7 +146,7 @@ class HookTimes(Probe):
             optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
             parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
             size = max(sizes, default=0) or None
-            found.append(checkpoint_time(list(savers.values()), fit_s, self._steps, size, optimizer, parameters))
+            found.append(checkpoint_time(list(savers.values()), fit_s, self.steps_seen, size, optimizer, parameters))
         return [finding for finding in found if finding is not None]
 
 

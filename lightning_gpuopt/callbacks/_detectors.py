@@ -42,15 +42,20 @@ GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _MAX_GRAPH_NODES = 100_000
 #: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
+#: the steps on which the probes' ``step_start`` and ``step_end`` are called
+PROBE_STEPS = frozenset((*_SAMPLED_STEPS, *GRAPH_STEPS, *SYNC_STEPS))
 #: source lines kept per run for the message
 _MAX_LINES = 5
 
 
 class Probe:
     """Base class, every hook a no-op. The monitor calls ``fit_start`` (``on_train_start``), ``step_start`` and
-    ``step_end`` around training step ``step`` (0-based from the start of ``fit``), ``stop`` on every exit path
-    (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's report
-    (``HookTimes`` also hears of profiled actions)."""
+    ``step_end`` around training step ``step`` (0-based from the start of ``fit``) of :data:`PROBE_STEPS`, ``stop``
+    on every exit path (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's
+    report, :attr:`steps_seen` and :attr:`sampled_steps` set (``HookTimes`` also hears of actions)."""
+
+    #: training steps ended in the fit, and those of them whose hooks were timed (``HOOK_SAMPLE_EVERY``)
+    steps_seen = sampled_steps = 0
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
@@ -167,7 +172,6 @@ class KeptGraphProbe(Probe):
         self._live: list[Optional[int]] = []
         self._containers: set[str] = set()
         self._device: Optional[Device] = None
-        self._next_step = 0
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._device = device_for(pl_module.device)
@@ -183,13 +187,10 @@ class KeptGraphProbe(Probe):
         if step in GRAPH_STEPS:
             self._sample(pl_module, step)
 
-    def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        self._next_step = step + 1
-
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         # after the last step as well: a short run reaches few of the sampled steps
-        if self._next_step and (not self._steps or self._next_step > self._steps[-1]):
-            self._sample(pl_module, self._next_step)
+        if self.steps_seen and (not self._steps or self.steps_seen > self._steps[-1]):
+            self._sample(pl_module, self.steps_seen)
         paths = sorted({path for sample in self._nodes for path in sample})
         nodes = {path: [sample.get(path, 0) for sample in self._nodes] for path in paths}
         found = graph_kept(self._steps, nodes, self._live, containers=sorted(self._containers))

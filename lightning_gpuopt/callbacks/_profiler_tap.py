@@ -5,7 +5,7 @@ strategy hooks (``"[Strategy]<Class>.<hook>"``), every hook call (``"[Callback]<
 ``"[LightningModule]<Class>.<hook>"``, ...) and ``trainer.save_checkpoint`` (``"save_checkpoint"``).
 :func:`install`, in a callback's ``setup()``, wraps ``trainer.profiler``: ``listeners[name](wall_s, cpu_s)`` is
 called when an action of that name ends (the main thread's CPU seconds for ``start``/``stop`` actions, the loader's
-``next()``; else 0), ``on_start[name]()`` when one begins, ``any_action(name, wall_s)`` after every action not in the
+``next()``; else 0), ``on_start[name]()`` when a ``profile`` action begins, ``any_action(name, wall_s)`` after every action not in the
 tap's ``quiet`` names (swappable at any time); :func:`bypass` takes it out of the path and back. Every call reaches
 the wrapped profiler, so the user's profiler sees what it saw, and stacked taps each see every action."""
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Container, Optional
 Listener = Callable[[float, float], None]
 #: called with every action's name and wall-clock seconds
 AnyListener = Callable[[str, float], None]
-_UNTIMED = (None, None)
+_UNTIMED, _NOT_STARTED = (None, None), (False, 0.0, 0.0)
 
 
 class ProfilerTap:
@@ -27,28 +27,30 @@ class ProfilerTap:
     def __init__(self, inner: Any, timed: dict[str, tuple[Any, Any]], any_action: Optional[AnyListener]) -> None:
         self.inner, self._timed, self.any_action = inner, timed, any_action
         self.quiet: Container[str] = ()
-        self._started: dict[str, _Timed] = {}
-
-    def _timer(self, inner: Any, action_name: str) -> _Timed:
-        report = None if self.any_action is None or action_name in self.quiet else self.any_action
-        return _Timed(inner, action_name, *self._timed.get(action_name, _UNTIMED), report)
+        self._started: dict[str, tuple[bool, float, float]] = {}  # start/stop: (reported, wall, CPU)
 
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            timer = self._started[action_name] = self._timer(None, action_name)
-            timer.__enter__()
+            self._started[action_name] = (action_name not in self.quiet, time.perf_counter(), time.thread_time())
 
     def stop(self, action_name: str) -> None:
-        timer = self._started.pop(action_name, None)
-        if timer is not None:
-            timer.__exit__(None, None, None)
+        reported, wall, cpu = self._started.pop(action_name, _NOT_STARTED)
+        if wall:  # the CPU time, a syscall: for start/stop only (once a step, the fetch)
+            self._ended(action_name, reported, time.perf_counter() - wall, time.thread_time() - cpu)
         self.inner.stop(action_name)
+
+    def _ended(self, action_name: str, reported: bool, wall: float, cpu: float) -> None:
+        listener = self._timed.get(action_name, _UNTIMED)[0]
+        if listener is not None:
+            listener(wall, cpu)
+        if reported and self.any_action is not None:
+            self.any_action(action_name, wall)
 
     def profile(self, action_name: str) -> Any:
         # this runs on every hook call: the common case (nothing to time) returns the inner context as it is
         if action_name in self._timed or (self.any_action is not None and action_name not in self.quiet):
-            return self._timer(self.inner.profile(action_name), action_name)
+            return _Timed(self, action_name, self.inner.profile(action_name))
         return self.inner.profile(action_name)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,28 +60,23 @@ class ProfilerTap:
 
 
 class _Timed:
-    """An action's timing in the wrapped profiler's context ``inner`` (``None`` for ``start``/``stop``); slots: fast."""
+    """A ``profile`` action's timing in the wrapped profiler's context ``inner``; slots: fast."""
 
-    __slots__ = ("any_action", "cpu", "inner", "listener", "name", "on_start", "wall")
+    __slots__ = ("inner", "name", "reported", "tap", "wall")
 
-    def __init__(self, inner: Any, name: str, listener: Optional[Listener], on_start: Any, any_action: Any) -> None:
-        self.inner, self.name, self.listener, self.on_start = inner, name, listener, on_start
-        self.any_action: Optional[AnyListener] = any_action
+    def __init__(self, tap: ProfilerTap, name: str, inner: Any) -> None:
+        self.tap, self.name, self.inner, self.reported = tap, name, inner, name not in tap.quiet
 
     def __enter__(self) -> None:
-        if self.inner is not None:
-            self.inner.__enter__()
-        if self.on_start is not None:
-            self.on_start()
-        self.wall, self.cpu = time.perf_counter(), time.thread_time() if self.inner is None else 0.0
+        self.inner.__enter__()
+        on_start = self.tap._timed.get(self.name, _UNTIMED)[1]
+        if on_start is not None:
+            on_start()
+        self.wall = time.perf_counter()
 
     def __exit__(self, *exc_info: Any) -> Any:
-        wall = time.perf_counter() - self.wall
-        if self.listener is not None:  # a syscall, the CPU time: only for start/stop (once a step, the fetch)
-            self.listener(wall, time.thread_time() - self.cpu if self.inner is None else 0.0)
-        if self.any_action is not None:
-            self.any_action(self.name, wall)
-        return self.inner.__exit__(*exc_info) if self.inner is not None else None
+        self.tap._ended(self.name, self.reported, time.perf_counter() - self.wall, 0.0)
+        return self.inner.__exit__(*exc_info)
 
 
 def install(

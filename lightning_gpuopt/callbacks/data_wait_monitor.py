@@ -3,9 +3,9 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``. The fetch and the copy to the device are timed every step, ``training_step`` and the hooks
-in the steps :data:`SAMPLE_EVERY` says (scaled): in the others the profiler tap leaves the profiler's path from
-``on_train_batch_start`` to ``on_train_batch_end`` (a save puts it back first).
+``gpuopt_report.json``. The fetch is timed every step; the copy to the device, ``training_step`` and the hooks in
+the steps :data:`SAMPLE_EVERY` says (the others get their mean): in the others the profiler tap leaves the
+profiler's path from the fetch's end to ``on_train_batch_end`` (a save puts it back first).
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -47,6 +47,7 @@ from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLE_EVERY as SAMPLE_EVERY
 from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
+    PROBE_STEPS,
     HostSyncProbe,
     KeptGraphProbe,
     ModuleAndDeviceChecks,
@@ -132,6 +133,7 @@ class DataWaitMonitor(Callback):
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
         self._in_validation = self._sampled = self._pulls = False
+        self._sampled_steps = 0
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
@@ -146,16 +148,18 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        rng = random.Random(0)
+        rng, first = random.Random(0).random, self.warmup_steps + SAMPLE_EVERY
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
-            clock.add_fetch(seconds, cpu_seconds)  # the step's training_step and hooks: timed when it is sampled
-            self._sampled = clock.steps_seen < self.warmup_steps + SAMPLE_EVERY or rng.random() * SAMPLE_EVERY < 1
+            clock.add_fetch(seconds, cpu_seconds)  # the step's transfer, training_step and hooks: when sampled
+            sampled = self._sampled = clock.steps_seen < first or rng() * SAMPLE_EVERY < 1
             if self._tap is not None and self._action_probes:  # not reported to the probe until the next fetch
                 hooks = self._action_probes[0]
-                hooks.in_sample, self._tap.quiet = self._sampled, hooks.quiet_sampled if self._sampled else hooks.quiet
+                hooks.in_sample, self._tap.quiet = sampled, hooks.quiet_sampled if sampled else hooks.quiet
             if self._gpu is not None:  # the copy to the device that follows is device work, not idle time
                 self._gpu.before_transfer()
+            if not (sampled or self._pulls):  # back at the batch's end
+                _profiler_tap.bypass(trainer, self._tap, out=True)
 
         def saved(seconds: float, cpu_seconds: float) -> None:
             clock.add_excluded("checkpoint", seconds)  # in validation too: taken out of its time below
@@ -263,11 +267,11 @@ class DataWaitMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
+        if self._clock.steps_seen in PROBE_STEPS and self._probes:
+            self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
         start = self._clock.step_start()
         if self._gpu is not None:
             self._gpu.step_start(start)
-        _profiler_tap.bypass(trainer, self._tap, out=not (self._sampled or self._pulls))  # back at the batch's end
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -276,13 +280,14 @@ class DataWaitMonitor(Callback):
         if clock is None:
             return
         _profiler_tap.bypass(trainer, self._tap)
-        step = clock.steps_seen
+        step, self._sampled_steps = clock.steps_seen, self._sampled_steps + self._sampled
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
-        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else batch_samples(batch)
+        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
         clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
         if self._gpu is not None:
             self._gpu.step_end()
-        self._call_probes("step_end", trainer, pl_module, batch, step)
+        if step in PROBE_STEPS and self._probes:
+            self._call_probes("step_end", trainer, pl_module, batch, step)
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
@@ -316,6 +321,8 @@ class DataWaitMonitor(Callback):
         timeline = clock.timeline(gpu.idle_series if gpu is not None else None)
         device = device_for(pl_module.device).describe()
         report = data_wait_report(ranks, settings, self.thresholds, gpus, self.warmup_steps, device, timeline)
+        for probe in self._probes:
+            probe.steps_seen, probe.sampled_steps = clock.steps_seen, self._sampled_steps
         self._call_probes("stop")
         findings = [finding for found in self._call_probes("findings", trainer, pl_module, report) for finding in found]
         self.report = replace(report, findings=findings)

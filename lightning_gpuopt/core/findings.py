@@ -212,10 +212,11 @@ def slow_hook(
     epochs: int = 1,
     in_module: bool = False,
     threshold: float = SLOW_HOOK_SHARE,
+    sampled: Optional[tuple[int, int]] = None,
 ) -> Optional[Finding]:
-    """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` seconds of training.
-    Found from ``threshold`` of it; the fix runs it every ``N`` steps (epochs, for a hook run once an epoch or
-    less), ``N`` a 1-2-5 value bringing it to about :data:`TARGET_SHARE`."""
+    """``hook`` (``"<class>.<hook>"``) ran ``calls`` times for ``total_s`` of ``train_s`` s of training (``sampled``:
+    timed in so many of so many steps, scaled). Found from ``threshold`` of it; the fix runs it every ``N`` steps
+    (epochs, for a hook run once an epoch or less), ``N`` a 1-2-5 value bringing it to about :data:`TARGET_SHARE`."""
     if calls < 1 or train_s <= 0 or total_s <= 0 or total_s / train_s < threshold:
         return None
     share, per_call = total_s / train_s, total_s / calls
@@ -229,6 +230,8 @@ def slow_hook(
     figures = {"seconds": float(total_s), "calls": float(calls), "ms_per_call": per_call * 1e3, "share": share}
     message = f"{hook} took {total_s:.2f} s over {calls} call(s) ({per_call * 1e3:.1f} ms each), {share:.1%} of"
     message += f" training time ({train_s:.2f} s from train start to end)"
+    if sampled and sampled[0] < sampled[1]:  # a per-step hook, timed in some steps
+        message += f"; timed in {sampled[0]} of {sampled[1]} steps and scaled"
     return Finding("slow-hook", message, fix, hook, figures | {"suggested_every_n": float(every)})
 
 

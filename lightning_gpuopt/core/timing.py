@@ -75,17 +75,12 @@ class StepTotals:
 
     step_time_s = property(lambda self: self.per_step(self.wall_s), doc="Mean seconds a step.")
     data_wait_per_step_s = property(lambda self: self.per_step(self.data_wait_s), doc="Mean data wait a step.")
-
-    arrival_per_step_s = property(
-        lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s),
-        doc="Per step, the time before the gradient sync: data wait + transfer + forward.",
-    )
-
+    #: per step, the time before the gradient sync: data wait + transfer + forward
+    arrival_per_step_s = property(lambda self: self.per_step(self.data_wait_s + self.transfer_s + self.forward_s))
     data_wait_fraction = property(lambda self: self.share(self.data_wait_s), doc="Data wait's share of the steps.")
     transfer_fraction = property(lambda self: self.share(self.transfer_s), doc="Transfer's share of the steps.")
     compute_fraction = property(lambda self: self.share(self.compute_s), doc="Compute's share of the steps.")
     other_fraction = property(lambda self: self.share(self.other_s), doc="The rest's share of the steps.")
-
     loader_cpu_fraction = property(
         lambda self: min(1.0, self.data_wait_cpu_s / self.data_wait_s) if self.data_wait_s > 0 else None,
         doc="Main-thread CPU seconds per second of data wait (near 1: loading computes in the main process).",
@@ -164,8 +159,8 @@ _COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s",
 class StepClock:
     """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
     seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
-    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (perhaps in some
-    steps only: scaled to every measured step), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (these two perhaps in
+    some steps only: the others get their mean), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -181,7 +176,7 @@ class StepClock:
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
-        self._forwards = [0.0, 0]  # forward seconds and count of the measured steps it was timed in
+        self._forwards, self._transfers = [0.0, 0], [0.0, 0]  # seconds, and the measured steps each was timed in
         self._clear_pending()
 
     def epoch_start(self) -> None:
@@ -193,15 +188,16 @@ class StepClock:
         self._clear_pending()
 
     def _clear_pending(self) -> None:
-        self._fetch_s = self._fetch_cpu_s = self._transfer_s = self._excluded_s = 0.0
+        self._fetch_s = self._fetch_cpu_s = self._excluded_s = 0.0
         self._forward_s: Optional[float] = None
+        self._transfer_s: Optional[float] = None
 
     def add_fetch(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self._fetch_s += seconds
         self._fetch_cpu_s += cpu_seconds
 
     def add_transfer(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        self._transfer_s += seconds
+        self._transfer_s = (self._transfer_s or 0.0) + seconds
 
     def add_forward(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self._forward_s = (self._forward_s or 0.0) + seconds
@@ -226,10 +222,13 @@ class StepClock:
         if self._measuring_step and self._last_end is not None:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            row = (samples, wall_s, self._fetch_s, self._fetch_cpu_s, self._transfer_s, compute_s)
+            transfer_s = self._transfer_s  # timed in this step, else the mean of the steps it was timed in
+            if transfer_s is not None:
+                self._transfers = [self._transfers[0] + transfer_s, self._transfers[1] + 1]
+            transfer_s = self._transfers[0] / max(1, self._transfers[1]) if transfer_s is None else transfer_s
             if self._forward_s is not None:
                 self._forwards = [self._forwards[0] + self._forward_s, self._forwards[1] + 1]
-            self.series.add(self.steps_seen, row)
+            self.series.add(self.steps_seen, (samples, wall_s, self._fetch_s, self._fetch_cpu_s, transfer_s, compute_s))
             self.measured_steps += 1
         self.steps_seen += 1
         self._last_end = now

@@ -191,11 +191,12 @@ def test_hooks_inside_steps_are_timed_in_a_sample_of_steps_and_scaled_to_every_s
     steps = 3 * _detect_hooks.HOOK_SAMPLE_EVERY
     monitor, _ = fit(tmp_path, SlowStepHook(), loader(steps * 16), max_steps=steps)
     probe = next(p for p in monitor._probes if isinstance(p, _detect_hooks.HookTimes))
-    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe._sampled_steps < steps  # the rest were not timed
+    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe.sampled_steps < steps  # the rest were not timed
     (finding,) = of_kind(monitor, "slow-hook")
     assert finding.where == "SlowStepHook.on_before_optimizer_step"
     assert finding.figures["calls"] == steps  # exact: called once every step
     assert finding.figures["ms_per_call"] >= 4 and finding.figures["seconds"] >= steps * 0.004
+    assert f"; timed in {probe.sampled_steps} of {steps} steps and scaled" in finding.message  # the sampling, stated
 
 
 class SlowBatchAndEpochEnd(SlowHook):
@@ -213,14 +214,17 @@ def test_per_step_hooks_between_steps_are_reported_only_in_sampled_steps_and_sti
     trainer = make_trainer(tmp_path, [monitor, SlowBatchAndEpochEnd(0.003)], max_steps=steps)
     trainer.fit(MLP(), loader(24 * 16))
     probe = monitor._action_probes[0]
-    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe._sampled_steps < steps
+    assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe.sampled_steps < steps
     batch_end = [
         in_sample for action, in_sample in reported if action.endswith("SlowBatchAndEpochEnd.on_train_batch_end")
     ]
-    assert len(batch_end) == probe._sampled_steps and all(batch_end)  # not reported in the other steps
+    assert len(batch_end) == probe.sampled_steps and all(batch_end)  # not reported in the other steps
     found = {finding.where: finding.figures for finding in of_kind(monitor, "slow-hook")}
     assert found["SlowBatchAndEpochEnd.on_train_batch_end"]["calls"] == steps  # scaled, exact in calls
     assert found["SlowBatchAndEpochEnd.on_train_epoch_end"]["calls"] == 2  # an epoch hook: every call, not scaled
+    messages = {finding.where: finding.message for finding in of_kind(monitor, "slow-hook")}
+    assert "scaled" in messages["SlowBatchAndEpochEnd.on_train_batch_end"]
+    assert "scaled" not in messages["SlowBatchAndEpochEnd.on_train_epoch_end"]
 
 
 def test_a_slow_epoch_hook_is_fixed_with_an_epoch_interval(tmp_path):
