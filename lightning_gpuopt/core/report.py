@@ -94,10 +94,9 @@ def _create_sibling(path: Path) -> tuple[int, Path]:
 def update_json_section(
     path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
 ) -> Location:
-    """Set ``section`` of the JSON object in ``path`` (a local path or an fsspec URL) to ``data``, keeping the other
-    sections (each callback owns one); returns where it was written. A local file is written atomically (renamed into
-    place, mode ``0o666`` less the umask). An existing file that is no JSON object is renamed to ``<name>.corrupt-<n>``
-    and ``warn`` (default :func:`warnings.warn`) says so. Raises ``OSError`` when the file cannot be written."""
+    """Set ``section`` of the JSON object at ``path`` (local or an fsspec URL) to ``data``, keeping the others; returns
+    where. A local file is replaced atomically (mode ``0o666`` less the umask); a file that is no JSON object is renamed
+    ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`) says so. ``OSError``: it cannot be written."""
     location = as_location(path)
     content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
     content[section] = data
