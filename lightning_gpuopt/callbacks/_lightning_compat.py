@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import sys
 from typing import Any, Iterator, Optional
 
@@ -53,20 +54,18 @@ dataloader_init_args_and_kwargs = _get_dataloader_init_args_and_kwargs
 reinstantiate_wrapped_cls = _reinstantiate_wrapped_cls
 collect_rng_states = _collect_rng_states
 set_rng_states = _set_rng_states
+#: readers of private attributes: the train-loader source; its fetcher (``None`` until the loop set its data up); the
+#: step loggers get; the connector whose ``received_sigterm`` is settable; a parser's flag -> action map
+train_source = operator.attrgetter("fit_loop._data_source")
+data_fetcher = operator.attrgetter("fit_loop._data_fetcher")
+batches_that_stepped = operator.attrgetter("fit_loop.epoch_loop._batches_that_stepped")
+signal_connector = operator.attrgetter("_signal_connector")
+parser_option_actions = operator.attrgetter("_option_string_actions")
 
 #: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
 TRAIN_SOURCE_ATTRIBUTE = "_data_source"
 #: what ``fit_loop.setup_data()`` sets in the loop when it builds the train loader (and ``trainer.val_check_batch``)
 _LOOP_STATE = ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch")
-
-
-def train_source(trainer: Any) -> Any:
-    return trainer.fit_loop._data_source
-
-
-def data_fetcher(trainer: Any) -> Any:
-    """``trainer.fit_loop._data_fetcher`` (``None`` until the loop set its data up)."""
-    return trainer.fit_loop._data_fetcher
 
 
 def reset_train_loader(trainer: Any) -> None:
@@ -176,10 +175,6 @@ def progress_counters(loop: Any, seen: Optional[set[int]] = None) -> list[Any]:
     return found
 
 
-def batches_that_stepped(trainer: Any) -> int:
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
 def set_batches_that_stepped(trainer: Any, value: int) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = value
 
@@ -202,10 +197,6 @@ def reset_logged_results(trainer: Any) -> None:
     if trainer._results is not None:
         trainer._results.batch = None
     trainer._logger_connector.reset_metrics()
-
-
-def signal_connector(trainer: Any) -> Any:
-    return trainer._signal_connector
 
 
 def swap_strategy_optimizers(strategy: Any, optimizers: Any, lightning_optimizers: Any) -> tuple[Any, Any]:
@@ -238,10 +229,6 @@ def last_checkpoint_saved(callback: Any) -> str:
 
 def attach_data(trainer: Any, module: Any, datamodule: Any = None) -> None:
     trainer._data_connector.attach_data(module, datamodule=datamodule)
-
-
-def parser_option_actions(parser: Any) -> dict[str, Any]:
-    return parser._option_string_actions
 
 
 SAVE_CHECKPOINT_ACTION, TRAINING_BATCH_ACTION = "save_checkpoint", "run_training_batch"  # a save; a whole step
