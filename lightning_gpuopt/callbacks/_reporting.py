@@ -1,9 +1,6 @@
-"""Where and how every callback writes its section of ``gpuopt_report.json`` (a report never costs a run), draws
-its PNGs, and logs its metrics (to the loggers and to ``trainer.callback_metrics``).
-
-The report goes to ``trainer.log_dir`` (else ``default_root_dir``): a local ``Path``, or a URL (any protocol but
-``file``, as Lightning decides for its logs) written through fsspec (:mod:`lightning_gpuopt.core.storage`).
-"""
+"""How every callback writes its section of ``gpuopt_report.json`` (a report never costs a run), in ``trainer.log_dir``
+(else ``default_root_dir``: a local ``Path`` or a URL, see :mod:`lightning_gpuopt.core.storage`), draws its PNGs, and
+logs its metrics (to the loggers and to ``trainer.callback_metrics``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The ``gpuopt`` console command: ``doctor``, ``presets``, ``estimate``, ``plot`` (``gpuopt COMMAND --help``).
 
-Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage (the message names the
-argument, the value and what works), 1 when ``doctor`` finds a "fail" or ``plot`` draws nothing. Only the
-standard library is imported at the top, so ``gpuopt --help`` answers at once."""
+Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage, 1 when ``doctor`` finds a
+"fail" or ``plot`` draws nothing. Only the standard library is imported at the top, for a quick ``gpuopt --help``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Amounts of memory (:func:`parse_memory`), a simulated memory cap (:class:`MemoryBudget`) and
-out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`). A budget's OOM is a
-``torch.OutOfMemoryError`` saying "CUDA out of memory", as code written for a real one expects.
-"""
+"""Amounts of memory (:func:`parse_memory`), a simulated memory cap (:class:`MemoryBudget`, whose OOM says "CUDA out of
+memory" as a real one does) and out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`)."""
 
 from __future__ import annotations
 
