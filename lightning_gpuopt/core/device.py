@@ -239,6 +239,10 @@ class _CudaPeakMeter(SpanMeter):
 
 _running_cuda_meters: list[_CudaPeakMeter] = []
 _simulations: list[Device] = []
+#: whether a real CUDA card can be used (a simulated one does not count)
+cuda_hardware_available = torch.cuda.is_available
+#: the GPU architectures this torch build carries kernels for (``sm_90``, ...; ``compute_*`` is PTX)
+cuda_arch_list = torch.cuda.get_arch_list
 
 
 @contextlib.contextmanager
@@ -258,19 +262,9 @@ def cuda_available() -> bool:
     return bool(_simulations) or torch.cuda.is_available()
 
 
-def cuda_hardware_available() -> bool:
-    """Whether a real CUDA card can be used (a simulated one does not count)."""
-    return torch.cuda.is_available()
-
-
 def cuda_device_count() -> int:
     """CUDA cards this process can use (a simulated card counts as one)."""
     return 1 if _simulations else torch.cuda.device_count()
-
-
-def cuda_arch_list() -> list[str]:
-    """The GPU architectures this torch build carries kernels for (``sm_90``, ...; ``compute_*`` is PTX)."""
-    return torch.cuda.get_arch_list()
 
 
 def cuda_rng_in_use() -> bool:
