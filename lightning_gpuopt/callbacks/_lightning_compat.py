@@ -62,8 +62,7 @@ batches_that_stepped = operator.attrgetter("fit_loop.epoch_loop._batches_that_st
 signal_connector = operator.attrgetter("_signal_connector")
 parser_option_actions = operator.attrgetter("_option_string_actions")
 
-#: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
-TRAIN_SOURCE_ATTRIBUTE = "_data_source"
+TRAIN_SOURCE_ATTRIBUTE = "_data_source"  #: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
 #: what ``fit_loop.setup_data()`` sets in the loop when it builds the train loader (and ``trainer.val_check_batch``)
 _LOOP_STATE = ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch")
 
@@ -200,8 +199,7 @@ def reset_logged_results(trainer: Any) -> None:
 
 
 def swap_strategy_optimizers(strategy: Any, optimizers: Any, lightning_optimizers: Any) -> tuple[Any, Any]:
-    """Set ``strategy._optimizers`` and ``_lightning_optimizers`` as given (the public setter would build new
-    ``LightningOptimizer`` wrappers); returns the two lists they held."""
+    """Set ``strategy._optimizers`` and ``_lightning_optimizers`` (the setter rewraps them); returns what they held."""
     held = strategy._optimizers, strategy._lightning_optimizers
     strategy._optimizers, strategy._lightning_optimizers = optimizers, lightning_optimizers
     return held
