@@ -25,8 +25,7 @@ from lightning_gpuopt.core.storage import (
     read_bytes,
 )
 
-#: the report failures warned about (a report and why it cannot be written): one warning each
-_WARNED: set[str] = set()
+_WARNED: set[str] = set()  #: the report failures warned about (a report and why it cannot be written): one warning each
 
 
 def report_dir(trainer: Trainer) -> Location:
@@ -40,8 +39,7 @@ def report_file(trainer: Trainer) -> Location:
 
 
 def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
-    """Log ``gpuopt/*`` metrics to every logger at the logged step, and put them in ``trainer.callback_metrics``
-    (as scalar tensors), so that ``EarlyStopping`` and ``ModelCheckpoint`` can monitor them."""
+    """Log ``gpuopt/*`` metrics to every logger at the logged step; also into ``trainer.callback_metrics``."""
     values = {key: float(value) for key, value in metrics.items()}
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
