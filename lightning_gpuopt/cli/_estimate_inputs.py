@@ -206,8 +206,7 @@ def _signature(cls: type) -> inspect.Signature | None:
 
 
 def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
-    """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
-    attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
+    """A CPU Trainer attached as ``fit`` attaches, and the ``--datamodule``; ``(None, None)`` for a plain module."""
     datamodule = None
     if args.datamodule is not None:
         base = "lightning.pytorch.LightningDataModule"

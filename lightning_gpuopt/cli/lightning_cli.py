@@ -18,8 +18,7 @@ _KEY = "gpuopt"
 
 
 class ResolvedDumps:
-    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, ``config.yaml``) hold the resolved
-    ``gpuopt`` settings."""
+    """Mixed into a ``LightningArgumentParser``: ``--print_config`` and ``config.yaml`` hold ``gpuopt`` resolved."""
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
