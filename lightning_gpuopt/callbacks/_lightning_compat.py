@@ -1,25 +1,24 @@
-"""Every use of Lightning's private internals, in one place; ``tests/integration/test_lightning_compat.py``
-checks each against the installed Lightning (``>=2.6``, written against 2.6.6), so a release that moves one fails
-there, by name. One module serves ``lightning.pytorch`` and ``pytorch_lightning`` (the same source renamed): what
-a callback makes comes from the Trainer's namespace (:func:`of_namespace`), what it recognises is checked against
-both (:func:`any_namespace`). Each internal, with why no public API will do (none exists unless named):
+"""Every use of Lightning's private internals, in one place, each checked against the installed Lightning (``>=2.6``,
+written against 2.6.6) by ``tests/integration/test_lightning_compat.py``, so a release that moves one fails there, by
+name. One module serves ``lightning.pytorch`` and ``pytorch_lightning``: what a callback makes comes from the Trainer's
+namespace (:func:`of_namespace`), what it recognises is checked against both (:func:`any_namespace`). Each internal,
+with why no public API will do (none exists unless named):
 
-* ``fit_loop._data_source`` (:func:`train_source`, :data:`TRAIN_SOURCE_ATTRIBUTE`), a ``_DataLoaderSource``
-  (``instance``, ``name``, ``dataloader()``, ``is_module()``, ``is_defined()``): where Lightning asks for the
-  train loader, swapped to rebuild it; ``_request_dataloader`` asks a source for it as Lightning does.
-* ``fit_loop._data_fetcher`` (``teardown()``, ``batches``) and ``_combined_loader`` (:func:`built_train_loader`):
+* ``fit_loop._data_source`` (:data:`TRAIN_SOURCE_ATTRIBUTE`), a ``_DataLoaderSource`` (``instance``, ``name``,
+  ``dataloader()``, ``is_module()``, ``is_defined()``): swapped to rebuild the train loader; ``_request_dataloader``
+  asks a source as Lightning does. ``fit_loop._data_fetcher`` (``teardown()``, ``batches``), ``_combined_loader``:
   ``trainer.train_dataloader`` gives ``.iterables``, not ``.flattened[0]``, and cannot make the loop rebuild it.
 * ``_lightning_get_all_attr_holders``: ``lightning_getattr``/``setattr`` do not say where ``batch_size`` is held.
 * ``epoch_loop._batches_that_stepped``: the logged step has no setter (``trainer.global_step`` counts optimizer
   steps); ``epoch_loop._broadcast_sigterm_tensor``: the per-step SIGTERM collective, skipped in trials.
 * ``loops.loop._Loop``, ``loops.progress._BaseProgress``: no public base classes, to find every progress counter.
-* ``trainer._logger_connector.reset_results()/reset_metrics()``, ``trainer._results.batch``; ``trainer._signal_connector.received_sigterm``
-  (``trainer.received_sigterm`` has no setter).
+* ``trainer._logger_connector.reset_results()/reset_metrics()``, ``trainer._results.batch``;
+  ``trainer._signal_connector.received_sigterm`` (``trainer.received_sigterm`` has no setter).
 * ``strategy._optimizers``/``_lightning_optimizers``: the ``strategy.optimizers`` setter builds new wrappers,
   dropping the step hooks set on the old ones; ``LightningOptimizer._to_lightning_optimizer``.
 * ``_init_optimizers_and_lr_schedulers``, ``_MockOptimizer``: read ``configure_optimizers()`` as ``fit`` does.
-* ``_get_dataloader_init_args_and_kwargs``, ``_reinstantiate_wrapped_cls`` and a loader's
-  ``__pl_saved_arg_names``: re-create a loader with other arguments, as Lightning does for its sampler.
+* ``_get_dataloader_init_args_and_kwargs``, ``_reinstantiate_wrapped_cls``, a loader's ``__pl_saved_arg_names``:
+  re-create a loader with other arguments, as Lightning does for its sampler.
 * ``_collect_rng_states``/``_set_rng_states``: ``seed_everything`` seeds; it does not save and restore states.
 * ``ModelCheckpoint._every_n_train_steps``/``_every_n_epochs``/``_train_time_interval``/``_last_checkpoint_saved``:
   the constructor's arguments are not kept publicly (read with defaults).
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import sys
 from typing import Any, Iterator, Optional
 
@@ -54,21 +54,17 @@ dataloader_init_args_and_kwargs = _get_dataloader_init_args_and_kwargs
 reinstantiate_wrapped_cls = _reinstantiate_wrapped_cls
 collect_rng_states = _collect_rng_states
 set_rng_states = _set_rng_states
+#: readers of private attributes: the train-loader source; its fetcher (``None`` until the loop set its data up); the
+#: step loggers get; the connector whose ``received_sigterm`` is settable; a parser's flag -> action map
+train_source = operator.attrgetter("fit_loop._data_source")
+data_fetcher = operator.attrgetter("fit_loop._data_fetcher")
+batches_that_stepped = operator.attrgetter("fit_loop.epoch_loop._batches_that_stepped")
+signal_connector = operator.attrgetter("_signal_connector")
+parser_option_actions = operator.attrgetter("_option_string_actions")
 
-#: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
-TRAIN_SOURCE_ATTRIBUTE = "_data_source"
+TRAIN_SOURCE_ATTRIBUTE = "_data_source"  #: the fit loop's attribute holding the train-loader source (for ``Undo.set``)
 #: what ``fit_loop.setup_data()`` sets in the loop when it builds the train loader (and ``trainer.val_check_batch``)
 _LOOP_STATE = ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch")
-
-
-def train_source(trainer: Any) -> Any:
-    """``trainer.fit_loop._data_source``: where the train loader comes from."""
-    return trainer.fit_loop._data_source
-
-
-def data_fetcher(trainer: Any) -> Any:
-    """``trainer.fit_loop._data_fetcher`` (``None`` until the loop set its data up)."""
-    return trainer.fit_loop._data_fetcher
 
 
 def reset_train_loader(trainer: Any) -> None:
@@ -97,12 +93,10 @@ def attach_train_loader(trainer: Any, saved: tuple[dict, dict]) -> None:
 
 
 def train_loader_built(trainer: Any) -> bool:
-    """Whether the fit loop holds a built train loader (``_combined_loader``)."""
     return trainer.fit_loop._combined_loader is not None
 
 
 def built_train_loader(trainer: Any) -> Any:
-    """``fit_loop._combined_loader.flattened[0]``, the first train loader."""
     return trainer.fit_loop._combined_loader.flattened[0]
 
 
@@ -180,13 +174,7 @@ def progress_counters(loop: Any, seen: Optional[set[int]] = None) -> list[Any]:
     return found
 
 
-def batches_that_stepped(trainer: Any) -> int:
-    """``epoch_loop._batches_that_stepped``: the step loggers get."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
 def set_batches_that_stepped(trainer: Any, value: int) -> None:
-    """Set ``epoch_loop._batches_that_stepped``."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = value
 
 
@@ -210,21 +198,14 @@ def reset_logged_results(trainer: Any) -> None:
     trainer._logger_connector.reset_metrics()
 
 
-def signal_connector(trainer: Any) -> Any:
-    """``trainer._signal_connector``, whose ``received_sigterm`` is settable."""
-    return trainer._signal_connector
-
-
 def swap_strategy_optimizers(strategy: Any, optimizers: Any, lightning_optimizers: Any) -> tuple[Any, Any]:
-    """Set ``strategy._optimizers`` and ``_lightning_optimizers`` as given (the public setter would build new
-    ``LightningOptimizer`` wrappers); returns the two lists they held."""
+    """Set ``strategy._optimizers`` and ``_lightning_optimizers`` (the setter rewraps them); returns what they held."""
     held = strategy._optimizers, strategy._lightning_optimizers
     strategy._optimizers, strategy._lightning_optimizers = optimizers, lightning_optimizers
     return held
 
 
 def to_lightning_optimizer(optimizer: Any, strategy: Any) -> LightningOptimizer:
-    """``LightningOptimizer._to_lightning_optimizer`` of the strategy's namespace."""
     return of_namespace(strategy, "core.optimizer", "LightningOptimizer")._to_lightning_optimizer(optimizer, strategy)
 
 
@@ -241,18 +222,11 @@ def checkpoint_schedule(callback: Any) -> tuple[Optional[int], Optional[int], An
 
 
 def last_checkpoint_saved(callback: Any) -> str:
-    """``ModelCheckpoint._last_checkpoint_saved``, the file it last wrote (``""`` when missing)."""
     return getattr(callback, "_last_checkpoint_saved", "")
 
 
 def attach_data(trainer: Any, module: Any, datamodule: Any = None) -> None:
-    """``trainer._data_connector.attach_data(module, datamodule=...)``."""
     trainer._data_connector.attach_data(module, datamodule=datamodule)
-
-
-def parser_option_actions(parser: Any) -> dict[str, Any]:
-    """The parser's flag -> action map (argparse's ``_option_string_actions``)."""
-    return parser._option_string_actions
 
 
 SAVE_CHECKPOINT_ACTION, TRAINING_BATCH_ACTION = "save_checkpoint", "run_training_batch"  # a save; a whole step
@@ -262,12 +236,10 @@ HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)
 
 
 def fetch_action(trainer: Any) -> str:
-    """The action around the train loader's ``next()``: ``"[<epoch loop class>].train_dataloader_next"``."""
     return f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next"
 
 
 def strategy_action(trainer: Any, hook: str) -> str:
-    """The action around a strategy hook: ``"[Strategy]<Strategy class>.<hook>"``."""
     return f"[Strategy]{type(trainer.strategy).__name__}.{hook}"
 
 

@@ -1,9 +1,6 @@
-"""Where and how every callback writes its section of ``gpuopt_report.json`` (a report never costs a run), draws
-its PNGs, and logs its metrics (to the loggers and to ``trainer.callback_metrics``).
-
-The report goes to ``trainer.log_dir`` (else ``default_root_dir``): a local ``Path``, or a URL (any protocol but
-``file``, as Lightning decides for its logs) written through fsspec (:mod:`lightning_gpuopt.core.storage`).
-"""
+"""How every callback writes its section of ``gpuopt_report.json`` (a report never costs a run), in ``trainer.log_dir``
+(else ``default_root_dir``: a local ``Path`` or a URL, see :mod:`lightning_gpuopt.core.storage`), draws its PNGs, and
+logs its metrics (to the loggers and to ``trainer.callback_metrics``)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ from lightning_gpuopt.core.storage import (
     read_bytes,
 )
 
-#: the report failures warned about (a report and why it cannot be written): one warning each
-_WARNED: set[str] = set()
+_WARNED: set[str] = set()  #: the report failures warned about (a report and why it cannot be written): one warning each
 
 
 def report_dir(trainer: Trainer) -> Location:
@@ -43,8 +39,7 @@ def report_file(trainer: Trainer) -> Location:
 
 
 def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
-    """Log ``gpuopt/*`` metrics to every logger at the logged step, and put them in ``trainer.callback_metrics``
-    (as scalar tensors), so that ``EarlyStopping`` and ``ModelCheckpoint`` can monitor them."""
+    """Log ``gpuopt/*`` metrics to every logger at the logged step; also into ``trainer.callback_metrics``."""
     values = {key: float(value) for key, value in metrics.items()}
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:

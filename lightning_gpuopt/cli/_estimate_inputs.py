@@ -17,21 +17,27 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import Any, Callable, cast
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from jsonargparse import get_loader
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.plugins import HalfPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
-#: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
-DEFAULT_BATCH_SIZE = 8
+from lightning_gpuopt.callbacks import _lightning_compat as compat
+from lightning_gpuopt.callbacks._engine.steps import loss_function, manual_step
+from lightning_gpuopt.cli.command import DEFAULT_BATCH_SIZE, UsageError
+from lightning_gpuopt.core._torch_compat import tree_leaves
+from lightning_gpuopt.core.device import cuda_available, device_for
+from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, batch_to_trace, host_step_context, sliced_batch
+from lightning_gpuopt.core.loader import batch_samples
+from lightning_gpuopt.core.memory import parse_memory
+
 #: the Trainer a LightningModule gets (``estimated_stepping_batches`` reads ``max_steps``)
 _TRAINER: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=-1, max_steps=1000, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
-
-
-class UsageError(Exception):
-    """Bad command-line input (exit status 2): the message names the argument, the value and what works."""
 
 
 @dataclasses.dataclass
@@ -53,15 +59,6 @@ class EstimateSetup:
 
 def estimate_of(args: argparse.Namespace) -> tuple[Any, EstimateSetup]:
     """The ``MemoryEstimate`` of ``gpuopt estimate ARGS`` and the setup it ran with."""
-    import torch
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_gpuopt.callbacks._engine.steps import manual_step
-    from lightning_gpuopt.core.device import cuda_available, device_for
-    from lightning_gpuopt.core.estimate import StepEstimator, TrainingStep, host_step_context
-    from lightning_gpuopt.core.loader import batch_samples
-    from lightning_gpuopt.core.memory import parse_memory
-
     for name, value in (("--batch-size", args.batch_size), ("--vocab", args.vocab)):
         if value is not None and value < 1:
             raise UsageError(f"`{name}`={value} must be a positive integer, e.g. {name} 8.")
@@ -148,8 +145,6 @@ def _import_class(target: str, argument: str, base: type, base_name: str) -> typ
 def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:
     """``cls`` built from ``flag``'s ``text`` as LightningCLI builds its ``key`` group: jsonargparse checks the
     typed arguments and builds those given as ``class_path``; untyped ones and ``**kwargs`` pass as given."""
-    from lightning.pytorch.cli import LightningArgumentParser
-
     label, signature = f"`{flag}`={text!r}", _signature(cls)
     shown = f"{cls.__name__}{signature or '(...)'}"
     given = _init_args(text, label, shown)
@@ -186,8 +181,6 @@ def _instantiate(cls: type, text: str, flag: str, key: str) -> Any:
 
 def _init_args(text: str, label: str, signature: str) -> dict[str, Any]:
     """The keyword arguments in ``text``: a JSON or YAML mapping, or a .yaml/.json file of one."""
-    from jsonargparse import get_loader
-
     works = f"give a mapping such as 'width: 256' or '{{\"width\": 256}}', or a .yaml/.json file of one; the signature is {signature}."
     path = Path(text.strip()).expanduser()
     if "\n" not in text.strip() and path.suffix.lower() in (".yaml", ".yml", ".json"):
@@ -213,12 +206,7 @@ def _signature(cls: type) -> inspect.Signature | None:
 
 
 def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: EstimateSetup) -> tuple[Any, Any]:
-    """``--datamodule``, and a CPU Trainer attached to a LightningModule (and the datamodule) as ``Trainer.fit``
-    attaches it; ``(None, None)`` for a plain ``torch.nn.Module``."""
-    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-
-    from lightning_gpuopt.callbacks import _lightning_compat as compat
-
+    """A CPU Trainer attached as ``fit`` attaches, and the ``--datamodule``; ``(None, None)`` for a plain module."""
     datamodule = None
     if args.datamodule is not None:
         base = "lightning.pytorch.LightningDataModule"
@@ -249,11 +237,6 @@ def _trainer_and_datamodule(module: Any, args: argparse.Namespace, setup: Estima
 def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup, datamodule: Any) -> tuple:
     """``(batch, loss_fn, forward_input, (what, unseen))`` from --input-size, a dataloader (``(what, unseen)`` as
     :func:`~lightning_gpuopt.core.estimate.batch_to_trace` says; else ``None``), else example_input_array."""
-    import torch
-
-    from lightning_gpuopt.core.estimate import sliced_batch
-    from lightning_gpuopt.core.loader import batch_samples
-
     setup.parameters = sum(p.numel() for p in module.parameters())
     if args.input_size:
         tensors = []
@@ -290,13 +273,6 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
 
 def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, datamodule: Any) -> tuple | None:
     """A batch of the datamodule's or the model's ``train_dataloader()``, ``training_step`` the loss (or ``None``)."""
-    from lightning.pytorch import LightningModule
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_gpuopt.callbacks._engine.steps import loss_function
-    from lightning_gpuopt.core.estimate import batch_to_trace, sliced_batch
-    from lightning_gpuopt.core.loader import batch_samples
-
     if datamodule is not None:
         source, owner = "the datamodule's train_dataloader()", datamodule
     elif isinstance(module, LightningModule) and is_overridden("train_dataloader", module):
@@ -333,16 +309,10 @@ def _loader_batch(module: Any, batch_size: int | None, setup: EstimateSetup, dat
 
 
 def _first_tensor(batch: Any) -> Any:
-    import torch
-
     return batch[0] if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) else batch
 
 
 def _on_host(data: Any, module: Any) -> Any:
-    import torch
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-    from lightning.pytorch.plugins import HalfPrecision
-
     data = move_data_to_device(data, "cpu")
     bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters() if p.is_floating_point())
     return HalfPrecision("bf16-true").convert_input(data) if bf16 else data
@@ -350,10 +320,6 @@ def _on_host(data: Any, module: Any) -> Any:
 
 def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = lambda b: b) -> Callable[[Any], Any]:
     """``batch -> sum of the means of forward's floating outputs``."""
-    import torch
-
-    from lightning_gpuopt.core._torch_compat import tree_leaves
-
     setup.loss = "stand-in: the mean of forward's output"
     note = "no training_step for this batch: the loss is a stand-in, the mean of forward's output; a real loss adds little (targets and a few scalars)"
     setup.notes.append(note)
@@ -372,12 +338,6 @@ def _stand_in_loss_fn(module: Any, setup: EstimateSetup, forward_of: Callable = 
 
 def _optimizers(module: Any, choice: str, setup: EstimateSetup) -> list:
     """``--optimizer``'s (``auto``: ``configure_optimizers()`` as ``Trainer.fit`` builds it, else Adam)."""
-    import torch
-    from lightning.pytorch import LightningModule
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_gpuopt.callbacks import _lightning_compat as compat
-
     if choice == "auto" and isinstance(module, LightningModule) and is_overridden("configure_optimizers", module):
         try:
             optimizers, _ = compat.init_optimizers_and_lr_schedulers(module)

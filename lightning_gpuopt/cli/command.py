@@ -1,8 +1,7 @@
 """The ``gpuopt`` console command: ``doctor``, ``presets``, ``estimate``, ``plot`` (``gpuopt COMMAND --help``).
 
-Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage (the message names the
-argument, the value and what works), 1 when ``doctor`` finds a "fail" or ``plot`` draws nothing. Only the
-standard library is imported at the top, so ``gpuopt --help`` answers at once."""
+Tables on stdout, or one JSON document with ``--json``. Exit status: 0, 2 on bad usage, 1 when ``doctor`` finds a
+"fail" or ``plot`` draws nothing. Only the standard library is imported at the top, for a quick ``gpuopt --help``."""
 
 from __future__ import annotations
 
@@ -14,12 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_gpuopt.cli import _estimate_inputs as inputs
-from lightning_gpuopt.cli._estimate_inputs import UsageError
-
+ESTIMATE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+ESTIMATE_OPTIMIZERS = ("auto", "adam", "adamw", "sgd", "none")
+#: the batch size of ``--input-size`` and ``example_input_array`` batches without ``--batch-size``
+DEFAULT_BATCH_SIZE = 8
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
 _INIT_ARGS_HELP = "the class's keyword arguments: JSON or YAML text, or a .yaml/.json file; a class-typed one takes {class_path: ..., init_args: {...}}; e.g. 'width: 256'"
 _INPUT_SIZE_HELP = "a sample's shape without the batch dimension, e.g. 3,224,224 (once per input of forward): random inputs and a stand-in loss, the mean of the output"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit status 2): the message names the argument, the value and what works."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate("--input-size", action="append", metavar="D1,D2,...", help=_INPUT_SIZE_HELP)
     estimate("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "long"), help="of --input-size")
     estimate("--vocab", type=int, metavar="N", help="--dtype long: ids in [0, N) (default: the first nn.Embedding's)")
-    estimate("--batch-size", type=int, metavar="N", help=f"default: the dataloader's, else {inputs.DEFAULT_BATCH_SIZE}")
+    estimate("--batch-size", type=int, metavar="N", help=f"default: the dataloader's, else {DEFAULT_BATCH_SIZE}")
     auto = "auto: the model's configure_optimizers() (a Trainer attached), else adam; sgd: momentum 0.9"
-    estimate("--optimizer", default="auto", choices=inputs.ESTIMATE_OPTIMIZERS, help=auto)
-    estimate("--precision", default="32-true", choices=inputs.ESTIMATE_PRECISIONS, help="16-mixed only on CUDA")
+    estimate("--optimizer", default="auto", choices=ESTIMATE_OPTIMIZERS, help=auto)
+    estimate("--precision", default="32-true", choices=ESTIMATE_PRECISIONS, help="16-mixed only on CUDA")
     memory = 'the memory to fit: bytes, "20GiB" or a fraction of the device (0.9); default: what it can give now'
     estimate("--max-memory", metavar="MEMORY", help=memory)
     estimate("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
@@ -208,9 +212,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
     the memory by part, the peak at --batch-size and the largest batch that fits --max-memory. The batch: from
     --input-size, else --datamodule's or the model's train_dataloader(), else example_input_array. A
     LightningModule gets a CPU Trainer attached, for configure_optimizers() and train_dataloader()."""
+    from lightning_gpuopt.cli._estimate_inputs import estimate_of
     from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
-    estimate, setup = inputs.estimate_of(args)
+    estimate, setup = estimate_of(args)
     if args.json:
         setup_figures = {key: value for key, value in dataclasses.asdict(setup).items() if key != "notes"}
         _print_json({**to_dict(estimate), "setup": setup_figures})  # notes: in the estimate's

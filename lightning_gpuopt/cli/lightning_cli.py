@@ -18,8 +18,7 @@ _KEY = "gpuopt"
 
 
 class ResolvedDumps:
-    """Mixed into a ``LightningArgumentParser``: its dumps (``--print_config``, ``config.yaml``) hold the resolved
-    ``gpuopt`` settings, the preset's values with the overrides applied."""
+    """Mixed into a ``LightningArgumentParser``: ``--print_config`` and ``config.yaml`` hold ``gpuopt`` resolved."""
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         group = cfg.get(_KEY) if isinstance(cfg, Namespace) else None
@@ -87,15 +86,11 @@ class WithGpuOpt:
 
 
 class GpuOptCLI(WithGpuOpt, LightningCLI):
-    r"""``LightningCLI`` with one more flag, ``--gpuopt``: a preset's name or a YAML file, plus dotted overrides.
+    """``LightningCLI`` with the flag ``--gpuopt``: a preset's name or a YAML file, plus ``--gpuopt.KEY`` overrides.
 
-    With it, a :class:`~lightning_gpuopt.GpuOpt` built from the preset and the overrides joins the Trainer's
-    callbacks and the saved ``config.yaml`` holds every resolved setting, so ``--config config.yaml`` runs the
-    same again; a bad preset or setting is a usage error (exit status 2). In ``GpuOptCLI(MyModel)``'s train.py::
-
-        python train.py fit --gpuopt fill-memory --gpuopt.max_memory 0.9 --gpuopt.precision bf16-mixed
-        python train.py fit --gpuopt my-team.yaml      # GpuOpt settings; `preset: NAME` extends a preset
-        python train.py fit --config config.yaml       # a config with a `gpuopt:` section
+    With it, a :class:`~lightning_gpuopt.GpuOpt` built from them joins the Trainer's callbacks, and the saved
+    ``config.yaml`` holds every resolved setting; a bad preset or setting is a usage error (exit status 2).
+    Examples: docs/cli.md.
     """
 
 

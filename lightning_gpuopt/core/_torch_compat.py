@@ -1,14 +1,14 @@
-"""Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning).
-
-``tests/unit/test_torch_compat.py`` checks each against the installed torch (written against 2.13): the
-pytree (no public one), fake tensors, the dispatch mode that sees every op (and a block outside the modes on), ``UntypedStorage._cdata``
-(``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's allocator events (cheaper than
-``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``), the compiler's ``force_eager`` stance and the
-``DataLoader`` iterator that fetches in this process.
+"""Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning),
+each checked against the installed torch (written against 2.13) by ``tests/unit/test_torch_compat.py``: the pytree (no
+public one), fake tensors, the dispatch mode that sees every op (and a block outside the modes),
+``UntypedStorage._cdata`` (``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's
+allocator events (cheaper than ``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``), the
+compiler's ``force_eager`` stance and the ``DataLoader`` iterator that fetches in this process.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -23,16 +23,14 @@ from torch.utils._pytree import tree_map as tree_map
 
 #: the loggers fake-tensor kernels report to (quieted while a trace falls back)
 FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
-
-
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """A storage's identity, the same for every view of it."""
-    return storage._cdata
-
-
-def profiler_running() -> bool:
-    """Whether a torch profiler runs in this process."""
-    return torch.autograd._profiler_enabled()
+#: a storage's identity, the same for every view of it
+storage_key = operator.attrgetter("_cdata")
+#: a ``GradScaler``'s current scale as its tensor (``None`` before the first ``scale()``)
+grad_scale = operator.attrgetter("_scale")
+#: whether a torch profiler runs in this process
+profiler_running = torch.autograd._profiler_enabled
+#: stop the legacy profiler (:func:`start_allocation_events`): its records, a list per thread (``memory_alloc`` events)
+stop_allocation_events = torch.autograd._disable_profiler_legacy
 
 
 def start_allocation_events() -> None:
@@ -44,11 +42,6 @@ def start_allocation_events() -> None:
     torch.autograd._enable_profiler_legacy(config)
 
 
-def stop_allocation_events() -> list:
-    """Stop the legacy profiler; its records, one list per thread (``memory_alloc`` events among them)."""
-    return torch.autograd._disable_profiler_legacy()
-
-
 def clear_cublas_workspaces() -> None:
     """Free cuBLAS's workspaces (held in the caching allocator until then; the next matmul allocates anew)."""
     torch._C._cuda_clearCublasWorkspaces()
@@ -57,11 +50,6 @@ def clear_cublas_workspaces() -> None:
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
-
-
-def grad_scale(scaler: Any) -> Any:
-    """A ``GradScaler``'s current scale as its tensor (``None`` before the first ``scale()``)."""
-    return scaler._scale
 
 
 def eager() -> Any:

@@ -20,12 +20,9 @@ from lightning_gpuopt.core import device as device_layer
 from lightning_gpuopt.core import nvml
 from lightning_gpuopt.core.loader import cgroup_cpu_quota, usable_cpu_count
 
-#: statuses from best to worst
-STATUSES = ("ok", "info", "warn", "fail")
-#: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
-SHM_WARN_BYTES = 2**30
-#: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
-_MATMUL_WARN_FRACTION = 0.4
+STATUSES = ("ok", "info", "warn", "fail")  #: statuses from best to worst
+SHM_WARN_BYTES = 2**30  #: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
+_MATMUL_WARN_FRACTION = 0.4  #: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
 _BUSY_UTILISATION = 20
 _BUSY_MEMORY = 0.10

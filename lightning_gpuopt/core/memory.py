@@ -1,7 +1,5 @@
-"""Amounts of memory (:func:`parse_memory`), a simulated memory cap (:class:`MemoryBudget`) and
-out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`). A budget's OOM is a
-``torch.OutOfMemoryError`` saying "CUDA out of memory", as code written for a real one expects.
-"""
+"""Amounts of memory (:func:`parse_memory`), a simulated memory cap (:class:`MemoryBudget`, whose OOM says "CUDA out of
+memory" as a real one does) and out-of-memory errors (:func:`is_out_of_memory_error`, :func:`call_catching_oom`)."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ def parse_memory(
     name: str = "max_memory",
     minimum: int = 1,
 ) -> int:
-    """Bytes from an int, a string with a decimal (``"300MB"``) or binary (``"20GiB"``) unit, or a
-    float in ``(0, 1]`` (that fraction of ``device``); else ``ValueError`` naming ``name``."""
+    """Bytes from an int, a string such as ``"300MB"`` or ``"20GiB"``, or a fraction in ``(0, 1]`` of ``device``."""
     works = f'an int of bytes >= {minimum}, a string such as "300MB" or "20GiB", or a float in (0, 1] (of the device)'
 
     def fail(problem: str) -> ValueError:

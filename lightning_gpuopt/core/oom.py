@@ -57,8 +57,7 @@ class MicroBatchLimits:
         return min((size for threshold, size in self.limits if threshold <= elements), default=None)
 
     def adapt(self, *, step: int, attempted: int, elements: int, reason: str, batch_idx: int = 0) -> OomAdaptation:
-        """Record that ``attempted`` samples of ``elements`` elements ran out of memory; the next try uses
-        half as many. Raises :class:`OutOfMemoryAtOneSampleError` at 1."""
+        """An OOM at ``attempted`` samples of ``elements`` elements: try half (at 1: OutOfMemoryAtOneSampleError)."""
         if attempted <= 1:
             done = [f"{a.old_micro_batch_size} → {a.new_micro_batch_size} (step {a.step})" for a in self.adaptations]
             at_one = f"out of memory with a micro-batch of 1 sample ({elements} elements per sample) at step {step}"

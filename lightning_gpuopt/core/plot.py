@@ -1,13 +1,8 @@
-"""Pictures of a ``gpuopt_report.json``: PNGs drawn with matplotlib (the ``[plot]`` extra), one a section:
-
-* ``step_time.png`` (``"data_wait"``) -- ms per step in data wait, transfer, compute and other, stacked over
-  training, with the GPU's idle time before each step where measured (CUDA);
-* ``memory.png`` (``"batch_size_search"``, ``"memory"``) -- each trial's peak memory against its batch size,
-  the estimate's line (or a line through the trials that fit), the budget, the memory limit and the chosen size;
-* ``loader.png`` (``"dataloader"``) -- samples/s of every loader setting timed, the chosen and the user's marked.
-
-Figures are drawn on an ``Agg`` canvas (pyplot's backend untouched); without matplotlib drawing raises
-:class:`PlotUnavailableError`. From the shell: ``gpuopt plot REPORT.json --out plots/``."""
+"""PNGs of a ``gpuopt_report.json`` (``gpuopt plot``), drawn with matplotlib (the ``[plot]`` extra), one a section:
+``step_time.png`` (``"data_wait"``: ms per step in data wait, transfer, compute and other, stacked, with the GPU's idle
+time where measured), ``memory.png`` (``"batch_size_search"``, ``"memory"``: each trial's peak against its batch size,
+the estimate's or the trials' line, the budget, the limit, the chosen size), ``loader.png`` (``"dataloader"``: samples/s
+of every setting timed, the chosen and the user's marked). Without matplotlib, drawing raises PlotUnavailableError."""
 
 from __future__ import annotations
 
@@ -175,9 +170,8 @@ def report_figures(report: Union[dict[str, Any], str, os.PathLike]) -> dict[str,
 def save_plots(
     report: Union[dict[str, Any], str, os.PathLike], out_dir: Optional[Union[str, os.PathLike]] = None
 ) -> list[Location]:
-    """Draw every figure the report has data for, save each as ``out_dir/NAME.png`` and return the paths (URL
-    strings for a URL). ``report``: a ``gpuopt_report.json``'s path, fsspec URL or content; ``out_dir``: a path
-    or a URL, ``None``: beside the report. Raises :class:`PlotUnavailableError` without matplotlib."""
+    """Save each of :func:`report_figures` (``report``: also an fsspec URL) as ``out_dir/NAME.png`` (a path or a URL;
+    ``None``: beside the report) and return where (URL strings for a URL)."""
     if out_dir is None:
         if not isinstance(report, (str, os.PathLike)):
             raise ValueError("a report given as a dict needs an `out_dir` for its PNGs, e.g. out_dir='plots/'.")

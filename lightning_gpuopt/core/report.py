@@ -33,8 +33,7 @@ from lightning_gpuopt.core.storage import Location, as_location, filesystem, rea
 
 _T = TypeVar("_T")
 
-#: file name of the combined report written into the trainer's log dir
-REPORT_FILENAME = "gpuopt_report.json"
+REPORT_FILENAME = "gpuopt_report.json"  #: file name of the combined report written into the trainer's log dir
 #: the layout of that file, kept in its ``report_version`` key: 1 is 0.1.0's (no key), 2 nests ``data_wait``
 REPORT_VERSION = 2
 #: why a batch size search stopped, in words, by its ``stop_reason``
@@ -48,8 +47,7 @@ STOP_REASONS = {
 
 
 def to_dict(result: Any) -> Any:
-    """A dataclass (nested dataclasses, lists and dicts included) as JSON-ready data; the names in a
-    class's ``JSON_PROPERTIES`` are written beside its fields (:func:`from_dict` skips them)."""
+    """A dataclass (nested ones, lists, dicts) as JSON-ready data, its class's ``JSON_PROPERTIES`` beside the fields."""
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
         data = {field.name: to_dict(getattr(result, field.name)) for field in dataclasses.fields(result)}
         return data | {name: to_dict(getattr(result, name)) for name in getattr(result, "JSON_PROPERTIES", ())}
@@ -85,8 +83,7 @@ def _convert(hint: Any, value: Any) -> Any:
 
 
 def _create_sibling(path: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``path``, opened for writing with mode ``0o666`` less the umask, as
-    ``open()`` gives (``mkstemp`` would give ``0o600``)."""
+    """A temporary file beside ``path``, open for writing, mode ``0o666`` less the umask as ``open()`` gives."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
@@ -94,10 +91,9 @@ def _create_sibling(path: Path) -> tuple[int, Path]:
 def update_json_section(
     path: str | os.PathLike, section: str, data: dict[str, Any], warn: Callable[[str], None] | None = None
 ) -> Location:
-    """Set ``section`` of the JSON object in ``path`` (a local path or an fsspec URL) to ``data``, keeping the other
-    sections (each callback owns one); returns where it was written. A local file is written atomically (renamed into
-    place, mode ``0o666`` less the umask). An existing file that is no JSON object is renamed to ``<name>.corrupt-<n>``
-    and ``warn`` (default :func:`warnings.warn`) says so. Raises ``OSError`` when the file cannot be written."""
+    """Set ``section`` of the JSON object at ``path`` (local or an fsspec URL) to ``data``, keeping the others; returns
+    where. A local file is replaced atomically (mode ``0o666`` less the umask); a file that is no JSON object is renamed
+    ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`) says so. ``OSError``: it cannot be written."""
     location = as_location(path)
     content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
     content[section] = data

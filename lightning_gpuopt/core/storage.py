@@ -1,10 +1,6 @@
-"""Where a report and its PNGs live: a local path, or a URL of any fsspec filesystem.
-
-A local path (no protocol, or ``file://``) is a :class:`~pathlib.Path` handled by the standard
-library. Any other protocol (``s3://bucket/run``, ``memory://run``, ``simplecache::s3://...``) stays
-the URL string and goes through fsspec, as Lightning's loggers do: a file is written in one call
-(``pipe_file``), so on an object store it appears whole or not at all. A protocol whose package is
-missing raises :class:`FilesystemUnavailableError`, naming the URL and the package to install.
+"""Where a report and its PNGs live: a local path (no protocol, or ``file://``) is a :class:`~pathlib.Path`; any other
+URL (``s3://bucket/run``, ``memory://run``, ``simplecache::s3://...``) goes through fsspec as Lightning's loggers do, a
+file written in one call (``pipe_file``: on an object store, whole or not at all).
 
     >>> as_location("lightning_logs/version_0"), as_location("s3://bucket/run")
     (PosixPath('lightning_logs/version_0'), 's3://bucket/run')

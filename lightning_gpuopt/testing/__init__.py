@@ -1,11 +1,6 @@
-"""Testing helpers: a CUDA card simulated on the CPU (:class:`SimulatedGpu`), for CI without a GPU.
-
-While a CPU ``Trainer`` runs inside ``with SimulatedGpu("T4", memory="64MiB"):``, every decision of
-lightning-gpuopt sees that card: its identity (:data:`GPU_PROFILES`), its memory as PyTorch's CUDA
-caching allocator would hold it (past the card, the real ``torch.OutOfMemoryError``), its NVML
-readings and device events (``pin_memory=True`` pins nothing, silently: torch finds no accelerator). Tensors reach it as in a real run (a module at its first ``forward``, an
-optimizer's state at its first step, :meth:`SimulatedGpu.place`). Not simulated: kernel speed,
-streams, cuDNN/cuBLAS algorithms, several GPUs in one process.
+"""Testing helpers: a CUDA card simulated on the CPU (:class:`SimulatedGpu`), for CI without a GPU: in the block, every
+decision of lightning-gpuopt sees that card (identity, caching-allocator memory and its real OOM, NVML readings);
+``pin_memory=True`` pins nothing, silently. See docs/simulated-gpu.md for what is and is not simulated.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
-and, while entered, the dispatch mode that serves each storage on the card from the caching-allocator model until
-it dies, and what a card's kernels hold (not the host kernels' buffers): a cuBLAS workspace per thread (forward,
-autograd), a convolution's transient cuDNN workspace (the input's bytes, where it fits: else cuDNN picks another
-algorithm), an RNN's weights cast once a call (cuDNN's flat weights), CUDA's ``foreach`` optimizer path, SDPA on 4-D
-tensors with 16-byte-aligned heads as the memory-efficient kernel (``attention.cu``: output, float32 logsumexp of
-queries rounded up to 32 held for backward; then the gradients and a float32 ``delta``), not the math path's L x L.
-A loader without workers fetches its batches outside the mode, as on a card: on the host, at host speed (a batch
-built from tensors on the card is counted when it moves there).
+and, while entered, a dispatch mode serving each storage on the card from the caching-allocator model until it dies.
+It holds what a card's kernels hold: a cuBLAS workspace per thread (forward, autograd), a convolution's transient cuDNN
+workspace (the input's bytes, where it fits), an RNN's weights cast once a call, CUDA's ``foreach`` optimizer path, and
+for SDPA on 4-D tensors with 16-byte-aligned heads the memory-efficient kernel's (``attention.cu``: output, float32
+logsumexp of queries rounded up to 32; in backward the gradients and a float32 ``delta``), not the math path's L x L.
+A loader without workers fetches on the host, outside the mode (a batch is counted when it moves to the card).
 """
 
 from __future__ import annotations
@@ -210,9 +208,8 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
         return out
 
     def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
-        """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there
-        first), or it is a factory op inside a ``forward``; ``.to("cpu", copy=True)`` is a copy to the host, and
-        ``card_tensor.copy_(host_tensor)`` a copy from it (CUDA's ``copy_`` allocates nothing for its source)."""
+        """Whether the op runs on the card: an input is there (the others but 0-dim scalars move there), or a factory
+        op inside ``forward``; ``.to("cpu")`` copies to the host, ``card.copy_(host)`` from it (allocating nothing)."""
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
             return False
         if not inputs:

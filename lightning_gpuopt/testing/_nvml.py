@@ -1,6 +1,5 @@
 """A fake NVML (install it with :func:`lightning_gpuopt.core.nvml.using_nvml_library`): :class:`FakeNvml` answers
-the ``pynvml`` calls lightning-gpuopt makes as NVML does (uninitialised calls, MIG instances without an index,
-``pynvml``'s error classes), over :class:`FakeNvmlDevice` handles."""
+lightning-gpuopt's ``pynvml`` calls as NVML does (uninitialised calls, MIG instances, ``pynvml``'s errors)."""
 
 from __future__ import annotations
 
