@@ -1,19 +1,10 @@
 """One fit's shared services: the user's train loader built once, and our changes applied as a run by hand has them.
 
-A :class:`FitSession` (one per Trainer and fit, shared by our callbacks) makes a run with our callbacks
-equal the chosen settings written by hand, bit for bit, with the user's hooks run no more than needed:
-
-* :meth:`~FitSession.probe_loader`: the user's loader, built once for all our work -- the one Lightning
-  built already (a schedule read ``estimated_stepping_batches`` in ``configure_optimizers``), set aside
-  meanwhile, or one ``train_dataloader()`` call with the RNG states and the user's attributes put back.
-  Trials, estimates and loader timings use copies of it (:func:`rebuild_loader`, as Lightning re-creates
-  a loader for its distributed sampler).
-* :meth:`~FitSession.apply`: the batch size, accumulation and loader settings are set; when the batch or
-  accumulation changed, ``configure_optimizers()`` runs again from the RNG states it first ran with (a
-  profiler tap recorded them), so schedules see the new steps and the loader is built where a run by
-  hand builds it.
-
-So ``train_dataloader()`` runs at most twice per fit and ``configure_optimizers()`` again only on a change.
+A :class:`FitSession` (one per Trainer and fit, shared by our callbacks) makes a run with our callbacks equal
+the chosen settings written by hand: :meth:`~FitSession.probe_loader` builds the user's loader once (trials and
+timings use copies, :func:`rebuild_loader`); :meth:`~FitSession.apply` sets the batch size, accumulation and
+loader settings and, on a change, runs ``configure_optimizers()`` again from the RNG states it first ran with.
+So ``train_dataloader()`` runs at most twice per fit. See docs/architecture.md.
 """
 
 from __future__ import annotations
