@@ -77,10 +77,8 @@ class TrainingState:
         self.trainer = trainer
         module = trainer.lightning_module
         tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
-        self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
-        self.grads = [
-            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in module.parameters()
-        ]
+        self.tensors = [(t, _host_copy(t)) for t in tensors]
+        self.grads = [(p, _host_copy(p.grad)) for p in module.parameters()]  # None stays None
         self.optimizers = [_host_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _host_copy(p.state_dict())) for p in compat.progress_counters(trainer.fit_loop)]
