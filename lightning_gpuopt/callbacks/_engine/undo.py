@@ -58,8 +58,7 @@ class Undo:
         self._stack.insert(0 if last else len(self._stack), Change(description, undo, lasting))
 
     def set(self, owner: Any, name: str, value: Any, lasting: bool = False) -> None:
-        """``owner.name = value`` (or ``owner[name]`` for a mapping), undone by the value it had (or
-        by deleting it when it had none)."""
+        """``owner.name = value`` (``owner[name]`` for a mapping), undone by the value it had (or deleting it)."""
         if isinstance(owner, MutableMapping):
             before = owner.get(name, _ABSENT)
             owner[name] = value
@@ -108,8 +107,7 @@ class Undo:
 
 
 def _current(owner: Any, name: str) -> Any:
-    """What to put back: a property's value (set again through it), else the instance attribute, or
-    ``_ABSENT`` when there is none (an attribute or method patched on the instance is deleted on undo)."""
+    """What to put back: a property's value, else the instance attribute, or ``_ABSENT`` (deleted on undo)."""
     if isinstance(getattr(type(owner), name, None), property) or not hasattr(owner, "__dict__"):
         return getattr(owner, name)
     return vars(owner).get(name, _ABSENT)
