@@ -65,8 +65,7 @@ class NoBatchSizeFitsError(RuntimeError):
 class BatchSizeSearch(Callback):
     r"""Find the largest batch size that fits the memory budget with a few real training steps, and set it.
 
-    The data must come from the model's or the datamodule's ``train_dataloader()``, built with the
-    batch size ``batch_arg_name`` names (on the model, ``model.hparams`` or the datamodule).
+    ``train_dataloader()`` (the model's or datamodule's) must read the batch size ``batch_arg_name`` names.
 
     Example::
 
@@ -379,7 +378,7 @@ class BatchSizeSearch(Callback):
 
 
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
-    """The metrics the callback logs for ``result`` (see the module docstring)."""
+    """The metrics logged for ``result`` (see the module docstring)."""
     metrics = {
         "batch_size": result.batch_size or 0,
         "batch_search_trials": result.num_trials,
@@ -497,13 +496,9 @@ def _missed(budget: int, cap: Optional[int], peak: Optional[int], oom: bool, mes
     """
     if oom:
         where = "the device's memory" if cap is None else f"{whose} cap of {_bytes(cap)}"
-        detail = f": {_first_sentences(message)}" if message else ""
+        first = " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".") if message else ""
+        detail = f": {first}" if message else ""  # without CUDA's advice on the allocator, on one line
         return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
     if peak is None:
         return "measured no peak"
     return f"peaked at {_bytes(peak)}, above {whose} budget of {_bytes(budget)}"
-
-
-def _first_sentences(message: str) -> str:
-    """An out-of-memory message without CUDA's advice on the allocator, on one line, no final period."""
-    return " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".")
