@@ -102,8 +102,7 @@ class OomRecovery:
             return self._original(*args, **kwargs)
         elements = sample_elements(batch, batch_size)
         params: list[torch.Tensor] = [p for p in self.module.parameters() if p.requires_grad]
-        # a group's first batch: Lightning zeroes the gradients after this call; dropping them now
-        # frees their memory for the step (as the zero would) and keeps the new ones apart
+        # a group's first batch: Lightning zeroes the gradients after this call; dropping them now frees their memory
         kept = [None] * len(params) if first_of_group else [p.grad for p in params]
         self._zeroed_expected, self._zeroed_seen = first_of_group, False
         value, output, grads = self._train_until_it_fits(
