@@ -53,8 +53,7 @@ class Prediction(NamedTuple):
     bytes_per_sample: Optional[float]
     notes: list[str]
     lines: tuple[tuple[float, float], ...] = ()
-    #: where ``largest`` is the allocator replay's (:mod:`lightning_gpuopt.core.allocator`), not the line's: the
-    #: steps a trial needs for its answer to hold (twice the trials' where a warm cache fits fewer samples); else 0
+    #: where ``largest`` is the allocator replay's: the steps a trial needs for its answer to hold; else 0
     trial_steps: int = 0
 
     def peak_bytes(self, batch_size: int) -> Optional[int]:
