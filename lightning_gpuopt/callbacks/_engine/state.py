@@ -85,8 +85,7 @@ class TrainingState:
         self.batches_that_stepped = compat.batches_that_stepped(trainer)
         self.should_stop = trainer.should_stop
         self.rng = rng_states()
-        # 16-mixed: trials step with scalers of their own, so an out-of-memory error after unscale_ cannot
-        # leave the run's scaler mid-step, and its scale and growth tracker stay as they are
+        # 16-mixed: trials step with scalers of their own, so the run's scale and growth tracker stay as they are
         self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         self._attributes = contextlib.ExitStack()
