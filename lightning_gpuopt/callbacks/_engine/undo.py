@@ -5,10 +5,8 @@ A change is registered with how to undo it when it is made. After a fit that end
 kept (the batch size a search found); after a failed one (:meth:`Undo.after_failure`, in
 ``on_exception``) all are. Last change first; an undo that raises skips none of the others.
 
-Lightning installs its SIGTERM handler only after ``on_fit_start`` and ignores SIGINT for good once it
-caught a ``KeyboardInterrupt``: :func:`signals_stop_our_work` handles both around our work as Lightning
-does during training (a trial stops after its step, ``SIGTERMException`` leaves ``fit``; the SIGINT
-handler the process had is put back last).
+Lightning handles SIGTERM only after ``on_fit_start`` and ignores SIGINT once it caught a ``KeyboardInterrupt``:
+:func:`signals_stop_our_work` handles both around our work as Lightning does in training.
 
 >>> class Settings: precision = "32-true"
 >>> settings, undo = Settings(), Undo()
