@@ -23,8 +23,7 @@ from lightning_gpuopt.core.op_memory import (
     storage_of,
 )
 
-#: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
-#: convolution on one thread goes to oneDNN from 16 samples on)
+#: the largest batch a probe runs at (PyTorch and oneDNN pick kernels by batch size below it)
 PROBE_BATCH_SIZE = 16
 #: ops that use cuBLAS on a card (a thread's workspace is allocated on its first of them)
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
