@@ -219,9 +219,8 @@ class Trials:
 def _ddp_bucket_bytes(trainer: Any, module: Any) -> int:
     """DDP's gradient buckets on the host (a CUDA allocator counts them already), added to a trial's budget."""
     model = trainer.strategy.model
-    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
-        return 0
-    if device_for(module.device).is_cuda:
+    copied = isinstance(model, DistributedDataParallel) and not model.gradient_as_bucket_view
+    if not copied or device_for(module.device).is_cuda:
         return 0
     return storage_bytes([p for p in module.parameters() if p.requires_grad])
 
