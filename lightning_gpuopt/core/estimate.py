@@ -64,11 +64,8 @@ class TrainingStep:
 
 @dataclass
 class MemoryEstimate:
-    """Predicted (and, once measured, actual) peak memory of a training step; the ``"memory"`` report.
-
-    ``predicted_peak_bytes`` is the sum of the ``*_bytes`` figures but ``workspace_bytes`` (part of
-    ``activation_bytes``, all else live at the peak). Errors are ``(predicted - measured) / measured``.
-    """
+    """Predicted (and measured) peak memory of a training step, the ``"memory"`` report: the sum of the ``*_bytes``
+    figures but ``workspace_bytes`` (part of ``activation_bytes``); errors: ``(predicted - measured) / measured``."""
 
     params_bytes: int
     grads_bytes: int
