@@ -1,24 +1,10 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
-In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors
-(:mod:`lightning_gpuopt.core.estimate`): on a card, the trace's allocations replayed through the caching
-allocator's model (:mod:`lightning_gpuopt.core.allocator`, fragmentation included), and the trials start at that
-prediction and walk from it (``near``); elsewhere the line of allocated bytes, and they start at 3/4 of it (see
-:mod:`lightning_gpuopt.core.search`). Trials run at the sizes
-:func:`lightning_gpuopt.core.search.search_largest_fit` picks: ``steps_per_trial`` real training steps each (twice
-that where the replay says more steps in a warm cache fit fewer samples), through the Trainer's loop, strategy and
-precision plugin (:mod:`._engine.trials`), until a size at most 1/64 above the largest fit did not fit (below 64:
-the next size up); an answer whose trial left the card all but full is confirmed with twice the steps. A trial fits
-when it did not run out of memory under ``max_memory`` and its peak left room: with ``margin="auto"`` (the
-default) for 1/32 more samples at the measured bytes per sample (:mod:`lightning_gpuopt.core.search`), counted
-in allocated bytes, smooth in the size, while reserved memory, which moves by whole segments, is left to the
-allocator's own out-of-memory error; with a number, the peak of reserved memory within ``max_memory * (1 -
-margin)``. On a CUDA card the allocator's cap, elsewhere a :class:`~lightning_gpuopt.core.memory.MemoryBudget`
-over everything the step holds (so on CPU ``max_memory`` is required). The size found is set wherever ``batch_arg_name`` lives and kept after
-the fit, applied as a run by hand has it (``configure_optimizers()`` again, so a schedule sized by
-``estimated_stepping_batches`` counts the new steps; :mod:`._engine.session`); nothing else of the
-trials is left, and a failed fit puts the user's size back. Under DDP a size fits only if it fitted on
-every rank.
+In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors (on a card, replayed
+through the caching allocator's model), then runs trials of ``steps_per_trial`` real training steps through the
+Trainer's loop at the sizes :func:`~lightning_gpuopt.core.search.search_largest_fit` picks. The size found is set
+where ``batch_arg_name`` lives and kept after the fit, as a run by hand has it; a failed fit puts the user's size
+back. Under DDP a size fits only if it fitted on every rank. See docs/batch-size-search.md.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/batch_size`` (found and set), ``gpuopt/batch_search_trials``, ``gpuopt/batch_search_steps``
@@ -69,8 +55,7 @@ Mode = Literal["fill", "cap"]
 
 
 class NoBatchSizeFitsError(RuntimeError):
-    """Even ``min_batch_size`` does not fit the budget (or no size tried fitted within ``max_trials``): the
-    message says why the smallest size tried failed, in that trial's figures; ``result`` holds the trials."""
+    """No size tried fitted the budget; the message says why the smallest failed, ``result`` holds the trials."""
 
     def __init__(self, message: str, result: Optional[BatchSizeSearchResult] = None) -> None:
         super().__init__(message)
@@ -80,8 +65,7 @@ class NoBatchSizeFitsError(RuntimeError):
 class BatchSizeSearch(Callback):
     r"""Find the largest batch size that fits the memory budget with a few real training steps, and set it.
 
-    The data must come from the model's or the datamodule's ``train_dataloader()``, built with the
-    batch size ``batch_arg_name`` names (on the model, ``model.hparams`` or the datamodule).
+    ``train_dataloader()`` (the model's or datamodule's) must read the batch size ``batch_arg_name`` names.
 
     Example::
 
@@ -175,8 +159,7 @@ class BatchSizeSearch(Callback):
         self._undo.after_failure(type(self).__name__)
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
-        """On a CUDA card with an explicit ``max_memory``: training reserves at most that much, as the
-        trials could (the allocator's per-process memory fraction); lifted at teardown or on an exception."""
+        """On a CUDA card with an explicit ``max_memory``, cap what training reserves, as the trials' cap."""
         self.release_memory_cap()
         card = device_for(pl_module.device)
         if self.max_memory is not None and card.is_cuda:
@@ -235,11 +218,8 @@ class BatchSizeSearch(Callback):
         prediction: Optional[tuple] = None,
         start: Optional[int] = None,
     ) -> Any:
-        """Run the search now (from ``on_fit_start`` on, before training) and return :attr:`result`, setting
-        nothing (:class:`MemoryFill` searches its micro-batch with it). ``prediction``: the estimate's
-        ``(largest, bytes_per_sample, notes)`` when the caller has it (e.g. a ``Prediction``; no second trace);
-        ``start``: the first size to try (by default the predicted one, else the user's).
-        Raises :class:`NoBatchSizeFitsError`."""
+        """Search now (before training) and return :attr:`result`, setting nothing; ``prediction``: a known
+        ``(largest, bytes_per_sample, notes)``; ``start``: the first size. Raises :class:`NoBatchSizeFitsError`."""
         compat.check_trainer_namespace(trainer, self)
         module = trainer.lightning_module
         self.check_usable(trainer, module)
@@ -359,8 +339,7 @@ class BatchSizeSearch(Callback):
         return capped, [f"{why}: at most {capped} a batch, so that an epoch steps"] if capped < size else []
 
     def _nothing_fits_message(self, trials: Trials, outcomes: dict, result: Any, budget: int, capacity: int) -> str:
-        """Why no size fitted: the smallest size tried and why its trial failed, in its own figures; on a
-        simulated cap, also what a step at that size needs, measured again without the cap."""
+        """Why the smallest size tried failed; on a simulated cap also its need, measured without the cap."""
         smallest = min(result.trials, key=lambda trial: trial.batch_size)
         size, trainer = smallest.batch_size, trials.trainer
         if size <= result.lower_bound:
@@ -373,7 +352,10 @@ class BatchSizeSearch(Callback):
             why = f"its trial, rank by rank: {_why_each_rank_missed(trainer, outcomes.get(size), budget)}"
         else:
             where = f"the budget of {_bytes(result.budget_bytes)} (max_memory={self.max_memory!r} less margin={self.margin})"
-            why = f"its trial {_why_it_missed(smallest, outcomes.get(size), budget)}"
+            why = f"its trial did not fit (peak {_bytes(smallest.peak_bytes)})"
+            if (outcome := outcomes.get(size)) is not None:
+                oom, message = outcome.oom_message is not None, outcome.oom_message
+                why = f"its trial {_missed(budget, outcome.cap_bytes, smallest.peak_bytes, oom, message, 'the')}"
         needs = ""
         if not device_for(trainer.lightning_module.device).is_cuda:  # a simulated cap: measure without it
             uncapped = trials.run(size, budget, capacity, capped=False)  # on every rank (collectives)
@@ -396,7 +378,7 @@ class BatchSizeSearch(Callback):
 
 
 def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
-    """The metrics the callback logs for ``result`` (see the module docstring)."""
+    """The metrics logged for ``result`` (see the module docstring)."""
     metrics = {
         "batch_size": result.batch_size or 0,
         "batch_search_trials": result.num_trials,
@@ -423,9 +405,8 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
 
 
 def _initial_batch_size(session: FitSession, name: str) -> int:
-    """The batch size the run would train at, checked against the user's loader: a loader that does not
-    read it, or whose batch sampler decides the size, is refused (the sizes tried would not be trained).
-    Where the places that hold ``name`` disagree, the loader says which one it reads (all are set; a warning)."""
+    """The batch size the run would train at; refused where the loader ignores it (a warning where holders
+    disagree: the loader's value wins)."""
     trainer = session.trainer
     holders = compat.attribute_holders(trainer.lightning_module, name)
     values = [holder[name] if isinstance(holder, dict) else getattr(holder, name) for holder in holders]
@@ -453,8 +434,7 @@ def _initial_batch_size(session: FitSession, name: str) -> int:
 
 
 def check_trained_batch_size(trainer: pl.Trainer, owner: str, name: str, batch_size: Optional[int]) -> None:
-    """Refuse to train when the loader training built does not have the batch size set (its
-    ``train_dataloader()`` does not read ``name``): every figure the search reported would be false."""
+    """Refuse to train when the loader training built ignores the batch size found."""
     loader = compat.built_train_loader(trainer) if compat.train_loader_built(trainer) else None
     size = getattr(loader, "batch_size", None)
     if batch_size is not None and isinstance(size, int) and size != batch_size:
@@ -479,8 +459,7 @@ def _holder_name(holder: Any, name: str) -> str:
 
 
 def _agree_plan(trainer: Any, budget: int, start: int, per_sample: Optional[float], upper: int, steps: int) -> tuple:
-    """The smallest budget, start, upper bound and replayed trial steps, and the steepest estimated slope over the
-    ranks."""
+    """Over the ranks: the least budget, start, upper bound and replayed steps, and the steepest slope."""
     rows = gather_ranks(trainer, [budget, start, -1.0 if per_sample is None else per_sample, upper, steps])
     slopes = [row[2] for row in rows if row[2] >= 0]
     least = [int(min(row[i] for row in rows)) for i in (0, 1, 3, 4)]
@@ -491,17 +470,8 @@ def _bytes(num_bytes: Optional[int]) -> str:
     return f"{format_bytes(num_bytes)} ({num_bytes} bytes)" if num_bytes is not None else "n/a"
 
 
-def _why_it_missed(trial: Trial, outcome: Optional[TrialOutcome], budget: int) -> str:
-    """Why ``trial`` did not fit, in its own figures."""
-    if outcome is None:
-        return f"did not fit (peak {_bytes(trial.peak_bytes)})"
-    oom, message = outcome.oom_message is not None, outcome.oom_message
-    return _missed(budget, outcome.cap_bytes, trial.peak_bytes, oom, message, "the")
-
-
 def _why_each_rank_missed(trainer: pl.Trainer, outcome: Optional[TrialOutcome], budget: int) -> str:
-    """Under DDP: why the trial did not fit, on each rank in that rank's own figures (one all-gather; the
-    out-of-memory message is known for this rank only)."""
+    """Under DDP: why the trial did not fit, rank by rank in its own figures (one all-gather)."""
     mine = [float(budget), -1.0, -1.0, 0.0, 0.0, 0.0]
     if outcome is not None:
         mine[1:] = [-1 if v is None else v for v in (outcome.cap_bytes, outcome.peak_bytes)]
@@ -526,13 +496,9 @@ def _missed(budget: int, cap: Optional[int], peak: Optional[int], oom: bool, mes
     """
     if oom:
         where = "the device's memory" if cap is None else f"{whose} cap of {_bytes(cap)}"
-        detail = f": {_first_sentences(message)}" if message else ""
+        first = " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".") if message else ""
+        detail = f": {first}" if message else ""  # without CUDA's advice on the allocator, on one line
         return f"ran out of memory inside a training step, its peak until then {_bytes(peak)} under {where}{detail}"
     if peak is None:
         return "measured no peak"
     return f"peaked at {_bytes(peak)}, above {whose} budget of {_bytes(budget)}"
-
-
-def _first_sentences(message: str) -> str:
-    """An out-of-memory message without CUDA's advice on the allocator, on one line, no final period."""
-    return " ".join(message.split(" If reserved but unallocated")[0].split()).rstrip(".")

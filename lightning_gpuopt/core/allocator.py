@@ -1,14 +1,10 @@
 """A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``), default settings.
 
-Requests are rounded up to 512 bytes and carved out of segments (2 MiB for requests up to 1 MiB, the
-*small* pool; else 20 MiB below 10 MiB, or the request rounded up to 2 MiB) by best fit among cached
-blocks (equal sizes: lowest address first; a segment takes the lowest free addresses), split when the rest is at
-least 512 bytes (small) or over 1 MiB (large); freed blocks merge and stay cached. ``expandable=True``: each pool is
-one segment mapping pages (2 MiB, 20 MiB) at its end; ``empty_cache`` unmaps its free tail. A segment past the
-limit first releases the free segments, then raises :class:`AllocatorOutOfMemory` in CUDA's words. Peaks are also
-kept per window (a meter's own span). :func:`replay` runs a step's :class:`AllocationTrace` through it, and
-:func:`largest_replayed_fit` finds the largest batch whose replayed step fits a cap (the allocator's fragmentation
-included, which a count of allocated bytes misses).
+Requests are rounded up to 512 bytes and served best fit from a small pool (2 MiB segments, requests up to
+1 MiB) or a large one (20 MiB segments below 10 MiB, else the request rounded up to 2 MiB), split and merged as
+torch does; ``expandable=True`` maps pages at the end of one segment per pool. Past the limit the free segments
+are released, then :class:`AllocatorOutOfMemory` raised in CUDA's words. :func:`largest_replayed_fit`: the largest
+batch whose :class:`AllocationTrace`, run through :func:`replay`, fits a cap. See docs/batch-size-search.md.
 """
 
 from __future__ import annotations
@@ -216,9 +212,8 @@ def format_size(num_bytes: int) -> str:
 
 @dataclass(frozen=True)
 class AllocationTrace:
-    """A step's allocations in order: ``sizes[k]`` the bytes of the k-th; per event in ``order``, -1 allocates the
-    next one, -2 the next one and frees it at once (a kernel's workspace, left out where it does not fit), ``k >= 0``
-    frees the k-th. The training step begins at ``order[step]`` (before it: what it starts from)."""
+    """A step's allocations: ``sizes[k]`` the k-th's bytes; in ``order`` -1 allocates the next one, -2 allocates and
+    frees it (a workspace, left out where it does not fit), ``k >= 0`` frees the k-th; the step begins at ``step``."""
 
     sizes: tuple[int, ...]
     order: tuple[int, ...]
@@ -236,10 +231,8 @@ class AllocationTrace:
 
 
 def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional[int]:
-    """The peak of reserved bytes when ``trace``'s events, and its step ``steps - 1`` times more, are served under a
-    cap of ``limit_bytes``; ``None`` where a request runs out of memory. A repeated step frees
-    the blocks its previous one kept (of the sizes it freed from before it: the gradients) in their place; what it kept
-    in no one's place (a cuBLAS workspace) is made by the first step alone."""
+    """The peak of reserved bytes of ``trace`` with its step run ``steps`` times under ``limit_bytes`` (``None``: out
+    of memory); a repeated step frees what its previous one kept in place of what it freed (the gradients)."""
     model, blocks = CachingAllocatorModel(limit_bytes), dict[int, Optional[Block]]()
     body, before = trace.order[trace.step :], trace.order[: trace.step]
     first = sum(event < 0 for event in before)  # the step's first allocation
@@ -269,9 +262,8 @@ def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional
 def largest_replayed_fit(
     traces: dict[int, AllocationTrace], limit_bytes: int, upper: int, steps: int = 1
 ) -> Optional[int]:
-    """The largest batch up to ``upper`` whose ``steps``, replayed (:func:`replay`) with each allocation on the line
-    through the two largest traced batches that made the same events, fit ``limit_bytes``; ``None`` without two
-    such traces (data-dependent control flow) or where batch 1 does not fit."""
+    """The largest batch up to ``upper`` whose ``steps`` replayed on the line through the two largest traces with the
+    same events fit ``limit_bytes``; ``None`` without two such traces or where batch 1 does not fit."""
     sizes = sorted(traces, reverse=True)
     pair = next(((b, a) for a in sizes for b in sizes if b < a and traces[a].order == traces[b].order), None)
     if pair is None:

@@ -64,11 +64,8 @@ class TrainingStep:
 
 @dataclass
 class MemoryEstimate:
-    """Predicted (and, once measured, actual) peak memory of a training step; the ``"memory"`` report.
-
-    ``predicted_peak_bytes`` is the sum of the ``*_bytes`` figures but ``workspace_bytes`` (part of
-    ``activation_bytes``, all else live at the peak). Errors are ``(predicted - measured) / measured``.
-    """
+    """Predicted (and measured) peak memory of a training step, the ``"memory"`` report: the sum of the ``*_bytes``
+    figures but ``workspace_bytes`` (part of ``activation_bytes``); errors: ``(predicted - measured) / measured``."""
 
     params_bytes: int
     grads_bytes: int
@@ -117,8 +114,7 @@ class MemoryEstimate:
         return self._with_fixed_bytes_added(added, note, optimizer_bytes=optimizer_bytes)
 
     def traced_on(self, batch: Any, what: str, unseen: str | None) -> MemoryEstimate:
-        """The estimate naming the ``batch`` it traced (``what``, from :func:`batch_to_trace`); where the samples
-        were not looked at (``unseen``: why), a note that longer ones need more, and about how much."""
+        """The estimate naming the batch it traced; where the samples were not looked at, a note of longer ones."""
         note = f"traced {what}: {unseen}; batches of longer samples need more memory than this estimate"
         length = next((int(t.shape[1]) for t in collect_tensors(batch) if t.dim() > 1), 0)
         if length and self.bytes_per_sample:  # linear in the length; attention's scores grow with its square
@@ -151,8 +147,7 @@ class StepEstimator:
         self.allocations: dict[int, AllocationTrace] = {}  #: on a card, each traced batch size's allocations
 
     def estimate(self, capacity_bytes: int | None = None, line: bool = True) -> MemoryEstimate:
-        """The peak at the step's batch size and (``line``: a second trace at twice it) the line to the largest
-        batch for ``capacity_bytes``."""
+        """The peak at the step's batch size and (``line``) the line to the largest batch for ``capacity_bytes``."""
         step, notes, summary = self.step, [], None
         if step.forward_input is not None:
             try:
@@ -197,10 +192,8 @@ class StepEstimator:
         return estimate
 
     def refined(self, estimate: MemoryEstimate, passes: int = 2) -> MemoryEstimate:
-        """``estimate`` with its line checked by a trace at the largest batch it gives: kept where that peak gives
-        the same largest batch, else re-drawn through a second trace at half of it, up to ``passes`` times, until the
-        answer stops moving (the line through ``B`` and ``2B`` can be too flat: at small batches the optimizer step
-        can set the peak). The peak at ``B`` stays as traced.
+        """``estimate`` with its line checked by a trace at its largest batch and, where that disagrees, re-drawn
+        through a trace at half of it, up to ``passes`` times (the line through ``B`` and ``2B`` can be too flat).
 
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
         >>> estimator = StepEstimator(TrainingStep(model, torch.ones(4, 256), lambda x: model(x).sum(), batch_size=4,
@@ -242,10 +235,8 @@ class StepEstimator:
         )
 
     def trace(self, batch_size: int | None = None) -> MemoryEstimate:
-        """A step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and optimizer
-        state (zeros, stepped: its passes peak no higher; a manual step runs twice), with the learned workspaces, as
-        an estimate (its peak; what is live at its end); with accumulation it adds to the first one's gradients. On a
-        card its allocations are kept in :attr:`allocations`."""
+        """The step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and
+        optimizer state, with the learned workspaces; on a card its allocations go to :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -281,8 +272,8 @@ class StepEstimator:
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
-        """What the step's kernels allocate, from one real host step at ``min(batch_size, PROBE_BATCH_SIZE)`` samples
-        on copies of the parameters and buffers; ``None`` off the host (a card's kernels hold other buffers)."""
+        """What the step's kernels allocate, from one real host step on copies of the parameters (at most
+        ``PROBE_BATCH_SIZE`` samples); ``None`` off the host."""
         step = self.step
         tensors = collect_tensors(step.module, step.batch)
         if not self._learns_workspaces or self.card.is_cuda or any(t.device.type != "cpu" for t in tensors):
@@ -350,8 +341,7 @@ class StepEstimator:
 def _estimate_of(
     batch_size: int | None, peak: int, held: Sequence[int], method: str = "traced", **changes: Any
 ) -> MemoryEstimate:
-    """The estimate of a step that peaks at ``peak`` bytes with ``held`` live at its end: the bytes of its parameters,
-    buffers, gradients, optimizer state and batch."""
+    """The estimate of a step peaking at ``peak``, ``held``: params, buffers, grads, optimizer, batch at its end."""
     params, buffers, grads, optimizer, batch = held
     activations = None if method == "parameters-only" else peak - sum(held)
     figures: dict[str, Any] = dict(buffers_bytes=buffers, batch_bytes=batch, batch_size=batch_size, method=method)
@@ -390,9 +380,8 @@ def _container_contents(value: Any, seen: set[int]) -> Iterator[tuple[Any, Any]]
 
 @contextlib.contextmanager
 def restored_attributes(*objects: Any) -> Iterator[None]:
-    """Undo what the block does to the attributes of ``objects`` (a module: it and its submodules):
-    (re)bindings, the contents of list, dict and set attributes, nested ones included, and the values of
-    a module's tensor attributes that are no parameter or buffer (a torchmetrics metric's states)."""
+    """Undo what the block does to the attributes of ``objects`` and their submodules: bindings, the contents of
+    nested lists, dicts and sets, and a module's plain tensor attributes (a torchmetrics metric's states)."""
     owners = [sub for obj in objects for sub in (obj.modules() if isinstance(obj, torch.nn.Module) else [obj])]
     saved = [(owner, dict(vars(owner))) for owner in owners if hasattr(owner, "__dict__")]
     seen: set[int] = set()
@@ -416,9 +405,8 @@ def restored_attributes(*objects: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _twinned(module: torch.nn.Module, make: Callable[[torch.Tensor], Any], quiet: Sequence[str] = ()) -> Iterator[dict]:
-    """Inside the block ``module``'s parameters and buffers are ``make(tensor)`` (tied ones stay tied), compiled
-    code runs eager and the ``quiet`` loggers are silent; after it its attributes, the logger levels, dynamo's
-    caches and torch's, Python's and NumPy's RNG states are as before. Yields real id -> twin."""
+    """Inside the block ``module``'s tensors are ``make(tensor)`` (tied stay tied), compiled code runs eager and
+    ``quiet`` loggers are silent; after it all (attributes, RNG states) is as before. Yields real id -> twin."""
     stores: list[dict[str, Any]] = [store for sub in module.modules() for store in (sub._parameters, sub._buffers)]
     slots = [(store, name, tensor) for store in stores for name, tensor in store.items() if tensor is not None]
     device = _module_device(module)
@@ -476,9 +464,8 @@ def _resized(batch: Any, batch_size: int | None, new_batch_size: int | None, fak
 
 
 def batch_to_trace(loader: Any, first: Any) -> tuple[Any, str, str | None]:
-    """``(batch, what, unseen)``: the batch to trace for ``loader`` (first batch ``first``), it in words, and why its
-    samples were not looked at (``None``: they were). Where a map-style dataset's sample sizes vary (64 looked at,
-    then all within 2 s), ``first``'s size in copies of its largest sample through ``collate_fn``; else ``first``."""
+    """``(batch, what, unseen)``: the batch to trace (copies of a map-style dataset's largest sample where sizes vary,
+    else ``first``), it in words, and why the samples were not looked at (``None``: they were)."""
     size, dataset = batch_samples(first), getattr(loader, "dataset", None)
     if size is None:  # no batch size: no line to extrapolate
         return first, "the first batch", None
@@ -503,8 +490,7 @@ def _shapes(batch: Any, size: int | None) -> str:
 
 
 def sliced_batch(batch: Any, batch_size: int | None, new_batch_size: int | None) -> Any:
-    """``batch`` with each tensor of ``batch_size`` rows cut to its first ``new_batch_size`` (views), or its rows
-    repeated to ``new_batch_size`` where it has fewer."""
+    """``batch`` with each tensor of ``batch_size`` rows cut (or its rows repeated) to ``new_batch_size``."""
 
     def sliced(value: Any) -> Any:
         if new_batch_size is None or not _is_batched(value, batch_size):
@@ -542,8 +528,8 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
 def optimizer_state_rule_bytes(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
 ) -> int | None:
-    """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x with amsgrad), SGD 1x with
-    momentum, 0 without; summed over several; ``None`` when one has no rule."""
+    """Optimizer state by rule: Adam/AdamW 2x the trainable parameters (3x amsgrad), SGD 1x with momentum, else 0;
+    ``None`` when one has no rule."""
     if not isinstance(optimizers, torch.optim.Optimizer):
         rules = [optimizer_state_rule_bytes(one) for one in optimizers or ()]
         return None if None in rules else sum(rules)  # type: ignore[arg-type]

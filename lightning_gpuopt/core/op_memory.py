@@ -22,8 +22,7 @@ _ATOMS = (torch.Tensor, bool, int, float, str, type(None), torch.dtype, torch.de
 
 
 def leaves(tree: Any) -> list:
-    """The leaves of ``tree``: tuples, lists and dicts walked here, anything else through pytree. Every op's
-    arguments are flattened several times at the dispatcher, and pytree's generic walk is the hot spot."""
+    """The leaves of ``tree``: tuples, lists and dicts walked here (pytree's generic walk is the hot spot)."""
     found, stack = [], [tree]
     while stack:
         node = stack.pop()
@@ -89,8 +88,7 @@ def _leaf_key(leaf: Any) -> Any:
 
 
 def _peak_from(records: list) -> int:
-    """The most an op's own allocations held at once, from the legacy profiler's per-thread records
-    (``memory_alloc`` events; the free of memory allocated before the op does not count)."""
+    """The most an op's own allocations held at once, from the profiler's ``memory_alloc`` records."""
     open_sizes: collections.Counter = collections.Counter()
     live = peak = 0
     for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
@@ -102,8 +100,8 @@ def _peak_from(records: list) -> int:
 
 
 def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[int]]:
-    """``func``'s output and the peak its kernel allocated (``None``: unknown while another profiler runs), learned once
-    per op, intra-op threads (oneDNN's kernels follow them) and argument metadata; ``flat``: :func:`leaves` of it."""
+    """``func``'s output and the peak its kernel allocated (``None``: another profiler runs), learned once per op,
+    thread count and argument metadata; ``flat``: :func:`leaves` of the arguments."""
     key = (func, torch.get_num_threads(), *map(_leaf_key, flat))
     known = _templates.get(key)
     if known is not None or compat.profiler_running():
@@ -122,8 +120,8 @@ def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) 
 
 
 class SpanMeter:
-    """The peak memory of a span between :meth:`start` and :meth:`stop`, or of a ``with`` block (and of
-    reserved memory where known); subclasses implement ``_begin`` and ``_end`` (which sets the peaks)."""
+    """The peak memory (and reserved peak, where known) of a span or ``with`` block; subclasses implement
+    ``_begin`` and ``_end``."""
 
     peak_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
@@ -156,10 +154,9 @@ class SpanMeter:
 
 
 class LiveTensorTracker(SpanMeter, TorchDispatchMode):
-    """The host's meter: the bytes of live tensor storages (each rounded up to ``granularity``) from the op that made
-    them, or the start for ``existing``, until they die, plus ``baseline_bytes``. With ``workspaces``, a real host op
-    also counts its kernel's peak; an op whose new bytes would pass ``max_bytes`` raises ``torch.OutOfMemoryError``.
-    ``record``: :attr:`sizes` and :attr:`events` as :class:`~lightning_gpuopt.core.allocator.AllocationTrace` has them."""
+    """The host's meter: live tensor storages (``existing`` from the start) plus ``baseline_bytes``, with a real host
+    op's kernel peak (``workspaces``); past ``max_bytes`` it raises ``torch.OutOfMemoryError``. ``record``: keep
+    :attr:`sizes` and :attr:`events` as an :class:`~lightning_gpuopt.core.allocator.AllocationTrace`."""
 
     peak_bytes: int
 

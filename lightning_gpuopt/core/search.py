@@ -1,27 +1,12 @@
 """The largest batch size that fits a memory budget, found in a handful of trials.
 
-Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that runs a real trial, and
-
-1. **probes** ``start`` (BatchSizeSearch on a card: the largest batch whose traced step, replayed through the
-   caching allocator's model, fits, ``near=True``: from 6% below the truth to 2% above it on the 8 benchmark and
-   4 held-out rows; elsewhere 3/4 of the line of allocated bytes, which ignores fragmentation and predicted 3% to
-   190% above the limit on all 8 benchmark rows);
-2. **extrapolates** while all fit, on the line ``peak(b) = a + s * b`` through the two largest fits (one
-   fit: the estimate's slope, or through zero), at most ``max_growth`` times the largest fit (``near``: until a
-   size fits and one misses, the k-th guess at most ``tolerance * 2**(k-1)`` above the largest fit, or below the
-   smallest miss: the allocated peaks say nothing of the segments left, a walk from a close start costs less);
-3. **interpolates** on that line inside the bracket (largest fit, smallest miss) once a size missed;
-4. **bisects** (or doubles, with no miss yet) when the line is flat or contradicts a trial, and for good
-   once two of its guesses missed (one alone may be a convex peak's kink): the peaks then do not decide;
-5. **stops** once the largest fit + ``multiple_of`` missed, or a miss is within ``tolerance`` of the largest
-   fit (BatchSizeSearch: 1/64), at the upper bound, or after ``max_trials``;
-6. **confirms** the answer (``confirm``; BatchSizeSearch: twice the steps at the edge of the card): one that
-   does not hold is a miss, the size below it is confirmed at once, and the search goes on with confirmations.
-
-The answer was tested and fitted, never extrapolated. **Headroom** is in batch terms (BatchSizeSearch's
-``margin="auto"``: ``h = 1/32``): ``b`` fits only if its peak plus ``h * b`` samples at the measured bytes per
-sample (the estimate's slope, else the peak over ``b``, an upper bound) fits. A flat 10% of reserved memory,
-which moves by whole segments, cost a fifth of a U-Net's batch; this keeps the answer within 3% of the largest.
+Pure: the search calls an oracle ``fits(batch_size) -> (fitted, peak_bytes)`` that runs a real trial. It probes
+``start`` (``near=True``: a prediction within a few percent, walked from in steps of ``tolerance * 2**(k-1)``),
+extrapolates on the line through the two largest fits (at most ``max_growth`` times the largest), interpolates
+once a size missed, bisects when the line is flat or contradicted (for good after two of its guesses missed),
+stops once the next size up or one within ``tolerance`` missed, and checks the answer with ``confirm``. The
+answer was tested and fitted, never extrapolated. ``headroom`` ``h``: ``b`` fits only if its peak plus ``h * b``
+samples at the measured bytes per sample fits. See docs/batch-size-search.md.
 
     >>> def fits(batch_size):                 # peak = 1 MB + 10 kB per sample, budget 11 MB
     ...     peak = 1_000_000 + 10_000 * batch_size
@@ -126,9 +111,8 @@ def largest_stepping_size(batch_size: int, samples: int, batches_per_step: int, 
 def predicted_largest_fit(
     points: list[tuple[int, int]], budget_bytes: int, bytes_per_sample: Optional[float] = None
 ) -> Optional[float]:
-    """Where the line through the ``(batch_size, peak_bytes)`` of fitting trials reaches the budget: through
-    the two largest sizes, or one point with slope ``bytes_per_sample`` (else through zero, which
-    under-estimates). ``None`` without points or with a flat line.
+    """Where the line through the two largest fitting ``(batch_size, peak_bytes)`` (one point: slope
+    ``bytes_per_sample``, else through zero) reaches the budget; ``None`` without points or with a flat line.
 
     >>> predicted_largest_fit([(10, 2_000), (20, 3_000)], 11_000)
     100.0
@@ -221,11 +205,9 @@ def search_largest_fit(
         bytes_per_sample: the estimate's slope, used while only one trial has fitted.
         headroom: a size fits only if ``headroom`` times it more samples would too (see the module docstring).
         tolerance: stop once the smallest miss is within ``tolerance`` times the largest fit of it (0: exact).
-        confirm: ``confirm(size)`` says whether the answer holds (e.g. more steps of a size at the edge of the
-            card); where it does not, that size counts as a miss and the search goes on below it.
+        confirm: whether the answer holds (e.g. more steps); where not, it is a miss and the search goes on below.
         on_trial: called with each trial as it ends (progress reporting).
-        near: ``start`` predicts the limit within a few percent: until a size fits and one misses, the k-th guess is
-            at most ``tolerance * 2**(k-1)`` above the largest fit (below the smallest miss), not ``max_growth`` times.
+        near: ``start`` is within a few percent of the limit: walk from it (see the module docstring).
     """
     if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1 or not 0 <= tolerance < 1:
         raise ValueError(

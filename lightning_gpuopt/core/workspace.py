@@ -23,8 +23,7 @@ from lightning_gpuopt.core.op_memory import (
     storage_of,
 )
 
-#: the largest batch a probe runs at: PyTorch and oneDNN pick kernels by batch size below it (a 1x1
-#: convolution on one thread goes to oneDNN from 16 samples on)
+#: the largest batch a probe runs at (PyTorch and oneDNN pick kernels by batch size below it)
 PROBE_BATCH_SIZE = 16
 #: ops that use cuBLAS on a card (a thread's workspace is allocated on its first of them)
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm", "addmv", "mv", "dot"})
@@ -54,8 +53,7 @@ class ProbedCall:
 
 
 def _scaled_bytes(probed_bytes: int, probed_inputs: tuple[int, ...], traced_inputs: tuple[int, ...]) -> int:
-    """``probed_bytes`` scaled by the total growth of the inputs whose size changed (the activations;
-    weights keep theirs); unscaled when none changed or none had bytes to grow from.
+    """``probed_bytes`` scaled by the growth of the inputs whose size changed (the activations).
 
     >>> _scaled_bytes(1000, probed_inputs=(400, 9000), traced_inputs=(1600, 9000))  # 4x the batch
     4000
@@ -139,9 +137,8 @@ def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[in
 
 
 class WorkspaceTracker(LiveTensorTracker):
-    """A fake trace's tracker with ``profile``'s kernel memory added (:attr:`workspace_bytes_at_peak` of the
-    peak); call :meth:`next_step` where each step after the first begins. ``cublas_bytes`` (not ``None``: a card's
-    step): records the events, the card's kernels' with them."""
+    """A fake trace's tracker with ``profile``'s kernel memory added; ``cublas_bytes`` (a card's step): records the
+    events, the card's kernels' included. Call :meth:`next_step` where each later step begins."""
 
     def __init__(
         self, profile: Optional[WorkspaceProfile] = None, *args: Any, cublas_bytes: Optional[int] = None, **kwargs: Any

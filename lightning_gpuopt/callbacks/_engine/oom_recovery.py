@@ -1,18 +1,13 @@
 """Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"``.
 
-From ``on_train_start`` to the fit's end the module's ``training_step`` is wrapped (through the
-callback's :class:`Undo`), and the strategy's marks the calls the fit loop makes: only those are real
-steps. The wrapper runs the batch's forward *and* backward itself: it sets the accumulated gradients
-aside, runs the batch whole or, once a limit was learned for samples of its size, in micro-batches of
-at most that many (each loss weighted by its share, divided by the accumulation and scaled by the AMP
-scaler, as Lightning's backward would); on an out-of-memory error it frees memory, halves the limit
-(:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and tries again, down to one sample. It returns the
-loss through an autograd function whose backward hands the gradients it computed to the parameters, so
-Lightning's backward, zero_grad, optimizer step and schedule run as they would (the update is the
-unsplit batch's). Under DDP the ranks exchange one small tensor per step (who ran out of memory, at
-which micro-batch, for which sample size) so all take the same decision in the same step; DDP reduces
-the gradients in Lightning's backward. Assumes the loss is a mean over the batch's samples. Out of memory in
-the optimizer step itself (micro-batches do not shrink its state) is raised saying so.
+From ``on_train_start`` to the fit's end the module's ``training_step`` is wrapped (through the callback's
+:class:`Undo`; only the calls the fit loop makes are steps). The wrapper runs forward and backward itself, whole or
+in micro-batches of the limit learned for samples of that size (each loss weighted by its share, as Lightning's
+backward would scale it); on an out-of-memory error it halves the limit
+(:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and tries again, down to one sample. It returns the loss
+through an autograd function that hands its gradients to the parameters, so Lightning's backward, optimizer step
+and schedule run unchanged. Under DDP the ranks exchange one small tensor per step to decide alike. Assumes a
+mean loss; out of memory in the optimizer step is raised saying so. See docs/memory-fill.md.
 """
 
 from __future__ import annotations
@@ -38,9 +33,8 @@ OnOom = Literal["adapt", "raise"]
 
 
 class _HandGradients(torch.autograd.Function):
-    """Returns the loss value; its backward gives the parameters the gradients ``hand_over(grad_output)`` returns: those
-    the wrapped step computed, times the incoming gradient over the one they were computed for (exactly 1 when Lightning
-    backwards the value as it does: divided by the accumulation, scaled by the AMP scaler)."""
+    """The loss value; its backward gives the parameters ``hand_over(grad_output)``: the wrapped step's gradients
+    rescaled by the incoming gradient (a factor of 1 when Lightning backwards the value as usual)."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, hand_over: Callable[[Any], list], *params: torch.Tensor) -> torch.Tensor:
@@ -70,8 +64,7 @@ class OomRecovery:
         undo.set(trainer.strategy, "optimizer_step", self._optimizer_step)
 
     def _loop_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The strategy's ``training_step``, which the fit loop calls: only calls under it are real
-        steps (other callbacks may call ``training_step`` themselves, e.g. to trace it)."""
+        """The strategy's ``training_step``: only calls under it (the fit loop's) are real steps."""
         self._in_loop_step = True
         try:
             return self._strategy_step(*args, **kwargs)
@@ -109,8 +102,7 @@ class OomRecovery:
             return self._original(*args, **kwargs)
         elements = sample_elements(batch, batch_size)
         params: list[torch.Tensor] = [p for p in self.module.parameters() if p.requires_grad]
-        # a group's first batch: Lightning zeroes the gradients after this call; dropping them now
-        # frees their memory for the step (as the zero would) and keeps the new ones apart
+        # a group's first batch: Lightning zeroes the gradients after this call; dropping them now frees their memory
         kept = [None] * len(params) if first_of_group else [p.grad for p in params]
         self._zeroed_expected, self._zeroed_seen = first_of_group, False
         value, output, grads = self._train_until_it_fits(
@@ -138,8 +130,7 @@ class OomRecovery:
     def _train_until_it_fits(
         self, batch: Any, size: int, elements: int, idx: Any, params: list, kept: list, *call: Any
     ) -> tuple:
-        """Forward and backward of the batch in micro-batches, halving after each out-of-memory
-        error (agreed over the ranks), until every rank's try fitted."""
+        """Forward and backward in micro-batches, halved after each out-of-memory error, until every rank fitted."""
         done = False
         value = output = grads = None
         while True:
@@ -205,9 +196,8 @@ class OomRecovery:
         return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
 
     def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:
-        """The same new limit on every rank: half the smallest failed micro-batch, for the smallest failed sample
-        size; under DDP the reason names the ranks and phases only (the same on every rank). Each adaptation goes
-        to ``plan.oom_adaptations``, is warned (rank 0) and logged as ``gpuopt/oom_*`` at the step."""
+        """The same new limit on every rank (half the smallest failed micro-batch), recorded in
+        ``plan.oom_adaptations``, warned and logged as ``gpuopt/oom_adaptations``/``gpuopt/oom_micro_batch_size``."""
         attempted, elements = min(failure[2] for failure in failures), min(failure[3] for failure in failures)
         where = ", ".join(f"{rank} ({phase})" for rank, phase, _, _ in failures)
         many = "s" if len(failures) > 1 else ""

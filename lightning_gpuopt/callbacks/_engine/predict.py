@@ -46,20 +46,18 @@ def training_step(trials: Trials, batch_size: int) -> TrainingStep:
 
 
 class Prediction(NamedTuple):
-    """The estimate's largest batch for a budget, its bytes per sample (``None``: no estimate) and notes; ``lines``:
-    its lines ``(fixed_bytes, bytes_per_sample)``, through the traced batch and twice it and re-drawn near the limit."""
+    """The estimate's largest batch for a budget, bytes per sample (``None``: no estimate), notes and lines
+    ``(fixed_bytes, bytes_per_sample)``."""
 
     largest: Optional[int]
     bytes_per_sample: Optional[float]
     notes: list[str]
     lines: tuple[tuple[float, float], ...] = ()
-    #: where ``largest`` is the allocator replay's (:mod:`lightning_gpuopt.core.allocator`), not the line's: the
-    #: steps a trial needs for its answer to hold (twice the trials' where a warm cache fits fewer samples); else 0
+    #: where ``largest`` is the allocator replay's: the steps a trial needs for its answer to hold; else 0
     trial_steps: int = 0
 
     def peak_bytes(self, batch_size: int) -> Optional[int]:
-        """The peak at ``batch_size``: the highest line there (each is exact where traced, below the peak elsewhere:
-        the optimizer step can set it at small batches, the activations at large ones)."""
+        """The peak at ``batch_size``: the highest line there (each is exact only where traced)."""
         return int(max(fixed + per_sample * batch_size for fixed, per_sample in self.lines)) if self.lines else None
 
 

@@ -1,19 +1,10 @@
 """One fit's shared services: the user's train loader built once, and our changes applied as a run by hand has them.
 
-A :class:`FitSession` (one per Trainer and fit, shared by our callbacks) makes a run with our callbacks
-equal the chosen settings written by hand, bit for bit, with the user's hooks run no more than needed:
-
-* :meth:`~FitSession.probe_loader`: the user's loader, built once for all our work -- the one Lightning
-  built already (a schedule read ``estimated_stepping_batches`` in ``configure_optimizers``), set aside
-  meanwhile, or one ``train_dataloader()`` call with the RNG states and the user's attributes put back.
-  Trials, estimates and loader timings use copies of it (:func:`rebuild_loader`, as Lightning re-creates
-  a loader for its distributed sampler).
-* :meth:`~FitSession.apply`: the batch size, accumulation and loader settings are set; when the batch or
-  accumulation changed, ``configure_optimizers()`` runs again from the RNG states it first ran with (a
-  profiler tap recorded them), so schedules see the new steps and the loader is built where a run by
-  hand builds it.
-
-So ``train_dataloader()`` runs at most twice per fit and ``configure_optimizers()`` again only on a change.
+A :class:`FitSession` (one per Trainer and fit, shared by our callbacks) makes a run with our callbacks equal
+the chosen settings written by hand: :meth:`~FitSession.probe_loader` builds the user's loader once (trials and
+timings use copies, :func:`rebuild_loader`); :meth:`~FitSession.apply` sets the batch size, accumulation and
+loader settings and, on a change, runs ``configure_optimizers()`` again from the RNG states it first ran with.
+So ``train_dataloader()`` runs at most twice per fit. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -33,8 +24,7 @@ from lightning_gpuopt.core.loader import ProbedSizes, largest_samples_first
 
 
 def rebuild_loader(loader: DataLoader, sampler: Any = None, **arguments: Any) -> DataLoader:
-    """A copy of ``loader`` with other arguments (``batch_size``, ``num_workers``, ...) and, when given, ``sampler``,
-    re-created as Lightning re-creates a loader (from the arguments it recorded when the user's hook built it)."""
+    """A copy of ``loader`` with other arguments (and ``sampler``), re-created as Lightning re-creates a loader."""
     args, kwargs = compat.dataloader_init_args_and_kwargs(loader, loader.sampler if sampler is None else sampler)
     positional = compat.saved_arg_names(loader)
     values = list(args)
@@ -48,8 +38,7 @@ def rebuild_loader(loader: DataLoader, sampler: Any = None, **arguments: Any) ->
 
 @dataclass
 class _Source(compat.DataLoaderSource):
-    """The fit loop's train-loader source: ``make()`` when given (a loader we built, for trials: no user hook
-    runs), else ``inner``'s loader, passed through ``rebuild`` when it is one DataLoader."""
+    """The fit loop's train-loader source: ``make()`` when given, else ``inner``'s loader through ``rebuild``."""
 
     inner: Any = None
     rebuild: Optional[Callable[[DataLoader], Any]] = None
@@ -112,8 +101,7 @@ class FitSession:
         return rebuild_loader(self.probe_loader(), sampler, **arguments)
 
     def sample_sizes(self) -> tuple[Optional[ProbedSizes], bool]:
-        """Every sample's size, largest first (``None`` when all are alike or the dataset is not sized),
-        and whether the dataset is a sized map-style one (looked at once per fit)."""
+        """Sample sizes, largest first (``None``: alike or not sized), and whether the dataset is sized map-style."""
         if self._sizes is None:
             dataset: Any = getattr(self.probe_loader(), "dataset", None)
             try:
@@ -125,8 +113,8 @@ class FitSession:
         return self._sizes
 
     def processed_loader(self, make: Callable[[], Any]) -> Any:
-        """The loader ``make()`` returns, set up by the fit loop as training's (sampler injected, fetcher started) and
-        held by it until ``_lightning_compat.reset_train_loader``: a collective under DDP, call it on every rank."""
+        """The loader ``make()`` returns, set up by the fit loop as training's until ``reset_train_loader`` (a
+        collective under DDP)."""
         trainer = self.trainer
         self.probe_loader()  # before the source is swapped: it may ask the user's
         with Undo().scope() as undo, rng_kept():
@@ -155,9 +143,8 @@ class FitSession:
         accumulate_grad_batches: Optional[int] = None,
         rebuild: Optional[Callable[[DataLoader], Any]] = None,
     ) -> bool:
-        """Set what our callbacks decided, registered in ``undo``, and build again what depends on it as a run by hand
-        builds it (see the module docstring). ``batch_size``: ``(batch_arg_name, size, lasting)``; ``rebuild``: applied
-        to the loader training builds (e.g. worker settings). Returns whether ``configure_optimizers()`` ran again."""
+        """Set what our callbacks decided (in ``undo``) and rebuild what depends on it as by hand; ``batch_size``:
+        ``(batch_arg_name, size, lasting)``. Returns whether ``configure_optimizers()`` ran again."""
         trainer, module = self.trainer, self.trainer.lightning_module
         now = rng_states()
         changed = False

@@ -77,18 +77,15 @@ class TrainingState:
         self.trainer = trainer
         module = trainer.lightning_module
         tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
-        self.tensors = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
-        self.grads = [
-            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in module.parameters()
-        ]
+        self.tensors = [(t, _host_copy(t)) for t in tensors]
+        self.grads = [(p, _host_copy(p.grad)) for p in module.parameters()]  # None stays None
         self.optimizers = [_host_copy(optimizer.state_dict()) for optimizer in trainer.optimizers]
         self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _host_copy(p.state_dict())) for p in compat.progress_counters(trainer.fit_loop)]
         self.batches_that_stepped = compat.batches_that_stepped(trainer)
         self.should_stop = trainer.should_stop
         self.rng = rng_states()
-        # 16-mixed: trials step with scalers of their own, so an out-of-memory error after unscale_ cannot
-        # leave the run's scaler mid-step, and its scale and growth tracker stay as they are
+        # 16-mixed: trials step with scalers of their own, so the run's scale and growth tracker stay as they are
         self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         self._attributes = contextlib.ExitStack()

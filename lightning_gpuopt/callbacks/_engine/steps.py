@@ -63,10 +63,8 @@ def loss_function(module: Any) -> Any:
 
 
 def manual_step(trainer: Any, module: Any, batches: int = 4) -> ManualStep:
-    """The whole ``training_step`` of a manual-optimization module as ``(batch, optimizers)``, on ``batch``
-    as ``batch_idx`` 0, 1, ... until every optimizer stepped (accumulation by hand), at most ``batches``
-    times: inside it ``self.optimizers()`` are the given twins, whose ``step()`` steps them directly,
-    ``manual_backward`` is ``loss.backward()``; no hook runs, no step is counted, schedulers and options are
+    """A manual-optimization module's ``training_step`` as ``(batch, optimizers)``, run as ``batch_idx`` 0, 1, ...
+    (at most ``batches``) until every given twin optimizer stepped, directly: no hook, no counted step, schedulers
     put back. Raises ``NotTraceable`` when an optimizer did not step."""
 
     def run(batch: Any, optimizers: list) -> None:

@@ -1,17 +1,13 @@
 """Trials: a few real training steps at a batch size, through the Trainer's epoch loop, measured, then undone.
 
-In trial mode (one :class:`Undo`, put back when the block ends) the user's callbacks and loggers are
-set aside, validation is off, the module's ``on_train_start``/``on_train_end`` do not run (the step and
-epoch hooks do), and under DDP the bare module steps without collectives, so a rank that runs out of
-memory cannot strand the others. Each trial starts from :class:`TrainingState`, draws full batches of
-the largest samples from a copy of the user's loader, and runs ``steps_per_trial`` optimizer steps (more
-after a skipped scaler step; under manual optimization, until every optimizer stepped with its state in
-place); :attr:`Trials.batches_run` counts the batches begun. A trial that leaves less than one small-pool
-segment (2 MiB) of the cap unreserved is ``at_edge``: such a size fits only if no later step needs a new
-segment (a GRU at the edge asked for one at its 4th step), so the search confirms its answer there with a
-trial of twice the steps. Memory: on a CUDA card the allocator's own out-of-memory error under a cap and the reserved
-peak; on the host a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted
-on every rank. ``torch.compile``d code runs eager in trials: no recompiles, dynamo's caches as by hand.
+In trial mode (one :class:`Undo`) the user's callbacks and loggers are set aside, validation is off, the
+module's ``on_train_start``/``on_train_end`` do not run, and under DDP the bare module steps without collectives.
+Each trial starts from :class:`TrainingState`, draws full batches of the largest samples from a copy of the user's
+loader and runs ``steps_per_trial`` optimizer steps; :attr:`Trials.batches_run` counts the batches begun. A trial
+leaving under one small-pool segment (2 MiB) of the cap unreserved is ``at_edge`` (its answer is confirmed with
+twice the steps). Memory: a CUDA card's allocator under a cap, else a
+:class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted on every rank; compiled code
+runs eager.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ MANUAL_TRIAL_BATCHES_AT_MOST = 8
 
 @dataclass
 class TrialOutcome:
-    """This rank's side of one trial: whether it fitted here, its peak, the cap it ran under (``None``: the
-    device's own memory), when it ran out of memory the error's message, the peak of allocated bytes, and
-    whether it ended with all but one small-pool segment of a card's cap reserved (see the module docstring)."""
+    """This rank's side of one trial (``cap_bytes`` ``None``: the device's own memory; ``at_edge``: see the
+    module docstring)."""
 
     fitted: bool
     peak_bytes: Optional[int]
@@ -62,9 +57,8 @@ def gather_ranks(trainer: Any, values: Sequence[float]) -> list[list[float]]:
 
 
 class _TrialSteps(Callback):
-    """The one callback of a trial: counts the optimizer steps that ran and, under manual optimization,
-    stops the trial once ``batches`` batches began with every optimizer's state in place and each
-    optimizer stepped in one of them (an optimizer stepped every few batches creates its state late)."""
+    """A trial's one callback: counts optimizer steps; under manual optimization stops once ``batches`` batches
+    ran with every optimizer's state in place and each optimizer stepped in one of them."""
 
     def __init__(self, optimizers: list, batches: int) -> None:
         self.batches = batches
@@ -169,9 +163,8 @@ class Trials:
     def run(
         self, batch_size: int, budget_bytes: int, capacity_bytes: int, capped: bool = True, steps: Optional[int] = None
     ) -> TrialOutcome:
-        """One trial at ``batch_size`` on this rank (``steps`` optimizer steps, by default ``steps_per_trial``): fits
-        when it ran without running out of memory and its peak stayed within ``budget_bytes`` (``capped=False``:
-        measured without a cap)."""
+        """One trial at ``batch_size`` on this rank: fits when it did not run out of memory and its peak stayed
+        within ``budget_bytes`` (``capped=False``: measured without a cap)."""
         trainer, module = self.trainer, self.module
         assert self.state is not None
         lightning_setattr(module, self.batch_arg_name, batch_size)  # as training will hold it
@@ -198,8 +191,7 @@ class Trials:
         return TrialOutcome(fitted, None if peak is None else int(peak), cap, outcome.error_message, allocated, edge)
 
     def _steps(self, card: Any, wanted: int, meter: Any) -> int:
-        """``wanted`` steps (after a skipped scaler step, more until that many optimizer steps ran); the bytes
-        then reserved on a CUDA card."""
+        """``wanted`` optimizer steps (more batches after a skipped scaler step); a CUDA card's reserved bytes."""
         trainer, epoch_loop = self.trainer, self.trainer.fit_loop.epoch_loop
         steps = _TrialSteps(list(trainer.optimizers), wanted if self.manual else 0)
         trainer.callbacks = [steps]
@@ -225,12 +217,10 @@ class Trials:
 
 
 def _ddp_bucket_bytes(trainer: Any, module: Any) -> int:
-    """DDP's gradient buckets (a copy of the gradients unless ``gradient_as_bucket_view``): on CUDA the
-    allocator counts them already; on the host they are added to a trial's budget."""
+    """DDP's gradient buckets on the host (a CUDA allocator counts them already), added to a trial's budget."""
     model = trainer.strategy.model
-    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
-        return 0
-    if device_for(module.device).is_cuda:
+    copied = isinstance(model, DistributedDataParallel) and not model.gradient_as_bucket_view
+    if not copied or device_for(module.device).is_cuda:
         return 0
     return storage_bytes([p for p in module.parameters() if p.requires_grad])
 
@@ -238,8 +228,7 @@ def _ddp_bucket_bytes(trainer: Any, module: Any) -> int:
 def agreed(
     trainer: Any, outcome: TrialOutcome, budget_bytes: int, search_budget_bytes: int
 ) -> tuple[bool, Optional[int]]:
-    """All ranks' verdict on a trial: fits only if it fitted on every rank; the peak handed to the search
-    is the tightest rank's, as seen against the search's budget (``search_budget - min(headroom)``)."""
+    """All ranks' verdict: fits only if it fitted on every rank; the peak is ``search_budget - min(headroom)``."""
     peak = outcome.peak_bytes
     if trainer.world_size <= 1:
         return outcome.fitted, peak

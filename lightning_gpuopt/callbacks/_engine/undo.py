@@ -5,10 +5,8 @@ A change is registered with how to undo it when it is made. After a fit that end
 kept (the batch size a search found); after a failed one (:meth:`Undo.after_failure`, in
 ``on_exception``) all are. Last change first; an undo that raises skips none of the others.
 
-Lightning installs its SIGTERM handler only after ``on_fit_start`` and ignores SIGINT for good once it
-caught a ``KeyboardInterrupt``: :func:`signals_stop_our_work` handles both around our work as Lightning
-does during training (a trial stops after its step, ``SIGTERMException`` leaves ``fit``; the SIGINT
-handler the process had is put back last).
+Lightning handles SIGTERM only after ``on_fit_start`` and ignores SIGINT once it caught a ``KeyboardInterrupt``:
+:func:`signals_stop_our_work` handles both around our work as Lightning does in training.
 
 >>> class Settings: precision = "32-true"
 >>> settings, undo = Settings(), Undo()
@@ -58,8 +56,7 @@ class Undo:
         self._stack.insert(0 if last else len(self._stack), Change(description, undo, lasting))
 
     def set(self, owner: Any, name: str, value: Any, lasting: bool = False) -> None:
-        """``owner.name = value`` (or ``owner[name]`` for a mapping), undone by the value it had (or
-        by deleting it when it had none)."""
+        """``owner.name = value`` (``owner[name]`` for a mapping), undone by the value it had (or deleting it)."""
         if isinstance(owner, MutableMapping):
             before = owner.get(name, _ABSENT)
             owner[name] = value
@@ -108,8 +105,7 @@ class Undo:
 
 
 def _current(owner: Any, name: str) -> Any:
-    """What to put back: a property's value (set again through it), else the instance attribute, or
-    ``_ABSENT`` when there is none (an attribute or method patched on the instance is deleted on undo)."""
+    """What to put back: a property's value, else the instance attribute, or ``_ABSENT`` (deleted on undo)."""
     if isinstance(getattr(type(owner), name, None), property) or not hasattr(owner, "__dict__"):
         return getattr(owner, name)
     return vars(owner).get(name, _ABSENT)
