@@ -1,12 +1,8 @@
 """GpuOpt: one callback composed from a preset (name or YAML) plus keyword overrides.
 
-It runs its parts, quiet, in this order: :class:`MemoryFill` (precision in ``setup``; activation checkpointing, the
-micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (timed at MemoryFill's micro-batch;
-both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
-of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
-section of ``gpuopt_report.json`` and, with ``plots=True``, draws its PNGs. The parts log their own
-``gpuopt/...`` metrics. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
-``fill-memory``, ``max-throughput``, ``low-memory``.
+It runs its parts quietly (MemoryFill, DataLoaderTuner, MemoryEstimator, DataWaitMonitor; each logs its own
+``gpuopt/...`` metrics); at the end of ``fit`` rank 0 logs one combined report and writes the ``"gpuopt"`` section
+of ``gpuopt_report.json``. See docs/gpuopt.md.
 """
 
 from __future__ import annotations
@@ -83,10 +79,8 @@ class GpuOpt(Callback):
         max_memory, margin, global_batch_size, precision, activation_checkpointing, accumulation, objective,
             min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
-        verbose: progress lines and the combined report (``False``: quiet; the JSON report is written either way;
-            ``None``: ``True``).
-        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
-            TensorBoard or W&B logger (needs ``lightning-gpuopt[plot]``; a warning when it cannot draw).
+        verbose: progress lines and the combined report (``None``: ``True``; the JSON report is written either way).
+        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` (needs the ``plot`` extra).
 
         A setting left at ``None`` comes from the preset (or the part's default).
 
@@ -139,8 +133,7 @@ class GpuOpt(Callback):
         for part in (self.fill, self.tuner, self.estimator):  # quiet parts, but long work shows progress
             if part is not None:
                 part.progress = self.verbose
-        #: the combined result of the last ``fit``; ``None`` before one ended
-        self.report: Optional[GpuOptReport] = None
+        self.report: Optional[GpuOptReport] = None  #: the combined result of the last ``fit``
         self._undo = Undo()  # what GpuOpt applied for its parts, and the SIGINT handler
 
     @property
@@ -264,8 +257,7 @@ def _check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
 
 
 def _each_part(parts: Any, name: str, *args: Any) -> None:
-    """``part.name(*args)`` for every part, even when an earlier one raised (the first error is raised
-    at the end; during ``on_exception`` a second error would hide the user's, so it is only warned)."""
+    """``part.name(*args)`` for every part; then the first error is raised (only warned in ``on_exception``)."""
     errors: list[Exception] = []
     for part in parts:
         try:
