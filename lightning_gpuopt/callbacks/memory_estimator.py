@@ -59,16 +59,10 @@ _LOGGED_FIELDS = (
 class MemoryEstimator(Callback):
     """Predicts the peak memory of a training step before the first one, and measures it after.
 
-    The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
-    Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
-    batch size and at twice it (only at it where :attr:`bytes_per_sample` is given); the line through both gives
-    the largest batch size that fits ``max_memory``.
-    Where the samples of a map-style dataset vary in size (text padded per batch), the batch traced is copies of
-    the longest sample through the loader's ``collate_fn`` (``traced_batch`` names its shapes); on a stream it is
-    the first batch, and a note says that longer batches need more.
-    A step that cannot be traced (``.item()``, data-dependent control flow, ``dataloader_iter``) falls back to
-    torchinfo's figures with a warning saying why. Under DDP the gradient buckets are added and the measurement
-    starts at the third step; gradient clipping's temporaries are not counted. Compiled code is traced eager.
+    The whole step is traced on fake tensors at the batch size and twice it; the line through both gives the
+    largest batch size that fits ``max_memory``. A step that cannot be traced falls back to torchinfo's figures,
+    with a warning. Under DDP the gradient buckets are added and measuring starts at the third step.
+    See docs/memory-estimator.md.
 
     Args:
         max_memory: what to plan the largest batch size with: bytes, ``"20GiB"``, or a fraction of the device
@@ -91,8 +85,7 @@ class MemoryEstimator(Callback):
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory, self.measure_steps, self.verbose = max_memory, measure_steps, verbose
-        #: bytes a sample adds to the peak, where another part measured them (GpuOpt sets MemoryFill's): the step is
-        #: then traced at its batch only, and the line to the largest batch has this slope
+        #: bytes a sample adds to the peak, where MemoryFill measured them: the step is traced at its batch only
         self.bytes_per_sample: float | None = None
         self.progress = verbose  #: a line when the step is traced
         self.estimate: MemoryEstimate | None = None
@@ -241,8 +234,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
-    """What ``forward`` takes, for torchinfo: ``example_input_array`` (converted to the Trainer's
-    precision and moved to the model's device, as a batch is), else the batch or its first element."""
+    """What ``forward`` takes, for torchinfo: ``example_input_array`` (moved), else the batch or its first element."""
     example = pl_module.example_input_array
     if example is not None:
         return move_data_to_device(trainer.precision_plugin.convert_input(example), pl_module.device)
