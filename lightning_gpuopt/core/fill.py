@@ -77,8 +77,7 @@ def choose_precision(
 
 
 def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, int]:
-    """``(micro_batch_size, accumulate_grad_batches)`` for ``samples_per_rank`` per optimizer step: as few
-    steps as the largest fit allows, an exact split if one is near, else the micro-batch evened out.
+    """``(micro_batch_size, accumulate_grad_batches)``: as few steps as the largest fit allows, evened out.
 
     >>> split_global_batch(100, largest_fit=32), split_global_batch(64, largest_fit=200)  # 4 x 25, not 4 x 32
     ((25, 4), (64, 1))
@@ -94,10 +93,8 @@ def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, in
 
 @dataclass(frozen=True)
 class FillRequest:
-    """What a plan must reach: ``samples_per_rank`` per optimizer step, in micro-batches of at least
-    ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is
-    not ours to choose (set by the user, manual optimization, ``accumulation=False``). ``fill``: no global
-    batch asked for; the micro-batch is the largest that fits up to ``samples_per_rank`` (the loader's)."""
+    """What a plan must reach: ``samples_per_rank`` per optimizer step, with ``fixed_accumulation`` steps when the
+    accumulation is not ours to choose. ``fill``: the largest micro-batch that fits, up to ``samples_per_rank``."""
 
     samples_per_rank: int
     min_micro_batch_size: int = 8
@@ -142,9 +139,8 @@ class NoFit(Exception):
 def plan_micro_batches(
     request: FillRequest, largest_fit: Callable[[int, bool], Optional[int]], checkpoint: Callable[[str], bool]
 ) -> FillDecision:
-    """The plan, from two oracles: ``largest_fit(upper, accumulating)`` searches the largest micro-batch up
-    to ``upper`` that fits (``accumulating``: with earlier micro-batches' gradients alive; ``None``: not
-    even 1); ``checkpoint(reason)`` switches activation checkpointing on (``True``: it is on).
+    """The plan, from two oracles: ``largest_fit(upper, accumulating)`` (``None``: not even 1 fits) and
+    ``checkpoint(reason)``, which switches activation checkpointing on (``True``: it is on).
 
     >>> fits = lambda upper, accumulating: min(upper, 24 if accumulating else 32)
     >>> decision = plan_micro_batches(FillRequest(100), fits, checkpoint=lambda reason: False)
