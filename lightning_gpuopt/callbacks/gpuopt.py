@@ -64,7 +64,7 @@ def _to_parts(hook: str) -> Any:
 
 
 class GpuOpt(Callback):
-    """The whole checklist in one callback: a preset, plus any of its settings overridden by keyword.
+    """The whole checklist in one callback: a preset, plus its settings overridden by keyword (``None``: the preset's).
 
     Example::
 
@@ -74,15 +74,12 @@ class GpuOpt(Callback):
 
     Args:
         preset: a shipped preset or a YAML file of settings (``preset: NAME`` extends one); ``None``: no preset.
-        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner,
-            MemoryFill.
+        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner, MemoryFill.
         max_memory, margin, global_batch_size, precision, activation_checkpointing, accumulation, objective,
             min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
         verbose: progress lines and the combined report (``None``: ``True``; the JSON report is written either way).
         plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` (needs the ``plot`` extra).
-
-        A setting left at ``None`` comes from the preset (or the part's default).
 
     Raises:
         ValueError: an unknown preset or key, or a bad value (named by the part that takes it).
@@ -112,9 +109,7 @@ class GpuOpt(Callback):
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "verbose", "plots", "__class__")}
         check_bool("verbose", verbose, "verbose=False (quiet) or verbose=True (the default)", allow_none=True)
-        check_bool(
-            "plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False (the default)", allow_none=True
-        )
+        check_bool("plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False", allow_none=True)
         self.verbose, self.plots = verbose is not False, bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
