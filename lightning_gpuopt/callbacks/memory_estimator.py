@@ -2,16 +2,11 @@
 
 Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
 torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
-Logged once, when the measurement ends (or at the end of training); unknown values are not logged:
-
-* ``gpuopt/mem_predicted_peak_bytes``: the predicted peak of a step at the current batch size.
-* ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
-* ``gpuopt/mem_estimate_error``: ``(predicted - measured) / measured``.
-* ``gpuopt/mem_torchinfo_total_bytes``: torchinfo's "Estimated Total Size" at the current batch size.
-* ``gpuopt/mem_torchinfo_error``: ``(torchinfo total - measured) / measured``.
-* ``gpuopt/mem_params_bytes``, ``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``: those bytes.
-* ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations, temporaries).
-* ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the memory limit.
+Logged once, when the measurement ends (or at the end of training), where known: ``gpuopt/mem_predicted_peak_bytes``,
+``gpuopt/mem_measured_peak_bytes``, ``gpuopt/mem_estimate_error`` (``(predicted - measured) / measured``),
+``gpuopt/mem_torchinfo_total_bytes``, ``gpuopt/mem_torchinfo_error``, ``gpuopt/mem_params_bytes``,
+``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``, ``gpuopt/mem_activation_bytes`` (the rest of the peak)
+and ``gpuopt/mem_max_batch_size`` (the largest batch predicted to fit). See docs/memory-estimator.md.
 
 At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of ``gpuopt_report.json``.
 """
@@ -65,8 +60,7 @@ class MemoryEstimator(Callback):
     See docs/memory-estimator.md.
 
     Args:
-        max_memory: what to plan the largest batch size with: bytes, ``"20GiB"``, or a fraction of the device
-            (``0.9``); ``None``: what the device has free plus what torch already holds.
+        max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: what is free or torch's.
         measure_steps: real steps to measure the peak over (at least ``2 * accumulate_grad_batches`` batches).
         verbose: log the estimate's table (the JSON report is written either way).
 
