@@ -33,8 +33,7 @@ LR_RULES = ("linear", "sqrt")
 
 
 def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr") -> tuple[float, str]:
-    """The factor ``rule`` scales the learning rate by for a global batch ``grown`` times the user's, and the
-    report's line (with ``rule=None`` the factor is 1 and the line says what each rule would set, and that ``how`` applies one).
+    """The factor ``rule`` scales the learning rate by for a batch ``grown`` times the user's, and the report's line.
 
     >>> lr_note("linear", 4.0, 0.05)
     (4.0, "scale_lr='linear': the global batch is 4x yours, lr 0.05 → 0.2 (all groups, schedules)")
@@ -51,9 +50,8 @@ def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr")
 def choose_precision(
     precision: Optional[str], device_type: str, *, current: str, bf16_supported: bool, asked: bool = True
 ) -> tuple[Optional[str], str]:
-    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``precision="auto"`` on
-    CUDA only (bf16-mixed, else 16-mixed with a scaler), a mixed precision named also on CPU (where autocast
-    runs ``16-mixed`` as bf16-mixed, as Lightning does). ``asked``: whether ``current`` is what the user set.
+    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why; ``"auto"`` on CUDA only.
+    ``asked``: whether ``current`` is what the user set.
 
     >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
     ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
@@ -192,8 +190,7 @@ class MemoryFillPlan:
     initial_precision: str = "32-true"
     initial_batch_size: int = 0
     initial_accumulate_grad_batches: int = 1
-    #: the largest micro-batch that fitted, the budget every trial ran under, the estimate's peak at
-    #: ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
+    #: the largest micro-batch that fitted, the trials' budget, the peak predicted at ``micro_batch_size`` and measured
     largest_fit: Optional[int] = None
     budget_bytes: Optional[int] = None
     predicted_peak_bytes: Optional[int] = None
@@ -203,8 +200,7 @@ class MemoryFillPlan:
     #: why each lever was (not) used, in the order decided
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    #: ``"adapt"`` (smaller micro-batches after an out-of-memory error in training) or ``"raise"``; each one absorbed
-    on_oom: str = "raise"
+    on_oom: str = "raise"  #: ``"adapt"`` or ``"raise"``, and each out-of-memory error absorbed
     oom_adaptations: list[OomAdaptation] = field(default_factory=list)
 
     @property
