@@ -1,10 +1,8 @@
 """Choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and ``pin_memory`` by timing the real loader.
 
-:func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
-while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
-``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
-``tolerance`` of the best (or the cheapest that keeps up with the target), each batch running the training
-step when given (end to end); the user's setting is kept unless the choice is :data:`CLEAR_MARGIN` faster.
+:func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores (past them while the
+workers wait on I/O), times the contenders again and picks the cheapest setting within ``tolerance`` of the best;
+the user's is kept unless the choice is :data:`CLEAR_MARGIN` faster. See docs/dataloader-tuner.md.
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -34,8 +32,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_gpuopt.core.op_memory import leaves
 
-#: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
-IO_BOUND_WORKERS_PER_CORE = 4
+IO_BOUND_WORKERS_PER_CORE = 4  #: workers per usable core worth trying when they wait on I/O
 CLEAR_MARGIN = 0.10  #: how much faster than the user's setting a choice must be to replace it
 _Run = Callable[["LoaderSetting"], "LoaderTiming"]  #: times a candidate's loader
 _Choose = Callable[[list["LoaderTiming"]], tuple["LoaderTiming", str]]  #: the choice among timings, and why
