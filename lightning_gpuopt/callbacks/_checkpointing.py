@@ -32,10 +32,8 @@ from lightning_gpuopt.core.loader import batch_samples
 
 __all__ = ["BlockSpec", "Checkpointing", "checked_setting"]
 
-#: samples of a batch on which a checkpointed step is checked against a plain one
-CHECK_SAMPLES = 2
-#: strings that mean a switch, not a module name: ``checkpointing: "true"`` is refused, not read as a class
-_SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1", "0")
+CHECK_SAMPLES = 2  #: samples of a batch on which a checkpointed step is checked against a plain one
+_SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1", "0")  #: refused, not class names
 
 
 def checked_setting(value: Any) -> Union[str, bool, list]:
