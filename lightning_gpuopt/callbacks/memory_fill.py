@@ -54,8 +54,7 @@ from lightning_gpuopt.core.fill import (
 )
 from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
-#: section of ``gpuopt_report.json`` this callback writes
-REPORT_SECTION = "memory_fill"
+REPORT_SECTION = "memory_fill"  #: section of ``gpuopt_report.json`` this callback writes
 OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
@@ -305,10 +304,8 @@ class MemoryFill(Callback):
 
     def _nothing_fits_message(self, missed: NoFit) -> str:
         levers = ", ".join(self._reasons) or "none"
-        if missed.largest is None:
-            found = "not even a micro-batch of 1 fits"
-        else:
-            found = f"the largest micro-batch that fits is {missed.largest}, but {missed.needed} per step is needed"
+        found = f"the largest micro-batch that fits is {missed.largest}, but {missed.needed} per step is needed"
+        found = "not even a micro-batch of 1 fits" if missed.largest is None else found
         return (
             f"MemoryFill: {found} in max_memory={self.max_memory!r} (margin {self.margin}). Decisions so far: "
             f"{levers}. Allow more levers (precision='bf16-mixed', activation_checkpointing=True, accumulation='auto'), a smaller "
