@@ -52,8 +52,7 @@ class DataLoaderTuner(Callback):
         max_seconds: no new candidate is timed after this long (one candidate stops after a quarter of it).
         batches_per_candidate: batches timed per candidate at least (``W`` more with ``W`` workers).
         tolerance: the cheapest setting within this fraction of the best throughput is chosen.
-        target_samples_per_second: what training consumes, if known (the cheapest setting keeping up wins);
-            ``None``: the compute ceiling a ``DataWaitMonitor`` of the Trainer measured in an earlier ``fit``.
+        target_samples_per_second: what training consumes (``None``: a DataWaitMonitor's earlier measurement).
         max_num_workers: at most this many workers (default: 4 x the usable cores per process).
         persistent_workers: keep workers alive between epochs (not with pinned memory and reloaded loaders).
         verbose: log the table of timed settings (the JSON report is written either way).
