@@ -17,8 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 BlockSpec = Union[type, str]  #: what :func:`select_blocks` accepts: module classes, class or qualified module names
-#: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  #: HuggingFace layers' key/value caches
 _MISSING = object()
 
 
