@@ -43,8 +43,7 @@ from lightning_gpuopt.core.op_memory import storage_bytes
 from lightning_gpuopt.core.report import format_bytes, format_fraction, format_seconds, render_table, to_dict
 from lightning_gpuopt.core.storage import Location
 
-#: prefix of every metric this callback logs
-METRIC_PREFIX = "gpuopt/mem_"
+METRIC_PREFIX = "gpuopt/mem_"  #: prefix of every metric this callback logs
 _LOGGED_FIELDS = (
     "predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes", "torchinfo_error",
     "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "max_batch_size",
