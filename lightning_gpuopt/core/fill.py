@@ -10,8 +10,7 @@ from typing import Callable, Optional
 
 from lightning_gpuopt.core.oom import OomAdaptation
 
-#: precisions MemoryFill may switch to
-MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")  #: precisions MemoryFill may switch to
 #: what ``precision=`` accepts (Lightning's short forms too) and what each means; ``None``/``"32-true"``: no switch
 PRECISIONS = {"auto": "auto", "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-mixed": "bf16-mixed",
               "bf16": "bf16-mixed", "32-true": None, "32": None, 32: None, None: None}  # fmt: skip
