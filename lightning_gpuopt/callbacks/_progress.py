@@ -11,8 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 def shows_progress_bar(trainer: Trainer) -> bool:
     """Whether the Trainer has an enabled progress bar callback (TQDM or rich)."""
-    bar = trainer.progress_bar_callback
-    return bar is not None and bool(getattr(bar, "is_enabled", False))
+    return bool(getattr(trainer.progress_bar_callback, "is_enabled", False))
 
 
 class WorkProgress:
