@@ -59,8 +59,7 @@ class Checkpointing:
         self.module, self.setting, self.undo, self.reasons = module, setting, undo, reasons
         self.on: Optional[CheckpointedBlocks] = None  #: the blocks kept (checked); ``None``: none
         self._unchecked: list[tuple[CheckpointedBlocks, list]] = []
-        self._reason = ""
-        self._tried = setting is False
+        self._reason, self._tried = "", setting is False
 
     @property
     def explicit(self) -> bool:
