@@ -78,8 +78,7 @@ class MemoryEstimator(Callback):
         check_int("measure_steps", measure_steps, 1, "measure_steps=3 (real training steps to measure the peak over)")
         check_bool("verbose", verbose, "verbose=False")
         self.max_memory, self.measure_steps, self.verbose = max_memory, measure_steps, verbose
-        #: bytes a sample adds to the peak, where MemoryFill measured them: the step is traced at its batch only
-        self.bytes_per_sample: float | None = None
+        self.bytes_per_sample: float | None = None  #: as MemoryFill measured them: the step is traced at one batch
         self.progress = verbose  #: a line when the step is traced
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
