@@ -43,8 +43,7 @@ class GpuOptReport:
 
     preset: Optional[str]
     settings: dict[str, Any]
-    #: the settings GpuOpt changed, as ``"name: before → after"`` lines (empty: nothing changed)
-    changes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)  #: ``"name: before → after"`` lines (empty: nothing changed)
     memory_fill: Optional[MemoryFillPlan] = None
     batch_size_search: Optional[BatchSizeSearchResult] = None
     dataloader: Optional[LoaderTuneResult] = None
