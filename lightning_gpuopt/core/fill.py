@@ -110,9 +110,8 @@ class FillRequest:
     @property
     def wanted(self) -> int:
         """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
-        return (
-            min(self.min_micro_batch_size, self.needed) if self.fixed_accumulation is None or self.fill else self.needed
-        )
+        free = self.fixed_accumulation is None or self.fill
+        return min(self.min_micro_batch_size, self.needed) if free else self.needed
 
 
 @dataclass
@@ -194,10 +193,8 @@ class MemoryFillPlan:
     budget_bytes: Optional[int] = None
     predicted_peak_bytes: Optional[int] = None
     measured_peak_bytes: Optional[int] = None
-    #: the learning rate before and after ``scale_lr`` scaled it (``None``: not scaled)
-    lr_change: Optional[tuple[float, float]] = None
-    #: why each lever was (not) used, in the order decided
-    reasons: list[str] = field(default_factory=list)
+    lr_change: Optional[tuple[float, float]] = None  #: the lr before and after ``scale_lr`` (``None``: not scaled)
+    reasons: list[str] = field(default_factory=list)  #: why each lever was (not) used, in the order decided
     seconds: float = 0.0
     on_oom: str = "raise"  #: ``"adapt"`` or ``"raise"``, and each out-of-memory error absorbed
     oom_adaptations: list[OomAdaptation] = field(default_factory=list)
