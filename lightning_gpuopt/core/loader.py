@@ -111,8 +111,7 @@ class LoaderTuneResult:
     usable_cpus: int = 1
     seconds: float = 0.0
     reason: str = ""
-    #: False when repeated timings kept changing the choice (a busy machine): the choice is uncertain
-    settled: bool = True
+    settled: bool = True  #: False when repeated timings kept changing the choice (a busy machine)
 
     @property
     def setting(self) -> LoaderSetting:
@@ -154,14 +153,11 @@ def _child_pids() -> Optional[set[int]]:
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
     """(seconds on a CPU, seconds in a run queue) summed over ``schedstat`` files (Linux; psutil lacks the wait)."""
-    on_cpu = waiting = 0
     try:
-        for path in paths:
-            fields = Path(path).read_text().split()
-            on_cpu, waiting = on_cpu + int(fields[0]), waiting + int(fields[1])
+        rows = [Path(path).read_text().split() for path in paths]
+        return sum(int(row[0]) for row in rows) / 1e9, sum(int(row[1]) for row in rows) / 1e9
     except (OSError, ValueError, IndexError):
         return None
-    return on_cpu / 1e9, waiting / 1e9
 
 
 def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
@@ -361,8 +357,7 @@ def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
 def _choose(
     timings: list[LoaderTiming], tolerance: float, target: Optional[float], yours: Optional[LoaderSetting] = None
 ) -> tuple[LoaderTiming, str]:
-    """The cheapest timing that keeps up with ``target``, else within ``tolerance`` of the best (``yours`` within
-    :data:`CLEAR_MARGIN` of it kept), and why."""
+    """The cheapest timing keeping up with ``target``, else within ``tolerance`` of the best (or ``yours``), and why."""
     timings = _fastest_each(timings)
     finished = [t for t in timings if not t.stopped_early] or timings
     top = max(t.samples_per_second for t in finished)
