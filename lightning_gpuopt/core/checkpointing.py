@@ -22,8 +22,7 @@ _MISSING = object()
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with
-    a sibling, hold parameters and have submodules (transformer layers, residual blocks), outermost only."""
+    """The outermost same-class siblings in ``nn.ModuleList``/``nn.Sequential`` with parameters and submodules."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
         inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)
