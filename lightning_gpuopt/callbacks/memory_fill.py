@@ -2,14 +2,12 @@
 
 For the global batch asked for it switches a ``32-true`` run to mixed precision in ``setup``, then in ``on_fit_start``
 checkpoints the repeated blocks if needed, finds the largest micro-batch that fits and as few accumulation steps as
-that allows (the pure plan: :mod:`lightning_gpuopt.core.fill`). Everything is put back at teardown. See
-docs/memory-fill.md.
+that allows (the pure plan: :mod:`lightning_gpuopt.core.fill`); all put back at teardown. See docs/memory-fill.md.
 
 Logged once when training starts: ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``,
 ``gpuopt/global_batch_size``, ``gpuopt/mixed_precision``, ``gpuopt/checkpointed_blocks``,
 ``gpuopt/fill_measured_peak_bytes``, ``gpuopt/fill_predicted_peak_bytes``; at each out-of-memory adaptation
-``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"`` section of
-``gpuopt_report.json``.
+``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section.
 """
 
 from __future__ import annotations
@@ -213,12 +211,11 @@ class MemoryFill(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
-            self.decide(trainer)
-            assert self.plan is not None
+            plan = self.decide(trainer)
             FitSession.of(trainer).apply(
                 self._undo,
-                batch_size=(self.batch_arg_name, self.plan.micro_batch_size, False),
-                accumulate_grad_batches=self.plan.accumulate_grad_batches,
+                batch_size=(self.batch_arg_name, plan.micro_batch_size, False),
+                accumulate_grad_batches=plan.accumulate_grad_batches,
             )
             self.follow_lr(trainer, self._undo)
         self._report(trainer)
