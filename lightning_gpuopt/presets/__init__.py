@@ -1,6 +1,5 @@
-"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files: a flat mapping of
-``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`), its top comment the description. A YAML file may extend a
-preset (or another file, relative to its own folder) with ``preset: NAME_OR_PATH`` and override some keys."""
+"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings (:data:`PRESET_KEYS`) in YAML files, the top
+comment the description; a file may extend a preset or another file with ``preset: NAME_OR_PATH``."""
 
 from __future__ import annotations
 
