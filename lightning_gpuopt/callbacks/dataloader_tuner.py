@@ -1,7 +1,6 @@
-"""``DataLoaderTuner``: choose the train loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``
-and ``pin_memory`` by timing copies of it, each batch through the module's step, in ``on_fit_start``
-(:func:`~lightning_gpuopt.core.loader.tune_loader`); Lightning then builds the chosen setting until ``teardown``.
-Under DDP rank 0's choice is broadcast. See docs/dataloader-tuner.md.
+"""``DataLoaderTuner``: choose the train loader's worker settings by timing copies of it, each batch through the
+module's step, in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`); Lightning then builds the
+chosen setting until ``teardown``. Under DDP rank 0's choice is broadcast. See docs/dataloader-tuner.md.
 
 Logged once when training starts: ``gpuopt/loader_num_workers`` (chosen), ``gpuopt/loader_samples_per_second``
 (with the chosen setting) and ``gpuopt/loader_speedup`` (that throughput over the user's setting's).
