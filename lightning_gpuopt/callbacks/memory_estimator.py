@@ -53,10 +53,9 @@ _LOGGED_FIELDS = (
 class MemoryEstimator(Callback):
     """Predicts the peak memory of a training step before the first one, and measures it after.
 
-    The whole step is traced on fake tensors at the batch size and twice it; the line through both gives the
-    largest batch size that fits ``max_memory``. A step that cannot be traced falls back to torchinfo's figures,
-    with a warning. Under DDP the gradient buckets are added and measuring starts at the third step.
-    See docs/memory-estimator.md.
+    The step is traced on fake tensors at the batch size and twice it; the line through both gives the largest batch
+    size that fits ``max_memory``. An untraceable step falls back to torchinfo's figures, with a warning. Under DDP
+    the gradient buckets are added and measuring starts at the third step. See docs/memory-estimator.md.
 
     Args:
         max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: what is free or torch's.
