@@ -1,11 +1,8 @@
 """MemoryFill's activation checkpointing in a run: which blocks, switched on, checked, refused or kept.
 
-A model that checkpoints itself (HuggingFace, ``supports_gradient_checkpointing``) is switched with its
-own method, unless the user named the blocks; other blocks are wrapped with ``torch.utils.checkpoint``,
-one group per class. Before anything trains each group is checked: one step with it alone must give
-the plain step's loss, gradients and buffers (same RNG state, a slice of a real batch, every rank
-agreeing); a group that does not is refused with the reason (a model's own switch that fails is
-replaced by ours on its blocks). Every switch is registered in the callback's :class:`Undo`.
+A model's own switch (HuggingFace) is used unless the user named the blocks; other blocks are wrapped one group per
+class. Each group must give the plain step's loss, gradients and buffers on every rank before anything trains, else
+it is refused with the reason. Every switch is registered in the callback's :class:`Undo`.
 """
 
 from __future__ import annotations
@@ -35,15 +32,12 @@ from lightning_gpuopt.core.loader import batch_samples
 
 __all__ = ["BlockSpec", "Checkpointing", "checked_setting"]
 
-#: samples of a batch on which a checkpointed step is checked against a plain one
-CHECK_SAMPLES = 2
-#: strings that mean a switch, not a module name: ``checkpointing: "true"`` is refused, not read as a class
-_SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1", "0")
+CHECK_SAMPLES = 2  #: samples of a batch on which a checkpointed step is checked against a plain one
+_SWITCH_WORDS = ("true", "false", "yes", "no", "on", "off", "none", "null", "1", "0")  #: refused, not class names
 
 
 def checked_setting(value: Any) -> Union[str, bool, list]:
-    """``"auto"``, ``True``, ``False`` or a non-empty list of module classes / class names / module names
-    (one name alone becomes a list of one), else a ``ValueError`` naming the value."""
+    """``"auto"``, ``True``, ``False`` or a non-empty list of module classes or names, else a ``ValueError``."""
     works = "must be 'auto', True, False or a list of module classes / class names / module names, e.g. ['TransformerEncoderLayer']"
     if isinstance(value, bool) or value == "auto":
         return value
@@ -63,11 +57,9 @@ class Checkpointing:
         self, module: Any, setting: Union[str, bool, Sequence[BlockSpec]], undo: Undo, reasons: list[str]
     ) -> None:
         self.module, self.setting, self.undo, self.reasons = module, setting, undo, reasons
-        #: the blocks kept (checked); ``None``: none
-        self.on: Optional[CheckpointedBlocks] = None
+        self.on: Optional[CheckpointedBlocks] = None  #: the blocks kept (checked); ``None``: none
         self._unchecked: list[tuple[CheckpointedBlocks, list]] = []
-        self._reason = ""
-        self._tried = setting is False
+        self._reason, self._tried = "", setting is False
 
     @property
     def explicit(self) -> bool:
@@ -206,8 +198,7 @@ class Checkpointing:
 
 
 def _no_blocks_message(module: Any) -> str:
-    """The refusal of ``activation_checkpointing=True`` on a model without repeated blocks, with classes to name instead
-    (submodules with parameters and submodules of their own)."""
+    """The refusal of ``activation_checkpointing=True`` on a model without repeated blocks, with classes to name."""
     containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
     subs = [sub for name, sub in module.named_modules() if name and not isinstance(sub, containers)]
     nested = [s for s in subs if next(s.parameters(), None) is not None and next(s.children(), None) is not None]

@@ -1,5 +1,4 @@
-"""Progress of long work before training (batch-size trials, loader candidates), on rank 0: a line a unit
-(``rank_zero_info``), or a rich bar when the Trainer shows a progress bar; nothing when the callback is quiet."""
+"""Progress of long work before training, on rank 0: a line a unit, or a rich bar when the Trainer shows one."""
 
 from __future__ import annotations
 
@@ -11,13 +10,11 @@ from lightning.pytorch.utilities import rank_zero_info
 
 def shows_progress_bar(trainer: Trainer) -> bool:
     """Whether the Trainer has an enabled progress bar callback (TQDM or rich)."""
-    bar = trainer.progress_bar_callback
-    return bar is not None and bool(getattr(bar, "is_enabled", False))
+    return bool(getattr(trainer.progress_bar_callback, "is_enabled", False))
 
 
 class WorkProgress:
-    """Reports units of work as they end: ``title`` (``"BatchSizeSearch trial"``) is each line's prefix and the
-    bar's label, ``total`` the most units (``None``: unknown); ``bar=None`` asks :func:`shows_progress_bar`."""
+    """Reports units of work as they end: ``title`` labels them, ``total`` is the most (``None``: unknown)."""
 
     def __init__(
         self, trainer: Trainer, title: str, total: Optional[int], enabled: bool, bar: Optional[bool] = None

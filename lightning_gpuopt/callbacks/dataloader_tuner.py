@@ -1,18 +1,9 @@
-"""``DataLoaderTuner``: choose the train loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``
-and ``pin_memory`` by timing copies of it in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`);
-Lightning then builds the chosen setting each time it asks for the loader, until ``teardown``.
+"""``DataLoaderTuner``: choose the train loader's worker settings by timing copies of it, each batch through the
+module's step, in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_loader`); Lightning then builds the
+chosen setting until ``teardown``. Under DDP rank 0's choice is broadcast. See docs/dataloader-tuner.md.
 
-Each timed batch runs the module's forward and backward (automatic optimization, one process; the state is put
-back): settings are judged end to end, the user's kept unless the choice is 10% faster. Under DDP every rank times
-the loader alone at once and rank 0's choice is broadcast. Workers tried: 0, 1, 2, 4, ... up to the usable cores
-(affinity within the cgroup quota, shared by the host's processes), more only while workers wait on I/O. An
-``IterableDataset``, several loaders, or a loader that is not a ``DataLoader`` is left alone, with the reason.
-
-Logged once when training starts:
-
-* ``gpuopt/loader_num_workers``: the ``num_workers`` chosen.
-* ``gpuopt/loader_samples_per_second``: throughput with the chosen setting (with the step when timed with it).
-* ``gpuopt/loader_speedup``: that throughput over the user's own setting's.
+Logged once when training starts: ``gpuopt/loader_num_workers`` (chosen), ``gpuopt/loader_samples_per_second``
+(with the chosen setting) and ``gpuopt/loader_speedup`` (that throughput over the user's setting's).
 """
 
 from __future__ import annotations
@@ -60,8 +51,7 @@ class DataLoaderTuner(Callback):
         max_seconds: no new candidate is timed after this long (one candidate stops after a quarter of it).
         batches_per_candidate: batches timed per candidate at least (``W`` more with ``W`` workers).
         tolerance: the cheapest setting within this fraction of the best throughput is chosen.
-        target_samples_per_second: what training consumes, if known (the cheapest setting keeping up wins);
-            ``None``: the compute ceiling a ``DataWaitMonitor`` of the Trainer measured in an earlier ``fit``.
+        target_samples_per_second: what training consumes (``None``: a DataWaitMonitor's earlier measurement).
         max_num_workers: at most this many workers (default: 4 x the usable cores per process).
         persistent_workers: keep workers alive between epochs (not with pinned memory and reloaded loaders).
         verbose: log the table of timed settings (the JSON report is written either way).
@@ -97,10 +87,8 @@ class DataLoaderTuner(Callback):
         self.target_samples_per_second, self.max_num_workers = target_samples_per_second, max_num_workers
         self.persistent_workers, self.verbose = persistent_workers, verbose
         self.progress = verbose  # report each candidate as it is timed
-        #: the measurement and the choice (the same on every rank); ``None`` if not tuned
-        self.result: Optional[LoaderTuneResult] = None
-        #: what the tuner did, or why it left the loader alone
-        self.message: str = ""
+        self.result: Optional[LoaderTuneResult] = None  #: the measurement and the choice; ``None`` if not tuned
+        self.message: str = ""  #: what the tuner did, or why it left the loader alone
         self._undo = Undo()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -213,8 +201,7 @@ class DataLoaderTuner(Callback):
 
 @contextlib.contextmanager
 def _training_step(trainer: Trainer, loader: DataLoader) -> Iterator[Optional[Callable[[Any], None]]]:
-    """The module's forward and backward on a batch, to run on each timed batch (``None`` under manual
-    optimization or DDP, or when it fails on a first batch); what it changes is put back after the block."""
+    """The module's forward and backward for each timed batch (``None`` where it cannot run); put back after."""
     module, strategy, loss_of = trainer.lightning_module, trainer.strategy, loss_function(trainer.lightning_module)
     state = TrainingState(trainer) if module.automatic_optimization and trainer.world_size == 1 else None
 
@@ -248,8 +235,7 @@ def _why_not_tunable(loader: Any) -> Optional[str]:
 
 
 def _samples_on_device(loader: Any, device: Device) -> Optional[str]:
-    """Why a loader whose first sample has tensors on ``device`` must be left alone (``None``: it has none,
-    or the dataset cannot be indexed)."""
+    """Why a loader whose first sample has tensors on ``device`` must be left alone (``None``: it has none)."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None or isinstance(dataset, IterableDataset):
         return None

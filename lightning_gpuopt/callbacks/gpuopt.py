@@ -1,12 +1,8 @@
 """GpuOpt: one callback composed from a preset (name or YAML) plus keyword overrides.
 
-It runs its parts, quiet, in this order: :class:`MemoryFill` (precision in ``setup``; activation checkpointing, the
-micro-batch and accumulation in ``on_fit_start``), :class:`DataLoaderTuner` (timed at MemoryFill's micro-batch;
-both decisions are applied at once, as by hand), :class:`MemoryEstimator`, :class:`DataWaitMonitor`. At the end
-of ``fit`` rank 0 logs one combined report (what changed, then each part's figures), writes the ``"gpuopt"``
-section of ``gpuopt_report.json`` and, with ``plots=True``, draws its PNGs. The parts log their own
-``gpuopt/...`` metrics. Presets (``gpuopt presets`` lists them): ``diagnose`` (measure, change nothing),
-``fill-memory``, ``max-throughput``, ``low-memory``.
+It runs its parts quietly (MemoryFill, DataLoaderTuner, MemoryEstimator, DataWaitMonitor; each logs its own
+``gpuopt/...`` metrics); at the end of ``fit`` rank 0 logs one combined report and writes the ``"gpuopt"`` section
+of ``gpuopt_report.json``. See docs/gpuopt.md.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ class GpuOptReport:
 
     preset: Optional[str]
     settings: dict[str, Any]
-    #: the settings GpuOpt changed, as ``"name: before → after"`` lines (empty: nothing changed)
-    changes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)  #: ``"name: before → after"`` lines (empty: nothing changed)
     memory_fill: Optional[MemoryFillPlan] = None
     batch_size_search: Optional[BatchSizeSearchResult] = None
     dataloader: Optional[LoaderTuneResult] = None
@@ -68,7 +63,7 @@ def _to_parts(hook: str) -> Any:
 
 
 class GpuOpt(Callback):
-    """The whole checklist in one callback: a preset, plus any of its settings overridden by keyword.
+    """The whole checklist in one callback: a preset, plus its settings overridden by keyword (``None``: the preset's).
 
     Example::
 
@@ -78,17 +73,12 @@ class GpuOpt(Callback):
 
     Args:
         preset: a shipped preset or a YAML file of settings (``preset: NAME`` extends one); ``None``: no preset.
-        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner,
-            MemoryFill.
+        monitor, estimate, tune_loader, fill_memory: run DataWaitMonitor, MemoryEstimator, DataLoaderTuner, MemoryFill.
         max_memory, margin, global_batch_size, precision, activation_checkpointing, accumulation, objective,
             min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
-        verbose: progress lines and the combined report (``False``: quiet; the JSON report is written either way;
-            ``None``: ``True``).
-        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
-            TensorBoard or W&B logger (needs ``lightning-gpuopt[plot]``; a warning when it cannot draw).
-
-        A setting left at ``None`` comes from the preset (or the part's default).
+        verbose: progress lines and the combined report (``None``: ``True``; the JSON report is written either way).
+        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` (needs the ``plot`` extra).
 
     Raises:
         ValueError: an unknown preset or key, or a bad value (named by the part that takes it).
@@ -118,9 +108,7 @@ class GpuOpt(Callback):
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k not in ("self", "preset", "verbose", "plots", "__class__")}
         check_bool("verbose", verbose, "verbose=False (quiet) or verbose=True (the default)", allow_none=True)
-        check_bool(
-            "plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False (the default)", allow_none=True
-        )
+        check_bool("plots", plots, "plots=True (draw PNGs at the end of fit) or plots=False", allow_none=True)
         self.verbose, self.plots = verbose is not False, bool(plots)
         check_keys(overrides, source="GpuOpt's keyword arguments")
         overrides = {key: value for key, value in overrides.items() if value is not None}
@@ -139,8 +127,7 @@ class GpuOpt(Callback):
         for part in (self.fill, self.tuner, self.estimator):  # quiet parts, but long work shows progress
             if part is not None:
                 part.progress = self.verbose
-        #: the combined result of the last ``fit``; ``None`` before one ended
-        self.report: Optional[GpuOptReport] = None
+        self.report: Optional[GpuOptReport] = None  #: the combined result of the last ``fit``
         self._undo = Undo()  # what GpuOpt applied for its parts, and the SIGINT handler
 
     @property
@@ -262,8 +249,7 @@ def _check_setting(key: str, value: Any, source: Optional[Path] = None) -> None:
 
 
 def _each_part(parts: Any, name: str, *args: Any) -> None:
-    """``part.name(*args)`` for every part, even when an earlier one raised (the first error is raised
-    at the end; during ``on_exception`` a second error would hide the user's, so it is only warned)."""
+    """``part.name(*args)`` for every part; then the first error is raised (only warned in ``on_exception``)."""
     errors: list[Exception] = []
     for part in parts:
         try:

@@ -2,16 +2,11 @@
 
 Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
 torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
-Logged once, when the measurement ends (or at the end of training); unknown values are not logged:
-
-* ``gpuopt/mem_predicted_peak_bytes``: the predicted peak of a step at the current batch size.
-* ``gpuopt/mem_measured_peak_bytes``: the measured peak over the first ``measure_steps`` steps.
-* ``gpuopt/mem_estimate_error``: ``(predicted - measured) / measured``.
-* ``gpuopt/mem_torchinfo_total_bytes``: torchinfo's "Estimated Total Size" at the current batch size.
-* ``gpuopt/mem_torchinfo_error``: ``(torchinfo total - measured) / measured``.
-* ``gpuopt/mem_params_bytes``, ``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``: those bytes.
-* ``gpuopt/mem_activation_bytes``: the rest of the predicted peak (activations, temporaries).
-* ``gpuopt/mem_max_batch_size``: the largest batch size whose predicted peak fits the memory limit.
+Logged once, when the measurement ends (or at the end of training), where known: ``gpuopt/mem_predicted_peak_bytes``,
+``gpuopt/mem_measured_peak_bytes``, ``gpuopt/mem_estimate_error`` (``(predicted - measured) / measured``),
+``gpuopt/mem_torchinfo_total_bytes``, ``gpuopt/mem_torchinfo_error``, ``gpuopt/mem_params_bytes``,
+``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``, ``gpuopt/mem_activation_bytes`` (the rest of the peak)
+and ``gpuopt/mem_max_batch_size`` (the largest batch predicted to fit). See docs/memory-estimator.md.
 
 At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of ``gpuopt_report.json``.
 """
@@ -47,8 +42,7 @@ from lightning_gpuopt.core.op_memory import storage_bytes
 from lightning_gpuopt.core.report import format_bytes, format_fraction, format_seconds, render_table, to_dict
 from lightning_gpuopt.core.storage import Location
 
-#: prefix of every metric this callback logs
-METRIC_PREFIX = "gpuopt/mem_"
+METRIC_PREFIX = "gpuopt/mem_"  #: prefix of every metric this callback logs
 _LOGGED_FIELDS = (
     "predicted_peak_bytes", "measured_peak_bytes", "estimate_error", "torchinfo_total_bytes", "torchinfo_error",
     "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "max_batch_size",
@@ -58,20 +52,12 @@ _LOGGED_FIELDS = (
 class MemoryEstimator(Callback):
     """Predicts the peak memory of a training step before the first one, and measures it after.
 
-    The prediction traces forward, loss, ``zero_grad``, backward and the optimizer step on fake tensors, in the
-    Trainer's precision (and its activation checkpointing, gradient accumulation, manual optimization), at the
-    batch size and at twice it; the line through both gives
-    the largest batch size that fits ``max_memory``.
-    Where the samples of a map-style dataset vary in size (text padded per batch), the batch traced is copies of
-    the longest sample through the loader's ``collate_fn`` (``traced_batch`` names its shapes); on a stream it is
-    the first batch, and a note says that longer batches need more.
-    A step that cannot be traced (``.item()``, data-dependent control flow, ``dataloader_iter``) falls back to
-    torchinfo's figures with a warning saying why. Under DDP the gradient buckets are added and the measurement
-    starts at the third step; gradient clipping's temporaries are not counted. Compiled code is traced eager.
+    The step is traced on fake tensors at the batch size and twice it; the line through both gives the largest batch
+    size that fits ``max_memory``. An untraceable step falls back to torchinfo's figures, with a warning. Under DDP
+    the gradient buckets are added and measuring starts at the third step. See docs/memory-estimator.md.
 
     Args:
-        max_memory: what to plan the largest batch size with: bytes, ``"20GiB"``, or a fraction of the device
-            (``0.9``); ``None``: what the device has free plus what torch already holds.
+        max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: what is free or torch's.
         measure_steps: real steps to measure the peak over (at least ``2 * accumulate_grad_batches`` batches).
         verbose: log the estimate's table (the JSON report is written either way).
 
@@ -231,8 +217,7 @@ def render_estimate(estimate: MemoryEstimate) -> str:
 
 
 def _forward_input(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
-    """What ``forward`` takes, for torchinfo: ``example_input_array`` (converted to the Trainer's
-    precision and moved to the model's device, as a batch is), else the batch or its first element."""
+    """What ``forward`` takes, for torchinfo: ``example_input_array`` (moved), else the batch or its first element."""
     example = pl_module.example_input_array
     if example is not None:
         return move_data_to_device(trainer.precision_plugin.convert_input(example), pl_module.device)

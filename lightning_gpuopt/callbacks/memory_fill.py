@@ -1,26 +1,13 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for (without one: the largest micro-batch that fits, as Lightning's ``BatchSizeFinder``
-sets it, at the run's ``accumulate_grad_batches``; with ``objective="memory"`` the run's batch size x
-``accumulate_grad_batches`` x devices) it decides, from measurements and the pure plan of
-:mod:`lightning_gpuopt.core.fill`: mixed precision in ``setup`` (as ``precision`` says, for a run left at ``32-true``);
-then in ``on_fit_start`` activation checkpointing of the repeated blocks (always with ``True`` or named classes; with
-``"auto"`` when the largest micro-batch would fall below ``min_micro_batch_size``; each group checked to give the plain
-step's loss and gradients, else refused), the largest micro-batch that fits (:class:`BatchSizeSearch`'s trials) and as
-few accumulation steps as that allows. Both are applied as a run by hand has them (:mod:`._engine.session`); a short
-last accumulation group of an epoch is scaled to a mean. With ``on_oom="adapt"`` an out-of-memory error in a step
-retrains that batch in smaller micro-batches (:mod:`._engine.oom_recovery`). When the global batch is ``k`` times the
-run's, ``scale_lr`` scales every learning rate (param groups, schedules' ``base_lrs``/``max_lr``) by ``k`` or
-``sqrt(k)``; without it the plan says what each rule would set. Levers that cannot apply are refused with the reason.
-Everything is put back at teardown and after a failed fit; checkpoints keep the user's batch size.
+For the global batch asked for it switches a ``32-true`` run to mixed precision in ``setup``, then in ``on_fit_start``
+checkpoints the repeated blocks if needed, finds the largest micro-batch that fits and as few accumulation steps as
+that allows (the pure plan: :mod:`lightning_gpuopt.core.fill`); all put back at teardown. See docs/memory-fill.md.
 
-Logged once when training starts (to every logger and ``trainer.callback_metrics``):
-``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``, ``gpuopt/global_batch_size`` (samples per
-optimizer step over all ranks), ``gpuopt/mixed_precision`` (1 or 0), ``gpuopt/checkpointed_blocks``,
-``gpuopt/fill_measured_peak_bytes`` (the trial of the largest fit), ``gpuopt/fill_predicted_peak_bytes``
-(the estimate's lines at the micro-batch, not traced again). At each out-of-memory adaptation:
-``gpuopt/oom_adaptations`` (so far) and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the ``"memory_fill"``
-section of ``gpuopt_report.json``.
+Logged once when training starts: ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``,
+``gpuopt/global_batch_size``, ``gpuopt/mixed_precision``, ``gpuopt/checkpointed_blocks``,
+``gpuopt/fill_measured_peak_bytes``, ``gpuopt/fill_predicted_peak_bytes``; at each out-of-memory adaptation
+``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section.
 """
 
 from __future__ import annotations
@@ -65,8 +52,7 @@ from lightning_gpuopt.core.fill import (
 )
 from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
-#: section of ``gpuopt_report.json`` this callback writes
-REPORT_SECTION = "memory_fill"
+REPORT_SECTION = "memory_fill"  #: section of ``gpuopt_report.json`` this callback writes
 OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
@@ -75,21 +61,16 @@ _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning r
 class MemoryFill(Callback):
     r"""Keep the global batch you want and fill the memory: AMP, activation checkpointing, gradient accumulation.
 
-    Needs what :class:`BatchSizeSearch` needs: a batch size the model, its hparams or the datamodule
-    holds (``batch_arg_name``) and reads in ``train_dataloader()``.
-
-    Example::
+    Needs a batch size as :class:`BatchSizeSearch` does. Example::
 
         fill = MemoryFill(global_batch_size=512, max_memory="20GiB")
         Trainer(callbacks=[fill]).fit(model, datamodule=dm)
         fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches, fill.plan.changes
 
     Args:
-        global_batch_size: samples per optimizer step over all devices; must divide by their count. ``None``:
-            the largest micro-batch that fits (with ``objective="memory"``: your batch x accumulation x devices).
-        precision: what a ``32-true`` run switches to: ``"auto"`` (bf16-mixed / 16-mixed on GPUs, none on CPU),
-            ``"16-mixed"`` or ``"bf16-mixed"`` (also on CPU), or ``None`` / ``"32-true"`` (no switch). A
-            precision set on the Trainer is always kept.
+        global_batch_size: samples per optimizer step over all devices. ``None``: the largest micro-batch that fits
+            (with ``objective="memory"``: your batch x accumulation x devices).
+        precision: what a ``32-true`` run switches to: ``"auto"``, ``"16-mixed"``, ``"bf16-mixed"`` or ``None``.
         activation_checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
         accumulation: ``"auto"`` (as many steps as needed) or ``False`` (the global batch in one step).
         max_memory, margin, batch_arg_name, steps_per_trial, max_trials: as :class:`BatchSizeSearch`'s.
@@ -230,12 +211,11 @@ class MemoryFill(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
-            self.decide(trainer)
-            assert self.plan is not None
+            plan = self.decide(trainer)
             FitSession.of(trainer).apply(
                 self._undo,
-                batch_size=(self.batch_arg_name, self.plan.micro_batch_size, False),
-                accumulate_grad_batches=self.plan.accumulate_grad_batches,
+                batch_size=(self.batch_arg_name, plan.micro_batch_size, False),
+                accumulate_grad_batches=plan.accumulate_grad_batches,
             )
             self.follow_lr(trainer, self._undo)
         self._report(trainer)
@@ -290,8 +270,7 @@ class MemoryFill(Callback):
         return self.plan
 
     def _largest_fit(self, trainer: pl.Trainer, upper: int, accumulating: bool) -> Optional[int]:
-        """The search's largest micro-batch up to ``upper``; ``accumulating``: with the earlier micro-batches'
-        gradients alive through the next backward, as training keeps them (2 micro-batches: the peak of any)."""
+        """The search's largest micro-batch up to ``upper``; ``accumulating``: with gradients kept across 2."""
         assert self.search is not None
         previous, start = trainer.accumulate_grad_batches, upper if accumulating else None
         prediction = Prediction(None, None, []) if accumulating else self._predicted(trainer)
@@ -305,8 +284,7 @@ class MemoryFill(Callback):
             trainer.accumulate_grad_batches = previous
 
     def _predicted(self, trainer: pl.Trainer) -> Prediction:
-        """This rank's estimate of the step as planned so far (traced once: the checkpointing decision, the search's
-        start and the plan's predicted peak share it)."""
+        """This rank's estimate of the step as planned so far (traced once, then shared)."""
         if self.prediction is None:
             assert self.search is not None
             budget, started = self.search.budget_bytes(trainer.strategy.root_device), time.perf_counter()
@@ -323,10 +301,8 @@ class MemoryFill(Callback):
 
     def _nothing_fits_message(self, missed: NoFit) -> str:
         levers = ", ".join(self._reasons) or "none"
-        if missed.largest is None:
-            found = "not even a micro-batch of 1 fits"
-        else:
-            found = f"the largest micro-batch that fits is {missed.largest}, but {missed.needed} per step is needed"
+        found = f"the largest micro-batch that fits is {missed.largest}, but {missed.needed} per step is needed"
+        found = "not even a micro-batch of 1 fits" if missed.largest is None else found
         return (
             f"MemoryFill: {found} in max_memory={self.max_memory!r} (margin {self.margin}). Decisions so far: "
             f"{levers}. Allow more levers (precision='bf16-mixed', activation_checkpointing=True, accumulation='auto'), a smaller "
@@ -367,7 +343,7 @@ class MemoryFill(Callback):
         return replace(plan, seconds=time.perf_counter() - self._started)
 
     def follow_lr(self, trainer: pl.Trainer, undo: Undo) -> None:
-        """Once the plan is applied: the learning rates follow the global batch's growth over the user's (``scale_lr``)."""
+        """Once the plan is applied: the learning rates follow the global batch (``scale_lr``)."""
         plan = self.plan
         assert plan is not None
         users = plan.initial_batch_size * plan.initial_accumulate_grad_batches * plan.world_size
@@ -408,8 +384,7 @@ class MemoryFill(Callback):
             self._oom_recovery.zero_grad_called()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Checkpoints keep the user's batch size, not the micro-batch: trained with MemoryFill again, a model
-        rebuilt from them plans the same global batch."""
+        """Checkpoints keep the user's batch size, not the micro-batch."""
         if self.plan is None:
             return
         for key in ("hyper_parameters", "datamodule_hyper_parameters"):
@@ -450,8 +425,7 @@ class MemoryFill(Callback):
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None:
-    """Every param group's ``lr`` (and a schedule's ``initial_lr``/``max_lr``/``min_lr``) and every schedule's
-    ``base_lrs``/``max_lrs``/``_last_lr`` times ``factor``; undone by dividing them back (the schedule's progress kept)."""
+    """Every learning rate of the optimizers and their schedules times ``factor``, undone by dividing them back."""
     owners: list[Any] = [group for optimizer in trainer.optimizers for group in optimizer.param_groups]
     owners += [getattr(c.scheduler, name, None) for c in trainer.lr_scheduler_configs for name in _SCHEDULE_LISTS]
     places = [(owner, key) for owner in owners if isinstance(owner, (dict, list)) for key in _keys(owner)]

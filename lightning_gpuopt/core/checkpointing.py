@@ -1,9 +1,6 @@
-"""Activation checkpointing on a model's repeated blocks, without changing its structure.
-
-:func:`enable_checkpointing` wraps each block's ``forward`` *on the instance* in ``torch.utils.checkpoint``
-(:meth:`CheckpointedBlocks.remove` undoes it) as HuggingFace's ``GradientCheckpointingLayer`` does;
-:func:`enable_native_checkpointing` switches on a HuggingFace model's own; :func:`check_recomputation`
-says whether a recomputed step gives the plain step's numbers.
+"""Activation checkpointing on a model's repeated blocks, without changing its structure: each block's ``forward``
+is wrapped *on the instance* (:func:`enable_checkpointing`), or a HuggingFace model's own switch is used
+(:func:`enable_native_checkpointing`); :func:`check_recomputation` compares a recomputed step with the plain one.
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 BlockSpec = Union[type, str]  #: what :func:`select_blocks` accepts: module classes, class or qualified module names
-#: arguments through which HuggingFace layers take a key/value cache (the names its checkpointing clears)
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  #: HuggingFace layers' key/value caches
 _MISSING = object()
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the children of an ``nn.ModuleList``/``nn.Sequential`` that share a class with
-    a sibling, hold parameters and have submodules (transformer layers, residual blocks), outermost only."""
+    """The outermost same-class siblings in ``nn.ModuleList``/``nn.Sequential`` with parameters and submodules."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
         inside = any(name == block or name.startswith(block + ".") for block, _ in chosen)
@@ -42,8 +37,7 @@ def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def select_blocks(model: nn.Module, spec: Sequence[BlockSpec]) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that ``spec`` names (module classes, class names, qualified names),
-    outermost first; ``ValueError`` (listing the model's repeated blocks) for an entry matching none."""
+    """The modules of ``model`` that ``spec`` names, outermost first; ``ValueError`` for an entry matching none."""
     if isinstance(spec, (str, type)):
         spec = [spec]
     modules = list(model.named_modules())
@@ -88,8 +82,7 @@ def _running_stats_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _without_caches(signature: Optional[inspect.Signature], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args``/``kwargs`` with any key/value cache (by argument name, or a HuggingFace ``Cache``: ``update`` and
-    ``get_seq_length``) cleared and ``use_cache=False``, as the signature binds them."""
+    """``args``/``kwargs`` with any key/value cache (by name or a ``Cache`` object) cleared and ``use_cache=False``."""
     if signature is None:
         return args, kwargs
     try:
@@ -279,9 +272,8 @@ def check_recomputation(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     rtol: float = 1e-3,
 ) -> Optional[str]:
-    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients and
-    buffers (within ``rtol`` of each norm), else the first difference or what it raised. Both steps start from
-    one RNG state; gradients, buffers and RNG state are put back (no optimizer step). Pass a small batch."""
+    """``None`` when a step with ``handle``'s blocks checkpointed gives the plain step's loss, gradients and buffers
+    (within ``rtol``, from one RNG state), else the first difference; the state is put back. Pass a small batch."""
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     named_buffers = list(model.named_buffers())
     saved_grads = [p.grad for _, p in named_params]

@@ -10,8 +10,7 @@ from typing import Callable, Optional
 
 from lightning_gpuopt.core.oom import OomAdaptation
 
-#: precisions MemoryFill may switch to
-MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")  #: precisions MemoryFill may switch to
 #: what ``precision=`` accepts (Lightning's short forms too) and what each means; ``None``/``"32-true"``: no switch
 PRECISIONS = {"auto": "auto", "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-mixed": "bf16-mixed",
               "bf16": "bf16-mixed", "32-true": None, "32": None, 32: None, None: None}  # fmt: skip
@@ -33,8 +32,7 @@ LR_RULES = ("linear", "sqrt")
 
 
 def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr") -> tuple[float, str]:
-    """The factor ``rule`` scales the learning rate by for a global batch ``grown`` times the user's, and the
-    report's line (with ``rule=None`` the factor is 1 and the line says what each rule would set, and that ``how`` applies one).
+    """The factor ``rule`` scales the learning rate by for a batch ``grown`` times the user's, and the report's line.
 
     >>> lr_note("linear", 4.0, 0.05)
     (4.0, "scale_lr='linear': the global batch is 4x yours, lr 0.05 → 0.2 (all groups, schedules)")
@@ -51,9 +49,8 @@ def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr")
 def choose_precision(
     precision: Optional[str], device_type: str, *, current: str, bf16_supported: bool, asked: bool = True
 ) -> tuple[Optional[str], str]:
-    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why: ``precision="auto"`` on
-    CUDA only (bf16-mixed, else 16-mixed with a scaler), a mixed precision named also on CPU (where autocast
-    runs ``16-mixed`` as bf16-mixed, as Lightning does). ``asked``: whether ``current`` is what the user set.
+    """The mixed precision to switch a ``32-true`` run to (``None``: leave it) and why; ``"auto"`` on CUDA only.
+    ``asked``: whether ``current`` is what the user set.
 
     >>> choose_precision("auto", "cuda", current="32-true", bf16_supported=True)
     ('bf16-mixed', 'bf16-mixed: the GPU supports bfloat16')
@@ -77,8 +74,7 @@ def choose_precision(
 
 
 def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, int]:
-    """``(micro_batch_size, accumulate_grad_batches)`` for ``samples_per_rank`` per optimizer step: as few
-    steps as the largest fit allows, an exact split if one is near, else the micro-batch evened out.
+    """``(micro_batch_size, accumulate_grad_batches)``: as few steps as the largest fit allows, evened out.
 
     >>> split_global_batch(100, largest_fit=32), split_global_batch(64, largest_fit=200)  # 4 x 25, not 4 x 32
     ((25, 4), (64, 1))
@@ -94,10 +90,8 @@ def split_global_batch(samples_per_rank: int, largest_fit: int) -> tuple[int, in
 
 @dataclass(frozen=True)
 class FillRequest:
-    """What a plan must reach: ``samples_per_rank`` per optimizer step, in micro-batches of at least
-    ``min_micro_batch_size`` where it can, with ``fixed_accumulation`` steps when the accumulation is
-    not ours to choose (set by the user, manual optimization, ``accumulation=False``). ``fill``: no global
-    batch asked for; the micro-batch is the largest that fits up to ``samples_per_rank`` (the loader's)."""
+    """What a plan must reach: ``samples_per_rank`` per optimizer step, with ``fixed_accumulation`` steps when the
+    accumulation is not ours to choose. ``fill``: the largest micro-batch that fits, up to ``samples_per_rank``."""
 
     samples_per_rank: int
     min_micro_batch_size: int = 8
@@ -116,9 +110,8 @@ class FillRequest:
     @property
     def wanted(self) -> int:
         """The micro-batch below which checkpointing pays: ``min_micro_batch_size``, at most what is needed."""
-        return (
-            min(self.min_micro_batch_size, self.needed) if self.fixed_accumulation is None or self.fill else self.needed
-        )
+        free = self.fixed_accumulation is None or self.fill
+        return min(self.min_micro_batch_size, self.needed) if free else self.needed
 
 
 @dataclass
@@ -142,9 +135,8 @@ class NoFit(Exception):
 def plan_micro_batches(
     request: FillRequest, largest_fit: Callable[[int, bool], Optional[int]], checkpoint: Callable[[str], bool]
 ) -> FillDecision:
-    """The plan, from two oracles: ``largest_fit(upper, accumulating)`` searches the largest micro-batch up
-    to ``upper`` that fits (``accumulating``: with earlier micro-batches' gradients alive; ``None``: not
-    even 1); ``checkpoint(reason)`` switches activation checkpointing on (``True``: it is on).
+    """The plan, from two oracles: ``largest_fit(upper, accumulating)`` (``None``: not even 1 fits) and
+    ``checkpoint(reason)``, which switches activation checkpointing on (``True``: it is on).
 
     >>> fits = lambda upper, accumulating: min(upper, 24 if accumulating else 32)
     >>> decision = plan_micro_batches(FillRequest(100), fits, checkpoint=lambda reason: False)
@@ -196,19 +188,15 @@ class MemoryFillPlan:
     initial_precision: str = "32-true"
     initial_batch_size: int = 0
     initial_accumulate_grad_batches: int = 1
-    #: the largest micro-batch that fitted, the budget every trial ran under, the estimate's peak at
-    #: ``micro_batch_size`` and the peak the trial of ``largest_fit`` measured
+    #: the largest micro-batch that fitted, the trials' budget, the peak predicted at ``micro_batch_size`` and measured
     largest_fit: Optional[int] = None
     budget_bytes: Optional[int] = None
     predicted_peak_bytes: Optional[int] = None
     measured_peak_bytes: Optional[int] = None
-    #: the learning rate before and after ``scale_lr`` scaled it (``None``: not scaled)
-    lr_change: Optional[tuple[float, float]] = None
-    #: why each lever was (not) used, in the order decided
-    reasons: list[str] = field(default_factory=list)
+    lr_change: Optional[tuple[float, float]] = None  #: the lr before and after ``scale_lr`` (``None``: not scaled)
+    reasons: list[str] = field(default_factory=list)  #: why each lever was (not) used, in the order decided
     seconds: float = 0.0
-    #: ``"adapt"`` (smaller micro-batches after an out-of-memory error in training) or ``"raise"``; each one absorbed
-    on_oom: str = "raise"
+    on_oom: str = "raise"  #: ``"adapt"`` or ``"raise"``, and each out-of-memory error absorbed
     oom_adaptations: list[OomAdaptation] = field(default_factory=list)
 
     @property

@@ -1,10 +1,8 @@
 """Choose ``num_workers``, ``prefetch_factor``, ``persistent_workers`` and ``pin_memory`` by timing the real loader.
 
-:func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores, past them only
-while the workers wait on I/O and throughput grows; it stops clearly slower candidates early, tries
-``prefetch_factor=4`` on the best, times the contenders again, and picks the cheapest setting within
-``tolerance`` of the best (or the cheapest that keeps up with the target), each batch running the training
-step when given (end to end); the user's setting is kept unless the choice is :data:`CLEAR_MARGIN` faster.
+:func:`tune_loader` walks ``num_workers`` through 0, 1, 2, 4, ... up to the usable cores (past them while the
+workers wait on I/O), times the contenders again and picks the cheapest setting within ``tolerance`` of the best;
+the user's is kept unless the choice is :data:`CLEAR_MARGIN` faster. See docs/dataloader-tuner.md.
 
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -34,11 +32,9 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_gpuopt.core.op_memory import leaves
 
-#: workers per usable core worth trying when they wait on I/O (DataWaitMonitor's advice uses it too)
-IO_BOUND_WORKERS_PER_CORE = 4
+IO_BOUND_WORKERS_PER_CORE = 4  #: workers per usable core worth trying when they wait on I/O
 CLEAR_MARGIN = 0.10  #: how much faster than the user's setting a choice must be to replace it
-#: times a candidate's loader
-_Run = Callable[["LoaderSetting"], "LoaderTiming"]
+_Run = Callable[["LoaderSetting"], "LoaderTiming"]  #: times a candidate's loader
 _Choose = Callable[[list["LoaderTiming"]], tuple["LoaderTiming", str]]  #: the choice among timings, and why
 
 
@@ -115,8 +111,7 @@ class LoaderTuneResult:
     usable_cpus: int = 1
     seconds: float = 0.0
     reason: str = ""
-    #: False when repeated timings kept changing the choice (a busy machine): the choice is uncertain
-    settled: bool = True
+    settled: bool = True  #: False when repeated timings kept changing the choice (a busy machine)
 
     @property
     def setting(self) -> LoaderSetting:
@@ -142,8 +137,7 @@ def cgroup_cpu_quota() -> Optional[float]:
 
 
 def usable_cpu_count(within_quota: bool = True) -> int:
-    """CPU cores this process may keep busy: its affinity (not ``os.cpu_count()``), at most the cgroup quota rounded up
-    (``--cpus=1`` on 16 cores: 1); unlike Lightning's ``suggested_max_num_workers``, the main process's core counts."""
+    """CPU cores this process may keep busy: its affinity, at most the cgroup quota rounded up."""
     getter = getattr(os, "sched_getaffinity", None)
     affinity = len(getter(0)) if getter is not None else (os.cpu_count() or 1)
     quota = cgroup_cpu_quota() if within_quota else None
@@ -158,16 +152,12 @@ def _child_pids() -> Optional[set[int]]:
 
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
-    """(seconds on a CPU, seconds waiting in a run queue) summed over ``schedstat`` files (Linux), else None. Not
-    psutil, which has no run-queue wait: taken out, a busy machine does not make a CPU-bound loader look I/O-bound."""
-    on_cpu = waiting = 0
+    """(seconds on a CPU, seconds in a run queue) summed over ``schedstat`` files (Linux; psutil lacks the wait)."""
     try:
-        for path in paths:
-            fields = Path(path).read_text().split()
-            on_cpu, waiting = on_cpu + int(fields[0]), waiting + int(fields[1])
+        rows = [Path(path).read_text().split() for path in paths]
+        return sum(int(row[0]) for row in rows) / 1e9, sum(int(row[1]) for row in rows) / 1e9
     except (OSError, ValueError, IndexError):
         return None
-    return on_cpu / 1e9, waiting / 1e9
 
 
 def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
@@ -176,8 +166,7 @@ def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float
 
 
 def batch_samples(batch: object) -> Optional[int]:
-    """Samples in a batch: the leading dimension of its first tensor (depth-first through tuples, lists
-    and dicts); ``None`` without a tensor with a dimension (where Lightning's ``extract_batch_size`` raises).
+    """Samples in a batch: the leading dimension of its first tensor (depth-first); ``None`` without one.
 
     >>> batch_samples(({"x": torch.zeros(8, 3)}, torch.zeros(8)))
     8
@@ -194,10 +183,8 @@ def time_loader(
     min_seconds: float = 0.0,
     consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTiming:
-    """Time ``loader`` (built with ``setting``): start-up to the first batch, then the steady rate past the
-    ``W x prefetch_factor`` batches ``iter()`` queues at once, over at least ``batches``, fill + 8 and
-    ``min_seconds`` (a shorter epoch: the overall rate), each batch given to ``consume`` (not in the loading's
-    CPU share). It stops past ``max_seconds``, or (stopped early) once ``give_up_after_s(batches fetched)`` passed."""
+    """Time ``loader``: start-up to the first batch, then the steady rate past the batches the workers queue at once,
+    each batch given to ``consume``; it stops past ``max_seconds``, or early past ``give_up_after_s(fetched)``."""
     workers = setting.num_workers
     fill = workers * (setting.prefetch_factor or 2) if workers else 1
     wanted = max(batches, fill + 8)
@@ -280,10 +267,8 @@ def tune_loader(
     on_timed: Optional[Callable[[LoaderTiming], None]] = None,
     consume: Optional[Callable[[object], None]] = None,
 ) -> LoaderTuneResult:
-    """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one: ``batches``
-    per candidate, none started past ``max_seconds``, at most ``max_workers`` (default ``IO_BOUND_WORKERS_PER_CORE`` x
-    ``usable_cpus``); ``pin_memory`` and ``persistent_workers`` set on all; ``baseline`` (the user's setting) timed
-    first; ``on_timed`` called with each timing; ``consume`` (the training step) run on each batch."""
+    """Time the loaders ``build`` makes for candidate settings (see the module docstring) and choose one;
+    ``baseline`` (the user's setting) is timed first and ``consume`` (the training step) runs on each batch."""
     started = time.perf_counter()
     max_workers = max_workers if max_workers is not None else IO_BOUND_WORKERS_PER_CORE * max(1, usable_cpus)
     timings: list[LoaderTiming] = []
@@ -372,8 +357,7 @@ def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:
 def _choose(
     timings: list[LoaderTiming], tolerance: float, target: Optional[float], yours: Optional[LoaderSetting] = None
 ) -> tuple[LoaderTiming, str]:
-    """The cheapest of each setting's least disturbed timing that keeps up with ``target``, else within
-    ``tolerance`` of the best, unless the user's setting ``yours`` is within :data:`CLEAR_MARGIN` of it; and why."""
+    """The cheapest timing keeping up with ``target``, else within ``tolerance`` of the best (or ``yours``), and why."""
     timings = _fastest_each(timings)
     finished = [t for t in timings if not t.stopped_early] or timings
     top = max(t.samples_per_second for t in finished)
@@ -463,9 +447,8 @@ class ProbedSizes:
 def largest_samples_first(
     dataset: object, max_probe: Optional[int] = None, max_seconds: float = 5.0
 ) -> Optional[ProbedSizes]:
-    """Every sample's size (in a seeded random order, at most ``max_probe`` samples and ``max_seconds``),
-    largest first: a rare long sequence decides what fits. ``None`` when the dataset is not sized and
-    indexable or every sample looked at has the same size (a plain ``TensorDataset``'s rows all have: none is read).
+    """Every sample's size (seeded random order, within ``max_probe`` and ``max_seconds``), largest first;
+    ``None`` when the dataset is not sized and indexable or every sample has the same size.
 
     >>> largest_samples_first([torch.zeros(4)] * 4095 + [torch.zeros(64)]).order[0]
     4095
@@ -492,8 +475,7 @@ def largest_samples_first(
 
 
 class TrialSampler(Sampler[int]):
-    """``order`` over and over until ``length``, so every batch of a trial is full (an epoch's short
-    leftover batch was once a trial's second step, the only one with optimizer state).
+    """``order`` over and over until ``length``, so every batch of a trial is full.
 
     >>> list(TrialSampler([0, 1, 2], 5))
     [0, 1, 2, 0, 1]

@@ -1,6 +1,5 @@
-"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings, shipped as YAML files: a flat mapping of
-``GpuOpt`` keyword arguments (:data:`PRESET_KEYS`), its top comment the description. A YAML file may extend a
-preset (or another file, relative to its own folder) with ``preset: NAME_OR_PATH`` and override some keys."""
+"""Presets: named sets of :class:`~lightning_gpuopt.GpuOpt` settings (:data:`PRESET_KEYS`) in YAML files, the top
+comment the description; a file may extend a preset or another file with ``preset: NAME_OR_PATH``."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def preset_description(name_or_path: str | os.PathLike) -> str:
 
 
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved; a ``ValueError`` names
-    the unknown preset or key, the file and line that is no YAML mapping, or the cycle of ``preset:`` lines."""
+    """The settings of a preset's name or YAML file, ``preset:`` extensions resolved (else a clear ``ValueError``)."""
     return load_preset_with_sources(name_or_path)[0]
 
 
