@@ -10,6 +10,7 @@ rows apart from ``gpuopt/*``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -351,6 +352,26 @@ def test_a_fit_failing_at_any_phase_leaves_no_trace_and_the_next_fit_is_a_fresh_
     assert_same(run, by_hand(tmp_path, chosen(callback)))
 
 
+def test_trial_mode_failing_while_it_is_set_up_puts_back_what_it_had_changed(tmp_path, monkeypatch):
+    from lightning_gpuopt.callbacks._engine import trials as trials_module
+
+    def failing(*args: Any) -> int:  # an error after trial mode set the callbacks, loggers, limits and collector
+        raise RuntimeError("the user's strategy failed")
+
+    monkeypatch.setattr(trials_module, "_ddp_bucket_bytes", failing)
+    trainer, model = make_trainer(tmp_path, [CALLBACKS["BatchSizeSearch"]()]), fresh_model()
+    before = state_before(trainer, model)
+    settings = (list(trainer.callbacks), list(trainer.loggers), trainer.limit_train_batches, trainer.limit_val_batches)
+    try:
+        with pytest.raises(RuntimeError, match="the user's"):
+            trainer.fit(model)
+        assert gc.get_freeze_count() == 0  # the objects set aside from the collector are back
+        assert (trainer.callbacks, trainer.loggers, trainer.limit_train_batches, trainer.limit_val_batches) == settings
+        assert_as_before(trainer, model, before)
+    finally:
+        gc.unfreeze()
+
+
 def test_a_trainer_reused_after_a_failed_fit_trains_the_next_model_on_its_own_data(tmp_path):
     for callback in (
         DataLoaderTuner(max_seconds=0.3, batches_per_candidate=2, verbose=False),
@@ -437,6 +458,8 @@ _CHILD = textwrap.dedent(
     except SystemExit as exit:
         outcome = f"SystemExit({{exit.code}})"
     assert_as_before(trainer, model, before)
+    import gc
+    assert gc.get_freeze_count() == 0  # the trials set the objects alive aside from the collector, and back
     trained = trainer.global_step
     again = make_trainer({root!r} + "/again", [callback])
     again.fit(fresh_model())

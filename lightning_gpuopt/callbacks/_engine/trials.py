@@ -112,6 +112,13 @@ class Trials:
         self._undo = Undo()
 
     def __enter__(self) -> Trials:
+        try:
+            return self._enter()
+        except BaseException:  # what was changed before the error is put back, then the error goes on
+            self._undo.undo()
+            raise
+
+    def _enter(self) -> Trials:
         trainer, loop = self.trainer, self.trainer.fit_loop
         self.state = TrainingState(trainer)  # before anything runs: a loader iterator draws from the RNG
         self._undo.add("the training state", self.state.restore)
