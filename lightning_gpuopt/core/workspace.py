@@ -125,6 +125,15 @@ def _on_meta(value: Any) -> Any:
     return torch.device("meta") if isinstance(value, torch.device) else value
 
 
+def card_kernel_workspaces(name: str, tensors: list[torch.Tensor]) -> tuple[Optional[bool], Optional[int]]:
+    """What a card's kernels allocate around op ``name`` on ``tensors`` (the simulated card's rule, and the replay's):
+    the thread (``in_backward()``) whose cuBLAS workspace a matrix product needs, kept from its first (``None``: no
+    matrix product), and a convolution's transient cuDNN workspace, its largest input's bytes (``None``: none)."""
+    thread = in_backward() if name in MATMUL_OPS else None
+    transient = max(_input_bytes(tensors), default=0) if name in ("convolution", "convolution_backward") else None
+    return thread, transient
+
+
 def _meta_output_bytes(func: Any, args: tuple, kwargs: dict, real_bytes: list[int]) -> list[int]:
     """Per output, its bytes from the op's meta kernel (the real ones where there is no meta kernel)."""
     if not any(real_bytes):
@@ -157,13 +166,15 @@ class WorkspaceTracker(LiveTensorTracker):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        name, thread, sizes = func.overloadpacket.__name__, in_backward(), self.sizes
-        if sizes is not None and name in MATMUL_OPS and thread not in self._cublas and self.cublas_bytes:  # kept
+        if self.sizes is None:  # not recording
+            return out
+        thread, transient = card_kernel_workspaces(func.overloadpacket.__name__, _tensors((args, kwargs or {})))
+        if thread is not None and thread not in self._cublas and self.cublas_bytes:  # kept
             self._cublas.add(thread)
-            sizes.append(self.cublas_bytes)
+            self.sizes.append(self.cublas_bytes)
             self.events.append(-1)
-        if sizes is not None and name in ("convolution", "convolution_backward"):  # freed at once, where it fits
-            sizes.append(max(_input_bytes(_tensors((args, kwargs or {}))), default=0))
+        if transient is not None:  # freed at once, where it fits
+            self.sizes.append(transient)
             self.events.append(-2)
         return out
 

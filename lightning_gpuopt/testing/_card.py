@@ -24,7 +24,6 @@ from lightning_gpuopt.core._torch_compat import (
     FakeTensor,
     TorchDispatchMode,
     current_dispatch_mode,
-    in_backward,
     outside_dispatch_modes,
     single_process_loader_iterator,
     storage_key,
@@ -32,7 +31,7 @@ from lightning_gpuopt.core._torch_compat import (
 from lightning_gpuopt.core.allocator import Block, CachingAllocatorModel, PeakWindow
 from lightning_gpuopt.core.device import Capabilities, Device, HostEvent
 from lightning_gpuopt.core.op_memory import SpanMeter, collect_tensors, is_real_host_call, leaves, storage_of
-from lightning_gpuopt.core.workspace import MATMUL_OPS
+from lightning_gpuopt.core.workspace import card_kernel_workspaces
 
 
 @dataclass(frozen=True)
@@ -199,12 +198,13 @@ class SimulatedCudaDevice(Device, TorchDispatchMode):
                 self._track(new[0], None)  # held while the first cast is
                 return out
         self._take(new)
-        if name in MATMUL_OPS and (thread := in_backward()) not in self._cublas:
+        thread, transient = card_kernel_workspaces(name, tensors)
+        if thread is not None and thread not in self._cublas:
             size = self.capabilities.cublas_workspace_bytes
             self._cublas[thread] = self.allocator.malloc(size) if size else None
-        if name in ("convolution", "convolution_backward"):
+        if transient is not None:
             with contextlib.suppress(torch.OutOfMemoryError):
-                self.allocator.free(self.allocator.malloc(max(t.numel() * t.element_size() for t in tensors)))
+                self.allocator.free(self.allocator.malloc(transient))
         return out
 
     def _on_card(self, func: Any, inputs: list, kwargs: dict) -> bool:
