@@ -234,10 +234,9 @@ class BatchSizeSearch(Callback):
         loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
-            prediction = prediction or predicted_largest_fit(trials, initial, budget)
-            predicted, per_sample, notes = prediction[:3]
-            # the trial steps of the allocator replay's prediction, 0: the line's (see the module docstring)
-            replayed = prediction.trial_steps if isinstance(prediction, Prediction) and not start else 0
+            known = Prediction(*prediction) if prediction is not None else None  # a Prediction or its first 3
+            predicted, per_sample, notes, _, steps = known or predicted_largest_fit(trials, initial, budget)
+            replayed = 0 if start else steps  # the allocator replay's trial steps; 0: the line's
             for note in notes:
                 rank_zero_warn(f"BatchSizeSearch: {note}")
             start = start or (int(predicted * (1 if replayed else 3 / 4)) if predicted is not None else initial)

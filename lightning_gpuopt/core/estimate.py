@@ -146,8 +146,8 @@ class StepEstimator:
         self.card = device_for(_module_device(step.module) if step.device is None else torch.device(step.device))
         self.allocations: dict[int, AllocationTrace] = {}  #: on a card, each traced batch size's allocations
 
-    def estimate(self, capacity_bytes: int | None = None, line: bool = True) -> MemoryEstimate:
-        """The peak at the step's batch size and (``line``) the line to the largest batch for ``capacity_bytes``."""
+    def estimate(self, capacity_bytes: int | None = None) -> MemoryEstimate:
+        """The peak at the step's batch size and the line to the largest batch for ``capacity_bytes``."""
         step, notes, summary = self.step, [], None
         if step.forward_input is not None:
             try:
@@ -159,7 +159,7 @@ class StepEstimator:
                 notes.append(f"no torchinfo summary ({why}); parameters by child: {', '.join(children) or 'none'}")
         untraced = list(step.untraced)
         try:
-            estimate = self._traced(line)
+            estimate = self._traced()
             if self.card.is_cuda and (cublas := self.card.capabilities.cublas_workspace_bytes):  # forward's, autograd's
                 untraced.insert(0, ("the cuBLAS workspaces of two threads (kept by the caching allocator)", 2 * cublas))
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
@@ -291,11 +291,11 @@ class StepEstimator:
             return WorkspaceProfile(batch_size=size, seconds=time.perf_counter() - start, failure=_first_line(error))
         return WorkspaceProfile(tuple(recorder.calls), size, time.perf_counter() - start)
 
-    def _traced(self, line: bool) -> MemoryEstimate:
+    def _traced(self) -> MemoryEstimate:
         step, profile, at_batch = self.step, self.workspaces, self.trace()
         seconds = (at_batch.trace_seconds or 0.0) + (0.0 if profile is None else profile.seconds)
         fixed = per_sample = None  # without a batch size: no line
-        if step.batch_size and line:
+        if step.batch_size:
             at_double = self.trace(2 * step.batch_size)
             seconds += at_double.trace_seconds or 0.0
             per_sample = (at_double.predicted_peak_bytes - at_batch.predicted_peak_bytes) / step.batch_size

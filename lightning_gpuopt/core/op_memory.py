@@ -230,7 +230,8 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self.live_bytes -= entry[1]
-                self.events += [] if self.sizes is None else [entry[2]]
+                if self.sizes is not None:
+                    self.events.append(entry[2])
 
         self._live[key] = (weakref.ref(storage, release), num_bytes, -1 if self.sizes is None else len(self.sizes))
         if self.sizes is not None:

@@ -73,11 +73,12 @@ def predicted_largest_fit(trials: Trials, batch_size: int, budget: int) -> Predi
             return Prediction(None, None, [reason, *notes])
         refined = estimator.refined(estimate)  # what no re-trace sees is counted: buckets, cuBLAS
         lines = tuple((e.fixed_bytes or 0.0, e.bytes_per_sample) for e in (estimate, refined) if e.bytes_per_sample)
-        steps, line, on_card = trials.steps_per_trial, refined.max_batch_size, estimator.card.is_cuda
-        # on a card: the largest batch up to twice the line's whose steps, replayed on the allocator's model, fit
-        short = on_card and line and largest_replayed_fit(estimator.allocations, budget, 2 * line, steps)
-        held = short and largest_replayed_fit(estimator.allocations, budget, 2 * short, 2 * steps)  # a warm cache
-        largest, steps = (held, 2 * steps) if held and short and held < short else (short or None, steps)
+        line, largest, steps = refined.max_batch_size, None, trials.steps_per_trial
+        if estimator.card.is_cuda and line:  # the largest batch up to twice the line's whose steps, replayed, fit
+            largest = largest_replayed_fit(estimator.allocations, budget, 2 * line, steps)
+            held = largest and largest_replayed_fit(estimator.allocations, budget, 2 * largest, 2 * steps)
+            if largest and held and held < largest:  # a warm cache fits fewer: every trial runs twice the steps
+                largest, steps = held, 2 * steps
         return Prediction(largest or line, refined.bytes_per_sample, notes, lines, steps if largest else 0)
     except Exception as error:  # noqa: BLE001 - without an estimate the search starts at the user's size
         reason = f"no estimate ({type(error).__name__}: {error}); started at your batch size"
