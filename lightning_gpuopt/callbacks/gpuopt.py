@@ -78,7 +78,10 @@ class GpuOpt(Callback):
             min_micro_batch_size, batch_arg_name, on_oom, scale_lr: MemoryFill's (``max_memory`` also MemoryEstimator's).
         loader_max_seconds: DataLoaderTuner's time budget.
         verbose: progress lines and the combined report (``None``: ``True``; the JSON report is written either way).
-        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` (needs the ``plot`` extra).
+        plots: draw the report's PNGs beside ``gpuopt_report.json`` at the end of ``fit`` and log them to a
+            TensorBoard or W&B logger (needs the ``plot`` extra; a warning when it cannot draw).
+
+        A setting left at ``None`` comes from the preset (or the part's default).
 
     Raises:
         ValueError: an unknown preset or key, or a bad value (named by the part that takes it).

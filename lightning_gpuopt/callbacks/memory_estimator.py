@@ -57,7 +57,8 @@ class MemoryEstimator(Callback):
     the gradient buckets are added and measuring starts at the third step. See docs/memory-estimator.md.
 
     Args:
-        max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``); ``None``: what is free or torch's.
+        max_memory: bytes, ``"20GiB"`` or a fraction of the device (``0.9``) to plan the largest batch with;
+            ``None``: what the device has free plus what torch already holds.
         measure_steps: real steps to measure the peak over (at least ``2 * accumulate_grad_batches`` batches).
         verbose: log the estimate's table (the JSON report is written either way).
 

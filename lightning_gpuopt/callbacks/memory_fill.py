@@ -68,9 +68,11 @@ class MemoryFill(Callback):
         fill.plan.micro_batch_size, fill.plan.accumulate_grad_batches, fill.plan.changes
 
     Args:
-        global_batch_size: samples per optimizer step over all devices. ``None``: the largest micro-batch that fits
-            (with ``objective="memory"``: your batch x accumulation x devices).
-        precision: what a ``32-true`` run switches to: ``"auto"``, ``"16-mixed"``, ``"bf16-mixed"`` or ``None``.
+        global_batch_size: samples per optimizer step over all devices; must divide by their count. ``None``: the
+            largest micro-batch that fits (with ``objective="memory"``: your batch x accumulation x devices).
+        precision: what a ``32-true`` run switches to: ``"auto"`` (bf16-mixed / 16-mixed on GPUs, none on CPU),
+            ``"16-mixed"`` or ``"bf16-mixed"`` (also on CPU), or ``None`` / ``"32-true"`` (no switch). A precision
+            set on the Trainer is always kept.
         activation_checkpointing: ``"auto"``, ``True`` (the repeated blocks), ``False``, or module classes/names.
         accumulation: ``"auto"`` (as many steps as needed) or ``False`` (the global batch in one step).
         max_memory, margin, batch_arg_name, steps_per_trial, max_trials: as :class:`BatchSizeSearch`'s.
