@@ -1,13 +1,12 @@
 """Trials: a few real training steps at a batch size, through the Trainer's epoch loop, measured, then undone.
 
-In trial mode (one :class:`Undo`) the user's callbacks and loggers are set aside, validation is off, the
-module's ``on_train_start``/``on_train_end`` do not run, and under DDP the bare module steps without collectives.
-Each trial starts from :class:`TrainingState`, draws full batches of the largest samples from a copy of the user's
-loader and runs ``steps_per_trial`` optimizer steps; :attr:`Trials.batches_run` counts the batches begun. A trial
-leaving under one small-pool segment (2 MiB) of the cap unreserved is ``at_edge`` (its answer is confirmed with
-twice the steps). Memory: a CUDA card's allocator under a cap, else a
-:class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted on every rank; compiled code
-runs eager.
+In trial mode (one :class:`Undo`) the user's callbacks and loggers are set aside, validation is off, the module's
+``on_train_start``/``on_train_end`` do not run, compiled code runs eager and under DDP the bare module steps without
+collectives. Each trial starts from :class:`TrainingState`, draws full batches of the largest samples from a copy of
+the user's loader and runs ``steps_per_trial`` optimizer steps (:attr:`Trials.batches_run` counts the batches begun)
+under a cap: a CUDA card's allocator, else a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if
+it fitted on every rank; a trial leaving under one small-pool segment (2 MiB) of the cap unreserved is ``at_edge``
+(its answer is confirmed with twice the steps).
 """
 
 from __future__ import annotations
@@ -181,13 +180,11 @@ class Trials:
         prefetched = getattr(compat.data_fetcher(trainer), "batches", [])
         existing = (module, *trainer.optimizers, prefetched)
         card = device_for(module.device)
-        baseline = self.ddp_bucket_bytes
         if card.is_cuda:
             # a clean cache, cuBLAS's workspaces freed (where an earlier trial left them, they split a segment):
             card.empty_cache(workspaces=True)  # the trial reserves as on a fresh card
-            meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
-        else:
-            meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
+        limit = (capacity_bytes if card.is_cuda else budget_bytes) if capped else None
+        meter = card.memory_cap(limit, existing, self.ddp_bucket_bytes)  # DDP's buckets: 0 on a card
         outcome = call_catching_oom(functools.partial(self._steps, card, steps or self.steps_per_trial), meter)
         reserved = meter.peak_reserved_bytes if card.is_cuda else None
         peak = reserved if reserved is not None else meter.peak_bytes
