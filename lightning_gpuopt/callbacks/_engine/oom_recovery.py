@@ -1,13 +1,11 @@
-"""Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"``.
+"""Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"`` (docs/memory-fill.md).
 
 From ``on_train_start`` to the fit's end the module's ``training_step`` is wrapped (through the callback's
-:class:`Undo`; only the calls the fit loop makes are steps). The wrapper runs forward and backward itself, whole or
-in micro-batches of the limit learned for samples of that size (each loss weighted by its share, as Lightning's
-backward would scale it); on an out-of-memory error it halves the limit
-(:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and tries again, down to one sample. It returns the loss
-through an autograd function that hands its gradients to the parameters, so Lightning's backward, optimizer step
-and schedule run unchanged. Under DDP the ranks exchange one small tensor per step to decide alike. Assumes a
-mean loss; out of memory in the optimizer step is raised saying so. See docs/memory-fill.md.
+:class:`Undo`; only the calls the fit loop makes are steps). The wrapper runs forward and backward itself, whole or in
+micro-batches of the limit learned for samples of that size (:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`,
+halved on each out-of-memory error), and returns the loss through an autograd function that hands its gradients to
+the parameters, so Lightning's backward, optimizer step and schedule run unchanged. Out of memory in the optimizer
+step is raised saying so.
 """
 
 from __future__ import annotations
