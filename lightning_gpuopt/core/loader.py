@@ -453,10 +453,9 @@ def largest_samples_first(
     >>> largest_samples_first([torch.zeros(4)] * 4095 + [torch.zeros(64)]).order[0]
     4095
     """
-    try:
+    length = 0
+    with contextlib.suppress(TypeError):
         length = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        length = 0
     if length < 2 or type(dataset) is TensorDataset:
         return None
     indices = list(range(length))
