@@ -1,9 +1,8 @@
 """Kernel memory a fake trace misses, learned per op call from a small real step on the host.
 
-:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
-(oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
-adds it, scaled to the inputs, to the k-th call of each signature in a fake step, and records a card's kernels'
-allocations: a cuBLAS workspace per thread at its first matrix product; a convolution's of its largest input.
+:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself (oneDNN's
+reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker` adds it, scaled to the
+inputs, to the k-th call of each signature in a fake step, and records a card's kernels' allocations too.
 """
 
 from __future__ import annotations
