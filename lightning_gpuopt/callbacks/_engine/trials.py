@@ -93,13 +93,7 @@ class _TrialSteps(Callback):
 
 
 class Trials:
-    """Trial mode for a block, and :meth:`run` for each trial (see the module docstring).
-
-    Example::
-
-        with Trials(session, steps_per_trial=2, batch_arg_name="batch_size") as trials:
-            outcome = trials.run(256, budget_bytes=90_000_000, capacity_bytes=100_000_000)
-    """
+    """Trial mode for a ``with`` block, and :meth:`run` for each trial (see the module docstring)."""
 
     def __init__(self, session: FitSession, steps_per_trial: int, batch_arg_name: str) -> None:
         self.session, self.trainer = session, session.trainer
@@ -181,8 +175,7 @@ class Trials:
         existing = (module, *trainer.optimizers, prefetched)
         card = device_for(module.device)
         if card.is_cuda:
-            # a clean cache, cuBLAS's workspaces freed (where an earlier trial left them, they split a segment):
-            card.empty_cache(workspaces=True)  # the trial reserves as on a fresh card
+            card.empty_cache(workspaces=True)  # as on a fresh card (an earlier trial's cuBLAS workspaces split one)
         limit = (capacity_bytes if card.is_cuda else budget_bytes) if capped else None
         meter = card.memory_cap(limit, existing, self.ddp_bucket_bytes)  # DDP's buckets: 0 on a card
         outcome = call_catching_oom(functools.partial(self._steps, card, steps or self.steps_per_trial), meter)
