@@ -91,7 +91,6 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     for number, trial in enumerate(search.trials, 1):
         place = (trial.batch_size, (trial.peak_bytes or 0) / _MIB if trial.fits else ceiling)
         axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=8, color="#555555")
-    # the estimate's line, else a least-squares line through the trials that fitted (two sizes or more, rising)
     points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
     fixed, per_sample, label = 0.0, 0.0, "line through the trials that fit"
     if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
