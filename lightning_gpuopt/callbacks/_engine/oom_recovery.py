@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks._engine.trials import gather_ranks
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core._torch_compat import grad_scale
@@ -187,10 +188,7 @@ class OomRecovery:
     def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
         """``(rank, phase, attempted, elements)`` of each rank whose try ran out of memory (the same on every rank)."""
         mine = (_PHASES.index(phase) + 1 if phase is not None else 0, attempted or 0, elements)
-        if self.trainer.world_size <= 1:
-            return [(0, str(phase), mine[1], mine[2])] if mine[0] else []
-        gathered = self.trainer.strategy.all_gather(torch.tensor(mine, dtype=torch.int64, device=self.module.device))
-        rows = gathered.reshape(-1, 3).tolist()
+        rows = gather_ranks(self.trainer, mine)
         return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
 
     def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:
