@@ -1,6 +1,4 @@
-"""Report plumbing shared by every callback: results (plain dataclasses) to JSON and back (:func:`to_dict`,
-:func:`from_dict`), a callback's section of ``gpuopt_report.json`` written atomically, locally or at an fsspec URL
-(:func:`update_json_section`), and ``rich`` tables as text for ``rank_zero_info`` (:func:`render_table`).
+"""Report plumbing shared by every callback: results to JSON and back, ``gpuopt_report.json``'s sections, text tables.
 
 Memory is named alike in every table, in MiB: the **memory limit** is ``max_memory`` (without one, a CUDA card's free
 memory plus what torch holds); the **budget**, what a trial's peak may reach, is the limit less a numeric ``margin``
