@@ -269,14 +269,12 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.5, uuids: Optional[Sequence[str]] = None) -> None:
-        self.interval_s = float(interval_s)
-        self.uuids = None if uuids is None else list(uuids)
+        self.interval_s, self.uuids = float(interval_s), None if uuids is None else list(uuids)
         self._lib: Any = None
         self._session = contextlib.ExitStack()
         self._devices: list[NvmlDevice] = []
         self._visible: list[int] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     @property
