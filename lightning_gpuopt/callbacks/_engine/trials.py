@@ -60,8 +60,7 @@ class _TrialSteps(Callback):
     ran with every optimizer's state in place and each optimizer stepped in one of them."""
 
     def __init__(self, optimizers: list, batches: int) -> None:
-        self.batches = batches
-        self.stepped = [0] * len(optimizers)
+        self.batches, self.stepped = batches, [0] * len(optimizers)
         self._handles = [
             optimizer.register_step_post_hook(functools.partial(self._count, index))
             for index, optimizer in enumerate(optimizers)
