@@ -181,8 +181,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     def _begin(self) -> None:
         self._live.clear()
         self._surplus.clear()
-        self.events = []
-        self.sizes = None if self.sizes is None else []
+        self.events, self.sizes = [], None if self.sizes is None else []
         self.live_bytes = self.peak_bytes = self.baseline_bytes
         self.workspace_bytes_at_peak = 0
         for key, storage, num_bytes, _ in self._new_storages(collect_tensors(*self.existing), set()):
