@@ -53,8 +53,7 @@ class OomRecovery:
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any, undo: Undo) -> None:
         self.trainer, self.module, self.plan = trainer, pl_module, plan
-        self.limits = MicroBatchLimits()
-        self._original = pl_module.training_step
+        self.limits, self._original = MicroBatchLimits(), pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
         self._in_loop_step = self._zeroed_expected = self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
