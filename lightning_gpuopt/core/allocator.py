@@ -145,9 +145,8 @@ class CachingAllocatorModel:
         wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve (torch's alloc_size)
         tail = next((_last(f) for f in self._segments.values() if f.small == small), None) if self.expandable else None
         if self.expandable:  # map pages at the end of the pool's one segment
-            wanted = round_up(
-                size - (tail.size if tail and not tail.allocated else 0), SMALL_BUFFER if small else LARGE_BUFFER
-            )
+            free_tail = tail.size if tail and not tail.allocated else 0
+            wanted = round_up(size - free_tail, SMALL_BUFFER if small else LARGE_BUFFER)
         if self.reserved_bytes + wanted > self.limit_bytes:
             if retried:
                 self.stats.num_ooms += 1
