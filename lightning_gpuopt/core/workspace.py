@@ -183,8 +183,7 @@ class WorkspaceTracker(LiveTensorTracker):
         self.step = len(self.events)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
-        out = func(*args, **kwargs)
-        inputs = _tensors((args, kwargs))
+        out, inputs = func(*args, **kwargs), _tensors((args, kwargs))
         signature = _signature(func, inputs)
         index, partners = self._seen[signature], self.probed.get(signature, [])
         self._seen[signature] += 1
