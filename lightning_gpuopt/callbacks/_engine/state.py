@@ -1,9 +1,8 @@
 """What a trial or a measurement may change, kept in host memory and put back.
 
-:class:`TrainingState`: parameters and buffers, gradients, optimizer and scheduler state, loop progress,
-the logged step, ``should_stop``, the RNG states, the module's and datamodule's attributes (nested
-containers and train/eval modes included) and the gradient scaler. :func:`rng_kept`: the RNG states and
-a loader's own generators only (building an iterator draws its seeds from them).
+:class:`TrainingState`: parameters and buffers, gradients, optimizer and scheduler state, loop progress, the logged
+step, ``should_stop``, the RNG states, the module's and datamodule's attributes (nested containers and train/eval
+modes included) and the gradient scaler. :func:`rng_kept`: the RNG states and loaders' own generators only.
 """
 
 from __future__ import annotations
