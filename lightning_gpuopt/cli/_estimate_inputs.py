@@ -1,6 +1,5 @@
-"""What ``gpuopt estimate`` computes, from its arguments: the model and ``--datamodule`` built as LightningCLI
-builds its classes (jsonargparse checks ``--init-args`` against ``__init__``'s types and builds nested
-``class_path`` values), a Trainer attached to a LightningModule, a batch and its loss, the optimizer and the
+"""What ``gpuopt estimate`` computes, from its arguments: the model and ``--datamodule`` built as LightningCLI builds
+its classes (:func:`_instantiate`), a Trainer attached to a LightningModule, a batch and its loss, the optimizer and the
 memory to fit. Each refusal is a :class:`UsageError` naming the argument, the value and what works.
 """
 

@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    """The ``gpuopt`` argument parser and its subcommands."""
     from lightning_gpuopt import __version__
 
     about = "Check a machine for GPU training, show presets, estimate a model's memory."

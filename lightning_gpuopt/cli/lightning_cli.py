@@ -86,12 +86,8 @@ class WithGpuOpt:
 
 
 class GpuOptCLI(WithGpuOpt, LightningCLI):
-    """``LightningCLI`` with the flag ``--gpuopt``: a preset's name or a YAML file, plus ``--gpuopt.KEY`` overrides.
-
-    With it, a :class:`~lightning_gpuopt.GpuOpt` built from them joins the Trainer's callbacks, and the saved
-    ``config.yaml`` holds every resolved setting; a bad preset or setting is a usage error (exit status 2).
-    Examples: docs/cli.md.
-    """
+    """``LightningCLI`` with the flag ``--gpuopt``: a preset's name or a YAML file, plus ``--gpuopt.KEY`` overrides;
+    with it a :class:`~lightning_gpuopt.GpuOpt` built from them joins the Trainer's callbacks (see docs/cli.md)."""
 
 
 def _resolved(parser: Any, settings: dict[str, Any]) -> dict[str, Any]:

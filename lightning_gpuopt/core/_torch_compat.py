@@ -1,9 +1,5 @@
 """Every torch internal lightning-gpuopt uses, in one place (as ``callbacks/_lightning_compat.py`` is for Lightning),
-each checked against the installed torch (written against 2.13) by ``tests/unit/test_torch_compat.py``: the pytree (no
-public one), fake tensors, the dispatch mode that sees every op (and a block outside the modes),
-``UntypedStorage._cdata`` (``data_ptr()`` is 0 when fake), the running backward's graph task, the legacy profiler's
-allocator events (cheaper than ``torch.profiler``), ``GradScaler._scale`` (no host sync, unlike ``get_scale()``), the
-compiler's ``force_eager`` stance and the ``DataLoader`` iterator that fetches in this process.
+each checked against the installed torch (written against 2.13) by ``tests/unit/test_torch_compat.py``.
 """
 
 from __future__ import annotations
@@ -17,15 +13,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401 - re-exported
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: F401 - re-exported
-from torch.utils._pytree import tree_flatten as tree_flatten
+from torch.utils._pytree import tree_flatten as tree_flatten  # torch has no public pytree
 from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map as tree_map
 
 #: the loggers fake-tensor kernels report to (quieted while a trace falls back)
 FAKE_KERNEL_LOGGERS = ("torch._subclasses",)
-#: a storage's identity, the same for every view of it
+#: a storage's identity, the same for every view of it (``data_ptr()`` is 0 when fake)
 storage_key = operator.attrgetter("_cdata")
-#: a ``GradScaler``'s current scale as its tensor (``None`` before the first ``scale()``)
+#: a ``GradScaler``'s scale as its tensor, no host sync unlike ``get_scale()`` (``None`` before the first ``scale()``)
 grad_scale = operator.attrgetter("_scale")
 #: whether a torch profiler runs in this process
 profiler_running = torch.autograd._profiler_enabled
@@ -34,7 +30,7 @@ stop_allocation_events = torch.autograd._disable_profiler_legacy
 
 
 def start_allocation_events() -> None:
-    """Start the legacy profiler recording the allocator's events (CPU state, ``profile_memory`` on)."""
+    """Start the legacy profiler (cheaper than ``torch.profiler``) recording the allocator's events (CPU)."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.autograd.profiler import ProfilerConfig, ProfilerState
 

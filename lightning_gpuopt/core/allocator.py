@@ -1,10 +1,9 @@
 """A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``), default settings.
 
-Requests are rounded up to 512 bytes and served best fit from a small pool (2 MiB segments, requests up to
-1 MiB) or a large one (20 MiB segments below 10 MiB, else the request rounded up to 2 MiB), split and merged as
-torch does; ``expandable=True`` maps pages at the end of one segment per pool. Past the limit the free segments
-are released, then :class:`AllocatorOutOfMemory` raised in CUDA's words. :func:`largest_replayed_fit`: the largest
-batch whose :class:`AllocationTrace`, run through :func:`replay`, fits a cap. See docs/batch-size-search.md.
+Requests are rounded up to 512 bytes and served best fit from the small or the large pool (their sizes below), split
+and merged as torch does; ``expandable=True`` maps pages at the end of one segment per pool. Past the limit the free
+segments are released, then :class:`AllocatorOutOfMemory` raised in CUDA's words. :func:`largest_replayed_fit`: the
+largest batch whose :class:`AllocationTrace`, run through :func:`replay`, fits a cap. See docs/batch-size-search.md.
 """
 
 from __future__ import annotations
@@ -146,9 +145,8 @@ class CachingAllocatorModel:
         wanted = SMALL_BUFFER if size <= SMALL_SIZE else large  # the segment to reserve (torch's alloc_size)
         tail = next((_last(f) for f in self._segments.values() if f.small == small), None) if self.expandable else None
         if self.expandable:  # map pages at the end of the pool's one segment
-            wanted = round_up(
-                size - (tail.size if tail and not tail.allocated else 0), SMALL_BUFFER if small else LARGE_BUFFER
-            )
+            free_tail = tail.size if tail and not tail.allocated else 0
+            wanted = round_up(size - free_tail, SMALL_BUFFER if small else LARGE_BUFFER)
         if self.reserved_bytes + wanted > self.limit_bytes:
             if retried:
                 self.stats.num_ooms += 1

@@ -1,7 +1,6 @@
 """The device layer: the one module that calls ``torch.cuda`` (NVML lives in :mod:`.nvml`). :func:`device_for` gives
 the :class:`Device` of a torch device: the host (RAM capped by the cgroup limit psutil ignores), a real card
 (:class:`CudaDevice`) or the simulated card in force (:func:`simulating`, where ``testing.SimulatedGpu`` plugs in).
-A card's span meter resets the peak counters as it starts, a running outer span keeping what they held.
 """
 
 from __future__ import annotations
@@ -213,7 +212,7 @@ class _CudaPeakMeter(SpanMeter):
         if self.max_bytes is not None:
             self._fraction = torch.cuda.get_per_process_memory_fraction(where)
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.max_bytes / self.device.total_memory()), where)
-        for meter in _running_cuda_meters:  # they keep the peaks the reset drops
+        for meter in _running_cuda_meters:  # a running outer span keeps the peaks the reset drops
             meter._fold()
         torch.cuda.reset_peak_memory_stats(where)
         self.peak_bytes = self.peak_reserved_bytes = None

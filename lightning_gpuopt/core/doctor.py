@@ -24,8 +24,7 @@ STATUSES = ("ok", "info", "warn", "fail")  #: statuses from best to worst
 SHM_WARN_BYTES = 2**30  #: a ``/dev/shm`` smaller than this (or with less free) is a "warn"
 _MATMUL_WARN_FRACTION = 0.4  #: a GPU matmul below this fraction of the card's dense datasheet peak is a "warn"
 #: a visible GPU busier than this (% utilisation) or fuller than this (memory fraction) before training is a "warn"
-_BUSY_UTILISATION = 20
-_BUSY_MEMORY = 0.10
+_BUSY_UTILISATION, _BUSY_MEMORY = 20, 0.10
 _GIB = 2**30
 
 

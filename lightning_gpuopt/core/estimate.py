@@ -243,8 +243,7 @@ class StepEstimator:
         cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
-            existing = (step.module, fake_batch)
-            params = list(step.module.parameters())
+            existing, params = (step.module, fake_batch), list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
             with (
                 mode,

@@ -190,8 +190,7 @@ def time_loader(
     wanted = max(batches, fill + 8)
     cpu_before = sum(getrusage(RUSAGE_CHILDREN)[:2])
     threads_before, children_before = set(threading.enumerate()), _child_pids()
-    started = time.perf_counter()
-    iterator = iter(loader)
+    started, iterator = time.perf_counter(), iter(loader)
     scheduled: Optional[tuple[float, float]]
     main_thread = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
     main_before = _scheduled_seconds(main_thread) if not workers else None
@@ -207,8 +206,7 @@ def time_loader(
                 after = _scheduled_seconds(main_thread) or before
                 spent_s = [time.perf_counter() - step_started, *(end - start for end, start in zip(after, before))]
                 consumed = [total + spent for total, spent in zip(consumed, spent_s)]
-            now = time.perf_counter()
-            size = batch_samples(batch) or 1
+            now, size = time.perf_counter(), batch_samples(batch) or 1
             samples, fetched = samples + size, fetched + 1
             if fetched == 1:
                 first_ready = now
@@ -453,10 +451,9 @@ def largest_samples_first(
     >>> largest_samples_first([torch.zeros(4)] * 4095 + [torch.zeros(64)]).order[0]
     4095
     """
-    try:
+    length = 0
+    with contextlib.suppress(TypeError):
         length = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        length = 0
     if length < 2 or type(dataset) is TensorDataset:
         return None
     indices = list(range(length))

@@ -1,9 +1,7 @@
 """NVML (``nvidia-ml-py``, imported as ``pynvml``): GPU utilisation and memory, and the doctor's queries.
 
-:class:`NvmlSampler` samples devices in a daemon thread; without a driver it is absent, a device NVML refuses
-keeps its ``error``, a MIG instance has memory but no utilisation, each ``nvmlInit`` gets one ``nvmlShutdown``.
-Every call goes through :func:`nvml_library` (a fake may answer). Devices are matched by UUID (NVML numbers GPUs
-in PCI order, CUDA fastest first), with or without the ``GPU-``/``MIG-`` prefix.
+:class:`NvmlSampler` samples devices in a daemon thread (absent without a driver), matched by UUID (NVML numbers
+GPUs in PCI order, CUDA fastest first). Every call goes through :func:`nvml_library` (a fake may answer).
 """
 
 from __future__ import annotations
@@ -271,14 +269,12 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.5, uuids: Optional[Sequence[str]] = None) -> None:
-        self.interval_s = float(interval_s)
-        self.uuids = None if uuids is None else list(uuids)
+        self.interval_s, self.uuids = float(interval_s), None if uuids is None else list(uuids)
         self._lib: Any = None
         self._session = contextlib.ExitStack()
         self._devices: list[NvmlDevice] = []
         self._visible: list[int] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     @property

@@ -1,8 +1,7 @@
 """Memory counted op by op at the dispatcher: storages, what each op's kernel allocates, the meters.
 
 A count of storages misses what a kernel allocates inside itself (oneDNN reorders, sorting scratch):
-:func:`call_learning_allocations` learns it from the profiler, once per op signature. :class:`SpanMeter`
-is every device's meter interface; :class:`LiveTensorTracker` is the host's.
+:func:`call_learning_allocations` learns it from the profiler, once per op signature.
 """
 
 from __future__ import annotations
@@ -87,18 +86,6 @@ def _leaf_key(leaf: Any) -> Any:
     return leaf if isinstance(leaf, _ATOMS) else type(leaf).__name__
 
 
-def _peak_from(records: list) -> int:
-    """The most an op's own allocations held at once, from the profiler's ``memory_alloc`` records."""
-    open_sizes: collections.Counter = collections.Counter()
-    live = peak = 0
-    for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
-        size = int(record.cpu_memory_usage())
-        if size > 0 or (size < 0 and open_sizes[-size]):
-            open_sizes[abs(size)] += 1 if size > 0 else -1
-            live, peak = live + size, max(peak, live + size)
-    return peak
-
-
 def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) -> tuple[Any, Optional[int]]:
     """``func``'s output and the peak its kernel allocated (``None``: another profiler runs), learned once per op,
     thread count and argument metadata; ``flat``: :func:`leaves` of the arguments."""
@@ -111,7 +98,13 @@ def call_learning_allocations(func: Any, args: tuple, kwargs: dict, flat: list) 
         out = func(*args, **kwargs)
     finally:
         records = compat.stop_allocation_events()
-    peak = _peak_from(records)
+    open_sizes: collections.Counter = collections.Counter()  # the most the op's own allocations held at once
+    live = peak = 0
+    for record in (record for thread in records for record in thread if record.kind() == "memory_alloc"):
+        size = int(record.cpu_memory_usage())
+        if size > 0 or (size < 0 and open_sizes[-size]):
+            open_sizes[abs(size)] += 1 if size > 0 else -1
+            live, peak = live + size, max(peak, live + size)
     with _lock:
         if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
@@ -188,8 +181,7 @@ class LiveTensorTracker(SpanMeter, TorchDispatchMode):
     def _begin(self) -> None:
         self._live.clear()
         self._surplus.clear()
-        self.events = []
-        self.sizes = None if self.sizes is None else []
+        self.events, self.sizes = [], None if self.sizes is None else []
         self.live_bytes = self.peak_bytes = self.baseline_bytes
         self.workspace_bytes_at_peak = 0
         for key, storage, num_bytes, _ in self._new_storages(collect_tensors(*self.existing), set()):

@@ -1,8 +1,6 @@
-"""PNGs of a ``gpuopt_report.json`` (``gpuopt plot``), drawn with matplotlib (the ``[plot]`` extra), one a section:
-``step_time.png`` (``"data_wait"``: ms per step in data wait, transfer, compute and other, stacked, with the GPU's idle
-time where measured), ``memory.png`` (``"batch_size_search"``, ``"memory"``: each trial's peak against its batch size,
-the estimate's or the trials' line, the budget, the limit, the chosen size), ``loader.png`` (``"dataloader"``: samples/s
-of every setting timed, the chosen and the user's marked). Without matplotlib, drawing raises PlotUnavailableError."""
+"""PNGs of a ``gpuopt_report.json`` (``gpuopt plot``; what each shows: docs/gpuopt.md), drawn with matplotlib (the
+``[plot]`` extra), one a section: ``step_time.png`` (``"data_wait"``), ``memory.png`` (``"batch_size_search"``,
+``"memory"``), ``loader.png`` (``"dataloader"``). Without matplotlib, drawing raises PlotUnavailableError."""
 
 from __future__ import annotations
 
@@ -93,9 +91,14 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     for number, trial in enumerate(search.trials, 1):
         place = (trial.batch_size, (trial.peak_bytes or 0) / _MIB if trial.fits else ceiling)
         axes.annotate(str(number), place, textcoords="offset points", xytext=(4, 4), fontsize=8, color="#555555")
-    line = _memory_line(search, estimate)
-    if line is not None:
-        fixed, per_sample, label = line
+    points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
+    fixed, per_sample, label = 0.0, 0.0, "line through the trials that fit"
+    if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
+        fixed, per_sample = estimate.fixed_bytes, estimate.bytes_per_sample
+        label = f"estimate, allocated: {fixed / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch"
+    elif len(points) >= 2 and (fit := statistics.linear_regression(list(points), list(points.values()))).slope > 0:
+        per_sample, fixed = fit
+    if per_sample:
         ends = [fixed / _MIB, (fixed + per_sample * right) / _MIB]
         axes.plot([0, right], ends, linestyle="--", color="#555555", label=label)
     if estimate is not None and estimate.measured_peak_bytes and estimate.batch_size:
@@ -116,19 +119,6 @@ def memory_figure(search: BatchSizeSearchResult, estimate: Optional[MemoryEstima
     axes.set_title(f"Memory vs batch size · {len(search.trials)} trials · {stop}", fontsize=10)
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     return figure
-
-
-def _memory_line(search: BatchSizeSearchResult, estimate: MemoryEstimate | None) -> tuple[float, float, str] | None:
-    """``(fixed_bytes, bytes_per_sample, label)``: the estimate's line, else a least-squares line through the
-    trials that fitted (two sizes or more, rising); ``None`` when neither exists."""
-    if estimate is not None and estimate.fixed_bytes is not None and estimate.bytes_per_sample:
-        fixed, per_sample = estimate.fixed_bytes, estimate.bytes_per_sample
-        return fixed, per_sample, f"estimate, allocated: {fixed / _MIB:,.1f} MiB + {per_sample / 1024:,.1f} KiB x batch"
-    points = {trial.batch_size: trial.peak_bytes for trial in search.trials if trial.fits and trial.peak_bytes}
-    if len(points) < 2:
-        return None
-    slope, intercept = statistics.linear_regression(list(points), list(points.values()))
-    return (intercept, slope, "line through the trials that fit") if slope > 0 else None
 
 
 def loader_figure(result: LoaderTuneResult, axes: Any = None) -> Figure:

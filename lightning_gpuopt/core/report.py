@@ -1,6 +1,4 @@
-"""Report plumbing shared by every callback: results (plain dataclasses) to JSON and back (:func:`to_dict`,
-:func:`from_dict`), a callback's section of ``gpuopt_report.json`` written atomically, locally or at an fsspec URL
-(:func:`update_json_section`), and ``rich`` tables as text for ``rank_zero_info`` (:func:`render_table`).
+"""Report plumbing shared by every callback: results to JSON and back, ``gpuopt_report.json``'s sections, text tables.
 
 Memory is named alike in every table, in MiB: the **memory limit** is ``max_memory`` (without one, a CUDA card's free
 memory plus what torch holds); the **budget**, what a trial's peak may reach, is the limit less a numeric ``margin``
@@ -53,9 +51,7 @@ def to_dict(result: Any) -> Any:
         return data | {name: to_dict(getattr(result, name)) for name in getattr(result, "JSON_PROPERTIES", ())}
     if isinstance(result, (list, tuple)):
         return [to_dict(item) for item in result]
-    if isinstance(result, dict):
-        return {key: to_dict(value) for key, value in result.items()}
-    return result
+    return {key: to_dict(value) for key, value in result.items()} if isinstance(result, dict) else result
 
 
 def from_dict(cls: type[_T], data: dict[str, Any]) -> _T:
@@ -96,8 +92,7 @@ def update_json_section(
     ``<name>.corrupt-<n>`` and ``warn`` (default :func:`warnings.warn`) says so. ``OSError``: it cannot be written."""
     location = as_location(path)
     content = _existing_sections(location, warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3)))
-    content[section] = data
-    content["report_version"] = REPORT_VERSION
+    content |= {section: data, "report_version": REPORT_VERSION}
     text = json.dumps(content, indent=2, default=str) + "\n"
     if not isinstance(location, Path):
         return write_bytes(location, text.encode())

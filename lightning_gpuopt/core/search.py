@@ -126,9 +126,7 @@ def predicted_largest_fit(
         slope: Optional[float] = (top_peak - low_peak) / (top_size - low_size)
     else:
         slope = bytes_per_sample if bytes_per_sample else top_peak / top_size
-    if not slope or slope <= 0:
-        return None
-    return top_size + (budget_bytes - top_peak) / slope
+    return None if not slope or slope <= 0 else top_size + (budget_bytes - top_peak) / slope
 
 
 def _clamp(value: int, low: int, high: int) -> int:

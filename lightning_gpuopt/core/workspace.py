@@ -1,9 +1,8 @@
 """Kernel memory a fake trace misses, learned per op call from a small real step on the host.
 
-:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself
-(oneDNN's reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker`
-adds it, scaled to the inputs, to the k-th call of each signature in a fake step, and records a card's kernels'
-allocations: a cuBLAS workspace per thread at its first matrix product; a convolution's of its largest input.
+:class:`WorkspaceRecorder` keeps, per op call of a real step, what its kernel allocates inside itself (oneDNN's
+reorders) and returns beyond its meta twin (oneDNN's LSTM workspace); :class:`WorkspaceTracker` adds it, scaled to the
+inputs, to the k-th call of each signature in a fake step, and records a card's kernels' allocations too.
 """
 
 from __future__ import annotations
@@ -184,8 +183,7 @@ class WorkspaceTracker(LiveTensorTracker):
         self.step = len(self.events)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, int, int, Sequence[int]]:
-        out = func(*args, **kwargs)
-        inputs = _tensors((args, kwargs))
+        out, inputs = func(*args, **kwargs), _tensors((args, kwargs))
         signature = _signature(func, inputs)
         index, partners = self._seen[signature], self.probed.get(signature, [])
         self._seen[signature] += 1

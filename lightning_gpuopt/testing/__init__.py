@@ -83,8 +83,7 @@ class SimulatedGpu:
         card = FakeNvmlDevice(p.name, p.uuid, total + driver, self.device.used_memory, utilization, nvml_error, p.mig)
         card.memory_reserved = driver
         self.nvml = FakeNvml([card])
-        self._entered = contextlib.ExitStack()
-        self._last_reading = (time.perf_counter(), 0.0)
+        self._entered, self._last_reading = contextlib.ExitStack(), (time.perf_counter(), 0.0)
 
     @property
     def allocator(self) -> CachingAllocatorModel:

@@ -1,10 +1,9 @@
 """The card :class:`lightning_gpuopt.testing.SimulatedGpu` simulates: a :class:`~lightning_gpuopt.core.device.Device`
 and, while entered, a dispatch mode serving each storage on the card from the caching-allocator model until it dies.
-It holds what a card's kernels hold: a cuBLAS workspace per thread (forward, autograd), a convolution's transient cuDNN
-workspace (the input's bytes, where it fits), an RNN's weights cast once a call, CUDA's ``foreach`` optimizer path, and
-for SDPA on 4-D tensors with 16-byte-aligned heads the memory-efficient kernel's (``attention.cu``: output, float32
-logsumexp of queries rounded up to 32; in backward the gradients and a float32 ``delta``), not the math path's L x L.
-A loader without workers fetches on the host, outside the mode (a batch is counted when it moves to the card).
+It holds what a card's kernels hold (docs/simulated-gpu.md), an RNN's weights cast once a call, CUDA's ``foreach``
+optimizer path, and for SDPA on 4-D tensors with 16-byte-aligned heads the memory-efficient kernel's (``attention.cu``:
+output, float32 logsumexp of queries rounded up to 32; in backward the gradients and a float32 ``delta``). A loader
+without workers fetches on the host, outside the mode (a batch is counted when it moves to the card).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The one engine our callbacks share: decide before training from real measurements, then leave no trace.
-
-``docs/architecture.md`` maps its modules (undo, state, session, trials, steps, predict, oom_recovery); each
-module's docstring says what it does.
-"""
+``docs/architecture.md`` maps its modules; each module's docstring says what it does."""
 
 from lightning_gpuopt.callbacks._engine.session import FitSession, rebuild_loader
 from lightning_gpuopt.callbacks._engine.state import TrainingState, rng_kept

@@ -1,13 +1,11 @@
-"""Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"``.
+"""Out-of-memory recovery in training: what :class:`MemoryFill` installs with ``on_oom="adapt"`` (docs/memory-fill.md).
 
 From ``on_train_start`` to the fit's end the module's ``training_step`` is wrapped (through the callback's
-:class:`Undo`; only the calls the fit loop makes are steps). The wrapper runs forward and backward itself, whole or
-in micro-batches of the limit learned for samples of that size (each loss weighted by its share, as Lightning's
-backward would scale it); on an out-of-memory error it halves the limit
-(:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`) and tries again, down to one sample. It returns the loss
-through an autograd function that hands its gradients to the parameters, so Lightning's backward, optimizer step
-and schedule run unchanged. Under DDP the ranks exchange one small tensor per step to decide alike. Assumes a
-mean loss; out of memory in the optimizer step is raised saying so. See docs/memory-fill.md.
+:class:`Undo`; only the calls the fit loop makes are steps). The wrapper runs forward and backward itself, whole or in
+micro-batches of the limit learned for samples of that size (:class:`~lightning_gpuopt.core.oom.MicroBatchLimits`,
+halved on each out-of-memory error), and returns the loss through an autograd function that hands its gradients to
+the parameters, so Lightning's backward, optimizer step and schedule run unchanged. Out of memory in the optimizer
+step is raised saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpuopt.callbacks._engine.trials import gather_ranks
 from lightning_gpuopt.callbacks._engine.undo import Undo
 from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core._torch_compat import grad_scale
@@ -54,8 +53,7 @@ class OomRecovery:
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any, undo: Undo) -> None:
         self.trainer, self.module, self.plan = trainer, pl_module, plan
-        self.limits = MicroBatchLimits()
-        self._original = pl_module.training_step
+        self.limits, self._original = MicroBatchLimits(), pl_module.training_step
         self._strategy_step = trainer.strategy.training_step
         self._in_loop_step = self._zeroed_expected = self._zeroed_seen = self._handed = False
         undo.set(pl_module, "training_step", self._training_step)
@@ -189,10 +187,7 @@ class OomRecovery:
     def _agree(self, phase: Optional[str], attempted: Optional[int], elements: int) -> list[tuple[int, str, int, int]]:
         """``(rank, phase, attempted, elements)`` of each rank whose try ran out of memory (the same on every rank)."""
         mine = (_PHASES.index(phase) + 1 if phase is not None else 0, attempted or 0, elements)
-        if self.trainer.world_size <= 1:
-            return [(0, str(phase), mine[1], mine[2])] if mine[0] else []
-        gathered = self.trainer.strategy.all_gather(torch.tensor(mine, dtype=torch.int64, device=self.module.device))
-        rows = gathered.reshape(-1, 3).tolist()
+        rows = gather_ranks(self.trainer, mine)
         return [(rank, _PHASES[int(row[0]) - 1], int(row[1]), int(row[2])) for rank, row in enumerate(rows) if row[0]]
 
     def _adapt(self, failures: list[tuple[int, str, int, int]], error: Optional[str], batch_idx: Any) -> None:

@@ -146,8 +146,7 @@ class FitSession:
         """Set what our callbacks decided (in ``undo``) and rebuild what depends on it as by hand; ``batch_size``:
         ``(batch_arg_name, size, lasting)``. Returns whether ``configure_optimizers()`` ran again."""
         trainer, module = self.trainer, self.trainer.lightning_module
-        now = rng_states()
-        changed = False
+        now, changed = rng_states(), False
         if batch_size is not None:
             name, size, lasting = batch_size
             for holder in compat.attribute_holders(module, name):

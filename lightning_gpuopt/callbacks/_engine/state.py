@@ -1,9 +1,8 @@
 """What a trial or a measurement may change, kept in host memory and put back.
 
-:class:`TrainingState`: parameters and buffers, gradients, optimizer and scheduler state, loop progress,
-the logged step, ``should_stop``, the RNG states, the module's and datamodule's attributes (nested
-containers and train/eval modes included) and the gradient scaler. :func:`rng_kept`: the RNG states and
-a loader's own generators only (building an iterator draws its seeds from them).
+:class:`TrainingState`: parameters and buffers, gradients, optimizer and scheduler state, loop progress, the logged
+step, ``should_stop``, the RNG states, the module's and datamodule's attributes (nested containers and train/eval
+modes included) and the gradient scaler. :func:`rng_kept`: the RNG states and loaders' own generators only.
 """
 
 from __future__ import annotations
@@ -83,8 +82,7 @@ class TrainingState:
         self.schedulers = [_host_copy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         self.progress = [(p, _host_copy(p.state_dict())) for p in compat.progress_counters(trainer.fit_loop)]
         self.batches_that_stepped = compat.batches_that_stepped(trainer)
-        self.should_stop = trainer.should_stop
-        self.rng = rng_states()
+        self.should_stop, self.rng = trainer.should_stop, rng_states()
         # 16-mixed: trials step with scalers of their own, so the run's scale and growth tracker stay as they are
         self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scaler_state = self.scaler.state_dict() if self.scaler is not None else None

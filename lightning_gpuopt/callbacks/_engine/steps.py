@@ -17,18 +17,14 @@ from lightning_gpuopt.core._torch_compat import outside_dispatch_modes
 from lightning_gpuopt.core.estimate import ManualStep, NotTraceable
 
 
-def _ignore(*_: Any, **__: Any) -> None:
-    return None
-
-
 @contextlib.contextmanager
 def logging_disabled(module: Any) -> Iterator[None]:
     """``self.log``/``self.log_dict`` of ``module`` do nothing inside the block, and its Trainer's loggers
     are a ``DummyLogger`` (a step that writes to ``self.logger`` writes nowhere)."""
     trainer = getattr(module, "_trainer", None)
     with Undo().scope() as undo:
-        undo.set(module, "log", _ignore)
-        undo.set(module, "log_dict", _ignore)
+        undo.set(module, "log", lambda *_, **__: None)
+        undo.set(module, "log_dict", lambda *_, **__: None)
         if trainer is not None and trainer.loggers:
             undo.set(trainer, "loggers", [compat.of_namespace(trainer, "loggers.logger", "DummyLogger")()])
         yield

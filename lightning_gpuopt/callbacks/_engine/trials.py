@@ -1,13 +1,12 @@
 """Trials: a few real training steps at a batch size, through the Trainer's epoch loop, measured, then undone.
 
-In trial mode (one :class:`Undo`) the user's callbacks and loggers are set aside, validation is off, the
-module's ``on_train_start``/``on_train_end`` do not run, and under DDP the bare module steps without collectives.
-Each trial starts from :class:`TrainingState`, draws full batches of the largest samples from a copy of the user's
-loader and runs ``steps_per_trial`` optimizer steps; :attr:`Trials.batches_run` counts the batches begun. A trial
-leaving under one small-pool segment (2 MiB) of the cap unreserved is ``at_edge`` (its answer is confirmed with
-twice the steps). Memory: a CUDA card's allocator under a cap, else a
-:class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if it fitted on every rank; compiled code
-runs eager.
+In trial mode (one :class:`Undo`) the user's callbacks and loggers are set aside, validation is off, the module's
+``on_train_start``/``on_train_end`` do not run, compiled code runs eager and under DDP the bare module steps without
+collectives. Each trial starts from :class:`TrainingState`, draws full batches of the largest samples from a copy of
+the user's loader and runs ``steps_per_trial`` optimizer steps (:attr:`Trials.batches_run` counts the batches begun)
+under a cap: a CUDA card's allocator, else a :class:`~lightning_gpuopt.core.memory.MemoryBudget`. A size fits only if
+it fitted on every rank; a trial leaving under one small-pool segment (2 MiB) of the cap unreserved is ``at_edge``
+(its answer is confirmed with twice the steps).
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class _TrialSteps(Callback):
     ran with every optimizer's state in place and each optimizer stepped in one of them."""
 
     def __init__(self, optimizers: list, batches: int) -> None:
-        self.batches = batches
-        self.stepped = [0] * len(optimizers)
+        self.batches, self.stepped = batches, [0] * len(optimizers)
         self._handles = [
             optimizer.register_step_post_hook(functools.partial(self._count, index))
             for index, optimizer in enumerate(optimizers)
@@ -94,13 +92,7 @@ class _TrialSteps(Callback):
 
 
 class Trials:
-    """Trial mode for a block, and :meth:`run` for each trial (see the module docstring).
-
-    Example::
-
-        with Trials(session, steps_per_trial=2, batch_arg_name="batch_size") as trials:
-            outcome = trials.run(256, budget_bytes=90_000_000, capacity_bytes=100_000_000)
-    """
+    """Trial mode for a ``with`` block, and :meth:`run` for each trial (see the module docstring)."""
 
     def __init__(self, session: FitSession, steps_per_trial: int, batch_arg_name: str) -> None:
         self.session, self.trainer = session, session.trainer
@@ -181,13 +173,10 @@ class Trials:
         prefetched = getattr(compat.data_fetcher(trainer), "batches", [])
         existing = (module, *trainer.optimizers, prefetched)
         card = device_for(module.device)
-        baseline = self.ddp_bucket_bytes
         if card.is_cuda:
-            # a clean cache, cuBLAS's workspaces freed (where an earlier trial left them, they split a segment):
-            card.empty_cache(workspaces=True)  # the trial reserves as on a fresh card
-            meter = card.memory_cap(capacity_bytes, existing) if capped else card.peak_meter(existing)
-        else:
-            meter = card.memory_cap(budget_bytes, existing, baseline) if capped else card.peak_meter(existing, baseline)
+            card.empty_cache(workspaces=True)  # as on a fresh card (an earlier trial's cuBLAS workspaces split one)
+        limit = (capacity_bytes if card.is_cuda else budget_bytes) if capped else None
+        meter = card.memory_cap(limit, existing, self.ddp_bucket_bytes)  # DDP's buckets: 0 on a card
         outcome = call_catching_oom(functools.partial(self._steps, card, steps or self.steps_per_trial), meter)
         reserved = meter.peak_reserved_bytes if card.is_cuda else None
         peak = reserved if reserved is not None else meter.peak_bytes
