@@ -109,7 +109,8 @@ class Replay(Callback):
                     for hook in inner_hooks:
                         args = () if hook == "on_after_backward" else (None,)
                         for callback, prefix in hooks:
-                            action(prefix + hook, getattr(callback, hook), *args)
+                            if callable(call := getattr(callback, hook)):  # Lightning calls only a callable hook
+                                action(prefix + hook, call, *args)
                         action(module + hook)
                 for callback, prefix in hooks:
                     action(prefix + "on_train_batch_end", callback.on_train_batch_end, outputs, batch, index)
