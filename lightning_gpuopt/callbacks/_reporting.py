@@ -44,7 +44,7 @@ def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
-    trainer.callback_metrics.update({key: torch.scalar_tensor(value) for key, value in values.items()})
+    trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
 
 
 def save_report_plots(trainer: Trainer, report_path: Location) -> list[Location]:

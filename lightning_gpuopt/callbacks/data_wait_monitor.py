@@ -3,9 +3,9 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``. The fetch is timed every step; the copy to the device, ``training_step`` and the hooks in
-the steps :data:`SAMPLE_EVERY` says (the others get their mean): in the others the profiler tap leaves the
-profiler's path from the fetch's end to ``on_train_batch_end`` (a save puts it back first).
+``gpuopt_report.json``. Steps :data:`SAMPLE_EVERY` says are timed part by part, fetch to fetch (the fetch, the copy
+to the device, ``training_step``, the hooks); in the others the profiler tap is out of the profiler's path and the
+clock notes the step's start and end (the data wait is estimated from the gap): see docs/data-wait-monitor.md.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 

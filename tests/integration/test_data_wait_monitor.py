@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from typing import Any, Optional
 
 import pytest
@@ -223,9 +224,12 @@ def test_the_data_wait_of_a_step_the_tap_left_is_the_gap_before_it_less_the_samp
 
     timeline, truth = monitor.report.timeline, loader.fetch_s  # the loader's own stopwatch around each next()
     assert timeline.steps_per_point == 1 and timeline.step == list(range(1, 120))
-    assert sum(timeline.data_wait_s) == pytest.approx(sum(truth[1:120]), rel=0.1, abs=0.005)
-    for step, wait in zip(timeline.step, timeline.data_wait_s):  # the slow batches, step by step
-        assert (wait > 0.006) if step % 5 == 0 else (wait < 0.002), (step, wait, truth[step])
+    slow = [(wait, truth[step]) for step, wait in zip(timeline.step, timeline.data_wait_s) if step % 5 == 0]
+    fast = [(wait, truth[step]) for step, wait in zip(timeline.step, timeline.data_wait_s) if step % 5]
+    assert all(wait > 0.006 for wait, _ in slow)  # step by step (a loaded machine's stalls only add to a gap)
+    assert statistics.median(wait for wait, _ in slow) == pytest.approx(statistics.median(t for _, t in slow), rel=0.1)
+    assert statistics.median(wait for wait, _ in fast) < 0.001
+    assert sum(timeline.data_wait_s) >= 0.9 * sum(truth[1:120])
 
 
 def test_a_save_inside_a_step_the_tap_left_is_timed_and_counted_like_any_other(tmp_path):
