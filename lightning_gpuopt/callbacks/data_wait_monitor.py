@@ -300,9 +300,12 @@ class DataWaitMonitor(Callback):
         self._steps_ended, self._sampled_steps = step + 1, self._sampled_steps + self._sampled
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
         samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
-        clock.note_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
-        if self._gpu is not None:
+        samples = samples or (self._settings.batch_size if self._settings else None) or 0  # opaque: the loader's
+        if self._gpu is not None:  # every step settled: no time of ours between its steps (the GPU-idle gaps)
+            clock.step_end(samples)
             self._gpu.step_end()
+        else:
+            clock.note_end(samples)
         if self._probes and step in PROBE_STEPS:
             self._call_probes("step_end", trainer, pl_module, batch, step)
         if step + 1 >= self._next_log_check:

@@ -2,9 +2,9 @@
 
 :class:`StepClock`, fed host timings by ``DataWaitMonitor``, splits every measured training step into data
 wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step start to end) and other (hooks,
-logging, schedulers); validation and checkpoint saving between steps are totalled apart. Parts timed in some steps
-only are estimated in the others: the data wait as the gap before the step less the timed steps' mean of the rest. The first step of
-each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
+logging, schedulers); validation and checkpoint saving between steps are totalled apart, and parts timed in some
+steps only are estimated in the others. The first step of each epoch (its batch's time is loader start-up) and the
+first ``warmup_steps`` are not measured.
 :class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
 synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i."""
 
@@ -213,8 +213,11 @@ class StepClock:
         notes.append(samples)
 
     def settle(self) -> None:
-        """Run the noted step starts and ends, in order, as :meth:`step_start` and :meth:`step_end` would have."""
-        notes, self._notes, index = self._notes, [], 0
+        """Run the noted step starts and ends, in order, as :meth:`step_start` and :meth:`step_end` would have; the
+        time this takes is the monitor's, kept out of the step it falls in (as ``excluded_s["monitor"]``)."""
+        if not self._notes:
+            return
+        notes, self._notes, index, started = self._notes, [], 0, self._clock()
         while index < len(notes):
             if self._step_started_at is None:
                 self._start_at(notes[index])
@@ -222,6 +225,7 @@ class StepClock:
             else:
                 self._end_at(notes[index], int(notes[index + 1]))
                 index += 2
+        self.add_excluded("monitor", self._clock() - started)
 
     def epoch_start(self) -> None:
         """A training epoch starts: its first batch carries the loader's start-up cost."""
@@ -233,16 +237,15 @@ class StepClock:
         self._clear_pending()
 
     def _clear_pending(self) -> None:
-        self._fetch_s = self._fetch_cpu_s = self._excluded_s = 0.0
-        self._fetch_timed = False
+        self._fetch_cpu_s = self._excluded_s = 0.0
+        self._fetch_s: Optional[float] = None
         self._forward_s: Optional[float] = None
         self._transfer_s: Optional[float] = None
 
     def add_fetch(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.settle()
-        self._fetch_s += seconds
+        self._fetch_s = (self._fetch_s or 0.0) + seconds
         self._fetch_cpu_s += cpu_seconds
-        self._fetch_timed = True
 
     def add_transfer(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.settle()
@@ -281,7 +284,7 @@ class StepClock:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
             fetch_s, cpu_s = self._fetch_s, self._fetch_cpu_s  # each timed in this step, else estimated
-            if self._fetch_timed:
+            if fetch_s is not None:
                 self._rest.add(wall_s - compute_s - self._fetch.add(fetch_s))
                 self._fetch_cpu.add(cpu_s)
             else:
