@@ -113,7 +113,9 @@ def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
 
     report = monitor.report
     loading = train_data.loading_time(1 * batch_size)  # the batches of the measured steps
-    assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
+    # steps not sampled are the gap less the sampled steps' mean rest: a stall of a loaded machine in one of the ~16
+    # sampled gaps lowers them all a little
+    assert 0.9 * loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
     assert len(val_data.durations) == 3 * 2 * 16  # validation after steps 10, 20, 30
     assert report.totals.validation_s >= val_data.loading_time(0)
     assert report.totals.checkpoint_s > 0
