@@ -210,7 +210,7 @@ def test_training_step_is_timed_in_sampled_steps_and_the_tap_leaves_the_path_in_
     assert len(monitor.report.timeline.data_wait_s) == totals.steps == 159  # a point a step, timed or estimated
     sampled = [seconds for seconds, tapped in zip(steps[1:], model.tapped[1:]) if tapped]  # the profiler's, there
     assert totals.forward_s == pytest.approx(statistics.mean(sampled) * totals.steps, rel=0.1)  # their mean, scaled
-    assert 0 < totals.forward_s
+    assert totals.forward_s > 0
 
 
 class EveryFifthBatchSlow(SlowDataset):

@@ -139,8 +139,9 @@ def test_two_taps_one_over_the_other_both_see_every_action_its_start_and_its_end
     profiler = SimpleProfiler()
     trainer = make_trainer(tmp_path, [Tap("first"), Tap("second")], max_steps=2, profiler=profiler)
     trainer.fit(MLP(), loader())
-    # the second tap wraps the first and times the action inside the first's own timing
-    assert events == [("first", "start"), ("second", "start"), ("second", "end"), ("first", "end")]
+    # the second tap wraps the first and times the action inside the first's own timing; each tap tells its
+    # listeners after the profiler it wraps stopped (their work is outside its timing): the outer tap last
+    assert events == [("first", "start"), ("second", "start"), ("first", "end"), ("second", "end")]
     assert len(profiler.recorded_durations[configure]) == 1 and trainer.profiler is profiler
 
 
