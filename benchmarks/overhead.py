@@ -6,7 +6,8 @@ step is timed from the start of step ``--warmup`` to the end of the last step by
 minimal stopwatch in every variant; the end of fit (last step's end to train end: the monitor's
 report) is shown apart, and in a second ratio over the run's steps. A variant's ratio is its step time over the bare run's
 in the same round; the table gives the median ratio over rounds (goal: DataWaitMonitor
-<= 1.01x), and the same for the median step of each run (a loaded machine's pauses left out).
+<= 1.01x) with a 95% bootstrap interval (on this machine single rounds scatter by about ±5%), and the same
+for the median step of each run (a loaded machine's pauses left out).
 
     python benchmarks/overhead.py                      # CPU
     python benchmarks/overhead.py --accelerator gpu    # make bench-gpu
@@ -111,10 +112,18 @@ def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: P
     )
 
 
+def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (the rounds' ratios): how far this run's median can be
+    from the machine's, given its round-to-round noise."""
+    draw = random.Random(1)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -170,7 +179,7 @@ def main() -> None:
     load = f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after (2 cores)"
 
     table = Table(title=f"Step-time overhead, {args.rounds} interleaved rounds × {args.steps} steps; {load}")
-    columns = ["variant", "median step time", "ratio to bare (median of rounds)", "min–max ratio"]
+    columns = ["variant", "median step time", "ratio to bare (median of rounds)", "95% interval", "min–max ratio"]
     columns += ["end of fit (median)", f"ratio with the end of fit, {args.steps} steps", "median step's ratio"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for column in columns:
@@ -179,7 +188,9 @@ def main() -> None:
         step = statistics.median(times[variant]) * 1e3
         ratio = statistics.median(ratios[variant])
         spread = f"{min(ratios[variant]):.3f}–{max(ratios[variant]):.3f}"
-        row = [variant, f"{step:.3f} ms", f"{ratio:.3f}x", spread, f"{statistics.median(ends[variant]) * 1e3:.1f} ms"]
+        low, high = median_interval(ratios[variant])
+        row = [variant, f"{step:.3f} ms", f"{ratio:.3f}x", f"{low:.3f}–{high:.3f}", spread]
+        row.append(f"{statistics.median(ends[variant]) * 1e3:.1f} ms")
         row.append(f"{statistics.median(with_end[variant]):.3f}x")
         row.append(f"{statistics.median(medians[variant]):.3f}x")
         table.add_row(*row)

@@ -70,6 +70,11 @@ class HookTimes(Probe):
         owners += [compat.CALLBACK_ACTION + key for key in self._callbacks]
         never = [compat.strategy_action(trainer, hook) for hook in ("on_train_batch_start", *_NOT_USER_WORK)]
         never += [compat.fetch_action(trainer), compat.TRAINING_BATCH_ACTION]
+        # per-step hooks never slow, not timed even in sampled steps: Lightning's no-ops, and ours
+        module = type(pl_module).__name__
+        never += [f"{compat.MODULE_ACTION}{module}.{hook}" for hook in _PER_STEP if not _own(pl_module, hook)]
+        never += [f"{compat.CALLBACK_ACTION}{key}.{hook}" for key, callback in self._callbacks.items()
+                  for hook in _PER_STEP if _ours(callback) or not compat.overrides(callback, hook)]  # fmt: skip
         self.quiet_sampled = frozenset(never + [f"{owner}.{hook}" for owner in owners for hook in _NOT_USER_WORK])
         self._per_step = frozenset(f"{owner}.{hook}" for owner in owners for hook in _PER_STEP)
         self.quiet = self.quiet_sampled | self._per_step
@@ -150,14 +155,21 @@ class HookTimes(Probe):
         return [finding for finding in found if finding is not None]
 
 
+def _own(module: Any, hook: str) -> bool:
+    return compat.overrides(module, hook, ("", "LightningModule"))
+
+
+def _ours(callback: Any) -> bool:
+    return type(callback).__module__.startswith("lightning_gpuopt")
+
+
 def _ours_or_builtin(callback: Any) -> bool:
     """lightning_gpuopt's callbacks, Lightning's progress bars, model summaries and ModelCheckpoint (its saves
     are ``"checkpoint-time"``)."""
     if callback is None:
         return False
     builtin = ("ProgressBar", "ModelSummary", "ModelCheckpoint")
-    ours = type(callback).__module__.startswith("lightning_gpuopt")
-    return ours or any(isinstance(callback, compat.any_namespace("callbacks", name)) for name in builtin)
+    return _ours(callback) or any(isinstance(callback, compat.any_namespace("callbacks", name)) for name in builtin)
 
 
 def _model_checkpoint_saver(callback: Any) -> CheckpointSaver:

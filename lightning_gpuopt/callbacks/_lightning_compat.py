@@ -26,6 +26,9 @@ with why no public API will do (none exists unless named):
   ``LightningArgumentParser._option_string_actions``: find a flag's action to set its help.
 * ``trainer._accelerator_connector`` (``_precision_flag``, ``_precision_plugin_flag``, ``_accelerator_flag``,
   ``_check_and_init_precision``): on CPU it writes ``"bf16-mixed"`` over the only record of a ``"16-mixed"`` asked.
+* ``fit_loop.on_advance_end`` (:data:`EPOCH_END_HOOKS`) calls every ``on_train_epoch_end``; ``epoch_loop.val_loop.run``
+  is a validation run in ``fit``: wrapped on the instance, as no hook comes before every callback's. A callback's
+  hook set to ``None`` is skipped: ``_call_callback_hooks`` calls it only when callable (:func:`skip_unused_batch_hooks`).
 * Profiler action names (undocumented): ``"[<epoch loop>].train_dataloader_next"``, ``"[Strategy]<class>.<hook>"``,
   ``"save_checkpoint"``, and ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` hooks.
 """
@@ -230,9 +233,36 @@ def attach_data(trainer: Any, module: Any, datamodule: Any = None) -> None:
 
 
 SAVE_CHECKPOINT_ACTION, TRAINING_BATCH_ACTION = "save_checkpoint", "run_training_batch"  # a save; a whole step
+EPOCH_END_HOOKS = "on_advance_end"  #: the fit loop's method that calls the training epoch's end hooks
 #: hook actions are ``"<prefix><owner>.<hook>"``: a callback's state key, a module's or datamodule's class
 CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION = "[Callback]", "[LightningModule]", "[LightningDataModule]"
 HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)
+
+
+#: hooks Lightning calls every batch
+_BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_before_optimizer_step",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+)
+
+
+def overrides(obj: Any, hook: str, base: tuple[str, str] = ("callbacks", "Callback")) -> bool:
+    """Whether ``obj``'s class has its own ``hook``, not the no-op of Lightning's class ``base`` (either namespace)."""
+    return getattr(type(obj), hook, None) not in {getattr(cls, hook, None) for cls in any_namespace(*base)}
+
+
+def skip_unused_batch_hooks(callback: Any) -> None:
+    """Set to ``None`` on ``callback`` the per-batch hooks its class leaves as ``Callback``'s no-ops: Lightning calls a
+    callback's hook only when it is callable (``_call_callback_hooks``), so they cost no profiler action a batch."""
+    for name in _BATCH_HOOKS:
+        if not overrides(callback, name):
+            setattr(callback, name, None)
 
 
 def fetch_action(trainer: Any) -> str:

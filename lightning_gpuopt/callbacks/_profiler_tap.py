@@ -36,9 +36,11 @@ class ProfilerTap:
 
     def stop(self, action_name: str) -> None:
         reported, wall, cpu = self._started.pop(action_name, _NOT_STARTED)
-        if wall:  # the CPU time, a syscall: for start/stop only (once a step, the fetch)
-            self._ended(action_name, reported, time.perf_counter() - wall, time.thread_time() - cpu)
-        self.inner.stop(action_name)
+        if not wall:
+            return self.inner.stop(action_name)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu  # the CPU time, a syscall: the fetch only
+        self.inner.stop(action_name)  # before our listeners: their work is outside the wrapped profiler's timing
+        self._ended(action_name, reported, wall, cpu)
 
     def _ended(self, action_name: str, reported: bool, wall: float, cpu: float) -> None:
         listener = self._timed.get(action_name, _UNTIMED)[0]
@@ -75,8 +77,11 @@ class _Timed:
         self.wall = time.perf_counter()
 
     def __exit__(self, *exc_info: Any) -> Any:
-        self.tap._ended(self.name, self.reported, time.perf_counter() - self.wall, 0.0)
-        return self.inner.__exit__(*exc_info)
+        wall = time.perf_counter() - self.wall
+        try:
+            return self.inner.__exit__(*exc_info)  # before our listeners, as in stop()
+        finally:
+            self.tap._ended(self.name, self.reported, wall, 0.0)
 
 
 def install(

@@ -3,9 +3,9 @@
 Each training step is split into data wait, transfer, compute and other host work (``core.timing``); on CUDA
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
-``gpuopt_report.json``. The fetch is timed every step; the copy to the device, ``training_step`` and the hooks in
-the steps :data:`SAMPLE_EVERY` says (the others get their mean): in the others the profiler tap leaves the
-profiler's path from the fetch's end to ``on_train_batch_end`` (a save puts it back first).
+``gpuopt_report.json``. Steps :data:`SAMPLE_EVERY` says are timed part by part, fetch to fetch (the fetch, the copy
+to the device, ``training_step``, the hooks); in the others the profiler tap is out of the profiler's path and the
+clock notes the step's start and end (the data wait is estimated from the gap): see docs/data-wait-monitor.md.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -35,7 +35,7 @@ import os
 import random
 import time
 from dataclasses import astuple, replace
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -123,6 +123,7 @@ class DataWaitMonitor(Callback):
         self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
         self._reset_run_state()
+        compat.skip_unused_batch_hooks(self)
 
     def _reset_run_state(self) -> None:
         self._tap: Optional[_profiler_tap.ProfilerTap] = None
@@ -132,7 +133,9 @@ class DataWaitMonitor(Callback):
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
-        self._in_validation = self._sampled = self._pulls = False
+        self._steps_ended = self._next_log_check = 0
+        self._in_validation = self._pulls = self._every_fetch = False
+        self._sampled = self._next_sampled = True
         self._sampled_steps = 0
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
@@ -148,11 +151,12 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        rng, first = random.Random(0).random, self.warmup_steps + SAMPLE_EVERY
+        self._gaps = random.Random(0)  # between sampled steps after the first warmup_steps + SAMPLE_EVERY
+        self._next_sample = 0
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
             clock.add_fetch(seconds, cpu_seconds)  # the step's transfer, training_step and hooks: when sampled
-            sampled = self._sampled = clock.steps_seen < first or rng() * SAMPLE_EVERY < 1
+            sampled = self._sampled = self._next_sampled  # (a fetch the tap misses: this one and the last not)
             if self._tap is not None and self._action_probes:  # not reported to the probe until the next fetch
                 hooks = self._action_probes[0]
                 hooks.in_sample, self._tap.quiet = sampled, hooks.quiet_sampled if sampled else hooks.quiet
@@ -174,12 +178,13 @@ class DataWaitMonitor(Callback):
         }
         self._tap = _profiler_tap.install(trainer, listeners, self._on_action if self._action_probes else None)
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        run, save = val_loop.run, trainer.save_checkpoint
+        run, save, epoch_end = val_loop.run, trainer.save_checkpoint, trainer.fit_loop.on_advance_end
 
         def timed_run(*args: Any, **kwargs: Any) -> Any:  # whole validation runs in fit, loader start-up included
             if trainer.sanity_checking or self._wrappers.get((val_loop, "run")) is not timed_run:
                 return run(*args, **kwargs)
             self._in_validation = True
+            _profiler_tap.bypass(trainer, self._tap)  # its hooks are timed (the next fetch takes the tap out again)
             started, saved_s = time.perf_counter(), clock.excluded_s["checkpoint"]
             try:
                 return run(*args, **kwargs)
@@ -188,30 +193,41 @@ class DataWaitMonitor(Callback):
                 saved_s = clock.excluded_s["checkpoint"] - saved_s
                 clock.add_excluded("validation", time.perf_counter() - started - saved_s)
 
-        def save_in_path(*args: Any, **kwargs: Any) -> Any:  # a save in a step the tap left: the tap back in first
-            _profiler_tap.bypass(trainer, self._tap)
-            return save(*args, **kwargs)
+        def tapped(call: Any) -> Any:  # a save, the epoch's end hooks: the tap back in first (a step may have left it)
+            def in_path(*args: Any, **kwargs: Any) -> Any:
+                _profiler_tap.bypass(trainer, self._tap)
+                return call(*args, **kwargs)
 
-        for owner, name, wrapper in ((val_loop, "run", timed_run), (trainer, "save_checkpoint", save_in_path)):
+            return in_path
+
+        wrappers = ((val_loop, "run", timed_run), (trainer, "save_checkpoint", tapped(save)))
+        for owner, name, wrapper in (*wrappers, (trainer.fit_loop, compat.EPOCH_END_HOOKS, tapped(epoch_end))):
             setattr(owner, name, wrapper)  # on the instance; _restore deletes it
             self._wrappers[owner, name] = wrapper
 
     def _on_action(self, action: str, seconds: float) -> None:
-        self._call_probes("action_timed", action, seconds, self._in_validation, probes=self._action_probes)
+        for probe in self._action_probes:  # on every action the tap times: no _call_probes (a list, a getattr)
+            try:
+                probe.action_timed(action, seconds, self._in_validation)
+            except Exception as error:  # noqa: BLE001 - advice never costs the run
+                self._drop(probe, error)
 
-    def _call_probes(self, hook: str, *args: Any, probes: Optional[Sequence[Probe]] = None) -> list[Any]:
-        """Call ``hook`` on every probe (of ``probes``) and return what they return; one that fails is dropped
-        with a warning (advice never costs the run)."""
+    def _call_probes(self, hook: str, *args: Any) -> list[Any]:
+        """Call ``hook`` on every probe and return what they return; one that fails is dropped."""
         results = []
-        for probe in self._probes if probes is None else probes:  # a dropped probe leaves a new list
+        for probe in self._probes:  # a dropped probe leaves a new list
             try:
                 results.append(getattr(probe, hook)(*args))
             except Exception as error:  # noqa: BLE001 - advice never costs the run
-                probe.stop()
-                self._probes = [other for other in self._probes if other is not probe]
-                self._action_probes = [other for other in self._action_probes if other is not probe]
-                rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
+                self._drop(probe, error)
         return results
+
+    def _drop(self, probe: Probe, error: Exception) -> None:
+        """Stop a probe that failed and skip it from now on, with a warning (advice never costs the run)."""
+        probe.stop()
+        self._probes = [other for other in self._probes if other is not probe]
+        self._action_probes = [other for other in self._action_probes if other is not probe]
+        rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _restore(self, trainer: Trainer) -> None:
         _profiler_tap.uninstall(trainer, self._tap)
@@ -257,21 +273,22 @@ class DataWaitMonitor(Callback):
             if self._sampler.start():
                 self._nvml_uuid = card.uuid
         self._pulls = "dataloader_iter" in inspect.signature(pl_module.training_step).parameters  # fetches in it
+        self._every_fetch = self._pulls or self._gpu is not None  # timed: a fetch in a step; the copy's start
         self._call_probes("fit_start", trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
-            _profiler_tap.bypass(trainer, self._tap)  # after a step whose on_train_batch_start ended the epoch (-1)
             self._clock.epoch_start()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
-        if self._clock.steps_seen in PROBE_STEPS and self._probes:
-            self._call_probes("step_start", trainer, pl_module, batch, self._clock.steps_seen)
-        start = self._clock.step_start()
-        if self._gpu is not None:
-            self._gpu.step_start(start)
+        if self._probes and self._steps_ended in PROBE_STEPS:
+            self._call_probes("step_start", trainer, pl_module, batch, self._steps_ended)
+        if self._gpu is not None:  # its device events need the step's start settled
+            self._gpu.step_start(self._clock.step_start())
+        else:  # this runs every step: the clock settles it later (a list append now)
+            self._clock.note_start()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -279,18 +296,35 @@ class DataWaitMonitor(Callback):
         clock = self._clock
         if clock is None:
             return
-        _profiler_tap.bypass(trainer, self._tap)
-        step, self._sampled_steps = clock.steps_seen, self._sampled_steps + self._sampled
+        step = self._steps_ended
+        self._steps_ended, self._sampled_steps = step + 1, self._sampled_steps + self._sampled
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
         samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
-        clock.step_end(samples or (self._settings.batch_size if self._settings else None) or 0)  # opaque: the loader's
-        if self._gpu is not None:
+        samples = samples or (self._settings.batch_size if self._settings else None) or 0  # opaque: the loader's
+        if self._gpu is not None:  # every step settled: no time of ours between its steps (the GPU-idle gaps)
+            clock.step_end(samples)
             self._gpu.step_end()
-        if step in PROBE_STEPS and self._probes:
+        else:
+            clock.note_end(samples)
+        if self._probes and step in PROBE_STEPS:
             self._call_probes("step_end", trainer, pl_module, batch, step)
+        if step + 1 >= self._next_log_check:
+            self._log_when_due(trainer)
+        self._next_sampled = step + 1 >= self._next_sample  # the fetch to fetch of the next step is timed
+        if self._next_sampled:  # the first warmup_steps + SAMPLE_EVERY, then one in SAMPLE_EVERY at random
+            always = step + 2 < self.warmup_steps + SAMPLE_EVERY
+            self._next_sample = step + 1 + (1 if always else self._gaps.randint(1, 2 * SAMPLE_EVERY - 1))
+        if self._next_sampled or self._every_fetch:  # else the tap stays out (the next fetch is estimated)
+            _profiler_tap.bypass(trainer, self._tap)
+
+    def _log_when_due(self, trainer: Trainer) -> None:
+        """Log the window if ``log_every`` more steps were measured; check again when that can first happen."""
+        clock = cast(StepClock, self._clock)
+        clock.settle()
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
+        self._next_log_check = self._steps_ended + self._next_log - clock.measured_steps
 
     def _log_window(self, trainer: Trainer, win: StepTotals) -> None:
         parts = ("data_wait", "transfer", "compute", "other")

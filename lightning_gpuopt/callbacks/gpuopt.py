@@ -56,7 +56,8 @@ def _to_parts(hook: str) -> Any:
 
     def forward(self: GpuOpt, *args: Any) -> None:
         for part in self.parts:
-            getattr(part, hook)(*args)
+            if callable(part_hook := getattr(part, hook)):  # None: skipped, as Lightning skips it
+                part_hook(*args)
 
     forward.__name__ = forward.__qualname__ = hook
     return override(forward)

@@ -2,8 +2,9 @@
 
 :class:`StepClock`, fed host timings by ``DataWaitMonitor``, splits every measured training step into data
 wait (the dataloader ``next()``), transfer (``batch_to_device``), compute (step start to end) and other (hooks,
-logging, schedulers); validation and checkpoint saving between steps are totalled apart. The first step of
-each epoch (its batch's time is loader start-up) and the first ``warmup_steps`` are not measured.
+logging, schedulers); validation and checkpoint saving between steps are totalled apart, and parts timed in some
+steps only are estimated in the others. The first step of each epoch (its batch's time is loader start-up) and the
+first ``warmup_steps`` are not measured.
 :class:`CudaStepTimer` records device events around each measured step and reads them lazily, never
 synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 to the start of step i."""
 
@@ -125,19 +126,20 @@ class BinnedSeries:
     steps = property(lambda self: sum(self._counts), doc="The steps added.")
 
     def add(self, step: int, values: Sequence[float]) -> None:
-        if (not self._counts or self._counts[-1] >= self.steps_per_point) and len(self._counts) == self.max_points:
+        if self._counts and self._counts[-1] < self.steps_per_point:  # room in the last bin
+            self._counts[-1] += 1
+            self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
+        elif len(self._counts) < self.max_points:
+            self.first_step.append(step)
+            self._counts.append(1)
+            self._sums.append([float(value) for value in values])
+        else:
             self.steps_per_point *= 2
             pairs = range(0, len(self._counts), 2)
             self.first_step = [self.first_step[i] for i in pairs]
             self._sums = [[sum(values) for values in zip(*self._sums[i : i + 2])] for i in pairs]
             self._counts = [sum(self._counts[i : i + 2]) for i in pairs]
-        if self._counts and self._counts[-1] < self.steps_per_point:
-            self._counts[-1] += 1
-            self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
-        else:
-            self.first_step.append(step)
-            self._counts.append(1)
-            self._sums.append([float(value) for value in values])
+            self.add(step, values)
 
     def points(self) -> list[list[float]]:
         """Each bin's values as means per step, in step order."""
@@ -156,11 +158,32 @@ StepStart = collections.namedtuple("StepStart", ("measured", "clean_gap"))
 _COLUMNS = ("samples", "wall_s", "data_wait_s", "data_wait_cpu_s", "transfer_s", "compute_s")
 
 
+class _Mean:
+    """The running ``mean`` of the values added (0.0 before one), and their ``total``."""
+
+    __slots__ = ("count", "mean", "total")
+
+    def __init__(self) -> None:
+        self.total = self.mean = 0.0
+        self.count = 0
+
+    def add(self, value: float) -> float:
+        self.total, self.count = self.total + value, self.count + 1
+        self.mean = self.total / self.count
+        return value
+
+
 class StepClock:
     """Splits training steps into data wait, transfer, compute and other, from host timers (``clock``, in
     seconds), the first ``warmup_steps`` not measured. Call, in a training loop's order: :meth:`epoch_start`;
-    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward` (these two perhaps in
-    some steps only: the others get their mean), :meth:`step_end`; :meth:`add_excluded` for time between steps."""
+    per step :meth:`add_fetch`, :meth:`add_transfer`, :meth:`step_start`, :meth:`add_forward`, :meth:`step_end`;
+    :meth:`add_excluded` for time between steps. The ``add_*`` calls may come in some steps only: in the others the
+    transfer and forward are the mean of the steps they were timed in, the data wait the gap between the previous
+    step's end and this one's start less the mean of that gap's rest (transfer, hooks) in the steps it was timed in.
+
+    :meth:`note_start` and :meth:`note_end` are :meth:`step_start` and :meth:`step_end` for a hot path: they only note
+    the time, and every other call first settles what was noted, in order (``steps_seen``, ``measured_steps`` and
+    :attr:`series` lag until then, or :meth:`settle`)."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -176,39 +199,74 @@ class StepClock:
         self._last_end: Optional[float] = None
         self._step_started_at: Optional[float] = None
         self._measuring_step = False
-        self._forwards, self._transfers = [0.0, 0], [0.0, 0]  # seconds, and the measured steps each was timed in
+        # over the measured steps each was timed in: the gap before the step less its fetch; the fetch, its CPU time
+        self._rest, self._fetch, self._fetch_cpu, self._transfer, self._forward = (_Mean() for _ in range(5))
+        self._notes: list[float] = []  # each noted step start's time; each end's time and samples
         self._clear_pending()
+
+    def note_start(self) -> None:
+        self._notes.append(self._clock())
+
+    def note_end(self, samples: int) -> None:
+        notes = self._notes
+        notes.append(self._clock())
+        notes.append(samples)
+
+    def settle(self) -> None:
+        """Run the noted step starts and ends, in order, as :meth:`step_start` and :meth:`step_end` would have; the
+        time this takes is the monitor's, kept out of the step it falls in (as ``excluded_s["monitor"]``)."""
+        if not self._notes:
+            return
+        notes, self._notes, index, started = self._notes, [], 0, self._clock()
+        while index < len(notes):
+            if self._step_started_at is None:
+                self._start_at(notes[index])
+                index += 1
+            else:
+                self._end_at(notes[index], int(notes[index + 1]))
+                index += 2
+        self.add_excluded("monitor", self._clock() - started)
 
     def epoch_start(self) -> None:
         """A training epoch starts: its first batch carries the loader's start-up cost."""
+        self.settle()
         self.epochs_seen += 1
         self._epoch_started_at = self._clock()
         self._train_started_at = self._train_started_at or self._epoch_started_at
-        self._last_end = None
+        self._last_end = self._step_started_at = None  # a step started and never ended (-1 from a hook) is dropped
         self._clear_pending()
 
     def _clear_pending(self) -> None:
-        self._fetch_s = self._fetch_cpu_s = self._excluded_s = 0.0
+        self._fetch_cpu_s = self._excluded_s = 0.0
+        self._fetch_s: Optional[float] = None
         self._forward_s: Optional[float] = None
         self._transfer_s: Optional[float] = None
 
     def add_fetch(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        self._fetch_s += seconds
+        self.settle()
+        self._fetch_s = (self._fetch_s or 0.0) + seconds
         self._fetch_cpu_s += cpu_seconds
 
     def add_transfer(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self.settle()
         self._transfer_s = (self._transfer_s or 0.0) + seconds
 
     def add_forward(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self.settle()
         self._forward_s = (self._forward_s or 0.0) + seconds
 
     def add_excluded(self, kind: str, seconds: float) -> None:
         """Validation, checkpoint saving, ...: totalled under ``kind``, kept out of the steps."""
+        self.settle()
         self.excluded_s[kind] += seconds
         self._excluded_s += seconds
 
     def step_start(self) -> StepStart:
-        now = self._step_started_at = self._clock()
+        self.settle()
+        return self._start_at(self._clock())
+
+    def _start_at(self, now: float) -> StepStart:
+        self._step_started_at = now
         first_in_epoch = self._last_end is None
         if first_in_epoch and self._epoch_started_at is not None:
             self.worker_startup_s.append(now - self._epoch_started_at - self._excluded_s)
@@ -216,19 +274,26 @@ class StepClock:
         return StepStart(self._measuring_step, self._measuring_step and self._excluded_s == 0)
 
     def step_end(self, samples: int) -> None:
-        now = self._clock()
+        self.settle()
+        self._end_at(self._clock(), samples)
+
+    def _end_at(self, now: float, samples: int) -> None:
         if self._step_started_at is None:  # a step that started before we were attached
             return
         if self._measuring_step and self._last_end is not None:
             compute_s = now - self._step_started_at
             wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            transfer_s = self._transfer_s  # timed in this step, else the mean of the steps it was timed in
-            if transfer_s is not None:
-                self._transfers = [self._transfers[0] + transfer_s, self._transfers[1] + 1]
-            transfer_s = self._transfers[0] / max(1, self._transfers[1]) if transfer_s is None else transfer_s
+            fetch_s, cpu_s = self._fetch_s, self._fetch_cpu_s  # each timed in this step, else estimated
+            if fetch_s is not None:
+                self._rest.add(wall_s - compute_s - self._fetch.add(fetch_s))
+                self._fetch_cpu.add(cpu_s)
+            else:
+                fetch_s = max(0.0, wall_s - compute_s - self._rest.mean)
+                cpu_s = fetch_s * self._fetch_cpu.total / self._fetch.total if self._fetch.total > 0 else 0.0
+            transfer_s = self._transfer.mean if self._transfer_s is None else self._transfer.add(self._transfer_s)
             if self._forward_s is not None:
-                self._forwards = [self._forwards[0] + self._forward_s, self._forwards[1] + 1]
-            self.series.add(self.steps_seen, (samples, wall_s, self._fetch_s, self._fetch_cpu_s, transfer_s, compute_s))
+                self._forward.add(self._forward_s)
+            self.series.add(self.steps_seen, (samples, wall_s, fetch_s, cpu_s, transfer_s, compute_s))
             self.measured_steps += 1
         self.steps_seen += 1
         self._last_end = now
@@ -237,11 +302,12 @@ class StepClock:
 
     def totals(self) -> StepTotals:
         """The measured steps' sums, and the time kept apart."""
+        self.settle()
         sums = dict(zip(_COLUMNS, self.series.sums()))
         sums |= {f"{kind}_s": self.excluded_s.get(kind, 0.0) for kind in ("validation", "checkpoint")}
         samples, started = round(sums.pop("samples")), self._train_started_at
         sums["train_s"] = self._clock() - started if started is not None else 0.0
-        sums["forward_s"] = self._forwards[0] * self.measured_steps / max(1, self._forwards[1])
+        sums["forward_s"] = self._forward.mean * self.measured_steps
         return StepTotals(self.measured_steps, samples, worker_startup_s=sum(self.worker_startup_s), **sums)
 
     def take_window(self) -> StepTotals:
@@ -253,6 +319,7 @@ class StepClock:
     def timeline(self, gpu_idle: Optional[BinnedSeries] = None) -> StepTimeline:
         """The measured steps binned; ``gpu_idle`` (:attr:`CudaStepTimer.idle_series`) is kept when it covers
         the same steps."""
+        self.settle()
         points = self.series.points()
         _, wall, wait, _, transfer, compute = [list(column) for column in zip(*points)] if points else [[]] * 6
         idle = gpu_idle.points() if gpu_idle is not None and gpu_idle.steps == self.series.steps and points else None

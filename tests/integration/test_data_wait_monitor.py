@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from typing import Any, Optional
 
 import pytest
@@ -112,7 +113,9 @@ def test_validation_and_checkpoints_do_not_leak_into_data_wait(tmp_path):
 
     report = monitor.report
     loading = train_data.loading_time(1 * batch_size)  # the batches of the measured steps
-    assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
+    # steps not sampled are the gap less the sampled steps' mean rest: a stall of a loaded machine in one of the ~16
+    # sampled gaps lowers them all a little
+    assert 0.9 * loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
     assert len(val_data.durations) == 3 * 2 * 16  # validation after steps 10, 20, 30
     assert report.totals.validation_s >= val_data.loading_time(0)
     assert report.totals.checkpoint_s > 0
@@ -204,11 +207,32 @@ def test_training_step_is_timed_in_sampled_steps_and_the_tap_leaves_the_path_in_
     fetches = profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]
     assert len(steps) == 160 and len(fetches) >= 160
     totals = monitor.report.totals
-    waits = monitor.report.timeline.data_wait_s  # a point a step: every step's fetch was timed
-    assert len(waits) == totals.steps == 159 and all(wait > 0 for wait in waits)
-    assert 0.3 * sum(fetches[1:160]) <= totals.data_wait_s <= sum(fetches[1:160])  # ours: inside the profiler's
-    assert totals.forward_s == pytest.approx(sum(steps[1:]), rel=0.3)  # the sampled steps' mean, scaled
-    assert 0 < totals.forward_s < totals.compute_s
+    assert len(monitor.report.timeline.data_wait_s) == totals.steps == 159  # a point a step, timed or estimated
+    sampled = [seconds for seconds, tapped in zip(steps[1:], model.tapped[1:]) if tapped]  # the profiler's, there
+    assert totals.forward_s == pytest.approx(statistics.mean(sampled) * totals.steps, rel=0.1)  # their mean, scaled
+    assert totals.forward_s > 0
+
+
+class EveryFifthBatchSlow(SlowDataset):
+    """Unshuffled batches of 8: each sample of every fifth batch sleeps 1 ms."""
+
+    def __getitem__(self, index: int) -> Any:
+        self.delay_s = 0.001 if index // 8 % 5 == 0 else 0.0
+        return super().__getitem__(index)
+
+
+def test_the_data_wait_of_a_step_the_tap_left_is_the_gap_before_it_less_the_sampled_steps_rest(tmp_path):
+    monitor, loader = DataWaitMonitor(warmup_steps=1, verbose=False), TimedLoader(EveryFifthBatchSlow(8 * 120), 8)
+    quiet_trainer(tmp_path, [monitor], max_steps=120).fit(MLP(), loader)
+
+    timeline, truth = monitor.report.timeline, loader.fetch_s  # the loader's own stopwatch around each next()
+    assert timeline.steps_per_point == 1 and timeline.step == list(range(1, 120))
+    slow = [(wait, truth[step]) for step, wait in zip(timeline.step, timeline.data_wait_s) if step % 5 == 0]
+    fast = [(wait, truth[step]) for step, wait in zip(timeline.step, timeline.data_wait_s) if step % 5]
+    assert all(wait > 0.006 for wait, _ in slow)  # step by step (a loaded machine's stalls only add to a gap)
+    assert statistics.median(wait for wait, _ in slow) == pytest.approx(statistics.median(t for _, t in slow), rel=0.1)
+    assert statistics.median(wait for wait, _ in fast) < 0.001
+    assert sum(timeline.data_wait_s) >= 0.9 * sum(truth[1:120])
 
 
 def test_a_save_inside_a_step_the_tap_left_is_timed_and_counted_like_any_other(tmp_path):

@@ -139,8 +139,9 @@ def test_two_taps_one_over_the_other_both_see_every_action_its_start_and_its_end
     profiler = SimpleProfiler()
     trainer = make_trainer(tmp_path, [Tap("first"), Tap("second")], max_steps=2, profiler=profiler)
     trainer.fit(MLP(), loader())
-    # the second tap wraps the first and times the action inside the first's own timing
-    assert events == [("first", "start"), ("second", "start"), ("second", "end"), ("first", "end")]
+    # the second tap wraps the first and times the action inside the first's own timing; each tap tells its
+    # listeners after the profiler it wraps stopped (their work is outside its timing): the outer tap last
+    assert events == [("first", "start"), ("second", "start"), ("first", "end"), ("second", "end")]
     assert len(profiler.recorded_durations[configure]) == 1 and trainer.profiler is profiler
 
 
@@ -204,14 +205,18 @@ class SlowBatchAndEpochEnd(SlowHook):
         time.sleep(0.03)
 
 
-def test_per_step_hooks_between_steps_are_reported_only_in_sampled_steps_and_still_counted_exactly(tmp_path):
+@pytest.mark.parametrize("slow_first", [False, True], ids=["monitor-first", "slow-callback-first"])
+def test_per_step_hooks_between_steps_are_reported_only_in_sampled_steps_and_still_counted_exactly(
+    tmp_path, slow_first
+):
     steps, monitor = 2 * 24, DataWaitMonitor(warmup_steps=2, verbose=False)
     reported: list[tuple[str, bool]] = []
     monitor._on_action = lambda action, seconds: (  # type: ignore[method-assign]  # a spy: it forwards every call
         reported.append((action, monitor._action_probes[0].in_sample)),
         DataWaitMonitor._on_action(monitor, action, seconds),
     )
-    trainer = make_trainer(tmp_path, [monitor, SlowBatchAndEpochEnd(0.003)], max_steps=steps)
+    slow = SlowBatchAndEpochEnd(0.003)  # its epoch-end hook runs after steps the tap left, first or after the monitor
+    trainer = make_trainer(tmp_path, [slow, monitor] if slow_first else [monitor, slow], max_steps=steps)
     trainer.fit(MLP(), loader(24 * 16))
     probe = monitor._action_probes[0]
     assert _detect_hooks.HOOK_SAMPLE_EVERY <= probe.sampled_steps < steps

@@ -626,6 +626,35 @@ def test_module_docstring_names_every_internal(ns):
         "[LightningModule]",
         "[LightningDataModule]",
         "save_checkpoint",
+        "on_advance_end",
+        "val_loop.run",
+        "_call_callback_hooks",
     ]
     missing = [name for name in names if name not in doc]
     assert not missing, f"{COMPAT}'s docstring does not list {missing}"
+
+
+def test_a_hook_set_to_none_is_skipped_and_epoch_end_hooks_run_in_on_advance_end(ns, tmp_path):
+    pl, c = ns.pl, ns.compat
+    calls: list[str] = []
+
+    class Hooks(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            calls.append("batch_end")
+
+        def on_train_epoch_end(self, *args: Any) -> None:
+            calls.append("epoch_end")
+
+    hooks = Hooks()
+    c.skip_unused_batch_hooks(hooks)
+    skipped = [name for name in c._BATCH_HOOKS if getattr(hooks, name) is None]
+    if skipped != [name for name in c._BATCH_HOOKS if name != "on_train_batch_end"]:
+        moved(ns, "skip_unused_batch_hooks", "every per-batch hook not overridden set to None", skipped)
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[hooks], default_root_dir=tmp_path)  # fmt: skip
+    epoch_end = getattr(trainer.fit_loop, c.EPOCH_END_HOOKS)
+    setattr(trainer.fit_loop, c.EPOCH_END_HOOKS, lambda: (calls.append("on_advance_end"), epoch_end()))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    trainer.fit(_model_class(pl)(), torch.utils.data.DataLoader(data, batch_size=4))  # a None hook: no TypeError
+    if calls != ["batch_end", "batch_end", "on_advance_end", "epoch_end"]:
+        moved(ns, f"fit_loop.{c.EPOCH_END_HOOKS}", "the caller of every on_train_epoch_end", calls)

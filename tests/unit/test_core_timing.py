@@ -116,3 +116,38 @@ def test_forward_timed_in_some_steps_is_scaled_to_every_measured_step():
     assert totals.steps == 8 and totals.compute_s == pytest.approx(8 * 0.010)
     assert totals.forward_s == pytest.approx(8 * (0.003 + 0.004 + 0.005) / 3)  # the timed steps' mean, each step
     assert clock.take_window().forward_s == 0.0  # the windows logged carry no forward time
+
+
+def test_noted_steps_settle_to_what_step_start_and_step_end_give():
+    """Two clocks on one scripted time: one told each step at once, one noting starts and ends (the hot path);
+    fetches timed in some steps, a save between steps, a step ended early by -1 and two epochs."""
+    time = ScriptedClock()
+    told, noted = StepClock(warmup_steps=1, clock=time), StepClock(warmup_steps=1, clock=time)
+    for epoch in range(2):
+        for clock in (told, noted):
+            clock.epoch_start()
+        for step in range(12):
+            time.advance(0.004 if step % 3 else 0.010)
+            if step % 4 == 0:  # timed fetches in some steps; the others are estimated from the gap
+                for clock in (told, noted):
+                    clock.add_fetch(0.003 if step % 3 else 0.009, cpu_seconds=0.001)
+            time.advance(0.001)
+            told.step_start()
+            noted.note_start()
+            if epoch == 1 and step == 11:  # on_train_batch_start returned -1: no end
+                break
+            time.advance(0.020 + step / 1000)
+            if step == 6:  # a save inside the step
+                for clock in (told, noted):
+                    clock.add_excluded("checkpoint", 0.002)
+                time.advance(0.002)
+            told.step_end(4)
+            noted.note_end(4 - epoch)
+    assert noted.steps_seen < told.steps_seen  # lagging until settled
+    n, t = noted.totals(), told.totals()
+    assert (n.steps, n.wall_s, n.data_wait_s, n.data_wait_cpu_s, n.compute_s) == pytest.approx(
+        (t.steps, t.wall_s, t.data_wait_s, t.data_wait_cpu_s, t.compute_s)
+    )
+    assert n.samples == t.samples - 10  # the noted ends carried 3 samples in the second epoch's 10 measured steps
+    assert noted.timeline().data_wait_s == pytest.approx(told.timeline().data_wait_s)
+    assert noted.steps_seen == told.steps_seen == 23 and noted.worker_startup_s == pytest.approx(told.worker_startup_s)
