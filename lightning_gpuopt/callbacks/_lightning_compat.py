@@ -239,17 +239,12 @@ CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION = "[Callback]", "[LightningMod
 HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)
 
 
+# fmt: off
 #: hooks Lightning calls every batch
-_BATCH_HOOKS = (
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_zero_grad",
-    "on_before_optimizer_step",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-)
+_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+                "on_before_zero_grad", "on_before_optimizer_step", "on_validation_batch_start",
+                "on_validation_batch_end")
+# fmt: on
 
 
 def overrides(obj: Any, hook: str, base: tuple[str, str] = ("callbacks", "Callback")) -> bool:
