@@ -26,12 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._checkpointing import BlockSpec, Checkpointing, checked_setting
-from lightning_gpuopt.callbacks._engine import (
-    FitSession,
-    Trials,
-    Undo,
-    signals_stop_our_work,
-)
+from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
