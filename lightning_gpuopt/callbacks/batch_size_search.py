@@ -29,13 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._engine import (
-    FitSession,
-    Trials,
-    Undo,
-    rng_kept,
-    signals_stop_our_work,
-)
+from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kept, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
