@@ -26,15 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-# fmt: off
 FINDING_KINDS = ("graph-kept", "host-sync", "slow-hook", "checkpoint-time", "data-parallel", "oversubscribed",
-                 "tf32-off", "cudnn-benchmark-off", "channels-last", "slow-disk")
-# fmt: on
+                 "tf32-off", "cudnn-benchmark-off", "channels-last", "slow-disk")  # fmt: skip
 #: shares of training time from which a hook, checkpoint saving is a finding; the share the fix brings it to
 SLOW_HOOK_SHARE = CHECKPOINT_SHARE = 0.10
 TARGET_SHARE = 0.02
-#: the dataset's files are slow when read below this many times the rate training needs
-DISK_MARGIN = 1.5
+DISK_MARGIN = 1.5  #: the dataset's files are slow when read below this many times the rate training needs
 
 
 @dataclass
@@ -171,9 +168,8 @@ def channels_last(
 ) -> Optional[Finding]:
     """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or 4-D
     inputs are in NCHW (tensor-core kernels work in NHWC)."""
-    if "mixed" not in precision and precision not in ("16-true", "bf16-true"):
-        return None
-    if not not_channels_last and not inputs_not_channels_last:
+    reduced = "mixed" in precision or precision in ("16-true", "bf16-true")
+    if not reduced or not (not_channels_last or inputs_not_channels_last):
         return None
     weights = [f"{len(not_channels_last)} Conv2d weight(s)"] if not_channels_last else []
     what = " and ".join(weights + (["the 4-D batch"] if inputs_not_channels_last else []))
