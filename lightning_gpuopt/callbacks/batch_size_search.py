@@ -1,10 +1,8 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
-In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors (on a card, replayed
-through the caching allocator's model), then runs trials of ``steps_per_trial`` real training steps through the
-Trainer's loop at the sizes :func:`~lightning_gpuopt.core.search.search_largest_fit` picks. The size found is set
-where ``batch_arg_name`` lives and kept after the fit, as a run by hand has it; a failed fit puts the user's size
-back. Under DDP a size fits only if it fitted on every rank. See docs/batch-size-search.md.
+In ``on_fit_start``: a prediction from a traced step, then trials of ``steps_per_trial`` real training steps at the
+sizes :func:`~lightning_gpuopt.core.search.search_largest_fit` picks (all ranks agree; see docs/batch-size-search.md).
+The size found is set where ``batch_arg_name`` lives and kept after the fit; a failed fit puts the user's back.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/batch_size`` (found and set), ``gpuopt/batch_search_trials``, ``gpuopt/batch_search_steps``
@@ -249,18 +247,13 @@ class BatchSizeSearch(Callback):
                 finally:
                     any(hook.remove() for hook in hooks)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
-                return agreed(
-                    trainer,
-                    replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome,
-                    budget,
-                    search_budget,
-                )
+                measured = replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome
+                return agreed(trainer, measured, budget, search_budget)
 
             def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
                 edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not trial_steps
-                return (
-                    not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
-                )
+                at_edge = any(row[0] for row in gather_ranks(trainer, [edge]))  # on some rank
+                return not at_edge or fits(size, 2 * self.steps_per_trial)[0]
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
                 result = search_largest_fit(
