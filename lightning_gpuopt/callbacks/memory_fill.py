@@ -1,8 +1,7 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for it switches a ``32-true`` run to mixed precision in ``setup``, then in ``on_fit_start``
-checkpoints the repeated blocks if needed, finds the largest micro-batch that fits and as few accumulation steps as
-that allows (the pure plan: :mod:`lightning_gpuopt.core.fill`); all put back at teardown. See docs/memory-fill.md.
+The levers in order (mixed precision in ``setup``; checkpointing, the micro-batch and accumulation in ``on_fit_start``)
+are planned by :mod:`lightning_gpuopt.core.fill` and put back at teardown. See docs/memory-fill.md.
 
 Logged once when training starts: ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``,
 ``gpuopt/global_batch_size``, ``gpuopt/mixed_precision``, ``gpuopt/checkpointed_blocks``,
@@ -97,7 +96,7 @@ class MemoryFill(Callback):
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None)", allow_none=True)
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
-        checkpointing = checked_setting(activation_checkpointing)
+        self.activation_checkpointing = checked_setting(activation_checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
         check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
@@ -109,7 +108,6 @@ class MemoryFill(Callback):
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
         self.global_batch_size, self.accumulation = global_batch_size, accumulation
         self.precision = checked_precision(precision)
-        self.activation_checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
         self.max_memory, self.margin, self.batch_arg_name = max_memory, self._search_options["margin"], batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
@@ -220,8 +218,7 @@ class MemoryFill(Callback):
     def decide(self, trainer: pl.Trainer) -> MemoryFillPlan:
         """Measure and plan (sets :attr:`plan`); applying it is the caller's (``on_fit_start``, or GpuOpt)."""
         assert self.search is not None and self._request is not None and self._blocks is not None
-        session, search = FitSession.of(trainer), self.search
-        request, blocks = self._request, self._blocks
+        session, search, request, blocks = FitSession.of(trainer), self.search, self._request, self._blocks
         samples = session.samples_per_rank()
         if request.fill:  # as large as fits, up to the loader's samples
             request = replace(
