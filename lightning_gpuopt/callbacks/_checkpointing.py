@@ -129,14 +129,13 @@ class Checkpointing:
         for (handle, fallback), problem in zip(groups, self._problems(session, [h for h, _ in groups])):
             if problem is None:
                 kept.append(handle)
-                continue
-            own_switch = handle.native
-            handle.remove()
-            if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
+            elif handle.native and fallback:  # the model's own switch failed: ours on the same blocks
+                handle.remove()
                 retry.append(self._registered(enable_checkpointing(fallback)))
                 own = handle.method or f"{type(self.module).__name__} own checkpointing"
                 self.reasons.append(f"{own} refused: {problem}; torch.utils.checkpoint on its blocks instead")
             else:
+                handle.remove()
                 refused.append((handle, problem))
         for handle, problem in zip(retry, self._problems(session, retry, [*kept, *retry]) if retry else []):
             if problem is None:
