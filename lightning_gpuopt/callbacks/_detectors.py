@@ -290,22 +290,19 @@ class HostSyncProbe(Probe):
             self._mode.__enter__()
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        mode = self._exit()
+        mode = self._mode
+        self.stop()
         if mode is not None:
             self.counts.append((step, mode.user, mode.lightning))
             for line, count in mode.lines.items():
                 _count_line(self.lines, line, count)
 
-    def _exit(self) -> Optional[_HostReadCounter]:
+    def stop(self) -> None:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.active = False  # counts nothing more, even where it cannot leave the stack
             if current_dispatch_mode() is mode:
                 mode.__exit__(None, None, None)
-        return mode
-
-    def stop(self) -> None:
-        self._exit()
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if not self.counts:
