@@ -267,9 +267,7 @@ def checkpoint_time(
     changes: list[str] = []
     scales: list[float] = []
     suggested: Optional[int] = None
-    for saver in savers:
-        if saver.saves < 1:
-            continue
+    for saver in (saver for saver in savers if saver.saves >= 1):
         if not saver.model_checkpoint:
             current = max(1.0, steps / saver.saves) if steps else 1.0
             new = nice_ceil(current * factor)
