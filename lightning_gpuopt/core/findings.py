@@ -72,8 +72,6 @@ def graph_kept(
     path, held_steps, nodes, growth = found[0]
     span = max(1, held_steps[-1] - held_steps[0])
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
-    owner, _, name = path.rpartition(".")
-    target = f"self.{owner}.{name}" if owner else f"self.{name}"
     figures = {"attributes": float(len(found)), "graph_nodes": float(nodes[-1])}
     figures["graph_nodes_per_step"] = (nodes[-1] - nodes[0]) / span
     memory = ""
@@ -85,7 +83,7 @@ def graph_kept(
     message += f" {counts} autograd nodes at the starts of steps {starts}{memory}. Every step's graph stays reachable"
     message += " from the module, so memory and the time of a backward through it grow over the run"
     fix = "keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
-    fix += f" `{target}.append(loss.detach())`" if path in containers else f" `{target} += loss.detach()`"
+    fix += f" `self.{path}.append(loss.detach())`" if path in containers else f" `self.{path} += loss.detach()`"
     where = ", ".join(item[0] for item in found)
     return Finding("graph-kept", message, fix, where, figures)
 
