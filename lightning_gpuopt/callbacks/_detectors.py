@@ -231,10 +231,9 @@ class _HostReadCounter(TorchDispatchMode):
 
     def __init__(self, device: Device) -> None:
         super().__init__()
-        self.device = device
+        self.device, self.active = device, True
         self.user = self.lightning = 0
         self.lines: dict[str, int] = {}
-        self.active = True
         self._kinds: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
