@@ -9,8 +9,7 @@ Logged once when training starts (to every logger and ``trainer.callback_metrics
 (the training batches the trials began), ``gpuopt/batch_search_seconds``, ``gpuopt/batch_search_peak_bytes``
 (the chosen size's trial, the largest over ranks), ``gpuopt/batch_search_budget_bytes`` (the cap of
 every trial, the tightest rank's) and ``gpuopt/batch_search_predicted`` (the estimate's largest batch,
-when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section.
-"""
+when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.report import batch_search_table, format_bytes, format_seconds, to_dict
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, largest_stepping_size, search_largest_fit
 
-#: section of ``gpuopt_report.json`` this callback writes
-REPORT_SECTION = "batch_size_search"
+REPORT_SECTION = "batch_size_search"  #: section of ``gpuopt_report.json`` this callback writes
 MODES = ("fill", "cap")
 Mode = Literal["fill", "cap"]
 
@@ -266,7 +264,7 @@ class BatchSizeSearch(Callback):
                     max_trials=self.max_trials,
                     bytes_per_sample=per_sample,
                     headroom=1 / 32 if self.margin == "auto" else 0.0,
-                    tolerance=1 / 64,  # see the module docstring
+                    tolerance=1 / 64,  # see docs/batch-size-search.md
                     confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                     near=bool(replayed),
