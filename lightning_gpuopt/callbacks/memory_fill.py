@@ -6,8 +6,7 @@ are planned by :mod:`lightning_gpuopt.core.fill` and put back at teardown. See d
 Logged once when training starts: ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``,
 ``gpuopt/global_batch_size``, ``gpuopt/mixed_precision``, ``gpuopt/checkpointed_blocks``,
 ``gpuopt/fill_measured_peak_bytes``, ``gpuopt/fill_predicted_peak_bytes``; at each out-of-memory adaptation
-``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section.
-"""
+``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section."""
 
 from __future__ import annotations
 
