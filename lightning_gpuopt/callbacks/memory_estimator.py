@@ -6,8 +6,7 @@ measurement ends (or at the end of training), where known: ``gpuopt/mem_predicte
 ``gpuopt/mem_torchinfo_total_bytes``, ``gpuopt/mem_torchinfo_error``, ``gpuopt/mem_params_bytes``,
 ``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``, ``gpuopt/mem_activation_bytes`` (the rest of the peak) and
 ``gpuopt/mem_max_batch_size`` (the largest batch predicted to fit). At the end of ``fit`` rank 0 logs a table and
-writes the ``"memory"`` section of ``gpuopt_report.json``. See docs/memory-estimator.md.
-"""
+writes the ``"memory"`` section of ``gpuopt_report.json``. See docs/memory-estimator.md."""
 
 from __future__ import annotations
 
