@@ -2,8 +2,7 @@
 
 A model's own switch (HuggingFace) is used unless the user named the blocks; other blocks are wrapped one group per
 class. Each group must give the plain step's loss, gradients and buffers on every rank before anything trains, else
-it is refused with the reason. Every switch is registered in the callback's :class:`Undo`.
-"""
+it is refused with the reason. Every switch is registered in the callback's :class:`Undo`."""
 
 from __future__ import annotations
 
