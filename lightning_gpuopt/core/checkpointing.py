@@ -1,7 +1,6 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure: each block's ``forward``
 is wrapped *on the instance* (:func:`enable_checkpointing`), or a HuggingFace model's own switch is used
-(:func:`enable_native_checkpointing`); :func:`check_recomputation` compares a recomputed step with the plain one.
-"""
+(:func:`enable_native_checkpointing`); :func:`check_recomputation` compares a recomputed step with the plain one."""
 
 from __future__ import annotations
 
