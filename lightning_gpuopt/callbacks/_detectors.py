@@ -78,8 +78,7 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 
 
 class ModuleAndDeviceChecks(Probe):
-    """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
-    ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
+    """``data-parallel``, ``oversubscribed``; on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and ``channels-last``."""
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
