@@ -185,11 +185,10 @@ def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
 
 
 def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int]:
-    """Visible GPUs that sat idle while another visible GPU worked (NVML indices)."""
+    """Visible GPUs idle while another visible GPU worked (NVML indices: a GPU with utilisation is a whole one)."""
     visible = [gpu for gpu in gpus if gpu.visible and gpu.util_mean is not None]
     if not any((gpu.util_mean or 0.0) >= thresholds.busy_gpu_util for gpu in visible):
         return []
-    # a whole GPU (the only kind with utilisation) has an NVML index
     return [cast(int, gpu.index) for gpu in visible if (gpu.util_mean or 0.0) < thresholds.idle_gpu_util]
 
 
