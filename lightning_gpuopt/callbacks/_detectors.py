@@ -202,9 +202,7 @@ def _package_dir(name: str) -> Optional[str]:
 
 _LIGHTNING_DIRS = tuple(filter(None, map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric"))))
 _LIBRARY_DIRS = tuple(filter(None, map(_package_dir, ("torch", "lightning_gpuopt"))))
-_STDLIB_DIRS = tuple(
-    {os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")}
-)
+_STDLIB_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_path(key)), "") for key in ("stdlib", "platstdlib")})
 
 
 def _where(filename: str) -> str:
