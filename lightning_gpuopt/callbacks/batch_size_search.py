@@ -122,11 +122,10 @@ class BatchSizeSearch(Callback):
             FitSession.of(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        session = FitSession.of(trainer)
         with signals_stop_our_work(trainer, self._undo):
             result = self.search(trainer)
             assert result.batch_size is not None
-            session.apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
+            FitSession.of(trainer).apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
         lr = next((float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups), None)
         if result.batch_size != (initial := result.initial_batch_size) and initial and lr is not None:  # grew k times
             result.notes.append(lr_note(None, result.batch_size / initial, lr, "MemoryFill's scale_lr")[1])
@@ -389,8 +388,7 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
 
 
 def _initial_batch_size(session: FitSession, name: str) -> int:
-    """The batch size the run would train at; refused where the loader ignores it (a warning where holders
-    disagree: the loader's value wins)."""
+    """The run's batch size (a warning and the loader's where holders differ); refused where the loader ignores it."""
     trainer = session.trainer
     holders = compat.attribute_holders(trainer.lightning_module, name)
     values = [holder[name] if isinstance(holder, dict) else getattr(holder, name) for holder in holders]
