@@ -108,8 +108,7 @@ class MemoryEstimator(Callback):
     ) -> None:
         if self._meter is None or not self._meter.running:
             return
-        peak = self._stop_meter()
-        if peak is not None:
+        if (peak := self._stop_meter()) is not None:
             self._peaks.append(peak)
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False
