@@ -46,7 +46,6 @@ from lightning_gpuopt.core.fill import (
 from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
 REPORT_SECTION = "memory_fill"  #: section of ``gpuopt_report.json`` this callback writes
-OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
 
@@ -97,7 +96,7 @@ class MemoryFill(Callback):
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
         self.activation_checkpointing = checked_setting(activation_checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
-        check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
+        check_choice("objective", objective, ("throughput", "memory"), "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
         check_choice("scale_lr", scale_lr, (None, *LR_RULES), "scale_lr='linear', 'sqrt' or None (keep the lr)")
@@ -242,8 +241,7 @@ class MemoryFill(Callback):
         if blocks.may_switch_on and request.objective == "throughput":
             mine = self._predicted(trainer)[0]
             known = [int(row[0]) for row in gather_ranks(trainer, [-1 if mine is None else mine]) if row[0] >= 0]
-            predicted = min(known) if known else None  # the tightest rank's
-            if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
+            if known and (predicted := min(known)) < request.wanted:  # the tightest rank's: all checkpoint, or none
                 ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
                 checkpoint(
                     f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
@@ -366,11 +364,10 @@ class MemoryFill(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """A short last group: Lightning divided each loss by the full accumulation; scale to a mean over it."""
         counted, self._micro_batches_in_group = self._micro_batches_in_group, 0
-        accumulate = trainer.accumulate_grad_batches
-        if self._correct_short_groups and 0 < counted < accumulate:
+        if self._correct_short_groups and 0 < counted < trainer.accumulate_grad_batches:
             with torch.no_grad():
                 for param in (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
-                    param.grad.mul_(accumulate / counted)
+                    param.grad.mul_(trainer.accumulate_grad_batches / counted)
 
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._oom_recovery is not None:
@@ -381,8 +378,7 @@ class MemoryFill(Callback):
         if self.plan is None:
             return
         for key in ("hyper_parameters", "datamodule_hyper_parameters"):
-            hparams = checkpoint.get(key)
-            if hparams is not None and self.batch_arg_name in hparams:
+            if (hparams := checkpoint.get(key)) is not None and self.batch_arg_name in hparams:
                 hparams[self.batch_arg_name] = self._initial["batch_size"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -393,7 +389,7 @@ class MemoryFill(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
         if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
-            self._write_report(trainer)
+            self._report(trainer, planned=False)
         if stage == "fit":
             self._close(trainer)
             self._undo.after_success("MemoryFill")
@@ -403,17 +399,15 @@ class MemoryFill(Callback):
             self.search.release_memory_cap(trainer)
         FitSession.close(trainer)
 
-    def _report(self, trainer: pl.Trainer) -> None:
+    def _report(self, trainer: pl.Trainer, planned: bool = True) -> None:
+        """The plan's report section; ``planned``: just planned, so the last search's section and the table first."""
         assert self.plan is not None and self.search is not None
-        self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
-        if self.verbose and trainer.is_global_zero:
-            rank_zero_info(plan_table(self.plan))
-        self._write_report(trainer)
-
-    def _write_report(self, trainer: pl.Trainer) -> None:
-        assert self.plan is not None
+        if planned:
+            self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
+            if planned and self.verbose:
+                rank_zero_info(plan_table(self.plan))
             write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
 
