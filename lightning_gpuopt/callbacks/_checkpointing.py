@@ -160,14 +160,12 @@ class Checkpointing:
                 why = f"no batch to check the recomputation on ({type(error).__name__}: {error})"
                 problems: list[Optional[str]] = [why] * len(groups)
             else:
-                problems, context = [], trainer.precision_plugin.train_step_context
+                problems, context, loss_of = [], trainer.precision_plugin.train_step_context, loss_function(module)
                 for group in groups:
                     with contextlib.ExitStack() as others:
-                        for other in enabled:
-                            if other is not group:
-                                others.enter_context(other.paused())
-                        problem = check_recomputation(module, loss_function(module), batch, group, step_context=context)
-                        problems.append(problem)
+                        for other in (other for other in enabled if other is not group):
+                            others.enter_context(other.paused())
+                        problems.append(check_recomputation(module, loss_of, batch, group, step_context=context))
         finally:
             state.restore()
         agreed = [all(row[0] for row in gather_ranks(trainer, [float(problem is None)])) for problem in problems]
