@@ -306,8 +306,7 @@ def check_recomputation(
             try:
                 recomputed = run()
             except Exception as error:  # noqa: BLE001 - the reason to refuse
-                lines = str(error).strip().splitlines()
-                return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+                return f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}"[:300]
         for (what, a), (_, b) in zip(plain, recomputed):
             gap = _relative_gap(a, b)
             if gap <= rtol:
