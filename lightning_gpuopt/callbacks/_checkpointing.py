@@ -2,8 +2,7 @@
 
 A model's own switch (HuggingFace) is used unless the user named the blocks; other blocks are wrapped one group per
 class. Each group must give the plain step's loss, gradients and buffers on every rank before anything trains, else
-it is refused with the reason. Every switch is registered in the callback's :class:`Undo`.
-"""
+it is refused with the reason. Every switch is registered in the callback's :class:`Undo`."""
 
 from __future__ import annotations
 
@@ -129,14 +128,13 @@ class Checkpointing:
         for (handle, fallback), problem in zip(groups, self._problems(session, [h for h, _ in groups])):
             if problem is None:
                 kept.append(handle)
-                continue
-            own_switch = handle.native
-            handle.remove()
-            if own_switch and fallback:  # the model's own switch failed: ours on the same blocks
+            elif handle.native and fallback:  # the model's own switch failed: ours on the same blocks
+                handle.remove()
                 retry.append(self._registered(enable_checkpointing(fallback)))
                 own = handle.method or f"{type(self.module).__name__} own checkpointing"
                 self.reasons.append(f"{own} refused: {problem}; torch.utils.checkpoint on its blocks instead")
             else:
+                handle.remove()
                 refused.append((handle, problem))
         for handle, problem in zip(retry, self._problems(session, retry, [*kept, *retry]) if retry else []):
             if problem is None:
@@ -162,14 +160,12 @@ class Checkpointing:
                 why = f"no batch to check the recomputation on ({type(error).__name__}: {error})"
                 problems: list[Optional[str]] = [why] * len(groups)
             else:
-                problems, context = [], trainer.precision_plugin.train_step_context
+                problems, context, loss_of = [], trainer.precision_plugin.train_step_context, loss_function(module)
                 for group in groups:
                     with contextlib.ExitStack() as others:
-                        for other in enabled:
-                            if other is not group:
-                                others.enter_context(other.paused())
-                        problem = check_recomputation(module, loss_function(module), batch, group, step_context=context)
-                        problems.append(problem)
+                        for other in (other for other in enabled if other is not group):
+                            others.enter_context(other.paused())
+                        problems.append(check_recomputation(module, loss_of, batch, group, step_context=context))
         finally:
             state.restore()
         agreed = [all(row[0] for row in gather_ranks(trainer, [float(problem is None)])) for problem in problems]

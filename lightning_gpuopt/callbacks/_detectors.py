@@ -1,11 +1,10 @@
 """Probes: the measuring side of ``DataWaitMonitor``'s findings (:mod:`lightning_gpuopt.core.findings` decides).
 
 A probe looks at a few sampled training steps, never at every one. Here: the base :class:`Probe`,
-:class:`ModuleAndDeviceChecks` (module, torch settings and batches), :class:`KeptGraphProbe` (attributes holding
-an autograd graph across steps) and :class:`HostSyncProbe` (device-to-host reads in :data:`SYNC_STEPS`, by the
+:class:`ModuleAndDeviceChecks`, :class:`KeptGraphProbe` and :class:`HostSyncProbe` (a read is the user's by the
 innermost frame outside torch, us, the standard library and installed packages such as transformers, else
-Lightning's; ``print(loss)`` is not seen: torch formats tensors with dispatch modes off). The hook, checkpoint
-and disk probes are in ``_detect_hooks``."""
+Lightning's; ``print(loss)`` is not seen: torch formats tensors with dispatch modes off). The hook, checkpoint and
+disk probes are in ``_detect_hooks``."""
 
 from __future__ import annotations
 
@@ -34,18 +33,14 @@ from lightning_gpuopt.core.findings import (
 )
 from lightning_gpuopt.core.loader import usable_cpu_count
 
-#: training steps (0-based from the start of ``fit``) on which the module and device checks look at the batch
-_SAMPLED_STEPS = (1, 2, 3)
+_SAMPLED_STEPS = (1, 2, 3)  #: steps (0-based from the start of ``fit``) whose batch ModuleAndDeviceChecks looks at
 #: step starts at which the module's attributes are scanned (and after the last step)
 GRAPH_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-#: at most this many autograd nodes are walked per attribute
-_MAX_GRAPH_NODES = 100_000
+_MAX_GRAPH_NODES = 100_000  #: at most this many autograd nodes are walked per attribute
 #: steps whose host reads are counted: unmeasured under the default ``warmup_steps=3``; step 0 does lazy set-up
 SYNC_STEPS = (1, 2)
-#: the steps on which the probes' ``step_start`` and ``step_end`` are called
-PROBE_STEPS = frozenset((*_SAMPLED_STEPS, *GRAPH_STEPS, *SYNC_STEPS))
-#: source lines kept per run for the message
-_MAX_LINES = 5
+PROBE_STEPS = frozenset((*_SAMPLED_STEPS, *GRAPH_STEPS, *SYNC_STEPS))  #: the steps the probes' step hooks run on
+_MAX_LINES = 5  #: source lines kept per run for the message
 
 
 class Probe:
@@ -54,8 +49,7 @@ class Probe:
     on every exit path (undoing what the probe installed; perhaps more than once), then ``findings`` with the run's
     report, :attr:`steps_seen` and :attr:`sampled_steps` set (``HookTimes`` also hears of actions)."""
 
-    #: training steps ended in the fit, and those of them whose hooks were timed (``HOOK_SAMPLE_EVERY``)
-    steps_seen = sampled_steps = 0
+    steps_seen = sampled_steps = 0  #: steps ended; of them, those whose hooks were timed (``HOOK_SAMPLE_EVERY``)
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None: ...
     def step_start(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None: ...
@@ -84,8 +78,7 @@ def _tensors(batch: Any, depth: Optional[int] = None) -> list[torch.Tensor]:
 
 
 class ModuleAndDeviceChecks(Probe):
-    """``data-parallel``, ``oversubscribed``, and on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and
-    ``channels-last`` (the sampled batches' shapes, and what each ``Conv2d`` is given on the sampled steps)."""
+    """``data-parallel``, ``oversubscribed``; on CUDA ``tf32-off``, ``cudnn-benchmark-off`` and ``channels-last``."""
 
     def __init__(self) -> None:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -209,9 +202,7 @@ def _package_dir(name: str) -> Optional[str]:
 
 _LIGHTNING_DIRS = tuple(filter(None, map(_package_dir, ("lightning", "pytorch_lightning", "lightning_fabric"))))
 _LIBRARY_DIRS = tuple(filter(None, map(_package_dir, ("torch", "lightning_gpuopt"))))
-_STDLIB_DIRS = tuple(
-    {os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")}
-)
+_STDLIB_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_path(key)), "") for key in ("stdlib", "platstdlib")})
 
 
 def _where(filename: str) -> str:
@@ -237,10 +228,9 @@ class _HostReadCounter(TorchDispatchMode):
 
     def __init__(self, device: Device) -> None:
         super().__init__()
-        self.device = device
+        self.device, self.active = device, True
         self.user = self.lightning = 0
         self.lines: dict[str, int] = {}
-        self.active = True
         self._kinds: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -283,10 +273,8 @@ class HostSyncProbe(Probe):
     def __init__(self) -> None:
         self._device: Optional[Device] = None
         self._mode: Optional[_HostReadCounter] = None
-        #: per counted step: (step, the user's reads, Lightning's reads)
-        self.counts: list[tuple[int, int, int]] = []
-        #: ``file:line`` of the user's reads and how many each made over the counted steps
-        self.lines: dict[str, int] = {}
+        self.counts: list[tuple[int, int, int]] = []  #: per counted step: (step, the user's reads, Lightning's)
+        self.lines: dict[str, int] = {}  #: ``file:line`` of the user's reads: their count over the counted steps
 
     def fit_start(self, trainer: Any, pl_module: Any) -> None:
         device = device_for(pl_module.device)
@@ -298,22 +286,19 @@ class HostSyncProbe(Probe):
             self._mode.__enter__()
 
     def step_end(self, trainer: Any, pl_module: Any, batch: Any, step: int) -> None:
-        mode = self._exit()
+        mode = self._mode
+        self.stop()
         if mode is not None:
             self.counts.append((step, mode.user, mode.lightning))
             for line, count in mode.lines.items():
                 _count_line(self.lines, line, count)
 
-    def _exit(self) -> Optional[_HostReadCounter]:
+    def stop(self) -> None:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.active = False  # counts nothing more, even where it cannot leave the stack
             if current_dispatch_mode() is mode:
                 mode.__exit__(None, None, None)
-        return mode
-
-    def stop(self) -> None:
-        self._exit()
 
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         if not self.counts:

@@ -1,18 +1,15 @@
 """BatchSizeSearch: the largest batch that fits, found with a handful of real training steps.
 
-In ``on_fit_start`` it predicts the largest batch from a step traced on fake tensors (on a card, replayed
-through the caching allocator's model), then runs trials of ``steps_per_trial`` real training steps through the
-Trainer's loop at the sizes :func:`~lightning_gpuopt.core.search.search_largest_fit` picks. The size found is set
-where ``batch_arg_name`` lives and kept after the fit, as a run by hand has it; a failed fit puts the user's size
-back. Under DDP a size fits only if it fitted on every rank. See docs/batch-size-search.md.
+In ``on_fit_start``: a prediction from a traced step, then trials of ``steps_per_trial`` real training steps at the
+sizes :func:`~lightning_gpuopt.core.search.search_largest_fit` picks (all ranks agree; see docs/batch-size-search.md).
+The size found is set where ``batch_arg_name`` lives and kept after the fit; a failed fit puts the user's back.
 
 Logged once when training starts (to every logger and ``trainer.callback_metrics``):
 ``gpuopt/batch_size`` (found and set), ``gpuopt/batch_search_trials``, ``gpuopt/batch_search_steps``
 (the training batches the trials began), ``gpuopt/batch_search_seconds``, ``gpuopt/batch_search_peak_bytes``
 (the chosen size's trial, the largest over ranks), ``gpuopt/batch_search_budget_bytes`` (the cap of
 every trial, the tightest rank's) and ``gpuopt/batch_search_predicted`` (the estimate's largest batch,
-when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section.
-"""
+when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search"`` report section."""
 
 from __future__ import annotations
 
@@ -29,13 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
-from lightning_gpuopt.callbacks._engine import (
-    FitSession,
-    Trials,
-    Undo,
-    rng_kept,
-    signals_stop_our_work,
-)
+from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kept, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
@@ -48,8 +39,7 @@ from lightning_gpuopt.core.memory import MIN_MAX_MEMORY_BYTES, parse_memory
 from lightning_gpuopt.core.report import batch_search_table, format_bytes, format_seconds, to_dict
 from lightning_gpuopt.core.search import BatchSizeSearchResult, Trial, largest_stepping_size, search_largest_fit
 
-#: section of ``gpuopt_report.json`` this callback writes
-REPORT_SECTION = "batch_size_search"
+REPORT_SECTION = "batch_size_search"  #: section of ``gpuopt_report.json`` this callback writes
 MODES = ("fill", "cap")
 Mode = Literal["fill", "cap"]
 
@@ -132,11 +122,10 @@ class BatchSizeSearch(Callback):
             FitSession.of(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        session = FitSession.of(trainer)
         with signals_stop_our_work(trainer, self._undo):
             result = self.search(trainer)
             assert result.batch_size is not None
-            session.apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
+            FitSession.of(trainer).apply(self._undo, batch_size=(self.batch_arg_name, result.batch_size, True))
         lr = next((float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups), None)
         if result.batch_size != (initial := result.initial_batch_size) and initial and lr is not None:  # grew k times
             result.notes.append(lr_note(None, result.batch_size / initial, lr, "MemoryFill's scale_lr")[1])
@@ -255,18 +244,13 @@ class BatchSizeSearch(Callback):
                 finally:
                     any(hook.remove() for hook in hooks)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
-                return agreed(
-                    trainer,
-                    replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome,
-                    budget,
-                    search_budget,
-                )
+                measured = replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome
+                return agreed(trainer, measured, budget, search_budget)
 
             def confirm(size: int) -> bool:  # the answer at the edge of the card holds for twice the steps
                 edge = (size not in outcomes or outcomes[size].at_edge) and not trials.manual and not trial_steps
-                return (
-                    not any(row[0] for row in gather_ranks(trainer, [edge])) or fits(size, 2 * self.steps_per_trial)[0]
-                )
+                at_edge = any(row[0] for row in gather_ranks(trainer, [edge]))  # on some rank
+                return not at_edge or fits(size, 2 * self.steps_per_trial)[0]
 
             with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
                 result = search_largest_fit(
@@ -279,7 +263,7 @@ class BatchSizeSearch(Callback):
                     max_trials=self.max_trials,
                     bytes_per_sample=per_sample,
                     headroom=1 / 32 if self.margin == "auto" else 0.0,
-                    tolerance=1 / 64,  # see the module docstring
+                    tolerance=1 / 64,  # see docs/batch-size-search.md
                     confirm=confirm,
                     on_trial=lambda trial: progress.done(trial_line(trial, search_budget)),
                     near=bool(replayed),
@@ -404,8 +388,7 @@ def trial_line(trial: Trial, budget_bytes: int) -> str:
 
 
 def _initial_batch_size(session: FitSession, name: str) -> int:
-    """The batch size the run would train at; refused where the loader ignores it (a warning where holders
-    disagree: the loader's value wins)."""
+    """The run's batch size (a warning and the loader's where holders differ); refused where the loader ignores it."""
     trainer = session.trainer
     holders = compat.attribute_holders(trainer.lightning_module, name)
     values = [holder[name] if isinstance(holder, dict) else getattr(holder, name) for holder in holders]

@@ -3,8 +3,7 @@ module's step, in ``on_fit_start`` (:func:`~lightning_gpuopt.core.loader.tune_lo
 chosen setting until ``teardown``. Under DDP rank 0's choice is broadcast. See docs/dataloader-tuner.md.
 
 Logged once when training starts: ``gpuopt/loader_num_workers`` (chosen), ``gpuopt/loader_samples_per_second``
-(with the chosen setting) and ``gpuopt/loader_speedup`` (that throughput over the user's setting's).
-"""
+(with the chosen setting) and ``gpuopt/loader_speedup`` (that throughput over the user's setting's)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """MemoryEstimator: predict a training step's peak memory before it runs, then measure it.
 
-Before the first step the step is traced on fake tensors (:mod:`lightning_gpuopt.core.estimate`), with
-torchinfo's summary beside it; over the first ``measure_steps`` real steps the device layer measures the peak.
-Logged once, when the measurement ends (or at the end of training), where known: ``gpuopt/mem_predicted_peak_bytes``,
+The step is traced by :mod:`lightning_gpuopt.core.estimate`, torchinfo's summary beside it. Logged once, when the
+measurement ends (or at the end of training), where known: ``gpuopt/mem_predicted_peak_bytes``,
 ``gpuopt/mem_measured_peak_bytes``, ``gpuopt/mem_estimate_error`` (``(predicted - measured) / measured``),
 ``gpuopt/mem_torchinfo_total_bytes``, ``gpuopt/mem_torchinfo_error``, ``gpuopt/mem_params_bytes``,
-``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``, ``gpuopt/mem_activation_bytes`` (the rest of the peak)
-and ``gpuopt/mem_max_batch_size`` (the largest batch predicted to fit). See docs/memory-estimator.md.
-
-At the end of ``fit`` rank 0 logs a table and writes the ``"memory"`` section of ``gpuopt_report.json``.
-"""
+``gpuopt/mem_grads_bytes``, ``gpuopt/mem_optimizer_bytes``, ``gpuopt/mem_activation_bytes`` (the rest of the peak) and
+``gpuopt/mem_max_batch_size`` (the largest batch predicted to fit). At the end of ``fit`` rank 0 logs a table and
+writes the ``"memory"`` section of ``gpuopt_report.json``. See docs/memory-estimator.md."""
 
 from __future__ import annotations
 
@@ -111,8 +108,7 @@ class MemoryEstimator(Callback):
     ) -> None:
         if self._meter is None or not self._meter.running:
             return
-        peak = self._stop_meter()
-        if peak is not None:
+        if (peak := self._stop_meter()) is not None:
             self._peaks.append(peak)
         if self._optimizer_needs_measuring and self.estimate is not None:
             self._optimizer_needs_measuring = False

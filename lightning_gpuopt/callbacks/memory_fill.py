@@ -1,14 +1,12 @@
 """MemoryFill: mixed precision, activation checkpointing and gradient accumulation, so memory stays full.
 
-For the global batch asked for it switches a ``32-true`` run to mixed precision in ``setup``, then in ``on_fit_start``
-checkpoints the repeated blocks if needed, finds the largest micro-batch that fits and as few accumulation steps as
-that allows (the pure plan: :mod:`lightning_gpuopt.core.fill`); all put back at teardown. See docs/memory-fill.md.
+The levers in order (mixed precision in ``setup``; checkpointing, the micro-batch and accumulation in ``on_fit_start``)
+are planned by :mod:`lightning_gpuopt.core.fill` and put back at teardown. See docs/memory-fill.md.
 
 Logged once when training starts: ``gpuopt/micro_batch_size``, ``gpuopt/accumulate_grad_batches``,
 ``gpuopt/global_batch_size``, ``gpuopt/mixed_precision``, ``gpuopt/checkpointed_blocks``,
 ``gpuopt/fill_measured_peak_bytes``, ``gpuopt/fill_predicted_peak_bytes``; at each out-of-memory adaptation
-``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section.
-"""
+``gpuopt/oom_adaptations`` and ``gpuopt/oom_micro_batch_size``. Rank 0 writes the report's ``"memory_fill"`` section."""
 
 from __future__ import annotations
 
@@ -26,12 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._checkpointing import BlockSpec, Checkpointing, checked_setting
-from lightning_gpuopt.callbacks._engine import (
-    FitSession,
-    Trials,
-    Undo,
-    signals_stop_our_work,
-)
+from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
@@ -53,7 +46,6 @@ from lightning_gpuopt.core.fill import (
 from lightning_gpuopt.core.report import format_bytes, format_seconds, render_table, to_dict
 
 REPORT_SECTION = "memory_fill"  #: section of ``gpuopt_report.json`` this callback writes
-OBJECTIVES = ("throughput", "memory")
 Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
 
@@ -102,9 +94,9 @@ class MemoryFill(Callback):
     ) -> None:
         check_int("global_batch_size", global_batch_size, 1, "global_batch_size=512 (or None)", allow_none=True)
         check_choice("accumulation", accumulation, ("auto", False), "accumulation='auto' (or False: never accumulate)")
-        checkpointing = checked_setting(activation_checkpointing)
+        self.activation_checkpointing = checked_setting(activation_checkpointing)
         check_int("min_micro_batch_size", min_micro_batch_size, 1, "min_micro_batch_size=8")
-        check_choice("objective", objective, OBJECTIVES, "objective='throughput' or objective='memory'")
+        check_choice("objective", objective, ("throughput", "memory"), "objective='throughput' or objective='memory'")
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
         check_choice("scale_lr", scale_lr, (None, *LR_RULES), "scale_lr='linear', 'sqrt' or None (keep the lr)")
@@ -114,7 +106,6 @@ class MemoryFill(Callback):
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
         self.global_batch_size, self.accumulation = global_batch_size, accumulation
         self.precision = checked_precision(precision)
-        self.activation_checkpointing = checkpointing if isinstance(checkpointing, (str, bool)) else list(checkpointing)
         self.max_memory, self.margin, self.batch_arg_name = max_memory, self._search_options["margin"], batch_arg_name
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
@@ -225,8 +216,7 @@ class MemoryFill(Callback):
     def decide(self, trainer: pl.Trainer) -> MemoryFillPlan:
         """Measure and plan (sets :attr:`plan`); applying it is the caller's (``on_fit_start``, or GpuOpt)."""
         assert self.search is not None and self._request is not None and self._blocks is not None
-        session, search = FitSession.of(trainer), self.search
-        request, blocks = self._request, self._blocks
+        session, search, request, blocks = FitSession.of(trainer), self.search, self._request, self._blocks
         samples = session.samples_per_rank()
         if request.fill:  # as large as fits, up to the loader's samples
             request = replace(
@@ -251,8 +241,7 @@ class MemoryFill(Callback):
         if blocks.may_switch_on and request.objective == "throughput":
             mine = self._predicted(trainer)[0]
             known = [int(row[0]) for row in gather_ranks(trainer, [-1 if mine is None else mine]) if row[0] >= 0]
-            predicted = min(known) if known else None  # the tightest rank's
-            if predicted is not None and predicted < request.wanted:  # every rank checkpoints, or none
+            if known and (predicted := min(known)) < request.wanted:  # the tightest rank's: all checkpoint, or none
                 ranks = " (the tightest rank's)" if trainer.world_size > 1 else ""
                 checkpoint(
                     f"the estimate predicts a largest micro-batch of {predicted}{ranks} < {request.wanted} without it"
@@ -375,11 +364,10 @@ class MemoryFill(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """A short last group: Lightning divided each loss by the full accumulation; scale to a mean over it."""
         counted, self._micro_batches_in_group = self._micro_batches_in_group, 0
-        accumulate = trainer.accumulate_grad_batches
-        if self._correct_short_groups and 0 < counted < accumulate:
+        if self._correct_short_groups and 0 < counted < trainer.accumulate_grad_batches:
             with torch.no_grad():
                 for param in (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
-                    param.grad.mul_(accumulate / counted)
+                    param.grad.mul_(trainer.accumulate_grad_batches / counted)
 
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._oom_recovery is not None:
@@ -390,8 +378,7 @@ class MemoryFill(Callback):
         if self.plan is None:
             return
         for key in ("hyper_parameters", "datamodule_hyper_parameters"):
-            hparams = checkpoint.get(key)
-            if hparams is not None and self.batch_arg_name in hparams:
+            if (hparams := checkpoint.get(key)) is not None and self.batch_arg_name in hparams:
                 hparams[self.batch_arg_name] = self._initial["batch_size"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -402,7 +389,7 @@ class MemoryFill(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         recovery, self._oom_recovery = self._oom_recovery, None
         if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
-            self._write_report(trainer)
+            self._report(trainer, planned=False)
         if stage == "fit":
             self._close(trainer)
             self._undo.after_success("MemoryFill")
@@ -412,17 +399,15 @@ class MemoryFill(Callback):
             self.search.release_memory_cap(trainer)
         FitSession.close(trainer)
 
-    def _report(self, trainer: pl.Trainer) -> None:
+    def _report(self, trainer: pl.Trainer, planned: bool = True) -> None:
+        """The plan's report section; ``planned``: just planned, so the last search's section and the table first."""
         assert self.plan is not None and self.search is not None
-        self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
-        if self.verbose and trainer.is_global_zero:
-            rank_zero_info(plan_table(self.plan))
-        self._write_report(trainer)
-
-    def _write_report(self, trainer: pl.Trainer) -> None:
-        assert self.plan is not None
+        if planned:
+            self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
         path = report_file(trainer)  # a collective under DDP: asked on every rank
         if trainer.is_global_zero:
+            if planned and self.verbose:
+                rank_zero_info(plan_table(self.plan))
             write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
 
 

@@ -1,7 +1,6 @@
 """Activation checkpointing on a model's repeated blocks, without changing its structure: each block's ``forward``
 is wrapped *on the instance* (:func:`enable_checkpointing`), or a HuggingFace model's own switch is used
-(:func:`enable_native_checkpointing`); :func:`check_recomputation` compares a recomputed step with the plain one.
-"""
+(:func:`enable_native_checkpointing`); :func:`check_recomputation` compares a recomputed step with the plain one."""
 
 from __future__ import annotations
 
@@ -307,8 +306,7 @@ def check_recomputation(
             try:
                 recomputed = run()
             except Exception as error:  # noqa: BLE001 - the reason to refuse
-                lines = str(error).strip().splitlines()
-                return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+                return f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}"[:300]
         for (what, a), (_, b) in zip(plain, recomputed):
             gap = _relative_gap(a, b)
             if gap <= rtol:

@@ -1,10 +1,8 @@
 """What bounds a run and what to change, from its measured step totals: :class:`DataWaitReport`.
 
 :func:`diagnose` is a pure function of the totals, the settings in use (:class:`RunSettings`) and the limits
-(:class:`Thresholds`); each recommendation reads ``setting=current → suggested: measured reason``. Verdicts:
-``"input-bound"`` (data wait from ``data_wait_high`` of the step; on a GPU, only while it is also idle from
-``gpu_idle_high``), ``"host-bound"`` (a GPU idle although data wait is low; on a CPU, transfer and other host
-work from ``host_overhead_high``), ``"compute-bound"`` (data wait up to ``data_wait_low``), else ``"balanced"``.
+(:class:`Thresholds`); each recommendation reads ``setting=current → suggested: measured reason``. The verdicts
+(``"input-bound"``, ``"host-bound"``, ``"compute-bound"``, ``"balanced"``) and their rules: docs/data-wait-monitor.md.
 The report (``DataWaitMonitor.report``, the ``"data_wait"`` section of ``gpuopt_report.json``) holds them
 with the job's totals, each rank's, the settings, the NVML usage of every GPU, rank 0's timeline and findings."""
 
@@ -66,8 +64,7 @@ class RunSettings:
     precision: Optional[str] = None
     num_devices: int = 1
     epochs: int = 1
-    #: seconds from each epoch's start to its first batch
-    worker_startup_s: list[float] = field(default_factory=list)
+    worker_startup_s: list[float] = field(default_factory=list)  #: seconds from each epoch's start to its first batch
 
     cpus_per_process = property(lambda self: max(1, self.usable_cpus // max(1, self.processes_per_host)))
 
@@ -188,11 +185,10 @@ def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
 
 
 def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int]:
-    """Visible GPUs that sat idle while another visible GPU worked (NVML indices)."""
+    """Visible GPUs idle while another visible GPU worked (NVML indices: a GPU with utilisation is a whole one)."""
     visible = [gpu for gpu in gpus if gpu.visible and gpu.util_mean is not None]
     if not any((gpu.util_mean or 0.0) >= thresholds.busy_gpu_util for gpu in visible):
         return []
-    # a whole GPU (the only kind with utilisation) has an NVML index
     return [cast(int, gpu.index) for gpu in visible if (gpu.util_mean or 0.0) < thresholds.idle_gpu_util]
 
 

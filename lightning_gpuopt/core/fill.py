@@ -27,8 +27,7 @@ def checked_precision(value: object) -> Optional[str]:
     return PRECISIONS[value]
 
 
-#: how the learning rate follows a grown batch: ``k`` times (Goyal et al. 2017) or ``sqrt(k)`` (Adam-like optimizers)
-LR_RULES = ("linear", "sqrt")
+LR_RULES = ("linear", "sqrt")  #: the lr of a batch grown k times: k times (Goyal et al. 2017), or sqrt(k) (Adam-like)
 
 
 def lr_note(rule: Optional[str], grown: float, lr: float, how: str = "scale_lr") -> tuple[float, str]:
@@ -96,10 +95,8 @@ class FillRequest:
     samples_per_rank: int
     min_micro_batch_size: int = 8
     fixed_accumulation: Optional[int] = None
-    #: ``"throughput"``: the largest micro-batch that fits; ``"memory"``: the wanted one, no larger
-    objective: str = "throughput"
-    #: whether checkpointing may still be switched on (``activation_checkpointing="auto"``, not on yet)
-    may_checkpoint: bool = False
+    objective: str = "throughput"  #: "throughput": the largest fitting micro-batch; "memory": the wanted one, no larger
+    may_checkpoint: bool = False  #: checkpointing may still be switched on (``activation_checkpointing="auto"``)
     fill: bool = False
 
     @property

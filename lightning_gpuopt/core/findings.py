@@ -26,15 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-# fmt: off
 FINDING_KINDS = ("graph-kept", "host-sync", "slow-hook", "checkpoint-time", "data-parallel", "oversubscribed",
-                 "tf32-off", "cudnn-benchmark-off", "channels-last", "slow-disk")
-# fmt: on
+                 "tf32-off", "cudnn-benchmark-off", "channels-last", "slow-disk")  # fmt: skip
 #: shares of training time from which a hook, checkpoint saving is a finding; the share the fix brings it to
 SLOW_HOOK_SHARE = CHECKPOINT_SHARE = 0.10
 TARGET_SHARE = 0.02
-#: the dataset's files are slow when read below this many times the rate training needs
-DISK_MARGIN = 1.5
+DISK_MARGIN = 1.5  #: the dataset's files are slow when read below this many times the rate training needs
 
 
 @dataclass
@@ -58,9 +55,8 @@ def graph_kept(
     live_bytes: Sequence[Optional[int]] = (),
     containers: Sequence[str] = (),
 ) -> Optional[Finding]:
-    """Module attributes whose autograd graph (``graph_nodes[path][i]`` nodes at the start of ``steps[i]``)
-    is held at two or more samples and grows; ``live_bytes[i]``: memory handed out then (only reported);
-    ``containers``: the paths that are lists, tuples or dicts."""
+    """Attributes whose autograd graph (``graph_nodes[path][i]`` nodes as ``steps[i]`` starts) is held at two or more
+    samples and grows; ``live_bytes[i]``: allocated memory (only reported); ``containers``: list/tuple/dict paths."""
     found: list[tuple[str, list[int], list[int], Optional[int]]] = []
     for path, nodes in graph_nodes.items():
         held = [i for i, count in enumerate(nodes) if count > 0]
@@ -75,8 +71,6 @@ def graph_kept(
     path, held_steps, nodes, growth = found[0]
     span = max(1, held_steps[-1] - held_steps[0])
     others = f" (also {', '.join(f'`{item[0]}`' for item in found[1:])})" if len(found) > 1 else ""
-    owner, _, name = path.rpartition(".")
-    target = f"self.{owner}.{name}" if owner else f"self.{name}"
     figures = {"attributes": float(len(found)), "graph_nodes": float(nodes[-1])}
     figures["graph_nodes_per_step"] = (nodes[-1] - nodes[0]) / span
     memory = ""
@@ -88,7 +82,7 @@ def graph_kept(
     message += f" {counts} autograd nodes at the starts of steps {starts}{memory}. Every step's graph stays reachable"
     message += " from the module, so memory and the time of a backward through it grow over the run"
     fix = "keep no graph across steps: accumulate `loss.detach()` (or `loss.item()` at epoch end) instead of `loss`:"
-    fix += f" `{target}.append(loss.detach())`" if path in containers else f" `{target} += loss.detach()`"
+    fix += f" `self.{path}.append(loss.detach())`" if path in containers else f" `self.{path} += loss.detach()`"
     where = ", ".join(item[0] for item in found)
     return Finding("graph-kept", message, fix, where, figures)
 
@@ -96,9 +90,8 @@ def graph_kept(
 def host_sync(
     steps: Sequence[int], user_reads: Sequence[int], lightning_reads: Sequence[int], lines: Mapping[str, int]
 ) -> Optional[Finding]:
-    """Reads from the card to the host (each waits for the card's queue to drain): ``user_reads[i]`` and
-    ``lightning_reads[i]`` in step ``steps[i]``; ``lines``: the user's ``file:line`` and their counts. Found
-    from one user read per step."""
+    """Card-to-host reads: ``user_reads[i]`` and ``lightning_reads[i]`` in step ``steps[i]``; ``lines``: the user's
+    ``file:line`` and their counts. Found from one user read per step."""
     if not steps:
         return None
     user, lightning = sum(user_reads) / len(steps), sum(lightning_reads) / len(steps)
@@ -145,8 +138,7 @@ def oversubscription(threads_per_process: int, processes: int, cores: int) -> Op
 
 
 def tf32_off(capability: Optional[tuple[int, int]], matmul_precision: str, precision: str) -> Optional[Finding]:
-    """float32 matmuls in full precision (``"highest"``, Trainer ``precision`` ``32-true``) on a card with
-    TF32 tensor cores (compute capability >= 8.0)."""
+    """A ``32-true`` run's float32 matmuls at precision ``"highest"`` on a card with TF32 (capability >= 8.0)."""
     if capability is None or capability < (8, 0) or matmul_precision != "highest" or precision not in ("32-true", "32"):
         return None
     message = f"float32 matmuls run in full precision on a card of compute capability {capability[0]}.{capability[1]}"
@@ -169,11 +161,9 @@ def cudnn_benchmark_off(benchmark: bool, convolutions: int, input_shapes_seen: i
 def channels_last(
     precision: str, not_channels_last: Sequence[str], inputs_not_channels_last: bool
 ) -> Optional[Finding]:
-    """2-D convolutions under mixed precision whose weights (``not_channels_last``: module paths) or 4-D
-    inputs are in NCHW (tensor-core kernels work in NHWC)."""
-    if "mixed" not in precision and precision not in ("16-true", "bf16-true"):
-        return None
-    if not not_channels_last and not inputs_not_channels_last:
+    """2-D convolutions under mixed precision whose weights (``not_channels_last``: paths) or 4-D inputs are NCHW."""
+    reduced = "mixed" in precision or precision in ("16-true", "bf16-true")
+    if not reduced or not (not_channels_last or inputs_not_channels_last):
         return None
     weights = [f"{len(not_channels_last)} Conv2d weight(s)"] if not_channels_last else []
     what = " and ".join(weights + (["the 4-D batch"] if inputs_not_channels_last else []))
@@ -259,10 +249,9 @@ def checkpoint_time(
     optimizer_bytes: int = 0,
     parameter_bytes: int = 0,
 ) -> Optional[Finding]:
-    """Saving checkpoints against ``fit_s``, train start to end, over ``steps`` steps. Found from
-    :data:`CHECKPOINT_SHARE`; the fix scales each saver's interval to a 1-2-5 value bringing saving to about
-    :data:`TARGET_SHARE`, and names ``save_last="link"`` and ``save_weights_only=True`` (when the optimizer
-    state is as large as the weights)."""
+    """Saving checkpoints against ``fit_s`` (train start to end, ``steps`` steps). Found from :data:`CHECKPOINT_SHARE`;
+    the fix scales each saver's interval to a 1-2-5 value bringing saving to about :data:`TARGET_SHARE`, and names
+    ``save_last="link"`` and ``save_weights_only=True`` (when the optimizer state is as large as the weights)."""
     saves, seconds = sum(saver.saves for saver in savers), sum(saver.seconds for saver in savers)
     if saves < 1 or fit_s <= 0 or seconds <= 0 or seconds / fit_s < CHECKPOINT_SHARE:
         return None
@@ -271,9 +260,7 @@ def checkpoint_time(
     changes: list[str] = []
     scales: list[float] = []
     suggested: Optional[int] = None
-    for saver in savers:
-        if saver.saves < 1:
-            continue
+    for saver in (saver for saver in savers if saver.saves >= 1):
         if not saver.model_checkpoint:
             current = max(1.0, steps / saver.saves) if steps else 1.0
             new = nice_ceil(current * factor)
