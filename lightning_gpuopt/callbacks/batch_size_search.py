@@ -113,6 +113,7 @@ class BatchSizeSearch(Callback):
         self.result: Optional[BatchSizeSearchResult] = None  #: what the search found; ``None`` before ``fit``
         self._undo = Undo()
         self._memory_cap: Any = None
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

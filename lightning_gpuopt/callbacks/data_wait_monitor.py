@@ -123,7 +123,7 @@ class DataWaitMonitor(Callback):
         self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
         self._reset_run_state()
-        compat.skip_unused_batch_hooks(self)
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     def _reset_run_state(self) -> None:
         self._tap: Optional[_profiler_tap.ProfilerTap] = None

@@ -89,6 +89,7 @@ class DataLoaderTuner(Callback):
         self.result: Optional[LoaderTuneResult] = None  #: the measurement and the choice; ``None`` if not tuned
         self.message: str = ""  #: what the tuner did, or why it left the loader alone
         self._undo = Undo()
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":

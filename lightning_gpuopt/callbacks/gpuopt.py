@@ -133,6 +133,7 @@ class GpuOpt(Callback):
                 part.progress = self.verbose
         self.report: Optional[GpuOptReport] = None  #: the combined result of the last ``fit``
         self._undo = Undo()  # what GpuOpt applied for its parts, and the SIGINT handler
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     @property
     def parts(self) -> list[Callback]:

@@ -77,6 +77,7 @@ class MemoryEstimator(Callback):
         self.progress = verbose  #: a line when the step is traced
         self.estimate: MemoryEstimate | None = None
         self._meter: Any = None
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_trainer_namespace(trainer, self)

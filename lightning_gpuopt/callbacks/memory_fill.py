@@ -114,6 +114,7 @@ class MemoryFill(Callback):
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
         self._reset()
+        compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
     def _reset(self) -> None:
         self._blocks: Optional[Checkpointing] = None

@@ -25,7 +25,7 @@ from lightning.pytorch.profilers import SimpleProfiler
 from models_users import DataloaderIterModule
 from torch.utils.data import DataLoader
 
-from lightning_gpuopt import DataWaitMonitor, DataWaitReport
+from lightning_gpuopt import DataWaitMonitor, DataWaitReport, MemoryEstimator
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -176,6 +176,24 @@ def test_users_profiler_keeps_working_and_is_restored(tmp_path):
     # the profiler and the monitor timed the same calls
     measured = sum(fetches[1:])  # step 0 is warm-up (and the epoch's start-up)
     assert monitor.report.totals.data_wait_s == pytest.approx(measured, rel=0.05)
+
+
+def test_lightning_dispatches_only_the_per_batch_hooks_our_callbacks_use(tmp_path):
+    profiler, monitor, estimator = SimpleProfiler(), DataWaitMonitor(verbose=False), MemoryEstimator(verbose=False)
+    trainer = quiet_trainer(tmp_path, [monitor, estimator], max_steps=4, profiler=profiler)
+    trainer.fit(MLP(), DataLoader(preloaded_dataset(64, 32), batch_size=8))
+
+    dispatched = {action for action in profiler.recorded_durations if action.startswith("[Callback]")}
+    for callback in (monitor, estimator):  # each hook it has is called every batch; the no-ops never are
+        hooks = {
+            action.rpartition(".")[2] for action in dispatched if action.startswith(f"[Callback]{callback.state_key}.")
+        }
+        assert "on_train_batch_end" in hooks and not hooks & {
+            "on_before_backward",
+            "on_after_backward",
+            "on_before_zero_grad",
+        }
+    assert len(profiler.recorded_durations[f"[Callback]{monitor.state_key}.on_train_batch_start"]) == 4
 
 
 class SeesProfiler(MLP):
