@@ -34,9 +34,10 @@ _NOT_USER_WORK = frozenset((
     "on_sanity_check_start", "on_sanity_check_end", "on_save_checkpoint", "on_load_checkpoint", "state_dict",
     "load_state_dict",
 ))
-#: hooks Lightning calls every step (and the transfer, ``training_step``): timed in the first ``warmup_steps`` + this
-#: many steps and a random one in this many after, scaled (calls exact if the same every step); other hooks: every call
-HOOK_SAMPLE_EVERY = 16
+#: hooks Lightning calls every step (and the fetch, the transfer, ``training_step``): timed in the first ``warmup_steps``
+#: + ``HOOK_SAMPLED_FIRST`` steps and then one in ``HOOK_SAMPLE_EVERY`` at random, scaled (calls exact if the same
+#: every step); other hooks: every call
+HOOK_SAMPLE_EVERY, HOOK_SAMPLED_FIRST = 32, 4
 _PER_STEP = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
              "on_after_backward", "on_before_optimizer_step")
 # fmt: on
@@ -71,8 +72,8 @@ class HookTimes(Probe):
         never = [compat.strategy_action(trainer, hook) for hook in ("on_train_batch_start", *_NOT_USER_WORK)]
         never += [compat.fetch_action(trainer), compat.TRAINING_BATCH_ACTION]
         # per-step hooks never slow, not timed even in sampled steps: Lightning's no-ops, and ours
-        module = type(pl_module).__name__
-        never += [f"{compat.MODULE_ACTION}{module}.{hook}" for hook in _PER_STEP if not _own(pl_module, hook)]
+        own = [hook for hook in _PER_STEP if compat.overrides(pl_module, hook, ("", "LightningModule"))]
+        never += [f"{compat.MODULE_ACTION}{type(pl_module).__name__}.{hook}" for hook in _PER_STEP if hook not in own]
         never += [f"{compat.CALLBACK_ACTION}{key}.{hook}" for key, callback in self._callbacks.items()
                   for hook in _PER_STEP if _ours(callback) or not compat.overrides(callback, hook)]  # fmt: skip
         self.quiet_sampled = frozenset(never + [f"{owner}.{hook}" for owner in owners for hook in _NOT_USER_WORK])
@@ -84,6 +85,11 @@ class HookTimes(Probe):
         saved = self._saves.get(action, [0.0, 0.0])
         self._saves[action] = [total + pending for total, pending in zip(saved, self._pending_saves)]
         self._pending_saves = [0.0, 0.0]
+
+    def saved_in(self, action: str) -> None:
+        """The saves just made ran in hook ``action`` (``""``: none), which began before the tap was in the path."""
+        if self._pending_saves[0]:
+            self._add_saves(action)
 
     def action_timed(self, action: str, seconds: float, in_validation: bool) -> None:
         if self._started_at is None or self._ended_at is not None:
@@ -153,10 +159,6 @@ class HookTimes(Probe):
             size = max(sizes, default=0) or None
             found.append(checkpoint_time(list(savers.values()), fit_s, self.steps_seen, size, optimizer, parameters))
         return [finding for finding in found if finding is not None]
-
-
-def _own(module: Any, hook: str) -> bool:
-    return compat.overrides(module, hook, ("", "LightningModule"))
 
 
 def _ours(callback: Any) -> bool:

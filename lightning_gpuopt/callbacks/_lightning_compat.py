@@ -28,7 +28,8 @@ with why no public API will do (none exists unless named):
   ``_check_and_init_precision``): on CPU it writes ``"bf16-mixed"`` over the only record of a ``"16-mixed"`` asked.
 * ``fit_loop.on_advance_end`` (:data:`EPOCH_END_HOOKS`) calls every ``on_train_epoch_end``; ``epoch_loop.val_loop.run``
   is a validation run in ``fit``: wrapped on the instance, as no hook comes before every callback's. A callback's
-  hook set to ``None`` is skipped: ``_call_callback_hooks`` calls it only when callable (:func:`skip_unused_batch_hooks`).
+  hook set to ``None`` is skipped: ``_call_callback_hooks`` calls it only when callable (:func:`skip_unused_batch_hooks`);
+  its locals and ``_call_lightning_module_hook``'s name the hook a save runs in (:func:`running_hook`).
 * Profiler action names (undocumented): ``"[<epoch loop>].train_dataloader_next"``, ``"[Strategy]<class>.<hook>"``,
   ``"save_checkpoint"``, and ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` hooks.
 """
@@ -119,7 +120,7 @@ def of_namespace(obj: Any, module: str, name: str) -> Any:
     return getattr(importlib.import_module(f"{root}.{module}".rstrip(".")), name)
 
 
-def any_namespace(module: str, name: str) -> tuple[type, ...]:
+def any_namespace(module: str, name: str) -> tuple[Any, ...]:
     """``name`` from ``module`` of ``lightning.pytorch`` and, once imported, of ``pytorch_lightning``."""
     roots = ["lightning.pytorch", *(["pytorch_lightning"] if "pytorch_lightning" in sys.modules else [])]
     return tuple(getattr(importlib.import_module(f"{root}.{module}".rstrip(".")), name) for root in roots)
@@ -258,6 +259,20 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     for name in _BATCH_HOOKS:
         if not overrides(callback, name):
             setattr(callback, name, None)
+
+
+def running_hook(frame: Any) -> str:
+    """The profiler action of the innermost hook call ``frame`` runs in (``""``: none), from the frames of
+    ``_call_callback_hooks`` (its locals ``callback``, ``hook_name``) and ``_call_lightning_module_hook``."""
+    callback_hooks = {caller.__code__ for caller in any_namespace("trainer.call", "_call_callback_hooks")}
+    module_hooks = {caller.__code__ for caller in any_namespace("trainer.call", "_call_lightning_module_hook")}
+    while frame is not None:
+        if frame.f_code in callback_hooks:
+            return f"{CALLBACK_ACTION}{frame.f_locals['callback'].state_key}.{frame.f_locals['hook_name']}"
+        if frame.f_code in module_hooks:
+            return f"{MODULE_ACTION}{type(frame.f_locals['pl_module']).__name__}.{frame.f_locals['hook_name']}"
+        frame = frame.f_back
+    return ""
 
 
 def fetch_action(trainer: Any) -> str:

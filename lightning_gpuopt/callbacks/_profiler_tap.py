@@ -97,10 +97,13 @@ def install(
     return trainer.profiler
 
 
-def bypass(trainer: Any, tap: Optional[ProfilerTap], out: bool = False) -> None:
-    """Take ``tap`` out of ``trainer.profiler`` (``out``, where on top of the chain: it sees nothing then) or back."""
-    if tap is not None and trainer.profiler is (tap if out else tap.inner):
-        trainer.profiler = tap.inner if out else tap
+def bypass(trainer: Any, tap: Optional[ProfilerTap], out: bool = False) -> bool:
+    """Take ``tap`` out of ``trainer.profiler`` (``out``, where on top of the chain: it sees nothing then) or back;
+    whether it moved."""
+    if tap is None or trainer.profiler is not (tap if out else tap.inner):
+        return False
+    trainer.profiler = tap.inner if out else tap
+    return True
 
 
 def uninstall(trainer: Any, tap: Optional[ProfilerTap]) -> None:

@@ -33,6 +33,7 @@ import inspect
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import astuple, replace
 from typing import Any, Optional, cast
@@ -45,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks import _profiler_tap
 from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLE_EVERY as SAMPLE_EVERY
-from lightning_gpuopt.callbacks._detect_hooks import DatasetDisk, HookTimes
+from lightning_gpuopt.callbacks._detect_hooks import HOOK_SAMPLED_FIRST, DatasetDisk, HookTimes
 from lightning_gpuopt.callbacks._detectors import (
     PROBE_STEPS,
     HostSyncProbe,
@@ -133,10 +134,9 @@ class DataWaitMonitor(Callback):
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
-        self._steps_ended = self._next_log_check = 0
+        self._steps_ended = self._next_log_check = self._sampled_steps = 0  # the clock's counts lag while it has notes
         self._in_validation = self._pulls = self._every_fetch = False
         self._sampled = self._next_sampled = True
-        self._sampled_steps = 0
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
         self._probes: list[Probe] = []
@@ -151,7 +151,7 @@ class DataWaitMonitor(Callback):
         clock = self._clock = StepClock(self.warmup_steps)
         self._probes = [probe() for probe in _PROBES] if self.find_patterns else []
         self._action_probes = [probe for probe in self._probes if isinstance(probe, HookTimes)]
-        self._gaps = random.Random(0)  # between sampled steps after the first warmup_steps + SAMPLE_EVERY
+        self._gaps = random.Random(0)  # between sampled steps after the first warmup_steps + HOOK_SAMPLED_FIRST
         self._next_sample = 0
 
         def fetched(seconds: float, cpu_seconds: float) -> None:
@@ -193,14 +193,18 @@ class DataWaitMonitor(Callback):
                 saved_s = clock.excluded_s["checkpoint"] - saved_s
                 clock.add_excluded("validation", time.perf_counter() - started - saved_s)
 
-        def tapped(call: Any) -> Any:  # a save, the epoch's end hooks: the tap back in first (a step may have left it)
+        def tapped(call: Any, saves: bool = False) -> Any:  # a save, the epoch's end hooks: the tap back in first
             def in_path(*args: Any, **kwargs: Any) -> Any:
-                _profiler_tap.bypass(trainer, self._tap)
-                return call(*args, **kwargs)
+                unseen = _profiler_tap.bypass(trainer, self._tap)  # a step left it: the hook running began unseen
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    if saves and unseen and self._action_probes:  # the save's hook, from the stack
+                        self._action_probes[0].saved_in(compat.running_hook(sys._getframe()))
 
             return in_path
 
-        wrappers = ((val_loop, "run", timed_run), (trainer, "save_checkpoint", tapped(save)))
+        wrappers = ((val_loop, "run", timed_run), (trainer, "save_checkpoint", tapped(save, saves=True)))
         for owner, name, wrapper in (*wrappers, (trainer.fit_loop, compat.EPOCH_END_HOOKS, tapped(epoch_end))):
             setattr(owner, name, wrapper)  # on the instance; _restore deletes it
             self._wrappers[owner, name] = wrapper
@@ -311,8 +315,8 @@ class DataWaitMonitor(Callback):
         if step + 1 >= self._next_log_check:
             self._log_when_due(trainer)
         self._next_sampled = step + 1 >= self._next_sample  # the fetch to fetch of the next step is timed
-        if self._next_sampled:  # the first warmup_steps + SAMPLE_EVERY, then one in SAMPLE_EVERY at random
-            always = step + 2 < self.warmup_steps + SAMPLE_EVERY
+        if self._next_sampled:  # the first warmup_steps + HOOK_SAMPLED_FIRST, then one in SAMPLE_EVERY at random
+            always = step + 2 < self.warmup_steps + HOOK_SAMPLED_FIRST
             self._next_sample = step + 1 + (1 if always else self._gaps.randint(1, 2 * SAMPLE_EVERY - 1))
         if self._next_sampled or self._every_fetch:  # else the tap stays out (the next fetch is estimated)
             _profiler_tap.bypass(trainer, self._tap)

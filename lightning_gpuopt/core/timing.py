@@ -164,8 +164,7 @@ class _Mean:
     __slots__ = ("count", "mean", "total")
 
     def __init__(self) -> None:
-        self.total = self.mean = 0.0
-        self.count = 0
+        self.total, self.mean, self.count = 0.0, 0.0, 0
 
     def add(self, value: float) -> float:
         self.total, self.count = self.total + value, self.count + 1
@@ -208,9 +207,7 @@ class StepClock:
         self._notes.append(self._clock())
 
     def note_end(self, samples: int) -> None:
-        notes = self._notes
-        notes.append(self._clock())
-        notes.append(samples)
+        self._notes += (self._clock(), samples)
 
     def settle(self) -> None:
         """Run the noted step starts and ends, in order, as :meth:`step_start` and :meth:`step_end` would have; the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -629,6 +630,7 @@ def test_module_docstring_names_every_internal(ns):
         "on_advance_end",
         "val_loop.run",
         "_call_callback_hooks",
+        "_call_lightning_module_hook",
     ]
     missing = [name for name in names if name not in doc]
     assert not missing, f"{COMPAT}'s docstring does not list {missing}"
@@ -637,10 +639,16 @@ def test_module_docstring_names_every_internal(ns):
 def test_a_hook_set_to_none_is_skipped_and_epoch_end_hooks_run_in_on_advance_end(ns, tmp_path):
     pl, c = ns.pl, ns.compat
     calls: list[str] = []
+    running: set[str] = {c.running_hook(sys._getframe())}  # no hook: ""
 
     class Hooks(pl.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
             calls.append("batch_end")
+            running.add(c.running_hook(sys._getframe()))
+
+    class Model(_model_class(pl)):  # type: ignore[misc]  # a class made at run time
+        def on_train_batch_start(self, *args: Any) -> None:
+            running.add(c.running_hook(sys._getframe()))
 
         def on_train_epoch_end(self, *args: Any) -> None:
             calls.append("epoch_end")
@@ -655,6 +663,9 @@ def test_a_hook_set_to_none_is_skipped_and_epoch_end_hooks_run_in_on_advance_end
     epoch_end = getattr(trainer.fit_loop, c.EPOCH_END_HOOKS)
     setattr(trainer.fit_loop, c.EPOCH_END_HOOKS, lambda: (calls.append("on_advance_end"), epoch_end()))
     data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
-    trainer.fit(_model_class(pl)(), torch.utils.data.DataLoader(data, batch_size=4))  # a None hook: no TypeError
+    trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))  # a None hook: no TypeError
     if calls != ["batch_end", "batch_end", "on_advance_end", "epoch_end"]:
         moved(ns, f"fit_loop.{c.EPOCH_END_HOOKS}", "the caller of every on_train_epoch_end", calls)
+    expected = {"", f"[Callback]{hooks.state_key}.on_train_batch_end", "[LightningModule]Model.on_train_batch_start"}
+    if running != expected:
+        moved(ns, "_call_callback_hooks/_call_lightning_module_hook locals", "running_hook's hook names", running)
