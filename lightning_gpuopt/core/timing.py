@@ -260,15 +260,15 @@ class StepClock:
 
     def step_start(self) -> StepStart:
         self.settle()
-        return self._start_at(self._clock())
+        self._start_at(self._clock())
+        return StepStart(self._measuring_step, self._measuring_step and self._excluded_s == 0)
 
-    def _start_at(self, now: float) -> StepStart:
+    def _start_at(self, now: float) -> None:
         self._step_started_at = now
         first_in_epoch = self._last_end is None
         if first_in_epoch and self._epoch_started_at is not None:
             self.worker_startup_s.append(now - self._epoch_started_at - self._excluded_s)
         self._measuring_step = not first_in_epoch and self.steps_seen >= self.warmup_steps
-        return StepStart(self._measuring_step, self._measuring_step and self._excluded_s == 0)
 
     def step_end(self, samples: int) -> None:
         self.settle()
