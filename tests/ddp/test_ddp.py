@@ -48,11 +48,12 @@ def test_ddp_two_processes_rank_zero_reports_both_ranks_and_names_the_straggler(
     assert all(figures.steps == 20 - 2 for figures in report.ranks)
     fast, slow = report.ranks
     # rank 1 sleeps 4 ms per sample, rank 0 1 ms: 8-sample batches. Against what each rank's samples
-    # really took (a loaded machine oversleeps), plus at most 2 ms a step of collation and overhead
+    # really took (a loaded machine oversleeps), plus at most 2 ms a step of collation and overhead; steps not
+    # sampled are the gap less the sampled steps' mean rest (a stall in a sampled gap lowers them a little)
     truth = [json.loads((tmp_path / f"rank{rank}.json").read_text())["loading_per_step_s"] for rank in (0, 1)]
     assert truth[1] >= 0.032 and truth[0] >= 0.008
     for rank, figures in enumerate(report.ranks):
-        assert truth[rank] <= figures.data_wait_per_step_s <= truth[rank] * 1.1 + 0.002
+        assert 0.9 * truth[rank] <= figures.data_wait_per_step_s <= truth[rank] * 1.1 + 0.002
     spread = report.rank_spread["data_wait_per_step_s"]
     assert spread.min == fast.data_wait_per_step_s and spread.max == slow.data_wait_per_step_s
     assert report.diagnosis.straggler_rank == 1

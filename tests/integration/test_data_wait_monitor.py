@@ -49,7 +49,7 @@ def test_slow_dataset_is_input_bound_with_the_true_data_wait(tmp_path):
     assert report.totals.steps == 60 - 2  # 60 batches less 2 warm-up steps (the epoch's first step is one of them)
     # absolute figure: the measured steps fetched every batch after the 2 warm-up batches
     loading = dataset.loading_time(2 * batch_size)
-    assert loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001
+    assert 0.9 * loading <= report.totals.data_wait_s <= loading * 1.1 + report.totals.steps * 0.001  # (see below)
     assert report.totals.samples == report.totals.steps * batch_size
     assert report.gpu_idle_fraction is None and report.totals.gpu_util_mean is None  # CPU, no NVML
     loader_cpu = report.totals.loader_cpu_fraction

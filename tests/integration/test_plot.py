@@ -261,7 +261,7 @@ def test_binned_series_merges_neighbours_and_keeps_means():
 
 def test_timeline_data_wait_follows_the_loading_time_of_each_batch(tmp_path):
     """A dataset that is slow only for the second half of its samples: the timeline's data wait per
-    step is at least what the dataset measured loading that step's batch."""
+    step is what the dataset measured loading that step's batch, or more (within 5% where estimated)."""
     delays = iter([0.0] * 48 + [0.004] * 48)
     dataset = SlowDataset(96, delay_for=lambda: next(delays))
     monitor = DataWaitMonitor(warmup_steps=2, verbose=False)
@@ -271,8 +271,8 @@ def test_timeline_data_wait_follows_the_loading_time_of_each_batch(tmp_path):
     assert timeline.steps_per_point == 1 and timeline.step == list(range(2, 12))  # warm-up not measured
     assert timeline.gpu_idle_s is None  # CPU: no device events
     for step, wait in zip(timeline.step, timeline.data_wait_s):
-        assert wait >= dataset.loading_time(8 * step, 8 * step + 8)
-    assert min(timeline.data_wait_s[4:]) >= 8 * 0.004  # steps 6..11 read the slow samples
+        assert wait >= 0.95 * dataset.loading_time(8 * step, 8 * step + 8)
+    assert min(timeline.data_wait_s[4:]) >= 0.95 * 8 * 0.004  # steps 6..11 read the slow samples
     assert sum(timeline.wall_s) == pytest.approx(monitor.report.totals.wall_s)
     saved = json.loads((tmp_path / "gpuopt_report.json").read_text())["data_wait"]["timeline"]
     assert saved["data_wait_s"] == pytest.approx(timeline.data_wait_s)
