@@ -53,20 +53,25 @@ class ProfileSteps(Callback):
         self.profiler.disable()
 
 
-def profile(callbacks: list[Any], steps: int, loader: DataLoader) -> pstats.Stats:
+def fit(callbacks: list[Any], steps: int, loader: DataLoader) -> None:
+    """The workload: MLP 256, :data:`SKIP` + ``steps`` steps on CPU, no logger."""
     seed_everything(0, verbose=False)
-    profiled = ProfileSteps()
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=SKIP + steps,
-        callbacks=[*callbacks, profiled],
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
     trainer.fit(MLP(256, 256), loader)
+
+
+def profile(callbacks: list[Any], steps: int, loader: DataLoader) -> pstats.Stats:
+    profiled = ProfileSteps()
+    fit([*callbacks, profiled], steps, loader)
     return pstats.Stats(profiled.profiler)
 
 
@@ -140,17 +145,7 @@ def hook_times(monitor_class: Any, steps: int, loader: DataLoader) -> dict[str, 
             if trainer.global_step > SKIP:
                 times["on_train_batch_end"].append(time.perf_counter() - started)
 
-    seed_everything(0, verbose=False)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=SKIP + steps,
-        callbacks=[Timed(warmup_steps=20, verbose=False)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(MLP(256, 256), loader)
+    fit([Timed(warmup_steps=20, verbose=False)], steps, loader)
     return times
 
 

@@ -313,7 +313,7 @@ class DataWaitMonitor(Callback):
         if self._probes and step in PROBE_STEPS:
             self._call_probes("step_end", trainer, pl_module, batch, step)
         if step + 1 >= self._next_log_check:
-            self._log_when_due(trainer)
+            self._log_when_due(trainer, clock)
         self._next_sampled = step + 1 >= self._next_sample  # the fetch to fetch of the next step is timed
         if self._next_sampled:  # the first warmup_steps + HOOK_SAMPLED_FIRST, then one in SAMPLE_EVERY at random
             always = step + 2 < self.warmup_steps + HOOK_SAMPLED_FIRST
@@ -321,9 +321,8 @@ class DataWaitMonitor(Callback):
         if self._next_sampled or self._every_fetch:  # else the tap stays out (the next fetch is estimated)
             _profiler_tap.bypass(trainer, self._tap)
 
-    def _log_when_due(self, trainer: Trainer) -> None:
+    def _log_when_due(self, trainer: Trainer, clock: StepClock) -> None:
         """Log the window if ``log_every`` more steps were measured; check again when that can first happen."""
-        clock = cast(StepClock, self._clock)
         clock.settle()
         if clock.measured_steps >= self._next_log:
             self._next_log = clock.measured_steps + self._log_every
