@@ -30,6 +30,8 @@ with why no public API will do (none exists unless named):
   is a validation run in ``fit``: wrapped on the instance, as no hook comes before every callback's. A callback's
   hook set to ``None`` is skipped: ``_call_callback_hooks`` calls it only when callable (:func:`skip_unused_batch_hooks`);
   its locals and ``_call_lightning_module_hook``'s name the hook a save runs in (:func:`running_hook`).
+  ``epoch_loop._on_before_fetch`` (:data:`BEFORE_FETCH`), bound to the fetcher at each epoch's start, runs before every
+  training ``next()``: no hook comes between two steps; ``batch_progress.current`` says whether a step ran to its end.
 * Profiler action names (undocumented): ``"[<epoch loop>].train_dataloader_next"``, ``"[Strategy]<class>.<hook>"``,
   ``"save_checkpoint"``, and ``"[Callback]"``, ``"[LightningModule]"``, ``"[LightningDataModule]"`` hooks.
 """
@@ -235,6 +237,15 @@ def attach_data(trainer: Any, module: Any, datamodule: Any = None) -> None:
 
 SAVE_CHECKPOINT_ACTION, TRAINING_BATCH_ACTION = "save_checkpoint", "run_training_batch"  # a save; a whole step
 EPOCH_END_HOOKS = "on_advance_end"  #: the fit loop's method that calls the training epoch's end hooks
+BEFORE_FETCH = "_on_before_fetch"  #: the training epoch loop's method its fetcher calls before each ``next()``
+
+
+def step_completed(trainer: Any) -> bool:
+    """Whether the last training step started ran to its end (``on_train_batch_start`` did not return ``-1``)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return bool(progress.completed == progress.ready)
+
+
 #: hook actions are ``"<prefix><owner>.<hook>"``: a callback's state key, a module's or datamodule's class
 CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION = "[Callback]", "[LightningModule]", "[LightningDataModule]"
 HOOK_ACTION_PREFIXES = (CALLBACK_ACTION, MODULE_ACTION, DATAMODULE_ACTION)

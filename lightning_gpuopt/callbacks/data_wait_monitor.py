@@ -4,8 +4,9 @@ Each training step is split into data wait, transfer, compute and other host wor
 device events give GPU idle time and NVML the utilisation. At the end of ``fit`` the ranks' totals are all-gathered
 and every rank builds the same ``DataWaitReport`` (``core.diagnosis``); rank 0 logs it and writes it to
 ``gpuopt_report.json``. Steps :data:`SAMPLE_EVERY` says are timed part by part, fetch to fetch (the fetch, the copy
-to the device, ``training_step``, the hooks); in the others the profiler tap is out of the profiler's path and the
-clock notes the step's start and end (the data wait is estimated from the gap): see docs/data-wait-monitor.md.
+to the device, ``training_step``, the hooks). Off CUDA, in the others the profiler tap is out of the profiler's path
+and neither batch hook is called: the clock notes the fetch's start and end (the compute is estimated from the rest
+of the step): see docs/data-wait-monitor.md.
 
 Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
 
@@ -123,6 +124,7 @@ class DataWaitMonitor(Callback):
         #: where rank 0 wrote the JSON report: a ``Path``, or a URL string
         self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
+        self._hooks_on = True  # on_train_batch_start/end: None on the instance in noted steps
         self._reset_run_state()
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
@@ -135,7 +137,7 @@ class DataWaitMonitor(Callback):
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
         self._steps_ended = self._next_log_check = self._sampled_steps = 0  # the clock's counts lag while it has notes
-        self._in_validation = self._pulls = self._every_fetch = False
+        self._in_validation = self._pulls = self._every_fetch = self._noting = self._step_open = False
         self._sampled = self._next_sampled = True
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
@@ -195,6 +197,11 @@ class DataWaitMonitor(Callback):
 
         def tapped(call: Any, saves: bool = False) -> Any:  # a save, the epoch's end hooks: the tap back in first
             def in_path(*args: Any, **kwargs: Any) -> Any:
+                if self._step_open and not saves:  # the epoch's last step ends here (unless it ended by -1)
+                    self._step_open = False
+                    if compat.step_completed(trainer):
+                        clock.note_boundary()
+                        self._ended(trainer, clock, self._sampled)
                 unseen = _profiler_tap.bypass(trainer, self._tap)  # a step left it: the hook running began unseen
                 try:
                     return call(*args, **kwargs)
@@ -206,8 +213,7 @@ class DataWaitMonitor(Callback):
 
         wrappers = ((val_loop, "run", timed_run), (trainer, "save_checkpoint", tapped(save, saves=True)))
         for owner, name, wrapper in (*wrappers, (trainer.fit_loop, compat.EPOCH_END_HOOKS, tapped(epoch_end))):
-            setattr(owner, name, wrapper)  # on the instance; _restore deletes it
-            self._wrappers[owner, name] = wrapper
+            self._wrap(owner, name, wrapper)
 
     def _on_action(self, action: str, seconds: float) -> None:
         for probe in self._action_probes:  # on every action the tap times: no _call_probes (a list, a getattr)
@@ -234,6 +240,7 @@ class DataWaitMonitor(Callback):
         rank_zero_warn(f"DataWaitMonitor: the {type(probe).__name__} check failed and was skipped: {error!r}")
 
     def _restore(self, trainer: Trainer) -> None:
+        self._batch_hooks(on=True)
         _profiler_tap.uninstall(trainer, self._tap)
         self._tap = None
         for (owner, name), wrapper in self._wrappers.items():
@@ -278,21 +285,66 @@ class DataWaitMonitor(Callback):
                 self._nvml_uuid = card.uuid
         self._pulls = "dataloader_iter" in inspect.signature(pl_module.training_step).parameters  # fetches in it
         self._every_fetch = self._pulls or self._gpu is not None  # timed: a fetch in a step; the copy's start
+        if not self._every_fetch:
+            self._note_fetches(trainer, self._clock)
         self._call_probes("fit_start", trainer, pl_module)
+
+    def _note_fetches(self, trainer: Trainer, clock: StepClock) -> None:
+        """Wrap, on the instances, the training fetch's start and the batch's first use after it: in steps not
+        sampled they note the step's boundary and its fetched batch (no hook of ours is called then)."""
+        loop = trainer.fit_loop.epoch_loop
+        before_fetch = getattr(loop, compat.BEFORE_FETCH)
+
+        def fetch_starts() -> None:  # the step open ends: noted, or sampled and ended by its compute
+            if self._step_open or not self._next_sampled:
+                clock.note_boundary()
+            if self._step_open:
+                self._step_open = False
+                if self._ended(trainer, clock, self._sampled):  # logged: the fetch starts after it
+                    clock.note_boundary()
+            self._noting = not self._next_sampled
+            self._batch_hooks(on=self._next_sampled)
+            _profiler_tap.bypass(trainer, self._tap, out=self._noting)
+            plugin = trainer.precision_plugin  # a callback may have swapped it
+            if self._noting and (plugin, "convert_input") not in self._wrappers:
+                self._wrap(plugin, "convert_input", fetched(plugin.convert_input))
+            before_fetch()
+
+        def fetched(convert_input: Any) -> Any:
+            def convert(batch: Any) -> Any:  # also validation's: noted only just after a noted step's fetch
+                if self._noting:
+                    self._noting, self._step_open, self._sampled = False, True, False
+                    clock.note_fetched(self._samples(batch))
+                return convert_input(batch)
+
+            return convert
+
+        self._wrap(loop, compat.BEFORE_FETCH, fetch_starts)
+
+    def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
+        setattr(owner, name, wrapper)  # on the instance; _restore deletes it
+        self._wrappers[owner, name] = wrapper
+
+    def _batch_hooks(self, on: bool) -> None:
+        """Our batch hooks as the class has them, or ``None`` on the instance (Lightning then skips them)."""
+        if on != self._hooks_on:
+            self._hooks_on = on
+            for name in ("on_train_batch_start", "on_train_batch_end"):
+                vars(self).pop(name) if on else setattr(self, name, None)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
             self._clock.epoch_start()
+            self._step_open = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
             return
         if self._probes and self._steps_ended in PROBE_STEPS:
             self._call_probes("step_start", trainer, pl_module, batch, self._steps_ended)
-        if self._gpu is not None:  # its device events need the step's start settled
-            self._gpu.step_start(self._clock.step_start())
-        else:  # this runs every step: the clock settles it later (a list append now)
-            self._clock.note_start()
+        start = self._clock.step_start()  # every step on CUDA and with dataloader_iter, else the sampled ones
+        if self._gpu is not None:
+            self._gpu.step_start(start)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -300,34 +352,48 @@ class DataWaitMonitor(Callback):
         clock = self._clock
         if clock is None:
             return
-        step = self._steps_ended
-        self._steps_ended, self._sampled_steps = step + 1, self._sampled_steps + self._sampled
-        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
-        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
-        samples = samples or (self._settings.batch_size if self._settings else None) or 0  # opaque: the loader's
-        if self._gpu is not None:  # every step settled: no time of ours between its steps (the GPU-idle gaps)
-            clock.step_end(samples)
-            self._gpu.step_end()
+        if not self._every_fetch:  # the step ends at the next fetch's start, as noted steps do
+            clock.compute_end(self._samples(batch))
+            self._step_open = True
         else:
-            clock.note_end(samples)
-        if self._probes and step in PROBE_STEPS:
-            self._call_probes("step_end", trainer, pl_module, batch, step)
-        if step + 1 >= self._next_log_check:
-            self._log_when_due(trainer, clock)
-        self._next_sampled = step + 1 >= self._next_sample  # the fetch to fetch of the next step is timed
-        if self._next_sampled:  # the first warmup_steps + HOOK_SAMPLED_FIRST, then one in SAMPLE_EVERY at random
-            always = step + 2 < self.warmup_steps + HOOK_SAMPLED_FIRST
-            self._next_sample = step + 1 + (1 if always else self._gaps.randint(1, 2 * SAMPLE_EVERY - 1))
-        if self._next_sampled or self._every_fetch:  # else the tap stays out (the next fetch is estimated)
+            clock.step_end(self._samples(batch))
+        if self._gpu is not None:
+            self._gpu.step_end()
+        if self._probes and self._steps_ended in PROBE_STEPS:
+            self._call_probes("step_end", trainer, pl_module, batch, self._steps_ended)
+        if self._every_fetch:
+            self._ended(trainer, clock, self._sampled)
             _profiler_tap.bypass(trainer, self._tap)
 
-    def _log_when_due(self, trainer: Trainer, clock: StepClock) -> None:
-        """Log the window if ``log_every`` more steps were measured; check again when that can first happen."""
+    def _samples(self, batch: Any) -> int:
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch  # the common case, not recursing
+        samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else batch_samples(batch)
+        return samples or (self._settings.batch_size if self._settings else None) or 0  # opaque: the loader's
+
+    def _ended(self, trainer: Trainer, clock: StepClock, sampled: bool) -> bool:
+        """A step ended: count it, log when due (whether it did), and choose whether the next is sampled: the first
+        warmup_steps + HOOK_SAMPLED_FIRST, the probes' steps, then one in SAMPLE_EVERY at random."""
+        step = self._steps_ended = self._steps_ended + 1
+        self._sampled_steps += sampled
+        logged = step >= self._next_log_check and self._log_when_due(trainer, clock)
+        self._next_sampled = step >= self._next_sample  # the fetch to fetch of the next step is timed
+        if self._next_sampled:
+            always = step + 1 < self.warmup_steps + HOOK_SAMPLED_FIRST
+            self._next_sample = step + (1 if always else self._gaps.randint(1, 2 * SAMPLE_EVERY - 1))
+        self._next_sampled |= bool(self._probes) and step in PROBE_STEPS
+        return logged
+
+    def _log_when_due(self, trainer: Trainer, clock: StepClock) -> bool:
+        """Log the window if ``log_every`` more steps were measured (whether it did; its time kept out of the steps);
+        check again when that can first happen."""
         clock.settle()
-        if clock.measured_steps >= self._next_log:
+        due, started = clock.measured_steps >= self._next_log, time.perf_counter()
+        if due:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
+            clock.add_excluded("monitor", time.perf_counter() - started)
         self._next_log_check = self._steps_ended + self._next_log - clock.measured_steps
+        return due
 
     def _log_window(self, trainer: Trainer, win: StepTotals) -> None:
         parts = ("data_wait", "transfer", "compute", "other")

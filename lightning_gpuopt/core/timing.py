@@ -180,9 +180,10 @@ class StepClock:
     transfer and forward are the mean of the steps they were timed in, the data wait the gap between the previous
     step's end and this one's start less the mean of that gap's rest (transfer, hooks) in the steps it was timed in.
 
-    :meth:`note_start` and :meth:`note_end` are :meth:`step_start` and :meth:`step_end` for a hot path: they only note
-    the time, and every other call first settles what was noted, in order (``steps_seen``, ``measured_steps`` and
-    :attr:`series` lag until then, or :meth:`settle`)."""
+    A hot path notes steps instead, from their fetch: :meth:`note_boundary` (the open step ends, the next fetch
+    starts) and :meth:`note_fetched` (its step starts). Such a step's data wait is its fetch; its compute, the rest of
+    its time less the mean rest of the timed steps. Noting only appends the time: every other call first settles the
+    notes, in order (``steps_seen``, ``measured_steps`` and :attr:`series` lag until then, or :meth:`settle`)."""
 
     def __init__(self, warmup_steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "warmup_steps=3")
@@ -200,28 +201,33 @@ class StepClock:
         self._measuring_step = False
         # over the measured steps each was timed in: the gap before the step less its fetch; the fetch, its CPU time
         self._rest, self._fetch, self._fetch_cpu, self._transfer, self._forward = (_Mean() for _ in range(5))
-        self._notes: list[float] = []  # each noted step start's time; each end's time and samples
+        self._notes: list[Any] = []  # each boundary's time; each fetched batch's (time, samples)
+        self._fetch_started_at: Optional[float] = None
+        self._fetch_s: Optional[float] = None
+        self._compute_s: Optional[float] = None  # step start to end; None: noted
+        self._noted_samples = 0
         self._clear_pending()
 
-    def note_start(self) -> None:
+    def note_boundary(self) -> None:
         self._notes.append(self._clock())
 
-    def note_end(self, samples: int) -> None:
-        self._notes += (self._clock(), samples)
+    def note_fetched(self, samples: int) -> None:
+        self._notes.append((self._clock(), samples))
 
     def settle(self) -> None:
-        """Run the noted step starts and ends, in order, as :meth:`step_start` and :meth:`step_end` would have; the
-        time this takes is the monitor's, kept out of the step it falls in (as ``excluded_s["monitor"]``)."""
+        """Run the notes, in order; the time this takes is the monitor's, kept out of the step it falls in (as
+        ``excluded_s["monitor"]``)."""
         if not self._notes:
             return
-        notes, self._notes, index, started = self._notes, [], 0, self._clock()
-        while index < len(notes):
-            if self._step_started_at is None:
-                self._start_at(notes[index])
-                index += 1
+        notes, self._notes, started = self._notes, [], self._clock()
+        for note in notes:
+            if type(note) is tuple:  # the fetch since the boundary: the step starts
+                fetched_at, self._noted_samples = note
+                self._fetch_s = fetched_at - self._fetch_started_at if self._fetch_started_at is not None else None
+                self._start_at(fetched_at)
             else:
-                self._end_at(notes[index], int(notes[index + 1]))
-                index += 2
+                self._end_at(note, self._noted_samples)
+                self._fetch_started_at = note
         self.add_excluded("monitor", self._clock() - started)
 
     def epoch_start(self) -> None:
@@ -230,12 +236,13 @@ class StepClock:
         self.epochs_seen += 1
         self._epoch_started_at = self._clock()
         self._train_started_at = self._train_started_at or self._epoch_started_at
-        self._last_end = self._step_started_at = None  # a step started and never ended (-1 from a hook) is dropped
+        # a step started and never ended (-1 from a hook) is dropped
+        self._last_end = self._step_started_at = self._fetch_started_at = None
         self._clear_pending()
 
     def _clear_pending(self) -> None:
         self._fetch_cpu_s = self._excluded_s = 0.0
-        self._fetch_s: Optional[float] = None
+        self._fetch_s = self._compute_s = None
         self._forward_s: Optional[float] = None
         self._transfer_s: Optional[float] = None
 
@@ -271,21 +278,28 @@ class StepClock:
         self._measuring_step = not first_in_epoch and self.steps_seen >= self.warmup_steps
 
     def step_end(self, samples: int) -> None:
+        self._end_at(self.compute_end(samples), samples)
+
+    def compute_end(self, samples: int) -> float:
+        """The step's compute ends (now: returned); the step, at the next :meth:`note_boundary` (or :meth:`step_end`)."""
         self.settle()
-        self._end_at(self._clock(), samples)
+        now = self._clock()
+        if self._step_started_at is not None:
+            self._compute_s, self._noted_samples = now - self._step_started_at, samples
+        return now
 
     def _end_at(self, now: float, samples: int) -> None:
         if self._step_started_at is None:  # a step that started before we were attached
             return
         if self._measuring_step and self._last_end is not None:
-            compute_s = now - self._step_started_at
-            wall_s = max(now - self._last_end - self._excluded_s, compute_s)
-            fetch_s, cpu_s = self._fetch_s, self._fetch_cpu_s  # each timed in this step, else estimated
-            if fetch_s is not None:
+            fetch_s, compute_s, cpu_s = self._fetch_s, self._compute_s, self._fetch_cpu_s  # timed, else estimated
+            wall_s = max(now - self._last_end - self._excluded_s, compute_s or 0.0)
+            if fetch_s is not None and compute_s is not None:
                 self._rest.add(wall_s - compute_s - self._fetch.add(fetch_s))
                 self._fetch_cpu.add(cpu_s)
             else:
-                fetch_s = max(0.0, wall_s - compute_s - self._rest.mean)
+                fetch_s = max(0.0, wall_s - (compute_s or 0.0) - self._rest.mean) if fetch_s is None else fetch_s
+                compute_s = max(0.0, wall_s - fetch_s - self._rest.mean) if compute_s is None else compute_s
                 cpu_s = fetch_s * self._fetch_cpu.total / self._fetch.total if self._fetch.total > 0 else 0.0
             transfer_s = self._transfer.mean if self._transfer_s is None else self._transfer.add(self._transfer_s)
             if self._forward_s is not None:
