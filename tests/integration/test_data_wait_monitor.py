@@ -19,8 +19,10 @@ from helpers import (
     preloaded_dataset,
     quiet_trainer,
 )
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.profilers import SimpleProfiler
 from models_users import DataloaderIterModule
 from torch.utils.data import DataLoader
@@ -253,6 +255,54 @@ def test_the_data_wait_of_a_step_the_tap_left_is_the_gap_before_it_less_the_samp
     assert statistics.median(wait for wait, _ in slow) == pytest.approx(statistics.median(t for _, t in slow), rel=0.1)
     assert statistics.median(wait for wait, _ in fast) < 0.001
     assert sum(timeline.data_wait_s) >= 0.9 * sum(truth[1:120])
+
+
+class SwapsPrecisionPlugin(Callback):
+    """Gives the strategy a new precision plugin at step ``at`` (as a callback that changes precision does)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            trainer.strategy.precision_plugin = Precision()
+
+
+class FailsAt(SeesProfiler):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 90:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def _ours_left(trainer: Any, monitor: DataWaitMonitor) -> set[str]:
+    """Our functions still on Lightning's objects or the monitor's hooks still set aside on it."""
+    owners = {"monitor": monitor, "epoch loop": trainer.fit_loop.epoch_loop, "plugin": trainer.precision_plugin}
+    names = ("on_train_batch_start", "on_train_batch_end", "_on_before_fetch", "convert_input")
+    return {f"{owner}.{name}" for owner, obj in owners.items() for name in names if name in vars(obj)}
+
+
+def test_lightning_calls_no_hook_of_the_monitor_in_steps_not_sampled_and_every_step_is_measured(tmp_path):
+    profiler, model = SimpleProfiler(), SeesProfiler()
+    monitor, loader = DataWaitMonitor(warmup_steps=1, verbose=False), TimedLoader(EveryFifthBatchSlow(8 * 120), 8)
+    trainer = quiet_trainer(tmp_path, [monitor, SwapsPrecisionPlugin(at=60)], max_steps=120, profiler=profiler)
+    trainer.fit(model, loader)
+
+    starts = profiler.recorded_durations[f"[Callback]{monitor.state_key}.on_train_batch_start"]
+    assert len(starts) == sum(model.tapped) < 30  # the sampled steps' only (the tap in the path of their step)
+    timeline = monitor.report.timeline  # every step but the first measured, the plugin's swap notwithstanding
+    assert timeline.step == list(range(1, 120)) and monitor.report.totals.steps == 119
+    excess = [wait - truth for wait, truth in zip(timeline.data_wait_s, loader.fetch_s[1:120])]  # each step's fetch
+    assert min(excess) >= 0 and statistics.median(excess) < 0.0005  # around the loader's own stopwatch
+    assert not _ours_left(trainer, monitor)
+
+
+def test_a_run_stopped_in_a_noted_step_leaves_nothing_of_the_monitor_behind(tmp_path):
+    model, monitor = FailsAt(), DataWaitMonitor(warmup_steps=1, verbose=False)
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=120)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        trainer.fit(model, DataLoader(preloaded_dataset(8 * 120, 32), batch_size=8))
+    assert not model.tapped[-1] and not _ours_left(trainer, monitor)  # it stopped in a step not sampled
 
 
 def test_a_save_inside_a_step_the_tap_left_is_timed_and_counted_like_any_other(tmp_path):
