@@ -10,7 +10,7 @@ import gc
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
@@ -314,11 +314,11 @@ def objects_set_aside() -> Iterator[None]:
         gc.unfreeze()
 
 
+@dataclass
 class HostEvent:
     """A timing event on the host clock: the device clock of the simulated card (its ops run on the host)."""
 
-    def __init__(self) -> None:
-        self.time_s = time.perf_counter()
+    time_s: float = field(default_factory=time.perf_counter)
 
     def query(self) -> bool:
         return True

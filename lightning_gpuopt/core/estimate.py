@@ -243,12 +243,10 @@ class StepEstimator:
         cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
-            existing, params = (step.module, fake_batch), list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
-            with (
-                mode,
-                WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas) as tracker,
-            ):
+            existing, params = (step.module, fake_batch), list(step.module.parameters())
+            tracker = WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas)
+            with mode, tracker:
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes
                     for param in params:
@@ -307,13 +305,11 @@ class StepEstimator:
             at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
             calls = f"{profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace sees"
             probe = f"a real forward and backward pass on the host{at} ({calls}, {profile.seconds:.2f} s)"
-            notes.append(
-                f"kernel workspaces learned from {probe}: {at_batch.workspace_bytes} bytes of the predicted peak"
-            )
+            share = f"{at_batch.workspace_bytes} bytes of the predicted peak"
+            notes.append(f"kernel workspaces learned from {probe}: {share}")
         if n > 1:
-            notes.append(
-                f"traced accumulating {n} micro-batches per optimizer step: the gradients of earlier micro-batches are alive through the next forward and backward pass"
-            )
+            alive = "the gradients of earlier micro-batches are alive through the next forward and backward pass"
+            notes.append(f"traced accumulating {n} micro-batches per optimizer step: {alive}")
         if step.manual_step is not None:
             whole = "the whole training_step (from batch_idx 0 until every optimizer stepped), its backward passes"
             notes.append(

@@ -53,14 +53,13 @@ class _Stats:
         return self.util_sum / self.util_samples if self.util_samples else None
 
 
-_NO_OVERRIDE = object()
-_override: Any = _NO_OVERRIDE
+_overrides: list[Any] = []  #: the libraries :func:`using_nvml_library` installed, the innermost last
 
 
 def nvml_library() -> Any:
     """What :func:`using_nvml_library` installed, else ``pynvml`` (``None`` when it is not installed)."""
-    if _override is not _NO_OVERRIDE:
-        return _override
+    if _overrides:
+        return _overrides[-1]
     with contextlib.suppress(ImportError):  # nvidia-ml-py is a dependency, but be forgiving in odd environments
         import pynvml
 
@@ -71,12 +70,11 @@ def nvml_library() -> Any:
 @contextlib.contextmanager
 def using_nvml_library(library: Any) -> Iterator[Any]:
     """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest)."""
-    global _override
-    previous, _override = _override, library
+    _overrides.append(library)
     try:
         yield library
     finally:
-        _override = previous
+        _overrides.pop()
 
 
 @contextlib.contextmanager
