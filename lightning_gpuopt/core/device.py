@@ -126,8 +126,7 @@ class Device:
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
         """Free memory plus what torch holds (a card: all it reserved; the host: the storages of ``existing``)."""
-        reserved = self.reserved_memory()
-        if reserved is not None:
+        if (reserved := self.reserved_memory()) is not None:
             return self.free_memory() + reserved
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 

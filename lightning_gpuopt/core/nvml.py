@@ -238,10 +238,9 @@ def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
         memory = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
     except (lib.NVMLError, AttributeError, TypeError):  # a driver or nvidia-ml-py without it
         memory = lib.nvmlDeviceGetMemoryInfo(handle)
-    try:
-        util: Optional[int] = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except lib.NVMLError:
-        util = None
+    util: Optional[int] = None
+    with contextlib.suppress(lib.NVMLError):
+        util = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
     return util, int(memory.used), int(memory.total)
 
 
@@ -249,10 +248,9 @@ def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
     """The processes computing on the device (its MIG instances' included): ``pid``, ``name``, ``memory_bytes``."""
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
-        try:
+        name = "?"
+        with contextlib.suppress(lib.NVMLError):
             name = os.path.basename(str(lib.nvmlSystemGetProcessName(process.pid)))
-        except lib.NVMLError:
-            name = "?"
         used = getattr(process, "usedGpuMemory", None)
         processes.append({"pid": int(process.pid), "name": name, "memory_bytes": None if used is None else int(used)})
     return processes
