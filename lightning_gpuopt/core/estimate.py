@@ -165,9 +165,8 @@ class StepEstimator:
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
             uses = "torchinfo's figures" if summary else "parameters, gradients, optimizer state and the batch only"
-            notes.append(
-                f"the training step could not be traced on fake tensors ({reason}); the estimate uses {uses} and is less accurate"
-            )
+            failed = f"the training step could not be traced on fake tensors ({reason})"
+            notes.append(f"{failed}; the estimate uses {uses} and is less accurate")
             estimate = replace(self._fallback(summary), not_traced_reason=reason)
         if summary is not None:
             info, seconds = summary  # "Estimated Total Size": input, forward/backward pass and parameters
@@ -238,6 +237,7 @@ class StepEstimator:
         """The step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and
         optimizer state, with the learned workspaces; on a card its allocations go to :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
+        size = batch_size or step.batch_size
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
@@ -260,12 +260,10 @@ class StepEstimator:
                 sized = functools.partial(storage_bytes, granularity=granularity)
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
-                if tracker.sizes is not None and (size := batch_size or step.batch_size):
+                if tracker.sizes is not None and size:
                     self.allocations[size] = AllocationTrace(tuple(tracker.sizes), tuple(tracker.events), tracker.step)
         seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
-        return _estimate_of(
-            batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds
-        )
+        return _estimate_of(size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds)
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
