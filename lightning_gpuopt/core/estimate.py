@@ -511,8 +511,7 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
             with mode, context():  # device=None: torchinfo moves neither model nor input
                 statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
-        start = time.perf_counter()
-        real_input = _resized(forward_input, size, step.batch_size, None)
+        start, real_input = time.perf_counter(), _resized(forward_input, size, step.batch_size, None)
         with restored_attributes(module), eager(), context():
             statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
     return statistics, time.perf_counter() - start

@@ -97,8 +97,7 @@ def _slice(batch: Any, start: int, stop: int, batch_size: int) -> Any:
         return batch[start:stop]
     if isinstance(batch, dict):
         return type(batch)((key, _slice(value, start, stop, batch_size)) for key, value in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_slice(value, start, stop, batch_size) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(value, start, stop, batch_size) for value in batch)
+        parts = [_slice(value, start, stop, batch_size) for value in batch]  # a named tuple takes them as arguments
+        return type(batch)(*parts) if isinstance(batch, tuple) and hasattr(batch, "_fields") else type(batch)(parts)
     return batch
