@@ -40,8 +40,7 @@ class OomAdaptation:
     old_micro_batch_size: int
     new_micro_batch_size: int
     sample_elements: int  # the new limit holds for samples at least this large
-    #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
-    reason: str
+    reason: str  #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
 
 
 @dataclass
