@@ -257,8 +257,7 @@ def _batch_and_loss(module: Any, args: argparse.Namespace, setup: EstimateSetup,
         batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
         setup.batch_source = f"random {args.dtype} tensors of size {' and '.join(args.input_size)} (--input-size)"
         return batch, _stand_in_loss_fn(module, setup), batch, None
-    found = _loader_batch(module, args.batch_size, setup, datamodule)
-    if found is not None:
+    if (found := _loader_batch(module, args.batch_size, setup, datamodule)) is not None:
         return found
     example = getattr(module, "example_input_array", None)
     if example is None:

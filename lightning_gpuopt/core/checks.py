@@ -57,9 +57,8 @@ def check_bool(name: str, value: Any, example: str, allow_none: bool = False) ->
         return None
     if not isinstance(value, bool):
         none = " (or None)" if allow_none else ""
-        raise ValueError(
-            f"`{name}` must be True or False{none}, got {value!r} (a {type(value).__name__}); e.g. {example}."
-        )
+        got = f"{value!r} (a {type(value).__name__})"
+        raise ValueError(f"`{name}` must be True or False{none}, got {got}; e.g. {example}.")
     return value
 
 

@@ -10,7 +10,7 @@ import gc
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
@@ -126,8 +126,7 @@ class Device:
 
     def usable_memory(self, existing: Iterable[Any] = ()) -> int:
         """Free memory plus what torch holds (a card: all it reserved; the host: the storages of ``existing``)."""
-        reserved = self.reserved_memory()
-        if reserved is not None:
+        if (reserved := self.reserved_memory()) is not None:
             return self.free_memory() + reserved
         return min(self.free_memory() + storage_bytes(*existing), self.total_memory())
 
@@ -314,11 +313,11 @@ def objects_set_aside() -> Iterator[None]:
         gc.unfreeze()
 
 
+@dataclass
 class HostEvent:
     """A timing event on the host clock: the device clock of the simulated card (its ops run on the host)."""
 
-    def __init__(self) -> None:
-        self.time_s = time.perf_counter()
+    time_s: float = field(default_factory=time.perf_counter)
 
     def query(self) -> bool:
         return True

@@ -89,8 +89,7 @@ def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str:
     of its major), "ptx" (JIT-compiled from PTX at start-up) or "none"."""
     native = ptx = False
     for arch in arch_list:
-        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-        if match is not None:
+        if (match := re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)) is not None:
             kind, built = match.group(1), (int(match.group(2)), int(match.group(3)))
             family = built[0] == capability[0] and not arch.endswith(("a", "f"))
             native |= kind == "sm" and family and built <= capability
@@ -328,8 +327,7 @@ def torch_blas(config: str) -> str:
     >>> torch_blas("Build settings: BLAS_INFO=open, USE_MKL=OFF"), torch_blas("USE_MKL=ON"), torch_blas("nothing")
     ('OpenBLAS', 'MKL', 'none')
     """
-    match = re.search(r"BLAS_INFO=(\w+)", config)
-    if match:
+    if match := re.search(r"BLAS_INFO=(\w+)", config):
         return _BLAS_NAMES.get(match.group(1).lower(), match.group(1))
     return "MKL" if "USE_MKL=ON" in config else "none"
 

@@ -165,9 +165,8 @@ class StepEstimator:
         except Exception as error:  # noqa: BLE001 - any failure of the trace means: fall back
             reason = _first_line(error)
             uses = "torchinfo's figures" if summary else "parameters, gradients, optimizer state and the batch only"
-            notes.append(
-                f"the training step could not be traced on fake tensors ({reason}); the estimate uses {uses} and is less accurate"
-            )
+            failed = f"the training step could not be traced on fake tensors ({reason})"
+            notes.append(f"{failed}; the estimate uses {uses} and is less accurate")
             estimate = replace(self._fallback(summary), not_traced_reason=reason)
         if summary is not None:
             info, seconds = summary  # "Estimated Total Size": input, forward/backward pass and parameters
@@ -238,17 +237,16 @@ class StepEstimator:
         """The step at ``batch_size`` (default: the step's) on fake tensors after a first one's gradients and
         optimizer state, with the learned workspaces; on a card its allocations go to :attr:`allocations`."""
         step, start, profile = self.step, time.perf_counter(), self.workspaces
+        size = batch_size or step.batch_size
         granularity = CUDA_ALLOCATION_GRANULARITY if self.card.is_cuda else 1
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         cublas = self.card.capabilities.cublas_workspace_bytes if self.card.is_cuda else None  # recorded on a card
         with _twinned(step.module, mode.from_tensor, FAKE_KERNEL_LOGGERS) as twin_of:
             fake_batch = _resized(step.batch, step.batch_size, batch_size, mode)
-            existing, params = (step.module, fake_batch), list(step.module.parameters())
             learned = profile if profile is not None and profile.learned else None
-            with (
-                mode,
-                WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas) as tracker,
-            ):
+            existing, params = (step.module, fake_batch), list(step.module.parameters())
+            tracker = WorkspaceTracker(learned, existing=existing, granularity=granularity, cublas_bytes=cublas)
+            with mode, tracker:
                 optimizers = [_twin_optimizer(optimizer, twin_of) for optimizer in step.optimizers]
                 if step.manual_step is None:  # a first step's gradients and optimizer state (zeros), not its passes
                     for param in params:
@@ -262,12 +260,10 @@ class StepEstimator:
                 sized = functools.partial(storage_bytes, granularity=granularity)
                 grads, buffers = [p.grad for p in params if p.grad is not None], list(step.module.buffers())
                 held = sized(params), sized(buffers), sized(grads), sized(optimizers), sized(fake_batch)
-                if tracker.sizes is not None and (size := batch_size or step.batch_size):
+                if tracker.sizes is not None and size:
                     self.allocations[size] = AllocationTrace(tuple(tracker.sizes), tuple(tracker.events), tracker.step)
         seconds, workspaces = time.perf_counter() - start, tracker.workspace_bytes_at_peak
-        return _estimate_of(
-            batch_size or step.batch_size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds
-        )
+        return _estimate_of(size, tracker.peak_bytes, held, workspace_bytes=workspaces, trace_seconds=seconds)
 
     @functools.cached_property
     def workspaces(self) -> WorkspaceProfile | None:
@@ -307,13 +303,11 @@ class StepEstimator:
             at = "" if profile.batch_size is None else f" at batch size {profile.batch_size}"
             calls = f"{profile.workspace_calls} of {len(profile.calls)} op calls allocate more than the fake trace sees"
             probe = f"a real forward and backward pass on the host{at} ({calls}, {profile.seconds:.2f} s)"
-            notes.append(
-                f"kernel workspaces learned from {probe}: {at_batch.workspace_bytes} bytes of the predicted peak"
-            )
+            share = f"{at_batch.workspace_bytes} bytes of the predicted peak"
+            notes.append(f"kernel workspaces learned from {probe}: {share}")
         if n > 1:
-            notes.append(
-                f"traced accumulating {n} micro-batches per optimizer step: the gradients of earlier micro-batches are alive through the next forward and backward pass"
-            )
+            alive = "the gradients of earlier micro-batches are alive through the next forward and backward pass"
+            notes.append(f"traced accumulating {n} micro-batches per optimizer step: {alive}")
         if step.manual_step is not None:
             whole = "the whole training_step (from batch_idx 0 until every optimizer stepped), its backward passes"
             notes.append(
@@ -517,8 +511,7 @@ def _torchinfo_summary(step: TrainingStep) -> tuple[torchinfo.ModelStatistics, f
             with mode, context():  # device=None: torchinfo moves neither model nor input
                 statistics = torchinfo.summary(module, input_data=fake_input, device=None, verbose=0)
     except Exception:  # noqa: BLE001 - any failure on fake tensors: use real ones
-        start = time.perf_counter()
-        real_input = _resized(forward_input, size, step.batch_size, None)
+        start, real_input = time.perf_counter(), _resized(forward_input, size, step.batch_size, None)
         with restored_attributes(module), eager(), context():
             statistics = torchinfo.summary(module, input_data=real_input, device=_module_device(module), verbose=0)
     return statistics, time.perf_counter() - start

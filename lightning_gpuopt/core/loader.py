@@ -129,11 +129,10 @@ def cgroup_cpu_quota() -> Optional[float]:
     with contextlib.suppress(OSError, ValueError):
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota_us, period_us = (int((cgroup / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
         return None if quota_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def usable_cpu_count(within_quota: bool = True) -> int:
@@ -153,11 +152,10 @@ def _child_pids() -> Optional[set[int]]:
 
 def _scheduled_seconds(paths: list[str]) -> Optional[tuple[float, float]]:
     """(seconds on a CPU, seconds in a run queue) summed over ``schedstat`` files (Linux; psutil lacks the wait)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         rows = [Path(path).read_text().split() for path in paths]
         return sum(int(row[0]) for row in rows) / 1e9, sum(int(row[1]) for row in rows) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
+    return None
 
 
 def _cpu_fraction(cpu_s: float, waiting_s: float, workers: int, elapsed_s: float) -> float:
@@ -218,8 +216,7 @@ def time_loader(
             if (fetched >= wanted and spent >= min_seconds) or (fetched >= fill + 2 and spent > max_seconds):
                 break
             # judged from the first batch on: a slow start is timed apart, and persistent workers pay it once
-            stopped_early = give_up_after_s is not None and now - first_ready > give_up_after_s(fetched)
-            if stopped_early:
+            if stopped_early := give_up_after_s is not None and now - first_ready > give_up_after_s(fetched):
                 break
     finally:
         ended = time.perf_counter()
@@ -229,8 +226,7 @@ def time_loader(
             scheduled = _scheduled_seconds([f"/proc/{pid}/schedstat" for pid in children - children_before])
         # joined workers count in RUSAGE_CHILDREN; torch leaves its queue feeder threads running, and one alive
         # at the next fork() can hold a lock the new worker inherits locked: that worker deadlocks
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
+        if (shutdown := getattr(iterator, "_shutdown_workers", None)) is not None:
             shutdown()
         deadline = time.monotonic() + 5.0
         for thread in set(threading.enumerate()) - threads_before:
@@ -273,8 +269,7 @@ def tune_loader(
     grown = 1 + tolerance
 
     def best() -> Optional[LoaderTiming]:
-        finished = [t for t in timings if not t.stopped_early]
-        return max(finished, key=lambda t: t.samples_per_second) if finished else None
+        return max((t for t in timings if not t.stopped_early), key=lambda t: t.samples_per_second, default=None)
 
     def give_up(fetched: int) -> float:
         leader = best()
@@ -339,9 +334,7 @@ def tune_loader(
 
 def _faster(kept: LoaderTiming, timing: LoaderTiming) -> LoaderTiming:
     """Of two timings of one setting, the less disturbed: a finished one, then the faster."""
-    if kept.stopped_early != timing.stopped_early:
-        return kept if timing.stopped_early else timing
-    return timing if timing.samples_per_second > kept.samples_per_second else kept
+    return max(kept, timing, key=lambda t: (not t.stopped_early, t.samples_per_second))  # a tie keeps ``kept``
 
 
 def _fastest_each(timings: list[LoaderTiming]) -> list[LoaderTiming]:

@@ -53,14 +53,13 @@ class _Stats:
         return self.util_sum / self.util_samples if self.util_samples else None
 
 
-_NO_OVERRIDE = object()
-_override: Any = _NO_OVERRIDE
+_overrides: list[Any] = []  #: the libraries :func:`using_nvml_library` installed, the innermost last
 
 
 def nvml_library() -> Any:
     """What :func:`using_nvml_library` installed, else ``pynvml`` (``None`` when it is not installed)."""
-    if _override is not _NO_OVERRIDE:
-        return _override
+    if _overrides:
+        return _overrides[-1]
     with contextlib.suppress(ImportError):  # nvidia-ml-py is a dependency, but be forgiving in odd environments
         import pynvml
 
@@ -71,12 +70,11 @@ def nvml_library() -> Any:
 @contextlib.contextmanager
 def using_nvml_library(library: Any) -> Iterator[Any]:
     """Make :func:`nvml_library` return ``library`` inside the block (process-wide; blocks nest)."""
-    global _override
-    previous, _override = _override, library
+    _overrides.append(library)
     try:
         yield library
     finally:
-        _override = previous
+        _overrides.pop()
 
 
 @contextlib.contextmanager
@@ -240,10 +238,9 @@ def read_usage(lib: Any, handle: Any) -> tuple[Optional[int], int, int]:
         memory = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
     except (lib.NVMLError, AttributeError, TypeError):  # a driver or nvidia-ml-py without it
         memory = lib.nvmlDeviceGetMemoryInfo(handle)
-    try:
-        util: Optional[int] = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except lib.NVMLError:
-        util = None
+    util: Optional[int] = None
+    with contextlib.suppress(lib.NVMLError):
+        util = int(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
     return util, int(memory.used), int(memory.total)
 
 
@@ -251,10 +248,9 @@ def compute_processes(lib: Any, handle: Any) -> list[dict[str, Any]]:
     """The processes computing on the device (its MIG instances' included): ``pid``, ``name``, ``memory_bytes``."""
     processes = []
     for process in lib.nvmlDeviceGetComputeRunningProcesses(handle):
-        try:
+        name = "?"
+        with contextlib.suppress(lib.NVMLError):
             name = os.path.basename(str(lib.nvmlSystemGetProcessName(process.pid)))
-        except lib.NVMLError:
-            name = "?"
         used = getattr(process, "usedGpuMemory", None)
         processes.append({"pid": int(process.pid), "name": name, "memory_bytes": None if used is None else int(used)})
     return processes

@@ -40,8 +40,7 @@ class OomAdaptation:
     old_micro_batch_size: int
     new_micro_batch_size: int
     sample_elements: int  # the new limit holds for samples at least this large
-    #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
-    reason: str
+    reason: str  #: where it happened ("forward" / "backward"; under DDP which ranks) and the error's first line
 
 
 @dataclass
@@ -97,8 +96,7 @@ def _slice(batch: Any, start: int, stop: int, batch_size: int) -> Any:
         return batch[start:stop]
     if isinstance(batch, dict):
         return type(batch)((key, _slice(value, start, stop, batch_size)) for key, value in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_slice(value, start, stop, batch_size) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(value, start, stop, batch_size) for value in batch)
+        parts = [_slice(value, start, stop, batch_size) for value in batch]  # a named tuple takes them as arguments
+        return type(batch)(*parts) if isinstance(batch, tuple) and hasattr(batch, "_fields") else type(batch)(parts)
     return batch
