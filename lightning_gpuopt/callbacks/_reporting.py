@@ -38,9 +38,10 @@ def report_file(trainer: Trainer) -> Location:
     return join_location(report_dir(trainer), REPORT_FILENAME)
 
 
-def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
-    """Log ``gpuopt/*`` metrics to every logger at the logged step; also into ``trainer.callback_metrics``."""
-    values = {key: float(value) for key, value in metrics.items()}
+def log_metrics(trainer: Trainer, metrics: Mapping[str, Optional[float]]) -> None:
+    """Log ``gpuopt/*`` metrics (``None``: unknown, left out) to every logger at the logged step; also into
+    ``trainer.callback_metrics``."""
+    values = {key: float(value) for key, value in metrics.items() if value is not None}
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)

@@ -133,11 +133,15 @@ class BatchSizeSearch(Callback):
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.result is None:
+        if (r := self.result) is None:
             return
-        check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, self.result.batch_size)
+        check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, r.batch_size)
         self.hold_memory_cap(pl_module)
-        log_metrics(trainer, logged_metrics(self.result))
+        metrics: dict[str, Optional[float]] = {"batch_size": r.batch_size, "batch_search_trials": r.num_trials}
+        metrics |= dict(batch_search_steps=r.steps, batch_search_seconds=r.seconds)
+        metrics |= dict(batch_search_peak_bytes=r.peak_bytes, batch_search_budget_bytes=r.budget_bytes)
+        metrics["batch_search_predicted"] = r.predicted_batch_size
+        log_metrics(trainer, {f"gpuopt/{key}": value for key, value in metrics.items()})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.release_memory_cap(trainer)
@@ -359,20 +363,6 @@ class BatchSizeSearch(Callback):
             if self.verbose:
                 rank_zero_info(batch_search_table(self.result, applied))
             write_report_section(path, REPORT_SECTION, to_dict(self.result))
-
-
-def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
-    """The metrics logged for ``result`` (see the module docstring)."""
-    metrics = {
-        "batch_size": result.batch_size or 0,
-        "batch_search_trials": result.num_trials,
-        "batch_search_steps": result.steps,
-        "batch_search_seconds": result.seconds,
-        "batch_search_budget_bytes": result.budget_bytes,
-        "batch_search_peak_bytes": result.peak_bytes,
-        "batch_search_predicted": result.predicted_batch_size,
-    }
-    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
 
 
 def trial_line(trial: Trial, budget_bytes: int) -> str:

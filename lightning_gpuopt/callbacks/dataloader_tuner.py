@@ -187,7 +187,7 @@ class DataLoaderTuner(Callback):
         if (r := self.result) is None:
             return
         metrics = {"gpuopt/loader_num_workers": r.num_workers, "gpuopt/loader_samples_per_second": r.samples_per_second}
-        log_metrics(trainer, metrics if r.speedup is None else {**metrics, "gpuopt/loader_speedup": r.speedup})
+        log_metrics(trainer, {**metrics, "gpuopt/loader_speedup": r.speedup})
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         FitSession.close(trainer)

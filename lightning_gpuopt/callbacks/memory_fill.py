@@ -354,7 +354,13 @@ class MemoryFill(Callback):
         self.search.hold_memory_cap(pl_module)  # training reserves no more than the trials could
         if self.on_oom == "adapt" and pl_module.automatic_optimization:
             self._oom_recovery = OomRecovery(trainer, pl_module, self.plan, self._undo)
-        log_metrics(trainer, logged_metrics(self.plan))
+        p = self.plan
+        metrics: dict[str, Optional[float]] = {"mixed_precision": p.precision in MIXED_PRECISIONS}
+        metrics |= dict(micro_batch_size=p.micro_batch_size, accumulate_grad_batches=p.accumulate_grad_batches)
+        metrics |= dict(global_batch_size=p.global_batch_size, checkpointed_blocks=len(p.checkpointed_modules))
+        metrics["fill_measured_peak_bytes"] = p.measured_peak_bytes
+        metrics["fill_predicted_peak_bytes"] = p.predicted_peak_bytes
+        log_metrics(trainer, {f"gpuopt/{key}": value for key, value in metrics.items()})
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
@@ -429,20 +435,6 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None
 def _keys(owner: Any) -> list:
     keys = range(len(owner)) if isinstance(owner, list) else ("lr", "initial_lr", "max_lr", "min_lr")
     return [key for key in keys if isinstance(owner.get(key) if isinstance(owner, dict) else owner[key], float)]
-
-
-def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
-    """The metrics the callback logs for ``plan`` (see the module docstring)."""
-    metrics = {
-        "micro_batch_size": plan.micro_batch_size,
-        "accumulate_grad_batches": plan.accumulate_grad_batches,
-        "global_batch_size": plan.global_batch_size,
-        "mixed_precision": plan.precision in MIXED_PRECISIONS,
-        "checkpointed_blocks": len(plan.checkpointed_modules),
-        "fill_measured_peak_bytes": plan.measured_peak_bytes,
-        "fill_predicted_peak_bytes": plan.predicted_peak_bytes,
-    }
-    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
 
 
 def plan_table(plan: MemoryFillPlan) -> str:
