@@ -37,7 +37,6 @@ class WorkProgress:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[last]}", table_column=last),
-                transient=False,
                 expand=True,
             )
             self._task = self._bar.add_task(self.title, total=self.total, last="")

@@ -13,6 +13,7 @@ when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
@@ -22,7 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -30,7 +31,7 @@ from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kep
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.fill import lr_note
@@ -358,11 +359,8 @@ class BatchSizeSearch(Callback):
 
     def _report(self, trainer: pl.Trainer, applied: bool = True) -> None:
         assert self.result is not None
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if self.verbose:
-                rank_zero_info(batch_search_table(self.result, applied))
-            write_report_section(path, REPORT_SECTION, to_dict(self.result))
+        table = functools.partial(batch_search_table, self.result, applied) if self.verbose else None
+        report_section(trainer, REPORT_SECTION, to_dict(self.result), table)
 
 
 def trial_line(trial: Trial, budget_bytes: int) -> str:

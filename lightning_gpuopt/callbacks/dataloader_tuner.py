@@ -8,12 +8,13 @@ Logged once when training starts: ``gpuopt/loader_num_workers`` (chosen), ``gpuo
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -27,7 +28,7 @@ from lightning_gpuopt.callbacks._engine import (
 )
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._progress import WorkProgress
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core._torch_compat import tree_leaves
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number
@@ -175,13 +176,9 @@ class DataLoaderTuner(Callback):
         return res
 
     def _report(self, trainer: Trainer) -> None:
-        if self.result is None:
-            return
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if self.verbose:
-                rank_zero_info(loader_tune_table(self.result, self.message))
-            write_report_section(path, "dataloader", {"message": self.message, **to_dict(self.result)})
+        if (result := self.result) is not None:
+            table = functools.partial(loader_tune_table, result, self.message) if self.verbose else None
+            report_section(trainer, "dataloader", {"message": self.message, **to_dict(result)}, table)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (r := self.result) is None:

@@ -28,7 +28,7 @@ from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, signals
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
@@ -100,9 +100,8 @@ class MemoryFill(Callback):
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
         check_choice("scale_lr", scale_lr, (None, *LR_RULES), "scale_lr='linear', 'sqrt' or None (keep the lr)")
-        options = (max_memory, margin, steps_per_trial, max_trials, batch_arg_name)
-        keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
-        self._search_options: dict[str, Any] = dict(zip(keys, options))
+        self._search_options: dict[str, Any] = dict(max_memory=max_memory, margin=margin, batch_arg_name=batch_arg_name)
+        self._search_options |= dict(steps_per_trial=steps_per_trial, max_trials=max_trials)
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
         self.global_batch_size, self.accumulation = global_batch_size, accumulation
         self.precision = checked_precision(precision)
@@ -411,11 +410,8 @@ class MemoryFill(Callback):
         assert self.plan is not None and self.search is not None
         if planned:
             self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if planned and self.verbose:
-                rank_zero_info(plan_table(self.plan))
-            write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+        table = functools.partial(plan_table, self.plan) if planned and self.verbose else None
+        report_section(trainer, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes}, table)
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None:
