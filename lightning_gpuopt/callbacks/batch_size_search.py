@@ -225,8 +225,6 @@ class BatchSizeSearch(Callback):
         initial = _initial_batch_size(session, self.batch_arg_name)
         bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
         outcomes: dict[int, TrialOutcome] = {}
-        firsts: dict[int, int] = {}
-        loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             known = Prediction(*prediction) if prediction is not None else None  # a Prediction or its first 3
@@ -240,15 +238,7 @@ class BatchSizeSearch(Callback):
             trial_steps = replayed if replayed > self.steps_per_trial else None  # every trial a confirmation
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
-                firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
-                hooks = [
-                    o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
-                    for i, o in optimizers
-                ]
-                try:
-                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
-                finally:
-                    any(hook.remove() for hook in hooks)
+                outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
                 measured = replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome
                 return agreed(trainer, measured, budget, search_budget)
@@ -276,7 +266,8 @@ class BatchSizeSearch(Callback):
                 )
             size = result.batch_size
             message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
-            every = max(firsts.values(), default=1) if trials.manual else 1  # Lightning steps on an epoch's last batch
+            # automatic optimization: Lightning steps on an epoch's last batch
+            every = max(trials.first_steps.values(), default=1) if trials.manual else 1
             size, fit_notes = (None, []) if size is None else self._epoch_cap(session, size, samples, every, lower)
         result = replace(
             result,
