@@ -20,7 +20,6 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -29,6 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kept, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
 from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
@@ -53,7 +53,7 @@ class NoBatchSizeFitsError(RuntimeError):
         self.result = result
 
 
-class BatchSizeSearch(Callback):
+class BatchSizeSearch(EngineCallback):
     r"""Find the largest batch size that fits the memory budget with a few real training steps, and set it.
 
     ``train_dataloader()`` (the model's or datamodule's) must read the batch size ``batch_arg_name`` names.
@@ -116,12 +116,8 @@ class BatchSizeSearch(Callback):
         self._memory_cap: Any = None
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            compat.check_trainer_namespace(trainer, self)
-            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-            self.result = None
-            FitSession.of(trainer)
+    def _reset(self) -> None:
+        self.result = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
@@ -144,30 +140,19 @@ class BatchSizeSearch(Callback):
         metrics["batch_search_predicted"] = r.predicted_batch_size
         log_metrics(trainer, {f"gpuopt/{key}": value for key, value in metrics.items()})
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.release_memory_cap(trainer)
-        if stage == "fit":
-            self._undo.after_success(type(self).__name__)
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.release_memory_cap(trainer)
-        self._undo.after_failure(type(self).__name__)
-
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
         """On a CUDA card with an explicit ``max_memory``, cap what training reserves, as the trials' cap."""
-        self.release_memory_cap()
+        self._release()
         card = device_for(pl_module.device)
         if self.max_memory is not None and card.is_cuda:
             self._memory_cap = card.memory_cap(self.capacity_bytes(pl_module.device))
             self._memory_cap.start()
 
-    def release_memory_cap(self, trainer: Any = None) -> None:
-        """Lift the cap of :meth:`hold_memory_cap`; with ``trainer``, also end its fit's session."""
+    def _release(self) -> None:
+        """Lift the cap of :meth:`hold_memory_cap`."""
         cap, self._memory_cap = self._memory_cap, None
         if cap is not None:
             cap.stop()
-        if trainer is not None:
-            FitSession.close(trainer)
 
     def capacity_bytes(self, device: torch.device) -> int:
         """``max_memory`` in bytes; without one, what a CUDA card has free plus what torch holds."""

@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -26,6 +25,7 @@ from lightning_gpuopt.callbacks._engine import (
     rng_kept,
     signals_stop_our_work,
 )
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._progress import WorkProgress
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
@@ -44,7 +44,7 @@ from lightning_gpuopt.core.loader import (
 from lightning_gpuopt.core.report import format_seconds, loader_summary, loader_tune_table, to_dict
 
 
-class DataLoaderTuner(Callback):
+class DataLoaderTuner(EngineCallback):
     """Time the real train loader over worker settings before training, and apply the best.
 
     Args:
@@ -92,12 +92,8 @@ class DataLoaderTuner(Callback):
         self._undo = Undo()
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            compat.check_trainer_namespace(trainer, self)
-            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-            self.result, self.message = None, ""
-            FitSession.of(trainer)
+    def _reset(self) -> None:
+        self.result, self.message = None, ""
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
@@ -185,15 +181,6 @@ class DataLoaderTuner(Callback):
             return
         metrics = {"gpuopt/loader_num_workers": r.num_workers, "gpuopt/loader_samples_per_second": r.samples_per_second}
         log_metrics(trainer, {**metrics, "gpuopt/loader_speedup": r.speedup})
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        FitSession.close(trainer)
-        self._undo.after_failure("DataLoaderTuner")
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        FitSession.close(trainer)
-        if stage == "fit":
-            self._undo.after_success("DataLoaderTuner")
 
 
 @contextlib.contextmanager

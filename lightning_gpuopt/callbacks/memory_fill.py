@@ -17,7 +17,6 @@ from typing import Any, Literal, Optional, Sequence, Union, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -27,6 +26,7 @@ from lightning_gpuopt.callbacks._checkpointing import BlockSpec, Checkpointing, 
 from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
@@ -50,7 +50,7 @@ Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
 
 
-class MemoryFill(Callback):
+class MemoryFill(EngineCallback):
     r"""Keep the global batch you want and fill the memory: AMP, activation checkpointing, gradient accumulation.
 
     Needs a batch size as :class:`BatchSizeSearch` does. Example::
@@ -109,7 +109,6 @@ class MemoryFill(Callback):
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
-        self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
         self._reset()
@@ -123,16 +122,14 @@ class MemoryFill(Callback):
         self._estimate_seconds = 0.0  # the plan's estimates took
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
+        self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        compat.check_trainer_namespace(trainer, self)
-        self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-        self._reset()
-        self.plan, self._started = None, time.perf_counter()
-        FitSession.of(trainer)
+        self._started = time.perf_counter()
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
         self.search.progress = self.progress
         self.search.check_usable(trainer, pl_module)
@@ -387,23 +384,15 @@ class MemoryFill(Callback):
             if (hparams := checkpoint.get(key)) is not None and self.batch_arg_name in hparams:
                 hparams[self.batch_arg_name] = self._initial["batch_size"]
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._oom_recovery = None
-        self._close(trainer)
-        self._undo.after_failure("MemoryFill")
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        recovery, self._oom_recovery = self._oom_recovery, None
-        if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
+        if self._oom_recovery is not None and self.plan is not None and self.plan.oom_adaptations:
             self._report(trainer, planned=False)
-        if stage == "fit":
-            self._close(trainer)
-            self._undo.after_success("MemoryFill")
+        super().teardown(trainer, pl_module, stage)
 
-    def _close(self, trainer: pl.Trainer) -> None:
+    def _release(self) -> None:
+        self._oom_recovery = None
         if self.search is not None:
-            self.search.release_memory_cap(trainer)
-        FitSession.close(trainer)
+            self.search._release()
 
     def _report(self, trainer: pl.Trainer, planned: bool = True) -> None:
         """The plan's report section; ``planned``: just planned, so the last search's section and the table first."""
