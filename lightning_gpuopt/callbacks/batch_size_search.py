@@ -30,7 +30,7 @@ from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kep
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
 from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
-from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
+from lightning_gpuopt.callbacks._progress import WorkProgress
 from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
@@ -208,7 +208,8 @@ class BatchSizeSearch(EngineCallback):
         capacity = self.capacity_bytes(module.device)  # asked once: free memory moves between two readings
         budget = self.budget_bytes(module.device, capacity)
         initial = _initial_batch_size(session, self.batch_arg_name)
-        bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
+        # made before the trials set the callbacks aside (the progress bar among them)
+        progress = WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress)
         outcomes: dict[int, TrialOutcome] = {}
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
@@ -233,7 +234,7 @@ class BatchSizeSearch(EngineCallback):
                 at_edge = any(row[0] for row in gather_ranks(trainer, [edge]))  # on some rank
                 return not at_edge or fits(size, 2 * self.steps_per_trial)[0]
 
-            with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
+            with progress:
                 result = search_largest_fit(
                     fits,
                     budget_bytes=search_budget,
