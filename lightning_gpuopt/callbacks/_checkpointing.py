@@ -124,33 +124,30 @@ class Checkpointing:
         if not self.module.automatic_optimization:
             self._keep([handle for handle, _ in groups], "not checked: manual optimization steps the optimizers itself")
             return
-        kept, refused, retry = [], [], []
-        for (handle, fallback), problem in zip(groups, self._problems(session, [h for h, _ in groups])):
-            if problem is None:
-                kept.append(handle)
-            elif handle.native and fallback:  # the model's own switch failed: ours on the same blocks
+        kept, refused = list[CheckpointedBlocks](), list[tuple[CheckpointedBlocks, str]]()
+        while groups:  # a second round checks the fallbacks of the model's own switches that failed
+            handles, retry = [handle for handle, _ in groups], list[tuple[CheckpointedBlocks, list]]()
+            for (handle, fallback), problem in zip(groups, self._problems(session, handles, [*kept, *handles])):
+                if problem is None:
+                    kept.append(handle)
+                    continue
+                retried = handle.native and fallback  # the model's own switch failed: ours on the same blocks
                 handle.remove()
-                retry.append(self._registered(enable_checkpointing(fallback)))
-                own = handle.method or f"{type(self.module).__name__} own checkpointing"
-                self.reasons.append(f"{own} refused: {problem}; torch.utils.checkpoint on its blocks instead")
-            else:
-                handle.remove()
-                refused.append((handle, problem))
-        for handle, problem in zip(retry, self._problems(session, retry, [*kept, *retry]) if retry else []):
-            if problem is None:
-                kept.append(handle)
-            else:
-                handle.remove()
-                refused.append((handle, problem))
+                if retried:
+                    retry.append((self._registered(enable_checkpointing(fallback)), []))
+                    own = handle.method or f"{type(self.module).__name__} own checkpointing"
+                    self.reasons.append(f"{own} refused: {problem}; torch.utils.checkpoint on its blocks instead")
+                else:
+                    refused.append((handle, problem))
+            groups = retry
         self._keep(kept, "recomputation checked: same loss and gradients as a plain step")
         self._refuse(refused, kept)
 
     def _problems(
-        self, session: FitSession, groups: list[CheckpointedBlocks], enabled: Optional[list[CheckpointedBlocks]] = None
+        self, session: FitSession, groups: list[CheckpointedBlocks], enabled: list[CheckpointedBlocks]
     ) -> list[Optional[str]]:
         """Per group, why a step with it alone of ``enabled`` on differs from a plain step (``None``: it does not)."""
         trainer, module = session.trainer, self.module
-        enabled = groups if enabled is None else enabled
         state = TrainingState(trainer)  # weights, grads, RNG states and attributes are put back
         try:
             try:

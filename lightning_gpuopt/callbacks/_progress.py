@@ -8,22 +8,16 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 
-def shows_progress_bar(trainer: Trainer) -> bool:
-    """Whether the Trainer has an enabled progress bar callback (TQDM or rich)."""
-    return bool(getattr(trainer.progress_bar_callback, "is_enabled", False))
-
-
 class WorkProgress:
-    """Reports units of work as they end: ``title`` labels them, ``total`` is the most (``None``: unknown)."""
+    """Reports units of work as they end: ``title`` labels them, ``total`` is the most (``None``: unknown); a bar
+    where the Trainer shows an enabled progress bar (TQDM or rich) when it is made."""
 
-    def __init__(
-        self, trainer: Trainer, title: str, total: Optional[int], enabled: bool, bar: Optional[bool] = None
-    ) -> None:
+    def __init__(self, trainer: Trainer, title: str, total: Optional[int], enabled: bool) -> None:
         self.title, self.total, self.count = title, total, 0
         self.enabled = enabled and trainer.is_global_zero
         self._bar: Any = None
         self._task: Any = None
-        self._use_bar = self.enabled and (shows_progress_bar(trainer) if bar is None else bar)
+        self._use_bar = self.enabled and bool(getattr(trainer.progress_bar_callback, "is_enabled", False))
 
     def __enter__(self) -> WorkProgress:
         if self._use_bar:
@@ -37,7 +31,6 @@ class WorkProgress:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[last]}", table_column=last),
-                transient=False,
                 expand=True,
             )
             self._task = self._bar.add_task(self.title, total=self.total, last="")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.core.report import REPORT_FILENAME, update_json_section
@@ -38,9 +38,23 @@ def report_file(trainer: Trainer) -> Location:
     return join_location(report_dir(trainer), REPORT_FILENAME)
 
 
-def log_metrics(trainer: Trainer, metrics: Mapping[str, float]) -> None:
-    """Log ``gpuopt/*`` metrics to every logger at the logged step; also into ``trainer.callback_metrics``."""
-    values = {key: float(value) for key, value in metrics.items()}
+def report_section(
+    trainer: Trainer, section: str, data: dict[str, Any], table: Optional[Callable[[], str]] = None
+) -> Optional[Location]:
+    """Rank 0 logs ``table()`` and writes ``section`` (:func:`write_report_section`; the path it wrote); the report's
+    path is asked on every rank (a collective under DDP)."""
+    path = report_file(trainer)
+    if not trainer.is_global_zero:
+        return None
+    if table is not None:
+        rank_zero_info(table())
+    return write_report_section(path, section, data)
+
+
+def log_metrics(trainer: Trainer, metrics: Mapping[str, Optional[float]]) -> None:
+    """Log ``gpuopt/*`` metrics (``None``: unknown, left out) to every logger at the logged step; also into
+    ``trainer.callback_metrics``."""
+    values = {key: float(value) for key, value in metrics.items() if value is not None}
     step = compat.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)

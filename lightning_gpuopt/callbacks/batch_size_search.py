@@ -13,24 +13,25 @@ when it could trace). Rank 0 logs the trials and writes the ``"batch_size_search
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, rng_kept, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.trials import TrialOutcome, agreed, gather_ranks
-from lightning_gpuopt.callbacks._progress import WorkProgress, shows_progress_bar
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._progress import WorkProgress
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int, check_name, check_number
 from lightning_gpuopt.core.device import device_for
 from lightning_gpuopt.core.fill import lr_note
@@ -52,7 +53,7 @@ class NoBatchSizeFitsError(RuntimeError):
         self.result = result
 
 
-class BatchSizeSearch(Callback):
+class BatchSizeSearch(EngineCallback):
     r"""Find the largest batch size that fits the memory budget with a few real training steps, and set it.
 
     ``train_dataloader()`` (the model's or datamodule's) must read the batch size ``batch_arg_name`` names.
@@ -115,12 +116,8 @@ class BatchSizeSearch(Callback):
         self._memory_cap: Any = None
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            compat.check_trainer_namespace(trainer, self)
-            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-            self.result = None
-            FitSession.of(trainer)
+    def _reset(self) -> None:
+        self.result = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
@@ -133,36 +130,29 @@ class BatchSizeSearch(Callback):
         self._report(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.result is None:
+        if (r := self.result) is None:
             return
-        check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, self.result.batch_size)
+        check_trained_batch_size(trainer, type(self).__name__, self.batch_arg_name, r.batch_size)
         self.hold_memory_cap(pl_module)
-        log_metrics(trainer, logged_metrics(self.result))
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.release_memory_cap(trainer)
-        if stage == "fit":
-            self._undo.after_success(type(self).__name__)
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.release_memory_cap(trainer)
-        self._undo.after_failure(type(self).__name__)
+        metrics: dict[str, Optional[float]] = {"batch_size": r.batch_size, "batch_search_trials": r.num_trials}
+        metrics |= dict(batch_search_steps=r.steps, batch_search_seconds=r.seconds)
+        metrics |= dict(batch_search_peak_bytes=r.peak_bytes, batch_search_budget_bytes=r.budget_bytes)
+        metrics["batch_search_predicted"] = r.predicted_batch_size
+        log_metrics(trainer, {f"gpuopt/{key}": value for key, value in metrics.items()})
 
     def hold_memory_cap(self, pl_module: pl.LightningModule) -> None:
         """On a CUDA card with an explicit ``max_memory``, cap what training reserves, as the trials' cap."""
-        self.release_memory_cap()
+        self._release()
         card = device_for(pl_module.device)
         if self.max_memory is not None and card.is_cuda:
             self._memory_cap = card.memory_cap(self.capacity_bytes(pl_module.device))
             self._memory_cap.start()
 
-    def release_memory_cap(self, trainer: Any = None) -> None:
-        """Lift the cap of :meth:`hold_memory_cap`; with ``trainer``, also end its fit's session."""
+    def _release(self) -> None:
+        """Lift the cap of :meth:`hold_memory_cap`."""
         cap, self._memory_cap = self._memory_cap, None
         if cap is not None:
             cap.stop()
-        if trainer is not None:
-            FitSession.close(trainer)
 
     def capacity_bytes(self, device: torch.device) -> int:
         """``max_memory`` in bytes; without one, what a CUDA card has free plus what torch holds."""
@@ -218,10 +208,9 @@ class BatchSizeSearch(Callback):
         capacity = self.capacity_bytes(module.device)  # asked once: free memory moves between two readings
         budget = self.budget_bytes(module.device, capacity)
         initial = _initial_batch_size(session, self.batch_arg_name)
-        bar = shows_progress_bar(trainer)  # asked before the trials set the callbacks aside
+        # made before the trials set the callbacks aside (the progress bar among them)
+        progress = WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress)
         outcomes: dict[int, TrialOutcome] = {}
-        firsts: dict[int, int] = {}
-        loop, optimizers = trainer.fit_loop.epoch_loop, list(enumerate(trainer.optimizers))
         with Trials(session, self.steps_per_trial, self.batch_arg_name) as trials:
             upper, upper_note, samples = self._upper_bound(session, initial, max_batch_size)
             known = Prediction(*prediction) if prediction is not None else None  # a Prediction or its first 3
@@ -235,15 +224,7 @@ class BatchSizeSearch(Callback):
             trial_steps = replayed if replayed > self.steps_per_trial else None  # every trial a confirmation
 
             def fits(size: int, steps: Optional[int] = None) -> tuple[bool, Optional[int]]:  # headroom: allocated bytes
-                firsts.clear()  # optimizer -> the batch of the trial (from 1) in which it first stepped
-                hooks = [
-                    o.register_step_post_hook(lambda *_, i=i: firsts.setdefault(i, loop.batch_idx + 1))
-                    for i, o in optimizers
-                ]
-                try:
-                    outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
-                finally:
-                    any(hook.remove() for hook in hooks)
+                outcome = outcomes[size] = trials.run(size, budget, capacity, steps=steps or trial_steps)
                 auto = self.margin == "auto" and outcome.allocated_bytes is not None
                 measured = replace(outcome, peak_bytes=outcome.allocated_bytes) if auto else outcome
                 return agreed(trainer, measured, budget, search_budget)
@@ -253,7 +234,7 @@ class BatchSizeSearch(Callback):
                 at_edge = any(row[0] for row in gather_ranks(trainer, [edge]))  # on some rank
                 return not at_edge or fits(size, 2 * self.steps_per_trial)[0]
 
-            with WorkProgress(trainer, "BatchSizeSearch trial", self.max_trials, self.progress, bar) as progress:
+            with progress:
                 result = search_largest_fit(
                     fits,
                     budget_bytes=search_budget,
@@ -271,7 +252,8 @@ class BatchSizeSearch(Callback):
                 )
             size = result.batch_size
             message = self._nothing_fits_message(trials, outcomes, result, budget, capacity) if size is None else ""
-            every = max(firsts.values(), default=1) if trials.manual else 1  # Lightning steps on an epoch's last batch
+            # automatic optimization: Lightning steps on an epoch's last batch
+            every = max(trials.first_steps.values(), default=1) if trials.manual else 1
             size, fit_notes = (None, []) if size is None else self._epoch_cap(session, size, samples, every, lower)
         result = replace(
             result,
@@ -354,25 +336,8 @@ class BatchSizeSearch(Callback):
 
     def _report(self, trainer: pl.Trainer, applied: bool = True) -> None:
         assert self.result is not None
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if self.verbose:
-                rank_zero_info(batch_search_table(self.result, applied))
-            write_report_section(path, REPORT_SECTION, to_dict(self.result))
-
-
-def logged_metrics(result: BatchSizeSearchResult) -> dict[str, float]:
-    """The metrics logged for ``result`` (see the module docstring)."""
-    metrics = {
-        "batch_size": result.batch_size or 0,
-        "batch_search_trials": result.num_trials,
-        "batch_search_steps": result.steps,
-        "batch_search_seconds": result.seconds,
-        "batch_search_budget_bytes": result.budget_bytes,
-        "batch_search_peak_bytes": result.peak_bytes,
-        "batch_search_predicted": result.predicted_batch_size,
-    }
-    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
+        table = functools.partial(batch_search_table, self.result, applied) if self.verbose else None
+        report_section(trainer, REPORT_SECTION, to_dict(self.result), table)
 
 
 def trial_line(trial: Trial, budget_bytes: int) -> str:

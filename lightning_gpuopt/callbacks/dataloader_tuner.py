@@ -8,12 +8,12 @@ Logged once when training starts: ``gpuopt/loader_num_workers`` (chosen), ``gpuo
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -25,9 +25,10 @@ from lightning_gpuopt.callbacks._engine import (
     rng_kept,
     signals_stop_our_work,
 )
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.steps import loss_function
 from lightning_gpuopt.callbacks._progress import WorkProgress
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.core._torch_compat import tree_leaves
 from lightning_gpuopt.core.checks import check_bool, check_int, check_number
@@ -43,7 +44,7 @@ from lightning_gpuopt.core.loader import (
 from lightning_gpuopt.core.report import format_seconds, loader_summary, loader_tune_table, to_dict
 
 
-class DataLoaderTuner(Callback):
+class DataLoaderTuner(EngineCallback):
     """Time the real train loader over worker settings before training, and apply the best.
 
     Args:
@@ -91,12 +92,8 @@ class DataLoaderTuner(Callback):
         self._undo = Undo()
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            compat.check_trainer_namespace(trainer, self)
-            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-            self.result, self.message = None, ""
-            FitSession.of(trainer)
+    def _reset(self) -> None:
+        self.result, self.message = None, ""
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with signals_stop_our_work(trainer, self._undo):
@@ -175,28 +172,15 @@ class DataLoaderTuner(Callback):
         return res
 
     def _report(self, trainer: Trainer) -> None:
-        if self.result is None:
-            return
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if self.verbose:
-                rank_zero_info(loader_tune_table(self.result, self.message))
-            write_report_section(path, "dataloader", {"message": self.message, **to_dict(self.result)})
+        if (result := self.result) is not None:
+            table = functools.partial(loader_tune_table, result, self.message) if self.verbose else None
+            report_section(trainer, "dataloader", {"message": self.message, **to_dict(result)}, table)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (r := self.result) is None:
             return
         metrics = {"gpuopt/loader_num_workers": r.num_workers, "gpuopt/loader_samples_per_second": r.samples_per_second}
-        log_metrics(trainer, metrics if r.speedup is None else {**metrics, "gpuopt/loader_speedup": r.speedup})
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        FitSession.close(trainer)
-        self._undo.after_failure("DataLoaderTuner")
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        FitSession.close(trainer)
-        if stage == "fit":
-            self._undo.after_success("DataLoaderTuner")
+        log_metrics(trainer, {**metrics, "gpuopt/loader_speedup": r.speedup})
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_gpuopt.callbacks import _lightning_compat as compat
 from lightning_gpuopt.callbacks._engine import FitSession, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import OnOom
-from lightning_gpuopt.callbacks._reporting import report_file, save_report_plots, write_report_section
+from lightning_gpuopt.callbacks._reporting import report_section, save_report_plots
 from lightning_gpuopt.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_gpuopt.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_gpuopt.callbacks.memory_estimator import MemoryEstimator, render_estimate
@@ -191,18 +191,14 @@ class GpuOpt(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for part in self.parts:
             part.on_fit_end(trainer, pl_module)
-        self.report = self._combined_report()
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if self.verbose:
-                rank_zero_info(render_report(self.report))
-            section = {"preset": self.preset, "settings": self.settings, "changes": self.report.changes}
-            written = write_report_section(path, "gpuopt", section)
-            if written is not None:
-                where = "" if trainer.loggers else " (no logger: default_root_dir, where Lightning saves checkpoints)"
-                rank_zero_info(f"gpuopt: report written to {written}{where}")
-                if self.plots:
-                    save_report_plots(trainer, written)
+        self.report = report = self._combined_report()
+        section = {"preset": self.preset, "settings": self.settings, "changes": report.changes}
+        written = report_section(trainer, "gpuopt", section, (lambda: render_report(report)) if self.verbose else None)
+        if written is not None:
+            where = "" if trainer.loggers else " (no logger: default_root_dir, where Lightning saves checkpoints)"
+            rank_zero_info(f"gpuopt: report written to {written}{where}")
+            if self.plots:
+                save_report_plots(trainer, written)
 
     on_train_start = _to_parts("on_train_start")
     on_train_epoch_start = _to_parts("on_train_epoch_start")

@@ -175,8 +175,7 @@ class MemoryEstimator(Callback):
         if self.estimate is None:
             return
         self.estimate = self.estimate.with_measured_peak(max(self._peaks, default=None))
-        fields = {METRIC_PREFIX + name: getattr(self.estimate, name) for name in _LOGGED_FIELDS}
-        log_metrics(trainer, {key: value for key, value in fields.items() if value is not None})
+        log_metrics(trainer, {METRIC_PREFIX + name: getattr(self.estimate, name) for name in _LOGGED_FIELDS})
 
     @rank_zero_only
     def _report(self, path: Location) -> None:

@@ -17,7 +17,6 @@ from typing import Any, Literal, Optional, Sequence, Union, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -27,8 +26,9 @@ from lightning_gpuopt.callbacks._checkpointing import BlockSpec, Checkpointing, 
 from lightning_gpuopt.callbacks._engine import FitSession, Trials, Undo, signals_stop_our_work
 from lightning_gpuopt.callbacks._engine.oom_recovery import ON_OOM, OnOom, OomRecovery
 from lightning_gpuopt.callbacks._engine.predict import Prediction, predicted_largest_fit
+from lightning_gpuopt.callbacks._engine.session import EngineCallback
 from lightning_gpuopt.callbacks._engine.trials import gather_ranks
-from lightning_gpuopt.callbacks._reporting import log_metrics, report_file, write_report_section
+from lightning_gpuopt.callbacks._reporting import log_metrics, report_section
 from lightning_gpuopt.callbacks.batch_size_search import BatchSizeSearch, NoBatchSizeFitsError, check_trained_batch_size
 from lightning_gpuopt.core.checks import check_bool, check_choice, check_int
 from lightning_gpuopt.core.device import device_for
@@ -50,7 +50,7 @@ Objective = Literal["throughput", "memory"]
 _SCHEDULE_LISTS = ("base_lrs", "max_lrs", "_last_lr")  # a schedule's learning rates, one per param group
 
 
-class MemoryFill(Callback):
+class MemoryFill(EngineCallback):
     r"""Keep the global batch you want and fill the memory: AMP, activation checkpointing, gradient accumulation.
 
     Needs a batch size as :class:`BatchSizeSearch` does. Example::
@@ -100,9 +100,8 @@ class MemoryFill(Callback):
         check_bool("verbose", verbose, "verbose=False")
         check_choice("on_oom", on_oom, ON_OOM, "on_oom='adapt' (smaller micro-batches) or on_oom='raise'")
         check_choice("scale_lr", scale_lr, (None, *LR_RULES), "scale_lr='linear', 'sqrt' or None (keep the lr)")
-        options = (max_memory, margin, steps_per_trial, max_trials, batch_arg_name)
-        keys = ("max_memory", "margin", "steps_per_trial", "max_trials", "batch_arg_name")
-        self._search_options: dict[str, Any] = dict(zip(keys, options))
+        self._search_options: dict[str, Any] = dict(max_memory=max_memory, margin=margin, batch_arg_name=batch_arg_name)
+        self._search_options |= dict(steps_per_trial=steps_per_trial, max_trials=max_trials)
         self._search_options["margin"] = BatchSizeSearch(**self._search_options).margin  # validates them
         self.global_batch_size, self.accumulation = global_batch_size, accumulation
         self.precision = checked_precision(precision)
@@ -110,7 +109,6 @@ class MemoryFill(Callback):
         self.min_micro_batch_size, self.objective = min_micro_batch_size, objective
         self.verbose, self.on_oom, self.scale_lr = verbose, on_oom, scale_lr
         self.progress = verbose  #: report each trial as it ends
-        self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self.search: Optional[BatchSizeSearch] = None  #: the last fit's search (``.result`` has the trials)
         self._undo = Undo()
         self._reset()
@@ -124,16 +122,14 @@ class MemoryFill(Callback):
         self._estimate_seconds = 0.0  # the plan's estimates took
         self._reasons: list[str] = []
         self._initial: dict[str, Any] = {}
+        self.plan: Optional[MemoryFillPlan] = None  #: what was decided and measured; ``None`` before ``fit``
         self._started, self._requested, self._micro_batches_in_group, self._correct_short_groups = 0.0, 0, 0, False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        compat.check_trainer_namespace(trainer, self)
-        self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
-        self._reset()
-        self.plan, self._started = None, time.perf_counter()
-        FitSession.of(trainer)
+        self._started = time.perf_counter()
         self.search = BatchSizeSearch(**self._search_options, verbose=self.verbose)
         self.search.progress = self.progress
         self.search.check_usable(trainer, pl_module)
@@ -354,7 +350,13 @@ class MemoryFill(Callback):
         self.search.hold_memory_cap(pl_module)  # training reserves no more than the trials could
         if self.on_oom == "adapt" and pl_module.automatic_optimization:
             self._oom_recovery = OomRecovery(trainer, pl_module, self.plan, self._undo)
-        log_metrics(trainer, logged_metrics(self.plan))
+        p = self.plan
+        metrics: dict[str, Optional[float]] = {"mixed_precision": p.precision in MIXED_PRECISIONS}
+        metrics |= dict(micro_batch_size=p.micro_batch_size, accumulate_grad_batches=p.accumulate_grad_batches)
+        metrics |= dict(global_batch_size=p.global_batch_size, checkpointed_blocks=len(p.checkpointed_modules))
+        metrics["fill_measured_peak_bytes"] = p.measured_peak_bytes
+        metrics["fill_predicted_peak_bytes"] = p.predicted_peak_bytes
+        log_metrics(trainer, {f"gpuopt/{key}": value for key, value in metrics.items()})
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._micro_batches_in_group = 0
@@ -382,34 +384,23 @@ class MemoryFill(Callback):
             if (hparams := checkpoint.get(key)) is not None and self.batch_arg_name in hparams:
                 hparams[self.batch_arg_name] = self._initial["batch_size"]
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._oom_recovery = None
-        self._close(trainer)
-        self._undo.after_failure("MemoryFill")
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        recovery, self._oom_recovery = self._oom_recovery, None
-        if recovery is not None and self.plan is not None and self.plan.oom_adaptations:
+        if self._oom_recovery is not None and self.plan is not None and self.plan.oom_adaptations:
             self._report(trainer, planned=False)
-        if stage == "fit":
-            self._close(trainer)
-            self._undo.after_success("MemoryFill")
+        super().teardown(trainer, pl_module, stage)
 
-    def _close(self, trainer: pl.Trainer) -> None:
+    def _release(self) -> None:
+        self._oom_recovery = None
         if self.search is not None:
-            self.search.release_memory_cap(trainer)
-        FitSession.close(trainer)
+            self.search._release()
 
     def _report(self, trainer: pl.Trainer, planned: bool = True) -> None:
         """The plan's report section; ``planned``: just planned, so the last search's section and the table first."""
         assert self.plan is not None and self.search is not None
         if planned:
             self.search._report(trainer, applied=False)  # the last search's trials: the "batch_size_search" section
-        path = report_file(trainer)  # a collective under DDP: asked on every rank
-        if trainer.is_global_zero:
-            if planned and self.verbose:
-                rank_zero_info(plan_table(self.plan))
-            write_report_section(path, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes})
+        table = functools.partial(plan_table, self.plan) if planned and self.verbose else None
+        report_section(trainer, REPORT_SECTION, {**to_dict(self.plan), "changes": self.plan.changes}, table)
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None:
@@ -429,20 +420,6 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float, undo: Undo) -> None
 def _keys(owner: Any) -> list:
     keys = range(len(owner)) if isinstance(owner, list) else ("lr", "initial_lr", "max_lr", "min_lr")
     return [key for key in keys if isinstance(owner.get(key) if isinstance(owner, dict) else owner[key], float)]
-
-
-def logged_metrics(plan: MemoryFillPlan) -> dict[str, float]:
-    """The metrics the callback logs for ``plan`` (see the module docstring)."""
-    metrics = {
-        "micro_batch_size": plan.micro_batch_size,
-        "accumulate_grad_batches": plan.accumulate_grad_batches,
-        "global_batch_size": plan.global_batch_size,
-        "mixed_precision": plan.precision in MIXED_PRECISIONS,
-        "checkpointed_blocks": len(plan.checkpointed_modules),
-        "fill_measured_peak_bytes": plan.measured_peak_bytes,
-        "fill_predicted_peak_bytes": plan.predicted_peak_bytes,
-    }
-    return {f"gpuopt/{key}": float(value) for key, value in metrics.items() if value is not None}
 
 
 def plan_table(plan: MemoryFillPlan) -> str:

@@ -17,11 +17,10 @@ def sizes_note(trials: Trials) -> Optional[str]:
     sizes, _ = trials.session.sample_sizes()
     if sizes is None:
         return None
-    seen = (
-        f"over {sizes.probed:,} of {sizes.total:,} samples, all"
-        if sizes.complete
-        else f"over the {sizes.probed:,} of {sizes.total:,} samples looked at in the time allowed; a larger one may exist"
-    )
+    of = f"{sizes.probed:,} of {sizes.total:,} samples"
+    seen = f"over {of}, all"
+    if not sizes.complete:
+        seen = f"over the {of} looked at in the time allowed; a larger one may exist"
     return (
         f"sample sizes vary ({sizes.smallest:,} to {sizes.largest:,} elements {seen}): the estimate and the"
         " trials used batches of the largest sample"

@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -177,3 +178,35 @@ class FitSession:
         if stop is None or not same_rng_states(now, stop):
             compat.set_rng_states(now)  # something drew between configure_optimizers and us: keep the present
         return changed
+
+
+class EngineCallback(Callback):
+    """A callback that changes the run through the engine: ``setup`` opens the fit's :class:`FitSession` (after undoing
+    what an earlier fit left); ``teardown`` and ``on_exception`` close it and unwind ``_undo`` (after a fit that ended
+    well, its lasting changes stay)."""
+
+    _undo: Undo
+
+    def _reset(self) -> None:
+        """Forget the last fit's results (in ``setup``)."""
+
+    def _release(self) -> None:
+        """Let go of what only training holds (in ``teardown`` and ``on_exception``)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            compat.check_trainer_namespace(trainer, self)
+            self._undo.undo()  # what an earlier fit that ended without teardown or on_exception left
+            self._reset()
+            FitSession.of(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._release()
+        FitSession.close(trainer)
+        if stage == "fit":
+            self._undo.after_success(type(self).__name__)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._release()
+        FitSession.close(trainer)
+        self._undo.after_failure(type(self).__name__)

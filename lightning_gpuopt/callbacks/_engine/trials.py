@@ -56,11 +56,11 @@ def gather_ranks(trainer: Any, values: Sequence[float]) -> list[list[float]]:
 
 
 class _TrialSteps(Callback):
-    """A trial's one callback: counts optimizer steps; under manual optimization stops once ``batches`` batches
-    ran with every optimizer's state in place and each optimizer stepped in one of them."""
+    """A trial's one callback: counts optimizer steps and the batch (from 1) of each optimizer's first; under manual
+    optimization stops once ``batches`` batches ran with every optimizer's state in place and each stepped in one."""
 
     def __init__(self, optimizers: list, batches: int) -> None:
-        self.batches, self.stepped = batches, [0] * len(optimizers)
+        self.batches, self.stepped, self.first = batches, [0] * len(optimizers), dict[int, int]()
         self._handles = [
             optimizer.register_step_post_hook(functools.partial(self._count, index))
             for index, optimizer in enumerate(optimizers)
@@ -72,6 +72,7 @@ class _TrialSteps(Callback):
 
     def _count(self, index: int, *_: Any) -> None:
         self.stepped[index] += 1
+        self.first.setdefault(index, self.begun)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.begun += 1
@@ -101,6 +102,7 @@ class Trials:
         self.manual = not self.module.automatic_optimization
         self.state: Optional[TrainingState] = None
         self.batches_run = 0  #: batches begun by every trial so far (a trial that ran out of memory: fewer)
+        self.first_steps: dict[int, int] = {}  #: optimizer index -> the last trial's batch (from 1) of its first step
         self._undo = Undo()
 
     def __enter__(self) -> Trials:
@@ -207,7 +209,7 @@ class Trials:
                     run_on(1)
                 return card.reserved_memory() if card.is_cuda else 0
         finally:
-            self.batches_run += steps.begun
+            self.batches_run, self.first_steps = self.batches_run + steps.begun, steps.first
             steps.remove()
             trainer.callbacks = []
 
