@@ -124,7 +124,6 @@ class DataWaitMonitor(Callback):
         #: where rank 0 wrote the JSON report: a ``Path``, or a URL string
         self.report_file: Optional[Location] = None
         self._clock: Optional[StepClock] = None
-        self._hooks_on = True  # on_train_batch_start/end: None on the instance in noted steps
         self._reset_run_state()
         compat.skip_unused_batch_hooks(self)  # its no-op per-batch hooks: not called each batch
 
@@ -138,6 +137,8 @@ class DataWaitMonitor(Callback):
         self._log_every = self._next_log = 50
         self._steps_ended = self._next_log_check = self._sampled_steps = 0  # the clock's counts lag while it has notes
         self._in_validation = self._pulls = self._every_fetch = self._noting = self._step_open = False
+        self._fast_left = 0  # fetch starts to come that end a noted step and start another, nothing else due
+        self._plugin: Any = None  # the precision plugin whose convert_input notes a noted step's batch
         self._sampled = self._next_sampled = True
         self._wrappers: dict[Any, Any] = {}  # our functions on Lightning's objects (the validation run, the saves)
         self._report_target: Optional[Location] = None
@@ -197,11 +198,8 @@ class DataWaitMonitor(Callback):
 
         def tapped(call: Any, saves: bool = False) -> Any:  # a save, the epoch's end hooks: the tap back in first
             def in_path(*args: Any, **kwargs: Any) -> Any:
-                if self._step_open and not saves:  # the epoch's last step ends here (unless it ended by -1)
-                    self._step_open = False
-                    if compat.step_completed(trainer):
-                        clock.note_boundary()
-                        self._ended(trainer, clock, self._sampled)
+                if self._step_open and not saves and compat.step_completed(trainer):  # the epoch's last step (not -1)
+                    self._end_open_step(trainer, clock)
                 unseen = _profiler_tap.bypass(trainer, self._tap)  # a step left it: the hook running began unseen
                 try:
                     return call(*args, **kwargs)
@@ -292,28 +290,24 @@ class DataWaitMonitor(Callback):
     def _note_fetches(self, trainer: Trainer, clock: StepClock) -> None:
         """Wrap, on the instances, the training fetch's start and the batch's first use after it: in steps not
         sampled they note the step's boundary and its fetched batch (no hook of ours is called then)."""
-        loop = trainer.fit_loop.epoch_loop
+        loop, strategy = trainer.fit_loop.epoch_loop, trainer.strategy
         before_fetch = getattr(loop, compat.BEFORE_FETCH)
 
-        def fetch_starts() -> None:  # the step open ends: noted, or sampled and ended by its compute
-            if self._step_open or not self._next_sampled:
+        def fetch_starts() -> None:  # the hot path: a noted step ends, another starts (its batch to our convert)
+            if self._fast_left and not self._noting and strategy.precision_plugin is self._plugin:
+                self._fast_left -= 1
+                self._steps_ended += 1
                 clock.note_boundary()
-            if self._step_open:
-                self._step_open = False
-                if self._ended(trainer, clock, self._sampled):  # logged: the fetch starts after it
-                    clock.note_boundary()
-            self._noting = not self._next_sampled
-            self._batch_hooks(on=self._next_sampled)
-            _profiler_tap.bypass(trainer, self._tap, out=self._noting)
-            plugin = trainer.precision_plugin  # a callback may have swapped it
-            if self._noting and (plugin, "convert_input") not in self._wrappers:
-                self._wrap(plugin, "convert_input", fetched(plugin.convert_input))
+                self._noting = True
+                _profiler_tap.bypass(trainer, self._tap, out=True)  # where a save or validation put it back
+            else:
+                self._choose_fetch_start(trainer, clock, fetched)
             before_fetch()
 
         def fetched(convert_input: Any) -> Any:
-            def convert(batch: Any) -> Any:  # also validation's: noted only just after a noted step's fetch
+            def convert(batch: Any) -> Any:  # also validation's: noted only just after a noted step's fetch start
                 if self._noting:
-                    self._noting, self._step_open, self._sampled = False, True, False
+                    self._noting, self._step_open = False, True
                     clock.note_fetched(self._samples(batch))
                 return convert_input(batch)
 
@@ -321,21 +315,46 @@ class DataWaitMonitor(Callback):
 
         self._wrap(loop, compat.BEFORE_FETCH, fetch_starts)
 
+    def _choose_fetch_start(self, trainer: Trainer, clock: StepClock, fetched: Any) -> None:
+        """The open step ends; the next is sampled (hooks on, the tap in) or noted (neither; ``_fast_left`` set)."""
+        self._fast_left = 0
+        if self._step_open:
+            self._end_open_step(trainer, clock)
+        elif not self._next_sampled:
+            clock.note_boundary()
+        self._noting = not self._next_sampled
+        self._batch_hooks(on=self._next_sampled)
+        _profiler_tap.bypass(trainer, self._tap, out=self._noting)
+        if self._noting:
+            self._plugin = trainer.precision_plugin  # where a callback swapped it, the new one's too
+            if (self._plugin, "convert_input") not in self._wrappers:
+                self._wrap(self._plugin, "convert_input", fetched(self._plugin.convert_input))
+            # the steps that end before the next log, sampled step or probe's step take the hot path
+            self._sampled, step = False, self._steps_ended
+            due = [self._next_sample, self._next_log_check, *(later for later in PROBE_STEPS if later > step)]
+            self._fast_left = max(0, min(due) - step - 1)
+
+    def _end_open_step(self, trainer: Trainer, clock: StepClock) -> None:
+        """The step open (noted, or sampled and past its compute) ends; after a log, the next fetch starts later."""
+        self._step_open = False
+        clock.note_boundary()
+        if self._ended(trainer, clock, self._sampled):
+            clock.note_boundary()
+
     def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
         setattr(owner, name, wrapper)  # on the instance; _restore deletes it
         self._wrappers[owner, name] = wrapper
 
     def _batch_hooks(self, on: bool) -> None:
         """Our batch hooks as the class has them, or ``None`` on the instance (Lightning then skips them)."""
-        if on != self._hooks_on:
-            self._hooks_on = on
+        if on == ("on_train_batch_end" in vars(self)):
             for name in ("on_train_batch_start", "on_train_batch_end"):
                 vars(self).pop(name) if on else setattr(self, name, None)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._clock is not None:
             self._clock.epoch_start()
-            self._step_open = False
+            self._step_open, self._fast_left = False, 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._clock is None:
@@ -408,7 +427,7 @@ class DataWaitMonitor(Callback):
         if self._sampler is not None and self._nvml_uuid is not None:
             util, memory = self._sampler.take_window(self._nvml_uuid)
             metrics |= {"gpuopt/gpu_util": util, "gpuopt/gpu_memory_used_fraction": memory}
-        log_metrics(trainer, {key: value for key, value in metrics.items() if value is not None})
+        log_metrics(trainer, metrics)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         clock = self._clock

@@ -11,6 +11,7 @@ synchronising: GPU busy is a step's start to end, GPU idle the end of step i-1 t
 from __future__ import annotations
 
 import collections
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -128,7 +129,7 @@ class BinnedSeries:
     def add(self, step: int, values: Sequence[float]) -> None:
         if self._counts and self._counts[-1] < self.steps_per_point:  # room in the last bin
             self._counts[-1] += 1
-            self._sums[-1] = [total + value for total, value in zip(self._sums[-1], values)]
+            self._sums[-1] = list(map(operator.add, self._sums[-1], values))
         elif len(self._counts) < self.max_points:
             self.first_step.append(step)
             self._counts.append(1)

@@ -3,11 +3,15 @@
 The classes here add ``pytorch_lightning``'s ``Callback`` (and ``LightningCLI``) as a base over the
 same source, so a ``pytorch_lightning.Trainer`` takes them; results and ``core`` are shared.
 
-    >>> import pytorch_lightning as pl
+    >>> from typing import TypeVar, cast
+
+import pytorch_lightning as pl
     >>> from lightning_gpuopt.pytorch_lightning import GpuOpt
     >>> isinstance(GpuOpt("diagnose"), pl.Callback)
     True
 """
+
+from typing import TypeVar, cast
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
@@ -27,29 +31,20 @@ from lightning_gpuopt.core.search import BatchSizeSearchResult as BatchSizeSearc
 from lightning_gpuopt.presets import available_presets as available_presets
 from lightning_gpuopt.presets import load_preset as load_preset
 
-
-class BatchSizeSearch(_callbacks.BatchSizeSearch, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.BatchSizeSearch.__doc__
+_C = TypeVar("_C")
 
 
-class DataLoaderTuner(_callbacks.DataLoaderTuner, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.DataLoaderTuner.__doc__
+def _for_pl(cls: type[_C]) -> type[_C]:
+    """``cls`` with ``pytorch_lightning``'s ``Callback`` as a base too (its hooks are typed with ``lightning.pytorch``)."""
+    return cast(type[_C], type(cls.__name__, (cls, pl.Callback), {"__doc__": cls.__doc__, "__module__": __name__}))
 
 
-class DataWaitMonitor(_callbacks.DataWaitMonitor, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.DataWaitMonitor.__doc__
-
-
-class GpuOpt(_callbacks.GpuOpt, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.GpuOpt.__doc__
-
-
-class MemoryEstimator(_callbacks.MemoryEstimator, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.MemoryEstimator.__doc__
-
-
-class MemoryFill(_callbacks.MemoryFill, pl.Callback):  # type: ignore[misc]  # hooks typed with lightning.pytorch classes
-    __doc__ = _callbacks.MemoryFill.__doc__
+BatchSizeSearch = _for_pl(_callbacks.BatchSizeSearch)
+DataLoaderTuner = _for_pl(_callbacks.DataLoaderTuner)
+DataWaitMonitor = _for_pl(_callbacks.DataWaitMonitor)
+GpuOpt = _for_pl(_callbacks.GpuOpt)
+MemoryEstimator = _for_pl(_callbacks.MemoryEstimator)
+MemoryFill = _for_pl(_callbacks.MemoryFill)
 
 
 class GpuOptArgumentParser(_cli.ResolvedDumps, LightningArgumentParser):

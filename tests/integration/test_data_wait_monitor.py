@@ -285,7 +285,7 @@ def _ours_left(trainer: Any, monitor: DataWaitMonitor) -> set[str]:
 def test_lightning_calls_no_hook_of_the_monitor_in_steps_not_sampled_and_every_step_is_measured(tmp_path):
     profiler, model = SimpleProfiler(), SeesProfiler()
     monitor, loader = DataWaitMonitor(warmup_steps=1, verbose=False), TimedLoader(EveryFifthBatchSlow(8 * 120), 8)
-    trainer = quiet_trainer(tmp_path, [monitor, SwapsPrecisionPlugin(at=60)], max_steps=120, profiler=profiler)
+    trainer = quiet_trainer(tmp_path, [monitor, SwapsPrecisionPlugin(at=70)], max_steps=120, profiler=profiler)
     trainer.fit(model, loader)
 
     starts = profiler.recorded_durations[f"[Callback]{monitor.state_key}.on_train_batch_start"]

@@ -631,6 +631,8 @@ def test_module_docstring_names_every_internal(ns):
         "val_loop.run",
         "_call_callback_hooks",
         "_call_lightning_module_hook",
+        "_on_before_fetch",
+        "batch_progress",
     ]
     missing = [name for name in names if name not in doc]
     assert not missing, f"{COMPAT}'s docstring does not list {missing}"
@@ -669,3 +671,28 @@ def test_a_hook_set_to_none_is_skipped_and_epoch_end_hooks_run_in_on_advance_end
     expected = {"", f"[Callback]{hooks.state_key}.on_train_batch_end", "[LightningModule]Model.on_train_batch_start"}
     if running != expected:
         moved(ns, "_call_callback_hooks/_call_lightning_module_hook locals", "running_hook's hook names", running)
+
+
+def test_the_fetch_start_runs_before_every_training_batch_and_a_step_ended_by_minus_one_is_not_completed(ns, tmp_path):
+    pl, c = ns.pl, ns.compat
+    events: list[Any] = []
+
+    class Hooks(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            events.append("step")
+
+        def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
+            events.append(c.step_completed(trainer))
+
+    class Model(_model_class(pl)):  # type: ignore[misc]  # a class made at run time
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+            return -1 if self.current_epoch == 0 and batch_idx == 1 else None
+
+    trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[Hooks()], default_root_dir=tmp_path)  # fmt: skip
+    fetch_starts = getattr(trainer.fit_loop.epoch_loop, c.BEFORE_FETCH)
+    setattr(trainer.fit_loop.epoch_loop, c.BEFORE_FETCH, lambda: (events.append("fetch"), fetch_starts()))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))
+    if events != ["fetch", "step", "fetch", "step", False, "fetch", "step", "fetch", "step", True]:
+        moved(ns, f"epoch_loop.{c.BEFORE_FETCH} / batch_progress.current", "a call before each fetch; -1 seen", events)
