@@ -1,5 +1,6 @@
 """Overhead of DataWaitMonitor: step time with no callback, with DataWaitMonitor (with and
-without its slow-pattern findings), and with Lightning's SimpleProfiler, interleaved in one run.
+without its slow-pattern findings, and with its metrics not logged), and with Lightning's SimpleProfiler,
+interleaved in one run.
 
 Each round trains every variant once, in a shuffled order, on the same model and data; a
 step is timed from the start of step ``--warmup`` to the end of the last step by the same
@@ -44,7 +45,15 @@ from lightning_gpuopt import DataWaitMonitor
 
 #: the monitor of the package copy given by ``--before``
 BEFORE = "DataWaitMonitor (--before)"
-VARIANTS = ["bare", "empty Callback", "DataWaitMonitor", "DataWaitMonitor(find_patterns=False)", "SimpleProfiler"]
+NOT_LOGGED = "DataWaitMonitor, metrics not logged"
+VARIANTS = [
+    "bare",
+    "empty Callback",
+    "DataWaitMonitor",
+    "DataWaitMonitor(find_patterns=False)",
+    NOT_LOGGED,
+    "SimpleProfiler",
+]
 before_monitor: Any = None
 
 
@@ -87,6 +96,8 @@ def run_once(variant: str, args: argparse.Namespace, loader: DataLoader, root: P
         callbacks.insert(0, (before_monitor if variant == BEFORE else DataWaitMonitor)(warmup_steps=args.warmup))
     if variant == "DataWaitMonitor(find_patterns=False)":  # the findings' share of the overhead
         callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup, find_patterns=False))
+    if variant == NOT_LOGGED:  # the share of its gpuopt/* metrics' logging (to the CSVLogger)
+        callbacks.insert(0, DataWaitMonitor(warmup_steps=args.warmup, log_every_n_steps=10**9))
     if variant == "empty Callback":  # what Lightning charges for dispatching hooks to any callback
         callbacks.insert(0, Callback())
     if variant == "SimpleProfiler":

@@ -12,7 +12,7 @@ Logged every ``log_every_n_steps`` measured steps, over the steps since the prev
 
 * ``gpuopt/data_wait_fraction`` -- share of step time spent waiting for the next batch
 * ``gpuopt/transfer_fraction`` -- share of step time copying the batch to the device
-* ``gpuopt/compute_fraction`` -- share of step time from step start to step end
+* ``gpuopt/compute_fraction`` -- share of step time from step start to step end (estimated where not sampled)
 * ``gpuopt/other_fraction`` -- share of step time in hooks, logging, schedulers, ...
 * ``gpuopt/step_time_ms`` -- mean wall time of a training step (validation excluded)
 * ``gpuopt/data_wait_ms`` -- mean data wait per step
