@@ -8,6 +8,7 @@ largest batch whose :class:`AllocationTrace`, run through :func:`replay`, fits a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass
 from typing import Optional
@@ -268,11 +269,7 @@ def largest_replayed_fit(
         return None
     low, high = pair
 
-    def fits(batch_size: int) -> bool:
-        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is not None
+    def misses(batch_size: int) -> bool:
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is None
 
-    lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo or None
+    return bisect.bisect_left(range(1, upper + 1), True, key=misses) or None  # how many of 1..upper fit
