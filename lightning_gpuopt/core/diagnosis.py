@@ -38,14 +38,12 @@ class Thresholds:
             value, example = getattr(self, limit.name), f"{limit.name}={limit.default}"
             check_number(limit.name, value, example, low=0, high=1, low_inclusive=False, high_inclusive=False)
         if not self.data_wait_low < self.data_wait_high:
-            raise ValueError(
-                f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high}),"
-                " e.g. data_wait_low=0.05, data_wait_high=0.2."
-            )
+            pair = f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high})"
+            raise ValueError(f"{pair}, e.g. data_wait_low=0.05, data_wait_high=0.2.")
         if not 0 <= self.idle_gpu_util < self.busy_gpu_util <= 100:
+            pair = f"`idle_gpu_util` ({self.idle_gpu_util}) and `busy_gpu_util` ({self.busy_gpu_util})"
             raise ValueError(
-                f"`idle_gpu_util` ({self.idle_gpu_util}) and `busy_gpu_util` ({self.busy_gpu_util}) must be"
-                " percentages with 0 <= idle_gpu_util < busy_gpu_util <= 100, e.g. 5 and 20."
+                f"{pair} must be percentages with 0 <= idle_gpu_util < busy_gpu_util <= 100, e.g. 5 and 20."
             )
 
 
