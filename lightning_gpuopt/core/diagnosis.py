@@ -157,28 +157,21 @@ def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
     if verdict in ("input-bound", "balanced") and run.num_workers is not None:
         advice.append(_workers_advice(totals, run, core_text))
     if on_gpu and run.pin_memory is False and (verdict in ("input-bound", "host-bound") or transfer >= 0.05):
-        advice.append(
-            f"pin_memory=False → True: host-to-device copies take {_pct(transfer)} of the step;"
-            " pinned memory lets them run asynchronously."
-        )
+        why = f"host-to-device copies take {_pct(transfer)} of the step; pinned memory lets them run asynchronously"
+        advice.append(f"pin_memory=False → True: {why}.")
     startup = totals.training_share(totals.worker_startup_s) or 0.0
     if run.num_workers and run.persistent_workers is False and run.epochs > 1 and startup >= 0.02:
         starts = run.worker_startup_s
-        advice.append(
-            f"persistent_workers=False → True: loader start-up costs {sum(starts) / len(starts):.2f} s"
-            f" at each of {len(starts)} epoch starts ({_pct(startup)} of training time)."
-        )
+        cost = f"loader start-up costs {sum(starts) / len(starts):.2f} s at each of {len(starts)} epoch starts"
+        advice.append(f"persistent_workers=False → True: {cost} ({_pct(startup)} of training time).")
     if verdict == "host-bound" and run.batch_size:
-        advice.append(
-            f"batch_size={run.batch_size} → {2 * run.batch_size}: per-step host overhead"
-            f" ({_ms(totals.per_step(totals.transfer_s + totals.other_s))}) is paid once per step, so a"
-            " larger batch amortises it (BatchSizeSearch finds the largest that fits)."
-        )
+        overhead = f"per-step host overhead ({_ms(totals.per_step(totals.transfer_s + totals.other_s))})"
+        why = "is paid once per step, so a larger batch amortises it (BatchSizeSearch finds the largest that fits)"
+        advice.append(f"batch_size={run.batch_size} → {2 * run.batch_size}: {overhead} {why}.")
     if verdict == "compute-bound" and on_gpu and run.precision in ("32-true", "32", None):
-        advice.append(
-            f"precision={run.precision or '32-true'!r} → 'bf16-mixed': the GPU is the bottleneck and mixed"
-            " precision runs matrix products on tensor cores at several times fp32 throughput."
-        )
+        faster = "mixed precision runs matrix products on tensor cores at several times fp32 throughput"
+        bottleneck = f"precision={run.precision or '32-true'!r} → 'bf16-mixed': the GPU is the bottleneck"
+        advice.append(f"{bottleneck} and {faster}.")
     return advice
 
 
