@@ -154,10 +154,8 @@ def plan_micro_batches(
     if largest is not None and largest < needed and free_accumulation:
         accumulating = largest_fit(largest, True)
         if accumulating != largest:
-            reasons.append(
-                f"largest micro-batch {largest} without accumulation, {accumulating} when "
-                "accumulating (earlier micro-batches' gradients stay alive)"
-            )
+            when = f"{accumulating} when accumulating (earlier micro-batches' gradients stay alive)"
+            reasons.append(f"largest micro-batch {largest} without accumulation, {when}")
         largest = accumulating
     if largest is None or (not free_accumulation and largest < needed):
         raise NoFit(largest, needed)
