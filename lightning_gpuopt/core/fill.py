@@ -19,11 +19,10 @@ PRECISIONS = {"auto": "auto", "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-
 def checked_precision(value: object) -> Optional[str]:
     """``value`` as ``"auto"``, a mixed precision or ``None`` (no switch), else a ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, (str, int, type(None))) or value not in PRECISIONS:
-        raise ValueError(
-            f"`precision`={value!r} is not a precision MemoryFill switches to; expected 'auto' (mixed precision on "
-            "GPUs), '16-mixed', 'bf16-mixed', or None / '32-true' (no switch). For '16-true', 'bf16-true' or "
-            "'64-true', set Trainer(precision=...) yourself: a precision set on the Trainer is kept."
-        )
+        expected = "'auto' (mixed precision on GPUs), '16-mixed', 'bf16-mixed', or None / '32-true' (no switch)"
+        message = f"`precision`={value!r} is not a precision MemoryFill switches to; expected {expected}."
+        yourself = "set Trainer(precision=...) yourself: a precision set on the Trainer is kept"
+        raise ValueError(f"{message} For '16-true', 'bf16-true' or '64-true', {yourself}.")
     return PRECISIONS[value]
 
 
