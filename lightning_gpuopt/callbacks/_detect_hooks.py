@@ -13,7 +13,6 @@ import time
 from typing import Any, Iterable, NamedTuple, Optional
 
 import psutil
-import torch
 from torch.utils.data import ConcatDataset, Subset
 
 from lightning_gpuopt.callbacks import _lightning_compat as compat
@@ -21,6 +20,7 @@ from lightning_gpuopt.callbacks._detectors import Probe, first_dataloader
 from lightning_gpuopt.callbacks._reporting import log_metrics
 from lightning_gpuopt.core.diagnosis import DataWaitReport
 from lightning_gpuopt.core.findings import CheckpointSaver, Finding, checkpoint_time, slow_disk, slow_hook
+from lightning_gpuopt.core.op_memory import storage_bytes
 
 #: hooks on the step's compute or data path (split by the monitor), run once per fit, or run inside a
 #: checkpoint save (``"checkpoint-time"``): never a ``"slow-hook"``
@@ -152,9 +152,7 @@ class HookTimes(Probe):
             else:
                 savers[action] = CheckpointSaver(f"{owner}.{hook}" if hook else owner, int(saves), seconds, False)
         if savers:
-            states = [state for optimizer in trainer.optimizers for state in getattr(optimizer, "state", {}).values()]
-            tensors = [value for state in states if isinstance(state, dict) for value in state.values()]
-            optimizer = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            optimizer = storage_bytes(*trainer.optimizers)
             parameters = sum(parameter.numel() * parameter.element_size() for parameter in pl_module.parameters())
             size = max(sizes, default=0) or None
             found.append(checkpoint_time(list(savers.values()), fit_s, self.steps_seen, size, optimizer, parameters))

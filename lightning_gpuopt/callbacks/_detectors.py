@@ -18,19 +18,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_gpuopt.core import findings as decide
 from lightning_gpuopt.core._torch_compat import TorchDispatchMode, current_dispatch_mode
 from lightning_gpuopt.core.device import Device, device_for
 from lightning_gpuopt.core.diagnosis import DataWaitReport
-from lightning_gpuopt.core.findings import (
-    Finding,
-    channels_last,
-    cudnn_benchmark_off,
-    data_parallel,
-    graph_kept,
-    host_sync,
-    oversubscription,
-    tf32_off,
-)
+from lightning_gpuopt.core.findings import Finding
 from lightning_gpuopt.core.loader import usable_cpu_count
 
 _SAMPLED_STEPS = (1, 2, 3)  #: steps (0-based from the start of ``fit``) whose batch ModuleAndDeviceChecks looks at
@@ -111,8 +103,8 @@ class ModuleAndDeviceChecks(Probe):
     def findings(self, trainer: Any, pl_module: Any, report: DataWaitReport) -> list[Finding]:
         modules = list(pl_module.named_modules())
         found = [
-            data_parallel([name for name, module in modules if isinstance(module, nn.DataParallel)]),
-            oversubscription(torch.get_num_threads(), report.settings.processes_per_host, usable_cpu_count()),
+            decide.data_parallel([name for name, module in modules if isinstance(module, nn.DataParallel)]),
+            decide.oversubscription(torch.get_num_threads(), report.settings.processes_per_host, usable_cpu_count()),
         ]
         if self._on_cuda:
             precision = str(trainer.precision)
@@ -121,9 +113,9 @@ class ModuleAndDeviceChecks(Probe):
             nchw = [name for name, conv in conv2d if not conv.weight.is_contiguous(memory_format=torch.channels_last)]
             capability = device_for(pl_module.device).capabilities.compute_capability
             found += [
-                tf32_off(capability, torch.get_float32_matmul_precision(), precision),
-                cudnn_benchmark_off(bool(torch.backends.cudnn.benchmark), len(convolutions), len(self._shapes)),
-                channels_last(precision, nchw, self._inputs_nchw) if conv2d else None,
+                decide.tf32_off(capability, torch.get_float32_matmul_precision(), precision),
+                decide.cudnn_benchmark_off(bool(torch.backends.cudnn.benchmark), len(convolutions), len(self._shapes)),
+                decide.channels_last(precision, nchw, self._inputs_nchw) if conv2d else None,
             ]
         return [finding for finding in found if finding is not None]
 
@@ -186,7 +178,7 @@ class KeptGraphProbe(Probe):
             self._sample(pl_module, self.steps_seen)
         paths = sorted({path for sample in self._nodes for path in sample})
         nodes = {path: [sample.get(path, 0) for sample in self._nodes] for path in paths}
-        found = graph_kept(self._steps, nodes, self._live, containers=sorted(self._containers))
+        found = decide.graph_kept(self._steps, nodes, self._live, containers=sorted(self._containers))
         return [found] if found is not None else []
 
 
@@ -304,5 +296,5 @@ class HostSyncProbe(Probe):
         if not self.counts:
             return []
         steps, user, lightning = zip(*self.counts)
-        found = host_sync(steps, user, lightning, self.lines)
+        found = decide.host_sync(steps, user, lightning, self.lines)
         return [found] if found is not None else []

@@ -8,6 +8,7 @@ largest batch whose :class:`AllocationTrace`, run through :func:`replay`, fits a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass
 from typing import Optional
@@ -117,9 +118,8 @@ class CachingAllocatorModel:
         """Release every fully free segment (an expandable one: the whole pages of its free tail) to the driver."""
         for address, first in list(self._segments.items()):
             tail, page = _last(first), SMALL_BUFFER if first.small else LARGE_BUFFER  # what an expandable one maps
-            unmapped = (
-                0 if tail.allocated else tail.size if first is tail else tail.size // page * page * self.expandable
-            )
+            whole = tail.size if first is tail else tail.size // page * page * self.expandable
+            unmapped = 0 if tail.allocated else whole
             self.reserved_bytes, tail.size = self.reserved_bytes - unmapped, tail.size - unmapped
             if unmapped and not tail.size:
                 self._pools[first.small].remove(tail)
@@ -221,11 +221,8 @@ class AllocationTrace:
         """The trace at ``batch_size``: each allocation's bytes on the line through this trace at ``traced`` samples
         and ``other`` (the same events) at ``other_traced``, rounded up to the allocator's 512 bytes."""
         slope = [(b - a) / (other_traced - traced) for a, b in zip(self.sizes, other.sizes)]
-        sizes = (
-            round_up(max(0.0, a + s * (batch_size - traced)), CUDA_ALLOCATION_GRANULARITY)
-            for a, s in zip(self.sizes, slope)
-        )
-        return AllocationTrace(tuple(sizes), self.order, self.step)
+        grown = (max(0.0, a + s * (batch_size - traced)) for a, s in zip(self.sizes, slope))
+        return AllocationTrace(tuple(round_up(b, CUDA_ALLOCATION_GRANULARITY) for b in grown), self.order, self.step)
 
 
 def replay(trace: AllocationTrace, limit_bytes: int, steps: int = 1) -> Optional[int]:
@@ -268,11 +265,7 @@ def largest_replayed_fit(
         return None
     low, high = pair
 
-    def fits(batch_size: int) -> bool:
-        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is not None
+    def misses(batch_size: int) -> bool:
+        return replay(traces[low].at(batch_size, low, traces[high], high), limit_bytes, steps) is None
 
-    lo, hi = 0, upper + 1  # fits(lo) (0: nothing to fit), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo or None
+    return bisect.bisect_left(range(1, upper + 1), True, key=misses) or None  # how many of 1..upper fit

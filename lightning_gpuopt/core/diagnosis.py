@@ -38,14 +38,12 @@ class Thresholds:
             value, example = getattr(self, limit.name), f"{limit.name}={limit.default}"
             check_number(limit.name, value, example, low=0, high=1, low_inclusive=False, high_inclusive=False)
         if not self.data_wait_low < self.data_wait_high:
-            raise ValueError(
-                f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high}),"
-                " e.g. data_wait_low=0.05, data_wait_high=0.2."
-            )
+            pair = f"`data_wait_low` ({self.data_wait_low}) must be below `data_wait_high` ({self.data_wait_high})"
+            raise ValueError(f"{pair}, e.g. data_wait_low=0.05, data_wait_high=0.2.")
         if not 0 <= self.idle_gpu_util < self.busy_gpu_util <= 100:
+            pair = f"`idle_gpu_util` ({self.idle_gpu_util}) and `busy_gpu_util` ({self.busy_gpu_util})"
             raise ValueError(
-                f"`idle_gpu_util` ({self.idle_gpu_util}) and `busy_gpu_util` ({self.busy_gpu_util}) must be"
-                " percentages with 0 <= idle_gpu_util < busy_gpu_util <= 100, e.g. 5 and 20."
+                f"{pair} must be percentages with 0 <= idle_gpu_util < busy_gpu_util <= 100, e.g. 5 and 20."
             )
 
 
@@ -96,16 +94,13 @@ def classify(totals: StepTotals, thresholds: Thresholds) -> tuple[str, str]:
     if wait_share >= thresholds.data_wait_high and (idle is None or starved):
         return "input-bound", wait + (f"; the GPU is idle {_pct(idle)} of the time" if idle is not None else "")
     if starved:
-        return "host-bound", (
-            f"the GPU is idle {_pct(idle)} of the time while {wait}: the host does not"
-            " enqueue work fast enough (Python overhead, synchronisations such as .item(), small kernels)"
-        )
+        why = f"the GPU is idle {_pct(idle)} of the time while {wait}: the host does not enqueue work fast enough"
+        return "host-bound", f"{why} (Python overhead, synchronisations such as .item(), small kernels)"
     host = (totals.transfer_fraction or 0.0) + (totals.other_fraction or 0.0)
     if idle is None and host >= thresholds.host_overhead_high:
-        return "host-bound", (
-            f"{_pct(host)} of the step ({_ms(host * totals.step_time_s)}) is spent outside data loading and"
-            f" compute (batch transfer {_pct(totals.transfer_fraction)}, hooks/logging/other {_pct(totals.other_fraction)})"
-        )
+        outside = f"{_pct(host)} of the step ({_ms(host * totals.step_time_s)}) is spent outside data loading"
+        parts = f"batch transfer {_pct(totals.transfer_fraction)}, hooks/logging/other {_pct(totals.other_fraction)}"
+        return "host-bound", f"{outside} and compute ({parts})"
     if wait_share <= thresholds.data_wait_low or idle is not None:
         return "compute-bound", wait + (f"; the GPU is busy {_pct(1 - idle)} of the time" if idle is not None else "")
     return "balanced", f"{wait}: loading and compute both matter"
@@ -130,11 +125,10 @@ def _workers_advice(totals: StepTotals, run: RunSettings, core_text: str) -> str
     if workers > 0 and loader_cpu is not None and loader_cpu >= 0.3:
         # with workers, the main thread's CPU time while it waits is spent receiving their batches
         larger = f" (batch_size={run.batch_size} → {2 * run.batch_size})" if run.batch_size else ""
-        return (
-            f"num_workers={run.num_workers}: {wait}, and the main process is busy {_pct(loader_cpu)} of that wait"
-            f" ({_ms(loader_cpu * totals.data_wait_per_step_s)} per batch) receiving batches from the workers; more"
-            f" workers cannot shorten that, fewer and larger batches amortise it{larger}."
-        )
+        per_batch = _ms(loader_cpu * totals.data_wait_per_step_s)
+        busy = f"the main process is busy {_pct(loader_cpu)} of that wait ({per_batch} per batch) receiving batches"
+        more = "from the workers; more workers cannot shorten that, fewer and larger batches amortise it"
+        return f"num_workers={run.num_workers}: {wait}, and {busy} {more}{larger}."
     if workers < cap:
         suggested = min(needed, cap)
         need = f"~{needed} would keep up; " if needed > suggested else ""
@@ -143,11 +137,10 @@ def _workers_advice(totals: StepTotals, run: RunSettings, core_text: str) -> str
             why = f"{need}loading waits on I/O: the main process used {_pct(loader_cpu)} of a CPU while fetching,"
             why += f" so workers beyond the {core_text} help"
         return f"num_workers={run.num_workers} → {suggested} ({why}): {wait}."
-    return (
-        f"num_workers={run.num_workers} {'uses all' if run.num_workers == cores else 'already exceeds the'} {core_text}"
-        f" and {wait}: if loading computes (decoding, augmentation), make it cheaper (cache decoded samples, augment"
-        f" on the GPU) or add cores; if it waits on storage or network, more workers help: try num_workers={2 * workers}."
-    )
+    uses = f"{'uses all' if run.num_workers == cores else 'already exceeds the'} {core_text}"
+    computes = "if loading computes (decoding, augmentation), make it cheaper (cache decoded samples, augment on"
+    more = f"the GPU) or add cores; if it waits on storage or network, more workers help: try num_workers={2 * workers}"
+    return f"num_workers={run.num_workers} {uses} and {wait}: {computes} {more}."
 
 
 def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
@@ -159,28 +152,21 @@ def recommend(totals: StepTotals, verdict: str, run: RunSettings) -> list[str]:
     if verdict in ("input-bound", "balanced") and run.num_workers is not None:
         advice.append(_workers_advice(totals, run, core_text))
     if on_gpu and run.pin_memory is False and (verdict in ("input-bound", "host-bound") or transfer >= 0.05):
-        advice.append(
-            f"pin_memory=False → True: host-to-device copies take {_pct(transfer)} of the step;"
-            " pinned memory lets them run asynchronously."
-        )
+        why = f"host-to-device copies take {_pct(transfer)} of the step; pinned memory lets them run asynchronously"
+        advice.append(f"pin_memory=False → True: {why}.")
     startup = totals.training_share(totals.worker_startup_s) or 0.0
     if run.num_workers and run.persistent_workers is False and run.epochs > 1 and startup >= 0.02:
         starts = run.worker_startup_s
-        advice.append(
-            f"persistent_workers=False → True: loader start-up costs {sum(starts) / len(starts):.2f} s"
-            f" at each of {len(starts)} epoch starts ({_pct(startup)} of training time)."
-        )
+        cost = f"loader start-up costs {sum(starts) / len(starts):.2f} s at each of {len(starts)} epoch starts"
+        advice.append(f"persistent_workers=False → True: {cost} ({_pct(startup)} of training time).")
     if verdict == "host-bound" and run.batch_size:
-        advice.append(
-            f"batch_size={run.batch_size} → {2 * run.batch_size}: per-step host overhead"
-            f" ({_ms(totals.per_step(totals.transfer_s + totals.other_s))}) is paid once per step, so a"
-            " larger batch amortises it (BatchSizeSearch finds the largest that fits)."
-        )
+        overhead = f"per-step host overhead ({_ms(totals.per_step(totals.transfer_s + totals.other_s))})"
+        why = "is paid once per step, so a larger batch amortises it (BatchSizeSearch finds the largest that fits)"
+        advice.append(f"batch_size={run.batch_size} → {2 * run.batch_size}: {overhead} {why}.")
     if verdict == "compute-bound" and on_gpu and run.precision in ("32-true", "32", None):
-        advice.append(
-            f"precision={run.precision or '32-true'!r} → 'bf16-mixed': the GPU is the bottleneck and mixed"
-            " precision runs matrix products on tensor cores at several times fp32 throughput."
-        )
+        faster = "mixed precision runs matrix products on tensor cores at several times fp32 throughput"
+        bottleneck = f"precision={run.precision or '32-true'!r} → 'bf16-mixed': the GPU is the bottleneck"
+        advice.append(f"{bottleneck} and {faster}.")
     return advice
 
 
@@ -195,11 +181,9 @@ def find_idle_gpus(gpus: Sequence[GpuUsage], thresholds: Thresholds) -> list[int
 def _idle_gpu_advice(gpus: Sequence[GpuUsage], idle: Sequence[int], run: RunSettings) -> str:
     busy = [gpu for gpu in gpus if gpu.visible and gpu.index not in idle and gpu.util_mean is not None]
     busy_text, many = ", ".join(f"GPU {gpu.index} at {gpu.util_mean:.0f}%" for gpu in busy), len(idle) > 1
-    return (
-        f"devices={run.num_devices} → {sum(gpu.visible for gpu in gpus)}: GPU{'s' if many else ''}"
-        f" {', '.join(map(str, idle))} {'are' if many else 'is'} visible but idle while {busy_text} works;"
-        " train on all of them (DDP) or hide the idle ones with CUDA_VISIBLE_DEVICES."
-    )
+    idle_text = f"GPU{'s' if many else ''} {', '.join(map(str, idle))} {'are' if many else 'is'} visible but idle"
+    fix = f"while {busy_text} works; train on all of them (DDP) or hide the idle ones with CUDA_VISIBLE_DEVICES"
+    return f"devices={run.num_devices} → {sum(gpu.visible for gpu in gpus)}: {idle_text} {fix}."
 
 
 def find_straggler(arrival_s: Sequence[float], thresholds: Thresholds, step_time_s: float) -> Optional[int]:
@@ -219,11 +203,9 @@ def _straggler_advice(rank: int, slowest: int, arrival_s: Sequence[float], data_
     cause = "its forward pass: check that device's clocks, temperature and other processes on it"
     if data_wait_s[slowest] - waits > 0.5 * (arrival_s[slowest] - median):
         cause = "its dataloader: check that host's workers, CPU contention and storage"
-    return (
-        f"rank {rank} is a straggler: it takes {_ms(arrival_s[slowest])} per step to reach the gradient"
-        f" synchronisation against {_ms(median)} for the others (data wait {_ms(data_wait_s[slowest])} vs"
-        f" {_ms(waits)}); every rank waits for it. The gap is in {cause}."
-    )
+    takes = f"it takes {_ms(arrival_s[slowest])} per step to reach the gradient synchronisation against {_ms(median)}"
+    wait = f"for the others (data wait {_ms(data_wait_s[slowest])} vs {_ms(waits)})"
+    return f"rank {rank} is a straggler: {takes} {wait}; every rank waits for it. The gap is in {cause}."
 
 
 def diagnose(

@@ -19,11 +19,10 @@ PRECISIONS = {"auto": "auto", "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-
 def checked_precision(value: object) -> Optional[str]:
     """``value`` as ``"auto"``, a mixed precision or ``None`` (no switch), else a ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, (str, int, type(None))) or value not in PRECISIONS:
-        raise ValueError(
-            f"`precision`={value!r} is not a precision MemoryFill switches to; expected 'auto' (mixed precision on "
-            "GPUs), '16-mixed', 'bf16-mixed', or None / '32-true' (no switch). For '16-true', 'bf16-true' or "
-            "'64-true', set Trainer(precision=...) yourself: a precision set on the Trainer is kept."
-        )
+        expected = "'auto' (mixed precision on GPUs), '16-mixed', 'bf16-mixed', or None / '32-true' (no switch)"
+        message = f"`precision`={value!r} is not a precision MemoryFill switches to; expected {expected}."
+        yourself = "set Trainer(precision=...) yourself: a precision set on the Trainer is kept"
+        raise ValueError(f"{message} For '16-true', 'bf16-true' or '64-true', {yourself}.")
     return PRECISIONS[value]
 
 
@@ -154,10 +153,8 @@ def plan_micro_batches(
     if largest is not None and largest < needed and free_accumulation:
         accumulating = largest_fit(largest, True)
         if accumulating != largest:
-            reasons.append(
-                f"largest micro-batch {largest} without accumulation, {accumulating} when "
-                "accumulating (earlier micro-batches' gradients stay alive)"
-            )
+            when = f"{accumulating} when accumulating (earlier micro-batches' gradients stay alive)"
+            reasons.append(f"largest micro-batch {largest} without accumulation, {when}")
         largest = accumulating
     if largest is None or (not free_accumulation and largest < needed):
         raise NoFit(largest, needed)

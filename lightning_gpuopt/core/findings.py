@@ -257,17 +257,14 @@ def checkpoint_time(
         return None
     share = seconds / fit_s
     factor = _reduction_factor(seconds, fit_s) if seconds < fit_s else float(max(2, saves))
-    changes: list[str] = []
-    scales: list[float] = []
+    changes, scales = list[str](), list[float]()
     suggested: Optional[int] = None
     for saver in (saver for saver in savers if saver.saves >= 1):
         if not saver.model_checkpoint:
             current = max(1.0, steps / saver.saves) if steps else 1.0
             new = nice_ceil(current * factor)
-            changes.append(
-                f"in {saver.name}, save every {new} steps: `if trainer.global_step % {new} == 0:`"
-                " around trainer.save_checkpoint(...)"
-            )
+            every = f"save every {new} steps: `if trainer.global_step % {new} == 0:`"
+            changes.append(f"in {saver.name}, {every} around trainer.save_checkpoint(...)")
         else:
             if saver.every_n_train_steps:
                 current, setting = saver.every_n_train_steps, "every_n_train_steps={} → {}"

@@ -152,9 +152,7 @@ def render_table(title: str, rows: Iterable[tuple[str, str]], notes: Sequence[st
 
 def format_seconds(seconds: float | None) -> str:
     """``0.0123`` -> ``'12.3 ms'``; ``None`` -> ``'n/a'``."""
-    if seconds is None:
-        return "n/a"
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1.0 else f"{seconds:.2f} s"
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms" if seconds < 1.0 else f"{seconds:.2f} s"
 
 
 def format_fraction(fraction: float | None) -> str:

@@ -208,16 +208,13 @@ def search_largest_fit(
         near: ``start`` is within a few percent of the limit: walk from it (see the module docstring).
     """
     if multiple_of < 1 or max_trials < 1 or min_batch_size < 1 or max_growth <= 1 or not 0 <= tolerance < 1:
-        raise ValueError(
-            f"need multiple_of >= 1, max_trials >= 1, min_batch_size >= 1, max_growth > 1 and 0 <= tolerance < 1; got "
-            f"{multiple_of=}, {max_trials=}, {min_batch_size=}, {max_growth=}, {tolerance=}"
-        )
+        need = "need multiple_of >= 1, max_trials >= 1, min_batch_size >= 1, max_growth > 1 and 0 <= tolerance < 1"
+        raise ValueError(f"{need}; got {multiple_of=}, {max_trials=}, {min_batch_size=}, {max_growth=}, {tolerance=}")
     lo, hi = round_up(min_batch_size, multiple_of), round_down(max_batch_size, multiple_of)
     if lo > hi:
-        raise ValueError(
-            f"no multiple of multiple_of={multiple_of} lies in [min_batch_size={min_batch_size}, "
-            f"max_batch_size={max_batch_size}]; lower multiple_of or min_batch_size, or raise the upper bound"
-        )
+        bounds = f"[min_batch_size={min_batch_size}, max_batch_size={max_batch_size}]"
+        instead = "lower multiple_of or min_batch_size, or raise the upper bound"
+        raise ValueError(f"no multiple of multiple_of={multiple_of} lies in {bounds}; {instead}")
     state, trials, confirmed = _State(tolerance=tolerance, near=near), list[Trial](), set[int]()
     first = _clamp(round_down(start, multiple_of), lo, hi)
     size: Optional[int] = first

@@ -33,10 +33,8 @@ def logging_disabled(module: Any) -> Iterator[None]:
 def check_one_batch_step(module: Any) -> None:
     """Raise ``NotTraceable`` for a ``training_step(self, dataloader_iter)``: it pulls its own batches."""
     if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
-        raise NotTraceable(
-            "training_step takes dataloader_iter and pulls its own batches; the estimate traces one "
-            "batch given to training_step"
-        )
+        why = "training_step takes dataloader_iter and pulls its own batches"
+        raise NotTraceable(f"{why}; the estimate traces one batch given to training_step")
 
 
 def loss_function(module: Any) -> Any:
