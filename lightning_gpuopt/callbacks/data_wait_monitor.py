@@ -8,7 +8,8 @@ to the device, ``training_step``, the hooks). Off CUDA, in the others the profil
 and neither batch hook is called: the clock notes the fetch's start and end (the compute is estimated from the rest
 of the step): see docs/data-wait-monitor.md.
 
-Logged every ``log_every_n_steps`` measured steps, over the steps since the previous log (this rank's):
+Logged every ``log_every_n_steps`` measured steps (``None``: the Trainer's, and at most once in
+:data:`LOG_EVERY_S`), over the steps since the previous log (this rank's):
 
 * ``gpuopt/data_wait_fraction`` -- share of step time spent waiting for the next batch
 * ``gpuopt/transfer_fraction`` -- share of step time copying the batch to the device
@@ -68,6 +69,8 @@ from lightning_gpuopt.core.timing import CudaStepTimer, StepClock, StepTotals
 
 #: section of ``gpuopt_report.json`` this callback writes
 REPORT_SECTION = "data_wait"
+#: with the Trainer's ``log_every_n_steps``, logs are at least this many seconds apart (fast steps: fewer, wider windows)
+LOG_EVERY_S = 1.0
 #: the probes of ``find_patterns=True``, made fresh for every ``fit``
 _PROBES = (ModuleAndDeviceChecks, HookTimes, DatasetDisk, KeptGraphProbe, HostSyncProbe)
 
@@ -135,6 +138,7 @@ class DataWaitMonitor(Callback):
         self._nvml_uuid: Optional[str] = None
         self._settings: Optional[RunSettings] = None
         self._log_every = self._next_log = 50
+        self._last_log = (0.0, 0)  # when, and after how many steps
         self._steps_ended = self._next_log_check = self._sampled_steps = 0  # the clock's counts lag while it has notes
         self._in_validation = self._pulls = self._every_fetch = self._noting = self._step_open = False
         self._fast_left = 0  # fetch starts to come that end a noted step and start another, nothing else due
@@ -273,6 +277,7 @@ class DataWaitMonitor(Callback):
         self._report_target = as_location(self.report_path) if self.report_path else report_file(trainer)
         # trainer.log_every_n_steps: set by Lightning's logger connector, not declared on Trainer
         self._log_every = self._next_log = self.log_every_n_steps or max(1, cast(Any, trainer).log_every_n_steps)
+        self._last_log = (time.perf_counter(), 0)
         card = device_for(pl_module.device)
         if card.is_cuda:
             self._gpu = CudaStepTimer(card.new_event)
@@ -403,16 +408,21 @@ class DataWaitMonitor(Callback):
         return logged
 
     def _log_when_due(self, trainer: Trainer, clock: StepClock) -> bool:
-        """Log the window if ``log_every`` more steps were measured (whether it did; its time kept out of the steps);
-        check again when that can first happen."""
+        """Log the window if ``log_every`` more steps were measured and, following the Trainer, :data:`LOG_EVERY_S`
+        passed (whether it did; its time kept out of the steps); check again when that can first happen."""
         clock.settle()
-        due, started = clock.measured_steps >= self._next_log, time.perf_counter()
-        if due:
+        (logged_at, logged_after), now = self._last_log, time.perf_counter()
+        wait_s = logged_at + LOG_EVERY_S - now if self.log_every_n_steps is None else 0.0
+        due = clock.measured_steps >= self._next_log
+        if due and wait_s <= 0:
             self._next_log = clock.measured_steps + self._log_every
             self._log_window(trainer, clock.take_window())
-            clock.add_excluded("monitor", time.perf_counter() - started)
-        self._next_log_check = self._steps_ended + self._next_log - clock.measured_steps
-        return due
+            self._last_log = (time.perf_counter(), self._steps_ended)
+            clock.add_excluded("monitor", self._last_log[0] - now)
+        step_s = (now - logged_at) / max(1, self._steps_ended - logged_after)  # a step, as the steps since the log
+        steps = max(1, math.ceil(wait_s / step_s)) if due and wait_s > 0 else self._next_log - clock.measured_steps
+        self._next_log_check = self._steps_ended + steps
+        return due and wait_s <= 0
 
     def _log_window(self, trainer: Trainer, win: StepTotals) -> None:
         parts = ("data_wait", "transfer", "compute", "other")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import statistics
+import time
 from typing import Any, Optional
 
 import pytest
@@ -28,7 +30,7 @@ from models_users import DataloaderIterModule
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import DataWaitMonitor, DataWaitReport, MemoryEstimator
-from lightning_gpuopt.callbacks import _detect_hooks
+from lightning_gpuopt.callbacks import _detect_hooks, data_wait_monitor
 from lightning_gpuopt.core.report import from_dict
 
 
@@ -147,6 +149,22 @@ def test_json_report_round_trips_and_metrics_reach_the_csv_logger(tmp_path):
         assert float(row["gpuopt/samples_per_second"]) > 0
         assert float(row["gpuopt/step_time_ms"]) >= float(row["gpuopt/data_wait_ms"]) > 0
     assert "gpuopt/gpu_util" not in rows[0]  # no NVML on this machine: the key is left out, not faked
+
+
+@pytest.mark.parametrize("every", [None, 2])
+def test_following_the_trainers_cadence_logs_are_a_second_apart_and_a_cadence_given_is_kept(
+    tmp_path, every, monkeypatch
+):
+    monkeypatch.setattr(data_wait_monitor, "LOG_EVERY_S", 0.1)  # a second, scaled to a short run
+    monitor, logged_at = DataWaitMonitor(warmup_steps=1, log_every_n_steps=every, verbose=False), []
+    monkeypatch.setattr(monitor, "_log_window", lambda *args: logged_at.append(time.perf_counter()))
+    loader = DataLoader(preloaded_dataset(8 * 41, 32), batch_size=8)
+    quiet_trainer(tmp_path, [monitor], max_steps=41, log_every_n_steps=2).fit(MLP(step_sleep_s=0.01), loader)
+
+    if every == 2:  # every 2 measured steps, however close in time
+        assert len(logged_at) == 20
+    else:  # every 2 steps at most, and 0.1 s apart: a log in about every 10 steps of ~11 ms
+        assert 2 <= len(logged_at) < 10 and min(b - a for a, b in itertools.pairwise(logged_at)) >= 0.1
 
 
 def test_report_goes_to_a_remote_log_dir_through_fsspec(memory_url, tmp_path):
