@@ -206,7 +206,7 @@ class StepClock:
         self._fetch_started_at: Optional[float] = None
         self._fetch_s: Optional[float] = None
         self._compute_s: Optional[float] = None  # step start to end; None: noted
-        self._noted_samples = 0
+        self._open_samples = 0  # the open step's samples, from its fetch (noted) or compute_end, until its end
         self._clear_pending()
 
     def note_boundary(self) -> None:
@@ -223,11 +223,11 @@ class StepClock:
         notes, self._notes, started = self._notes, [], self._clock()
         for note in notes:
             if type(note) is tuple:  # the fetch since the boundary: the step starts
-                fetched_at, self._noted_samples = note
+                fetched_at, self._open_samples = note
                 self._fetch_s = fetched_at - self._fetch_started_at if self._fetch_started_at is not None else None
                 self._start_at(fetched_at)
             else:
-                self._end_at(note, self._noted_samples)
+                self._end_at(note, self._open_samples)
                 self._fetch_started_at = note
         self.add_excluded("monitor", self._clock() - started)
 
@@ -286,7 +286,7 @@ class StepClock:
         self.settle()
         now = self._clock()
         if self._step_started_at is not None:
-            self._compute_s, self._noted_samples = now - self._step_started_at, samples
+            self._compute_s, self._open_samples = now - self._step_started_at, samples
         return now
 
     def _end_at(self, now: float, samples: int) -> None:
